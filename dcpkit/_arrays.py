@@ -1,0 +1,134 @@
+"""Array descriptions and the argument checks every op runs before it launches anything.
+
+Ops accept CuPy arrays and any object exposing ``__cuda_array_interface__`` (torch tensors go
+through :mod:`dcpkit.torch`). :func:`array_info` reduces an argument to an :class:`ArrayInfo`
+(shape, strides in bytes, dtype, data pointer, device); the ``check_*`` functions validate that
+description, so every check runs, and is tested, without a GPU.
+
+Messages follow ``"<op>: <argument> <property> must <constraint> (got <value>)"``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .errors import InvalidArgument, InvalidType
+
+__all__ = [
+    "ArrayInfo", "array_info", "check_dtype", "check_ndim", "check_device", "check_align",
+    "check_shape", "dtype_name",
+]
+
+
+class ArrayInfo(NamedTuple):
+    """What the checks and kernels need to know of an array."""
+
+    shape: Tuple[int, ...]
+    strides: Tuple[int, ...]   # in bytes
+    dtype: np.dtype
+    ptr: int                   # device address of element [0, ..., 0]
+    device: int                # CUDA device ordinal
+    obj: object                # the original object (kept alive while in use)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+
+def dtype_name(dt) -> str:
+    """A short dtype name for messages: ``bfloat16`` for ml_dtypes' bf16 and CuPy's."""
+    return str(np.dtype(dt)) if not isinstance(dt, str) else dt
+
+
+def _type_name(x) -> str:
+    t = type(x)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def array_info(x, op: str, name: str) -> ArrayInfo:
+    """Describe ``x`` (a CuPy array or a ``__cuda_array_interface__`` object).
+
+    Raises
+    ------
+    InvalidType
+        ``x`` is a host array (NumPy, a CPU torch tensor), None, or not an array at all.
+    """
+    cls = type(x)
+    if cls.__module__.startswith("cupy") and hasattr(x, "data") and hasattr(x, "strides"):
+        mem = x.data
+        return ArrayInfo(tuple(x.shape), tuple(x.strides), x.dtype, int(mem.ptr),
+                         int(mem.device_id), x)
+    if isinstance(x, np.ndarray) or isinstance(x, np.generic):
+        raise InvalidType(f"{op}: {name} must be a GPU array (got host {_type_name(x)}: "
+                          f"move it to the GPU with cupy.asarray first)")
+    if cls.__module__.startswith("torch"):
+        raise InvalidType(f"{op}: {name} must be a CuPy array (got {_type_name(x)}): pass torch "
+                          f"tensors through dcpkit.torch, which converts them without a copy")
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is None:
+        raise InvalidType(f"{op}: {name} must be a GPU array (got {_type_name(x)})")
+    shape = tuple(int(s) for s in cai["shape"])
+    dt = np.dtype(cai["typestr"]) if not cai.get("descr") or len(cai["descr"]) <= 1 \
+        else np.dtype(cai["descr"])
+    strides = cai.get("strides")
+    if strides is None:  # C-contiguous
+        acc, st = dt.itemsize, []
+        for s in reversed(shape):
+            st.append(acc)
+            acc *= s
+        strides = tuple(reversed(st))
+    ptr = int(cai["data"][0])
+    device = getattr(x, "_dcpkit_device", None)
+    if device is None:
+        device = _device_of_pointer(ptr)
+    return ArrayInfo(shape, tuple(int(s) for s in strides), dt, ptr, int(device), x)
+
+
+def _device_of_pointer(ptr: int) -> int:
+    import cupy  # noqa: WPS433
+
+    attrs = cupy.cuda.runtime.pointerGetAttributes(ptr)
+    return int(attrs.device)
+
+
+def check_dtype(info: ArrayInfo, allowed: Iterable, op: str, name: str) -> None:
+    """Raise :class:`InvalidType` unless ``info.dtype`` is one of ``allowed``."""
+    allowed = [np.dtype(a) for a in allowed]
+    if info.dtype not in allowed:
+        names = ", ".join(dtype_name(a) for a in allowed)
+        raise InvalidType(f"{op}: {name} dtype must be one of [{names}] "
+                          f"(got {dtype_name(info.dtype)})")
+
+
+def check_ndim(info: ArrayInfo, ndim: int, dims: str, op: str, name: str) -> None:
+    """Raise :class:`InvalidArgument` unless ``info`` has ``ndim`` dimensions (named ``dims``)."""
+    if len(info.shape) != ndim:
+        raise InvalidArgument(f"{op}: {name} must have {ndim} dimensions [{dims}] "
+                              f"(got shape {info.shape})")
+
+
+def check_shape(info: ArrayInfo, expected: Sequence[Optional[int]], dims: str, op: str,
+                name: str) -> None:
+    """Raise :class:`InvalidArgument` unless ``info.shape`` matches ``expected`` (None = any)."""
+    check_ndim(info, len(expected), dims, op, name)
+    for got, want in zip(info.shape, expected):
+        if want is not None and got != want:
+            exp = ", ".join("*" if w is None else str(w) for w in expected)
+            raise InvalidArgument(f"{op}: {name} shape must be [{exp}] for [{dims}] "
+                                  f"(got {info.shape})")
+
+
+def check_device(info: ArrayInfo, device: int, op: str, name: str) -> None:
+    """Raise :class:`InvalidArgument` unless ``info`` lives on ``device``."""
+    if info.device != device:
+        raise InvalidArgument(f"{op}: {name} device must be the workspace's GPU {device} "
+                              f"(got GPU {info.device})")
+
+
+def check_align(value: int, align: int, op: str, what: str) -> None:
+    """Raise :class:`InvalidArgument` unless ``value`` (a pointer or a byte count) is a multiple
+    of ``align``."""
+    if value % align:
+        raise InvalidArgument(f"{op}: {what} must be a multiple of {align} bytes (got {value})")

@@ -1,0 +1,235 @@
+"""Communicator: the host-side group every collective setup step agrees through.
+
+A :class:`Communicator` moves small Python objects between the ranks of a group (allgather,
+broadcast, barrier). It never touches GPU data; dcpkit's ops move that through symmetric
+memory or NCCL. Build one with :meth:`Communicator.from_mpi` (``mpirun``-launched scripts),
+:meth:`Communicator.from_torch` (an existing ``torch.distributed`` process group) or
+:meth:`Communicator.single` (a group of one rank).
+
+Usage::
+
+    comm = Communicator.from_mpi()          # MPI.COMM_WORLD, or one rank outside mpirun
+    print(comm.rank, comm.world_size, comm.local_rank)
+    sizes = comm.allgather(nbytes)          # list, one entry per rank
+    comm.agree("nbytes", nbytes)            # ConfigMismatch on every rank if they differ
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+from typing import Any, Callable, List, Optional
+
+from .errors import ClosedError, ConfigMismatch, DcpkitError, MissingDependency, PeerError
+
+__all__ = ["Communicator", "host_identity"]
+
+
+def host_identity() -> str:
+    """A string equal for processes on the same host (same kernel boot), different otherwise.
+
+    The hostname alone is not enough (containers share hostnames); the kernel boot id tells
+    machines apart where it exists.
+    """
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        pass
+    return f"{socket.gethostname()}/{boot}"
+
+
+class Communicator:
+    """A host-side process group: rank, world size, and collectives over Python objects.
+
+    Attributes
+    ----------
+    rank : int
+        This process's rank in ``[0, world_size)``.
+    world_size : int
+        Number of ranks in the group.
+    local_rank : int
+        Index of this rank among the ranks on the same host (ordered by rank).
+    local_world_size : int
+        Number of ranks on this host.
+    host : str
+        This host's identity (:func:`host_identity`).
+    hosts : list of str
+        Every rank's host identity, indexed by rank.
+    backend : str
+        ``"mpi"``, ``"torch"`` or ``"single"``.
+
+    All methods are collective: every rank of the group calls them in the same order.
+    """
+
+    def __init__(self, rank: int, world_size: int, *, allgather: Callable[[Any], List[Any]],
+                 broadcast: Callable[[Any, int], Any], barrier: Callable[[], None],
+                 backend: str, handle: Any = None):
+        if world_size < 1 or not (0 <= rank < world_size):
+            raise DcpkitError(f"Communicator: rank {rank} must lie in [0, {world_size})")
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.backend = backend
+        self.handle = handle
+        self._allgather = allgather
+        self._broadcast = broadcast
+        self._barrier = barrier
+        self._closed = False
+        self.host = host_identity()
+        self.hosts = list(self._allgather(self.host))
+        same = [r for r in range(self.world_size) if self.hosts[r] == self.host]
+        self.local_rank = same.index(self.rank)
+        self.local_world_size = len(same)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_mpi(cls, comm=None) -> "Communicator":
+        """A Communicator over an mpi4py communicator (default ``MPI.COMM_WORLD``).
+
+        Outside ``mpirun`` MPI starts as a singleton: the group has one rank.
+
+        Raises
+        ------
+        MissingDependency
+            mpi4py (or an MPI library) is not installed: install the ``mpi`` extra.
+        """
+        try:
+            from mpi4py import MPI  # noqa: WPS433 (lazy: MPI is optional)
+        except ImportError as e:  # pragma: no cover - exercised by a subprocess test
+            raise MissingDependency("mpi4py", "mpi", str(e)) from None
+        except RuntimeError as e:  # mpi4py present but no MPI library found
+            raise MissingDependency("an MPI library", "mpi", str(e)) from None
+        c = MPI.COMM_WORLD if comm is None else comm
+        return cls(
+            c.Get_rank(), c.Get_size(),
+            allgather=c.allgather,
+            broadcast=lambda obj, root: c.bcast(obj, root=root),
+            barrier=c.Barrier,
+            backend="mpi", handle=c,
+        )
+
+    @classmethod
+    def from_torch(cls, group=None) -> "Communicator":
+        """A Communicator over a ``torch.distributed`` process group (default: the world).
+
+        ``torch.distributed`` must be initialised. With the NCCL backend the current CUDA
+        device must be set (``torch.cuda.set_device``) before this call.
+
+        Raises
+        ------
+        MissingDependency
+            torch is not installed: install the ``torch`` extra.
+        DcpkitError
+            ``torch.distributed`` is not initialised.
+        """
+        try:
+            import torch.distributed as dist  # noqa: WPS433 (lazy: torch is optional)
+        except ImportError as e:
+            raise MissingDependency("torch", "torch", str(e)) from None
+        if not dist.is_available() or not dist.is_initialized():
+            raise DcpkitError(
+                "Communicator.from_torch: torch.distributed must be initialised first "
+                "(call torch.distributed.init_process_group)")
+        rank = dist.get_rank(group)
+        world = dist.get_world_size(group)
+
+        def allgather(obj):
+            out = [None] * world
+            dist.all_gather_object(out, obj, group=group)
+            return out
+
+        def broadcast(obj, root):
+            box = [obj if rank == root else None]
+            src = root if group is None else dist.get_global_rank(group, root)
+            dist.broadcast_object_list(box, src=src, group=group)
+            return box[0]
+
+        return cls(rank, world, allgather=allgather, broadcast=broadcast,
+                   barrier=lambda: dist.barrier(group=group), backend="torch", handle=group)
+
+    @classmethod
+    def single(cls) -> "Communicator":
+        """A group of one rank (no MPI, no torch): every collective is local."""
+        return cls(0, 1, allgather=lambda obj: [obj],
+                   broadcast=lambda obj, root: obj, barrier=lambda: None, backend="single")
+
+    # ------------------------------------------------------------------ collectives
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ClosedError(f"Communicator.{what}: the communicator is closed")
+
+    def allgather(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj``, as a list indexed by rank (picklable objects)."""
+        self._check_open("allgather")
+        return list(self._allgather(obj))
+
+    def broadcast(self, obj: Any, root: int = 0) -> Any:
+        """``obj`` of rank ``root``, on every rank."""
+        self._check_open("broadcast")
+        if not (0 <= root < self.world_size):
+            raise DcpkitError(f"Communicator.broadcast: root must lie in [0, {self.world_size}) "
+                              f"(got {root})")
+        return self._broadcast(obj, root)
+
+    def barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+        self._check_open("barrier")
+        self._barrier()
+
+    # ------------------------------------------------------------------ agreement helpers
+    def agree(self, what: str, value: Any) -> List[Any]:
+        """Check that ``value`` is equal on every rank.
+
+        Returns every rank's value. Raises :class:`ConfigMismatch` on every rank, naming the
+        ranks that differ, when they are not all equal.
+        """
+        values = self.allgather(value)
+        first = pickle.dumps(values[0])
+        if any(pickle.dumps(v) != first for v in values[1:]):
+            raise ConfigMismatch(what, values)
+        return values
+
+    def all_ok(self, what: str, error: Optional[BaseException]) -> None:
+        """One step of a collective transaction: share whether this rank's step failed.
+
+        Every rank calls this after a step, passing the exception it caught (or ``None``).
+        If any rank failed, every rank raises: the failing rank re-raises its own exception
+        (chained to a :class:`PeerError`), the others raise :class:`PeerError` naming the
+        failing ranks and their messages. No rank is left waiting in a later step.
+        """
+        msg = None if error is None else f"{type(error).__name__}: {error}"
+        msgs = self.allgather(msg)
+        failed = {r: m for r, m in enumerate(msgs) if m is not None}
+        if failed:
+            err = PeerError(what, failed)
+            if error is not None:
+                raise err from error
+            raise err
+
+    def close(self) -> None:
+        """Drop the references to the underlying group (idempotent; no collective work)."""
+        self._closed = True
+        self._allgather = self._broadcast = self._barrier = None  # type: ignore[assignment]
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Communicator(backend={self.backend!r}, rank={self.rank}, "
+                f"world_size={self.world_size}, local_rank={self.local_rank}, "
+                f"local_world_size={self.local_world_size})")
+
+    @property
+    def spans_hosts(self) -> bool:
+        """True when the ranks live on more than one host."""
+        return len(set(self.hosts)) > 1
+
+    def job_token(self) -> str:
+        """A random token equal on every rank, different for every job (for socket names)."""
+        tok = os.urandom(8).hex() if self.rank == 0 else None
+        return self.broadcast(tok, root=0)
