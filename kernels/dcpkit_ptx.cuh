@@ -239,15 +239,16 @@ __device__ __forceinline__ bool wait_signal(const Proto& p, int slot, int src, u
   }
 }
 
-// Threads [0, world) of the calling CTA wait for one source each (src = threadIdx.x, own rank
-// skipped); then the CTA synchronises. Returns false (uniformly across the CTA) when any wait
-// failed. Must be called by every thread of the CTA.
+// Threads [0, world) of the calling CTA wait for one source each (src = threadIdx.x, this rank
+// included: its own signal tells that every CTA of this rank's kernel finished its stores into
+// the local slot); then the CTA synchronises. Returns false (uniformly across the CTA) when any
+// wait failed. Must be called by every thread of the CTA (blockDim.x >= world).
 __device__ __forceinline__ bool wait_all_sources(const Proto& p, int slot, u32 expected) {
   __shared__ int ok_all;
   if (threadIdx.x == 0) ok_all = 1;
   __syncthreads();
   const int src = static_cast<int>(threadIdx.x);
-  if (src < p.world && src != p.rank) {
+  if (src < p.world) {
     if (!wait_signal(p, slot, src, expected)) atomicExch(&ok_all, 0);
   }
   __syncthreads();
