@@ -93,6 +93,12 @@ __device__ __forceinline__ uint4 ld16(const void* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
   return v;
 }
+// One float written by a peer (an lse value in a slot), read after a wait: bypass L1 like ld16.
+__device__ __forceinline__ float ld_cg_f32(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+  return v;
+}
 // Read-only input data that no peer writes: the non-coherent path is fine.
 __device__ __forceinline__ uint4 ld16_nc(const void* p) {
   uint4 v;
