@@ -19,6 +19,8 @@ __all__ = [
     "ConfigMismatch",
     "PeerError",
     "ClosedError",
+    "MulticastDisabled",
+    "FdExchangeError",
 ]
 
 
@@ -164,3 +166,15 @@ class PeerError(DcpkitError, RuntimeError):
 
 class ClosedError(DcpkitError, RuntimeError):
     """A resource (heap, workspace, communicator) was used after ``close()``."""
+
+
+class MulticastDisabled(DcpkitError, RuntimeError):
+    """A multicast object was requested where multicast is not allowed: a disabling variable
+    (``NCCL_NVLS_ENABLE=0``, ``NVSHMEM_DISABLE_NVLS=1``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
+    ``DCPKIT_DISABLE_MULTICAST=1``) is set on some rank, or the device has no multicast support.
+    Raised before any multicast driver call."""
+
+
+class FdExchangeError(DcpkitError, RuntimeError):
+    """Passing file descriptors between the ranks of one host failed: a peer did not connect or
+    answer before the deadline, sent a malformed message, or the socket name was taken."""
