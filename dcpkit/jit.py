@@ -35,10 +35,9 @@ _TRANSPORTS = ("dcpkit::Transport::Unicast", "dcpkit::Transport::Multicast")
 
 
 def _lse_reduce_variants() -> List[str]:
-    out = []
-    for out_t, lse_t in itertools.product(_FLOAT_TYPES, _FLOAT_TYPES):
-        out.append(f"dcpkit::lse_reduce_kernel<{out_t}, {lse_t}>")
-        out.append(f"dcpkit::lse_combine_kernel<{out_t}, {lse_t}>")
+    out = [f"dcpkit::lse_reduce_kernel<{out_t}, {lse_t}>"
+           for out_t, lse_t in itertools.product(_FLOAT_TYPES, _FLOAT_TYPES)]
+    out += [f"dcpkit::lse_combine_kernel<{out_t}>" for out_t in _FLOAT_TYPES]
     return out
 
 

@@ -1,0 +1,684 @@
+"""LseReduce: every rank gets the exact LSE-merged attention output of its own heads, in one
+kernel over NVLink.
+
+In decode context parallelism every rank computes attention of *all* ``H`` query heads over *its*
+KV shard, which gives a partial output ``out_partial [T, H, D_v]`` and a partial log-sum-exp
+``lse_partial [T, H]``. Rank ``r`` owns heads ``[r*H_r, (r+1)*H_r)`` (``H_r = H / world_size``)
+and needs, for those heads, the merge of every rank's partial. Usage, on every rank::
+
+    op = LseReduce(comm, max_tokens=T_max, num_heads=H, head_dim=D_v, dtype="bfloat16")
+    # per decode step, every rank, same T, same order:
+    out = op(out_partial, lse_partial)            # [T, H_r, D_v], heads of this rank
+    out, lse = op(out_partial, lse_partial, out_lse=lse_buf)   # also the merged lse [T, H_r]
+    ...
+    op.close()                                    # collective
+
+1. ``out_partial`` ``[T, H, D_v]`` (dtype of the workspace), ``lse_partial`` ``[T, H]`` (float32,
+   float16 or bfloat16; natural log, or base 2 with ``lse_base=2``), optional masks ``seq_lens
+   [S]`` / ``query_start_loc [S+1]`` (int32).
+2. One kernel: each rank stores the owner's head slice of its partial output and lse into the
+   owner's slot (16-byte unicast stores through peer pointers), publishes its epoch, then waits
+   for every source and merges its own heads (NOTE [dcpkit epoch signalling] in
+   ``kernels/dcpkit_ptx.cuh``; kernel in ``kernels/lse_reduce.cu``).
+3. The result goes into ``out=`` or a workspace output buffer (lifetime: see
+   :class:`LseReduce`).
+
+:func:`lse_combine` is the merge alone over local arrays (the NCCL fallback runs it after its
+``all_to_all``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from .. import jit
+from .._arrays import ArrayInfo, array_info, check_device, check_dtype, check_ndim, check_shape
+from .._arrays import dtype_name
+from ..comm import Communicator
+from ..errors import ConfigMismatch, DcpkitError, InvalidArgument, InvalidType, PeerError
+from ..reference import resolve_dtype
+from ._workspace import OpWorkspace, _round_up, check_positive_int, launch_config
+
+__all__ = ["LseReduce", "lse_combine"]
+
+#: Threads per CTA of both kernels (``lse_detail::kThreads`` in the kernel).
+THREADS = 256
+WARPS_PER_CTA = THREADS // 32
+#: Largest world_size the merge handles (``lse_detail::kMaxSources``).
+MAX_WORLD_SIZE = 64
+
+_FILE = "lse_reduce.cu"
+_BLOCK = (THREADS,)
+_INT32_MAX = 2**31 - 1
+_F32 = np.dtype(np.float32)
+_I32 = np.dtype(np.int32)
+_UINT = {2: np.uint16, 4: np.uint32}  # byte containers of the float dtypes (copies, empties)
+
+
+def _float_dtypes() -> Tuple[np.dtype, np.dtype, np.dtype]:
+    """bfloat16, float16, float32: the output and lse dtypes the kernels are built for."""
+    return (resolve_dtype("bfloat16"), np.dtype(np.float16), _F32)
+
+
+def _cxx_type(dt: np.dtype) -> str:
+    bf16, fp16, fp32 = _float_dtypes()
+    return {bf16: "dcpkit::bf16_t", fp16: "dcpkit::fp16_t", fp32: "float"}[dt]
+
+
+def _reduce_variant(out_dt: np.dtype, lse_dt: np.dtype) -> str:
+    return f"dcpkit::lse_reduce_kernel<{_cxx_type(out_dt)}, {_cxx_type(lse_dt)}>"
+
+
+def _combine_variant(out_dt: np.dtype) -> str:
+    return f"dcpkit::lse_combine_kernel<{_cxx_type(out_dt)}>"
+
+
+def _c_contiguous(info: ArrayInfo) -> bool:
+    """C-contiguous (dims of extent 1 may have any stride)."""
+    want = info.itemsize
+    for n, s in zip(reversed(info.shape), reversed(info.strides)):
+        if n != 1 and s != want:
+            return False
+        want *= n
+    return True
+
+
+def _check_contiguous(info: ArrayInfo, op: str, name: str) -> None:
+    if not _c_contiguous(info):
+        raise InvalidArgument(f"{op}: {name} must be C-contiguous (got shape {info.shape}, "
+                              f"strides {info.strides} bytes)")
+
+
+def _check_nonneg_strides(info: ArrayInfo, op: str, name: str) -> None:
+    for n, s in zip(info.shape, info.strides):
+        if n > 1 and s < 0:
+            raise InvalidArgument(f"{op}: {name} strides must be non-negative "
+                                  f"(got {info.strides} bytes)")
+
+
+def _check_index_array(x, op: str, name: str, dims: str, device: int) -> ArrayInfo:
+    """An int32, 1-D, contiguous array on ``device`` (seq_lens, query_start_loc)."""
+    info = array_info(x, op, name)
+    if info.dtype != _I32:
+        check_dtype(info, (np.int32,), op, name)
+    check_ndim(info, 1, dims, op, name)
+    _check_contiguous(info, op, name)
+    check_device(info, device, op, name)
+    return info
+
+
+class _Plan(NamedTuple):
+    """A validated call: everything the launch needs, nothing launched yet."""
+
+    T: int
+    ubatch: int
+    x: ArrayInfo               # out_partial
+    copy_input: bool           # innermost stride != itemsize: copy to a contiguous array first
+    in_tok: int                # out_partial strides in elements (valid when not copy_input)
+    in_head: int
+    lse: ArrayInfo
+    lse_tok: int               # lse_partial strides in elements
+    lse_head: int
+    seq_ptr: int
+    qsl_ptr: int
+    num_requests: int
+    out: Optional[ArrayInfo]
+    out_lse: Optional[ArrayInfo]
+    want_lse: bool
+
+
+class LseReduce(OpWorkspace):
+    """The direct ``lse_reduce`` op: all-to-all of partial attention plus the LSE-weighted merge.
+
+    Naive equivalent (every rank ``r``, ``W = world_size``, ``H_r = H / W``)::
+
+        parts = all_to_all(out_partial.split(H_r, dim=1))   # parts[s] = rank s's [T, H_r, D_v]
+        lses  = all_to_all(lse_partial.split(H_r, dim=1))   # lses[s]  = rank s's [T, H_r]
+        l   = where(isnan(lses) | (lses == +inf), -inf, lses * ln(lse_base))   # [W, T, H_r]
+        l[s, masked rows of rank s] = -inf
+        m   = l.max(0)
+        w   = exp(l - m) / exp(l - m).sum(0)                 # 0 where l == -inf
+        out = sum(w[s] * parts[s] for s with w[s] > 0)       # fp32, rounded once; 0 if m == -inf
+        lse = m + log(exp(l - m).sum(0))                     # -inf if m == -inf
+
+    The algorithm is the LSE merge of split-KV (flash-decoding) partials, as used for decode
+    context parallelism in vLLM and FlashInfer; here the all-to-all and the merge are one kernel:
+    each rank writes the owner's head slice of its partial output and lse straight into the
+    owner's symmetric slot, publishes its epoch, and the owner merges once every source has
+    published (NOTE [dcpkit epoch signalling] in ``kernels/dcpkit_ptx.cuh``).
+
+    Parameters
+    ----------
+    comm : Communicator
+        The group; rank ``r`` owns heads ``[r*H_r, (r+1)*H_r)``.
+    max_tokens : int
+        ``T_max``, the largest ``T`` of any call (sizes the symmetric slots:
+        ``2 * world_size * T_max * H_r * (D_v * itemsize + 4)`` bytes per ubatch).
+    num_heads : int
+        ``H``, heads seen by attention on every rank; a multiple of ``world_size``.
+    head_dim : int
+        ``D_v``, the width of one output row; ``D_v * itemsize`` must be a multiple of 16 bytes.
+    dtype : str or dtype
+        Output dtype and dtype of ``out_partial``: bfloat16, float16 or float32 (a NumPy /
+        ml_dtypes dtype or a name such as ``"bfloat16"``).
+    num_ubatches : int
+        Independent sets of epochs, signals and slots (micro-batches that may overlap).
+    lse_base : float
+        Base of ``lse_partial``: ``math.e`` (natural log, default) or ``2``.
+    return_lse : bool
+        Also return the merged natural-log lse ``[T, H_r]`` float32 from every call.
+    timeout_ms : float, optional
+        Deadline of every wait (default ``DCPKIT_TIMEOUT_MS`` or 5000 ms).
+    heap : SymmetricHeap, optional
+        Reserve the workspace in this heap instead of allocating its own.
+
+    Attributes
+    ----------
+    heads_per_rank : int
+        ``H_r``.
+    launches_per_call : int
+        Kernel launches per call: 1 (the epoch advance is folded into the kernel).
+
+    Notes
+    -----
+    Output lifetime. With ``out=`` the result is written there. Otherwise it lands in a workspace output buffer:
+    an eager call's result stays valid while it is consumed on the same stream before call
+    ``n + 2`` of the same ubatch is issued (two buffers alternate); a call captured in a CUDA
+    graph writes a fixed buffer of its ubatch that stays valid until the next replay of a graph
+    that captured a call of this ubatch. Copy the result to keep it longer.
+
+    Collective: construction (compiles the kernels, ends with a barrier), every call (every rank,
+    same ``T``, dtypes, masks present or not, ubatch, in the same order) and :meth:`close`.
+
+    Raises
+    ------
+    InvalidArgument, InvalidType
+        A bad constructor argument (``H % world_size != 0``, ``D_v * itemsize % 16 != 0``, an
+        unsupported dtype or ``lse_base``, ``world_size > 64``).
+    PeerError
+        Another rank rejected its arguments or failed to compile the kernels.
+    ConfigMismatch
+        The ranks passed different geometries.
+    """
+
+    op_name = "lse_reduce"
+    launches_per_call = 1
+
+    def __init__(self, comm: Communicator, *, max_tokens: int, num_heads: int, head_dim: int,
+                 dtype, num_ubatches: int = 1, lse_base: float = math.e, return_lse: bool = False,
+                 timeout_ms: Optional[float] = None, heap=None):
+        op = self.op_name
+        self._closed = True
+        if not isinstance(comm, Communicator):
+            raise InvalidType(f"{op}: comm must be a dcpkit.Communicator "
+                              f"(got {type(comm).__name__})")
+        err = None
+        try:
+            self._init_geometry(comm.world_size, max_tokens=max_tokens, num_heads=num_heads,
+                                head_dim=head_dim, dtype=dtype, lse_base=lse_base,
+                                return_lse=return_lse)
+            geometry = (self.max_tokens, self.num_heads, self.head_dim, str(self.dtype),
+                        self.lse_base, self.return_lse)
+        except DcpkitError as e:
+            err, geometry = e, None
+        # One exchange: which ranks rejected their arguments, and whether the geometries agree.
+        every = comm.allgather((None if err is None else f"{type(err).__name__}: {err}",
+                                geometry))
+        if err is not None:
+            raise err
+        failed = {r: m for r, (m, _) in enumerate(every) if m is not None}
+        if failed:
+            raise PeerError(f"{op}: constructor arguments", failed)
+        if any(g != geometry for _, g in every):
+            raise ConfigMismatch(f"{op}: geometry (max_tokens, num_heads, head_dim, dtype, "
+                                 f"lse_base, return_lse)", [g for _, g in every])
+
+        self._setup(comm, slot_bytes=self._slot_bytes_needed, out_bytes=self._out_bytes_needed,
+                    num_ubatches=num_ubatches, timeout_ms=timeout_ms, heap=heap)
+        err = None
+        try:
+            self._load_kernels()
+        except Exception as e:  # noqa: BLE001 - shared with the peers below, then re-raised
+            err = e
+        try:
+            comm.all_ok(f"{op}: kernel compile", err)
+        except BaseException:
+            self.close()
+            raise
+        self._finish_setup()
+
+    # ------------------------------------------------------------------ construction helpers
+    def _init_geometry(self, world_size: int, *, max_tokens, num_heads, head_dim, dtype,
+                       lse_base, return_lse) -> None:
+        """Validate the constructor arguments and derive the layout (no GPU, no collective)."""
+        op = self.op_name
+        self.max_tokens = check_positive_int(max_tokens, op, "max_tokens")
+        self.num_heads = check_positive_int(num_heads, op, "num_heads")
+        self.head_dim = check_positive_int(head_dim, op, "head_dim")
+        W = int(world_size)
+        if W > MAX_WORLD_SIZE:
+            raise InvalidArgument(f"{op}: world_size must be <= {MAX_WORLD_SIZE} (got {W})")
+        if self.num_heads % W:
+            raise InvalidArgument(f"{op}: num_heads must be a multiple of world_size {W} "
+                                  f"(got {self.num_heads})")
+        try:
+            dt = resolve_dtype(dtype)
+        except (TypeError, ValueError, AttributeError):
+            raise InvalidType(f"{op}: dtype must be one of [bfloat16, float16, float32] "
+                              f"(got {dtype!r})") from None
+        if dt not in _float_dtypes():
+            raise InvalidType(f"{op}: dtype must be one of [bfloat16, float16, float32] "
+                              f"(got {dtype_name(dt)})")
+        self.dtype = dt
+        row_bytes = self.head_dim * dt.itemsize
+        if row_bytes % 16:
+            raise InvalidArgument(f"{op}: head_dim * itemsize must be a multiple of 16 bytes "
+                                  f"(got {self.head_dim} * {dt.itemsize} = {row_bytes})")
+        if isinstance(lse_base, bool) or not isinstance(lse_base, (int, float, np.number)) \
+                or float(lse_base) not in (math.e, 2.0):
+            raise InvalidArgument(f"{op}: lse_base must be math.e or 2 (got {lse_base!r})")
+        self.lse_base = math.e if float(lse_base) == math.e else 2.0
+        if not isinstance(return_lse, (bool, np.bool_)):
+            raise InvalidType(f"{op}: return_lse must be a bool (got {return_lse!r})")
+        self.return_lse = bool(return_lse)
+
+        H_r = self.num_heads // W
+        self.heads_per_rank = H_r
+        if W * self.max_tokens * H_r > _INT32_MAX:
+            raise InvalidArgument(f"{op}: world_size * max_tokens * heads_per_rank must be "
+                                  f"< 2**31 (got {W * self.max_tokens * H_r})")
+        # Slot: payload OUT_T [W][T_max][H_r][D_v], then lse float [W][T_max][H_r].
+        self._row_bytes = row_bytes
+        self._lse_offset = _round_up(W * self.max_tokens * H_r * row_bytes)
+        self._slot_bytes_needed = self._lse_offset + _round_up(W * self.max_tokens * H_r * 4)
+        # Output buffer: out [T_max][H_r][D_v], then out_lse float [T_max][H_r] if return_lse.
+        self._out_part_bytes = _round_up(self.max_tokens * H_r * row_bytes)
+        self._out_lse_bytes = _round_up(self.max_tokens * H_r * 4)
+        self._out_bytes_needed = self._out_part_bytes + (self._out_lse_bytes if self.return_lse
+                                                         else 0)
+        self._lse_scale = np.float32(1.0 if self.lse_base == math.e else math.log(2.0))
+        self._lse_dtypes = _float_dtypes()
+
+    def _load_kernels(self) -> None:
+        """Compile (one NVRTC run for the file, cached) and load the kernel of every lse dtype,
+        and prebuild the constant kernel arguments."""
+        import cupy  # noqa: WPS433
+
+        self._cupy = cupy
+        self._fn = {}
+        with cupy.cuda.Device(self.device):
+            for lse_dt in self._lse_dtypes:
+                raw = jit.get_kernel(_FILE, _reduce_variant(self.dtype, lse_dt))
+                self._fn[lse_dt] = raw.kernel  # the loaded cupy.cuda.function.Function
+        W, H_r = self.world_size, self.heads_per_rank
+        # DCPKIT_PROTO_PARAMS, peer_data, slot_bytes, lse_offset, T_max (per ubatch).
+        self._head_args = [
+            self.proto_args(u) + (self.peer_data_ptr(u), np.uint64(self.slot_bytes),
+                                  np.uint64(self._lse_offset), np.int32(self.max_tokens))
+            for u in range(self.num_ubatches)
+        ]
+        # H, H_r, D_v (every call).
+        self._tail_args = (np.int32(self.num_heads), np.int32(H_r), np.int32(self.head_dim))
+        self._grids = [(launch_config(W * T * H_r, WARPS_PER_CTA, self.sm_count),)
+                       for T in range(self.max_tokens + 1)]
+        self._int32 = [np.int32(T) for T in range(self.max_tokens + 1)]
+
+    # ------------------------------------------------------------------ the call
+    def __call__(self, out_partial, lse_partial, *, seq_lens=None, query_start_loc=None,
+                 ubatch: int = 0, out=None, out_lse=None, stream=None):
+        """Merge every rank's partial attention into this rank's heads.
+
+        Parameters
+        ----------
+        out_partial : array [T, H, D_v], dtype of the workspace
+            This rank's partial attention output of all heads. ``1 <= T <= max_tokens`` (``T ==
+            0`` returns empty arrays and launches nothing). Rows must be 16-byte aligned: data
+            pointer, token stride and head stride multiples of 16 bytes (padded head or token
+            storage is fine). An innermost stride other than the itemsize costs a copy to a
+            contiguous array first (on ``stream``; it allocates, so avoid it under graph capture).
+        lse_partial : array [T, H], float32, float16 or bfloat16
+            This rank's partial log-sum-exp (base ``lse_base``), any non-negative strides. NaN
+            and +inf count as -inf (an empty or invalid shard).
+        seq_lens : int32 array [S], optional
+            This rank's KV length of every request, contiguous; a request with 0 here counts as
+            empty on this rank. Requires ``query_start_loc``.
+        query_start_loc : int32 array [S+1], optional
+            Row offsets of the requests (non-decreasing, equal on every rank), contiguous; rows
+            at or past ``query_start_loc[S]`` are padding, empty on every rank. Rows before
+            ``query_start_loc[0]`` belong to no request.
+        ubatch : int
+            Which ubatch's epochs, signals and slots to use, in ``[0, num_ubatches)``.
+        out : array [T, H_r, D_v], dtype of the workspace, optional
+            C-contiguous, 16-byte aligned destination (required for allocation-free capture
+            of a result that must outlive the next replay).
+        out_lse : float32 array [T, H_r], optional
+            C-contiguous destination of the merged natural-log lse; passing it makes the call
+            return ``(out, out_lse)``.
+        stream : cupy.cuda.Stream, optional
+            Stream of the launch (default: the current CuPy stream).
+
+        Returns
+        -------
+        out : array [T, H_r, D_v]
+            Output of heads ``[rank*H_r, (rank+1)*H_r)``: ``out=`` or a view of a workspace
+            output buffer (lifetime: see the class docstring). Rows whose sources are all empty
+            are 0.
+        out_lse : float32 array [T, H_r]
+            Only with ``return_lse=True`` or ``out_lse=``: the merged natural-log lse, -inf for
+            rows whose sources are all empty.
+
+        Collective: every rank calls with the same ``T``, dtypes, masks present or not and
+        ubatch, in the same order.
+
+        Stream: enqueued on ``stream``; the host does not wait.
+
+        Raises
+        ------
+        InvalidType
+            A host array or a non-array, a wrong dtype, a non-integer ubatch.
+        InvalidArgument
+            A wrong shape, ``T > max_tokens``, rows not 16-byte aligned, negative strides, an
+            array on another GPU, ``seq_lens`` without ``query_start_loc`` or of the wrong
+            length, a non-contiguous ``seq_lens`` / ``query_start_loc`` / ``out`` / ``out_lse``,
+            a ubatch out of range.
+        ClosedError
+            The workspace is closed.
+        CollectiveTimeout
+            An earlier call timed out waiting for a peer (the workspace is poisoned).
+
+        Every check runs before anything is launched or counted: after a rejected call the
+        workspace is unchanged and usable.
+        """
+        plan = self._validate(out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out,
+                              out_lse)
+        if plan.T == 0:
+            return self._empty_result(plan)
+        return self._launch(plan, stream)
+
+    def _validate(self, out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out,
+                  out_lse) -> _Plan:
+        """Every argument check of a call; needs no GPU (tests call it on CPU machines)."""
+        op = self.op_name
+        self.check_open()
+        ub = self.check_ubatch(ubatch)
+        H, H_r, D = self.num_heads, self.heads_per_rank, self.head_dim
+        dt = self.dtype
+
+        x = array_info(out_partial, op, "out_partial")
+        if x.dtype != dt:
+            check_dtype(x, (dt,), op, "out_partial")
+        if len(x.shape) != 3 or x.shape[1] != H or x.shape[2] != D:
+            check_shape(x, (None, H, D), "T, H, D_v", op, "out_partial")
+        if x.device != self.device:
+            check_device(x, self.device, op, "out_partial")
+        T = x.shape[0]
+        if T > self.max_tokens:
+            raise InvalidArgument(f"{op}: out_partial tokens T must be <= max_tokens "
+                                  f"{self.max_tokens} (got {T})")
+        _check_nonneg_strides(x, op, "out_partial")
+        isz = dt.itemsize
+        s_tok, s_head, s_elem = x.strides
+        copy_input = D > 1 and s_elem != isz
+        in_tok = in_head = 0
+        if not copy_input:
+            s_tok = s_tok if T > 1 else 0
+            s_head = s_head if H > 1 else 0
+            if x.ptr % 16 or s_tok % 16 or s_head % 16:
+                raise InvalidArgument(
+                    f"{op}: out_partial rows must be 16-byte aligned: data pointer, token "
+                    f"stride and head stride multiples of 16 bytes (got pointer offset "
+                    f"{x.ptr % 16}, strides {x.strides} bytes)")
+            in_tok, in_head = s_tok // isz, s_head // isz
+
+        lse = array_info(lse_partial, op, "lse_partial")
+        if lse.dtype not in self._lse_dtypes:
+            check_dtype(lse, self._lse_dtypes, op, "lse_partial")
+        if lse.shape != (T, H):
+            check_shape(lse, (T, H), "T, H", op, "lse_partial")
+        if lse.device != self.device:
+            check_device(lse, self.device, op, "lse_partial")
+        _check_nonneg_strides(lse, op, "lse_partial")
+        li = lse.itemsize
+        l_tok = lse.strides[0] if T > 1 else 0
+        l_head = lse.strides[1] if H > 1 else 0
+        if lse.ptr % li or l_tok % li or l_head % li:
+            raise InvalidArgument(f"{op}: lse_partial pointer and strides must be multiples of "
+                                  f"its itemsize {li} bytes (got pointer offset {lse.ptr % li}, "
+                                  f"strides {lse.strides} bytes)")
+
+        seq_ptr = qsl_ptr = 0
+        S = 0
+        if query_start_loc is None:
+            if seq_lens is not None:
+                raise InvalidArgument(f"{op}: seq_lens requires query_start_loc (got "
+                                      f"query_start_loc=None)")
+        else:
+            q = _check_index_array(query_start_loc, op, "query_start_loc", "S+1", self.device)
+            if q.shape[0] < 1:
+                raise InvalidArgument(f"{op}: query_start_loc length must be >= 1 for [S+1] "
+                                      f"(got 0)")
+            S = q.shape[0] - 1
+            qsl_ptr = q.ptr
+            if seq_lens is not None:
+                sl = _check_index_array(seq_lens, op, "seq_lens", "S", self.device)
+                if sl.shape[0] != S:
+                    raise InvalidArgument(
+                        f"{op}: seq_lens length must be len(query_start_loc) - 1 = {S} "
+                        f"(got {sl.shape[0]})")
+                seq_ptr = sl.ptr
+
+        o = None
+        if out is not None:
+            o = array_info(out, op, "out")
+            if o.dtype != dt:
+                check_dtype(o, (dt,), op, "out")
+            if o.shape != (T, H_r, D):
+                check_shape(o, (T, H_r, D), "T, H_r, D_v", op, "out")
+            if o.device != self.device:
+                check_device(o, self.device, op, "out")
+            _check_contiguous(o, op, "out")
+            if o.ptr % 16:
+                raise InvalidArgument(f"{op}: out data pointer must be 16-byte aligned "
+                                      f"(got pointer offset {o.ptr % 16})")
+        ol = None
+        if out_lse is not None:
+            ol = array_info(out_lse, op, "out_lse")
+            if ol.dtype != _F32:
+                check_dtype(ol, (np.float32,), op, "out_lse")
+            if ol.shape != (T, H_r):
+                check_shape(ol, (T, H_r), "T, H_r", op, "out_lse")
+            if ol.device != self.device:
+                check_device(ol, self.device, op, "out_lse")
+            _check_contiguous(ol, op, "out_lse")
+            if ol.ptr % 4:
+                raise InvalidArgument(f"{op}: out_lse data pointer must be 4-byte aligned "
+                                      f"(got pointer offset {ol.ptr % 4})")
+        return _Plan(T, ub, x, copy_input, in_tok, in_head, lse, l_tok // li, l_head // li,
+                     seq_ptr, qsl_ptr, S, o, ol, self.return_lse or ol is not None)
+
+    def _empty_result(self, plan: _Plan):
+        cupy = self._cupy
+        with cupy.cuda.Device(self.device):
+            res = plan.out.obj if plan.out is not None else cupy.empty(
+                (0, self.heads_per_rank, self.head_dim),
+                dtype=_UINT[self.dtype.itemsize]).view(self.dtype)
+            if not plan.want_lse:
+                return res
+            lse = plan.out_lse.obj if plan.out_lse is not None else \
+                cupy.empty((0, self.heads_per_rank), dtype=np.float32)
+        return res, lse
+
+    def _view(self, ptr: int, shape, dtype, nbytes: int, owner):
+        cupy = self._cupy
+        mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_id=self.device)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+    def _launch(self, plan: _Plan, stream):
+        cupy = self._cupy
+        if stream is None:
+            stream = cupy.cuda.get_current_stream()
+        T, ub, x = plan.T, plan.ubatch, plan.x
+        in_ptr, in_tok, in_head = x.ptr, plan.in_tok, plan.in_head
+        if plan.copy_input:  # documented slow path: innermost stride != itemsize
+            with cupy.cuda.Device(self.device), stream:
+                # bytes only: copy through an unsigned view (no float kernel needed for bf16);
+                # freed after the launch is enqueued, CuPy's pool reuses it in stream order
+                src = x.obj if isinstance(x.obj, cupy.ndarray) else cupy.asarray(x.obj)
+                xc = cupy.ascontiguousarray(src.view(_UINT[x.itemsize]))
+            in_ptr = xc.data.ptr
+            in_tok, in_head = self.num_heads * self.head_dim, self.head_dim
+        key = ((T, str(self.dtype), str(plan.lse.dtype), ub, plan.qsl_ptr != 0,
+                plan.seq_ptr != 0) if self._debug else ())
+        _parity, capturing, _exact = self.begin_call(ub, stream, key)
+        H_r, D = self.heads_per_rank, self.head_dim
+        base = None  # workspace output buffer of this call, taken only when needed
+        if plan.out is not None:
+            res = plan.out.obj
+            out_ptr = plan.out.ptr
+        else:
+            base = self.output_ptr(ub, capturing)
+            owner = self._graph_out if capturing else self._eager_out[ub]
+            out_ptr = base
+            res = self._view(base, (T, H_r, D), self.dtype, T * H_r * self._row_bytes, owner)
+        lse_res = None
+        lse_ptr = 0
+        if plan.out_lse is not None:
+            lse_res = plan.out_lse.obj
+            lse_ptr = plan.out_lse.ptr
+        elif plan.want_lse:
+            if base is None:  # out= given, merged lse into the workspace buffer
+                base = self.output_ptr(ub, capturing)
+            owner = self._graph_out if capturing else self._eager_out[ub]
+            lse_ptr = base + self._out_part_bytes
+            lse_res = self._view(lse_ptr, (T, H_r), _F32, T * H_r * 4, owner)
+        # Pointers and long long strides go as Python ints (CuPy passes them as 8-byte
+        # integers); int and float parameters need explicit 4-byte NumPy scalars.
+        S = plan.num_requests
+        args = self._head_args[ub] + (
+            in_ptr, in_tok, in_head, plan.lse.ptr, plan.lse_tok, plan.lse_head, self._lse_scale,
+            plan.seq_ptr, plan.qsl_ptr, self._int32[S] if S <= self.max_tokens else np.int32(S),
+            out_ptr, lse_ptr, self._int32[T],
+        ) + self._tail_args
+        self._fn[plan.lse.dtype](self._grids[T], _BLOCK, args, shared_mem=0, stream=stream)
+        return res if lse_res is None else (res, lse_res)
+
+
+# ----------------------------------------------------------------------------- local merge
+class _CombinePlan(NamedTuple):
+    W: int
+    T: int
+    H_r: int
+    D: int
+    src_out: ArrayInfo
+    src_lse: ArrayInfo
+    out: ArrayInfo
+    out_lse: Optional[ArrayInfo]
+
+
+def _validate_combine(src_out, src_lse, out, out_lse) -> _CombinePlan:
+    """Argument checks of :func:`lse_combine` (no GPU needed)."""
+    op = "lse_combine"
+    so = array_info(src_out, op, "src_out")
+    check_dtype(so, _float_dtypes(), op, "src_out")
+    check_ndim(so, 4, "W, T, H_r, D_v", op, "src_out")
+    W, T, H_r, D = so.shape
+    if not 1 <= W <= MAX_WORLD_SIZE:
+        raise InvalidArgument(f"{op}: src_out sources W must lie in [1, {MAX_WORLD_SIZE}] "
+                              f"(got {W})")
+    if (D * so.itemsize) % 16:
+        raise InvalidArgument(f"{op}: src_out D_v * itemsize must be a multiple of 16 bytes "
+                              f"(got {D} * {so.itemsize} = {D * so.itemsize})")
+    _check_contiguous(so, op, "src_out")
+    if so.ptr % 16:
+        raise InvalidArgument(f"{op}: src_out data pointer must be 16-byte aligned "
+                              f"(got pointer offset {so.ptr % 16})")
+    sl = array_info(src_lse, op, "src_lse")
+    check_dtype(sl, (np.float32,), op, "src_lse")
+    check_shape(sl, (W, T, H_r), "W, T, H_r", op, "src_lse")
+    _check_contiguous(sl, op, "src_lse")
+    check_device(sl, so.device, op, "src_lse")
+    o = array_info(out, op, "out")
+    check_dtype(o, (so.dtype,), op, "out")
+    check_shape(o, (T, H_r, D), "T, H_r, D_v", op, "out")
+    _check_contiguous(o, op, "out")
+    check_device(o, so.device, op, "out")
+    if o.ptr % 16:
+        raise InvalidArgument(f"{op}: out data pointer must be 16-byte aligned "
+                              f"(got pointer offset {o.ptr % 16})")
+    ol = None
+    if out_lse is not None:
+        ol = array_info(out_lse, op, "out_lse")
+        check_dtype(ol, (np.float32,), op, "out_lse")
+        check_shape(ol, (T, H_r), "T, H_r", op, "out_lse")
+        _check_contiguous(ol, op, "out_lse")
+        check_device(ol, so.device, op, "out_lse")
+    if sl.ptr % 4 or (ol is not None and ol.ptr % 4):
+        raise InvalidArgument(f"{op}: src_lse and out_lse must be 4-byte aligned")
+    return _CombinePlan(W, T, H_r, D, so, sl, o, ol)
+
+
+def lse_combine(src_out, src_lse, out, out_lse=None, stream=None):
+    """Merge ``W`` partial outputs with their lse values, on one GPU (no communication).
+
+    Naive equivalent::
+
+        l   = where(isnan(src_lse) | (src_lse == +inf), -inf, src_lse)    # [W, T, H_r]
+        m   = l.max(0);  w = exp(l - m) / exp(l - m).sum(0)
+        out = sum(w[s] * src_out[s] for s with w[s] > 0)   # fp32, rounded once; 0 if m == -inf
+        out_lse = m + log(exp(l - m).sum(0))               # -inf if m == -inf
+
+    The same merge (same kernel code) as :class:`LseReduce`, for the NCCL fallback: after an
+    ``all_to_all`` has gathered every source's slice of the owned heads.
+
+    Parameters
+    ----------
+    src_out : array [W, T, H_r, D_v], bfloat16, float16 or float32
+        C-contiguous, 16-byte aligned; ``D_v * itemsize`` a multiple of 16; ``W <= 64``.
+    src_lse : float32 array [W, T, H_r]
+        Natural-log lse of every source, C-contiguous.
+    out : array [T, H_r, D_v], dtype of ``src_out``
+        C-contiguous, 16-byte aligned destination.
+    out_lse : float32 array [T, H_r], optional
+        C-contiguous destination of the merged lse.
+    stream : cupy.cuda.Stream, optional
+        Stream of the launch (default: the current CuPy stream).
+
+    Returns
+    -------
+    out, or (out, out_lse) when ``out_lse`` is given.
+
+    Collective: no (local). Stream: enqueued on ``stream``; the host does not wait.
+
+    Raises
+    ------
+    InvalidType, InvalidArgument
+        A host array, a wrong dtype, shape, layout or alignment, arrays on different GPUs.
+    """
+    plan = _validate_combine(src_out, src_lse, out, out_lse)
+    if plan.T == 0 or plan.H_r == 0:
+        return out if out_lse is None else (out, out_lse)
+    import cupy  # noqa: WPS433
+
+    dev = plan.src_out.device
+    key = (dev, plan.src_out.dtype)
+    fn = _COMBINE_FNS.get(key)
+    if fn is None:
+        with cupy.cuda.Device(dev):
+            fn = _COMBINE_FNS[key] = jit.get_kernel(_FILE, _combine_variant(key[1])).kernel
+    grid = (launch_config(plan.T * plan.H_r, WARPS_PER_CTA, 1 << 16),)
+    args = (plan.src_out.ptr, plan.src_lse.ptr, plan.out.ptr,   # pointers: 8-byte ints
+            0 if plan.out_lse is None else plan.out_lse.ptr, np.int32(plan.W),
+            np.int32(plan.T), np.int32(plan.H_r), np.int32(plan.D))
+    if cupy.cuda.runtime.getDevice() == dev:
+        fn(grid, _BLOCK, args, shared_mem=0, stream=stream)  # None: the current stream
+    else:
+        with cupy.cuda.Device(dev):
+            fn(grid, _BLOCK, args, shared_mem=0, stream=stream)
+    return out if out_lse is None else (out, out_lse)
+
+
+#: (device, output dtype) -> loaded lse_combine kernel (cupy.cuda.function.Function).
+_COMBINE_FNS: dict = {}

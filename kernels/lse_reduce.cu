@@ -1,0 +1,287 @@
+// lse_reduce.cu: the direct all-to-all of partial attention outputs with the log-sum-exp (LSE)
+// weighted merge, in one launch per call. Python side: dcpkit/ops/lse_reduce.py. Reference:
+// dcpkit/reference.py::lse_reduce_reference.
+//
+// Every rank r holds out_partial [T, H, D_v] and lse_partial [T, H] (attention of all heads over
+// its KV shard). Rank d owns heads [d*H_r, (d+1)*H_r). One kernel per call:
+//   1. send     every CTA, warps grid-stride over rows (destination d, token t, local head h):
+//               the row out_partial[t, d*H_r + h] goes (16-byte stores) to slot row [r][t][h] on
+//               rank d, its lse (natural log, sanitised, -inf when the row is masked) to the lse
+//               slot [r][t][h]. A row whose lse is -inf sends no payload.
+//   2. publish  arrive_and_publish: fence, last-CTA election, the elected CTA stores the epoch
+//               into signals[slot][r] of every rank (this one included) and the new epoch.
+//   3. combine  every CTA waits for all sources (its own rank included: that signal says every
+//               CTA of this kernel finished its stores), then warps grid-stride over (t, h):
+//               out = sum_s w_s * payload_s in fp32, rounded once; merged lse = m + log(sum).
+// See NOTE [dcpkit epoch signalling] in dcpkit_ptx.cuh for why slots can be reused without a
+// barrier. Every CTA waits, so the grid never exceeds the number of SMs (all CTAs co-resident).
+//
+// Slot layout on the owner rank (slot p = epoch & 1, base = peer_data[owner] + p * slot_bytes):
+//   payload  OUT_T [W src][T_max][H_r][D_v]
+//   lse      float [W src][T_max][H_r]          at base + lse_offset
+//
+// lse_combine_kernel is the same merge over local arrays (src_out [W][T][H_r][D_v], src_lse
+// [W][T][H_r]); the NCCL fallback runs it after its all_to_all. Both kernels share combine_rows.
+
+#include "dcpkit_ptx.cuh"
+
+namespace dcpkit {
+namespace lse_detail {
+
+constexpr int kThreads = 256;                 // block size of both kernels (host: THREADS)
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxSources = 64;               // world_size limit of the merge (host checks)
+constexpr int kSendBatch = 4;                 // 16-byte vectors per lane in flight when sending
+constexpr int kVecPerLane = 2;                // 16-byte vectors per lane per merge step
+constexpr int kSrcBatch = 4;                  // sources per merge step (loads in flight: 8)
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
+
+// NaN and +inf mean an empty or invalid shard: both become -inf.
+__device__ __forceinline__ float sanitize_lse(float l) { return (l < pos_inf()) ? l : neg_inf(); }
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Whether token row t is empty on this rank: padding (t >= query_start_loc[S]) or a row of a
+// request whose local KV length is 0. Without query_start_loc nothing is masked; without seq_lens
+// only padding is. The request of t is the last r with query_start_loc[r] <= t (rows before
+// query_start_loc[0] belong to no request), as in reference._valid_rows.
+__device__ __forceinline__ bool row_masked(int t, const int* seq_lens, const int* qsl, int S) {
+  if (qsl == nullptr) return false;
+  if (t >= qsl[S]) return true;
+  if (seq_lens == nullptr) return false;
+  int lo = 0, hi = S;  // first index in [0, S] with qsl[index] > t (qsl[S] > t)
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (qsl[mid] > t) hi = mid; else lo = mid + 1;
+  }
+  return lo > 0 && seq_lens[lo - 1] == 0;
+}
+
+// The merge, shared by both kernels. Warps grid-stride over items (t, h) in [0, T*H_r).
+//   payload : source 0, item 0 of [W][T_cap][H_r][D_v] OUT_T (src_stride_bytes between sources)
+//   lse     : source 0, item 0 of [W][T_cap][H_r] float (src_lse_stride elements between sources)
+//   out     : [T][H_r][D_v] contiguous, 16-byte aligned rows; out_lse: [T][H_r] or null.
+// Source lse values are sanitised again here (the local kernel gets them straight from NCCL).
+// A source with weight 0 is never read: its payload may hold anything, NaN included.
+template <typename OUT_T>
+__device__ __forceinline__ void combine_rows(const char* payload, u64 src_stride_bytes,
+                                             const float* lse, u64 src_lse_stride, int W, int T,
+                                             int H_r, int D_v, OUT_T* out, float* out_lse) {
+  constexpr int E = vec_elems<OUT_T>::value;
+  __shared__ float s_p[kWarps][kMaxSources];    // lse, then exp(l - m), per source
+  __shared__ float s_w[kWarps][kMaxSources];    // weights of the sources that are read
+  __shared__ int s_src[kWarps][kMaxSources];    // ... and their source index
+  const int lane = static_cast<int>(threadIdx.x & 31u);
+  const int wib = static_cast<int>(threadIdx.x >> 5);
+  const int nwarps = static_cast<int>(gridDim.x) * kWarps;
+  const int items = T * H_r;
+  const u64 row_bytes = static_cast<u64>(D_v) * sizeof(OUT_T);
+  const int nvec = static_cast<int>(row_bytes / 16);
+  float* p = s_p[wib];
+  float* wv = s_w[wib];
+  int* src = s_src[wib];
+
+  for (int item = static_cast<int>(blockIdx.x) * kWarps + wib; item < items; item += nwarps) {
+    char* orow = reinterpret_cast<char*>(out) + static_cast<u64>(item) * row_bytes;
+    // Max over sources (lane s holds sources s, s + 32, ...).
+    float m = neg_inf();
+    for (int b = 0; b < W; b += 32) {
+      const int s = b + lane;
+      if (s < W) {
+        const float l = sanitize_lse(ld_cg_f32(lse + static_cast<u64>(s) * src_lse_stride + item));
+        p[s] = l;
+        m = fmaxf(m, l);
+      }
+    }
+    m = warp_max(m);
+    if (m == neg_inf()) {  // every source empty: output 0, merged lse -inf, nothing read
+      uint4 z;
+      z.x = z.y = z.z = z.w = 0u;
+      for (int v = lane; v < nvec; v += 32) st16(orow + static_cast<u64>(v) * 16, z);
+      if (out_lse != nullptr && lane == 0) out_lse[item] = neg_inf();
+      __syncwarp();
+      continue;
+    }
+    float sum = 0.f;
+    for (int b = 0; b < W; b += 32) {
+      const int s = b + lane;
+      if (s < W) {
+        const float x = expf(p[s] - m);  // exp(-inf) = 0 for empty sources
+        p[s] = x;
+        sum += x;
+      }
+    }
+    sum = warp_sum(sum);  // >= 1: the max term is exp(0)
+    // Weights; compact the sources with w > 0 (in source order) into wv / src.
+    int n = 0;
+    for (int b = 0; b < W; b += 32) {
+      const int s = b + lane;
+      const float w = (s < W) ? p[s] / sum : 0.f;
+      const bool keep = w > 0.f;
+      const u32 bal = __ballot_sync(0xffffffffu, keep);
+      if (keep) {
+        const int pos = n + __popc(bal & ((1u << lane) - 1u));
+        wv[pos] = w;
+        src[pos] = s;
+      }
+      n += __popc(bal);
+    }
+    __syncwarp();
+    if (out_lse != nullptr && lane == 0) out_lse[item] = m + logf(sum);
+
+    const char* prow = payload + static_cast<u64>(item) * row_bytes;
+    for (int v0 = lane; v0 < nvec; v0 += 32 * kVecPerLane) {
+      float acc[kVecPerLane][E];
+#pragma unroll
+      for (int c = 0; c < kVecPerLane; ++c)
+#pragma unroll
+        for (int k = 0; k < E; ++k) acc[c][k] = 0.f;
+      for (int k0 = 0; k0 < n; k0 += kSrcBatch) {
+        uint4 r[kSrcBatch][kVecPerLane];
+        // Issue every load of the batch before using any of them.
+#pragma unroll
+        for (int k = 0; k < kSrcBatch; ++k) {
+          const bool ks = k0 + k < n;
+          const char* sp = prow + (ks ? static_cast<u64>(src[k0 + k]) * src_stride_bytes : 0ull);
+#pragma unroll
+          for (int c = 0; c < kVecPerLane; ++c) {
+            const int v = v0 + c * 32;
+            r[k][c].x = r[k][c].y = r[k][c].z = r[k][c].w = 0u;
+            if (ks && v < nvec) r[k][c] = ld16(sp + static_cast<u64>(v) * 16);
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < kSrcBatch; ++k) {
+          if (k0 + k < n) {
+            const float w = wv[k0 + k];
+#pragma unroll
+            for (int c = 0; c < kVecPerLane; ++c) {
+              float f[E];
+              unpack16<OUT_T>(r[k][c], f);
+#pragma unroll
+              for (int q = 0; q < E; ++q) acc[c][q] = fmaf(w, f[q], acc[c][q]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < kVecPerLane; ++c) {
+        const int v = v0 + c * 32;
+        if (v < nvec) st16(orow + static_cast<u64>(v) * 16, pack16<OUT_T>(acc[c]));  // one rounding
+      }
+    }
+    __syncwarp();  // wv / src are rewritten by the next item
+  }
+}
+
+}  // namespace lse_detail
+
+// One call of LseReduce (dcpkit/ops/lse_reduce.py). Strides are in elements; seq_lens,
+// query_start_loc and out_lse may be null. Host guarantees: D_v * sizeof(OUT_T) % 16 == 0,
+// 16-byte aligned input rows (out_partial, token and head strides), out contiguous and 16-byte
+// aligned, world_size <= kMaxSources, gridDim.x <= number of SMs, blockDim.x == kThreads.
+template <typename OUT_T, typename LSE_T>
+__global__ void __launch_bounds__(lse_detail::kThreads, 1)
+lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64 lse_offset,
+                  int T_max, const OUT_T* out_partial, long long in_tok_stride,
+                  long long in_head_stride, const LSE_T* lse_partial, long long lse_tok_stride,
+                  long long lse_head_stride, float lse_scale, const int* seq_lens,
+                  const int* query_start_loc, int num_requests, OUT_T* out, float* out_lse,
+                  int T, int H, int H_r, int D_v) {
+  using namespace lse_detail;
+  (void)H;  // H == W * H_r; kept in the signature for readability of the launch
+  const Proto P = DCPKIT_PROTO_MAKE();
+  if (aborted(P)) return;
+  const u64 e = call_epoch(P);  // read once: the elected CTA stores e before the kernel ends
+  const u32 e32 = static_cast<u32>(e);
+  const int slot = static_cast<int>(e & 1ull);
+  const int W = P.world;
+  const int rank = P.rank;
+  const int lane = static_cast<int>(threadIdx.x & 31u);
+  const int nwarps = static_cast<int>(gridDim.x) * kWarps;
+  const u64 row_bytes = static_cast<u64>(D_v) * sizeof(OUT_T);
+  const int nvec = static_cast<int>(row_bytes / 16);
+  const u64 slot_off = static_cast<u64>(slot) * slot_bytes;
+
+  // 1. Send. Row i -> destination d (ranks start on different destinations), token t, head h.
+  const int rows = W * T * H_r;
+  for (int i = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x >> 5);
+       i < rows; i += nwarps) {
+    const int d = (rank + 1 + i % W) % W;
+    const int j = i / W;
+    const int t = j / H_r;
+    const int h = j - t * H_r;
+    const long long hg = static_cast<long long>(d) * H_r + h;
+    const char* in_row = reinterpret_cast<const char*>(
+        out_partial + static_cast<long long>(t) * in_tok_stride + hg * in_head_stride);
+    // The first loads are issued before the lse is known (the row is valid memory either way).
+    uint4 r[kSendBatch];
+#pragma unroll
+    for (int u = 0; u < kSendBatch; ++u) {
+      const int v = lane + u * 32;
+      if (v < nvec) r[u] = ld16_nc(in_row + static_cast<u64>(v) * 16);
+    }
+    float l = to_float(lse_partial[static_cast<long long>(t) * lse_tok_stride +
+                                   hg * lse_head_stride]) * lse_scale;
+    l = sanitize_lse(l);
+    if (row_masked(t, seq_lens, query_start_loc, num_requests)) l = neg_inf();
+    char* base = reinterpret_cast<char*>(peer_data[d]) + slot_off;
+    const u64 srow = (static_cast<u64>(rank) * T_max + t) * H_r + h;
+    if (l != neg_inf()) {
+      char* dst = base + srow * row_bytes;
+      for (int v0 = lane;;) {
+#pragma unroll
+        for (int u = 0; u < kSendBatch; ++u) {
+          const int v = v0 + u * 32;
+          if (v < nvec) st16(dst + static_cast<u64>(v) * 16, r[u]);
+        }
+        v0 += 32 * kSendBatch;
+        if (v0 >= nvec) break;
+#pragma unroll
+        for (int u = 0; u < kSendBatch; ++u) {
+          const int v = v0 + u * 32;
+          if (v < nvec) r[u] = ld16_nc(in_row + static_cast<u64>(v) * 16);
+        }
+      }
+    }
+    if (lane == 0) reinterpret_cast<float*>(base + lse_offset)[srow] = l;
+  }
+
+  // 2. Publish (NOTE [dcpkit epoch signalling], steps 2 and 4).
+  if (arrive_and_publish<Transport::Unicast>(P, e32, slot, true)) finish_epoch(P, e);
+
+  // 3. Combine the own slot once every source (this rank included) has published.
+  if (!wait_all_sources(P, slot, e32)) return;
+  const char* own = reinterpret_cast<const char*>(peer_data[rank]) + slot_off;
+  combine_rows<OUT_T>(own, static_cast<u64>(T_max) * H_r * row_bytes,
+                      reinterpret_cast<const float*>(own + lse_offset),
+                      static_cast<u64>(T_max) * H_r, W, T, H_r, D_v, out, out_lse);
+}
+
+// The merge alone, over local contiguous arrays: src_out [W][T][H_r][D_v], src_lse float
+// [W][T][H_r] (natural log; NaN / +inf count as -inf), out [T][H_r][D_v], out_lse [T][H_r] or
+// null. No protocol: used by the NCCL fallback after its all_to_all (dcpkit.ops.lse_reduce.
+// lse_combine).
+template <typename OUT_T>
+__global__ void __launch_bounds__(lse_detail::kThreads)
+lse_combine_kernel(const OUT_T* src_out, const float* src_lse, OUT_T* out, float* out_lse, int W,
+                   int T, int H_r, int D_v) {
+  using namespace lse_detail;
+  const u64 row_bytes = static_cast<u64>(D_v) * sizeof(OUT_T);
+  combine_rows<OUT_T>(reinterpret_cast<const char*>(src_out),
+                      static_cast<u64>(T) * H_r * row_bytes, src_lse,
+                      static_cast<u64>(T) * H_r, W, T, H_r, D_v, out, out_lse);
+}
+
+}  // namespace dcpkit

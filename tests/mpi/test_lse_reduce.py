@@ -1,0 +1,451 @@
+"""LseReduce on real GPUs: every rank checks its own heads against the float64 reference.
+
+Run (2 and 4 ranks, one GPU each)::
+
+    mpirun -np 2 python -m pytest tests/mpi/test_lse_reduce.py -p no:cacheprovider
+    mpirun -np 4 python -m pytest tests/mpi/test_lse_reduce.py -p no:cacheprovider
+
+Inputs are fresh every run (the ``seed`` fixture; replay with ``DCPKIT_TEST_SEED``) and rebuilt
+per rank with ``make_inputs``, so each rank computes the reference of every peer locally.
+Outputs are poisoned (all bits set: NaN in every float dtype) before each call, so a row the
+kernel did not write fails. Every collective call is made on every rank before any assert
+(``all_ranks_ok``); failure messages name the rank, the case and the first mismatching index.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from conftest import all_ranks_ok
+from dcpkit.errors import InvalidType
+from dcpkit.ops.lse_reduce import LseReduce, lse_combine
+from dcpkit.reference import (lse_reduce_reference, lse_reduce_tolerance, make_inputs,
+                              resolve_dtype)
+
+cupy = pytest.importorskip("cupy")
+
+BF16 = resolve_dtype("bfloat16")
+LSE_ATOL = 1e-4    # merged lse: fp32 max + log of an fp32 sum, against float64
+T_MAX = 32
+GEOMETRIES = [(128, 512), (64, 512)]   # (H, D_v): DeepSeek-V3 style, Kimi-K2 style
+DTYPES = ["bfloat16", "float16", "float32"]
+
+
+# ----------------------------------------------------------------------------- helpers
+def _uint(dt):
+    return {1: np.uint8, 2: np.uint16, 4: np.uint32}[np.dtype(dt).itemsize]
+
+
+def to_gpu(a: np.ndarray):
+    """Upload (bfloat16 goes through its bits)."""
+    a = np.ascontiguousarray(a)
+    return cupy.asarray(a.view(_uint(a.dtype))).view(a.dtype)
+
+
+def to_host(x) -> np.ndarray:
+    return cupy.asnumpy(x.view(_uint(x.dtype))).view(x.dtype)
+
+
+def poison(x) -> None:
+    """All bits set: NaN in bf16, fp16 and fp32."""
+    x.view(_uint(x.dtype)).fill(np.iinfo(_uint(x.dtype)).max)
+
+
+def poison_workspace_outputs(ws, ubatch=0):
+    """Poison both eager output buffers of ``ubatch`` (allocating them first if needed)."""
+    ws.output_ptr(ubatch, False)
+    poison(ws._eager_out[ubatch])
+
+
+def empty_poisoned(shape, dtype):
+    x = cupy.empty(shape, dtype=_uint(dtype)).view(resolve_dtype(dtype))
+    poison(x)
+    return x
+
+
+class Case:
+    """One call's inputs on every rank, and this rank's expected output."""
+
+    def __init__(self, comm, seed, *, T, H, D, dtype, lse_dtype="float32", lse_base=math.e,
+                 num_requests=0, qsl_only=False):
+        W, r = comm.world_size, comm.rank
+        H_r = H // W
+        ins = [make_inputs(s, W, seed, op="lse_reduce", tokens=T, num_heads=H, head_dim=D,
+                           dtype=dtype, lse_dtype=lse_dtype, lse_base=lse_base,
+                           num_requests=num_requests) for s in range(W)]
+        self.qsl = ins[0]["query_start_loc"]
+        seq = None if (num_requests == 0 or qsl_only) else [i["seq_lens"] for i in ins]
+        own = slice(r * H_r, (r + 1) * H_r)   # masks are per row: the own heads suffice
+        self.ref_out, self.ref_lse = lse_reduce_reference(
+            [i["out_partial"][:, own] for i in ins], [i["lse_partial"][:, own] for i in ins],
+            lse_base=lse_base, seq_lens=seq, query_start_loc=self.qsl)
+        self.out_partial = ins[r]["out_partial"]
+        self.lse_partial = ins[r]["lse_partial"]
+        self.seq_lens = None if seq is None else seq[r]
+        self.dtype = resolve_dtype(dtype)
+        self.what = (f"T={T} H={H} D_v={D} dtype={dtype} lse_dtype={lse_dtype} "
+                     f"lse_base={'e' if lse_base == math.e else lse_base} S={num_requests}"
+                     f"{' (query_start_loc only)' if qsl_only else ''}")
+
+    def gpu_args(self):
+        kw = {}
+        if self.qsl is not None:
+            kw["query_start_loc"] = to_gpu(self.qsl)
+            if self.seq_lens is not None:
+                kw["seq_lens"] = to_gpu(self.seq_lens)
+        return to_gpu(self.out_partial), to_gpu(self.lse_partial), kw
+
+    def check(self, rank, out, out_lse=None, where="") -> str:
+        """'' when ``out`` (and ``out_lse``) match the reference, else what differs."""
+        what = f"rank {rank}, {self.what}{', ' + where if where else ''}"
+        got = to_host(out).astype(np.float64)
+        msgs = []
+        if got.shape != self.ref_out.shape:
+            return f"{what}: out shape {got.shape}, expected {self.ref_out.shape}"
+        tol = lse_reduce_tolerance(self.dtype)
+        bad = ~(np.abs(got - self.ref_out) <= tol)   # NaN (poison) counts as bad
+        if bad.any():
+            i = tuple(int(v) for v in np.argwhere(bad)[0])
+            msgs.append(f"{what}: out differs at {int(bad.sum())} of {bad.size} elements; "
+                        f"first [t, h, d] = {i}: got {got[i]!r}, expected "
+                        f"{self.ref_out[i]!r} (tolerance {tol})")
+        empty = np.isneginf(self.ref_lse)
+        if empty.any() and (got[empty] != 0).any():
+            i = tuple(int(v) for v in np.argwhere(empty & (got != 0).any(-1))[0])
+            msgs.append(f"{what}: row [t, h] = {i} has every source empty but is not exactly 0")
+        if out_lse is not None:
+            gl = to_host(out_lse).astype(np.float64)
+            rl = self.ref_lse
+            with np.errstate(invalid="ignore"):
+                ok = np.where(np.isneginf(rl), np.isneginf(gl),
+                              np.abs(gl - rl) <= LSE_ATOL * np.maximum(1.0, np.abs(rl)))
+            if not ok.all():
+                i = tuple(int(v) for v in np.argwhere(~ok)[0])
+                msgs.append(f"{what}: merged lse differs at {int((~ok).sum())} of {ok.size}; "
+                            f"first [t, h] = {i}: got {gl[i]!r}, expected {rl[i]!r}")
+        return "; ".join(msgs)
+
+
+def agree(comm, errors, what):
+    ok, msg = all_ranks_ok(comm, not errors, what)
+    return ok, msg + ("\n" + "\n".join(errors) if errors else "")
+
+
+def geometry_ok(comm, H):
+    if H % comm.world_size:
+        pytest.skip(f"H={H} is not a multiple of world_size {comm.world_size}")
+
+
+# ----------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("H,D", GEOMETRIES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference(comm, seed, dtype, H, D):
+    """bf16/fp16/fp32 outputs x bf16/fp32 lse, T in {1, 5, 17, T_max}, poisoned out= and the
+    workspace output."""
+    geometry_ok(comm, H)
+    errors = []
+    with LseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype) as ws:
+        k = 0
+        for lse_dtype in ("bfloat16", "float32"):
+            for T in (1, 5, 17, T_MAX):
+                k += 1
+                case = Case(comm, seed + k, T=T, H=H, D=D, dtype=dtype, lse_dtype=lse_dtype)
+                x, l, kw = case.gpu_args()
+                out = empty_poisoned((T, ws.heads_per_rank, D), dtype)
+                res = ws(x, l, out=out, **kw)
+                ws.synchronize()
+                if res is not out:
+                    errors.append(f"rank {comm.rank}: out= was not returned")
+                errors.append(case.check(comm.rank, out, where="out="))
+                # the workspace output
+                poison_workspace_outputs(ws)
+                res = ws(x, l, **kw)
+                ws.synchronize()
+                errors.append(case.check(comm.rank, res, where="workspace output"))
+    errors = [e for e in errors if e]
+    ok, msg = agree(comm, errors, f"lse_reduce {dtype} H={H} D_v={D}")
+    assert ok, msg
+
+
+@pytest.mark.parametrize("H,D", GEOMETRIES)
+def test_noncontiguous_inputs(comm, seed, H, D):
+    """Padded head storage, padded row storage, an inner stride that needs a copy, lse as a
+    transposed view and as every other column."""
+    geometry_ok(comm, H)
+    dtype = "bfloat16"
+    errors = []
+    with LseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype) as ws:
+        for k, (T, layout) in enumerate([(5, "pad_heads"), (17, "pad_rows"), (T_MAX, "both"),
+                                         (3, "inner_stride")]):
+            case = Case(comm, seed + 100 + k, T=T, H=H, D=D, dtype=dtype)
+            xu = cupy.asarray(case.out_partial.view(np.uint16))
+            lu = cupy.asarray(case.lse_partial)
+            ph = 3 if layout in ("pad_heads", "both") else 0
+            pd = 8 if layout in ("pad_rows", "both") else 0   # 16 bytes of bf16
+            if layout == "inner_stride":
+                big = cupy.full((T, H, 2 * D), 0xFFFF, dtype=cupy.uint16)
+                big[:, :, ::2] = xu
+                x = big[:, :, ::2].view(BF16)
+            else:
+                big = cupy.full((T, H + ph, D + pd), 0xFFFF, dtype=cupy.uint16)  # NaN padding
+                big[:, :H, :D] = xu
+                x = big[:, :H, :D].view(BF16)
+            if k % 2 == 0:
+                lt = cupy.full((H, T), np.nan, dtype=cupy.float32)
+                lt[...] = lu.T
+                lse = lt.T                                  # strides (4, 4*T) bytes
+            else:
+                l2 = cupy.full((T, 2 * H), np.nan, dtype=cupy.float32)
+                l2[:, ::2] = lu
+                lse = l2[:, ::2]                            # head stride 2 elements
+            out = empty_poisoned((T, ws.heads_per_rank, D), dtype)
+            ws(x, lse, out=out)
+            ws.synchronize()
+            errors.append(case.check(comm.rank, out, where=f"layout {layout}, strides "
+                                                           f"{x.strides} / {lse.strides}"))
+    errors = [e for e in errors if e]
+    ok, msg = agree(comm, errors, f"lse_reduce non-contiguous inputs H={H}")
+    assert ok, msg
+
+
+@pytest.mark.parametrize("num_requests", [1, 3])
+def test_masks(comm, seed, num_requests):
+    """seq_lens with zeros (empty requests on some ranks) and padding rows; and
+    query_start_loc alone (padding only)."""
+    H, D, dtype = 64, 512, "float16"
+    geometry_ok(comm, H)
+    errors = []
+    with LseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype,
+                   return_lse=True) as ws:
+        for k, T in enumerate((5, 17, T_MAX)):
+            for qsl_only in (False, True):
+                case = Case(comm, seed + 200 + 10 * k + qsl_only, T=T, H=H, D=D, dtype=dtype,
+                            num_requests=num_requests, qsl_only=qsl_only)
+                x, l, kw = case.gpu_args()
+                out = empty_poisoned((T, ws.heads_per_rank, D), dtype)
+                out_lse = empty_poisoned((T, ws.heads_per_rank), "float32")
+                res = ws(x, l, out=out, out_lse=out_lse, **kw)
+                ws.synchronize()
+                if not (isinstance(res, tuple) and res[0] is out and res[1] is out_lse):
+                    errors.append(f"rank {comm.rank}: expected (out, out_lse) back")
+                errors.append(case.check(comm.rank, out, out_lse,
+                                         where=f"query_start_loc {case.qsl.tolist()}"))
+    errors = [e for e in errors if e]
+    ok, msg = agree(comm, errors, f"lse_reduce masks S={num_requests}")
+    assert ok, msg
+
+
+def test_base2_lse_and_return_lse(comm, seed):
+    """lse_base=2 input; return_lse=True returns the merged natural-log lse (workspace output
+    and out= with the lse in the workspace)."""
+    H, D, dtype = 128, 512, "bfloat16"
+    geometry_ok(comm, H)
+    errors = []
+    with LseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype, lse_base=2,
+                   return_lse=True) as ws:
+        for k, T in enumerate((1, 17, T_MAX)):
+            case = Case(comm, seed + 300 + k, T=T, H=H, D=D, dtype=dtype, lse_base=2.0)
+            x, l, kw = case.gpu_args()
+            poison_workspace_outputs(ws)
+            out, out_lse = ws(x, l, **kw)
+            ws.synchronize()
+            errors.append(case.check(comm.rank, out, out_lse, where="workspace output"))
+            out2 = empty_poisoned((T, ws.heads_per_rank, D), dtype)
+            res = ws(x, l, out=out2, **kw)
+            ws.synchronize()
+            errors.append(case.check(comm.rank, res[0], res[1], where="out= and workspace lse"))
+    errors = [e for e in errors if e]
+    ok, msg = agree(comm, errors, "lse_reduce base-2 lse")
+    assert ok, msg
+
+
+def test_two_ubatches_interleaved(comm, seed):
+    """Two ubatches on two streams, calls interleaved, each checked."""
+    H, D, dtype, T = 128, 512, "bfloat16", 17
+    geometry_ok(comm, H)
+    errors = []
+    s0, s1 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with LseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype,
+                   num_ubatches=2) as ws:
+        pending = []
+        for k in range(6):
+            for ub, st in ((0, s0), (1, s1)):
+                case = Case(comm, seed + 400 + 2 * k + ub, T=T, H=H, D=D, dtype=dtype,
+                            num_requests=2 if ub else 0)
+                x, l, kw = case.gpu_args()
+                out = empty_poisoned((T, ws.heads_per_rank, D), dtype)
+                cupy.cuda.get_current_stream().synchronize()   # inputs ready before st uses them
+                ws(x, l, out=out, ubatch=ub, stream=st, **kw)
+                pending.append((case, out, x, l, kw, ub))
+        s0.synchronize()
+        s1.synchronize()
+        ws.synchronize()
+        for case, out, *_keep, ub in pending:
+            errors.append(case.check(comm.rank, out, where=f"ubatch {ub}"))
+        if ws._calls != [6, 6]:
+            errors.append(f"rank {comm.rank}: calls per ubatch {ws._calls}, expected [6, 6]")
+    errors = [e for e in errors if e]
+    ok, msg = agree(comm, errors, "lse_reduce two ubatches")
+    assert ok, msg
+
+
+def test_cuda_graph_1000_replays_with_eager_calls_interleaved(comm, seed):
+    """Capture two calls (out= and the graph output buffer), replay 1000 times with the inputs
+    refreshed in place before every replay; check every 100th replay and the last one; eager
+    calls (out= and workspace output) in between."""
+    H, D, dtype, T = 128, 512, "bfloat16", 8
+    geometry_ok(comm, H)
+    errors = []
+    pool = [Case(comm, seed + 500 + k, T=T, H=H, D=D, dtype=dtype) for k in range(7)]
+    pool_x = [cupy.asarray(c.out_partial.view(np.uint16)) for c in pool]
+    pool_l = [cupy.asarray(c.lse_partial) for c in pool]
+    st = cupy.cuda.Stream(non_blocking=True)
+    with LseReduce(comm, max_tokens=T, num_heads=H, head_dim=D, dtype=dtype) as ws:
+        H_r = ws.heads_per_rank
+        xin = cupy.empty((T, H, D), dtype=cupy.uint16)
+        lin = cupy.empty((T, H), dtype=cupy.float32)
+        x = xin.view(BF16)
+        out = empty_poisoned((T, H_r, D), dtype)
+        with st:
+            xin[...] = pool_x[0]
+            lin[...] = pool_l[0]
+        st.synchronize()
+        comm.barrier()
+        st.begin_capture()
+        ws(x, lin, out=out, stream=st)
+        g_out = ws(x, lin, stream=st)         # graph output buffer of ubatch 0
+        graph = st.end_capture()
+        if not ws._captured[0]:
+            errors.append(f"rank {comm.rank}: capture was not recorded")
+        eager_out = empty_poisoned((T, H_r, D), dtype)
+        n = 1000
+        for i in range(n):
+            k = i % len(pool)
+            with st:
+                xin[...] = pool_x[k]
+                lin[...] = pool_l[k]
+            check = (i % 100 == 0) or i == n - 1
+            if check:
+                with st:
+                    poison(out)
+                    poison(g_out)
+            graph.launch(st)
+            if check:
+                st.synchronize()
+                errors.append(pool[k].check(comm.rank, out, where=f"replay {i}, out="))
+                errors.append(pool[k].check(comm.rank, g_out, where=f"replay {i}, graph output"))
+            if i % 50 == 25:  # an eager call between replays, same ubatch
+                j = (k + 3) % len(pool)
+                with st:
+                    poison(eager_out)
+                    poison_workspace_outputs(ws)
+                    xin[...] = pool_x[j]
+                    lin[...] = pool_l[j]
+                ws(x, lin, out=eager_out, stream=st)
+                res = ws(x, lin, stream=st)   # workspace output after a capture (copy path)
+                st.synchronize()
+                errors.append(pool[j].check(comm.rank, eager_out, where=f"eager after {i}"))
+                errors.append(pool[j].check(comm.rank, res, where=f"eager ws output after {i}"))
+        ws.synchronize(st)
+        # capture runs nothing; every replay ran two calls, every eager pause two: the device
+        # epoch counted them all
+        expected = 2 * n + 2 * len([i for i in range(n) if i % 50 == 25])
+        if int(ws._epoch[0]) != expected:
+            errors.append(f"rank {comm.rank}: device epoch {int(ws._epoch[0])}, expected "
+                          f"{expected}")
+        del graph
+    errors = [e for e in errors if e]
+    ok, msg = agree(comm, errors, "lse_reduce graph replays")
+    assert ok, msg
+
+
+def test_epoch_wrap(comm, seed):
+    """The low 32 bits of the epoch wrap inside these 8 calls."""
+    H, D, dtype, T = 64, 512, "float32", 5
+    geometry_ok(comm, H)
+    errors = []
+    with LseReduce(comm, max_tokens=T, num_heads=H, head_dim=D, dtype=dtype) as ws:
+        ws._set_epoch(2**32 - 3)
+        for k in range(8):
+            case = Case(comm, seed + 600 + k, T=T, H=H, D=D, dtype=dtype)
+            x, l, kw = case.gpu_args()
+            out = empty_poisoned((T, ws.heads_per_rank, D), dtype)
+            ws(x, l, out=out)
+            ws.synchronize()
+            errors.append(case.check(comm.rank, out, where=f"epoch {2**32 - 3 + k + 1}"))
+        if int(ws._epoch[0]) != 2**32 - 3 + 8:
+            errors.append(f"rank {comm.rank}: epoch {int(ws._epoch[0])}, expected {2**32 + 5}")
+    errors = [e for e in errors if e]
+    ok, msg = agree(comm, errors, "lse_reduce epoch wrap")
+    assert ok, msg
+
+
+def test_direct_path_one_launch_per_call_and_rejected_calls(comm, seed):
+    """The op is the direct path (one launch per call, the device epoch advances with the host
+    count); T == 0 launches nothing; a rejected call changes nothing and the next call works."""
+    H, D, dtype = 64, 512, "bfloat16"
+    geometry_ok(comm, H)
+    errors = []
+    assert LseReduce.launches_per_call == 1
+    with LseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype) as ws:
+        assert type(ws).launches_per_call == 1
+        for k in range(3):
+            case = Case(comm, seed + 700 + k, T=5, H=H, D=D, dtype=dtype)
+            x, l, kw = case.gpu_args()
+            ws(x, l)
+            ws.synchronize()
+            if ws._calls[0] != k + 1 or int(ws._epoch[0]) != k + 1:
+                errors.append(f"rank {comm.rank}: after call {k + 1}: host count "
+                              f"{ws._calls[0]}, device epoch {int(ws._epoch[0])}")
+        empty = ws(cupy.empty((0, H, D), dtype=cupy.uint16).view(BF16),
+                   cupy.empty((0, H), dtype=cupy.float32))
+        if empty.shape != (0, ws.heads_per_rank, D) or ws._calls[0] != 3:
+            errors.append(f"rank {comm.rank}: T == 0 gave {empty.shape}, calls {ws._calls}")
+        try:
+            ws(case.out_partial, l)   # host array
+            errors.append(f"rank {comm.rank}: a host out_partial was accepted")
+        except InvalidType:
+            pass
+        if ws._calls[0] != 3:
+            errors.append(f"rank {comm.rank}: a rejected call changed the count: {ws._calls}")
+        case = Case(comm, seed + 710, T=T_MAX, H=H, D=D, dtype=dtype)
+        x, l, kw = case.gpu_args()
+        out = empty_poisoned((T_MAX, ws.heads_per_rank, D), dtype)
+        ws(x, l, out=out)
+        ws.synchronize()
+        errors.append(case.check(comm.rank, out, where="after a rejected call"))
+        if ws.poisoned:
+            errors.append(f"rank {comm.rank}: workspace poisoned")
+    errors = [e for e in errors if e]
+    ok, msg = agree(comm, errors, "lse_reduce direct path")
+    assert ok, msg
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lse_combine_matches_reference(comm, seed, dtype):
+    """The local merge of the NCCL fallback (no communication; every rank checks its own)."""
+    W, T, H_r, D = 3, 9, 4, 512
+    rng_seed = seed + 800 + comm.rank
+    ins = [make_inputs(s, W, rng_seed, op="lse_reduce", tokens=T, num_heads=H_r, head_dim=D,
+                       dtype=dtype) for s in range(W)]
+    ref_out, ref_lse = lse_reduce_reference([i["out_partial"] for i in ins],
+                                            [i["lse_partial"] for i in ins])
+    src_out = to_gpu(np.stack([i["out_partial"] for i in ins]))
+    src_lse = to_gpu(np.stack([i["lse_partial"] for i in ins]).astype(np.float32))
+    out = empty_poisoned((T, H_r, D), dtype)
+    out_lse = empty_poisoned((T, H_r), "float32")
+    res = lse_combine(src_out, src_lse, out, out_lse)
+    cupy.cuda.get_current_stream().synchronize()
+    errors = []
+    if not (res[0] is out and res[1] is out_lse):
+        errors.append(f"rank {comm.rank}: lse_combine did not return (out, out_lse)")
+    case = Case.__new__(Case)
+    case.ref_out, case.ref_lse, case.dtype = ref_out, ref_lse, resolve_dtype(dtype)
+    case.what = f"lse_combine W={W} T={T} H_r={H_r} D_v={D} dtype={dtype}"
+    errors.append(case.check(comm.rank, out, out_lse))
+    errors = [e for e in errors if e]
+    ok, msg = agree(comm, errors, f"lse_combine {dtype}")
+    assert ok, msg
