@@ -19,11 +19,18 @@ import math
 import numpy as np
 import pytest
 
-from conftest import all_ranks_ok
 from dcpkit.errors import InvalidType
 from dcpkit.ops.lse_reduce import LseReduce, lse_combine
 from dcpkit.reference import (lse_reduce_reference, lse_reduce_tolerance, make_inputs,
                               resolve_dtype)
+
+try:
+    from conftest import all_ranks_ok
+except ImportError:  # another directory's conftest.py was imported under that name first
+    def all_ranks_ok(comm, ok, what=""):
+        oks = comm.allgather(bool(ok))
+        bad = [r for r, v in enumerate(oks) if not v]
+        return (not bad), f"{what} failed on ranks {bad}"
 
 cupy = pytest.importorskip("cupy")
 
@@ -129,9 +136,12 @@ class Case:
         return "; ".join(msgs)
 
 
-def agree(comm, errors, what):
+def agree(comm, errors, what, limit=10):
+    """Collective: (True, '') when no rank has errors, else (False, ranks + this rank's first
+    ``limit`` errors)."""
     ok, msg = all_ranks_ok(comm, not errors, what)
-    return ok, msg + ("\n" + "\n".join(errors) if errors else "")
+    more = [f"... {len(errors) - limit} more"] if len(errors) > limit else []
+    return ok, msg + ("\n" + "\n".join(errors[:limit] + more) if errors else "")
 
 
 def geometry_ok(comm, H):
