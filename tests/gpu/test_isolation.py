@@ -1,0 +1,111 @@
+"""Two independent dcpkit jobs on one machine at the same time (issue 9, item 7).
+
+Run once per GPU machine, as ONE process (not under mpirun)::
+
+    python -m pytest tests/gpu/test_isolation.py -p no:cacheprovider
+
+Each test starts two ``mpirun -np 2 python tests/mpi/scripts/isolation_job.py`` at once, with
+this process's environment (the multicast kill switches stay set). Each job runs a few hundred
+calls of every op (lse_reduce, q_gather, kv_gather push and pull), every call checked against
+the reference. Both must succeed with zero wrong results, their call phases must overlap in
+time, and each must have used the GPUs intended:
+
+* ``same_gpus``: both jobs on GPUs 0 and 1 (two CUDA contexts per GPU, separate heaps, sockets
+  and signals);
+* ``different_gpus`` (4 GPUs or more): one job on GPUs 0-1, the other on GPUs 2-3.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "mpi" / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+from reliability_cases import (REPO_ROOT, Job, find_mpirun, job_env, mpi_flavor,  # noqa: E402
+                               mpirun_command)
+
+
+def _gpu_count():
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: all mean "no GPU"
+        return 0
+
+
+NUM_GPUS = _gpu_count()
+CALLS = 300
+WAIT_S = 360
+
+pytestmark = pytest.mark.skipif(NUM_GPUS < 2, reason=f"needs 2 GPUs (have {NUM_GPUS})")
+
+
+@pytest.fixture(scope="module")
+def launcher():
+    from dcpkit.comm import launcher_world_size
+
+    if launcher_world_size(os.environ):
+        pytest.skip("tests/gpu launch their own MPI jobs: run pytest as one process, not under "
+                    "mpirun")
+    exe = find_mpirun()
+    if exe is None:
+        pytest.skip("no mpirun / mpiexec found (set DCPKIT_MPIRUN)")
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        pytest.skip("mpi4py is not installed")
+    return exe, mpi_flavor(exe)
+
+
+@pytest.mark.parametrize("layout", ["same_gpus", "different_gpus"])
+def test_two_jobs_side_by_side(tmp_path, launcher, layout):
+    if layout == "different_gpus" and NUM_GPUS < 4:
+        pytest.skip(f"needs 4 GPUs (have {NUM_GPUS})")
+    exe, flavor = launcher
+    offsets = {"a": 0, "b": 0 if layout == "same_gpus" else 2}
+    jobs = {}
+    for name, other in (("a", "b"), ("b", "a")):
+        cmd = mpirun_command(exe, flavor, 2, [
+            str(SCRIPTS / "isolation_job.py"), str(tmp_path), "--job", name, "--other", other,
+            "--device-offset", str(offsets[name]), "--calls", str(CALLS)])
+        jobs[name] = Job(cmd, env=job_env(), cwd=REPO_ROOT, log_prefix=tmp_path / f"job_{name}")
+    for j in jobs.values():
+        j.wait(WAIT_S)
+
+    problems = []
+    results = {}
+    for name, j in jobs.items():
+        if j.timed_out:
+            problems.append(f"job {name} did not finish within {WAIT_S} s")
+        elif j.returncode != 0:
+            problems.append(f"job {name} returned {j.returncode}")
+        for r in range(2):
+            path = tmp_path / f"{name}_rank{r}.jsonl"
+            if not path.exists():
+                problems.append(f"job {name} rank {r} wrote no result")
+                continue
+            res = json.loads(path.read_text().splitlines()[-1])
+            results[(name, r)] = res
+            if res["errors"] or res["wrong"] or res["calls"] != 4 * CALLS:
+                problems.append(f"job {name} rank {r}: {res['calls']} calls, {res['wrong']} wrong, "
+                                f"errors {res['errors']}, first failures {res['first_failures']}")
+    if len(results) == 4 and not problems:
+        devs = {name: {results[(name, r)]["pci_bus_id"] for r in range(2)} for name in jobs}
+        if layout == "same_gpus" and devs["a"] != devs["b"]:
+            problems.append(f"the jobs did not share their GPUs: {devs}")
+        if layout == "different_gpus" and devs["a"] & devs["b"]:
+            problems.append(f"the jobs shared a GPU: {devs}")
+        a0 = min(results[("a", r)]["t_start"] for r in range(2))
+        a1 = max(results[("a", r)]["t_end"] for r in range(2))
+        b0 = min(results[("b", r)]["t_start"] for r in range(2))
+        b1 = max(results[("b", r)]["t_end"] for r in range(2))
+        if max(a0, b0) >= min(a1, b1):
+            problems.append(f"the call phases did not overlap: a [{a0:.2f}, {a1:.2f}], "
+                            f"b [{b0:.2f}, {b1:.2f}]")
+    assert not problems, "\n".join(problems) + "\n" + "\n".join(j.output(3000)
+                                                               for j in jobs.values())
