@@ -32,6 +32,8 @@ DEFAULT_OPTIONS: Tuple[str, ...] = ("-std=c++17",)
 # C++ names of the element types the kernels are instantiated for.
 _FLOAT_TYPES = ("dcpkit::bf16_t", "dcpkit::fp16_t", "float")
 _TRANSPORTS = ("dcpkit::Transport::Unicast", "dcpkit::Transport::Multicast")
+# Element types of the fallback copy kernel, by size: 1, 2, 4, 8 and 16 bytes.
+_COPY_ELEMENTS = ("unsigned char", "unsigned short", "unsigned int", "uint2", "uint4")
 
 
 def _lse_reduce_variants() -> List[str]:
@@ -52,6 +54,11 @@ VARIANTS: Dict[str, List[str]] = {
     "kv_gather.cu": _gather_variants("kv_gather_push_kernel")
     + ["dcpkit::kv_gather_pull_kernel"],
     "ceilings.cu": ["dcpkit::pingpong_kernel", "dcpkit::egress_kernel"],
+    # local kernels of the NCCL fallback ops (dcpkit/fallback.py)
+    "fallback.cu": [f"dcpkit::fallback_copy_kernel<{e}>" for e in _COPY_ELEMENTS]
+    + [f"dcpkit::fallback_lse_mask_kernel<{t}>" for t in _FLOAT_TYPES + ("double",)]
+    + [f"dcpkit::fallback_lse_weight_kernel<{t}>" for t in _FLOAT_TYPES]
+    + [f"dcpkit::fallback_cast_kernel<{t}>" for t in _FLOAT_TYPES],
 }
 
 

@@ -1,0 +1,115 @@
+// ceilings.cu: the kernels `python -m dcpkit bench` measures the machine's physical limits with,
+// so that every benchmark figure can be stated as a ratio to a limit measured in the same run.
+//
+//   pingpong_kernel  one-way NVLink latency: a signal bounced between two ranks, many round trips
+//                    inside one launch (the same st.release.sys / ld.acquire.sys pair the ops'
+//                    epoch signals use, NOTE [dcpkit epoch signalling] in dcpkit_ptx.cuh).
+//   egress_kernel    unicast egress bandwidth: every rank stores its slice into every peer at once
+//                    with 16-byte stores (the payload path of the gathers). With nvec = 0 it is
+//                    an empty kernel, used to measure the launch cost.
+//   barrier_kernel   a device-side barrier over the ranks, launched before every timed region so
+//                    that the ranks' timed regions start together (not part of any timed region).
+//
+// Every wait has a deadline (%globaltimer): on expiry the kernel writes a status word and returns,
+// it never hangs. The host (dcpkit/bench.py) reads the status after synchronising.
+#include "dcpkit_ptx.cuh"
+
+namespace dcpkit {
+
+// Poll `word` with ld.acquire.sys until it equals `expected`; false once `timeout_ns` passed.
+__device__ __forceinline__ bool poll_equal(const u32* word, u32 expected, u64 timeout_ns) {
+  if (ld_acquire_sys(word) == expected) return true;
+  const u64 start = globaltimer_ns();
+  u32 spins = 0;
+  while (ld_acquire_sys(word) != expected) {
+    if ((++spins & 1023u) == 0u && globaltimer_ns() - start > timeout_ns) return false;
+  }
+  return true;
+}
+
+// One-way latency. Launched with one thread on rank 0 (initiator = 1) and on rank 1
+// (initiator = 0). Round trip i (1-based) uses the value base + i:
+//   initiator: st.release.sys(peer_word, v); poll local_word == v
+//   responder: poll local_word == v;         st.release.sys(peer_word, v)
+// Values only grow from launch to launch (the host advances `base` by round_trips + 1), so a value
+// left by an earlier launch never satisfies a wait of a later one.
+// status[0]: 0 = all round trips done, 1 = a wait timed out; status[1]: round trips completed.
+// elapsed_ns[0]: %globaltimer time of round trips (warm, round_trips] (a cross-check of the event
+// timing that excludes the launch skew between the two ranks).
+__global__ void pingpong_kernel(u32* local_word, u32* peer_word, int initiator, u32 base,
+                                int round_trips, int warm, u64 timeout_ns, u32* status,
+                                u64* elapsed_ns) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  u64 t0 = globaltimer_ns();
+  for (int i = 1; i <= round_trips; ++i) {
+    const u32 v = base + static_cast<u32>(i);
+    if (i == warm + 1) t0 = globaltimer_ns();
+    if (initiator) {
+      st_release_sys(peer_word, v);
+      if (!poll_equal(local_word, v, timeout_ns)) {
+        status[0] = 1u;
+        status[1] = static_cast<u32>(i - 1);
+        return;
+      }
+    } else {
+      if (!poll_equal(local_word, v, timeout_ns)) {
+        status[0] = 1u;
+        status[1] = static_cast<u32>(i - 1);
+        return;
+      }
+      st_release_sys(peer_word, v);
+    }
+  }
+  elapsed_ns[0] = globaltimer_ns() - t0;
+  status[0] = 0u;
+  status[1] = static_cast<u32>(round_trips);
+}
+
+// Unicast egress. src: this rank's slice, nvec 16-byte vectors (16-byte aligned). dst[p]: the
+// address in rank p's memory where this rank's slice goes (dst[rank] is not used). Every thread
+// loads kUnroll vectors, then stores them into every peer, starting with peer rank + 1 so that the
+// ranks do not all hit the same destination first. Ends with fence.sc.sys, as the ops do before
+// they publish, so the kernel's time covers the remote stores' completion.
+// Launch: a grid-stride loop; any grid and block size.
+__global__ void egress_kernel(const uint4* __restrict__ src, const u64* __restrict__ dst, int rank,
+                              int world, u64 nvec) {
+  if (nvec == 0) return;  // the empty kernel of the launch-cost measurement
+  constexpr int kUnroll = 4;
+  const u64 nthreads = static_cast<u64>(gridDim.x) * static_cast<u64>(blockDim.x);
+  const u64 tid = static_cast<u64>(blockIdx.x) * static_cast<u64>(blockDim.x) + threadIdx.x;
+  for (u64 i0 = tid; i0 < nvec; i0 += nthreads * kUnroll) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const u64 i = i0 + static_cast<u64>(u) * nthreads;
+      v[u] = (i < nvec) ? ld16_nc(src + i) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    for (int j = 1; j < world; ++j) {
+      int peer = rank + j;
+      if (peer >= world) peer -= world;
+      uint4* d = reinterpret_cast<uint4*>(dst[peer]);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const u64 i = i0 + static_cast<u64>(u) * nthreads;
+        if (i < nvec) st16(d + i, v[u]);
+      }
+    }
+  }
+  fence_sc_sys();
+}
+
+// Device barrier over `world` ranks. local_words: u32 [world] in this rank's symmetric memory,
+// word s written only by rank s. peer_words[p]: address of rank p's words. Thread t < world
+// stores `value` into word `rank` of rank t (st.release.sys), then waits for word t of its own
+// copy to equal `value`. The host passes a value one higher on every launch (equal on every rank).
+// On a timeout it stores 1 into *status (host-mapped memory) and returns. One CTA, blockDim.x >=
+// world.
+__global__ void barrier_kernel(u32* local_words, const u64* __restrict__ peer_words, int rank,
+                               int world, u32 value, u64 timeout_ns, u32* status) {
+  const int t = static_cast<int>(threadIdx.x);
+  if (blockIdx.x != 0 || t >= world) return;
+  st_release_sys(reinterpret_cast<u32*>(peer_words[t]) + rank, value);
+  if (!poll_equal(local_words + t, value, timeout_ns)) st_relaxed_sys(status, 1u);
+}
+
+}  // namespace dcpkit

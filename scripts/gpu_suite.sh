@@ -1,0 +1,237 @@
+#!/usr/bin/env bash
+# The whole GPU side of dcpkit in one call on a multi-GPU machine: environment facts,
+# `python -m dcpkit info`, the GPU tests (single process, then `mpirun -np N` for each world
+# size), the demo and the benchmark. Everything lands under $OUT (default ./out):
+#
+#   summary.txt       one line per stage (name, world size, exit status, seconds) + env facts
+#   logs.tar.gz       every stage's log, per-rank logs of the mpirun stages, the demo JSONs
+#   bench_N.json      `dcpkit bench --json` for each world size N (BENCHMARKS.md is made from these)
+#   bench_N.png       its plots
+#   demo_N.json       `dcpkit demo --json` for each N
+# (at most 8 files: the lent machines return no more).
+#
+# Settings (environment):
+#   DCPKIT_SUITE_STAGES   comma list of info,tests,demo,bench        (default: all four)
+#   DCPKIT_SUITE_NP       world sizes, e.g. "2" or "2 4"              (default "2 4"; sizes above
+#                         the number of GPUs are dropped: no oversubscribed runs)
+#   DCPKIT_SUITE_BUDGET_S seconds the whole script may take           (default 570: one 600 s call)
+#   DCPKIT_BENCH_ARGS     extra arguments of `dcpkit bench`, e.g. "--quick"
+#   DCPKIT_PYTEST_ARGS    extra arguments of the pytest runs, e.g. "-k lse"
+#   PYTHON                the interpreter (default python3)
+#
+# Never touches NCCL_NVLS_ENABLE, NVSHMEM_DISABLE_NVLS or TORCH_SYMM_MEM_DISABLE_MULTICAST: they
+# are printed at the start and checked unchanged before every stage (DESIGN.md, "Multicast
+# safety on shared machines").
+#
+# Run from the repository root:  bash scripts/gpu_suite.sh
+set -u
+set -o pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 2
+OUT="${OUT:-$ROOT/out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+STAGES=",${DCPKIT_SUITE_STAGES:-info,tests,demo,bench},"
+BUDGET_S="${DCPKIT_SUITE_BUDGET_S:-570}"
+START_S=$(date +%s)
+WORK="$(mktemp -d /tmp/dcpkit_suite.XXXXXX)"
+LOGS="$WORK/logs"
+mkdir -p "$LOGS"
+SUMMARY="$WORK/summary.txt"
+: >"$SUMMARY"
+RESULTS=()   # "stage|N|rc|seconds|note"
+
+say() { echo "[suite $(( $(date +%s) - START_S ))s] $*"; }
+
+# ----------------------------------------------------------------------------- multicast guard
+GUARD_VARS="NCCL_NVLS_ENABLE NVSHMEM_DISABLE_NVLS TORCH_SYMM_MEM_DISABLE_MULTICAST"
+declare -A GUARD0
+for v in $GUARD_VARS; do
+    if [ -n "${!v+x}" ]; then GUARD0[$v]="set:${!v}"; else GUARD0[$v]="unset"; fi
+done
+guard_check() {
+    local v now
+    for v in $GUARD_VARS; do
+        if [ -n "${!v+x}" ]; then now="set:${!v}"; else now="unset"; fi
+        if [ "$now" != "${GUARD0[$v]}" ]; then
+            say "FATAL: $v changed from ${GUARD0[$v]} to $now; stopping (multicast safety)"
+            exit 3
+        fi
+    done
+}
+
+# ----------------------------------------------------------------------------- finish (always)
+finish() {
+    local rc=$?
+    trap - EXIT
+    {
+        echo "# dcpkit GPU suite, $(date -u '+%Y-%m-%d %H:%M UTC'), $(hostname), commit ${DCPKIT_COMMIT:-unknown}"
+        echo "# stage world_size rc seconds note"
+        for r in "${RESULTS[@]}"; do echo "$r" | tr '|' ' '; done
+        echo
+        cat "$LOGS/env.txt" 2>/dev/null
+    } >"$SUMMARY"
+    cp "$SUMMARY" "$OUT/summary.txt"
+    for f in "$WORK"/bench_*.json "$WORK"/bench_*.png "$WORK"/demo_*.json; do
+        [ -f "$f" ] && cp "$f" "$OUT/"
+    done
+    cp "$WORK"/demo_*.json "$LOGS/" 2>/dev/null
+    tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null
+    # the tail of a log can be huge; the tarball keeps everything, the table stays short
+    echo
+    echo "==================== dcpkit GPU suite: summary ($(( $(date +%s) - START_S )) s) ===================="
+    printf '%-12s %-3s %-5s %-7s %s\n' stage N rc seconds note
+    local failed=0
+    for r in "${RESULTS[@]}"; do
+        IFS='|' read -r s n c t note <<<"$r"
+        printf '%-12s %-3s %-5s %-7s %s\n' "$s" "$n" "$c" "$t" "$note"
+        case "$c" in 0|skip) ;; *) failed=1 ;; esac
+    done
+    echo "files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+    [ "$rc" -ne 0 ] && exit "$rc"
+    exit "$failed"
+}
+trap finish EXIT
+
+# ----------------------------------------------------------------------------- environment
+if [ -d "$ROOT/.whl" ] && ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
+    if "$PY" -m pip install -q --no-index --no-deps --target /tmp/site "$ROOT"/.whl/*.whl \
+            >"$LOGS/wheels.log" 2>&1; then
+        export PYTHONPATH="$ROOT:/tmp/site"
+    else
+        say "installing .whl/*.whl failed (see logs/wheels.log); going on without them"
+        export PYTHONPATH="$ROOT"
+    fi
+else
+    export PYTHONPATH="$ROOT"
+fi
+if [ -z "${DCPKIT_COMMIT:-}" ]; then
+    DCPKIT_COMMIT="$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
+fi
+export DCPKIT_COMMIT
+
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [ "${NGPU:-0}" -eq 0 ]; then
+    NGPU=$("$PY" -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())' 2>/dev/null || echo 0)
+fi
+NPS=""
+for n in ${DCPKIT_SUITE_NP:-2 4}; do
+    if [ "$n" -le "$NGPU" ]; then NPS="$NPS $n"; else say "world size $n skipped: $NGPU GPU(s)"; fi
+done
+export DCPKIT_MACHINE_KIND="${DCPKIT_MACHINE_KIND:-${NGPU}x $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)}"
+
+{
+    echo "## environment"
+    echo "host: $(hostname); $(uname -r); GPUs: $NGPU; world sizes: ${NPS:- none}"
+    echo "commit: $DCPKIT_COMMIT"
+    for v in $GUARD_VARS; do echo "$v: ${GUARD0[$v]}"; done
+    echo "DCPKIT_MULTICAST: ${DCPKIT_MULTICAST-unset}; DCPKIT_DISABLE_MULTICAST: ${DCPKIT_DISABLE_MULTICAST-unset}"
+    nvidia-smi -L 2>&1
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm,power.limit --format=csv 2>&1
+    nvidia-smi topo -m 2>&1
+    echo "python: $("$PY" --version 2>&1)"
+    "$PY" -m pip list 2>/dev/null | grep -iE '^(cupy|cuda-bindings|cuda-python|cuda-core|torch|mpi4py|numpy|ml.dtypes|nvidia-nccl|nvshmem|pytest|matplotlib)' 
+    echo "mpirun: $(mpirun --version 2>&1 | head -1)"
+} >"$LOGS/env.txt" 2>&1
+say "environment: $NGPU GPU(s), world sizes:${NPS:- none}, commit ${DCPKIT_COMMIT:0:12}"
+for v in $GUARD_VARS; do say "  $v: ${GUARD0[$v]}"; done
+
+MPI_FLAGS=(-x PYTHONPATH -x DCPKIT_COMMIT -x DCPKIT_MACHINE_KIND)
+if mpirun --version 2>&1 | grep -qi "open mpi"; then
+    MPI_OPENMPI=1
+    [ "$(id -u)" = 0 ] && MPI_FLAGS+=(--allow-run-as-root)
+    MPI_FLAGS+=(--oversubscribe)
+else
+    MPI_OPENMPI=0
+    MPI_FLAGS=()
+fi
+
+# ----------------------------------------------------------------------------- stage runner
+# run_stage NAME N CAP_S LOG CMD...: bounded by min(CAP_S, what is left of the budget - 40 s).
+run_stage() {
+    local name=$1 n=$2 cap=$3 log=$4
+    shift 4
+    guard_check
+    local left=$(( BUDGET_S - ($(date +%s) - START_S) - 40 ))
+    local lim=$cap
+    [ "$left" -lt "$lim" ] && lim=$left
+    if [ "$lim" -lt 20 ]; then
+        RESULTS+=("$name|$n|skip|0|out of time budget")
+        say "$name N=$n: skipped (out of the ${BUDGET_S} s budget)"
+        return 0
+    fi
+    say "$name N=$n: start (limit ${lim} s): $*"
+    local t0=$(date +%s)
+    timeout -k 15 "$lim" "$@" >"$log" 2>&1
+    local rc=$?
+    local dt=$(( $(date +%s) - t0 ))
+    local note=""
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        note="timed out after ${lim} s"
+    else
+        # pytest's last summary line, or the benchmark's / demo's last line
+        note="$(grep -E ' (passed|failed|error|errors|skipped|no tests ran)( |,|$)|^# dcpkit bench:|^dcpkit demo' "$log" 2>/dev/null | tail -1 | tr -d '=' | sed 's/^ *//' | cut -c1-90)"
+    fi
+    RESULTS+=("$name|$n|$rc|$dt|$note")
+    if [ "$rc" -eq 0 ]; then
+        say "$name N=$n: ok in ${dt} s ${note:+($note)}"
+    else
+        say "$name N=$n: exit $rc after ${dt} s ${note:+($note)}; last lines of $(basename "$log"):"
+        tail -n 25 "$log" | cut -c1-200
+    fi
+    return 0
+}
+
+mpicmd() {  # mpicmd N TAG: sets MPICMD to the mpirun prefix, per-rank logs under logs/TAG
+    if [ "$MPI_OPENMPI" = 1 ]; then
+        MPICMD=(mpirun "${MPI_FLAGS[@]}" --output-filename "$LOGS/$2" -np "$1")
+    else
+        MPICMD=(mpirun -np "$1")
+    fi
+}
+
+# ----------------------------------------------------------------------------- stages
+if [[ $STAGES == *,info,* ]]; then
+    run_stage info - 120 "$LOGS/info.log" "$PY" -m dcpkit info
+    head -c 3000 "$LOGS/info.log"
+fi
+
+if [[ $STAGES == *,tests,* ]]; then
+    if [ -d "$ROOT/tests/gpu" ]; then
+        run_stage gputests 1 300 "$LOGS/tests_gpu.log" \
+            "$PY" -m pytest tests/gpu -p no:cacheprovider -q -rfEs --timeout=300 ${DCPKIT_PYTEST_ARGS:-}
+    fi
+    for n in $NPS; do
+        mpicmd "$n" "tests_mpi_$n"
+        # shellcheck disable=SC2086
+        run_stage mpitests "$n" 400 "$LOGS/tests_mpi_$n.log" \
+            "${MPICMD[@]}" "$PY" -m pytest tests/mpi -p no:cacheprovider -q -x -rfEs \
+            --timeout=300 ${DCPKIT_PYTEST_ARGS:-}
+    done
+fi
+
+if [[ $STAGES == *,demo,* ]]; then
+    if [ -f "$ROOT/dcpkit/demo.py" ]; then
+        for n in $NPS; do
+            mpicmd "$n" "demo_$n"
+            run_stage demo "$n" 180 "$LOGS/demo_$n.log" \
+                "${MPICMD[@]}" "$PY" -m dcpkit demo --json "$WORK/demo_$n.json"
+        done
+    else
+        RESULTS+=("demo|-|skip|0|dcpkit/demo.py not in this checkout")
+    fi
+fi
+
+if [[ $STAGES == *,bench,* ]]; then
+    for n in $NPS; do
+        mpicmd "$n" "bench_$n"
+        # shellcheck disable=SC2086
+        run_stage bench "$n" 400 "$LOGS/bench_$n.log" \
+            "${MPICMD[@]}" "$PY" -m dcpkit bench --json "$WORK/bench_$n.json" \
+            --plot "$WORK/bench_$n.png" ${DCPKIT_BENCH_ARGS:-}
+        # the compact part of the bench output: ceilings, target counts, the last line
+        grep -E '^# (ceilings|  |targets:|dcpkit bench:)|^#   ' "$LOGS/bench_$n.log" | cut -c1-160 | tail -n 12
+    done
+fi
+exit 0
