@@ -1,0 +1,780 @@
+"""DCPComm: the three DCP exchanges of one geometry, each served per call by the direct op or
+by its NCCL version.
+
+Usage, on every rank::
+
+    dcp = DCPComm(comm, max_tokens=128, num_heads=128, q_head_dim=576, v_head_dim=512,
+                  kv_row_dim=576, dtype="bfloat16")           # policy="auto"
+    q_all = dcp.q_gather(q)                      # [T, H_r, D_q] -> [T, H, D_q]
+    out = dcp.lse_reduce(out_partial, lse)       # [T, H, D_v], [T, H] -> [T, H_r, D_v]
+    kv_all = dcp.kv_gather(kv)                   # [T, D_kv] -> [world_size*T, D_kv]
+    print(dcp.last_path, dcp.counters)           # "direct-unicast", {"q_gather": {...}, ...}
+    print(dcp.describe())
+    dcp.close()                                  # collective
+
+Selection (per call, :func:`select_path`): the direct op serves a call when
+
+1. the group is one NVLink domain: every rank on one host and peer access between every pair
+   of GPUs (decided once at construction, agreed across ranks);
+2. the geometry suits the direct kernel (dtype, row bytes a multiple of 16; decided once);
+3. the call suits it: ``T <= max_tokens``, and for ``lse_reduce`` an lse dtype the kernel
+   reads (bfloat16, float16, float32);
+
+otherwise the NCCL op (:mod:`dcpkit.fallback`) serves it. ``policy="direct"`` forces the direct
+op (a call it cannot serve raises, never falls back silently); ``policy="nccl"`` forces NCCL.
+Every input of the decision is equal on every rank (``T``, dtypes, shapes, the policy, the
+topology agreed at setup), never a pointer or a stride, so ranks never take different paths.
+An input whose layout the direct kernel cannot read (misaligned pointer, odd strides: these may
+differ per rank) is copied to a contiguous array instead (an allocation: refused while a CUDA
+graph is being captured), and an ``out=`` it cannot write receives a copy of the result.
+
+Every call records its path: :attr:`DCPComm.last_path` (``"direct-unicast"``,
+``"direct-multicast"`` or ``"nccl"``) and :attr:`DCPComm.counters` (op -> path -> calls).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ._arrays import ArrayInfo, array_info, check_ndim, dtype_name
+from .comm import Communicator
+from .errors import (ClosedError, ConfigMismatch, DcpkitError, InvalidArgument, InvalidType,
+                     PeerError)
+from .fallback import LSE_ALGORITHMS, PATH_NCCL
+from .reference import resolve_dtype
+
+__all__ = [
+    "DCPComm", "select_path", "direct_call_blocker", "direct_geometry_blocker",
+    "topology_blocker", "POLICIES", "OPS", "PATH_DIRECT_UNICAST", "PATH_DIRECT_MULTICAST",
+    "PATH_NCCL", "DIRECT_LSE_DTYPES",
+]
+
+POLICIES = ("auto", "direct", "nccl")
+OPS = ("q_gather", "lse_reduce", "kv_gather")
+PATH_DIRECT_UNICAST = "direct-unicast"
+PATH_DIRECT_MULTICAST = "direct-multicast"
+PATHS = (PATH_DIRECT_UNICAST, PATH_DIRECT_MULTICAST, PATH_NCCL)
+
+
+def _direct_float_dtypes() -> Tuple[np.dtype, ...]:
+    return (resolve_dtype("bfloat16"), np.dtype(np.float16), np.dtype(np.float32))
+
+
+#: Names of the output and lse dtypes the direct lse_reduce kernel is built for.
+DIRECT_LSE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+# ----------------------------------------------------------------------------- selection
+def topology_blocker(*, hosts: Sequence[str],
+                     p2p_missing: Sequence[Tuple[int, int]] = ()) -> Optional[str]:
+    """Why the group is not one NVLink domain (None when it is).
+
+    Parameters
+    ----------
+    hosts : sequence of str
+        Host identity of every rank (``Communicator.hosts``).
+    p2p_missing : sequence of (int, int)
+        Rank pairs whose GPUs report no peer access.
+    """
+    distinct = sorted(set(hosts))
+    if len(distinct) > 1:
+        per_host = {h: [r for r, x in enumerate(hosts) if x == h] for h in distinct}
+        detail = "; ".join(f"ranks {v}" for v in per_host.values())
+        return (f"the group spans {len(distinct)} hosts ({detail}): the direct ops need every "
+                f"rank in one NVLink domain")
+    if p2p_missing:
+        pairs = ", ".join(f"{a}-{b}" for a, b in sorted(set(map(tuple, p2p_missing))))
+        return f"no GPU peer access between ranks {pairs}"
+    return None
+
+
+def direct_geometry_blocker(op: str, *, dtype, row_bytes: int) -> Optional[str]:
+    """Why the direct op cannot be built for this geometry (None when it can).
+
+    ``row_bytes`` is what the direct kernel moves with 16-byte stores: ``H_r * D * itemsize``
+    for ``q_gather``, ``D_kv * itemsize`` for ``kv_gather``, ``D_v * itemsize`` for
+    ``lse_reduce``.
+    """
+    dt = resolve_dtype(dtype)
+    if op == "lse_reduce" and dt not in _direct_float_dtypes():
+        return (f"dtype must be one of [{', '.join(DIRECT_LSE_DTYPES)}] for the direct kernel "
+                f"(got {dtype_name(dt)})")
+    if row_bytes % 16:
+        what = {"q_gather": "heads_per_rank * q_head_dim * itemsize",
+                "kv_gather": "kv_row_dim * itemsize",
+                "lse_reduce": "v_head_dim * itemsize"}.get(op, "row bytes")
+        return (f"{what} must be a multiple of 16 bytes for the direct kernel's 16-byte stores "
+                f"(got {row_bytes})")
+    return None
+
+
+def direct_call_blocker(op: str, *, tokens: int, max_tokens: int,
+                        lse_dtype=None) -> Optional[str]:
+    """Why the direct op cannot serve this call (None when it can). Depends only on values
+    equal on every rank."""
+    if tokens > max_tokens:
+        return (f"T must be <= max_tokens {max_tokens}, the direct op's capacity "
+                f"(got {tokens})")
+    if op == "lse_reduce" and lse_dtype is not None:
+        try:
+            dt = resolve_dtype(lse_dtype)
+        except (TypeError, ValueError):
+            dt = None
+        if dt not in _direct_float_dtypes():
+            return (f"lse_partial dtype must be one of [{', '.join(DIRECT_LSE_DTYPES)}] for "
+                    f"the direct kernel (got {dtype_name(lse_dtype)})")
+    return None
+
+
+def select_path(op: str, policy: str, *, direct_path: Optional[str],
+                direct_blocker: Optional[str], nccl_blocker: Optional[str]) -> str:
+    """The path that serves one call: ``direct_path`` or ``"nccl"``.
+
+    Parameters
+    ----------
+    op : str
+        Name used in error messages (``"DCPComm.q_gather"``).
+    policy : str
+        ``"auto"``, ``"direct"`` or ``"nccl"``.
+    direct_path : str or None
+        ``"direct-unicast"`` / ``"direct-multicast"``: the direct op's path; None when there is
+        no direct op (then ``direct_blocker`` says why).
+    direct_blocker : str or None
+        Why the direct op cannot serve this call (setup or call reason); None when it can.
+    nccl_blocker : str or None
+        Why the NCCL op is unavailable; None when it is available.
+
+    Raises
+    ------
+    InvalidArgument
+        ``policy="direct"`` and the direct op cannot serve the call; ``policy="nccl"`` (or
+        ``"auto"`` with no direct path) and NCCL is unavailable; an unknown policy.
+    """
+    if policy not in POLICIES:
+        raise InvalidArgument(f"{op}: policy must be one of {list(POLICIES)} (got {policy!r})")
+    if direct_path is None and direct_blocker is None:
+        direct_blocker = "no direct op was built"
+    if policy == "direct":
+        if direct_blocker is not None:
+            raise InvalidArgument(f"{op}: policy 'direct' cannot serve this call: "
+                                  f"{direct_blocker} (policy='auto' falls back to NCCL)")
+        return direct_path
+    if policy == "auto" and direct_blocker is None:
+        return direct_path
+    if nccl_blocker is not None:
+        why = "" if policy == "nccl" else f"the direct op cannot ({direct_blocker}) and "
+        raise InvalidArgument(f"{op}: no path can serve this call: {why}NCCL is unavailable "
+                              f"({nccl_blocker})")
+    return PATH_NCCL
+
+
+# ----------------------------------------------------------------------------- layouts
+def _c_contiguous(info: ArrayInfo) -> bool:
+    want = info.itemsize
+    for n, s in zip(reversed(info.shape), reversed(info.strides)):
+        if n != 1 and s != want:
+            return False
+        want *= n
+    return True
+
+
+def _q_rows_ok(info: ArrayInfo) -> bool:
+    """The direct q_gather reads/writes it in place: elements and heads contiguous, token
+    stride >= one token and a multiple of 16, 16-byte aligned."""
+    T, heads, D = info.shape
+    isz = info.itemsize
+    if D > 1 and info.strides[2] != isz:
+        return False
+    if heads > 1 and info.strides[1] != D * isz:
+        return False
+    if T > 1 and (info.strides[0] < heads * D * isz or info.strides[0] % 16):
+        return False
+    return info.ptr % 16 == 0
+
+
+def _aligned_contiguous(info: ArrayInfo, align: int) -> bool:
+    return _c_contiguous(info) and info.ptr % align == 0
+
+
+def _out_partial_ok(info: ArrayInfo) -> bool:
+    """The direct lse_reduce reads it in place (or copies it itself for a strided innermost
+    dimension): non-negative strides, rows 16-byte aligned."""
+    T, H, D = info.shape
+    if any(s < 0 for n, s in zip(info.shape, info.strides) if n > 1):
+        return False
+    if D > 1 and info.strides[2] != info.itemsize:
+        return True  # the op copies it (documented slow path)
+    s_tok = info.strides[0] if T > 1 else 0
+    s_head = info.strides[1] if H > 1 else 0
+    return info.ptr % 16 == 0 and s_tok % 16 == 0 and s_head % 16 == 0
+
+
+def _lse_partial_ok(info: ArrayInfo) -> bool:
+    li = info.itemsize
+    return info.ptr % li == 0 and all(s >= 0 and s % li == 0
+                                      for n, s in zip(info.shape, info.strides) if n > 1)
+
+
+# ----------------------------------------------------------------------------- manager
+class DCPComm:
+    """The three DCP exchanges of one geometry, each served by its direct op or its NCCL op.
+
+    Naive equivalent::
+
+        q_gather(q)          = torch.cat(all_gather(q), dim=1)
+        lse_reduce(o, lse)   = all_to_all of head slices + LSE-weighted merge (own heads)
+        kv_gather(kv)        = all_gather_into_tensor(kv)
+
+    Builds, once, the direct ops (:class:`~dcpkit.ops.QGather`,
+    :class:`~dcpkit.ops.LseReduce`, and :class:`~dcpkit.ops.KVGather` when ``kv_row_dim`` is
+    given; each in its own symmetric heap) and their NCCL versions (:mod:`dcpkit.fallback`,
+    sharing one NCCL communicator), and picks one per call (module docstring, "Selection").
+
+    Parameters
+    ----------
+    comm : Communicator
+    max_tokens : int
+        ``T_max`` of the direct ops: calls with ``T > max_tokens`` go to NCCL.
+    num_heads : int
+        ``H``, a multiple of ``world_size``; rank ``r`` owns heads ``[r*H_r, (r+1)*H_r)``.
+    q_head_dim : int
+        ``D_q``, the head width of ``q``.
+    v_head_dim : int
+        ``D_v``, the head width of the attention output.
+    kv_row_dim : int, optional
+        ``D_kv``: builds ``kv_gather`` when given.
+    dtype : str or dtype
+        Dtype of ``q``, ``kv``, ``out_partial`` and the outputs (bfloat16, float16, float32;
+        the gathers also take other dtypes, then served by the direct op where row bytes allow).
+    num_ubatches : int
+        Independent epochs / buffers per op (micro-batches that overlap).
+    lse_base : float
+        ``math.e`` or ``2``: base of ``lse_partial``.
+    policy : str
+        ``"auto"`` (default), ``"direct"`` or ``"nccl"``; must be equal on every rank.
+    nccl_lse_algorithm : str
+        The NCCL ``lse_reduce`` algorithm: ``"all_to_all"`` (default) or
+        ``"allgather_reduce_scatter"`` (same result shape). (``"allgather_all_reduce"`` returns
+        all heads and so cannot stand in for the direct op: use
+        :class:`~dcpkit.fallback.NcclLseReduce` directly.)
+    timeout_ms : float, optional
+        Deadline of every wait of the direct ops.
+    nccl_max_tokens : int, optional
+        Buffer capacity of the NCCL ops (default ``max_tokens``). Calls with larger ``T`` still
+        work eagerly (the NCCL op then allocates per call); inside a CUDA graph capture ``T``
+        must stay ``<= nccl_max_tokens``.
+    return_lse : bool
+        ``lse_reduce`` also returns the merged lse from every call (as with ``out_lse=``).
+
+    Attributes
+    ----------
+    last_path : str or None
+        Path of the last call: ``"direct-unicast"``, ``"direct-multicast"`` or ``"nccl"``.
+    counters : dict
+        op -> path -> number of calls served.
+    direct_ops, nccl_ops : dict
+        op -> the op object (None where not built).
+    direct_reason : dict
+        op -> why no direct op serves it at all (None where one is available).
+    nccl_reason : str or None
+        Why the NCCL ops are unavailable (None when available).
+
+    Collective: construction, every call, :meth:`close`.
+
+    Raises
+    ------
+    ConfigMismatch
+        Ranks passed different policies (naming the ranks) or geometries.
+    InvalidArgument, InvalidType
+        A bad argument; ``policy="direct"`` where the direct ops cannot exist (multi-host, no
+        peer access, unsupported geometry).
+    MissingDependency
+        ``policy="nccl"`` and NCCL is not usable (names the cuda12 / cuda13 extra).
+    PeerError
+        Another rank failed a setup step.
+    """
+
+    def __init__(self, comm: Communicator, *, max_tokens: int, num_heads: int,
+                 q_head_dim: int, v_head_dim: int, kv_row_dim: Optional[int] = None, dtype,
+                 num_ubatches: int = 1, lse_base: float = math.e, policy: str = "auto",
+                 nccl_lse_algorithm: str = "all_to_all", timeout_ms: Optional[float] = None,
+                 nccl_max_tokens: Optional[int] = None, return_lse: bool = False):
+        self._closed = True
+        self.direct_ops: Dict[str, object] = {op: None for op in OPS}
+        self.nccl_ops: Dict[str, object] = {op: None for op in OPS}
+        self.nccl_group = None
+        if not isinstance(comm, Communicator):
+            raise InvalidType(f"DCPComm: comm must be a dcpkit.Communicator "
+                              f"(got {type(comm).__name__})")
+        self.comm = comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+        # 1. the policy: the first collective, before anything touches a GPU
+        err = None
+        if policy not in POLICIES:
+            err = InvalidArgument(f"DCPComm: policy must be one of {list(POLICIES)} "
+                                  f"(got {policy!r})")
+        every = comm.allgather((None if err is None else str(err), policy))
+        if err is not None:
+            raise err
+        failed = {r: m for r, (m, _) in enumerate(every) if m is not None}
+        if failed:
+            raise PeerError("DCPComm: policy", failed)
+        policies = [p for _, p in every]
+        if any(p != policy for p in policies):
+            raise ConfigMismatch("DCPComm: policy", policies)
+        self.policy = policy
+        # 2. the geometry
+        err = None
+        geometry = None
+        try:
+            geometry = self._init_geometry(max_tokens, num_heads, q_head_dim, v_head_dim,
+                                           kv_row_dim, dtype, num_ubatches, lse_base,
+                                           nccl_lse_algorithm, nccl_max_tokens, return_lse)
+        except DcpkitError as e:
+            err = e
+        every = comm.allgather((None if err is None else f"{type(err).__name__}: {err}",
+                                geometry))
+        if err is not None:
+            raise err
+        failed = {r: m for r, (m, _) in enumerate(every) if m is not None}
+        if failed:
+            raise PeerError("DCPComm: constructor arguments", failed)
+        if any(g != geometry for _, g in every):
+            raise ConfigMismatch("DCPComm: geometry (max_tokens, num_heads, q_head_dim, "
+                                 "v_head_dim, kv_row_dim, dtype, num_ubatches, lse_base, "
+                                 "nccl_lse_algorithm, nccl_max_tokens, return_lse)",
+                                 [g for _, g in every])
+        self.timeout_ms = timeout_ms
+        self.last_path: Optional[str] = None
+        self.counters: Dict[str, Dict[str, int]] = {
+            op: {p: 0 for p in PATHS} for op in self.ops}
+        self.direct_reason: Dict[str, Optional[str]] = {op: None for op in OPS}
+        self.nccl_reason: Optional[str] = None
+        self._direct_path: Dict[str, Optional[str]] = {op: None for op in OPS}
+        try:
+            self._build()
+        except BaseException:
+            self._close_all()
+            raise
+        self._closed = False
+
+    # ------------------------------------------------------------------ construction
+    def _init_geometry(self, max_tokens, num_heads, q_head_dim, v_head_dim, kv_row_dim, dtype,
+                       num_ubatches, lse_base, nccl_lse_algorithm, nccl_max_tokens,
+                       return_lse) -> Tuple:
+        """Check the arguments (no GPU, no collective); returns the geometry tuple."""
+        from .ops._workspace import check_positive_int  # noqa: WPS433
+
+        op = "DCPComm"
+        W = self.world_size
+        self.max_tokens = check_positive_int(max_tokens, op, "max_tokens")
+        self.num_heads = check_positive_int(num_heads, op, "num_heads")
+        if self.num_heads % W:
+            raise InvalidArgument(f"{op}: num_heads must be a multiple of world_size {W} "
+                                  f"(got {self.num_heads})")
+        self.heads_per_rank = self.num_heads // W
+        self.q_head_dim = check_positive_int(q_head_dim, op, "q_head_dim")
+        self.v_head_dim = check_positive_int(v_head_dim, op, "v_head_dim")
+        self.kv_row_dim = None if kv_row_dim is None else \
+            check_positive_int(kv_row_dim, op, "kv_row_dim")
+        try:
+            self.dtype = resolve_dtype(dtype)
+        except (TypeError, ValueError, AttributeError, ImportError):
+            raise InvalidType(f"{op}: dtype must be a NumPy dtype or dtype name "
+                              f"(got {dtype!r})") from None
+        self.num_ubatches = check_positive_int(num_ubatches, op, "num_ubatches")
+        if isinstance(lse_base, bool) or not isinstance(lse_base, (int, float, np.number)) \
+                or float(lse_base) not in (math.e, 2.0):
+            raise InvalidArgument(f"{op}: lse_base must be math.e or 2 (got {lse_base!r})")
+        self.lse_base = math.e if float(lse_base) == math.e else 2.0
+        usable = [a for a in LSE_ALGORITHMS if a != "allgather_all_reduce"]
+        if nccl_lse_algorithm not in usable:
+            raise InvalidArgument(f"{op}: nccl_lse_algorithm must be one of {usable} "
+                                  f"(got {nccl_lse_algorithm!r})")
+        self.nccl_lse_algorithm = nccl_lse_algorithm
+        self.nccl_max_tokens = self.max_tokens if nccl_max_tokens is None else \
+            check_positive_int(nccl_max_tokens, op, "nccl_max_tokens")
+        if not isinstance(return_lse, (bool, np.bool_)):
+            raise InvalidType(f"{op}: return_lse must be a bool (got {return_lse!r})")
+        self.return_lse = bool(return_lse)
+        self.ops = tuple(o for o in OPS if o != "kv_gather" or self.kv_row_dim is not None)
+        return (self.max_tokens, self.num_heads, self.q_head_dim, self.v_head_dim,
+                self.kv_row_dim, str(self.dtype), self.num_ubatches, self.lse_base,
+                self.nccl_lse_algorithm, self.nccl_max_tokens, self.return_lse)
+
+    def _row_bytes(self, op: str) -> int:
+        isz = self.dtype.itemsize
+        return {"q_gather": self.heads_per_rank * self.q_head_dim * isz,
+                "kv_gather": (self.kv_row_dim or 0) * isz,
+                "lse_reduce": self.v_head_dim * isz}[op]
+
+    def _build(self) -> None:
+        """Topology, direct ops, NCCL group and ops (collective; consistent on every rank)."""
+        self.device = self._current_device()
+        self.topology_reason = self._probe_topology()
+        # direct ops
+        for op in self.ops:
+            reason = None
+            if self.policy == "nccl":
+                reason = "policy is 'nccl'"
+            elif self.topology_reason is not None:
+                reason = self.topology_reason
+            else:
+                reason = direct_geometry_blocker(op, dtype=self.dtype,
+                                                 row_bytes=self._row_bytes(op))
+            if reason is None:
+                try:
+                    self.direct_ops[op] = self._build_direct(op)
+                except DcpkitError as e:
+                    if self.policy == "direct":
+                        raise
+                    reason = f"building the direct op failed on some rank ({e})"
+            if reason is not None and self.policy == "direct":
+                raise InvalidArgument(f"DCPComm: policy 'direct' cannot serve {op}: {reason}")
+            self.direct_reason[op] = reason
+            if self.direct_ops[op] is not None:
+                transport = getattr(self.direct_ops[op], "transport", "unicast")
+                self._direct_path[op] = (PATH_DIRECT_MULTICAST if transport == "multicast"
+                                         else PATH_DIRECT_UNICAST)
+        # NCCL group and ops
+        if self.policy == "direct":
+            self.nccl_reason = "policy is 'direct'"
+        else:
+            try:
+                self.nccl_group = self._build_nccl_group()
+            except DcpkitError as e:
+                if self.policy == "nccl":
+                    raise
+                self.nccl_reason = f"{type(e).__name__}: {e}"
+            if self.nccl_group is not None:
+                for op in self.ops:
+                    self.nccl_ops[op] = self._build_nccl(op, self.nccl_group)
+        self._load_copy_kernel()
+        self.comm.barrier()
+
+    # Hooks (a CPU test subclass replaces them with fakes).
+    def _current_device(self) -> int:
+        import cupy  # noqa: WPS433
+
+        return int(cupy.cuda.Device().id)
+
+    def _probe_topology(self) -> Optional[str]:
+        """Why the group is not one NVLink domain (None when it is); equal on every rank."""
+        import cupy  # noqa: WPS433
+
+        rt = cupy.cuda.runtime
+        bus = rt.deviceGetPCIBusId(self.device)
+        buses = self.comm.allgather(bus)
+        missing: List[Tuple[int, int]] = []
+        if not self.comm.spans_hosts:
+            for s, b in enumerate(buses):
+                if s == self.rank or b == bus:
+                    continue
+                try:
+                    peer = rt.deviceGetByPCIBusId(b)
+                except rt.CUDARuntimeError:
+                    continue  # not visible to this process: the heap setup tests that pair
+                if not rt.deviceCanAccessPeer(self.device, peer):
+                    missing.append((min(self.rank, s), max(self.rank, s)))
+        every = self.comm.allgather(missing)
+        return topology_blocker(hosts=self.comm.hosts,
+                                p2p_missing=[p for lst in every for p in lst])
+
+    def _build_direct(self, op: str):
+        from .ops import KVGather, LseReduce, QGather  # noqa: WPS433
+
+        common = dict(max_tokens=self.max_tokens, dtype=self.dtype,
+                      num_ubatches=self.num_ubatches, timeout_ms=self.timeout_ms)
+        if op == "q_gather":
+            return QGather(self.comm, heads_per_rank=self.heads_per_rank,
+                           head_dim=self.q_head_dim, **common)
+        if op == "lse_reduce":
+            return LseReduce(self.comm, num_heads=self.num_heads, head_dim=self.v_head_dim,
+                             lse_base=self.lse_base, return_lse=True, **common)
+        return KVGather(self.comm, row_dim=self.kv_row_dim, **common)
+
+    def _build_nccl_group(self):
+        from .fallback import NcclGroup  # noqa: WPS433
+
+        return NcclGroup(self.comm)
+
+    def _build_nccl(self, op: str, group):
+        from .fallback import NcclKVGather, NcclLseReduce, NcclQGather  # noqa: WPS433
+
+        common = dict(max_tokens=self.nccl_max_tokens, dtype=self.dtype,
+                      num_ubatches=self.num_ubatches, nccl_group=group)
+        if op == "q_gather":
+            return NcclQGather(self.comm, heads_per_rank=self.heads_per_rank,
+                               head_dim=self.q_head_dim, **common)
+        if op == "lse_reduce":
+            return NcclLseReduce(self.comm, num_heads=self.num_heads, head_dim=self.v_head_dim,
+                                 lse_base=self.lse_base, return_lse=True,
+                                 algorithm=self.nccl_lse_algorithm, **common)
+        return NcclKVGather(self.comm, row_dim=self.kv_row_dim, **common)
+
+    def _load_copy_kernel(self) -> None:
+        """Load the strided-copy kernel now (layout normalisation must not compile later)."""
+        from .fallback import _kernels  # noqa: WPS433
+
+        _kernels(self.device)
+
+    # ------------------------------------------------------------------ per call
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ClosedError(f"DCPComm.{what}: DCPComm is closed")
+
+    def _check_built(self, op: str) -> None:
+        if op not in self.ops:
+            raise InvalidArgument(f"DCPComm.{op}: kv_row_dim must be given at construction to "
+                                  f"use kv_gather (got kv_row_dim=None)")
+
+    def path_for(self, op: str, tokens: int, lse_dtype=None) -> str:
+        """The path a call of ``op`` with ``T = tokens`` (and ``lse_dtype``) takes; raises
+        where :meth:`lse_reduce` etc. would."""
+        blocker = self.direct_reason[op] or direct_call_blocker(
+            op, tokens=tokens, max_tokens=self.max_tokens, lse_dtype=lse_dtype)
+        nccl_blocker = None
+        if self.nccl_ops[op] is None:
+            nccl_blocker = self.nccl_reason or "no NCCL op was built"
+        return select_path(f"DCPComm.{op}", self.policy, direct_path=self._direct_path[op],
+                           direct_blocker=blocker, nccl_blocker=nccl_blocker)
+
+    def _record(self, op: str, path: str) -> None:
+        self.last_path = path
+        self.counters[op][path] += 1
+
+    def _stream(self, stream):
+        import cupy  # noqa: WPS433
+
+        return cupy.cuda.get_current_stream() if stream is None else stream
+
+    def _normalised(self, arr, info: ArrayInfo, ok: bool, name: str, op: str, stream):
+        """``arr`` itself when the direct kernel reads its layout, else a C-contiguous copy
+        (eager only: the copy allocates)."""
+        if ok:
+            return arr
+        if stream.is_capturing():
+            raise InvalidArgument(
+                f"DCPComm.{op}: {name} layout must be C-contiguous and 16-byte aligned while a "
+                f"CUDA graph is being captured (got strides {info.strides} bytes, pointer "
+                f"offset {info.ptr % 16}): the copy that fixes it would allocate")
+        import cupy  # noqa: WPS433
+
+        from .fallback import _copy_infos  # noqa: WPS433
+
+        with cupy.cuda.Device(self.device), stream:
+            nbytes = int(np.prod(info.shape)) * info.itemsize
+            fresh = cupy.empty(max(nbytes, 16), dtype=cupy.uint8)[:nbytes]
+            c = fresh.view(info.dtype).reshape(info.shape)
+        _copy_infos(array_info(c, f"DCPComm.{op}", name), info, stream)
+        return c
+
+    def _copy_out(self, dst, src, stream) -> None:
+        from .fallback import strided_copy  # noqa: WPS433
+
+        strided_copy(dst, src, stream)
+
+    def q_gather(self, q, *, ubatch: int = 0, out=None, stream=None):
+        """``q [T, H_r, D_q]`` on every rank -> ``[T, H, D_q]``: see
+        :class:`~dcpkit.ops.QGather` (same arguments, same result, same output lifetime).
+
+        Collective: every rank, same ``T`` and ubatch. Stream: on ``stream``.
+
+        Raises
+        ------
+        InvalidArgument
+            ``policy="direct"`` and the direct op cannot serve the call; bad arguments (from
+            the op that serves the call).
+        """
+        op = "q_gather"
+        self._check_open(op)
+        qi = array_info(q, f"DCPComm.{op}", "q")
+        check_ndim(qi, 3, "T, H_r, D", f"DCPComm.{op}", "q")
+        path = self.path_for(op, qi.shape[0])
+        if path == PATH_NCCL:
+            res = self.nccl_ops[op](q, ubatch=ubatch, out=out, stream=stream)
+        else:
+            stream = self._stream(stream)
+            q = self._normalised(q, qi, _q_rows_ok(qi), "q", op, stream)
+            direct = self.direct_ops[op]
+            if out is not None and not _q_rows_ok(array_info(out, f"DCPComm.{op}", "out")):
+                res = direct(q, ubatch=ubatch, stream=stream)
+                self._copy_out(out, res, stream)
+                res = out
+            else:
+                res = direct(q, ubatch=ubatch, out=out, stream=stream)
+        self._record(op, path)
+        return res
+
+    def kv_gather(self, kv, *, ubatch: int = 0, out=None, stream=None):
+        """``kv [T, D_kv]`` on every rank -> ``[world_size*T, D_kv]``: see
+        :class:`~dcpkit.ops.KVGather` (same arguments, same result, same output lifetime).
+
+        Collective: every rank, same ``T`` and ubatch. Stream: on ``stream``.
+
+        Raises
+        ------
+        InvalidArgument
+            ``kv_row_dim`` was not given; ``policy="direct"`` and the direct op cannot serve
+            the call; bad arguments.
+        """
+        op = "kv_gather"
+        self._check_open(op)
+        self._check_built(op)
+        ki = array_info(kv, f"DCPComm.{op}", "kv")
+        check_ndim(ki, 2, "T, D_kv", f"DCPComm.{op}", "kv")
+        path = self.path_for(op, ki.shape[0])
+        if path == PATH_NCCL:
+            res = self.nccl_ops[op](kv, ubatch=ubatch, out=out, stream=stream)
+        else:
+            stream = self._stream(stream)
+            kv = self._normalised(kv, ki, _aligned_contiguous(ki, 16), "kv", op, stream)
+            direct = self.direct_ops[op]
+            if out is not None and not _aligned_contiguous(
+                    array_info(out, f"DCPComm.{op}", "out"), 16):
+                res = direct(kv, ubatch=ubatch, stream=stream)
+                self._copy_out(out, res, stream)
+                res = out
+            else:
+                res = direct(kv, ubatch=ubatch, out=out, stream=stream)
+        self._record(op, path)
+        return res
+
+    def lse_reduce(self, out_partial, lse_partial, *, seq_lens=None, query_start_loc=None,
+                   ubatch: int = 0, out=None, out_lse=None, stream=None):
+        """Merge every rank's partial attention into this rank's heads: see
+        :class:`~dcpkit.ops.LseReduce` (same arguments, same result within
+        :func:`~dcpkit.reference.lse_reduce_tolerance`, same output lifetime).
+
+        Returns ``out [T, H_r, D_v]``, or ``(out, out_lse [T, H_r] float32)`` with ``out_lse=``
+        or ``return_lse=True``.
+
+        Collective: every rank, same ``T``, dtypes, masks present or not, ubatch.
+        Stream: on ``stream``.
+
+        Raises
+        ------
+        InvalidArgument
+            ``policy="direct"`` and the direct op cannot serve the call; bad arguments.
+        """
+        op = "lse_reduce"
+        self._check_open(op)
+        name = f"DCPComm.{op}"
+        x = array_info(out_partial, name, "out_partial")
+        check_ndim(x, 3, "T, H, D_v", name, "out_partial")
+        li = array_info(lse_partial, name, "lse_partial")
+        check_ndim(li, 2, "T, H", name, "lse_partial")
+        path = self.path_for(op, x.shape[0], lse_dtype=li.dtype)
+        want_lse = self.return_lse or out_lse is not None
+        kw = dict(seq_lens=seq_lens, query_start_loc=query_start_loc, ubatch=ubatch)
+        if path == PATH_NCCL:
+            res, lse = self.nccl_ops[op](out_partial, lse_partial, out=out, out_lse=out_lse,
+                                         stream=stream, **kw)
+        else:
+            stream = self._stream(stream)
+            out_partial = self._normalised(out_partial, x, _out_partial_ok(x), "out_partial",
+                                           op, stream)
+            lse_partial = self._normalised(lse_partial, li, _lse_partial_ok(li), "lse_partial",
+                                           op, stream)
+            o_fix = out is not None and not _aligned_contiguous(array_info(out, name, "out"), 16)
+            l_fix = out_lse is not None and not _aligned_contiguous(
+                array_info(out_lse, name, "out_lse"), 4)
+            res, lse = self.direct_ops[op](out_partial, lse_partial, stream=stream,
+                                           out=None if o_fix else out,
+                                           out_lse=None if l_fix else out_lse, **kw)
+            if o_fix:
+                self._copy_out(out, res, stream)
+                res = out
+            if l_fix:
+                self._copy_out(out_lse, lse, stream)
+                lse = out_lse
+        self._record(op, path)
+        return (res, lse) if want_lse else res
+
+    # ------------------------------------------------------------------ info
+    def describe(self) -> str:
+        """A multi-line description: geometry, paths available and why, counters."""
+        lines = [
+            f"DCPComm rank {self.rank}/{self.world_size} on GPU {getattr(self, 'device', '?')}, "
+            f"policy {self.policy!r}{' (closed)' if self._closed else ''}",
+            f"  geometry: max_tokens={self.max_tokens} num_heads={self.num_heads} "
+            f"(heads_per_rank={self.heads_per_rank}) q_head_dim={self.q_head_dim} "
+            f"v_head_dim={self.v_head_dim} kv_row_dim={self.kv_row_dim} "
+            f"dtype={dtype_name(self.dtype)} num_ubatches={self.num_ubatches} "
+            f"lse_base={'e' if self.lse_base == math.e else 2}",
+            f"  topology: {getattr(self, 'topology_reason', None) or 'one NVLink domain'}",
+            "  nccl: " + (f"available (nccl_max_tokens={self.nccl_max_tokens}, lse_reduce "
+                            f"algorithm {self.nccl_lse_algorithm!r})"
+                            if self.nccl_reason is None else f"unavailable: {self.nccl_reason}"),
+        ]
+        for op in OPS:
+            if op not in self.ops:
+                lines.append(f"  {op}: not built (kv_row_dim not given)")
+                continue
+            d = self._direct_path[op]
+            direct = (f"{d} (T <= {self.max_tokens})" if d is not None
+                      else f"none: {self.direct_reason[op]}")
+            nccl = (getattr(self.nccl_ops[op], "algorithm", "nccl")
+                    if self.nccl_ops[op] is not None else "none")
+            counts = ", ".join(f"{p}={n}" for p, n in self.counters[op].items() if n) or "none"
+            lines.append(f"  {op}: direct {direct}; nccl {nccl}; calls: {counts}")
+        lines.append(f"  last_path: {self.last_path}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"DCPComm(rank={self.rank}, world_size={self.world_size}, policy={self.policy!r}, "
+                f"last_path={self.last_path!r})")
+
+    # ------------------------------------------------------------------ sync and teardown
+    def synchronize(self, stream=None) -> None:
+        """Wait for ``stream`` (default: the current CuPy stream), then raise
+        :class:`~dcpkit.errors.CollectiveTimeout` if a direct op timed out, or
+        :class:`~dcpkit.errors.CudaError` if NCCL reported an error.
+
+        Stream: synchronises the host with ``stream``.
+        """
+        self._check_open("synchronize")
+        stream = self._stream(stream)
+        stream.synchronize()
+        for o in self.direct_ops.values():
+            if o is not None:
+                o.synchronize(stream)
+        if self.nccl_group is not None:
+            self.nccl_group.check_async_error()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _close_all(self) -> None:
+        first = None
+        objs = [self.direct_ops.get(op) for op in OPS] + [self.nccl_ops.get(op) for op in OPS] \
+            + [self.nccl_group]
+        for o in objs:
+            if o is None:
+                continue
+            try:
+                o.close()
+            except BaseException as e:  # noqa: BLE001 - close everything, then raise the first
+                first = first or e
+        self.direct_ops = {op: None for op in OPS}
+        self.nccl_ops = {op: None for op in OPS}
+        self.nccl_group = None
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        """Close every op and the NCCL group (collective, idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close_all()
+
+    def __enter__(self) -> "DCPComm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

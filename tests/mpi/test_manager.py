@@ -1,0 +1,257 @@
+"""DCPComm on GPUs: which path serves each call (asserted on every rank), direct and NCCL
+results equal (bit-exact gathers, lse_reduce within tolerance, all three NCCL lse algorithms),
+T past the capacity, forced policies, mismatched policies, per-rank layouts.
+
+Run (every rank runs every test in the same order)::
+
+    mpirun -np 2 python -m pytest tests/mpi/test_manager.py -p no:cacheprovider
+    mpirun -np 4 python -m pytest tests/mpi/test_manager.py -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _dcp_checks import (KVCase, LseCase, QCase, bits, close_enough, empty_poisoned,
+                         first_diff, run_all_ranks, sub_seed, to_gpu, to_host)
+from dcpkit.errors import ConfigMismatch, InvalidArgument
+from dcpkit.fallback import LSE_ALGORITHMS, NcclLseReduce
+from dcpkit.manager import DCPComm
+
+cupy = pytest.importorskip("cupy")
+
+T_MAX = 16
+DQ, DV, DKV = 576, 512, 576
+DTYPE = "bfloat16"
+
+
+def _geometry(comm, **kw):
+    g = dict(max_tokens=T_MAX, num_heads=8 * comm.world_size, q_head_dim=DQ, v_head_dim=DV,
+             kv_row_dim=DKV, dtype=DTYPE)
+    g.update(kw)
+    return g
+
+
+@pytest.fixture(scope="module")
+def dcp_auto(comm):
+    d = DCPComm(comm, **_geometry(comm))
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def dcp_nccl(comm):
+    d = DCPComm(comm, policy="nccl", **_geometry(comm))
+    yield d
+    d.close()
+
+
+def _path_everywhere(comm, dcp, want_prefix: str, what: str, errors) -> None:
+    """Every rank's last_path starts with ``want_prefix`` (checked with every rank's value)."""
+    paths = comm.allgather(dcp.last_path)
+    bad = [r for r, p in enumerate(paths) if not str(p).startswith(want_prefix)]
+    if bad:
+        errors.append(f"{what}: expected path {want_prefix}* on every rank, got {paths}")
+
+
+def test_direct_within_capacity_equals_nccl(comm, seed, dcp_auto, dcp_nccl):
+    """T in {1, 5, T_max}: auto takes the direct path on every rank, policy='nccl' takes NCCL;
+    both equal the reference and each other (bit-exact gathers, lse_reduce within
+    tolerance)."""
+    H = 8 * comm.world_size
+    H_r = H // comm.world_size
+    r = comm.rank
+
+    def body(errors):
+        if dcp_auto.direct_reason["q_gather"] is not None:
+            errors.append(f"no direct path on this machine: {dcp_auto.describe()}")
+            return
+        for k, T in enumerate((1, 5, T_MAX)):
+            cq = QCase(comm, sub_seed(seed, k, 1), T=T, H_r=H_r, D=DQ, dtype=DTYPE)
+            q = to_gpu(cq.q)
+            d = to_host(dcp_auto.q_gather(q))
+            _path_everywhere(comm, dcp_auto, "direct-", f"q_gather T={T} auto", errors)
+            n = to_host(dcp_nccl.q_gather(q))
+            _path_everywhere(comm, dcp_nccl, "nccl", f"q_gather T={T} nccl", errors)
+            for name, got in (("direct", d), ("nccl", n)):
+                diff = first_diff(got, cq.ref)
+                if diff:
+                    errors.append(f"rank {r} q_gather T={T} {name}: {diff}")
+            if first_diff(d, n):
+                errors.append(f"rank {r} q_gather T={T}: direct != nccl: {first_diff(d, n)}")
+
+            ck = KVCase(comm, sub_seed(seed, k, 2), T=T, D=DKV, dtype=DTYPE)
+            kv = to_gpu(ck.kv)
+            d = to_host(dcp_auto.kv_gather(kv))
+            _path_everywhere(comm, dcp_auto, "direct-", f"kv_gather T={T} auto", errors)
+            n = to_host(dcp_nccl.kv_gather(kv))
+            _path_everywhere(comm, dcp_nccl, "nccl", f"kv_gather T={T} nccl", errors)
+            for name, got in (("direct", d), ("nccl", n)):
+                diff = first_diff(got, ck.ref)
+                if diff:
+                    errors.append(f"rank {r} kv_gather T={T} {name}: {diff}")
+
+            cl = LseCase(comm, sub_seed(seed, k, 3), T=T, H=H, D=DV, dtype=DTYPE,
+                         num_requests=2 if T > 1 else 0)
+            x, l, kw = cl.gpu_args()
+            out_l = empty_poisoned((T, H_r), "float32")
+            od, ld = dcp_auto.lse_reduce(x, l, out_lse=out_l, **kw)
+            _path_everywhere(comm, dcp_auto, "direct-", f"lse_reduce T={T} auto", errors)
+            od, ld = to_host(od), to_host(ld)
+            on = to_host(dcp_nccl.lse_reduce(x, l, **kw))
+            _path_everywhere(comm, dcp_nccl, "nccl", f"lse_reduce T={T} nccl", errors)
+            errors.append(cl.check_host(r, od, ld, f"T={T} direct"))
+            errors.append(cl.check_host(r, on, None, f"T={T} nccl"))
+            diff = close_enough(od.astype(np.float64), on.astype(np.float64), DTYPE)
+            if diff:
+                errors.append(f"rank {r} lse_reduce T={T}: direct vs nccl: {diff}")
+
+    run_all_ranks(comm, "DCPComm direct == NCCL", body)
+
+
+def test_past_capacity_goes_to_nccl_on_every_rank(comm, seed, dcp_auto):
+    H = 8 * comm.world_size
+    H_r = H // comm.world_size
+    r = comm.rank
+
+    def body(errors):
+        before = {op: dict(c) for op, c in dcp_auto.counters.items()}
+        for k, T in enumerate((T_MAX + 1, 3 * T_MAX)):
+            cq = QCase(comm, sub_seed(seed, 20, k), T=T, H_r=H_r, D=DQ, dtype=DTYPE)
+            errors.append(cq.check(r, dcp_auto.q_gather(to_gpu(cq.q)), f"T={T} > max_tokens"))
+            _path_everywhere(comm, dcp_auto, "nccl", f"q_gather T={T}", errors)
+            ck = KVCase(comm, sub_seed(seed, 21, k), T=T, D=DKV, dtype=DTYPE)
+            errors.append(ck.check(r, dcp_auto.kv_gather(to_gpu(ck.kv)), f"T={T}"))
+            _path_everywhere(comm, dcp_auto, "nccl", f"kv_gather T={T}", errors)
+            cl = LseCase(comm, sub_seed(seed, 22, k), T=T, H=H, D=DV, dtype=DTYPE,
+                         num_requests=3)
+            x, l, kw = cl.gpu_args()
+            errors.append(cl.check(r, dcp_auto.lse_reduce(x, l, **kw), where=f"T={T}"))
+            _path_everywhere(comm, dcp_auto, "nccl", f"lse_reduce T={T}", errors)
+        for op in ("q_gather", "kv_gather", "lse_reduce"):
+            if dcp_auto.counters[op]["nccl"] - before[op]["nccl"] != 2:
+                errors.append(f"{op}: nccl counter {before[op]} -> {dcp_auto.counters[op]}")
+        text = dcp_auto.describe()
+        if "nccl=" not in text or "last_path: nccl" not in text:
+            errors.append(f"describe() does not show the NCCL calls:\n{text}")
+
+    run_all_ranks(comm, "DCPComm T > max_tokens", body)
+
+
+def test_nccl_lse_algorithms_equal_direct(comm, seed, dcp_auto):
+    """The three NCCL lse_reduce algorithms against the direct op on the same inputs (the
+    all-reduce variant against the direct outputs of every rank)."""
+    H = 8 * comm.world_size
+    r = comm.rank
+    direct = dcp_auto.direct_ops["lse_reduce"]
+
+    def body(errors):
+        if direct is None:
+            errors.append(f"no direct lse_reduce: {dcp_auto.direct_reason['lse_reduce']}")
+            return
+        for a, algorithm in enumerate(LSE_ALGORITHMS):
+            with NcclLseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=DV, dtype=DTYPE,
+                               algorithm=algorithm, nccl_group=dcp_auto.nccl_group) as op:
+                for k, T in enumerate((1, 7, T_MAX)):
+                    c = LseCase(comm, sub_seed(seed, 30, a, k), T=T, H=H, D=DV, dtype=DTYPE,
+                                num_requests=2)
+                    x, l, kw = c.gpu_args()
+                    od = to_host(direct(x, l, **kw)[0])            # [T, H_r, D_v]
+                    on = to_host(op(x, l, **kw))
+                    every = comm.allgather(bits(od).tobytes())
+                    if algorithm == "allgather_all_reduce":
+                        all_d = np.concatenate([np.frombuffer(b, np.uint16).view(od.dtype)
+                                                .reshape(od.shape) for b in every], axis=1)
+                        diff = close_enough(all_d.astype(np.float64),
+                                            on.astype(np.float64), DTYPE)
+                    else:
+                        diff = close_enough(od.astype(np.float64), on.astype(np.float64), DTYPE)
+                        errors.append(c.check_host(r, on, None, f"{algorithm}"))
+                    if diff:
+                        errors.append(f"rank {r} {algorithm} T={T}: direct vs nccl: {diff}")
+
+    run_all_ranks(comm, "NCCL lse algorithms == direct", body)
+
+
+def test_policy_direct_refuses_past_capacity_on_every_rank(comm, seed):
+    H_r = 8
+
+    def body(errors):
+        with DCPComm(comm, policy="direct", **_geometry(comm)) as dcp:
+            if dcp.nccl_ops["q_gather"] is not None:
+                errors.append("policy='direct' built NCCL ops")
+            cq = QCase(comm, sub_seed(seed, 40), T=T_MAX + 1, H_r=H_r, D=DQ, dtype=DTYPE)
+            try:
+                dcp.q_gather(to_gpu(cq.q))
+                errors.append("T > max_tokens with policy='direct' did not raise")
+            except InvalidArgument as e:
+                if "policy 'direct' cannot serve this call: T must be <= max_tokens" not in str(e):
+                    errors.append(f"unexpected message: {e}")
+            if dcp.last_path is not None:
+                errors.append(f"a refused call recorded a path: {dcp.last_path}")
+            cq = QCase(comm, sub_seed(seed, 41), T=T_MAX, H_r=H_r, D=DQ, dtype=DTYPE)
+            errors.append(cq.check(comm.rank, dcp.q_gather(to_gpu(cq.q)), "T = max_tokens"))
+            _path_everywhere(comm, dcp, "direct-", "policy direct at capacity", errors)
+
+    run_all_ranks(comm, "policy='direct' past capacity", body)
+
+
+def test_mismatched_policies_raise_config_mismatch_naming_ranks(comm):
+    policy = "nccl" if comm.rank == 1 else "auto"
+
+    def body(errors):
+        try:
+            DCPComm(comm, policy=policy, **_geometry(comm)).close()
+            errors.append("no ConfigMismatch")
+        except ConfigMismatch as e:
+            if e.ranks != [1] or "DCPComm: policy" not in str(e):
+                errors.append(f"ConfigMismatch names ranks {e.ranks}: {e}")
+
+    run_all_ranks(comm, "mismatched policies", body)
+
+
+def test_float64_lse_goes_to_nccl(comm, seed, dcp_auto):
+    H = 8 * comm.world_size
+
+    def body(errors):
+        c = LseCase(comm, sub_seed(seed, 50), T=5, H=H, D=DV, dtype=DTYPE, lse_dtype="float64")
+        x, l, kw = c.gpu_args()
+        errors.append(c.check(comm.rank, dcp_auto.lse_reduce(x, l, **kw), where="float64 lse"))
+        _path_everywhere(comm, dcp_auto, "nccl", "float64 lse", errors)
+
+    run_all_ranks(comm, "float64 lse_partial", body)
+
+
+def test_per_rank_layouts_do_not_change_the_path(comm, seed, dcp_auto):
+    """Rank 0 passes a misaligned q and out_partial, rank 1 a strided out=: every rank still
+    takes the direct path (the layouts are normalised by copies) and gets the right result."""
+    H = 8 * comm.world_size
+    H_r = H // comm.world_size
+    r = comm.rank
+
+    def body(errors):
+        cq = QCase(comm, sub_seed(seed, 60), T=5, H_r=H_r, D=DQ, dtype=DTYPE)
+        q = to_gpu(cq.q)
+        out = None
+        if r == 0:          # 2 bytes off the 16-byte alignment
+            buf = empty_poisoned((q.size + 8,), DTYPE)
+            bits(buf)[1:1 + q.size] = bits(q).ravel()
+            q = buf[1:1 + q.size].reshape(q.shape)
+        if r == 1:          # strided destination
+            wide = empty_poisoned((5, H + 1, DQ), DTYPE)
+            out = wide[:, 1:]
+        res = dcp_auto.q_gather(q, out=out)
+        errors.append(cq.check(r, res, f"rank {r} layout"))
+        _path_everywhere(comm, dcp_auto, "direct-", "q_gather with per-rank layouts", errors)
+
+        cl = LseCase(comm, sub_seed(seed, 61), T=5, H=H, D=DV, dtype=DTYPE)
+        x, l, kw = cl.gpu_args()
+        if r == 0:
+            buf = empty_poisoned((x.size + 8,), DTYPE)
+            bits(buf)[1:1 + x.size] = bits(x).ravel()
+            x = buf[1:1 + x.size].reshape(x.shape)
+        errors.append(cl.check(r, dcp_auto.lse_reduce(x, l, **kw), where="per-rank layouts"))
+        _path_everywhere(comm, dcp_auto, "direct-", "lse_reduce with per-rank layouts", errors)
+
+    run_all_ranks(comm, "per-rank layouts", body)

@@ -1,0 +1,435 @@
+"""DCPComm's path selection, on CPU: the pure functions (select_path and the blockers) and a
+DCPComm whose GPU parts (topology probe, op construction, streams) are replaced by fakes, so
+that policies, capacity, unsupported dtypes / layouts, multi-host groups, policy agreement,
+counters and describe() are checked without a GPU."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from dcpkit.comm import Communicator
+from dcpkit.errors import (ClosedError, ConfigMismatch, InvalidArgument, MissingDependency,
+                           PeerError)
+from dcpkit.manager import (DCPComm, PATH_DIRECT_MULTICAST, PATH_DIRECT_UNICAST, PATH_NCCL,
+                            POLICIES, direct_call_blocker, direct_geometry_blocker,
+                            select_path, topology_blocker)
+
+
+# ----------------------------------------------------------------------------- select_path
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("direct_ok", [True, False])
+@pytest.mark.parametrize("nccl_ok", [True, False])
+def test_select_path_table(policy, direct_ok, nccl_ok):
+    """Every policy against every availability: the path, or an error naming the reason."""
+    kw = dict(direct_path=PATH_DIRECT_UNICAST,
+              direct_blocker=None if direct_ok else "T must be <= max_tokens 8 (got 9)",
+              nccl_blocker=None if nccl_ok else "MissingDependency: NCCL ... dcpkit[cuda12]")
+    if policy == "direct":
+        expect = PATH_DIRECT_UNICAST if direct_ok else "error"
+    elif policy == "nccl":
+        expect = PATH_NCCL if nccl_ok else "error"
+    else:
+        expect = PATH_DIRECT_UNICAST if direct_ok else (PATH_NCCL if nccl_ok else "error")
+    if expect == "error":
+        with pytest.raises(InvalidArgument) as ei:
+            select_path("DCPComm.q_gather", policy, **kw)
+        msg = str(ei.value)
+        assert msg.startswith("DCPComm.q_gather: ")
+        if policy == "direct":
+            assert "policy 'direct' cannot serve this call: T must be <= max_tokens 8" in msg
+        else:
+            assert "NCCL is unavailable" in msg and "dcpkit[cuda12]" in msg
+    else:
+        assert select_path("DCPComm.q_gather", policy, **kw) == expect
+
+
+def test_select_path_multicast_and_missing_direct_op():
+    assert select_path("op", "auto", direct_path=PATH_DIRECT_MULTICAST, direct_blocker=None,
+                       nccl_blocker=None) == PATH_DIRECT_MULTICAST
+    # no direct op at all and no reason given: never a silent direct path
+    assert select_path("op", "auto", direct_path=None, direct_blocker=None,
+                       nccl_blocker=None) == PATH_NCCL
+    with pytest.raises(InvalidArgument, match="no direct op was built"):
+        select_path("op", "direct", direct_path=None, direct_blocker=None, nccl_blocker=None)
+    with pytest.raises(InvalidArgument, match=r"policy must be one of \['auto', 'direct', "
+                                              r"'nccl'\] \(got 'fast'\)"):
+        select_path("op", "fast", direct_path=PATH_DIRECT_UNICAST, direct_blocker=None,
+                    nccl_blocker=None)
+
+
+# ----------------------------------------------------------------------------- blockers
+@pytest.mark.parametrize("op", ["q_gather", "kv_gather", "lse_reduce"])
+def test_call_blocker_capacity(op):
+    assert direct_call_blocker(op, tokens=1, max_tokens=16) is None
+    assert direct_call_blocker(op, tokens=16, max_tokens=16) is None       # at capacity
+    why = direct_call_blocker(op, tokens=17, max_tokens=16)                 # past capacity
+    assert why == "T must be <= max_tokens 16, the direct op's capacity (got 17)"
+
+
+@pytest.mark.parametrize("lse_dtype,ok", [("bfloat16", True), (np.float16, True),
+                                          (np.float32, True), (np.float64, False),
+                                          (np.int32, False)])
+def test_call_blocker_lse_dtype(lse_dtype, ok):
+    why = direct_call_blocker("lse_reduce", tokens=1, max_tokens=4, lse_dtype=lse_dtype)
+    if ok:
+        assert why is None
+    else:
+        assert why.startswith("lse_partial dtype must be one of [bfloat16, float16, float32]")
+    # the gathers ignore lse dtypes
+    assert direct_call_blocker("q_gather", tokens=1, max_tokens=4, lse_dtype=np.float64) is None
+
+
+def test_geometry_blocker():
+    assert direct_geometry_blocker("q_gather", dtype="bfloat16", row_bytes=8 * 576 * 2) is None
+    assert direct_geometry_blocker("kv_gather", dtype="float8_e4m3fn", row_bytes=576) is None
+    why = direct_geometry_blocker("kv_gather", dtype="bfloat16", row_bytes=2 * 65)
+    assert why == ("kv_row_dim * itemsize must be a multiple of 16 bytes for the direct "
+                   "kernel's 16-byte stores (got 130)")
+    why = direct_geometry_blocker("q_gather", dtype=np.float32, row_bytes=12)
+    assert why.startswith("heads_per_rank * q_head_dim * itemsize must be a multiple of 16")
+    why = direct_geometry_blocker("lse_reduce", dtype=np.float64, row_bytes=512 * 8)
+    assert why == ("dtype must be one of [bfloat16, float16, float32] for the direct kernel "
+                   "(got float64)")
+
+
+def test_topology_blocker():
+    assert topology_blocker(hosts=["a/1"] * 4) is None
+    why = topology_blocker(hosts=["a/1", "a/1", "b/2", "b/2"])
+    assert why == ("the group spans 2 hosts (ranks [0, 1]; ranks [2, 3]): the direct ops need "
+                   "every rank in one NVLink domain")
+    why = topology_blocker(hosts=["a"] * 3, p2p_missing=[(0, 2), (0, 2), (1, 2)])
+    assert why == "no GPU peer access between ranks 0-2, 1-2"
+
+
+# ----------------------------------------------------------------------------- fakes
+class FakeArray:
+    """A 'GPU array' that dcpkit's array_info understands (no CuPy needed)."""
+
+    def __init__(self, shape, dtype=np.float16, strides=None, ptr=1 << 20):
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        if strides is None:
+            acc, st = self.dtype.itemsize, []
+            for n in reversed(self.shape):
+                st.append(acc)
+                acc *= n
+            strides = tuple(reversed(st))
+        self.strides = tuple(strides)
+        self._dcpkit_device = 0
+        self.__cuda_array_interface__ = {"shape": self.shape, "typestr": self.dtype.str,
+                                         "strides": self.strides, "data": (ptr, False),
+                                         "version": 3}
+
+
+class FakeStream:
+    def __init__(self, capturing=False):
+        self.capturing = capturing
+
+    def is_capturing(self):
+        return self.capturing
+
+
+class FakeOp:
+    """Stands in for a direct or NCCL op: records every call, returns a marker."""
+
+    def __init__(self, name, kind, transport="unicast"):
+        self.op_name = name
+        self.kind = kind
+        self.transport = transport
+        self.calls = []
+        self.closed = False
+        self.device = 0
+
+    def __call__(self, *args, **kw):
+        self.calls.append((args, kw))
+        out = kw.get("out")
+        res = out if out is not None else ("result", self.kind, self.op_name)
+        if self.op_name == "lse_reduce":
+            lse = kw.get("out_lse")
+            return res, (lse if lse is not None else ("lse", self.kind))
+        return res
+
+    def close(self):
+        self.closed = True
+
+    def synchronize(self, stream=None):
+        pass
+
+
+def fake_comm(world_size=2, rank=0, *, peer_policy=None, peer_host=None):
+    """A Communicator whose peers echo this rank's objects, except the policy (peer_policy)
+    and the host identity (peer_host) where given."""
+
+    def allgather(obj):
+        out = []
+        for r in range(world_size):
+            v = obj
+            if r != rank:
+                if isinstance(obj, str) and peer_host is not None:
+                    v = peer_host
+                elif peer_policy is not None and isinstance(obj, tuple) and len(obj) == 2 \
+                        and obj[1] in POLICIES:
+                    v = (None, peer_policy(r))
+            out.append(v)
+        return out
+
+    return Communicator(rank, world_size, allgather=allgather, broadcast=lambda o, root: o,
+                        barrier=lambda: None, backend="fake")
+
+
+class FakeDCPComm(DCPComm):
+    """DCPComm with the GPU parts replaced: fake ops, a fake topology probe and streams."""
+
+    transport = "unicast"
+    nccl_error = None
+    direct_error = None
+
+    def _current_device(self):
+        return 0
+
+    def _probe_topology(self):
+        return topology_blocker(hosts=self.comm.hosts)
+
+    def _build_direct(self, op):
+        if self.direct_error is not None:
+            raise self.direct_error
+        return FakeOp(op, "direct", self.transport)
+
+    def _build_nccl_group(self):
+        if self.nccl_error is not None:
+            raise self.nccl_error
+        return FakeOp("group", "nccl")
+
+    def _build_nccl(self, op, group):
+        return FakeOp(op, "nccl")
+
+    def _load_copy_kernel(self):
+        pass
+
+    def _stream(self, stream):
+        return stream if stream is not None else FakeStream()
+
+
+GEOM = dict(max_tokens=8, num_heads=4, q_head_dim=64, v_head_dim=64, kv_row_dim=64,
+            dtype="float16")
+
+
+def q_input(T, W=2):
+    return FakeArray((T, 4 // W, 64))
+
+
+def lse_inputs(T, lse_dtype=np.float32):
+    return FakeArray((T, 4, 64)), FakeArray((T, 4), lse_dtype)
+
+
+# ----------------------------------------------------------------------------- DCPComm
+def test_auto_direct_at_capacity_nccl_past_it():
+    dcp = FakeDCPComm(fake_comm(), **GEOM)
+    assert dcp.q_gather(q_input(8)) == ("result", "direct", "q_gather")
+    assert dcp.last_path == PATH_DIRECT_UNICAST
+    assert dcp.q_gather(q_input(9)) == ("result", "nccl", "q_gather")
+    assert dcp.last_path == PATH_NCCL
+    assert dcp.kv_gather(FakeArray((8, 64))) == ("result", "direct", "kv_gather")
+    assert dcp.kv_gather(FakeArray((9, 64))) == ("result", "nccl", "kv_gather")
+    out = dcp.lse_reduce(*lse_inputs(8))
+    assert out == ("result", "direct", "lse_reduce")          # no lse unless asked
+    out = dcp.lse_reduce(*lse_inputs(9))
+    assert out == ("result", "nccl", "lse_reduce")
+    assert dcp.counters == {
+        "q_gather": {PATH_DIRECT_UNICAST: 1, PATH_DIRECT_MULTICAST: 0, PATH_NCCL: 1},
+        "lse_reduce": {PATH_DIRECT_UNICAST: 1, PATH_DIRECT_MULTICAST: 0, PATH_NCCL: 1},
+        "kv_gather": {PATH_DIRECT_UNICAST: 1, PATH_DIRECT_MULTICAST: 0, PATH_NCCL: 1},
+    }
+    text = dcp.describe()
+    assert "policy 'auto'" in text and "one NVLink domain" in text
+    assert "q_gather: direct direct-unicast (T <= 8); nccl" in text
+    assert "direct-unicast=1, nccl=1" in text
+    built = [o for o in list(dcp.direct_ops.values()) + list(dcp.nccl_ops.values())
+             + [dcp.nccl_group] if o is not None]
+    assert len(built) == 7                      # 3 direct, 3 NCCL ops, the NCCL group
+    dcp.close()
+    assert all(o.closed for o in built)
+    assert dcp.direct_ops == {"q_gather": None, "lse_reduce": None, "kv_gather": None}
+    with pytest.raises(ClosedError, match="DCPComm.q_gather: DCPComm is closed"):
+        dcp.q_gather(q_input(1))
+    dcp.close()  # idempotent
+
+
+def test_policy_direct_raises_past_capacity_never_falls_back():
+    dcp = FakeDCPComm(fake_comm(), policy="direct", **GEOM)
+    assert dcp.nccl_ops["q_gather"] is None and dcp.nccl_reason == "policy is 'direct'"
+    assert dcp.q_gather(q_input(8))[1] == "direct"
+    with pytest.raises(InvalidArgument) as ei:
+        dcp.q_gather(q_input(9))
+    assert str(ei.value) == ("DCPComm.q_gather: policy 'direct' cannot serve this call: T must "
+                             "be <= max_tokens 8, the direct op's capacity (got 9) "
+                             "(policy='auto' falls back to NCCL)")
+    with pytest.raises(InvalidArgument, match="lse_partial dtype must be one of"):
+        dcp.lse_reduce(*lse_inputs(2, np.float64))
+    assert dcp.counters["q_gather"] == {PATH_DIRECT_UNICAST: 1, PATH_DIRECT_MULTICAST: 0,
+                                        PATH_NCCL: 0}
+    assert dcp.last_path == PATH_DIRECT_UNICAST
+    dcp.close()
+
+
+def test_policy_nccl_always_nccl():
+    dcp = FakeDCPComm(fake_comm(), policy="nccl", **GEOM)
+    assert dcp.direct_ops["q_gather"] is None
+    assert dcp.direct_reason["q_gather"] == "policy is 'nccl'"
+    for T in (1, 8, 9):
+        assert dcp.q_gather(q_input(T))[1] == "nccl"
+        assert dcp.last_path == PATH_NCCL
+    dcp.close()
+
+
+def test_unsupported_lse_dtype_goes_to_nccl_in_auto():
+    dcp = FakeDCPComm(fake_comm(), **GEOM)
+    assert dcp.lse_reduce(*lse_inputs(2, np.float64))[1] == "nccl"
+    assert dcp.lse_reduce(*lse_inputs(2, np.float16))[1] == "direct"
+    dcp.close()
+
+
+def test_unsupported_geometry_goes_to_nccl_or_raises_with_direct_policy():
+    geom = dict(GEOM, kv_row_dim=65)                     # 130 bytes per row
+    dcp = FakeDCPComm(fake_comm(), **geom)
+    assert dcp.direct_ops["kv_gather"] is None
+    assert dcp.direct_reason["kv_gather"].startswith("kv_row_dim * itemsize must be a multiple")
+    assert dcp.kv_gather(FakeArray((2, 65)))[1] == "nccl"
+    assert dcp.q_gather(q_input(2))[1] == "direct"
+    assert "kv_gather: direct none: kv_row_dim * itemsize" in dcp.describe()
+    dcp.close()
+    with pytest.raises(InvalidArgument, match="policy 'direct' cannot serve kv_gather: "
+                                              "kv_row_dim \\* itemsize must be a multiple"):
+        FakeDCPComm(fake_comm(), policy="direct", **geom)
+
+
+def test_multi_host_group_uses_nccl_and_refuses_direct_policy():
+    comm = fake_comm(world_size=2, peer_host="other-host/boot")
+    dcp = FakeDCPComm(comm, **GEOM)
+    assert "spans 2 hosts" in dcp.topology_reason
+    for T in (1, 8):
+        assert dcp.q_gather(q_input(T))[1] == "nccl"
+        assert dcp.lse_reduce(*lse_inputs(T))[1] == "nccl"
+    assert "spans 2 hosts" in dcp.describe()
+    dcp.close()
+    with pytest.raises(InvalidArgument, match="policy 'direct' cannot serve q_gather: the "
+                                              "group spans 2 hosts"):
+        FakeDCPComm(fake_comm(world_size=2, peer_host="other-host/boot"), policy="direct",
+                    **GEOM)
+
+
+def test_multicast_path_name():
+    class Mc(FakeDCPComm):
+        transport = "multicast"
+
+    dcp = Mc(fake_comm(), **GEOM)
+    dcp.q_gather(q_input(1))
+    assert dcp.last_path == PATH_DIRECT_MULTICAST
+    dcp.close()
+
+
+def test_direct_construction_failure_falls_back_in_auto_only():
+    class Broken(FakeDCPComm):
+        direct_error = PeerError("heap setup", {1: "CudaError: cuMemCreate failed"})
+
+    dcp = Broken(fake_comm(), **GEOM)
+    assert dcp.direct_reason["q_gather"].startswith("building the direct op failed")
+    assert dcp.q_gather(q_input(1))[1] == "nccl"
+    dcp.close()
+    with pytest.raises(PeerError, match="heap setup"):
+        Broken(fake_comm(), policy="direct", **GEOM)
+
+
+def test_nccl_missing():
+    missing = MissingDependency("NCCL for cupy.cuda.nccl (libnccl.so.2)", "cuda12")
+
+    class NoNccl(FakeDCPComm):
+        nccl_error = missing
+
+    # auto: the direct path still serves what it can; past capacity the error names the extra
+    dcp = NoNccl(fake_comm(), **GEOM)
+    assert dcp.q_gather(q_input(1))[1] == "direct"
+    with pytest.raises(InvalidArgument) as ei:
+        dcp.q_gather(q_input(9))
+    assert "NCCL is unavailable" in str(ei.value) and "pip install 'dcpkit[cuda12]'" in \
+        str(ei.value)
+    assert "nccl: unavailable: MissingDependency" in dcp.describe()
+    dcp.close()
+    # nccl policy: the construction itself raises MissingDependency
+    with pytest.raises(MissingDependency, match=r"dcpkit\[cuda12\]"):
+        NoNccl(fake_comm(), policy="nccl", **GEOM)
+
+
+def test_policy_mismatch_names_the_ranks():
+    comm = fake_comm(world_size=4, rank=0, peer_policy=lambda r: "nccl" if r == 2 else "auto")
+    with pytest.raises(ConfigMismatch) as ei:
+        FakeDCPComm(comm, policy="auto", **GEOM)
+    assert ei.value.ranks == [2]
+    assert ei.value.what == "DCPComm: policy"
+    assert "rank 2: 'nccl'" in str(ei.value)
+
+
+def test_bad_policy_and_geometry():
+    with pytest.raises(InvalidArgument, match=r"DCPComm: policy must be one of \['auto', "
+                                              r"'direct', 'nccl'\] \(got 'fastest'\)"):
+        FakeDCPComm(fake_comm(), policy="fastest", **GEOM)
+    with pytest.raises(InvalidArgument, match="num_heads must be a multiple of world_size 2 "
+                                              r"\(got 5\)"):
+        FakeDCPComm(fake_comm(), **dict(GEOM, num_heads=5))
+    with pytest.raises(InvalidArgument, match="lse_base must be math.e or 2"):
+        FakeDCPComm(fake_comm(), lse_base=10.0, **GEOM)
+    with pytest.raises(InvalidArgument, match="nccl_lse_algorithm must be one of"):
+        FakeDCPComm(fake_comm(), nccl_lse_algorithm="allgather_all_reduce", **GEOM)
+
+
+def test_kv_gather_needs_kv_row_dim():
+    dcp = FakeDCPComm(fake_comm(), **dict(GEOM, kv_row_dim=None))
+    assert dcp.ops == ("q_gather", "lse_reduce")
+    with pytest.raises(InvalidArgument, match="kv_row_dim must be given at construction"):
+        dcp.kv_gather(FakeArray((1, 64)))
+    assert "kv_gather: not built" in dcp.describe()
+    dcp.close()
+
+
+def test_return_lse_and_out_lse():
+    dcp = FakeDCPComm(fake_comm(), return_lse=True, **GEOM)
+    res, lse = dcp.lse_reduce(*lse_inputs(2))
+    assert res[1] == "direct" and lse == ("lse", "direct")
+    dcp.close()
+    dcp = FakeDCPComm(fake_comm(), **GEOM)
+    out, out_lse = FakeArray((2, 2, 64)), FakeArray((2, 2), np.float32)
+    res, lse = dcp.lse_reduce(*lse_inputs(2), out=out, out_lse=out_lse)
+    assert res is out and lse is out_lse
+    # the direct op always gets the caller's aligned, contiguous destinations
+    args, kw = dcp.direct_ops["lse_reduce"].calls[-1]
+    assert kw["out"] is out and kw["out_lse"] is out_lse
+    dcp.close()
+
+
+def test_layout_decisions_do_not_change_the_path():
+    """A misaligned input (which may differ per rank) never changes the path; under capture
+    the copy that would fix it is refused with a clear message."""
+    dcp = FakeDCPComm(fake_comm(), **GEOM)
+    misaligned = FakeArray((2, 2, 64), ptr=(1 << 20) + 2)
+    with pytest.raises(InvalidArgument) as ei:
+        dcp.q_gather(misaligned, stream=FakeStream(capturing=True))
+    assert str(ei.value).startswith("DCPComm.q_gather: q layout must be C-contiguous and "
+                                    "16-byte aligned while a CUDA graph is being captured")
+    assert dcp.counters["q_gather"][PATH_NCCL] == 0
+    # an aligned input with padded token stride is passed through untouched
+    padded = FakeArray((2, 2, 64), strides=(2 * 64 * 2 + 32, 128, 2))
+    dcp.q_gather(padded, stream=FakeStream())
+    assert dcp.direct_ops["q_gather"].calls[-1][0][0] is padded
+    dcp.close()
+
+
+def test_lse_base_two_reaches_both_ops():
+    dcp = FakeDCPComm(fake_comm(), lse_base=2, **GEOM)
+    assert dcp.lse_base == 2.0 and "lse_base=2" in dcp.describe()
+    dcp.close()
+    dcp = FakeDCPComm(fake_comm(), lse_base=math.e, **GEOM)
+    assert "lse_base=e" in dcp.describe()
+    dcp.close()
