@@ -1,0 +1,164 @@
+"""What QGather and KVGather share: the data-slot ring, the result views and the launch.
+
+Both gathers run one kernel per call (``kernels/gather.cuh``): every rank stores its block into
+the same place of every rank's data slot and signals; the result is read from the own slot.
+
+Data slots. A gather keeps **three** data slots per ubatch (data slot = epoch % 3), carved out of
+the two slots of :class:`~dcpkit.ops._workspace.OpWorkspace` (signals keep their two slots,
+epoch & 1). With two data slots a zero-copy view of call ``n`` would be overwritten by a peer's
+call ``n + 2`` as soon as this rank issued call ``n + 1``; with three, the rule every docstring
+states holds: a view returned by call ``n`` stays valid while it is consumed on the same stream
+before call ``n + 2`` of the same ubatch is issued (call ``n + 3`` reuses its storage). See
+NOTE [dcpkit gather slots] in ``kernels/gather.cuh``.
+
+Where the result goes (decided per call, the same on every rank or not: it does not change the
+protocol):
+
+* ``out=`` given: copy-out into ``out``; ``out`` is returned.
+* eager call of a ubatch never captured: a view of the own data slot (zero copy).
+* eager call after a capture: copy-out into one of two workspace output buffers, alternating.
+* call while the stream is capturing: copy-out into the ubatch's graph output buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import numpy as np
+
+from ..errors import ConfigMismatch, DcpkitError, InvalidType, PeerError
+from ._workspace import OpWorkspace, _round_up, launch_config
+
+__all__ = ["GatherWorkspace", "DATA_SLOTS", "THREADS", "resolve_gather_dtype"]
+
+#: Data slots per ubatch (kernels/gather.cuh kGatherDataSlots).
+DATA_SLOTS = 3
+#: Threads per CTA (kernels/gather.cuh kGatherThreads).
+THREADS = 512
+#: Largest number of 16-byte vectors one call may move into a slot (u32 indices in the kernel).
+MAX_VECTORS = 2**31 - 1
+
+
+def resolve_gather_dtype(dtype, op: str) -> np.dtype:
+    """The NumPy dtype of a gather workspace: any fixed-size, non-object dtype (the kernels move
+    bytes). Names such as ``"bfloat16"`` and ``"float8_e4m3fn"`` map to ml_dtypes."""
+    from ..reference import resolve_dtype  # noqa: WPS433
+
+    try:
+        dt = resolve_dtype(dtype)
+    except (TypeError, ValueError, AttributeError, ImportError):
+        raise InvalidType(f"{op}: dtype must be a NumPy dtype or dtype name (got {dtype!r})") \
+            from None
+    if dt.hasobject or dt.itemsize == 0:
+        raise InvalidType(f"{op}: dtype must be a fixed-size data type (got {dt})")
+    return dt
+
+
+class GatherWorkspace(OpWorkspace):
+    """Base class of :class:`~dcpkit.ops.QGather` and :class:`~dcpkit.ops.KVGather`.
+
+    Attributes
+    ----------
+    launches_per_call : int
+        Kernel launches per call: 1 (the epoch advance is folded into the kernel).
+    transport : str
+        ``"multicast"`` when the heap has a multicast address (and the variant uses it),
+        ``"unicast"`` otherwise.
+    vectors_per_cta : int
+        16-byte vectors of one rank's block that one CTA handles per call before the grid grows
+        (tuning knob: small values spread decode-size calls over more SMs). The grid never
+        exceeds ``sm_count`` CTAs: CTAs that wait must be co-resident.
+    """
+
+    launches_per_call = 1
+    vectors_per_cta = 512
+
+    def _agree_arguments(self, comm, init, what: str) -> None:
+        """Run ``init()`` (checks the constructor arguments, records the geometry and returns
+        it) and agree with every rank in one exchange: a rank whose arguments were rejected
+        raises its own error, the others raise :class:`PeerError` naming it; geometries that
+        differ raise :class:`ConfigMismatch` on every rank."""
+        err: Optional[DcpkitError] = None
+        geometry = None
+        try:
+            geometry = init()
+        except DcpkitError as e:
+            err = e
+        every = comm.allgather((None if err is None else f"{type(err).__name__}: {err}",
+                                geometry))
+        if err is not None:
+            raise err
+        failed = {r: m for r, (m, _) in enumerate(every) if m is not None}
+        if failed:
+            raise PeerError(f"{self.op_name}: constructor arguments", failed)
+        if any(g != geometry for _, g in every):
+            raise ConfigMismatch(f"{self.op_name}: geometry ({what})", [g for _, g in every])
+
+    def _setup_gather(self, comm, *, data_slot_bytes: int, out_bytes: int, num_ubatches: int,
+                      timeout_ms, heap, multicast) -> None:
+        slot = _round_up(max(int(data_slot_bytes), 16))
+        # two base slots hold DATA_SLOTS data slots of `slot` bytes, back to back
+        self._setup(comm, slot_bytes=-(-DATA_SLOTS * slot // 2), out_bytes=out_bytes,
+                    num_ubatches=num_ubatches, timeout_ms=timeout_ms, heap=heap,
+                    multicast=multicast)
+        self.data_slot_bytes = slot
+
+    def _compile(self, file: str, name_expr: str):
+        """Compile (or fetch) the kernel on every rank; a failure anywhere closes the workspace
+        and raises on every rank."""
+        import cupy  # noqa: WPS433
+
+        from .. import jit  # noqa: WPS433
+
+        err: Optional[BaseException] = None
+        kernel = None
+        try:
+            with cupy.cuda.Device(self.device):
+                kernel = jit.get_kernel(file, name_expr)
+        except Exception as e:  # noqa: BLE001 - shared with every rank below
+            err = e
+        try:
+            self.comm.all_ok(f"{self.op_name}: kernel compile ({name_expr})", err)
+        except BaseException:
+            self.close()
+            raise
+        return kernel
+
+    # ------------------------------------------------------------------ per call
+    def data_slot_ptr(self, ubatch: int, index: int) -> int:
+        """Device address of data slot ``index`` (0, 1 or 2) of ``ubatch`` in this rank's
+        copy."""
+        return self.local_slot_ptr(ubatch, 0) + index * self.data_slot_bytes
+
+    def _destination(self, ubatch: int, stream, debug_key: Tuple, out_ptr: int) -> Tuple[int, int]:
+        """Call bookkeeping (advances the host shadow of the epoch). Returns ``(kernel_out,
+        result_ptr)``: the ``out`` pointer the kernel gets (0 = zero copy) and the address of the
+        result (``out_ptr`` when the caller gave ``out=``)."""
+        _, capturing, exact = self.begin_call(ubatch, stream, debug_key)
+        if out_ptr:
+            return out_ptr, out_ptr
+        if exact:
+            return 0, self.data_slot_ptr(ubatch, self._calls[ubatch] % DATA_SLOTS)
+        ptr = self.output_ptr(ubatch, capturing)
+        return ptr, ptr
+
+    def _grid(self, vectors: int) -> int:
+        return launch_config(vectors, max(1, int(self.vectors_per_cta)), self.sm_count)
+
+    def _launch(self, kernel, grid: int, args: Tuple, stream) -> None:
+        import cupy  # noqa: WPS433
+
+        with cupy.cuda.Device(self.device), stream:
+            kernel((grid,), (THREADS,), args)
+
+    def _view(self, ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...]):
+        """A CuPy array over workspace memory at ``ptr`` (no copy). It keeps the workspace object
+        alive, but not its memory: a view is invalid after :meth:`close`."""
+        import cupy  # noqa: WPS433
+
+        nbytes = 0
+        if all(s > 0 for s in shape):
+            nbytes = sum((n - 1) * st for n, st in zip(shape, strides)) + self.dtype.itemsize
+        mem = cupy.cuda.UnownedMemory(int(ptr), int(nbytes), self, int(self.device))
+        return cupy.ndarray(shape, dtype=self.dtype, memptr=cupy.cuda.MemoryPointer(mem, 0),
+                            strides=strides)

@@ -1,0 +1,269 @@
+"""kv_gather: every rank gets every rank's chunk of compressed KV, in one kernel over NVLink.
+
+Usage (every rank, same arguments, same order)::
+
+    kg = KVGather(comm, max_tokens=8192, row_dim=576, dtype="bfloat16")
+    kv_all = kg(kv)            # kv [T, 576] on this rank -> kv_all [world_size * T, 576]
+    prefill_attention(q, kv_all, ...)   # consume on the same stream before the call after next
+    ...
+    kg.close()
+
+Kernel: ``kernels/kv_gather.cu`` (device code in ``kernels/gather.cuh``); reference:
+``dcpkit.reference.kv_gather_reference``; tests: ``tests/unit/test_gather_validation.py``,
+``tests/mpi/test_kv_gather.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import numpy as np
+
+from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
+from ..comm import Communicator
+from ..errors import InvalidArgument, InvalidType
+from ._gather import MAX_VECTORS, GatherWorkspace, resolve_gather_dtype
+from ._workspace import check_positive_int
+
+__all__ = ["KVGather", "ALGORITHMS"]
+
+#: The kv_gather algorithms: ``"push"`` (stores into every peer's slot) and ``"pull"`` (loads
+#: from every peer's slot).
+ALGORITHMS = ("push", "pull")
+
+
+class KVGather(GatherWorkspace):
+    """Gather every rank's KV rows, rank-major: one direct kernel per call.
+
+    Naive equivalent::
+
+        torch.distributed.all_gather_into_tensor(kv_all, kv)   # [T, D_kv] -> [W*T, D_kv]
+
+    Rows ``[s*T, (s+1)*T)`` of the result are rank ``s``'s ``kv``, bit for bit. The slot holds
+    the contiguous ``[W*T, D_kv]`` result, so each rank's block is one flat run of 16-byte
+    vectors. Two algorithms, both one kernel per call with the epoch advance folded in:
+
+    * ``"push"``: every rank stores its block into every rank's slot (16-byte stores through
+      peer pointers, CTA ``b`` of rank ``r`` starting with peer ``(r + 1 + b) % world_size`` so
+      that every link is busy from the start; or one ``multimem.st`` per vector with multicast),
+      then signals. The one-shot all-gather of symmetric-memory libraries (NVSHMEM
+      ``fcollect``, PyTorch symmetric memory).
+    * ``"pull"``: every rank stages its block in its own slot and signals; then every rank loads
+      each peer's block from that peer's slot over NVLink (unicast only, also on a multicast
+      heap). Copying into ``out`` (graphs, ``out=``) costs no extra pass over the peers' data.
+
+    The protocol is NOTE [dcpkit epoch signalling] (``kernels/dcpkit_ptx.cuh``) with three data
+    slots (NOTE [dcpkit gather slots], ``kernels/gather.cuh``).
+
+    Parameters
+    ----------
+    comm : Communicator
+        The group; every rank constructs the workspace with the same arguments.
+    max_tokens : int
+        ``T_max``, the largest ``T`` (rows per rank) of a call.
+    row_dim : int
+        ``D_kv``, elements per row. ``D_kv * itemsize`` must be a multiple of 16 bytes (pad
+        ``D_kv``).
+    dtype : dtype or str
+        Element type (any fixed-size type: the kernel moves bytes; fp8 as float8_e4m3fn or
+        uint8).
+    num_ubatches : int
+        Independent sets of epochs, signals and slots.
+    algorithm : {"push", "pull"}
+        See above; default ``"push"``.
+    timeout_ms : float, optional
+        Deadline of every wait (default ``DCPKIT_TIMEOUT_MS`` or 5000).
+    heap : SymmetricHeap, optional
+        Reserve the workspace in this heap instead of allocating its own. The workspace takes
+        ``3 * world_size * max_tokens * D_kv * itemsize`` bytes per ubatch (plus signals).
+    multicast : bool, optional
+        Ask for a multicast heap (used only where dcpkit's multicast guard allows it).
+
+    Attributes
+    ----------
+    algorithm : str
+        ``"push"`` or ``"pull"``.
+    transport : str
+        ``"multicast"`` (push on a multicast heap) or ``"unicast"``.
+    launches_per_call : int
+        1.
+
+    Collective: construction (compiles the kernel, then a barrier), every call, :meth:`close`.
+
+    Raises
+    ------
+    InvalidArgument, InvalidType
+        A geometry argument is out of range, the row bytes are not a multiple of 16, or
+        ``algorithm`` is unknown.
+    PeerError
+        Another rank rejected its arguments or failed to compile the kernel.
+    ConfigMismatch
+        Ranks passed different geometries or algorithms.
+    """
+
+    op_name = "kv_gather"
+
+    def __init__(self, comm: Communicator, *, max_tokens: int, row_dim: int, dtype,
+                 num_ubatches: int = 1, algorithm: str = "push",
+                 timeout_ms: Optional[float] = None, heap=None,
+                 multicast: Optional[bool] = None):
+        op = self.op_name
+        self._closed = True  # until the setup completes
+        if not isinstance(comm, Communicator):
+            raise InvalidType(f"{op}: comm must be a dcpkit.Communicator "
+                              f"(got {type(comm).__name__})")
+        self._agree_arguments(
+            comm, lambda: self._init_geometry(comm.world_size, max_tokens, row_dim, dtype,
+                                              algorithm),
+            "max_tokens, row_dim, dtype, algorithm")
+        nbytes = self.world_size * self.max_tokens * self.row_bytes
+        self._setup_gather(comm, data_slot_bytes=nbytes, out_bytes=nbytes,
+                           num_ubatches=num_ubatches, timeout_ms=timeout_ms, heap=heap,
+                           multicast=multicast)
+        if self.algorithm == "pull":
+            self.transport = "unicast"
+            name = "dcpkit::kv_gather_pull_kernel"
+        else:
+            self.transport = "multicast" if self.multicast else "unicast"
+            tr = "Multicast" if self.multicast else "Unicast"
+            name = f"dcpkit::kv_gather_push_kernel<dcpkit::Transport::{tr}>"
+        self._kernel = self._compile("kv_gather.cu", name)
+        self._finish_setup()
+
+    def _init_geometry(self, world_size: int, max_tokens, row_dim, dtype, algorithm) -> Tuple:
+        """Check and record the geometry (no GPU, no collective); returns it."""
+        op = self.op_name
+        self.world_size = int(world_size)
+        self.max_tokens = check_positive_int(max_tokens, op, "max_tokens")
+        self.row_dim = check_positive_int(row_dim, op, "row_dim")
+        self.dtype = resolve_gather_dtype(dtype, op)
+        if algorithm not in ALGORITHMS:
+            raise InvalidArgument(f"{op}: algorithm must be one of {list(ALGORITHMS)} "
+                                  f"(got {algorithm!r})")
+        self.algorithm = algorithm
+        isz = self.dtype.itemsize
+        self.row_bytes = self.row_dim * isz
+        if self.row_bytes % 16:
+            raise InvalidArgument(
+                f"{op}: row bytes (row_dim*itemsize) must be a multiple of 16 (pad D_kv to a "
+                f"multiple of 16 bytes) (got {self.row_dim}*{isz} = {self.row_bytes} bytes)")
+        total = self.world_size * self.max_tokens * self.row_bytes
+        if total // 16 > MAX_VECTORS:
+            raise InvalidArgument(f"{op}: world_size*max_tokens*row_dim*itemsize must be < "
+                                  f"32 GiB (got {total} bytes)")
+        return (self.max_tokens, self.row_dim, str(self.dtype), self.algorithm)
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, kv, *, ubatch: int = 0, out=None, stream=None):
+        """Gather ``kv`` of every rank: ``[T, D_kv]`` here -> ``[world_size*T, D_kv]``.
+
+        Naive equivalent: ``all_gather_into_tensor(out, kv)``.
+
+        Parameters
+        ----------
+        kv : GPU array [T, D_kv], the workspace dtype
+            C-contiguous, 16-byte aligned, ``T <= max_tokens``, equal on every rank.
+        ubatch : int
+            ``0 <= ubatch < num_ubatches``; every rank uses the same.
+        out : GPU array [world_size*T, D_kv], optional
+            C-contiguous, 16-byte aligned destination. With ``out`` the result is copied there
+            and ``out`` is returned (nothing allocated: safe to capture in a CUDA graph).
+        stream : cupy.cuda.Stream, optional
+            Default: the current CuPy stream.
+
+        Returns
+        -------
+        GPU array [world_size*T, D_kv], the workspace dtype, C-contiguous
+            ``out``, or a view of workspace memory: the own symmetric data slot (zero copy)
+            when the ubatch was never captured in a CUDA graph, else a workspace output buffer.
+            **Lifetime**: a view returned by call ``n`` stays valid while it is consumed on the
+            same stream before call ``n + 2`` of the same ubatch is issued (call ``n + 3``, or
+            a peer's call ``n + 3``, may reuse its storage); a view returned while capturing
+            lives in the graph output buffer, valid until the next replay of a graph that
+            captured a call of this ubatch. Views are invalid after :meth:`close`. ``T == 0``
+            returns an empty array without launching.
+
+        Collective: every rank calls with the same ``T``, dtype and ubatch, in the same order.
+
+        Stream: one kernel on ``stream``; never blocks the host; capture-safe.
+
+        Raises
+        ------
+        InvalidArgument, InvalidType
+            A bad shape, dtype, layout, alignment, device, ``T``, ubatch, or a host array;
+            raised before anything is launched and before the call counts.
+        ClosedError
+            The workspace is closed.
+        CollectiveTimeout
+            A previous wait of this workspace expired (the workspace is poisoned).
+        """
+        T, ubatch, ki, oi = self._validate(kv, ubatch, out)
+        if T == 0:
+            if out is not None:
+                return out
+            return self._result_view(self.data_slot_ptr(ubatch, 0), 0)
+        stream = self.get_stream(stream)
+        kout, result = self._destination(ubatch, stream, (T, str(self.dtype), ubatch),
+                                         oi.ptr if oi is not None else 0)
+        W = self.world_size
+        block_vecs = T * self.row_bytes // 16
+        common = (self.peer_data_ptr(ubatch), np.uint64(self.data_slot_bytes))
+        tail = (np.uint64(ki.ptr), np.uint32(block_vecs), np.uint64(kout))
+        if self.algorithm == "pull":
+            grid = self._grid(W * block_vecs)
+            args = self.proto_args(ubatch) + common + tail
+        else:
+            grid = self._grid(block_vecs * (W if kout else 1))
+            args = self.proto_args(ubatch) + common + (self.mc_data_ptr(ubatch),) + tail
+        self._launch(self._kernel, grid, args, stream)
+        if out is not None:
+            return out
+        return self._result_view(result, T)
+
+    def _result_view(self, ptr: int, T: int):
+        return self._view(ptr, (self.world_size * T, self.row_dim),
+                          (self.row_bytes, self.dtype.itemsize))
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self, kv, ubatch, out) -> Tuple[int, int, ArrayInfo, Optional[ArrayInfo]]:
+        """Every check of a call, before anything is launched or counted (no GPU needed).
+        Returns ``(T, ubatch, kv_info, out_info or None)``."""
+        op = self.op_name
+        self.check_open()
+        ubatch = self.check_ubatch(ubatch)
+        ki = array_info(kv, op, "kv")
+        check_shape(ki, (None, self.row_dim), "T, D_kv", op, "kv")
+        check_dtype(ki, (self.dtype,), op, "kv")
+        check_device(ki, self.device, op, "kv")
+        T = ki.shape[0]
+        if T > self.max_tokens:
+            raise InvalidArgument(f"{op}: kv tokens T must be <= max_tokens {self.max_tokens} "
+                                  f"(got {T})")
+        W = self.world_size
+        if W * T * self.row_bytes > self.data_slot_bytes:
+            raise InvalidArgument(
+                f"{op}: world_size*T*row bytes must be <= the slot capacity "
+                f"{self.data_slot_bytes} bytes (got {W}*{T}*{self.row_bytes} = "
+                f"{W * T * self.row_bytes})")
+        if T > 0:
+            self._check_contiguous(ki, "kv")
+        oi = None
+        if out is not None:
+            oi = array_info(out, op, "out")
+            check_shape(oi, (W * T, self.row_dim), "world_size*T, D_kv", op, "out")
+            check_dtype(oi, (self.dtype,), op, "out")
+            check_device(oi, self.device, op, "out")
+            if T > 0:
+                self._check_contiguous(oi, "out")
+        return T, ubatch, ki, oi
+
+    def _check_contiguous(self, info: ArrayInfo, name: str) -> None:
+        op = self.op_name
+        isz = self.dtype.itemsize
+        rows = info.shape[0]
+        if (self.row_dim > 1 and info.strides[1] != isz) or \
+                (rows > 1 and info.strides[0] != self.row_bytes):
+            raise InvalidArgument(
+                f"{op}: {name} must be C-contiguous with strides ({self.row_bytes}, {isz}) "
+                f"bytes (got strides {tuple(info.strides)}; use cupy.ascontiguousarray)")
+        check_align(info.ptr, 16, op, f"{name} data pointer")

@@ -1,0 +1,288 @@
+"""q_gather: every rank gets the queries of all heads, in one kernel over NVLink.
+
+Usage (every rank, same arguments, same order)::
+
+    qg = QGather(comm, max_tokens=128, heads_per_rank=32, head_dim=576, dtype="bfloat16")
+    q_all = qg(q)              # q [T, 32, 576] on this rank -> q_all [T, 32 * world_size, 576]
+    attention(q_all, ...)      # consume it on the same stream before the call after next
+    ...
+    qg.close()
+
+Kernel: ``kernels/q_gather.cu`` (device code in ``kernels/gather.cuh``); reference:
+``dcpkit.reference.q_gather_reference``; tests: ``tests/unit/test_gather_validation.py``,
+``tests/mpi/test_q_gather.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import numpy as np
+
+from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
+from ..comm import Communicator
+from ..errors import InvalidArgument, InvalidType
+from ._gather import MAX_VECTORS, GatherWorkspace, resolve_gather_dtype
+from ._workspace import check_positive_int
+
+__all__ = ["QGather"]
+
+
+class QGather(GatherWorkspace):
+    """Gather the query heads of every rank: one direct kernel per call.
+
+    Naive equivalent::
+
+        q_all = torch.cat(all_gather(q), dim=1)      # [T, H_r, D] per rank -> [T, H, D]
+
+    Rank ``s`` owns heads ``[s*H_r, (s+1)*H_r)``; the result is bit for bit that concatenation.
+    Every rank stores its ``q`` into the same place of every rank's symmetric data slot
+    (16-byte stores through peer pointers, CTA ``b`` of rank ``r`` starting with peer
+    ``(r + 1 + b) % world_size``; or one ``multimem.st`` per vector with multicast), then
+    signals; the epoch advance is folded into the same kernel (``launches_per_call == 1``). The
+    algorithm is the one-shot (direct) push all-gather of symmetric-memory libraries such as
+    NVSHMEM (``fcollect``) and PyTorch symmetric memory, with the signal protocol of
+    NOTE [dcpkit epoch signalling] (``kernels/dcpkit_ptx.cuh``) and three data slots
+    (NOTE [dcpkit gather slots], ``kernels/gather.cuh``).
+
+    Parameters
+    ----------
+    comm : Communicator
+        The group; every rank constructs the workspace with the same arguments.
+    max_tokens : int
+        ``T_max``, the largest ``T`` of a call.
+    heads_per_rank : int
+        ``H_r``; the result has ``H = H_r * world_size`` heads.
+    head_dim : int
+        ``D``.
+    dtype : dtype or str
+        Element type of ``q`` and of the result. Any fixed-size type (the kernel moves bytes):
+        float32, float16, bfloat16, float8_e4m3fn (ml_dtypes), uint8, int8, ...
+        ``H_r * D * itemsize`` must be a multiple of 16 bytes.
+    num_ubatches : int
+        Independent sets of epochs, signals and slots (calls of different ubatches may overlap
+        on different streams).
+    padded_num_heads : int, optional
+        ``H_pad >= H``: the result sits in storage with room for ``H_pad`` heads per token (for
+        attention kernels with a fixed head count that over-read). ``H_pad * D * itemsize`` must
+        be a multiple of 16. The pad heads ``[H, H_pad)`` are never written by dcpkit: their
+        contents are unspecified. Get the padded storage with ``return_padded=True``.
+    timeout_ms : float, optional
+        Deadline of every wait (default ``DCPKIT_TIMEOUT_MS`` or 5000).
+    heap : SymmetricHeap, optional
+        Reserve the workspace in this heap instead of allocating its own.
+    multicast : bool, optional
+        Ask for a multicast heap (used only where dcpkit's multicast guard allows it).
+
+    Attributes
+    ----------
+    num_heads : int
+        ``H``.
+    transport : str
+        ``"multicast"`` or ``"unicast"``: the variant every call launches.
+    launches_per_call : int
+        1.
+
+    Collective: construction (compiles the kernel, then a barrier), every call, :meth:`close`.
+
+    Raises
+    ------
+    InvalidArgument, InvalidType
+        A geometry argument is out of range, or the row bytes are not a multiple of 16.
+    PeerError
+        Another rank rejected its arguments or failed to compile the kernel.
+    ConfigMismatch
+        Ranks passed different geometries.
+    """
+
+    op_name = "q_gather"
+
+    def __init__(self, comm: Communicator, *, max_tokens: int, heads_per_rank: int,
+                 head_dim: int, dtype, num_ubatches: int = 1,
+                 padded_num_heads: Optional[int] = None, timeout_ms: Optional[float] = None,
+                 heap=None, multicast: Optional[bool] = None):
+        op = self.op_name
+        self._closed = True  # until the setup completes
+        if not isinstance(comm, Communicator):
+            raise InvalidType(f"{op}: comm must be a dcpkit.Communicator "
+                              f"(got {type(comm).__name__})")
+        self._agree_arguments(
+            comm, lambda: self._init_geometry(comm.world_size, max_tokens, heads_per_rank,
+                                              head_dim, dtype, padded_num_heads),
+            "max_tokens, heads_per_rank, head_dim, dtype, padded_num_heads")
+        nbytes = self.max_tokens * self.slot_token_bytes
+        self._setup_gather(comm, data_slot_bytes=nbytes, out_bytes=nbytes,
+                           num_ubatches=num_ubatches, timeout_ms=timeout_ms, heap=heap,
+                           multicast=multicast)
+        self.transport = "multicast" if self.multicast else "unicast"
+        tr = "Multicast" if self.multicast else "Unicast"
+        self._kernel = self._compile("q_gather.cu",
+                                     f"dcpkit::q_gather_kernel<dcpkit::Transport::{tr}>")
+        self._finish_setup()
+
+    def _init_geometry(self, world_size: int, max_tokens, heads_per_rank, head_dim, dtype,
+                       padded_num_heads) -> Tuple:
+        """Check and record the geometry (no GPU, no collective); returns it."""
+        op = self.op_name
+        self.world_size = int(world_size)
+        self.max_tokens = check_positive_int(max_tokens, op, "max_tokens")
+        self.heads_per_rank = check_positive_int(heads_per_rank, op, "heads_per_rank")
+        self.head_dim = check_positive_int(head_dim, op, "head_dim")
+        self.dtype = resolve_gather_dtype(dtype, op)
+        self.num_heads = self.heads_per_rank * self.world_size
+        if padded_num_heads is None:
+            padded_num_heads = self.num_heads
+        self.padded_num_heads = check_positive_int(padded_num_heads, op, "padded_num_heads",
+                                                   minimum=self.num_heads)
+        isz = self.dtype.itemsize
+        self.row_bytes = self.heads_per_rank * self.head_dim * isz
+        if self.row_bytes % 16:
+            raise InvalidArgument(
+                f"{op}: heads_per_rank*head_dim*itemsize must be a multiple of 16 bytes "
+                f"(got {self.heads_per_rank}*{self.head_dim}*{isz} = {self.row_bytes})")
+        self.slot_token_bytes = self.padded_num_heads * self.head_dim * isz
+        if self.slot_token_bytes % 16:
+            raise InvalidArgument(
+                f"{op}: padded_num_heads*head_dim*itemsize must be a multiple of 16 bytes "
+                f"(got {self.padded_num_heads}*{self.head_dim}*{isz} = "
+                f"{self.slot_token_bytes})")
+        if self.max_tokens * self.num_heads * self.head_dim * isz // 16 > MAX_VECTORS:
+            raise InvalidArgument(f"{op}: max_tokens*H*head_dim*itemsize must be < 32 GiB "
+                                  f"(got {self.max_tokens * self.num_heads * self.head_dim * isz})")
+        return (self.max_tokens, self.heads_per_rank, self.head_dim, str(self.dtype),
+                self.padded_num_heads)
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, q, *, ubatch: int = 0, out=None, stream=None,
+                 return_padded: bool = False):
+        """Gather ``q`` of every rank: ``[T, H_r, D]`` here -> ``[T, H, D]`` everywhere.
+
+        Naive equivalent: ``torch.cat(all_gather(q), dim=1)``.
+
+        Parameters
+        ----------
+        q : GPU array [T, H_r, D], the workspace dtype
+            ``T <= max_tokens``, equal on every rank. Head stride exactly ``D`` elements,
+            elements contiguous; token stride ``>= H_r*D`` elements (padded storage, e.g.
+            ``x[:, :H_r]`` of a wider array, is read in place). Data pointer and token stride
+            16-byte aligned.
+        ubatch : int
+            ``0 <= ubatch < num_ubatches``; every rank uses the same.
+        out : GPU array [T, H, D], optional
+            Destination (head stride ``D`` elements, elements contiguous, token stride
+            ``>= H*D`` elements, 16-byte aligned). With ``out`` the result is copied there and
+            ``out`` is returned (nothing allocated: safe to capture in a CUDA graph).
+        stream : cupy.cuda.Stream, optional
+            Default: the current CuPy stream.
+        return_padded : bool
+            Return the ``[T, H_pad, D]`` storage instead of its ``[T, H, D]`` prefix (heads
+            ``[H, H_pad)`` never written, unspecified). Only with ``out=None``.
+
+        Returns
+        -------
+        GPU array [T, H, D] (or [T, H_pad, D]), the workspace dtype
+            ``out``, or a view of workspace memory with token stride ``H_pad*D`` elements:
+            the own symmetric data slot (zero copy) when the ubatch was never captured in a
+            CUDA graph, else a workspace output buffer. **Lifetime**: a view returned by call
+            ``n`` stays valid while it is consumed on the same stream before call ``n + 2`` of
+            the same ubatch is issued (call ``n + 3``, or a peer's call ``n + 3``, may reuse its
+            storage); a view returned while capturing lives in the graph output buffer, valid
+            until the next replay of a graph that captured a call of this ubatch. Views are
+            invalid after :meth:`close`. ``T == 0`` returns an empty array without launching.
+
+        Collective: every rank calls with the same ``T``, dtype and ubatch, in the same order.
+
+        Stream: one kernel on ``stream``; never blocks the host; capture-safe.
+
+        Raises
+        ------
+        InvalidArgument, InvalidType
+            A bad shape, dtype, stride, alignment, device, ``T``, ubatch, or a host array;
+            raised before anything is launched and before the call counts.
+        ClosedError
+            The workspace is closed.
+        CollectiveTimeout
+            A previous wait of this workspace expired (the workspace is poisoned).
+        """
+        T, ubatch, qi, oi = self._validate(q, ubatch, out, return_padded)
+        if T == 0:
+            if out is not None:
+                return out
+            return self._result_view(self.data_slot_ptr(ubatch, 0), 0, return_padded)
+        stream = self.get_stream(stream)
+        kout, result = self._destination(ubatch, stream, (T, str(self.dtype), ubatch),
+                                         oi.ptr if oi is not None else 0)
+        W = self.world_size
+        full_row = self.num_heads * self.head_dim * self.dtype.itemsize
+        q_stride = qi.strides[0] if T > 1 else self.row_bytes
+        if oi is not None:
+            out_stride = oi.strides[0] if T > 1 else full_row
+        else:
+            out_stride = self.slot_token_bytes
+        row_vecs = self.row_bytes // 16
+        grid = self._grid(T * row_vecs * (W if kout else 1))
+        args = self.proto_args(ubatch) + (
+            self.peer_data_ptr(ubatch), np.uint64(self.data_slot_bytes), self.mc_data_ptr(ubatch),
+            np.uint64(qi.ptr), np.int64(q_stride), np.uint32(row_vecs),
+            np.int64(self.slot_token_bytes), np.uint32(T), np.uint64(kout),
+            np.int64(out_stride),
+        )
+        self._launch(self._kernel, grid, args, stream)
+        if out is not None:
+            return out
+        return self._result_view(result, T, return_padded)
+
+    def _result_view(self, ptr: int, T: int, padded: bool):
+        isz = self.dtype.itemsize
+        heads = self.padded_num_heads if padded else self.num_heads
+        return self._view(ptr, (T, heads, self.head_dim),
+                          (self.slot_token_bytes, self.head_dim * isz, isz))
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self, q, ubatch, out, return_padded) -> Tuple[int, int, ArrayInfo,
+                                                                 Optional[ArrayInfo]]:
+        """Every check of a call, before anything is launched or counted (no GPU needed).
+        Returns ``(T, ubatch, q_info, out_info or None)``."""
+        op = self.op_name
+        self.check_open()
+        ubatch = self.check_ubatch(ubatch)
+        if return_padded and out is not None:
+            raise InvalidArgument(f"{op}: return_padded must be False when out= is given "
+                                  f"(got return_padded=True)")
+        qi = array_info(q, op, "q")
+        check_shape(qi, (None, self.heads_per_rank, self.head_dim), "T, H_r, D", op, "q")
+        check_dtype(qi, (self.dtype,), op, "q")
+        check_device(qi, self.device, op, "q")
+        T = qi.shape[0]
+        if T > self.max_tokens:
+            raise InvalidArgument(f"{op}: q tokens T must be <= max_tokens {self.max_tokens} "
+                                  f"(got {T})")
+        if T > 0:
+            self._check_rows(qi, "q", self.heads_per_rank)
+        oi = None
+        if out is not None:
+            oi = array_info(out, op, "out")
+            check_shape(oi, (T, self.num_heads, self.head_dim), "T, H, D", op, "out")
+            check_dtype(oi, (self.dtype,), op, "out")
+            check_device(oi, self.device, op, "out")
+            if T > 0:
+                self._check_rows(oi, "out", self.num_heads)
+        return T, ubatch, qi, oi
+
+    def _check_rows(self, info: ArrayInfo, name: str, heads: int) -> None:
+        """Heads contiguous, token stride >= one token's heads and 16-byte aligned."""
+        op = self.op_name
+        isz = self.dtype.itemsize
+        D = self.head_dim
+        T = info.shape[0]
+        if D > 1 and info.strides[2] != isz:
+            raise InvalidArgument(f"{op}: {name} head_dim stride must be one element "
+                                  f"({isz} bytes) (got {info.strides[2]} bytes)")
+        if heads > 1 and info.strides[1] != D * isz:
+            raise InvalidArgument(f"{op}: {name} head stride must be head_dim elements "
+                                  f"({D * isz} bytes) (got {info.strides[1]} bytes)")
+        row = heads * D * isz
+        if T > 1 and (info.strides[0] < row or info.strides[0] % 16):
+            raise InvalidArgument(f"{op}: {name} token stride must be >= {row} bytes and a "
+                                  f"multiple of 16 bytes (got {info.strides[0]} bytes)")
+        check_align(info.ptr, 16, op, f"{name} data pointer")

@@ -1,0 +1,268 @@
+// gather.cuh: the device code q_gather and kv_gather share. Both ops are "every rank pushes one
+// 2-D block of 16-byte vectors into the same place of every rank's slot"; kv_gather is the case
+// of one row. See NOTE [dcpkit epoch signalling] in dcpkit_ptx.cuh for the protocol and
+// NOTE [dcpkit gather slots] below for the slot ring.
+//
+// NOTE [dcpkit gather slots]
+// --------------------------
+// The gathers return a view of the slot itself (zero copy), consumed by the caller's later
+// kernels, i.e. AFTER the gather kernel retired. The two-slot argument of NOTE [dcpkit epoch
+// signalling] covers reads inside the call only: a peer may push into slot p again at its call
+// n + 2 as soon as it saw this rank's n + 1 signal, which this rank publishes inside its call
+// n + 1 -- so a view of call n read after call n + 1 was issued would race with the peers' call
+// n + 2. The gathers therefore keep THREE data slots per ubatch (data slot = epoch % 3; the
+// signals keep their two slots, epoch & 1). Call n's data slot is written again only by calls
+// n + 3; a peer's call n + 3 starts after its call n + 2 saw this rank's n + 2 signal, which this
+// rank publishes only inside its call n + 2, after everything issued before it on its stream.
+// Hence the rule of the docstrings: a view returned by call n stays valid while it is consumed on
+// the same stream before call n + 2 of the same ubatch is issued. The 64-bit epoch never wraps,
+// so epoch % 3 needs no care at the 32-bit wrap of the signals.
+#pragma once
+
+#include "dcpkit_ptx.cuh"
+
+namespace dcpkit {
+
+// Data slots per ubatch (NOTE [dcpkit gather slots]); dcpkit/ops/_gather.py DATA_SLOTS.
+constexpr u32 kGatherDataSlots = 3;
+// Threads per CTA; dcpkit/ops/_gather.py THREADS. wait_all_sources needs blockDim.x >= world.
+constexpr int kGatherThreads = 512;
+// 16-byte vectors each thread loads before it stores them (loads in flight per thread).
+constexpr int kGatherUnroll = 4;
+
+// The geometry of one call. A slot row holds the rows of every rank side by side: rank s's part
+// of row t sits at byte s * row_vecs * 16 of that row (q_gather: one row per token, part = the
+// H_r heads of rank s; kv_gather: one single row, part = rank s's whole [T, D_kv] block). The
+// output `out` (copy-out) has the same layout with its own row stride.
+struct GatherGeom {
+  u32 rows;               // rows of the block (T for q_gather, 1 for kv_gather)
+  u32 row_vecs;           // 16-byte vectors of one rank's part of a row
+  long long src_stride;   // bytes between rows of the input
+  long long slot_stride;  // bytes between rows of a slot
+  long long out_stride;   // bytes between rows of out (copy-out only)
+};
+
+// Vector i of a rows x row_vecs block -> (row, column in vectors). One row: no division.
+__device__ __forceinline__ void gather_split(u32 rows, u32 row_vecs, u32 i, u32& row, u32& col) {
+  if (rows == 1u) {
+    row = 0u;
+    col = i;
+  } else {
+    row = i / row_vecs;
+    col = i - row * row_vecs;
+  }
+}
+
+// The rank CTA `cta` starts with: (rank + 1 + cta) % world. Successive CTAs (and ranks) start on
+// different peers, so every link carries traffic from the first store on.
+__device__ __forceinline__ u32 gather_first_peer(const Proto& P) {
+  const u32 w = static_cast<u32>(P.world);
+  return (static_cast<u32>(P.rank) + 1u + blockIdx.x % w) % w;
+}
+
+__device__ __forceinline__ u32 gather_next_peer(const Proto& P, u32 s) {
+  return (s + 1u == static_cast<u32>(P.world)) ? 0u : s + 1u;
+}
+
+// Local copy of a rows x row_vecs block of 16-byte vectors, shared by all CTAs of the grid:
+// thread j of the grid handles vectors j, j + span, j + 2 * span, ... (span = threads of the
+// grid, so a small block spreads over every CTA), loading kGatherUnroll of them before it
+// stores them. kInput: the source is this call's read-only input (ld.global.nc); otherwise it
+// is slot data written by a peer, read after a wait (ld.global.cg). `dst2`, when not null,
+// receives a second copy.
+template <bool kInput>
+__device__ __forceinline__ void gather_copy(const char* src, long long src_stride, char* dst,
+                                            long long dst_stride, char* dst2,
+                                            long long dst2_stride, u32 rows, u32 row_vecs) {
+  const u32 n = rows * row_vecs;
+  const u32 span = gridDim.x * blockDim.x;  // threads of the grid
+  for (u32 base = blockIdx.x * blockDim.x + threadIdx.x; base < n;
+       base += span * kGatherUnroll) {
+    uint4 v[kGatherUnroll];
+    u32 row[kGatherUnroll], col[kGatherUnroll];
+#pragma unroll
+    for (int k = 0; k < kGatherUnroll; ++k) {
+      const u32 i = base + static_cast<u32>(k) * span;
+      v[k] = make_uint4(0u, 0u, 0u, 0u);
+      row[k] = 0u;
+      col[k] = 0u;
+      if (i < n) {
+        gather_split(rows, row_vecs, i, row[k], col[k]);
+        const char* p = src + row[k] * src_stride + col[k] * 16ll;
+        v[k] = kInput ? ld16_nc(p) : ld16(p);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kGatherUnroll; ++k) {
+      if (base + static_cast<u32>(k) * span < n) {
+        st16(dst + row[k] * dst_stride + col[k] * 16ll, v[k]);
+        if (dst2 != nullptr) st16(dst2 + row[k] * dst2_stride + col[k] * 16ll, v[k]);
+      }
+    }
+  }
+}
+
+// Payload step (1) of NOTE [dcpkit epoch signalling] for a gather: this rank's block `src`
+// (g.rows x g.row_vecs vectors, row stride g.src_stride) goes to column rank * row_vecs of the
+// data slot at byte `slot_off` of every rank.
+//   Unicast: each thread loads kGatherUnroll vectors once and stores them to every destination,
+//     CTA b starting with destination (rank + 1 + b) % world; the own rank is a destination too
+//     (a local store). With `own_out` (copy-out) the own block goes straight into `own_out`
+//     (row stride g.out_stride) instead of the own slot: nothing reads it from there.
+//   Multicast: one multimem.st per vector to `mc_data + slot_off` lands in every rank's slot,
+//     the own one included (plus a local store into `own_out` with copy-out).
+template <Transport TR>
+__device__ __forceinline__ void gather_push(const Proto& P, const u64* peer_data, u64 mc_data,
+                                            u64 slot_off, const char* src, const GatherGeom& g,
+                                            char* own_out) {
+  const u32 n = g.rows * g.row_vecs;
+  const u32 span = gridDim.x * blockDim.x;  // threads of the grid
+  const long long col0 = static_cast<long long>(P.rank) * g.row_vecs * 16ll;
+  const u32 first = gather_first_peer(P);
+  for (u32 base = blockIdx.x * blockDim.x + threadIdx.x; base < n;
+       base += span * kGatherUnroll) {
+    uint4 v[kGatherUnroll];
+    u32 row[kGatherUnroll], col[kGatherUnroll];
+#pragma unroll
+    for (int k = 0; k < kGatherUnroll; ++k) {
+      const u32 i = base + static_cast<u32>(k) * span;
+      v[k] = make_uint4(0u, 0u, 0u, 0u);
+      row[k] = 0u;
+      col[k] = 0u;
+      if (i < n) {
+        gather_split(g.rows, g.row_vecs, i, row[k], col[k]);
+        v[k] = ld16_nc(src + row[k] * g.src_stride + col[k] * 16ll);
+      }
+    }
+    if (TR == Transport::Multicast) {
+      char* mc = reinterpret_cast<char*>(mc_data + slot_off) + col0;
+#pragma unroll
+      for (int k = 0; k < kGatherUnroll; ++k) {
+        if (base + static_cast<u32>(k) * span < n) {
+          multimem_st16(mc + row[k] * g.slot_stride + col[k] * 16ll, v[k]);
+          if (own_out != nullptr) {
+            st16(own_out + col0 + row[k] * g.out_stride + col[k] * 16ll, v[k]);
+          }
+        }
+      }
+    } else {
+      u32 d = first;
+      for (int j = 0; j < P.world; ++j) {
+        char* dst;
+        long long stride;
+        if (own_out != nullptr && d == static_cast<u32>(P.rank)) {
+          dst = own_out + col0;
+          stride = g.out_stride;
+        } else {
+          dst = reinterpret_cast<char*>(__ldg(peer_data + d) + slot_off) + col0;
+          stride = g.slot_stride;
+        }
+#pragma unroll
+        for (int k = 0; k < kGatherUnroll; ++k) {
+          if (base + static_cast<u32>(k) * span < n) {
+            st16(dst + row[k] * stride + col[k] * 16ll, v[k]);
+          }
+        }
+        d = gather_next_peer(P, d);
+      }
+    }
+  }
+}
+
+// Every source's part except this rank's, from a data slot into `dst` (same layout, row stride
+// `dst_stride`), shared by all CTAs; CTA b starts with source (rank + 1 + b) % world.
+// kFromPeers: source s's part is read from rank s's own slot over NVLink (pull); otherwise from
+// this rank's slot, where the peers pushed it (copy-out after a push).
+template <bool kFromPeers>
+__device__ __forceinline__ void gather_collect(const Proto& P, const u64* peer_data, u64 slot_off,
+                                               const GatherGeom& g, char* dst,
+                                               long long dst_stride) {
+  const long long part_bytes = static_cast<long long>(g.row_vecs) * 16ll;
+  u32 s = gather_first_peer(P);
+  for (int j = 0; j < P.world; ++j) {
+    if (s != static_cast<u32>(P.rank)) {
+      const u32 holder = kFromPeers ? s : static_cast<u32>(P.rank);
+      const char* from = reinterpret_cast<const char*>(__ldg(peer_data + holder) + slot_off)
+                         + s * part_bytes;
+      gather_copy<false>(from, g.slot_stride, dst + s * part_bytes, dst_stride, nullptr, 0,
+                         g.rows, g.row_vecs);
+    }
+    s = gather_next_peer(P, s);
+  }
+}
+
+// The workspace was poisoned by an earlier timeout: the whole CTA returns (CTA-uniform, so no
+// thread is left alone at a barrier of the protocol).
+__device__ __forceinline__ bool gather_aborted(const Proto& P) {
+  return __syncthreads_or(aborted(P) ? 1 : 0) != 0;
+}
+
+// One push gather call, steps 1-4 of NOTE [dcpkit epoch signalling].
+//   peer_data : u64 [world], address of data slot 0 of this ubatch on every rank
+//   slot_bytes: bytes of one data slot (data slot k at peer_data[s] + k * slot_bytes)
+//   mc_data   : multicast address of data slot 0 (Multicast only)
+//   src       : this rank's block, g.rows rows of g.row_vecs vectors, row stride g.src_stride
+//   out       : nullptr = zero copy (the caller reads the own data slot after the kernel);
+//               else copy-out: the gathered rows (world * g.row_vecs vectors each, row stride
+//               g.out_stride) are written to `out`.
+// Zero copy: only the elected CTA waits for the sources, so kernel completion implies that every
+// rank's block is in the local slot. Copy-out: every CTA waits, then copies its share.
+template <Transport TR>
+__device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer_data,
+                                                 u64 slot_bytes, u64 mc_data, const char* src,
+                                                 const GatherGeom& g, char* out) {
+  if (gather_aborted(P)) return;
+  const u64 e = call_epoch(P);  // read once: the elected CTA stores e before the kernel ends
+  const u32 e32 = static_cast<u32>(e);
+  const int sig_slot = static_cast<int>(e & 1ull);
+  const u64 slot_off = (e % kGatherDataSlots) * slot_bytes;
+
+  gather_push<TR>(P, peer_data, mc_data, slot_off, src, g, out);
+  const bool last = arrive_and_publish<TR>(P, e32, sig_slot, true);
+  if (last) finish_epoch(P, e);
+
+  if (out == nullptr) {
+    if (last) wait_all_sources(P, sig_slot, e32);  // CTA-uniform: every thread of the CTA calls
+    return;
+  }
+  if (!wait_all_sources(P, sig_slot, e32)) return;
+  gather_collect<false>(P, peer_data, slot_off, g, out, g.out_stride);
+}
+
+// One pull gather call (unicast only).
+//   (a) every CTA copies its share of the own input into the own data slot, column rank (and
+//       into `out` with copy-out);
+//   (b) publish: this rank's signal now means "my block is staged in my slot";
+//   (c) every CTA waits for every source, then loads source s's block from rank s's slot over
+//       NVLink into the same place of the own slot (or of `out`).
+// Slot reuse stays safe (same argument as NOTE [dcpkit epoch signalling], reads instead of
+// writes): this rank rewrites its data slot k (staging, step a) only at call n + 3; that call
+// starts after its call n + 2, whose CTAs all waited for every peer's n + 2 signal, and a peer
+// publishes n + 2 only inside its call n + 2, after its call n -- including every load it made
+// from this rank's slot -- retired. Peers never write into this rank's slot, so the view rule of
+// NOTE [dcpkit gather slots] holds as well (pull alone would even allow two slots).
+__device__ __forceinline__ void gather_pull_call(const Proto& P, const u64* peer_data,
+                                                 u64 slot_bytes, const char* src,
+                                                 const GatherGeom& g, char* out) {
+  if (gather_aborted(P)) return;
+  const u64 e = call_epoch(P);
+  const u32 e32 = static_cast<u32>(e);
+  const int sig_slot = static_cast<int>(e & 1ull);
+  const u64 slot_off = (e % kGatherDataSlots) * slot_bytes;
+  char* own_slot = reinterpret_cast<char*>(__ldg(peer_data + P.rank) + slot_off);
+  const long long col0 = static_cast<long long>(P.rank) * g.row_vecs * 16ll;
+
+  gather_copy<true>(src, g.src_stride, own_slot + col0, g.slot_stride,
+                    out == nullptr ? nullptr : out + col0, g.out_stride, g.rows, g.row_vecs);
+  const bool last = arrive_and_publish<Transport::Unicast>(P, e32, sig_slot, true);
+  if (last) finish_epoch(P, e);
+
+  if (!wait_all_sources(P, sig_slot, e32)) return;
+  if (out == nullptr) {
+    gather_collect<true>(P, peer_data, slot_off, g, own_slot, g.slot_stride);
+  } else {
+    gather_collect<true>(P, peer_data, slot_off, g, out, g.out_stride);
+  }
+}
+
+}  // namespace dcpkit

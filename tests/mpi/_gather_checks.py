@@ -1,0 +1,139 @@
+"""Helpers of tests/mpi/test_q_gather.py and tests/mpi/test_kv_gather.py.
+
+Every check returns a message (or None) instead of asserting, so that each rank finishes all its
+collective calls; :func:`run_collective` then agrees across ranks and asserts once, naming every
+failing rank and its first problems.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import numpy as np
+
+MAX_REPORTED = 6
+
+_SPIN_SRC = r"""
+extern "C" __global__ void dcpkit_test_spin(unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"""
+_SPIN = None
+
+
+def run_collective(comm, what: str, body: Callable[[List[str]], None]) -> None:
+    """Run ``body(errors)`` on every rank (an exception becomes an error), then agree and assert.
+
+    Every rank reaches the agreement even when its body raised, so no rank is left waiting in a
+    collective of this test."""
+    errors: List[str] = []
+    try:
+        body(errors)
+    except Exception as e:  # noqa: BLE001 - reported with the other ranks' results below
+        errors.append(f"raised {type(e).__name__}: {e}")
+    every = comm.allgather(errors[:MAX_REPORTED] + ([f"... {len(errors) - MAX_REPORTED} more"]
+                                                    if len(errors) > MAX_REPORTED else []))
+    bad = {r: e for r, e in enumerate(every) if e}
+    assert not bad, (f"{what} (world_size {comm.world_size}) failed on ranks {sorted(bad)}:\n"
+                     + "\n".join(f"  rank {r}: " + "\n          ".join(e)
+                                 for r, e in sorted(bad.items())))
+
+
+def sub_seed(seed: int, *keys: int) -> int:
+    """A seed for one call of a test, derived from the run's seed."""
+    return int(np.random.SeedSequence([int(seed)] + [int(k) for k in keys]).generate_state(1)[0])
+
+
+def bits(x):
+    """``x`` (host or device array) viewed as unsigned integers of the same item size, so that
+    copies and assignments never depend on CuPy's support of the element type (bf16, fp8)."""
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def to_device(a: np.ndarray):
+    import cupy
+
+    return cupy.asarray(bits(np.ascontiguousarray(a))).view(a.dtype)
+
+
+def to_host(x) -> np.ndarray:
+    import cupy
+
+    return cupy.asnumpy(bits(x)).view(x.dtype)
+
+
+def byte_mismatch(got, want, what: str) -> Optional[str]:
+    """None when ``got`` and ``want`` are equal byte for byte, else where they first differ."""
+    got = np.asarray(got)
+    want = np.asarray(want)
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{what}: got {got.dtype}{got.shape}, want {want.dtype}{want.shape}"
+    isz = got.dtype.itemsize
+    g = np.ascontiguousarray(got).view(np.uint8).reshape(got.size, isz)
+    w = np.ascontiguousarray(want).view(np.uint8).reshape(want.size, isz)
+    bad = np.nonzero((g != w).any(axis=1))[0]
+    if bad.size == 0:
+        return None
+    i = int(bad[0])
+    idx = tuple(int(v) for v in np.unravel_index(i, got.shape))
+    poisoned = int((g[bad] == 0xFF).all(axis=1).sum())
+    return (f"{what}: {bad.size} of {got.size} elements differ ({poisoned} still hold the 0xFF "
+            f"poison); first at index {idx}: got 0x{g[i][::-1].tobytes().hex()}, "
+            f"want 0x{w[i][::-1].tobytes().hex()}")
+
+
+def all_poison(x, what: str) -> Optional[str]:
+    """None when every byte of ``x`` (device array) is still 0xFF."""
+    h = to_host(x)
+    b = np.ascontiguousarray(h).view(np.uint8)
+    if b.size and not (b == 0xFF).all():
+        return f"{what}: {int((b != 0xFF).sum())} bytes were overwritten (must stay untouched)"
+    return None
+
+
+def poisoned_empty(shape, dtype):
+    """A device array of ``shape`` whose bytes are all 0xFF."""
+    import cupy
+
+    dt = np.dtype(dtype)
+    raw = cupy.empty(int(np.prod(shape)) * dt.itemsize, dtype=cupy.uint8)
+    raw.fill(0xFF)
+    return raw.view(dt).reshape(shape)
+
+
+def poison_workspace(ws, comm) -> None:
+    """Fill every data slot and output buffer of a gather workspace with 0xFF bytes.
+
+    Collective; only right after construction (no peer may be writing into the slots): ends with
+    a device synchronisation and a barrier, so no peer's first call can land before the poison."""
+    import cupy
+
+    with cupy.cuda.Device(ws.device):
+        for u in range(ws.num_ubatches):
+            for k in range(3):
+                ptr = ws.data_slot_ptr(u, k)
+                mem = cupy.cuda.UnownedMemory(ptr, ws.data_slot_bytes, ws, ws.device)
+                cupy.ndarray((ws.data_slot_bytes,), cupy.uint8,
+                             memptr=cupy.cuda.MemoryPointer(mem, 0)).fill(0xFF)
+        ws._graph_out.fill(0xFF)
+        for buf in ws._eager_out:
+            if buf is not None:
+                buf.fill(0xFF)
+        cupy.cuda.runtime.deviceSynchronize()
+    comm.barrier()
+
+
+def spin(ns: int, stream=None) -> None:
+    """Keep ``stream`` (default: the current stream) busy for ``ns`` nanoseconds on the GPU."""
+    import cupy
+
+    global _SPIN
+    if _SPIN is None:
+        _SPIN = cupy.RawKernel(_SPIN_SRC, "dcpkit_test_spin")
+    if stream is None:
+        _SPIN((1,), (1,), (np.uint64(ns),))
+    else:
+        with stream:
+            _SPIN((1,), (1,), (np.uint64(ns),))
