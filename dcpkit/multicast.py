@@ -1,0 +1,536 @@
+"""Multicast objects over a symmetric heap, and the guard that decides whether one may exist.
+
+A multicast object gives every rank one virtual address, ``mc_ptr``, bound to every rank's copy
+of a symmetric heap: a ``multimem.st`` to ``mc_ptr + offset`` lands at ``offset`` in every copy
+(NVLink SHARP on NVSwitch systems). Creating one takes NVSwitch resources; on shared machines an
+operator can forbid it, and there ``cuMulticastCreate`` must never run (DESIGN.md, "Multicast
+safety on shared machines").
+
+NOTE [dcpkit multicast guard]
+Multicast is used only when all of these hold, checked in this order:
+
+1. opt-in: ``multicast=True`` was passed, or ``multicast=None`` (the default) and
+   ``DCPKIT_MULTICAST`` is truthy. ``multicast=False`` is always off.
+2. no disabling variable is set (every one that is set is named in the reason):
+
+   ================================== ===========================================================
+   variable                           disables multicast when its value is ...
+   ================================== ===========================================================
+   ``NCCL_NVLS_ENABLE``               anything but an enabling spelling: ``0``, ``false``, ``no``,
+                                      ``off``, or an unrecognised word (fail safe). Enabling:
+                                      a non-zero integer, ``true``, ``yes``, ``on``, ``y``, ``t``.
+   ``NVSHMEM_DISABLE_NVLS``           anything but a disabling-off spelling: ``1``, ``true``,
+   ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` ``yes``, any non-zero integer, or an unrecognised word
+   ``DCPKIT_DISABLE_MULTICAST``       (fail safe). Not disabling: ``0``, ``false``, ``no``,
+                                      ``off``, ``n``, ``f``.
+   ================================== ===========================================================
+
+   Spellings are compared after stripping blanks, case-insensitively. A variable that is unset,
+   or set to the empty string, has no effect.
+3. the device reports ``CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`` = 1.
+4. every rank of the group says yes (:func:`agree_multicast`); otherwise no rank uses it, and the
+   reason names the ranks that said no.
+
+:class:`MulticastObject` checks rule 2 again from ``os.environ`` on every rank, before its first
+driver call, and raises :class:`~dcpkit.errors.MulticastDisabled` on every rank if any rank is
+forbidden: a caller that skipped the guard still cannot reach ``cuMulticastCreate``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, List, Mapping, Optional, Tuple, Union
+
+from . import _cuda
+from .errors import InvalidArgument, InvalidType, MulticastDisabled, PeerError
+
+__all__ = [
+    "KILL_SWITCHES",
+    "OPT_IN_VARIABLE",
+    "kill_switches_set",
+    "multicast_decision",
+    "agree_multicast",
+    "multicast_granularity",
+    "MulticastObject",
+]
+
+log = logging.getLogger("dcpkit")
+
+#: The user's opt-in variable.
+OPT_IN_VARIABLE = "DCPKIT_MULTICAST"
+
+#: Variables that forbid multicast, with the sense of each: ``"enable"`` variables forbid it
+#: unless they hold an enabling spelling, ``"disable"`` variables forbid it unless they hold a
+#: not-disabling spelling (NOTE [dcpkit multicast guard]).
+KILL_SWITCHES: Tuple[Tuple[str, str], ...] = (
+    ("NCCL_NVLS_ENABLE", "enable"),
+    ("NVSHMEM_DISABLE_NVLS", "disable"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "disable"),
+    ("DCPKIT_DISABLE_MULTICAST", "disable"),
+)
+
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
+_FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f"})
+
+
+def _parse_bool(value: str) -> Optional[bool]:
+    """True / False for a recognised spelling (words above or an integer), None otherwise."""
+    v = value.strip().lower()
+    if v in _TRUE_WORDS:
+        return True
+    if v in _FALSE_WORDS:
+        return False
+    try:
+        return int(v) != 0
+    except ValueError:
+        return None
+
+
+def _is_set(env: Mapping[str, str], name: str) -> bool:
+    value = env.get(name)
+    return value is not None and value.strip() != ""
+
+
+def kill_switches_set(env: Mapping[str, str]) -> List[Tuple[str, str]]:
+    """The disabling variables that forbid multicast in ``env``, as ``(name, value)`` pairs.
+
+    Empty when multicast is not forbidden by any variable. See NOTE [dcpkit multicast guard].
+    """
+    found = []
+    for name, sense in KILL_SWITCHES:
+        if not _is_set(env, name):
+            continue
+        value = env[name]
+        parsed = _parse_bool(value)
+        disables = (parsed is not True) if sense == "enable" else (parsed is not False)
+        if disables:
+            found.append((name, value))
+    return found
+
+
+def multicast_decision(opt_in: Optional[bool], env: Mapping[str, str],
+                       device_supported: Union[bool, Callable[[], bool]]) -> Tuple[bool, str]:
+    """Whether this rank may use multicast, and why (rules 1 to 3 of the guard).
+
+    Naive equivalent::
+
+        opted_in = opt_in if opt_in is not None else env.get("DCPKIT_MULTICAST") == "1"
+        return opted_in and not any_kill_switch(env) and device_supported
+
+    Parameters
+    ----------
+    opt_in : bool or None
+        ``multicast=`` as the user passed it: True, False, or None (then ``DCPKIT_MULTICAST``
+        decides).
+    env : mapping of str to str
+        The environment to read (``os.environ``).
+    device_supported : bool or callable returning bool
+        ``CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`` of this rank's device. A callable is called
+        only when rules 1 and 2 pass, so a refused rank makes no driver call; if it raises, the
+        answer is no, with the error in the reason.
+
+    Returns
+    -------
+    (bool, str)
+        The decision and its reason; the reason names the deciding argument, variable or device
+        attribute.
+    """
+    if opt_in is not None and not isinstance(opt_in, bool):
+        raise InvalidType(f"multicast_decision: opt_in must be True, False or None "
+                          f"(got {opt_in!r})")
+    if opt_in is False:
+        return False, "multicast=False was passed"
+    if opt_in is None:
+        raw = env.get(OPT_IN_VARIABLE)
+        if raw is None or _parse_bool(raw) is not True:
+            shown = "unset" if raw is None else f"{raw!r}"
+            return False, (f"not opted in: {OPT_IN_VARIABLE} is {shown} (pass multicast=True or "
+                           f"set {OPT_IN_VARIABLE}=1)")
+        how = f"{OPT_IN_VARIABLE}={raw!r}"
+    else:
+        how = "multicast=True"
+    killed = kill_switches_set(env)
+    if killed:
+        names = ", ".join(f"{n}={v!r}" for n, v in killed)
+        return False, f"disabled by {names} (opted in by {how})"
+    try:
+        supported = device_supported() if callable(device_supported) else device_supported
+    except Exception as e:  # noqa: BLE001 - a failed query means no, with the reason
+        return False, (f"could not query CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED "
+                       f"({type(e).__name__}: {e})")
+    if not supported:
+        return False, "the device reports CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0"
+    return True, (f"opted in by {how}, no disabling variable set, the device supports "
+                  f"multicast")
+
+
+def agree_multicast(comm, local_decision) -> Tuple[bool, str]:
+    """Rule 4 of the guard: multicast only if every rank allows it.
+
+    Parameters
+    ----------
+    comm : Communicator
+    local_decision : bool or (bool, str)
+        This rank's :func:`multicast_decision` (or a bare bool).
+
+    Returns
+    -------
+    (bool, str)
+        Equal on every rank. The reason names the ranks that said no and their reasons.
+
+    Collective
+    ----------
+    One allgather; every rank calls it.
+    """
+    if isinstance(local_decision, tuple):
+        ok, reason = bool(local_decision[0]), str(local_decision[1])
+    else:
+        ok, reason = bool(local_decision), ("allowed" if local_decision else "refused")
+    everyone = comm.allgather((ok, reason))
+    refused = [r for r, (o, _) in enumerate(everyone) if not o]
+    if not refused:
+        return True, f"every rank allows multicast ({everyone[0][1]})"
+    detail = "; ".join(f"rank {r}: {everyone[r][1]}" for r in refused)
+    return False, f"multicast off: rank(s) {refused} do not allow it ({detail})"
+
+
+def _guard_env_or_raise(what: str, rank: Optional[int] = None) -> None:
+    """Rule 2 from ``os.environ``; raise MulticastDisabled if any disabling variable is set."""
+    killed = kill_switches_set(os.environ)
+    if killed:
+        names = ", ".join(f"{n}={v!r}" for n, v in killed)
+        where = "" if rank is None else f" on rank {rank}"
+        raise MulticastDisabled(f"{what}: multicast is disabled{where} by {names}; no multicast "
+                                f"object is created (NOTE [dcpkit multicast guard])")
+
+
+def _handle_type_enum(drv, handle_type: str):
+    if handle_type == "posix_fd":
+        return drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    if handle_type == "fabric":
+        return drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC
+    raise InvalidArgument(f"MulticastObject: handle_type must be 'posix_fd' or 'fabric' "
+                          f"(got {handle_type!r})")
+
+
+def _mc_prop(drv, world_size: int, size: int, handle_type: str):
+    prop = drv.CUmulticastObjectProp()
+    prop.numDevices = int(world_size)
+    prop.size = int(size)
+    prop.handleTypes = int(_handle_type_enum(drv, handle_type))
+    prop.flags = 0
+    return prop
+
+
+def multicast_granularity(world_size: int, device: int, handle_type: str = "posix_fd",
+                          size: int = 1 << 21) -> int:
+    """The minimum multicast granularity in bytes (``cuMulticastGetGranularity``).
+
+    A heap that will be bound to a multicast object rounds its size up to a multiple of this.
+    The minimum (not the recommended, which can be hundreds of MiB) keeps small workspaces
+    small; it is what binding requires. Checks the disabling variables first (NOTE [dcpkit
+    multicast guard]); the query itself creates nothing.
+
+    Raises
+    ------
+    MulticastDisabled
+        A disabling variable is set (raised before any driver call).
+    CudaError
+        The driver refused the query.
+    """
+    _guard_env_or_raise("multicast_granularity")
+    drv = _cuda.driver()
+    prop = _mc_prop(drv, world_size, size, handle_type)
+    flag = drv.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_MINIMUM
+    return int(_cuda.check(drv.cuMulticastGetGranularity(prop, flag), "cuMulticastGetGranularity"))
+
+
+class MulticastObject:
+    """One multicast address bound to every rank's copy of a symmetric heap.
+
+    Naive equivalent: none in plain CUDA; with it, ``multimem.st [mc_ptr + off], v`` behaves as
+    ``for r in ranks: store(peer_ptrs[r] + off, v)`` in one NVSwitch operation.
+
+    Setup (a transaction: every step registers its undo, every rank checks after every step that
+    all ranks succeeded, and a failure anywhere unwinds everywhere):
+
+    1. the guard: disabling variables re-read from ``os.environ`` on every rank, then the device
+       attribute; a refusal on any rank raises :class:`MulticastDisabled` on every rank, before
+       any multicast driver call
+    2. ``cuMulticastGetGranularity`` (the largest over ranks); ``heap_nbytes`` must be a multiple
+    3. rank 0: ``cuMulticastCreate``, then export (POSIX fd, or fabric handle bytes)
+    4. the handle goes to every peer: fd over an abstract Unix socket (``SCM_RIGHTS``), or fabric
+       bytes through the Communicator; peers import it
+    5. ``cuMulticastAddDevice`` on every rank; the step check is the barrier that makes every
+       device join before any memory is bound
+    6. ``cuMulticastBindMem`` of this rank's own physical allocation (``mem_handle``)
+    7. ``cuMemAddressReserve`` + ``cuMemMap`` + ``cuMemSetAccess`` of the multicast handle
+
+    :meth:`close` undoes these in reverse (unmap, free the range, unbind, release, close fds).
+
+    Parameters
+    ----------
+    comm : Communicator
+    heap_nbytes : int
+        Size in bytes of each rank's copy of the heap, a multiple of the multicast granularity
+        (:func:`multicast_granularity`).
+    device : int
+        This rank's CUDA device.
+    mem_handle : CUmemGenericAllocationHandle
+        This rank's physical allocation of the heap (from ``cuMemCreate``), bound at offset 0.
+    handle_type : {"posix_fd", "fabric"}
+        How the multicast handle travels from rank 0 to its peers.
+    timeout_s : float
+        Deadline of the descriptor exchange, in seconds.
+
+    Attributes
+    ----------
+    mc_ptr : int
+        The multicast virtual address (0 after :meth:`close`).
+    nbytes : int
+        Bytes bound, equal to ``heap_nbytes``.
+
+    Collective
+    ----------
+    Construction and :meth:`close`.
+
+    Raises
+    ------
+    MulticastDisabled
+        On every rank, when any rank has a disabling variable set or a device without multicast.
+    PeerError
+        A step failed on another rank (this rank unwound what it had created).
+    CudaError, FdExchangeError, InvalidArgument
+        A step failed on this rank (every rank unwound).
+    """
+
+    def __init__(self, comm, heap_nbytes: int, device: int, *, mem_handle,
+                 handle_type: str = "posix_fd", timeout_s: float = 60.0):
+        from .comm import Communicator  # noqa: WPS433
+        from .symmetric import _collective_check, _Transaction  # noqa: WPS433 (no import cycle)
+
+        self._closed = True
+        self._undo: List = []
+        self.mc_ptr = 0
+        if not isinstance(comm, Communicator):
+            raise InvalidType(f"MulticastObject: comm must be a dcpkit.Communicator "
+                              f"(got {type(comm).__name__})")
+        self.comm = comm
+        rank, world = comm.rank, comm.world_size
+
+        # 1. The guard, before any driver call, on every rank.
+        err: Optional[BaseException] = None
+        try:
+            _guard_env_or_raise("MulticastObject", rank)
+            for name, value in (("heap_nbytes", heap_nbytes), ("device", device)):
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise InvalidType(f"MulticastObject: {name} must be an int "
+                                      f"(got {type(value).__name__} {value!r})")
+            if heap_nbytes <= 0:
+                raise InvalidArgument(f"MulticastObject: heap_nbytes must be > 0 "
+                                      f"(got {heap_nbytes})")
+            if device < 0:
+                raise InvalidArgument(f"MulticastObject: device must be >= 0 (got {device})")
+            if handle_type not in ("posix_fd", "fabric"):
+                raise InvalidArgument(f"MulticastObject: handle_type must be 'posix_fd' or "
+                                      f"'fabric' (got {handle_type!r})")
+            if mem_handle is None:
+                raise InvalidArgument("MulticastObject: mem_handle must be the heap's physical "
+                                      "allocation handle (got None)")
+        except Exception as e:  # noqa: BLE001 - shared with every rank below
+            err = e
+        try:
+            _collective_check(comm, "MulticastObject: multicast guard and arguments", err)
+        except PeerError as pe:
+            # A peer is forbidden: refuse here too with the same error type, still before any
+            # driver call.
+            if any(str(m).startswith("MulticastDisabled") for m in pe.failed.values()):
+                raise MulticastDisabled(f"MulticastObject: refused on every rank: {pe}") from pe
+            raise
+
+        import cupy  # noqa: WPS433
+
+        drv = _cuda.driver()
+        self.device = int(device)
+        self.nbytes = int(heap_nbytes)
+        self.handle_type = handle_type
+        hkind = _handle_type_enum(drv, handle_type)
+        tx = _Transaction(comm, "MulticastObject")
+        box = {}
+
+        with cupy.cuda.Device(self.device):
+            cupy.cuda.runtime.free(0)  # the primary context exists and is current
+
+            def device_step():
+                supported = _cuda.device_attribute("MULTICAST_SUPPORTED", self.device)
+                if not supported:
+                    raise MulticastDisabled(
+                        f"MulticastObject: device {self.device} of rank {rank} reports "
+                        f"CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0")
+                box["dev"] = _cuda.check(drv.cuDeviceGet(self.device), "cuDeviceGet")
+
+            tx.step("mc_device", device_step)
+
+            def granularity_step():
+                box["gran"] = multicast_granularity(world, self.device, handle_type, self.nbytes)
+
+            tx.step("mc_granularity", granularity_step)
+            gran = max(comm.allgather(box["gran"]))
+
+            def size_step():
+                if self.nbytes % gran:
+                    raise InvalidArgument(f"MulticastObject: heap_nbytes must be a multiple of "
+                                          f"the multicast granularity {gran} (got {self.nbytes})")
+
+            tx.step("mc_size", size_step)
+            prop = _mc_prop(drv, world, self.nbytes, handle_type)
+            token = comm.job_token()
+
+            def create_step():
+                if rank == 0:
+                    _guard_env_or_raise("MulticastObject", rank)  # last look before creation
+                    h = _cuda.check(drv.cuMulticastCreate(prop), "cuMulticastCreate")
+                    box["handle"] = h
+                    tx.add_undo("cuMemRelease(multicast)", lambda: _cuda.check(
+                        drv.cuMemRelease(h), "cuMemRelease"))
+
+            tx.step("mc_create", create_step)
+
+            def export_step():
+                if rank == 0:
+                    shared = _cuda.check(drv.cuMemExportToShareableHandle(box["handle"], hkind, 0),
+                                         "cuMemExportToShareableHandle")
+                    if handle_type == "posix_fd":
+                        fd = int(shared)
+                        box["fd"] = fd
+                        tx.add_undo("close(multicast fd)", lambda: os.close(fd))
+                    else:
+                        box["fabric"] = bytes(shared.data)
+
+            tx.step("mc_export", export_step)
+
+            if handle_type == "posix_fd":
+                def exchange_step():
+                    from . import _fdpass  # noqa: WPS433
+
+                    got = _fdpass.exchange_fds(token, "mc", rank, world, box.get("fd"),
+                                               senders=[0], timeout_s=timeout_s)
+                    if rank != 0:
+                        fd = got[0]
+                        box["fd"] = fd
+                        tx.add_undo("close(multicast fd)", lambda: os.close(fd))
+
+                tx.step("mc_exchange", exchange_step)
+            else:
+                box["fabric"] = comm.broadcast(box.get("fabric"), root=0)
+
+            def import_step():
+                if rank == 0:
+                    return
+                if handle_type == "posix_fd":
+                    h = _cuda.check(drv.cuMemImportFromShareableHandle(box["fd"], hkind),
+                                    "cuMemImportFromShareableHandle")
+                else:
+                    fh = drv.CUmemFabricHandle()
+                    fh.data = box["fabric"]
+                    h = _cuda.check(drv.cuMemImportFromShareableHandle(fh.getPtr(), hkind),
+                                    "cuMemImportFromShareableHandle")
+                box["handle"] = h
+                tx.add_undo("cuMemRelease(multicast)", lambda: _cuda.check(
+                    drv.cuMemRelease(h), "cuMemRelease"))
+
+            tx.step("mc_import", import_step)
+
+            tx.step("mc_add_device", lambda: _cuda.check(
+                drv.cuMulticastAddDevice(box["handle"], box["dev"]), "cuMulticastAddDevice"))
+
+            def bind_step():
+                h, dev, n = box["handle"], box["dev"], self.nbytes
+                _cuda.check(drv.cuMulticastBindMem(h, 0, mem_handle, 0, n, 0),
+                            "cuMulticastBindMem")
+                tx.add_undo("cuMulticastUnbind", lambda: _cuda.check(
+                    drv.cuMulticastUnbind(h, dev, 0, n), "cuMulticastUnbind"))
+
+            tx.step("mc_bind", bind_step)
+
+            def map_step():
+                n = self.nbytes
+                va = int(_cuda.check(drv.cuMemAddressReserve(n, gran, 0, 0),
+                                     "cuMemAddressReserve"))
+                tx.add_undo("cuMemAddressFree(multicast)", lambda: _cuda.check(
+                    drv.cuMemAddressFree(va, n), "cuMemAddressFree"))
+                _cuda.check(drv.cuMemMap(va, n, 0, box["handle"], 0), "cuMemMap")
+                tx.add_undo("cuMemUnmap(multicast)", lambda: _cuda.check(
+                    drv.cuMemUnmap(va, n), "cuMemUnmap"))
+                desc = drv.CUmemAccessDesc()
+                desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                desc.location.id = self.device
+                desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                _cuda.check(drv.cuMemSetAccess(va, n, [desc], 1), "cuMemSetAccess")
+                box["va"] = va
+
+            tx.step("mc_map", map_step)
+
+        self.mc_ptr = box["va"]
+        self._undo = tx.commit()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close` (or when construction failed)."""
+        return self._closed
+
+    def _release_local(self) -> None:
+        """Undo setup on this rank only, in reverse (no collective; the caller synchronised)."""
+        if self._closed:
+            return
+        self._closed = True
+        import cupy  # noqa: WPS433
+
+        from .symmetric import _run_undo  # noqa: WPS433
+
+        with cupy.cuda.Device(self.device):
+            errors = _run_undo(self._undo, "MulticastObject.close")
+        self._undo = []
+        self.mc_ptr = 0
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        """Release the multicast object (collective, idempotent).
+
+        Waits for the device, waits for every rank, then unmaps, frees the address range,
+        unbinds, releases the handle and closes descriptors, in that order.
+
+        Stream: synchronises the device.
+        """
+        if self._closed:
+            return
+        import cupy  # noqa: WPS433
+
+        with cupy.cuda.Device(self.device):
+            cupy.cuda.runtime.deviceSynchronize()
+        self.comm.barrier()
+        self._release_local()
+
+    def __enter__(self) -> "MulticastObject":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):  # never collective work here: warn only
+        if getattr(self, "_closed", True) is False:
+            try:
+                import warnings  # noqa: WPS433
+
+                warnings.warn("dcpkit MulticastObject was not closed; call close() on every rank",
+                              ResourceWarning, stacklevel=1)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"mc_ptr=0x{self.mc_ptr:x}"
+        return (f"MulticastObject(rank={self.comm.rank}, world_size={self.comm.world_size}, "
+                f"nbytes={getattr(self, 'nbytes', 0)}, {state})")

@@ -1,0 +1,76 @@
+"""One job of the "two jobs at once on one machine" heap check (issue 3).
+
+Run under an MPI launcher, for example::
+
+    mpirun -np 2 python scripts/two_jobs_check.py --job a
+
+Each round every rank builds a SymmetricHeap (cumem backend, POSIX descriptors over abstract
+sockets named after this job's token), writes a rank-specific pattern into every peer's copy,
+checks every copy, and closes the heap. Every rank prints one line
+``DCPKIT_TWO_JOBS {json}`` with its results, including the multicast-disabling variables it
+saw (so a launcher can check they were inherited), and the exit status is 0 only if every rank
+of the job saw correct heaps. tests/gpu/test_two_jobs.py starts two of these at the same time.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "mpi"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--job", default="job", help="name printed with the results")
+    ap.add_argument("--rounds", type=int, default=20, help="heaps built one after the other")
+    ap.add_argument("--nbytes", type=int, default=8 << 20, help="bytes of each rank's copy")
+    ap.add_argument("--device-offset", type=int, default=0, help="GPU of local rank 0")
+    ap.add_argument("--ready-file", help="created once this job is set up")
+    ap.add_argument("--wait-file", help="start the rounds only once this file exists (another "
+                                        "job's --ready-file), so that the two jobs overlap")
+    args = ap.parse_args()
+
+    import cupy
+
+    from _heap_checks import agree, pattern_errors, run_checked
+    from dcpkit.comm import Communicator
+    from dcpkit.multicast import KILL_SWITCHES
+    from dcpkit.symmetric import SymmetricHeap
+
+    comm = Communicator.from_mpi()
+    ndev = cupy.cuda.runtime.getDeviceCount()
+    device = (args.device_offset + comm.local_rank) % ndev
+    cupy.cuda.Device(device).use()
+    seed = comm.broadcast(int.from_bytes(os.urandom(4), "little"), root=0)
+    handle_types = []
+    if comm.rank == 0 and args.ready_file:
+        Path(args.ready_file).touch()
+    if comm.rank == 0 and args.wait_file:
+        deadline = time.time() + 300
+        while not os.path.exists(args.wait_file) and time.time() < deadline:
+            time.sleep(0.01)
+    comm.barrier()
+    t0 = time.time()
+
+    def body(errors):
+        for k in range(args.rounds):
+            with SymmetricHeap(comm, args.nbytes) as heap:
+                handle_types.append(heap.handle_type)
+                errors.extend(f"round {k}: {e}" for e in pattern_errors(comm, heap, seed + k))
+
+    errors = run_checked(comm, body)
+    ok, msg = agree(comm, errors)
+    print("DCPKIT_TWO_JOBS " + json.dumps({
+        "job": args.job, "rank": comm.rank, "world_size": comm.world_size, "device": device,
+        "rounds": args.rounds, "ok": ok, "errors": errors[:6], "job_errors": msg,
+        "handle_types": sorted(set(handle_types)), "start": t0, "end": time.time(),
+        "kill_switches": {name: os.environ.get(name) for name, _ in KILL_SWITCHES},
+    }), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
