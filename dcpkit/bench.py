@@ -307,6 +307,21 @@ def _first_version(*names: str) -> Optional[str]:
     return None
 
 
+def _command(world_size: int, argv: Sequence[str]) -> str:
+    """The command line of the run, output paths shortened to their file names (the folders
+    are those of a machine that is gone)."""
+    out, short = [], False
+    for a in argv:
+        if short:
+            a = os.path.basename(a)
+        short = a in ("--json", "--plot")
+        if a.startswith(("--json=", "--plot=")):
+            k, v = a.split("=", 1)
+            a = f"{k}={os.path.basename(v)}"
+        out.append(shlex.quote(a))
+    return f"mpirun -np {world_size} python -m dcpkit bench " + " ".join(out)
+
+
 def _collect_meta(ctx: "_Ctx", argv: Sequence[str]) -> Dict[str, Any]:
     from . import __version__
 
@@ -323,8 +338,7 @@ def _collect_meta(ctx: "_Ctx", argv: Sequence[str]) -> Dict[str, Any]:
         "gpus_by_rank": [f"{h[0]}:{h[2]} {h[1]}" for h in hosts],
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit, "commit_dirty": dirty,
-        "command": f"mpirun -np {ctx.comm.world_size} python -m dcpkit bench "
-                   + " ".join(shlex.quote(a) for a in argv),
+        "command": _command(ctx.comm.world_size, argv),
         "dcpkit": __version__, "python": sys.version.split()[0],
         "numpy": np.__version__,
         "cupy": _first_version("cupy-cuda13x", "cupy-cuda12x", "cupy"),
@@ -1445,31 +1459,40 @@ def run_case(ctx: _Ctx, runner: Runner, case: Dict[str, Any], data: Dict[str, An
             rows[m]["error"] = str(e)
         return list(rows.values()), True
 
+    # Every step that can fail on one rank only (binding, allocating, capturing) is a stage of
+    # its own, before any step in which the ranks wait for each other: a peer that failed
+    # there would leave the others waiting inside NCCL, which has no deadline.
+    box: Dict[str, Any] = {}
+
     # 1. correctness on poisoned outputs, fresh inputs with edge cases
-    def check():
+    def bind_check():
         runner.bind(A["dev"], case, A["refs"])
-        outs = runner.check_outputs()
-        dev.poison(outs)
+        box["outs"] = runner.check_outputs()
+        dev.poison(box["outs"])
+
+    def check():
         with runner.enqueue_context():
-            res = runner.call(outs=outs)
+            res = runner.call(outs=box["outs"])
         dev.wait_stream(runner.stream, f"{label} check")
         return dev.compare(res, A["refs"])
 
     try:
+        _stage(ctx, f"{label}: bind check inputs", bind_check)
         rec = _check_record("check", _stage(ctx, f"{label}: check", check))
     except StageFailed as e:
         return fail(cfg["modes"], e)
+    box.clear()
     for r in rows.values():
         r["checks"].append(rec)
         r["wrong"] += rec["wrong"]
 
     # 2. warm-up on the timed inputs, and an estimate of the time per call (max over ranks)
     def warm():
-        runner.bind(B["dev"], case, B["refs"])
         runner.calls(3)
         return dev.sample(runner.stream, lambda: runner.calls(5)) / 5
 
     try:
+        _stage(ctx, f"{label}: bind timed inputs", lambda: runner.bind(B["dev"], case, B["refs"]))
         est = max(_stage(ctx, f"{label}: warm-up", warm))
     except StageFailed as e:
         return fail(cfg["modes"], e)
@@ -1499,9 +1522,12 @@ def run_case(ctx: _Ctx, runner: Runner, case: Dict[str, Any], data: Dict[str, An
     if "graph" in rows:
         plan = _plan(est, cfg, graph=True)
 
+        def capture():
+            box["launch"], box["last"] = runner.capture(plan["graph_calls"])
+            dev.poison(box["last"])
+
         def graph():
-            launch, last = runner.capture(plan["graph_calls"])
-            dev.poison(last)
+            launch, last = box["launch"], box["last"]
             launch()
             dev.wait_stream(runner.stream, f"{label} first replay")
             first = dev.compare(last, B["refs"])
@@ -1511,7 +1537,11 @@ def run_case(ctx: _Ctx, runner: Runner, case: Dict[str, Any], data: Dict[str, An
             return {"times": times, "first": first, "final": final}
 
         try:
-            per = _stage(ctx, f"{label}: graph", graph)
+            try:
+                _stage(ctx, f"{label}: graph capture", capture)
+                per = _stage(ctx, f"{label}: graph", graph)
+            finally:
+                box.clear()   # drops the graph
             row = rows["graph"]
             row["times_us"] = _stats.max_over_ranks([p["times"] for p in per])
             row["plan"] = plan

@@ -66,7 +66,8 @@ finish() {
     local rc=$?
     trap - EXIT
     {
-        echo "# dcpkit GPU suite, $(date -u '+%Y-%m-%d %H:%M UTC'), $(hostname), commit ${DCPKIT_COMMIT:-unknown}"
+        echo "# dcpkit GPU suite, $(date -u '+%Y-%m-%d %H:%M UTC'), $(hostname)," \
+             "commit ${DCPKIT_COMMIT:-unknown}"
         echo "# stage world_size rc seconds note"
         for r in "${RESULTS[@]}"; do echo "$r" | tr '|' ' '; done
         echo
@@ -80,7 +81,7 @@ finish() {
     tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null
     # the tail of a log can be huge; the tarball keeps everything, the table stays short
     echo
-    echo "==================== dcpkit GPU suite: summary ($(( $(date +%s) - START_S )) s) ===================="
+    echo "========== dcpkit GPU suite: summary ($(( $(date +%s) - START_S )) s) =========="
     printf '%-12s %-3s %-5s %-7s %s\n' stage N rc seconds note
     local failed=0
     for r in "${RESULTS[@]}"; do
@@ -119,19 +120,23 @@ NPS=""
 for n in ${DCPKIT_SUITE_NP:-2 4}; do
     if [ "$n" -le "$NGPU" ]; then NPS="$NPS $n"; else say "world size $n skipped: $NGPU GPU(s)"; fi
 done
-export DCPKIT_MACHINE_KIND="${DCPKIT_MACHINE_KIND:-${NGPU}x $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)}"
+GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+export DCPKIT_MACHINE_KIND="${DCPKIT_MACHINE_KIND:-${NGPU}x ${GPU_NAME:-GPU}}"
 
 {
     echo "## environment"
     echo "host: $(hostname); $(uname -r); GPUs: $NGPU; world sizes: ${NPS:- none}"
     echo "commit: $DCPKIT_COMMIT"
     for v in $GUARD_VARS; do echo "$v: ${GUARD0[$v]}"; done
-    echo "DCPKIT_MULTICAST: ${DCPKIT_MULTICAST-unset}; DCPKIT_DISABLE_MULTICAST: ${DCPKIT_DISABLE_MULTICAST-unset}"
+    echo "DCPKIT_MULTICAST: ${DCPKIT_MULTICAST-unset};" \
+         "DCPKIT_DISABLE_MULTICAST: ${DCPKIT_DISABLE_MULTICAST-unset}"
     nvidia-smi -L 2>&1
-    nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm,power.limit --format=csv 2>&1
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm,power.limit \
+        --format=csv 2>&1
     nvidia-smi topo -m 2>&1
     echo "python: $("$PY" --version 2>&1)"
-    "$PY" -m pip list 2>/dev/null | grep -iE '^(cupy|cuda-bindings|cuda-python|cuda-core|torch|mpi4py|numpy|ml.dtypes|nvidia-nccl|nvshmem|pytest|matplotlib)' 
+    "$PY" -m pip list 2>/dev/null | grep -iE '^(cupy|cuda-(bindings|python|core)|torch|mpi4py)'
+    "$PY" -m pip list 2>/dev/null | grep -iE '^(numpy|ml.dtypes|nvidia-nccl|nvshmem|pytest|matplotlib)'
     echo "mpirun: $(mpirun --version 2>&1 | head -1)"
 } >"$LOGS/env.txt" 2>&1
 say "environment: $NGPU GPU(s), world sizes:${NPS:- none}, commit ${DCPKIT_COMMIT:0:12}"
@@ -171,7 +176,8 @@ run_stage() {
         note="timed out after ${lim} s"
     else
         # pytest's last summary line, or the benchmark's / demo's last line
-        note="$(grep -E ' (passed|failed|error|errors|skipped|no tests ran)( |,|$)|^# dcpkit bench:|^dcpkit demo' "$log" 2>/dev/null | tail -1 | tr -d '=' | sed 's/^ *//' | cut -c1-90)"
+        local pat=' (passed|failed|error|errors|skipped|no tests ran)( |,|$)|^# dcpkit bench:|^dcpkit demo'
+        note="$(grep -E "$pat" "$log" 2>/dev/null | tail -1 | tr -d '=' | sed 's/^ *//' | cut -c1-90)"
     fi
     RESULTS+=("$name|$n|$rc|$dt|$note")
     if [ "$rc" -eq 0 ]; then
@@ -200,7 +206,8 @@ fi
 if [[ $STAGES == *,tests,* ]]; then
     if [ -d "$ROOT/tests/gpu" ]; then
         run_stage gputests 1 300 "$LOGS/tests_gpu.log" \
-            "$PY" -m pytest tests/gpu -p no:cacheprovider -q -rfEs --timeout=300 ${DCPKIT_PYTEST_ARGS:-}
+            "$PY" -m pytest tests/gpu -p no:cacheprovider -q -rfEs --timeout=300 \
+            ${DCPKIT_PYTEST_ARGS:-}
     fi
     for n in $NPS; do
         mpicmd "$n" "tests_mpi_$n"
@@ -231,7 +238,8 @@ if [[ $STAGES == *,bench,* ]]; then
             "${MPICMD[@]}" "$PY" -m dcpkit bench --json "$WORK/bench_$n.json" \
             --plot "$WORK/bench_$n.png" ${DCPKIT_BENCH_ARGS:-}
         # the compact part of the bench output: ceilings, target counts, the last line
-        grep -E '^# (ceilings|  |targets:|dcpkit bench:)|^#   ' "$LOGS/bench_$n.log" | cut -c1-160 | tail -n 12
+        grep -E '^# (ceilings|targets:|dcpkit bench:)|^#   ' "$LOGS/bench_$n.log" \
+            | cut -c1-160 | tail -n 12
     done
 fi
 exit 0

@@ -648,3 +648,8 @@ def test_cli_help_and_single_rank_refusal(run_python):
     r = run_python(["-m", "dcpkit", "bench", "--quick"], timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "dcpkit bench" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_recorded_command_drops_machine_paths():
+    cmd = bench._command(4, ["--json", "/tmp/x/bench_4.json", "--plot=/tmp/x/b.png", "--quick"])
+    assert cmd == "mpirun -np 4 python -m dcpkit bench --json bench_4.json --plot=b.png --quick"
