@@ -383,6 +383,7 @@ def run_soak(comm, *, calls: int = 100_000, seed: int = 0, check_every: int = 10
         "wrapped": all(all(r["wrapped"].values()) for r in every),
         "wrap_after": wrap_after,
         "elapsed_s": round(elapsed, 2),
+        "timeout_ms": lse.op.timeout_ms,
         "seed": seed,
         "dtype": str(lse.dtype),
         "max_tokens": max_tokens,

@@ -47,9 +47,8 @@ pytestmark = pytest.mark.skipif(NUM_GPUS < 2, reason=f"needs 2 GPUs (have {NUM_G
 
 @pytest.fixture(scope="module")
 def launcher():
-    from dcpkit.comm import launcher_world_size
-
-    if launcher_world_size(os.environ):
+    launched = [os.environ.get(v, "") for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")]
+    if any(v not in ("", "1") for v in launched):
         pytest.skip("tests/gpu launch their own MPI jobs: run pytest as one process, not under "
                     "mpirun")
     exe = find_mpirun()

@@ -230,7 +230,7 @@ def test_silent_rank_times_out(comm, seed, name, algorithm):
     _fail_if_any(comm, msgs, f"{case.label}: silent rank {silent}")
 
 
-def test_silent_rank_other_ubatch_unaffected(comm, seed):
+def test_timeout_poisons_every_ubatch_but_no_other_workspace(comm, seed):
     """A timeout poisons the whole workspace (every ubatch): a ubatch other than the one that
     timed out raises too, before launching. A separate, healthy workspace keeps working."""
     W, rank = comm.world_size, comm.rank

@@ -173,7 +173,8 @@ ROWS = [
     ("kv out strided", "kv", None, _kv(out=Dev((W * T, D_KV), strides_el=(D_KV + 8, 1))),
      InvalidArgument, "out must be C-contiguous"),
     ("kv ubatch -1", "kv", None, _kv(ubatch=-1), InvalidArgument, "ubatch must lie in"),
-    ("kv closed workspace", "kv", _closed, _kv(), ClosedError, "kv_gather: the workspace is closed"),
+    ("kv closed workspace", "kv", _closed, _kv(), ClosedError,
+     "kv_gather: the workspace is closed"),
     # ---- lse_reduce: out_partial [T, H, D_v], lse_partial [T, H], masks, outputs
     ("lse out_partial dtype", "lse", None, _lse(out_partial=Dev((T, H, D_V), F32)), InvalidType,
      "out_partial dtype must be"),

@@ -196,8 +196,8 @@ class OpCase:
         ``xor``: the gathers' inputs were XOR-ed with this value (raw bits); so is the result.
         """
         host = got if isinstance(got, np.ndarray) else to_host(got, self.dtype)
-        where = (f"{self.label} rank {self.rank}/{self.W} T={expected.shape[0]} "
-                 f"dtype={self.dtype} {what}")
+        T = expected.shape[0] // self.W if self.name == "kv_gather" else expected.shape[0]
+        where = f"{self.label} rank {self.rank}/{self.W} T={T} dtype={self.dtype} {what}"
         if host.shape != expected.shape:
             return f"{where}: result shape {host.shape} != expected {expected.shape}"
         if self.name != "lse_reduce":
