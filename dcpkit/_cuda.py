@@ -6,7 +6,7 @@ Every driver call in dcpkit goes through :func:`check`, which turns a non-succes
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from .errors import CudaError, MissingDependency
 
@@ -14,14 +14,27 @@ __all__ = ["driver", "check", "cuda_extra", "device_attribute", "ensure_context"
 
 
 def cuda_extra() -> str:
-    """The pip extra that matches the installed CuPy (``cuda12`` or ``cuda13``)."""
-    try:
-        import cupy  # noqa: WPS433
+    """The pip extra that matches this environment (``cuda12`` or ``cuda13``).
 
-        major = cupy.cuda.runtime.runtimeGetVersion() // 1000
-        return f"cuda{major}"
-    except Exception:  # noqa: BLE001 - any failure: name the default extra
-        return "cuda12"
+    Decided from the installed distributions (CuPy's wheel name, then cuda-bindings' major
+    version), so it works when the very package that is missing is CuPy; ``cuda12`` when
+    nothing tells.
+    """
+    from importlib import metadata
+
+    def has(name: str) -> Optional[str]:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    for major in ("13", "12"):
+        if has(f"cupy-cuda{major}x"):
+            return f"cuda{major}"
+    ver = has("cuda-bindings") or has("cuda-python")
+    if ver and ver.split(".")[0] in ("12", "13"):
+        return f"cuda{ver.split('.')[0]}"
+    return "cuda12"
 
 
 _DRIVER = None
@@ -91,5 +104,6 @@ def device_attribute(attr_name: str, device: int) -> int:
     """The driver attribute ``CU_DEVICE_ATTRIBUTE_<attr_name>`` of ``device``."""
     drv = driver()
     attr = getattr(drv.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_" + attr_name)
+    check(drv.cuInit(0), "cuInit")  # idempotent; cuDeviceGet needs it
     dev = check(drv.cuDeviceGet(device), "cuDeviceGet")
     return int(check(drv.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute"))

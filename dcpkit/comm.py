@@ -19,11 +19,11 @@ from __future__ import annotations
 import os
 import pickle
 import socket
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from .errors import ClosedError, ConfigMismatch, DcpkitError, MissingDependency, PeerError
 
-__all__ = ["Communicator", "host_identity"]
+__all__ = ["Communicator", "host_identity", "launcher_world_size"]
 
 
 def host_identity() -> str:
@@ -39,6 +39,45 @@ def host_identity() -> str:
     except OSError:
         pass
     return f"{socket.gethostname()}/{boot}"
+
+
+#: Variables in which launchers publish the number of processes they started
+#: (Open MPI / PMIx, and PMI-1/PMI-2 launchers such as MPICH's hydra and Intel MPI).
+_LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def launcher_world_size(env) -> Optional[Tuple[str, int]]:
+    """``(variable, n)`` when an MPI launcher in ``env`` says it started ``n > 1`` processes."""
+    for var in _LAUNCHER_SIZE_VARS:
+        try:
+            n = int(env.get(var, ""))
+        except ValueError:
+            continue
+        if n > 1:
+            return var, n
+    return None
+
+
+def _check_launcher_world_size(env, MPI) -> None:
+    """Raise when a launcher started several processes but MPI sees a one-rank world.
+
+    That happens when mpi4py loads a different MPI library than the one whose ``mpirun``
+    started the job (for example MPICH from pip under the system's Open MPI ``mpirun``): every
+    process would silently run alone.
+    """
+    found = launcher_world_size(env)
+    if found is None:
+        return
+    var, n = found
+    try:
+        lib = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+    except Exception:  # noqa: BLE001 - only used in the message
+        lib = "unknown"
+    raise DcpkitError(
+        f"Communicator.from_mpi: the launcher started {n} processes ({var}={n}) but "
+        f"MPI.COMM_WORLD has 1 rank: mpi4py loaded an MPI library ({lib}) other than the one "
+        f"of this mpirun. Launch with the mpirun of that library, or install mpi4py against "
+        f"the MPI of this mpirun (see README, Known limits)")
 
 
 class Communicator:
@@ -94,6 +133,10 @@ class Communicator:
         ------
         MissingDependency
             mpi4py (or an MPI library) is not installed: install the ``mpi`` extra.
+        DcpkitError
+            A launcher started several processes (``OMPI_COMM_WORLD_SIZE`` or ``PMI_SIZE``
+            > 1) but ``MPI.COMM_WORLD`` has one rank: mpi4py loaded another MPI library than
+            the one of the ``mpirun`` used.
         """
         try:
             from mpi4py import MPI  # noqa: WPS433 (lazy: MPI is optional)
@@ -102,6 +145,8 @@ class Communicator:
         except RuntimeError as e:  # mpi4py present but no MPI library found
             raise MissingDependency("an MPI library", "mpi", str(e)) from None
         c = MPI.COMM_WORLD if comm is None else comm
+        if comm is None and c.Get_size() == 1:
+            _check_launcher_world_size(os.environ, MPI)
         return cls(
             c.Get_rank(), c.Get_size(),
             allgather=c.allgather,

@@ -75,25 +75,38 @@ def kernels_dir() -> Path:
         "reinstall dcpkit")
 
 
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.M)
 
 
 def source(file: str) -> str:
-    """The full translation unit of ``kernels/<file>``, local includes spliced in (once each)."""
+    """The full translation unit of ``kernels/<file>``, local includes spliced in (once each).
+
+    Each spliced header is framed by ``#line`` directives, so NVRTC's diagnostics name the
+    original file and line (``dcpkit_ptx.cuh(120): error ...``). System includes
+    (``#include <...>``) are left alone.
+    """
     root = kernels_dir()
     seen = set()
 
-    def expand(name: str) -> str:
+    def expand(name: str) -> Optional[str]:
         if name in seen:
-            return ""
+            return None
         seen.add(name)
         path = root / name
         if not path.is_file():
             raise FileNotFoundError(f"dcpkit: kernels/{name} does not exist")
         text = path.read_text()
-        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
 
-    return expand(file)
+        def splice(m: "re.Match[str]") -> str:
+            inner = expand(m.group(1))
+            if inner is None:  # already spliced above: keep the line count
+                return f"// kernels/{m.group(1)} is spliced in above"
+            line = text.count("\n", 0, m.start()) + 1
+            return f'#line 1 "{m.group(1)}"\n{inner}\n#line {line + 1} "{name}"'
+
+        return _INCLUDE.sub(splice, text)
+
+    return expand(file) or ""
 
 
 _MODULES: Dict[tuple, object] = {}
@@ -238,5 +251,7 @@ def compile_only(files: Optional[Sequence[str]] = None, arch: str = "sm_90",
     opts = list(DEFAULT_OPTIONS) + [f"-arch={arch}"] + list(options)
     out = {}
     for f in (files if files is not None else list(VARIANTS)):
+        if f not in VARIANTS:
+            raise KeyError(f"dcpkit.jit: kernels/{f} is not registered in VARIANTS")
         out[f] = _compile_one(nvrtc, f, VARIANTS[f], opts)
     return out

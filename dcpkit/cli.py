@@ -1,0 +1,71 @@
+"""The ``dcpkit`` command (also ``python -m dcpkit``).
+
+Subcommands::
+
+    dcpkit info [--json]        versions, GPUs, P2P matrix, multicast decision (no GPU needed)
+    dcpkit demo [...]           the three ops on random inputs, checked against the references
+    dcpkit bench [...]          the benchmark harness (table, JSON, PNG)
+
+``demo`` and ``bench`` start one process per GPU: run them under ``mpirun -np N``. Their
+modules (``dcpkit.demo``, ``dcpkit.bench``) are imported only when asked for, so ``info`` works
+on a machine without CuPy, MPI or a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import List, Optional
+
+from .errors import MissingDependency
+
+__all__ = ["main"]
+
+_COMMANDS = {
+    "info": ("dcpkit.info", "print versions, GPUs, P2P access and the multicast decision"),
+    "demo": ("dcpkit.demo", "run the three ops once and check them (under mpirun -np N)"),
+    "bench": ("dcpkit.bench", "benchmark the ops against NCCL (under mpirun -np N)"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: dcpkit {info,demo,bench} [options]", "",
+             "dcpkit: low-latency multi-GPU collectives for decode context parallelism.", "",
+             "commands:"]
+    lines += [f"  {k:<7}{v[1]}" for k, v in _COMMANDS.items()]
+    lines += ["", "Run 'dcpkit <command> --help' for the options of a command."]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run one subcommand; returns its exit status.
+
+    Returns 2 when the subcommand's module is not part of this installation or an optional
+    dependency it needs is missing (the message names the extra to install).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    command, args = argv[0], argv[1:]
+    if command not in _COMMANDS:
+        print(f"{_usage()}\n\ndcpkit: unknown command {command!r}", file=sys.stderr)
+        return 2
+    mod_name = _COMMANDS[command][0]
+    try:
+        mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name != mod_name:
+            raise
+        print(f"dcpkit {command}: {mod_name} is not available in this installation "
+              f"(in progress)", file=sys.stderr)
+        return 2
+    except MissingDependency as e:
+        print(f"dcpkit {command}: {e}", file=sys.stderr)
+        return 2
+    try:
+        rc = mod.main(args)
+    except MissingDependency as e:
+        print(f"dcpkit {command}: {e}", file=sys.stderr)
+        return 2
+    return int(rc or 0)

@@ -1,0 +1,337 @@
+"""``python -m dcpkit info``: what dcpkit finds on this machine.
+
+Prints the versions of dcpkit and of everything it runs on (CuPy, cuda-bindings, NVRTC, NCCL,
+NVSHMEM, mpi4py and the MPI library), the GPUs with compute capability, SM count and memory,
+the peer-to-peer access matrix, and whether multicast is supported, whether dcpkit would use it
+and, if not, why. ``--json`` prints the same as one JSON object.
+
+Every probe is read-only: nothing is allocated on a GPU and no multicast object is created.
+On a machine without GPU or CUDA driver it says so and exits 0. MPI is not initialised (the
+library version is read with ``mpi4py.rc.initialize = False``), so ``info`` runs the same inside
+and outside ``mpirun``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as _md
+import json
+import os
+import platform
+import sys
+from typing import Any, Dict, List, Optional
+
+__all__ = ["collect", "format_text", "main"]
+
+#: Variables that decide whether multicast may be used (printed when set).
+MULTICAST_ENV = (
+    "DCPKIT_MULTICAST",
+    "DCPKIT_DISABLE_MULTICAST",
+    "NCCL_NVLS_ENABLE",
+    "NVSHMEM_DISABLE_NVLS",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+)
+_OTHER_ENV = ("CUDA_VISIBLE_DEVICES",)
+
+
+def _dist_version(name: str) -> Optional[str]:
+    try:
+        return _md.version(name)
+    except _md.PackageNotFoundError:
+        return None
+
+
+def _err(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}".rstrip(": ")
+
+
+def _versions() -> Dict[str, Any]:
+    import dcpkit
+
+    v: Dict[str, Any] = {
+        "dcpkit": dcpkit.__version__,
+        "dcpkit_path": os.path.dirname(os.path.abspath(dcpkit.__file__)),
+        "python": platform.python_version(),
+        "numpy": _dist_version("numpy"),
+    }
+    # CuPy and the CUDA runtime it loads (the runtime version needs no driver).
+    try:
+        import cupy
+
+        v["cupy"] = cupy.__version__
+        try:
+            rt = cupy.cuda.runtime.runtimeGetVersion()
+            v["cuda_runtime"] = f"{rt // 1000}.{(rt % 1000) // 10}"
+        except Exception as e:  # noqa: BLE001 - report, never crash
+            v["cuda_runtime"] = None
+            v["cuda_runtime_error"] = _err(e)
+    except Exception as e:  # noqa: BLE001
+        v["cupy"] = None
+        v["cupy_error"] = _err(e)
+    v["cuda_bindings"] = _dist_version("cuda-bindings") or _dist_version("cuda-python")
+    from . import jit
+
+    nv = jit.nvrtc_version()
+    v["nvrtc"] = f"{nv[0]}.{nv[1]}" if nv else None
+    # NCCL through CuPy (the fallback path uses cupy.cuda.nccl).
+    v["nccl"] = None
+    try:
+        from cupy.cuda import nccl
+
+        if getattr(nccl, "available", True):
+            n = int(nccl.get_version())
+            # NCCL >= 2.9 encodes major*10000 + minor*100 + patch; older ones major*1000 + ...
+            v["nccl"] = (f"{n // 10000}.{(n % 10000) // 100}.{n % 100}" if n >= 20900
+                         else f"{n // 1000}.{(n % 1000) // 100}.{n % 100}")
+        else:
+            v["nccl_error"] = "cupy.cuda.nccl is not available (no NCCL library found)"
+    except Exception as e:  # noqa: BLE001
+        v["nccl_error"] = _err(e)
+    # NVSHMEM: distribution metadata only (importing nvshmem4py may initialise things).
+    v["nvshmem"] = {name: ver for name in ("nvshmem4py-cu12", "nvshmem4py-cu13",
+                                           "nvidia-nvshmem-cu12", "nvidia-nvshmem-cu13")
+                    if (ver := _dist_version(name)) is not None}
+    # mpi4py and the MPI library, without initialising MPI.
+    v["mpi4py"] = _dist_version("mpi4py")
+    v["mpi_library"] = None
+    if v["mpi4py"] is not None:
+        try:
+            if "mpi4py.MPI" not in sys.modules:
+                import mpi4py
+
+                mpi4py.rc.initialize = False
+                mpi4py.rc.finalize = False
+            from mpi4py import MPI
+
+            lines = MPI.Get_library_version().strip().splitlines()
+            v["mpi_library"] = " ".join(lines[0].split()) if lines else ""
+        except Exception as e:  # noqa: BLE001
+            v["mpi_library_error"] = _err(e)
+    v["torch"] = _dist_version("torch")
+    return v
+
+
+def _driver_probe() -> Dict[str, Any]:
+    """cuInit and the driver version through cuda-bindings; never raises."""
+    out: Dict[str, Any] = {"ok": False, "version": None, "error": None}
+    try:
+        from ._cuda import driver
+
+        drv = driver()
+        (res,) = drv.cuInit(0)
+        if int(res) != 0:
+            out["error"] = f"cuInit failed with {getattr(res, 'name', res)}"
+            return out
+        res, ver = drv.cuDriverGetVersion()
+        if int(res) == 0:
+            out["version"] = f"{ver // 1000}.{(ver % 1000) // 10}"
+        out["ok"] = True
+    except Exception as e:  # noqa: BLE001 - DynamicLibNotFoundError when libcuda is missing
+        out["error"] = _err(e)
+    return out
+
+
+def _attr(drv, dev, name: str) -> Optional[int]:
+    attr = getattr(drv.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_" + name, None)
+    if attr is None:
+        return None
+    res, val = drv.cuDeviceGetAttribute(attr, dev)
+    return int(val) if int(res) == 0 else None
+
+
+def _gpus(driver_ok: bool) -> Dict[str, Any]:
+    out: Dict[str, Any] = {"count": 0, "gpus": [], "p2p": [], "error": None}
+    try:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        n = rt.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - CUDARuntimeError without driver, ImportError, ...
+        out["error"] = _err(e)
+        return out
+    out["count"] = n
+    drv = None
+    if driver_ok:
+        from ._cuda import driver
+
+        drv = driver()
+    for d in range(n):
+        g: Dict[str, Any] = {"index": d}
+        try:
+            p = rt.getDeviceProperties(d)
+            name = p["name"]
+            g["name"] = name.decode() if isinstance(name, bytes) else str(name)
+            g["compute_capability"] = f"{p['major']}.{p['minor']}"
+            g["sm_count"] = int(p["multiProcessorCount"])
+            g["memory_bytes"] = int(p["totalGlobalMem"])
+        except Exception as e:  # noqa: BLE001
+            g["error"] = _err(e)
+        if drv is not None:
+            try:
+                res, dev = drv.cuDeviceGet(d)
+                if int(res) == 0:
+                    g["multicast_supported"] = _attr(drv, dev, "MULTICAST_SUPPORTED")
+                    g["vmm_supported"] = _attr(drv, dev, "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED")
+                    g["posix_fd_handles"] = _attr(
+                        drv, dev, "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED")
+                    g["fabric_handles"] = _attr(drv, dev, "HANDLE_TYPE_FABRIC_SUPPORTED")
+            except Exception as e:  # noqa: BLE001
+                g["attribute_error"] = _err(e)
+        out["gpus"].append(g)
+    p2p: List[List[Optional[bool]]] = []
+    for i in range(n):
+        row: List[Optional[bool]] = []
+        for j in range(n):
+            if i == j:
+                row.append(None)
+                continue
+            try:
+                row.append(bool(rt.deviceCanAccessPeer(i, j)))
+            except Exception:  # noqa: BLE001
+                row.append(False)
+        p2p.append(row)
+    out["p2p"] = p2p
+    return out
+
+
+def _multicast(gpus: List[Dict[str, Any]]) -> Dict[str, Any]:
+    flags = [g.get("multicast_supported") for g in gpus]
+    supported = bool(gpus) and all(f == 1 for f in flags)
+    out: Dict[str, Any] = {
+        "device_supported": supported if gpus else None,
+        "used": None,
+        "reason": None,
+    }
+    try:
+        from .multicast import multicast_decision
+    except ModuleNotFoundError as e:
+        if e.name not in ("dcpkit.multicast",):
+            out["reason"] = f"unknown (dcpkit.multicast failed to import: {_err(e)})"
+        else:
+            out["reason"] = "unknown (dcpkit.multicast not available)"
+        return out
+    except Exception as e:  # noqa: BLE001
+        out["reason"] = f"unknown (dcpkit.multicast failed to import: {_err(e)})"
+        return out
+    env = dict(os.environ)
+    try:
+        use, reason = multicast_decision(None, env, supported)
+        out["used"] = bool(use)
+        out["reason"] = str(reason)
+        # The same question for a user who opts in: shows which variable or attribute would
+        # still refuse (a decision only: nothing is created).
+        use1, reason1 = multicast_decision(True, env, supported)
+        out["used_if_opted_in"] = bool(use1)
+        out["reason_if_opted_in"] = str(reason1)
+    except Exception as e:  # noqa: BLE001
+        out["reason"] = f"unknown (multicast_decision failed: {_err(e)})"
+    return out
+
+
+def collect() -> Dict[str, Any]:
+    """Everything ``info`` reports, as a JSON-serialisable dict. Never raises for a missing
+    GPU, driver or optional package."""
+    info: Dict[str, Any] = {"versions": _versions()}
+    drv = _driver_probe()
+    info["driver"] = drv
+    g = _gpus(drv["ok"])
+    info["gpu_count"] = g["count"]
+    info["gpus"] = g["gpus"]
+    info["p2p"] = g["p2p"]
+    if g["count"] == 0:
+        if not drv["ok"]:
+            why = f"no usable CUDA driver on this machine: {drv['error']}"
+        else:
+            why = g["error"] or "the CUDA driver reports no device"
+        info["no_gpu_reason"] = why
+    info["multicast"] = _multicast(g["gpus"])
+    info["env"] = {k: os.environ[k] for k in MULTICAST_ENV + _OTHER_ENV if k in os.environ}
+    return info
+
+
+def _yn(v) -> str:
+    return "n/a" if v is None else ("yes" if v else "no")
+
+
+def format_text(info: Dict[str, Any]) -> str:
+    """The human-readable report of :func:`collect`'s dict."""
+    v = info["versions"]
+    lines = [f"dcpkit {v['dcpkit']}  ({v['dcpkit_path']})",
+             f"python {v['python']}, numpy {v['numpy']}", "", "versions"]
+
+    def row(name, val, err_key=None):
+        if val is None:
+            val = "not installed"
+            if err_key and v.get(err_key):
+                val = f"not available ({v[err_key]})"
+        lines.append(f"  {name:<15}{val}")
+
+    cupy_v = v.get("cupy")
+    if cupy_v is not None and v.get("cuda_runtime"):
+        cupy_v = f"{cupy_v} (CUDA runtime {v['cuda_runtime']})"
+    row("CuPy", cupy_v, "cupy_error")
+    row("cuda-bindings", v.get("cuda_bindings"))
+    row("NVRTC", v.get("nvrtc"))
+    row("NCCL", v.get("nccl"), "nccl_error")
+    nvs = v.get("nvshmem") or {}
+    row("NVSHMEM", ", ".join(f"{k} {x}" for k, x in nvs.items()) or None)
+    row("mpi4py", v.get("mpi4py"))
+    row("MPI library", v.get("mpi_library"), "mpi_library_error")
+    row("torch", v.get("torch"))
+    lines.append("")
+    drv = info["driver"]
+    lines.append(f"CUDA driver      {drv['version'] if drv['ok'] else 'not found: ' + str(drv['error'])}")
+    n = info["gpu_count"]
+    if n == 0:
+        lines.append(f"GPUs             none: no GPU here ({info.get('no_gpu_reason')})")
+        lines.append("P2P access       n/a (no GPU)")
+    else:
+        lines.append(f"GPUs             {n}")
+        for g in info["gpus"]:
+            if "error" in g:
+                lines.append(f"  {g['index']}  {g['error']}")
+                continue
+            extra = (f"  multicast {_yn(g.get('multicast_supported'))}, "
+                     f"VMM {_yn(g.get('vmm_supported'))}, "
+                     f"POSIX-fd handles {_yn(g.get('posix_fd_handles'))}, "
+                     f"fabric handles {_yn(g.get('fabric_handles'))}")
+            lines.append(f"  {g['index']}  {g['name']}  sm_{g['compute_capability'].replace('.', '')}"
+                         f"  {g['sm_count']} SMs  {g['memory_bytes'] / 2**30:.1f} GiB{extra}")
+        lines.append("P2P access       (row: from, column: to; Y = can access peer)")
+        lines.append("      " + "".join(f"{j:>3}" for j in range(n)))
+        for i, r in enumerate(info["p2p"]):
+            cells = "".join(f"{'-' if c is None else ('Y' if c else 'N'):>3}" for c in r)
+            lines.append(f"  {i:>3} {cells}")
+        full = all(c is None or c for r in info["p2p"] for c in r)
+        lines.append(f"  full P2P: {_yn(full)}")
+    mc = info["multicast"]
+    if mc["used"] is None and mc["reason"] and mc["reason"].startswith("unknown"):
+        lines.append(f"multicast: {mc['reason']}")
+    else:
+        sup = "n/a (no GPU)" if mc["device_supported"] is None else _yn(mc["device_supported"])
+        lines.append(f"multicast        supported by every GPU: {sup}")
+        lines.append(f"  dcpkit would use it: {_yn(mc['used'])} ({mc['reason']})")
+        if "used_if_opted_in" in mc:
+            lines.append(f"  if opted in (multicast=True or DCPKIT_MULTICAST=1): "
+                         f"{_yn(mc['used_if_opted_in'])} ({mc['reason_if_opted_in']})")
+    env = info["env"]
+    lines.append("environment      " + (", ".join(f"{k}={x}" for k, x in env.items())
+                                      if env else "(none of the multicast or device variables set)"))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of ``python -m dcpkit info [--json]``; returns the exit status (0)."""
+    p = argparse.ArgumentParser(
+        prog="dcpkit info",
+        description="Print what dcpkit finds on this machine: versions, GPUs, P2P access, "
+                    "and whether multicast would be used (and why not). Needs no GPU.")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    args = p.parse_args(argv)
+    info = collect()
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=False))
+    else:
+        print(format_text(info))
+    return 0

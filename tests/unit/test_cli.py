@@ -1,0 +1,185 @@
+"""The ``dcpkit`` command: ``info`` on this (GPU-less) machine, its JSON, the GPU report on
+faked devices, and subcommand dispatch."""
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import dcpkit
+from dcpkit import cli, info
+from dcpkit.errors import MissingDependency
+
+
+def _has_gpu() -> bool:
+    return info.collect()["gpu_count"] > 0
+
+
+def test_info_runs_and_says_no_gpu(run_python):
+    proc = run_python(["-m", "dcpkit", "info"])
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert f"dcpkit {dcpkit.__version__}" in out
+    for name in ("CuPy", "cuda-bindings", "NVRTC", "NCCL", "NVSHMEM", "mpi4py", "MPI library"):
+        assert f"  {name}" in out, f"no {name} line in:\n{out}"
+    assert "multicast" in out and "P2P access" in out
+    if not _has_gpu():
+        assert "GPUs             none: no GPU here" in out, out
+        assert "P2P access       n/a (no GPU)" in out
+    assert "Traceback" not in proc.stderr
+
+
+def test_info_json_parses(run_python):
+    proc = run_python(["-m", "dcpkit", "info", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    assert d["versions"]["dcpkit"] == dcpkit.__version__
+    assert set(d) >= {"versions", "driver", "gpu_count", "gpus", "p2p", "multicast", "env"}
+    assert d["gpu_count"] == len(d["gpus"]) == len(d["p2p"])
+    if d["gpu_count"] == 0:
+        assert d["no_gpu_reason"]
+        assert d["multicast"]["device_supported"] is None
+
+
+def test_info_never_creates_multicast_and_asks_the_guard(monkeypatch):
+    """info asks dcpkit.multicast.multicast_decision, as configured and as if opted in."""
+    calls = []
+
+    def fake_decision(opt_in, env, device_supported):
+        calls.append((opt_in, dict(env), device_supported))
+        return (False, "fake reason for opt_in=%r" % (opt_in,))
+
+    fake = types.ModuleType("dcpkit.multicast")
+    fake.multicast_decision = fake_decision
+    monkeypatch.setitem(sys.modules, "dcpkit.multicast", fake)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    d = info.collect()
+    assert [c[0] for c in calls] == [None, True]
+    assert all(c[1].get("NCCL_NVLS_ENABLE") == "0" for c in calls)
+    assert d["multicast"]["reason"] == "fake reason for opt_in=None"
+    assert d["multicast"]["reason_if_opted_in"] == "fake reason for opt_in=True"
+    text = info.format_text(d)
+    assert "dcpkit would use it: no (fake reason for opt_in=None)" in text
+    assert "NCCL_NVLS_ENABLE=0" in text
+
+
+def test_info_without_multicast_module(monkeypatch):
+    monkeypatch.setitem(sys.modules, "dcpkit.multicast", None)  # import fails
+    text = info.format_text(info.collect())
+    assert "multicast: unknown (dcpkit.multicast not available)" in text
+
+
+class _FakeRuntime:
+    """Four H200-like devices with full P2P (what MEASURED.md reports)."""
+
+    def getDeviceCount(self):
+        return 4
+
+    def getDeviceProperties(self, d):
+        return {"name": b"NVIDIA H200", "major": 9, "minor": 0, "multiProcessorCount": 132,
+                "totalGlobalMem": 150_000_000_000}
+
+    def deviceCanAccessPeer(self, i, j):
+        return 1
+
+
+class _FakeDriver:
+    class CUdevice_attribute:
+        CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = "mc"
+        CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = "vmm"
+        CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = "fd"
+        CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED = "fabric"
+
+    def cuInit(self, flags):
+        return (0,)
+
+    def cuDriverGetVersion(self):
+        return (0, 13000)
+
+    def cuDeviceGet(self, d):
+        return (0, d)
+
+    def cuDeviceGetAttribute(self, attr, dev):
+        return (0, 1)
+
+
+def test_info_reports_gpus_p2p_and_multicast(monkeypatch):
+    """The GPU part of the report, on faked devices (CuPy runtime and driver replaced)."""
+    cupy = pytest.importorskip("cupy")
+    from dcpkit import _cuda
+
+    monkeypatch.setattr(cupy.cuda, "runtime", _FakeRuntime())
+    monkeypatch.setattr(_cuda, "driver", lambda: _FakeDriver())
+    for k in ("DCPKIT_MULTICAST", "DCPKIT_DISABLE_MULTICAST"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    d = info.collect()
+    assert d["driver"] == {"ok": True, "version": "13.0", "error": None}
+    assert d["gpu_count"] == 4
+    assert d["gpus"][3] == {"index": 3, "name": "NVIDIA H200", "compute_capability": "9.0",
+                            "sm_count": 132, "memory_bytes": 150_000_000_000,
+                            "multicast_supported": 1, "vmm_supported": 1,
+                            "posix_fd_handles": 1, "fabric_handles": 1}
+    assert d["p2p"][0] == [None, True, True, True]
+    assert d["multicast"]["device_supported"] is True
+    text = info.format_text(d)
+    assert "GPUs             4" in text
+    assert "  2  NVIDIA H200  sm_90  132 SMs  139.7 GiB  multicast yes" in text, text
+    assert "full P2P: yes" in text
+    assert "supported by every GPU: yes" in text
+    if d["multicast"].get("used") is not None:  # the real guard answered
+        assert d["multicast"]["used"] is False
+        assert d["multicast"]["used_if_opted_in"] is False
+        assert "NCCL_NVLS_ENABLE" in d["multicast"]["reason_if_opted_in"]
+
+
+def test_console_script(run_cmd, skip_or_fail):
+    exe = Path(sys.executable).parent / "dcpkit"
+    if not exe.is_file():
+        skip_or_fail(f"no console script at {exe} (dcpkit is not installed in this environment)")
+    proc = run_cmd([exe, "info", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["versions"]["dcpkit"] == dcpkit.__version__
+
+
+def test_usage_and_unknown_command(capsys):
+    assert cli.main([]) == 2
+    assert "usage: dcpkit {info,demo,bench}" in capsys.readouterr().err
+    assert cli.main(["--help"]) == 0
+    assert "usage: dcpkit" in capsys.readouterr().out
+    assert cli.main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_missing_subcommand_module(monkeypatch, capsys):
+    monkeypatch.setitem(cli._COMMANDS, "ghost", ("dcpkit._no_such_module", "a missing one"))
+    assert cli.main(["ghost"]) == 2
+    assert "dcpkit._no_such_module is not available in this installation" in capsys.readouterr().err
+
+
+def test_subcommand_gets_its_arguments_and_missing_dependency_is_named(monkeypatch, capsys):
+    seen = []
+    mod = types.ModuleType("dcpkit._fake_cmd")
+
+    def main(argv):
+        seen.append(argv)
+        if "--need-mpi" in argv:
+            raise MissingDependency("mpi4py", "mpi")
+        return 3
+
+    mod.main = main
+    monkeypatch.setitem(sys.modules, "dcpkit._fake_cmd", mod)
+    monkeypatch.setitem(cli._COMMANDS, "fake", ("dcpkit._fake_cmd", "test"))
+    assert cli.main(["fake", "--x", "1"]) == 3
+    assert seen == [["--x", "1"]]
+    assert cli.main(["fake", "--need-mpi"]) == 2
+    assert "pip install 'dcpkit[mpi]'" in capsys.readouterr().err
+
+
+def test_python_dash_m_dcpkit_without_arguments(run_python):
+    proc = run_python(["-m", "dcpkit"])
+    assert proc.returncode == 2
+    assert "usage: dcpkit" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,180 @@
+"""Communicator across real processes: ``mpiexec -n 2`` and ``-n 3`` on the CPU.
+
+Each test launches tests/unit/mpi_scripts/comm_worker.py with one scenario; every rank writes
+what it saw to ``rank<r>.json`` and the test checks every rank's file. A hang is a failure
+(the launch is bounded and killed), never a stuck CI.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from dcpkit.comm import Communicator, launcher_world_size
+from dcpkit.errors import ClosedError, DcpkitError, PeerError
+
+WORKER = Path(__file__).resolve().parent / "mpi_scripts" / "comm_worker.py"
+LAUNCH_TIMEOUT_S = 60
+
+
+def _results(outdir: Path, n: int, proc) -> list:
+    setup_errors = sorted(outdir.glob("setup-error-*.json"))
+    detail = (f"\n--- exit status {proc.returncode}\n--- stdout\n{proc.stdout}\n"
+              f"--- stderr\n{proc.stderr}")
+    assert not setup_errors, (
+        "Communicator.from_mpi failed: "
+        + "; ".join(p.read_text() for p in setup_errors) + detail)
+    missing = [r for r in range(n) if not (outdir / f"rank{r}.json").is_file()]
+    assert not missing, f"ranks {missing} wrote no result" + detail
+    res = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(n)]
+    for r, x in enumerate(res):
+        assert "unexpected" not in x, f"rank {r}: {x['unexpected']}" + detail
+        assert x["rank"] == r and x["world_size"] == n, f"rank {r}: {x}"
+    assert proc.returncode == 0, f"mpiexec exited with {proc.returncode}" + detail
+    return res
+
+
+@pytest.fixture
+def run_scenario(mpi_launcher, run_cmd, tmp_path):
+    def run(scenario: str, n: int):
+        outdir = tmp_path / f"{scenario}-{n}"
+        outdir.mkdir()
+        cmd = mpi_launcher.command(n, sys.executable, str(WORKER), scenario, str(outdir))
+        proc = run_cmd(cmd, timeout=LAUNCH_TIMEOUT_S)
+        return _results(outdir, n, proc)
+
+    return run
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_allgather_broadcast_barrier(run_scenario, n):
+    res = run_scenario("basic", n)
+    expected_gather = [{"rank": r, "payload": [r] * (r + 1)} for r in range(n)]
+    root = n - 1
+    for r, x in enumerate(res):
+        assert x["backend"] == "mpi"
+        assert x["allgather"] == expected_gather, f"rank {r}: allgather gave {x['allgather']}"
+        assert x["allgather_big"] == [[1 << 20, s % 256, s % 256] for s in range(n)], \
+            f"rank {r}: 1 MiB allgather gave {x['allgather_big']}"
+        assert x["broadcast_root"] == root
+        assert x["broadcast"] == {"from": root, "data": list(range(root, root + 4))}, \
+            f"rank {r}: broadcast from root {root} gave {x['broadcast']}"
+        assert x["marker_seen_after_barrier"], \
+            f"rank {r} passed the barrier before rank 0 reached it"
+        # all ranks run on this host: local ranks are the ranks
+        assert x["hosts"] == [x["host"]] * n
+        assert (x["local_rank"], x["local_world_size"]) == (r, n)
+    tokens = {x["job_token"] for x in res}
+    assert len(tokens) == 1 and len(tokens.pop()) == 16, f"job tokens differ: {res}"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_agree_raises_config_mismatch_on_every_rank(run_scenario, n):
+    res = run_scenario("agree", n)
+    for r, x in enumerate(res):
+        assert x["equal"] == ["bfloat16"] * n
+        m = x["mismatch"]
+        assert m is not None, f"rank {r}: agree() accepted differing values"
+        assert m["type"] == "ConfigMismatch", f"rank {r}: {m}"
+        assert m["what"] == "T_max"
+        assert m["ranks"] == [n - 1], f"rank {r}: named ranks {m['ranks']}, expected [{n - 1}]"
+        assert f"ranks [{n - 1}] differ" in m["message"] and "T_max" in m["message"], m["message"]
+        assert f"rank {n - 1}: 16" in m["message"], m["message"]
+        assert x["after"] is True
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_failing_rank_in_setup_fails_every_rank(run_scenario, n):
+    res = run_scenario("all_ok", n)
+    for r, x in enumerate(res):
+        e = x["error"]
+        assert e is not None, f"rank {r}: setup succeeded although rank 1 failed"
+        assert e["type"] == "PeerError", f"rank {r}: {e}"
+        assert e["failed"] == {"1": "RuntimeError: simulated map failure on rank 1"}, e
+        assert "failed on rank(s) [1]" in e["message"] and "'map'" in e["message"], e["message"]
+        # the failing rank chains its own exception; the others have none to chain
+        assert e["cause"] == ("RuntimeError" if r == 1 else None), f"rank {r}: {e}"
+        # every rank unwound what it had done, in reverse
+        assert x["undo"] == (["reserve"] if r == 1 else ["map", "reserve"]), f"rank {r}: {x}"
+        em = x["error_many"]
+        assert em is not None and em["type"] == "PeerError"
+        assert em["failed"] == list(range(1, n)), f"rank {r}: {em}"
+        assert x["clean"] == ["reserve", "map", "publish"]
+        assert x["after"] is True
+
+
+def test_from_mpi_outside_mpirun_is_one_rank(mpi_launcher, run_cmd, tmp_path):
+    proc = run_cmd([sys.executable, WORKER, "single", tmp_path], timeout=LAUNCH_TIMEOUT_S)
+    (x,) = _results(tmp_path, 1, proc)
+    assert (x["rank"], x["world_size"], x["backend"]) == (0, 1, "mpi")
+    assert (x["local_rank"], x["local_world_size"]) == (0, 1)
+    assert x["allgather"] == [{"x": 1}] and x["broadcast"] == "b" and x["agree"] == [3]
+    assert x["all_ok_error"]["type"] == "PeerError" and x["all_ok_error"]["cause"] == "ValueError"
+    assert x["single"] == {"rank": 0, "world_size": 1, "backend": "single",
+                           "allgather": [5], "broadcast": 6}
+
+
+def test_from_mpi_detects_a_foreign_launcher(mpi_launcher, run_python):
+    """Launched by one MPI's mpirun, mpi4py loading another MPI sees one rank: say so."""
+    probe = run_python("import mpi4py; mpi4py.rc.initialize = False\n"
+                       "from mpi4py import MPI; print(MPI.Get_library_version())")
+    assert probe.returncode == 0, probe.stderr
+    lib = probe.stdout.lower()
+    if "mpich" in lib:
+        var = "OMPI_COMM_WORLD_SIZE"  # what Open MPI's mpirun would set; MPICH ignores it
+    elif "open mpi" in lib:
+        var = "PMI_SIZE"  # what MPICH's hydra would set; Open MPI ignores it
+    else:
+        pytest.skip(f"unknown MPI library, cannot fake a foreign launcher: {probe.stdout!r}")
+    code = ("from dcpkit.comm import Communicator\n"
+            "from dcpkit.errors import DcpkitError\n"
+            "try:\n    Communicator.from_mpi()\n    print('NO ERROR')\n"
+            "except DcpkitError as e:\n    print('ERROR', e)\n")
+    proc = run_python(code, env={var: "4"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ERROR"), proc.stdout + proc.stderr
+    assert f"started 4 processes ({var}=4)" in proc.stdout, proc.stdout
+    assert "MPI.COMM_WORLD has 1 rank" in proc.stdout, proc.stdout
+
+
+def test_launcher_world_size():
+    assert launcher_world_size({}) is None
+    assert launcher_world_size({"PMI_SIZE": "1"}) is None
+    assert launcher_world_size({"PMI_SIZE": "3"}) == ("PMI_SIZE", 3)
+    assert launcher_world_size({"OMPI_COMM_WORLD_SIZE": "2"}) == ("OMPI_COMM_WORLD_SIZE", 2)
+    assert launcher_world_size({"PMI_SIZE": "x"}) is None
+
+
+def test_single_group():
+    with Communicator.single() as c:
+        assert (c.rank, c.world_size, c.local_rank, c.local_world_size) == (0, 1, 0, 1)
+        assert c.backend == "single" and not c.spans_hosts
+        assert c.allgather("a") == ["a"]
+        assert c.broadcast({"k": 1}) == {"k": 1}
+        c.barrier()
+        assert c.agree("x", 1) == [1]
+        c.all_ok("noop", None)
+        with pytest.raises(PeerError, match=r"step failed on rank\(s\) \[0\]") as ei:
+            c.all_ok("step", KeyError("k"))
+        assert isinstance(ei.value.__cause__, KeyError)
+        assert len(c.job_token()) == 16
+        assert "world_size=1" in repr(c)
+    # closed by the context manager; close() is idempotent
+    c.close()
+    with pytest.raises(ClosedError, match="Communicator.allgather: the communicator is closed"):
+        c.allgather(1)
+    with pytest.raises(ClosedError):
+        c.barrier()
+
+
+def test_broadcast_root_out_of_range():
+    c = Communicator.single()
+    with pytest.raises(DcpkitError, match=r"root must lie in \[0, 1\) \(got 1\)"):
+        c.broadcast(0, root=1)
+
+
+def test_rank_out_of_range():
+    with pytest.raises(DcpkitError, match=r"rank 2 must lie in \[0, 2\)"):
+        Communicator(2, 2, allgather=lambda o: [o, o], broadcast=lambda o, r: o,
+                     barrier=lambda: None, backend="test")
