@@ -728,7 +728,7 @@ def test_close_collective_idempotent(comm, seed, name, algorithm):
 
 def test_close_memory_returned(comm, seed):
     """Building and closing workspaces repeatedly returns their GPU memory (free memory and
-    open fds flat over 20 build/close rounds of all three ops)."""
+    open fds flat over 10 build/close rounds of all three ops)."""
     from soak import resource_sample
 
     def round_trip(i):
@@ -742,15 +742,15 @@ def test_close_memory_returned(comm, seed):
 
     round_trip(0)
     start = resource_sample()
-    for i in range(1, 21):
+    for i in range(1, 11):
         round_trip(i)
     end = resource_sample()
     msgs = []
     lost = start["mem_free_bytes"] - end["mem_free_bytes"]
     if lost > 16 << 20:
-        msgs.append(f"GPU free memory dropped by {lost} bytes over 20 build/close rounds "
+        msgs.append(f"GPU free memory dropped by {lost} bytes over 10 build/close rounds "
                     f"({start} -> {end})")
     if end["fds"] > start["fds"] + 2:
-        msgs.append(f"open fds grew over 20 build/close rounds: {start['fds']} -> {end['fds']}")
-    _report(comm, {"test": "build_close_rounds", "rounds": 20, "start": start, "end": end})
+        msgs.append(f"open fds grew over 10 build/close rounds: {start['fds']} -> {end['fds']}")
+    _report(comm, {"test": "build_close_rounds", "rounds": 10, "start": start, "end": end})
     _fail_if_any(comm, msgs, "build/close rounds")

@@ -307,7 +307,7 @@ def mpirun_command(exe: str, flavor: str, n: int, args: Sequence[str], *,
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
         if tolerate_death:
-            cmd += ["--mca", "odls_base_sigkill_timeout", "5"]
+            cmd += ["--mca", "odls_base_sigkill_timeout", "4"]
     elif flavor == "mpich" and tolerate_death:
         cmd.append("-disable-auto-cleanup")
     return cmd + ["-np", str(n), sys.executable, *args]
