@@ -1,0 +1,103 @@
+"""``python -m dcpkit demo`` end to end on GPUs, at a small size (dcpkit/demo.py).
+
+    mpirun -np N python -m pytest tests/mpi/test_demo.py -p no:cacheprovider     # N = 2 or 4
+
+Every rank calls ``demo.main`` with the same arguments (the demo is collective); rank 0 writes
+the JSON report, which every rank then reads. The demo checks its own output (reference
+attention over the whole KV, q_gather and kv_gather bit for bit); these tests assert its
+verdict, the exit status on every rank, and the path that served each op: at this size
+q_gather and lse_reduce must run on the direct path (a silent NCCL fallback fails here).
+"""
+
+import json
+import os
+
+import pytest
+
+from dcpkit import demo
+
+
+def all_ranks_ok(comm, ok, what):
+    """True only if ``ok`` holds on every rank (collective; call before asserting)."""
+    bad = [r for r, v in enumerate(comm.allgather(bool(ok))) if not v]
+    return not bad, f"{what} failed on ranks {bad}"
+
+
+def _run(comm, tmp_path, seed, *argv):
+    path = comm.broadcast(str(tmp_path / "demo.json"), root=0)
+    rc = demo.main([*argv, "--seed", str(seed), "--json", path], comm=comm)
+    rcs = comm.allgather(rc)
+    report = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            report = json.load(f)
+    return rcs, report
+
+
+def _describe(rcs, report):
+    if report is None:
+        return f"exit status per rank {rcs}; no JSON report was written"
+    c = report.get("check", {})
+    keys = ("verdict", "max_abs_error", "tolerance_abs", "nonfinite_outputs",
+            "q_gather_bit_exact", "kv_gather_bit_exact", "worst", "per_rank_max_abs_error")
+    return (f"exit status per rank {rcs}; paths {report.get('paths')}; check "
+            f"{ {k: c.get(k) for k in keys} }")
+
+
+def test_demo_small_passes_on_the_direct_path(comm, seed, tmp_path):
+    rcs, report = _run(comm, tmp_path, seed, "--batch", "2", "--context", "256", "--iters", "5")
+    ok, msg = all_ranks_ok(comm, report is not None, "reading the JSON report")
+    assert ok, msg + "; " + _describe(rcs, report)
+    why = _describe(rcs, report)
+    assert rcs == [0] * comm.world_size, why
+    assert report["check"]["verdict"] == "PASS", why
+    assert report["check"]["nonfinite_outputs"] == 0, why
+    assert report["check"]["q_gather_bit_exact"] and report["check"]["kv_gather_bit_exact"], why
+    # "direct-unicast" (or "direct-multicast" where multicast is allowed), never "nccl"
+    assert report["paths"]["q_gather"].startswith("direct"), why
+    assert report["paths"]["lse_reduce"].startswith("direct"), why
+    assert report["paths"]["kv_gather"].startswith("direct"), why
+    assert report["paths_agree"], why
+    assert report["world_size"] == comm.world_size
+    assert report["context_lengths"][-1] == comm.world_size - 1      # some ranks hold no KV
+    # the timings ran on the path they claim, eager and in a graph
+    t = report["timing"]
+    assert all(p.startswith("direct") for p in t["direct"]["paths"].values()), t["direct"]
+    for mode in ("eager", "graph"):
+        for step in ("q_gather", "lse_reduce", "layer"):
+            entry = t["direct"][mode][step]
+            assert entry.get("median_us", 0) > 0, f"direct {mode} {step}: {entry}"
+    if "error" not in t["nccl"]:
+        assert t["nccl"]["paths"] == {"q_gather": "nccl", "lse_reduce": "nccl"}, t["nccl"]
+
+
+def test_demo_kimi_k2_float16(comm, seed, tmp_path):
+    """The other preset and dtype, odd batch and context, no timings."""
+    rcs, report = _run(comm, tmp_path, seed, "--model", "kimi-k2", "--dtype", "float16",
+                       "--batch", "3", "--context", "101", "--iters", "0")
+    ok, msg = all_ranks_ok(comm, report is not None, "reading the JSON report")
+    assert ok, msg + "; " + _describe(rcs, report)
+    why = _describe(rcs, report)
+    assert rcs == [0] * comm.world_size, why
+    assert report["check"]["verdict"] == "PASS", why
+    assert (report["num_heads"], report["dtype"]) == (64, "float16"), why
+    assert report["paths"]["q_gather"].startswith("direct"), why
+    assert report["paths"]["lse_reduce"].startswith("direct"), why
+
+
+def test_demo_torch(comm, seed, tmp_path):
+    """``--torch``: the same layer with torch tensors, checked against
+    ``scaled_dot_product_attention``."""
+    missing = demo._torch_problem()
+    if all(p is not None for p in comm.allgather(missing)):
+        pytest.skip(missing)
+    rcs, report = _run(comm, tmp_path, seed, "--torch", "--batch", "2", "--context", "256",
+                       "--iters", "3")
+    ok, msg = all_ranks_ok(comm, report is not None, "reading the JSON report")
+    assert ok, msg + "; " + _describe(rcs, report)
+    why = _describe(rcs, report)
+    assert rcs == [0] * comm.world_size, why
+    assert report["tensors"] == "torch", why
+    assert report["check"]["verdict"] == "PASS", why
+    assert report["paths"]["q_gather"].startswith("direct"), why
+    assert report["paths"]["lse_reduce"].startswith("direct"), why
