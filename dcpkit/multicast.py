@@ -359,119 +359,127 @@ class MulticastObject:
         tx = _Transaction(comm, "MulticastObject")
         box = {}
 
-        with cupy.cuda.Device(self.device):
-            cupy.cuda.runtime.free(0)  # the primary context exists and is current
+        try:
+            with cupy.cuda.Device(self.device):
+                cupy.cuda.runtime.free(0)  # the primary context exists and is current
 
-            def device_step():
-                supported = _cuda.device_attribute("MULTICAST_SUPPORTED", self.device)
-                if not supported:
-                    raise MulticastDisabled(
-                        f"MulticastObject: device {self.device} of rank {rank} reports "
-                        f"CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0")
-                box["dev"] = _cuda.check(drv.cuDeviceGet(self.device), "cuDeviceGet")
+                def device_step():
+                    supported = _cuda.device_attribute("MULTICAST_SUPPORTED", self.device)
+                    if not supported:
+                        raise MulticastDisabled(
+                            f"MulticastObject: device {self.device} of rank {rank} reports "
+                            f"CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0")
+                    box["dev"] = _cuda.check(drv.cuDeviceGet(self.device), "cuDeviceGet")
 
-            tx.step("mc_device", device_step)
+                tx.step("mc_device", device_step)
 
-            def granularity_step():
-                box["gran"] = multicast_granularity(world, self.device, handle_type, self.nbytes)
+                def granularity_step():
+                    box["gran"] = multicast_granularity(world, self.device, handle_type,
+                                                        self.nbytes)
 
-            tx.step("mc_granularity", granularity_step)
-            gran = max(comm.allgather(box["gran"]))
+                tx.step("mc_granularity", granularity_step)
+                gran = max(comm.allgather(box["gran"]))
 
-            def size_step():
-                if self.nbytes % gran:
-                    raise InvalidArgument(f"MulticastObject: heap_nbytes must be a multiple of "
-                                          f"the multicast granularity {gran} (got {self.nbytes})")
+                def size_step():
+                    if self.nbytes % gran:
+                        raise InvalidArgument(f"MulticastObject: heap_nbytes must be a multiple "
+                                              f"of the multicast granularity {gran} "
+                                              f"(got {self.nbytes})")
 
-            tx.step("mc_size", size_step)
-            prop = _mc_prop(drv, world, self.nbytes, handle_type)
-            token = comm.job_token()
+                tx.step("mc_size", size_step)
+                prop = _mc_prop(drv, world, self.nbytes, handle_type)
+                token = comm.job_token()
 
-            def create_step():
-                if rank == 0:
-                    _guard_env_or_raise("MulticastObject", rank)  # last look before creation
-                    h = _cuda.check(drv.cuMulticastCreate(prop), "cuMulticastCreate")
+                def create_step():
+                    if rank == 0:
+                        _guard_env_or_raise("MulticastObject", rank)  # last look before creation
+                        h = _cuda.check(drv.cuMulticastCreate(prop), "cuMulticastCreate")
+                        box["handle"] = h
+                        tx.add_undo("cuMemRelease(multicast)", lambda: _cuda.check(
+                            drv.cuMemRelease(h), "cuMemRelease"))
+
+                tx.step("mc_create", create_step)
+
+                def export_step():
+                    if rank == 0:
+                        shared = _cuda.check(
+                            drv.cuMemExportToShareableHandle(box["handle"], hkind, 0),
+                            "cuMemExportToShareableHandle")
+                        if handle_type == "posix_fd":
+                            fd = int(shared)
+                            box["fd"] = fd
+                            tx.add_undo("close(multicast fd)", lambda: os.close(fd))
+                            os.set_inheritable(fd, False)
+                        else:
+                            box["fabric"] = bytes(shared.data)
+
+                tx.step("mc_export", export_step)
+
+                if handle_type == "posix_fd":
+                    def exchange_step():
+                        from . import _fdpass  # noqa: WPS433
+
+                        got = _fdpass.exchange_fds(token, "mc", rank, world, box.get("fd"),
+                                                   senders=[0], timeout_s=timeout_s)
+                        if rank != 0:
+                            fd = got[0]
+                            box["fd"] = fd
+                            tx.add_undo("close(multicast fd)", lambda: os.close(fd))
+
+                    tx.step("mc_exchange", exchange_step)
+                else:
+                    box["fabric"] = comm.broadcast(box.get("fabric"), root=0)
+
+                def import_step():
+                    if rank == 0:
+                        return
+                    if handle_type == "posix_fd":
+                        h = _cuda.check(drv.cuMemImportFromShareableHandle(box["fd"], hkind),
+                                        "cuMemImportFromShareableHandle")
+                    else:
+                        fh = drv.CUmemFabricHandle()
+                        fh.data = box["fabric"]
+                        h = _cuda.check(drv.cuMemImportFromShareableHandle(fh.getPtr(), hkind),
+                                        "cuMemImportFromShareableHandle")
                     box["handle"] = h
                     tx.add_undo("cuMemRelease(multicast)", lambda: _cuda.check(
                         drv.cuMemRelease(h), "cuMemRelease"))
 
-            tx.step("mc_create", create_step)
+                tx.step("mc_import", import_step)
 
-            def export_step():
-                if rank == 0:
-                    shared = _cuda.check(drv.cuMemExportToShareableHandle(box["handle"], hkind, 0),
-                                         "cuMemExportToShareableHandle")
-                    if handle_type == "posix_fd":
-                        fd = int(shared)
-                        box["fd"] = fd
-                        tx.add_undo("close(multicast fd)", lambda: os.close(fd))
-                    else:
-                        box["fabric"] = bytes(shared.data)
+                tx.step("mc_add_device", lambda: _cuda.check(
+                    drv.cuMulticastAddDevice(box["handle"], box["dev"]), "cuMulticastAddDevice"))
 
-            tx.step("mc_export", export_step)
+                def bind_step():
+                    h, dev, n = box["handle"], box["dev"], self.nbytes
+                    _cuda.check(drv.cuMulticastBindMem(h, 0, mem_handle, 0, n, 0),
+                                "cuMulticastBindMem")
+                    tx.add_undo("cuMulticastUnbind", lambda: _cuda.check(
+                        drv.cuMulticastUnbind(h, dev, 0, n), "cuMulticastUnbind"))
 
-            if handle_type == "posix_fd":
-                def exchange_step():
-                    from . import _fdpass  # noqa: WPS433
+                tx.step("mc_bind", bind_step)
 
-                    got = _fdpass.exchange_fds(token, "mc", rank, world, box.get("fd"),
-                                               senders=[0], timeout_s=timeout_s)
-                    if rank != 0:
-                        fd = got[0]
-                        box["fd"] = fd
-                        tx.add_undo("close(multicast fd)", lambda: os.close(fd))
+                def map_step():
+                    n = self.nbytes
+                    va = int(_cuda.check(drv.cuMemAddressReserve(n, gran, 0, 0),
+                                         "cuMemAddressReserve"))
+                    tx.add_undo("cuMemAddressFree(multicast)", lambda: _cuda.check(
+                        drv.cuMemAddressFree(va, n), "cuMemAddressFree"))
+                    _cuda.check(drv.cuMemMap(va, n, 0, box["handle"], 0), "cuMemMap")
+                    tx.add_undo("cuMemUnmap(multicast)", lambda: _cuda.check(
+                        drv.cuMemUnmap(va, n), "cuMemUnmap"))
+                    desc = drv.CUmemAccessDesc()
+                    desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                    desc.location.id = self.device
+                    desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                    _cuda.check(drv.cuMemSetAccess(va, n, [desc], 1), "cuMemSetAccess")
+                    box["va"] = va
 
-                tx.step("mc_exchange", exchange_step)
-            else:
-                box["fabric"] = comm.broadcast(box.get("fabric"), root=0)
+                tx.step("mc_map", map_step)
 
-            def import_step():
-                if rank == 0:
-                    return
-                if handle_type == "posix_fd":
-                    h = _cuda.check(drv.cuMemImportFromShareableHandle(box["fd"], hkind),
-                                    "cuMemImportFromShareableHandle")
-                else:
-                    fh = drv.CUmemFabricHandle()
-                    fh.data = box["fabric"]
-                    h = _cuda.check(drv.cuMemImportFromShareableHandle(fh.getPtr(), hkind),
-                                    "cuMemImportFromShareableHandle")
-                box["handle"] = h
-                tx.add_undo("cuMemRelease(multicast)", lambda: _cuda.check(
-                    drv.cuMemRelease(h), "cuMemRelease"))
-
-            tx.step("mc_import", import_step)
-
-            tx.step("mc_add_device", lambda: _cuda.check(
-                drv.cuMulticastAddDevice(box["handle"], box["dev"]), "cuMulticastAddDevice"))
-
-            def bind_step():
-                h, dev, n = box["handle"], box["dev"], self.nbytes
-                _cuda.check(drv.cuMulticastBindMem(h, 0, mem_handle, 0, n, 0),
-                            "cuMulticastBindMem")
-                tx.add_undo("cuMulticastUnbind", lambda: _cuda.check(
-                    drv.cuMulticastUnbind(h, dev, 0, n), "cuMulticastUnbind"))
-
-            tx.step("mc_bind", bind_step)
-
-            def map_step():
-                n = self.nbytes
-                va = int(_cuda.check(drv.cuMemAddressReserve(n, gran, 0, 0),
-                                     "cuMemAddressReserve"))
-                tx.add_undo("cuMemAddressFree(multicast)", lambda: _cuda.check(
-                    drv.cuMemAddressFree(va, n), "cuMemAddressFree"))
-                _cuda.check(drv.cuMemMap(va, n, 0, box["handle"], 0), "cuMemMap")
-                tx.add_undo("cuMemUnmap(multicast)", lambda: _cuda.check(
-                    drv.cuMemUnmap(va, n), "cuMemUnmap"))
-                desc = drv.CUmemAccessDesc()
-                desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-                desc.location.id = self.device
-                desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-                _cuda.check(drv.cuMemSetAccess(va, n, [desc], 1), "cuMemSetAccess")
-                box["va"] = va
-
-            tx.step("mc_map", map_step)
-
+        except BaseException:
+            tx.rollback()  # a collective outside a step failed: give back what exists
+            raise
         self.mc_ptr = box["va"]
         self._undo = tx.commit()
         self._closed = False

@@ -68,8 +68,8 @@ MAX_NBYTES = 1 << 40
 #: ``<step>`` raises ``RuntimeError("injected fault at after_<step> ...")`` on this rank right
 #: after it succeeded. Steps of the cumem backend: context, p2p_check, granularity,
 #: fabric_create, create, export, exchange, import, reserve, map, access, zero; multicast
-#: objects add mc_device ... mc_map; the nvshmem backend: nvshmem_uid, nvshmem_init,
-#: nvshmem_alloc, nvshmem_peers, zero.
+#: objects add mc_device ... mc_map; the nvshmem backend: nvshmem_state, nvshmem_method,
+#: nvshmem_uid, nvshmem_init, nvshmem_alloc, nvshmem_peers, zero.
 _FAULT_POINT: Optional[str] = None
 
 _HEAP_COUNTER = iter(range(1 << 62))
@@ -313,6 +313,13 @@ class SymmetricHeap:
         ``backend="nvshmem"`` without nvshmem4py.
     CudaError, FdExchangeError, PeerError
         A setup step failed on this rank or a peer; everything was unwound on every rank.
+
+    Notes
+    -----
+    The same mechanism as NCCL's cuMem P2P transport and PyTorch's ``CUDASymmetricMemory``:
+    ``cuMemCreate`` + shareable handles + ``cuMemMap`` into one reserved range (CUDA
+    Programming Guide, "Virtual Memory Management"); descriptors pass by ``SCM_RIGHTS``
+    because containers deny ``pidfd_getfd``.
     """
 
     def __init__(self, comm, nbytes, *, device=None, backend="cumem", handle_type="auto",
@@ -486,14 +493,15 @@ class SymmetricHeap:
                                               f"query failed: {e}")
                             return
                         if not supported:
-                            box["refusal"] = ("device attribute "
-                                              "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED = 0")
+                            box["refusal"] = ("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"
+                                              " = 0")
                             return
                         prop = _alloc_prop(drv, device, fabric_kind)
                         try:
                             h = check(drv.cuMemCreate(size, prop, 0), "cuMemCreate")
                         except CudaError as e:
-                            box["refusal"] = f"cuMemCreate(CU_MEM_HANDLE_TYPE_FABRIC) returned {e.result}"
+                            box["refusal"] = (f"cuMemCreate(CU_MEM_HANDLE_TYPE_FABRIC) "
+                                              f"returned {e.result}")
                             return
                         try:
                             shared = check(drv.cuMemExportToShareableHandle(h, fabric_kind, 0),
@@ -546,6 +554,7 @@ class SymmetricHeap:
                                        "cuMemExportToShareableHandle"))
                         box["fd"] = fd
                         tx.add_undo("close(own fd)", functools.partial(os.close, fd))
+                        os.set_inheritable(fd, False)  # never leaks into a child process
 
                     tx.step("export", export_step)
                     token = comm.job_token()
@@ -555,7 +564,8 @@ class SymmetricHeap:
                                                    timeout_s=timeout_s)
                         for p, f in enumerate(fds):
                             if f is not None:
-                                tx.add_undo(f"close(fd of rank {p})", functools.partial(os.close, f))
+                                tx.add_undo(f"close(fd of rank {p})",
+                                            functools.partial(os.close, f))
                         box["fds"] = fds
 
                     tx.step("exchange", exchange_step)
