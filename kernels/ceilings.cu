@@ -65,6 +65,18 @@ __global__ void pingpong_kernel(u32* local_word, u32* peer_word, int initiator, 
   status[1] = static_cast<u32>(round_trips);
 }
 
+// Poll `word` until it has reached `target` (wrap-safe: the signed distance is >= 0); false once
+// `timeout_ns` passed. For counters that only grow, where a waiter may see a later value first.
+__device__ __forceinline__ bool poll_reached(const u32* word, u32 target, u64 timeout_ns) {
+  if (static_cast<int>(ld_acquire_sys(word) - target) >= 0) return true;
+  const u64 start = globaltimer_ns();
+  u32 spins = 0;
+  while (static_cast<int>(ld_acquire_sys(word) - target) < 0) {
+    if ((++spins & 1023u) == 0u && globaltimer_ns() - start > timeout_ns) return false;
+  }
+  return true;
+}
+
 // Unicast egress. src: this rank's slice, nvec 16-byte vectors (16-byte aligned). dst[p]: the
 // address in rank p's memory where this rank's slice goes (dst[rank] is not used). Every thread
 // loads kUnroll vectors, then stores them into every peer, starting with peer rank + 1 so that the
@@ -100,16 +112,18 @@ __global__ void egress_kernel(const uint4* __restrict__ src, const u64* __restri
 
 // Device barrier over `world` ranks. local_words: u32 [world] in this rank's symmetric memory,
 // word s written only by rank s. peer_words[p]: address of rank p's words. Thread t < world
-// stores `value` into word `rank` of rank t (st.release.sys), then waits for word t of its own
-// copy to equal `value`. The host passes a value one higher on every launch (equal on every rank).
-// On a timeout it stores 1 into *status (host-mapped memory) and returns. One CTA, blockDim.x >=
-// world.
+// stores `value` into word `rank` of rank t (st.release.sys), then waits until word t of its own
+// copy has reached `value`. The host passes a value one higher on every launch (equal on every
+// rank, and never lower after a failure: the host resynchronises to the largest count). The wait
+// is "reached", not "equal": a fast peer may leave this barrier and store the next value before
+// this thread has read the current one. On a timeout it stores 1 into *status (host-mapped
+// memory) and returns. One CTA, blockDim.x >= world.
 __global__ void barrier_kernel(u32* local_words, const u64* __restrict__ peer_words, int rank,
                                int world, u32 value, u64 timeout_ns, u32* status) {
   const int t = static_cast<int>(threadIdx.x);
   if (blockIdx.x != 0 || t >= world) return;
   st_release_sys(reinterpret_cast<u32*>(peer_words[t]) + rank, value);
-  if (!poll_equal(local_words + t, value, timeout_ns)) st_relaxed_sys(status, 1u);
+  if (!poll_reached(local_words + t, value, timeout_ns)) st_relaxed_sys(status, 1u);
 }
 
 }  // namespace dcpkit

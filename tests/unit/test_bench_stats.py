@@ -653,3 +653,13 @@ def test_cli_help_and_single_rank_refusal(run_python):
 def test_recorded_command_drops_machine_paths():
     cmd = bench._command(4, ["--json", "/tmp/x/bench_4.json", "--plot=/tmp/x/b.png", "--quick"])
     assert cmd == "mpirun -np 4 python -m dcpkit bench --json bench_4.json --plot=b.png --quick"
+
+
+def test_fake_sweep_one_mode_one_path(tmp_path):
+    rcs, res = _fake_run(tmp_path, 2, {}, ["--ops", "q_gather", "--modes", "graph",
+                                           "--paths", "direct"])
+    assert rcs == [0, 0]
+    assert {(r["path"], r["mode"]) for r in res["rows"]} == {("direct", "graph")}
+    assert all(r["speedup_vs_nccl"] is None for r in res["rows"])
+    vs = [i for i in res["targets"] if i["target"].startswith("q_gather.nccl")]
+    assert vs and all(i["met"] is None for i in vs)
