@@ -371,7 +371,8 @@ def plot_results(result: Mapping[str, Any], path: str, dpi: int = 80) -> Optiona
                 x = [p[0] for p in pts]
                 ax_t.plot(x, [p[1] for p in pts], ls, marker="o", ms=3,
                           color=colors.get(name), label=f"{name} {mode}")
-                ax_b.plot(x, [p[2] or 0 for p in pts], ls, marker="o", ms=3,
+                bw = [(p[0], p[2]) for p in pts if p[2]]
+                ax_b.plot([q[0] for q in bw], [q[1] for q in bw], ls, marker="o", ms=3,
                           color=colors.get(name), label=f"{name} {mode}")
         fl = sorted({(r["bytes_per_rank"], r["floor_us"]) for r in mine
                      if r.get("floor_us") is not None})
@@ -382,6 +383,7 @@ def plot_results(result: Mapping[str, Any], path: str, dpi: int = 80) -> Optiona
         ax_t.set_xscale("log", base=2)
         ax_t.set_yscale("log")
         ax_b.set_xscale("log", base=2)
+        ax_b.set_yscale("log")
         ax_t.set_title(f"{op}: time per call")
         ax_b.set_title(f"{op}: bus bandwidth")
         ax_t.set_ylabel("µs")
