@@ -42,6 +42,9 @@ def pytest_report_header(config):
 
 
 def pytest_sessionstart(session):
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None and session.config.option.verbose < 0:  # -q hides the report header
+        tr.write_line(pytest_report_header(session.config))
     if IN_CI and _from_checkout():
         raise pytest.UsageError(
             f"DCPKIT_CI=1 but dcpkit was imported from the checkout ({PKG_DIR}), not from the "
