@@ -1625,7 +1625,16 @@ def run_op(ctx: _Ctx, op: str, paths: Sequence[str], factory, base_seed: int) ->
                         ctx.rows.append(dict(_new_row(ctx, case, _Stub(p), m),
                                              error=f"build: {build_err.get(p, 'failed')}"))
                     continue
-                rows, rebuild = run_case(ctx, runner, case, box)
+                try:
+                    rows, rebuild = run_case(ctx, runner, case, box)
+                except (BenchHang, KeyboardInterrupt):
+                    raise
+                except Exception as e:  # noqa: BLE001 - a harness bug: same on every rank
+                    traceback.print_exc()
+                    rows = [dict(_new_row(ctx, case, runner, m),
+                                 error=f"harness error: {type(e).__name__}: {e}")
+                            for m in ctx.cfg["modes"]]
+                    rebuild = True
                 ctx.rows.extend(rows)
                 ctx.log(f"{op} {_report.fmt_bytes(case['bytes_per_rank'])}/rank T={case['T']} "
                         f"{p}: {_summary_line(rows)}")
@@ -1734,7 +1743,13 @@ def _run(ctx: _Ctx, factory) -> int:
         if ctx.rank == 0:
             print(f"dcpkit bench: setup failed, nothing measured: {e}", file=sys.stderr)
         return 1
-    ctx.ceilings = measure_ceilings(ctx)
+    try:
+        ctx.ceilings = measure_ceilings(ctx)
+    except (BenchHang, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - a harness bug: same on every rank
+        traceback.print_exc()
+        ctx.ceilings = {"errors": [f"harness error: {type(e).__name__}: {e}"]}
     ctx.save()
     paths = _agree_paths(ctx)
     if "torch" in paths and factory is make_runner:
