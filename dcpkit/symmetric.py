@@ -679,10 +679,19 @@ class SymmetricHeap:
                 try:
                     tx.step("nvshmem_alloc", alloc_step)
                 except BaseException:
-                    if "buf" in box:  # nvshmem_free is collective: a lone rank cannot free
-                        log.warning("dcpkit SymmetricHeap rank %d: an NVSHMEM buffer of %d bytes "
-                                    "stays allocated because a peer failed to allocate",
-                                    rank, size)
+                    # nvshmem_free is collective: free only if every rank holds its buffer.
+                    try:
+                        held = comm.allgather("buf" in box)
+                        if all(held):
+                            _nvshmem.free(box["buf"])
+                        elif "buf" in box:
+                            log.warning("dcpkit SymmetricHeap rank %d: an NVSHMEM buffer of %d "
+                                        "bytes stays allocated: ranks %s failed to allocate "
+                                        "theirs, so no collective free is possible", rank, size,
+                                        [r for r, h in enumerate(held) if not h])
+                    except Exception as e:  # noqa: BLE001 - the original error matters more
+                        log.warning("dcpkit SymmetricHeap rank %d: freeing the NVSHMEM buffer "
+                                    "after a failed setup failed: %s", rank, e)
                     raise
                 buf = box["buf"]
                 # Every rank allocated: the collective free is safe from here on.

@@ -69,7 +69,9 @@ class FakeCupy:
             deviceSynchronize=self._sync, getDevice=lambda: fake.current() or 0,
             getDeviceCount=lambda: fake.ndev,
             getDeviceProperties=lambda d: {"totalGlobalMem": 80 << 30},
+            memset=self._memset,
         )
+        self.memsets = []  # (device, ptr, value, size)
         self.cuda = types.SimpleNamespace(Device=Device, runtime=runtime)
 
     def _stack(self):
@@ -83,6 +85,10 @@ class FakeCupy:
 
     def _free(self, ptr):
         assert self.current() is not None, "cudaFree(0) without a current device"
+
+    def _memset(self, ptr, value, size):
+        assert self.current() is not None, "cudaMemset without a current device"
+        self.memsets.append((self.current(), int(ptr), int(value), int(size)))
 
     def _sync(self):
         assert self.current() is not None, "deviceSynchronize without a current device"

@@ -4,7 +4,8 @@ Every combination of opt-in, opt-in variable, disabling variables and device att
 checked against an independent table; ranks that disagree turn multicast off everywhere; and a
 MulticastObject (or a granularity query) refuses before any driver call whenever a disabling
 variable is set, on any rank. No test here can reach cuMulticastCreate: the driver is replaced
-by a stub that fails the test on first use.
+by a stub that fails the test on first use. The guard reads a dict the test controls (through a
+stand-in for ``os`` in dcpkit.multicast); the process's environment is never changed.
 """
 
 import itertools
@@ -49,12 +50,31 @@ def no_driver(monkeypatch):
     return stub
 
 
+class _EnvOs:
+    """Stands in for the ``os`` module of dcpkit.multicast, so that the guard reads ``environ``
+    from a dict the test controls (per thread, for ranks that disagree). The process's own
+    environment is never changed: its disabling variables stay as they are."""
+    tls = threading.local()
+
+    def __getattr__(self, attr):
+        return getattr(os, attr)
+
+    @property
+    def environ(self):
+        return getattr(_EnvOs.tls, "env", {})
+
+
 @pytest.fixture
-def clean_env(monkeypatch):
-    """No opt-in and no disabling variable (restored after the test)."""
-    for name in KILL + [mc.OPT_IN_VARIABLE]:
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
+def guard_env(monkeypatch):
+    """``guard_env(dict)``: the environment the guard sees on this thread."""
+    monkeypatch.setattr(mc, "os", _EnvOs())
+
+    def set_env(env):
+        _EnvOs.tls.env = dict(env)
+
+    set_env({})
+    yield set_env
+    _EnvOs.tls.env = {}
 
 
 def _env(opt_var, values):
@@ -177,9 +197,8 @@ def test_agree_multicast_accepts_bare_bool():
 @pytest.mark.parametrize("name,value", [("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
                                         ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                                         ("DCPKIT_DISABLE_MULTICAST", "1")])
-def test_multicast_object_refuses_before_any_driver_call(clean_env, no_driver, name, value):
-    clean_env.setenv(name, value)
-    clean_env.setenv(mc.OPT_IN_VARIABLE, "1")  # an opt-in does not override a disabling variable
+def test_multicast_object_refuses_before_any_driver_call(guard_env, no_driver, name, value):
+    guard_env({name: value, mc.OPT_IN_VARIABLE: "1"})  # an opt-in does not override it
     with pytest.raises(MulticastDisabled, match=name):
         mc.MulticastObject(Communicator.single(), 2 << 20, 0, mem_handle=object())
     assert no_driver.touched == []
@@ -188,30 +207,18 @@ def test_multicast_object_refuses_before_any_driver_call(clean_env, no_driver, n
 @pytest.mark.parametrize("name,value", [("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
                                         ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                                         ("DCPKIT_DISABLE_MULTICAST", "1")])
-def test_granularity_query_refuses_before_any_driver_call(clean_env, no_driver, name, value):
-    clean_env.setenv(name, value)
+def test_granularity_query_refuses_before_any_driver_call(guard_env, no_driver, name, value):
+    guard_env({name: value})
     with pytest.raises(MulticastDisabled, match=name):
         mc.multicast_granularity(2, 0, "posix_fd")
     assert no_driver.touched == []
 
 
-def test_multicast_object_refuses_on_every_rank_when_one_rank_is_forbidden(
-        clean_env, no_driver, monkeypatch):
+def test_multicast_object_refuses_on_every_rank_when_one_rank_is_forbidden(guard_env,
+                                                                           no_driver):
     """Rank 1 alone has NVSHMEM_DISABLE_NVLS=1: all three ranks refuse, none calls the driver."""
-    local = threading.local()
-
-    class PerRankOs:
-        def __getattr__(self, attr):
-            return getattr(os, attr)
-
-        @property
-        def environ(self):
-            return local.env
-
-    monkeypatch.setattr(mc, "os", PerRankOs())
-
     def body(comm):
-        local.env = {"NVSHMEM_DISABLE_NVLS": "1"} if comm.rank == 1 else {}
+        guard_env({"NVSHMEM_DISABLE_NVLS": "1"} if comm.rank == 1 else {})
         mc.MulticastObject(comm, 2 << 20, 0, mem_handle=object())
 
     res = run_group(3, body)
@@ -222,7 +229,7 @@ def test_multicast_object_refuses_on_every_rank_when_one_rank_is_forbidden(
     assert no_driver.touched == []
 
 
-def test_multicast_object_rejects_bad_arguments_before_driver(clean_env, no_driver):
+def test_multicast_object_rejects_bad_arguments_before_driver(guard_env, no_driver):
     comm = Communicator.single()
     with pytest.raises(InvalidType, match="heap_nbytes"):
         mc.MulticastObject(comm, 1.5, 0, mem_handle=object())
