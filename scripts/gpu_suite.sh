@@ -17,6 +17,9 @@
 #   DCPKIT_SUITE_BUDGET_S seconds the whole script may take           (default 570: one 600 s call)
 #   DCPKIT_BENCH_ARGS     extra arguments of `dcpkit bench`, e.g. "--quick"
 #   DCPKIT_PYTEST_ARGS    extra arguments of the pytest runs, e.g. "-k lse"
+#   DCPKIT_SUITE_MPI_XFLAG  "-x" (default: stop the mpi tests at the first failure) or ""
+#   DCPKIT_SUITE_TEST_TIMEOUT_S  per-test timeout of the mpi tests (default 300)
+#   stages "mpitests" and "gputests" select one half of "tests"
 #   PYTHON                the interpreter (default python3)
 #
 # Never touches NCCL_NVLS_ENABLE, NVSHMEM_DISABLE_NVLS or TORCH_SYMM_MEM_DISABLE_MULTICAST: they
@@ -203,19 +206,23 @@ if [[ $STAGES == *,info,* ]]; then
     head -c 3000 "$LOGS/info.log"
 fi
 
-if [[ $STAGES == *,tests,* ]]; then
+if [[ $STAGES == *,tests,* || $STAGES == *,mpitests,* ]]; then
+    for n in $NPS; do
+        mpicmd "$n" "tests_mpi_$n"
+        # shellcheck disable=SC2086
+        run_stage mpitests "$n" "${DCPKIT_SUITE_MPI_CAP_S:-400}" "$LOGS/tests_mpi_$n.log" \
+            "${MPICMD[@]}" "$PY" -m pytest tests/mpi -p no:cacheprovider -q \
+            ${DCPKIT_SUITE_MPI_XFLAG--x} -rfEs --timeout="${DCPKIT_SUITE_TEST_TIMEOUT_S:-300}" \
+            ${DCPKIT_PYTEST_ARGS:-}
+    done
+fi
+
+if [[ $STAGES == *,tests,* || $STAGES == *,gputests,* ]]; then
     if [ -d "$ROOT/tests/gpu" ]; then
         run_stage gputests 1 300 "$LOGS/tests_gpu.log" \
             "$PY" -m pytest tests/gpu -p no:cacheprovider -q -rfEs --timeout=300 \
             ${DCPKIT_PYTEST_ARGS:-}
     fi
-    for n in $NPS; do
-        mpicmd "$n" "tests_mpi_$n"
-        # shellcheck disable=SC2086
-        run_stage mpitests "$n" 400 "$LOGS/tests_mpi_$n.log" \
-            "${MPICMD[@]}" "$PY" -m pytest tests/mpi -p no:cacheprovider -q -x -rfEs \
-            --timeout=300 ${DCPKIT_PYTEST_ARGS:-}
-    done
 fi
 
 if [[ $STAGES == *,demo,* ]]; then
