@@ -197,9 +197,11 @@ def _gpus(driver_ok: bool) -> Dict[str, Any]:
 
 def _multicast(gpus: List[Dict[str, Any]]) -> Dict[str, Any]:
     flags = [g.get("multicast_supported") for g in gpus]
-    supported = bool(gpus) and all(f == 1 for f in flags)
+    # None: no GPU, or the attribute could not be read (then the decision assumes "no").
+    known = bool(gpus) and all(f is not None for f in flags)
+    supported = known and all(f == 1 for f in flags)
     out: Dict[str, Any] = {
-        "device_supported": supported if gpus else None,
+        "device_supported": supported if known else None,
         "used": None,
         "reason": None,
     }
@@ -309,7 +311,12 @@ def format_text(info: Dict[str, Any]) -> str:
     if mc["used"] is None and mc["reason"] and mc["reason"].startswith("unknown"):
         lines.append(f"multicast: {mc['reason']}")
     else:
-        sup = "n/a (no GPU)" if mc["device_supported"] is None else _yn(mc["device_supported"])
+        if mc["device_supported"] is not None:
+            sup = _yn(mc["device_supported"])
+        elif info["gpu_count"] == 0:
+            sup = "n/a (no GPU)"
+        else:
+            sup = "unknown (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED not readable)"
         lines.append(f"multicast        supported by every GPU: {sup}")
         lines.append(f"  dcpkit would use it: {_yn(mc['used'])} ({mc['reason']})")
         if "used_if_opted_in" in mc:
