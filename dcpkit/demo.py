@@ -304,6 +304,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="timed repeats per measurement; 0 skips the timings (default: 200)")
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write the report as JSON to PATH (written by rank 0)")
+    p.add_argument("--allow-shared-gpu", action="store_true",
+                   help="let several ranks share one GPU (functional checks on a machine with "
+                        "fewer GPUs than ranks; the ranks' kernels then time-slice the GPU, so "
+                        "the timings mean nothing)")
     p.add_argument("--torch", action="store_true",
                    help="run the layer with torch tensors through dcpkit.torch and check it "
                         "against torch.nn.functional.scaled_dot_product_attention")
@@ -384,6 +388,8 @@ def _environment_problem(comm, args, model: Model) -> Optional[str]:
             num_gpus, gpu_error = 0, _err_text(e)
     seen = comm.allgather((comm.host, bus))
     host_gpus = len({b for h, b in seen if h == comm.host and b is not None})
+    if getattr(args, "allow_shared_gpu", False) and host_gpus:
+        host_gpus = max(host_gpus, comm.local_world_size)
     problem = environment_error(num_gpus=host_gpus if num_gpus else 0, gpu_error=gpu_error,
                                 world_size=comm.world_size,
                                 local_world_size=comm.local_world_size,

@@ -14,6 +14,8 @@
 #   DCPKIT_SUITE_STAGES   comma list of info,tests,demo,bench        (default: all four)
 #   DCPKIT_SUITE_NP       world sizes, e.g. "2" or "2 4"              (default "2 4"; sizes above
 #                         the number of GPUs are dropped: no oversubscribed runs)
+#   DCPKIT_SUITE_SHARED_GPU  1: also run world sizes above the number of GPUs, ranks sharing
+#                         GPUs (functional checks only: their kernels time-slice the GPU)
 #   DCPKIT_SUITE_BUDGET_S seconds the whole script may take           (default 570: one 600 s call)
 #   DCPKIT_BENCH_ARGS     extra arguments of `dcpkit bench`, e.g. "--quick"
 #   DCPKIT_PYTEST_ARGS    extra arguments of the pytest runs, e.g. "-k lse"
@@ -120,8 +122,14 @@ if [ "${NGPU:-0}" -eq 0 ]; then
     NGPU=$("$PY" -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())' 2>/dev/null || echo 0)
 fi
 NPS=""
+SHARED="${DCPKIT_SUITE_SHARED_GPU:-0}"
+DEMO_SHARED=()
 for n in ${DCPKIT_SUITE_NP:-2 4}; do
-    if [ "$n" -le "$NGPU" ]; then NPS="$NPS $n"; else say "world size $n skipped: $NGPU GPU(s)"; fi
+    if [ "$n" -le "$NGPU" ]; then NPS="$NPS $n"
+    elif [ "$SHARED" = 1 ] && [ "$NGPU" -ge 1 ]; then
+        NPS="$NPS $n"; DEMO_SHARED=(--allow-shared-gpu)
+        say "world size $n on $NGPU GPU(s): ranks share GPUs (functional run; timings mean nothing)"
+    else say "world size $n skipped: $NGPU GPU(s)"; fi
 done
 GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 export DCPKIT_MACHINE_KIND="${DCPKIT_MACHINE_KIND:-${NGPU}x ${GPU_NAME:-GPU}}"
@@ -230,7 +238,7 @@ if [[ $STAGES == *,demo,* ]]; then
         for n in $NPS; do
             mpicmd "$n" "demo_$n"
             run_stage demo "$n" 180 "$LOGS/demo_$n.log" \
-                "${MPICMD[@]}" "$PY" -m dcpkit demo --json "$WORK/demo_$n.json"
+                "${MPICMD[@]}" "$PY" -m dcpkit demo --json "$WORK/demo_$n.json" ${DEMO_SHARED[@]+"${DEMO_SHARED[@]}"}
         done
     else
         RESULTS+=("demo|-|skip|0|dcpkit/demo.py not in this checkout")

@@ -23,9 +23,20 @@ def all_ranks_ok(comm, ok, what):
     return not bad, f"{what} failed on ranks {bad}"
 
 
+def _shared_gpu_args(comm):
+    """``--allow-shared-gpu`` when this host has fewer GPUs than ranks (a functional run of the
+    suite with several ranks per GPU); never otherwise."""
+    import cupy
+
+    n = cupy.cuda.runtime.getDeviceCount()
+    few = comm.allgather(comm.local_world_size > n)
+    return ["--allow-shared-gpu"] if any(few) else []
+
+
 def _run(comm, tmp_path, seed, *argv):
     path = comm.broadcast(str(tmp_path / "demo.json"), root=0)
-    rc = demo.main([*argv, "--seed", str(seed), "--json", path], comm=comm)
+    rc = demo.main([*argv, *_shared_gpu_args(comm), "--seed", str(seed), "--json", path],
+                   comm=comm)
     rcs = comm.allgather(rc)
     report = None
     if os.path.isfile(path):
