@@ -16,6 +16,7 @@
 #                         the number of GPUs are dropped: no oversubscribed runs)
 #   DCPKIT_SUITE_SHARED_GPU  1: also run world sizes above the number of GPUs, ranks sharing
 #                         GPUs (functional checks only: their kernels time-slice the GPU)
+#   DCPKIT_SUITE_MPS      1: with shared GPUs, run an MPS daemon of this machine's own (see below)
 #   DCPKIT_SUITE_BUDGET_S seconds the whole script may take           (default 570: one 600 s call)
 #   DCPKIT_BENCH_ARGS     extra arguments of `dcpkit bench`, e.g. "--quick"
 #   DCPKIT_PYTEST_ARGS    extra arguments of the pytest runs, e.g. "-k lse"
@@ -70,6 +71,7 @@ guard_check() {
 finish() {
     local rc=$?
     trap - EXIT
+    mps_stop 2>/dev/null
     {
         echo "# dcpkit GPU suite, $(date -u '+%Y-%m-%d %H:%M UTC'), $(hostname)," \
              "commit ${DCPKIT_COMMIT:-unknown}"
@@ -207,6 +209,49 @@ mpicmd() {  # mpicmd N TAG: sets MPICMD to the mpirun prefix, per-rank logs unde
         MPICMD=(mpirun -np "$1")
     fi
 }
+
+# ----------------------------------------------------------------------------- MPS (shared GPU)
+# With ranks sharing a GPU, their kernels only alternate at time-slice boundaries (~2 ms), so
+# every collective call costs a time slice. DCPKIT_SUITE_MPS=1 starts an MPS control daemon of
+# this machine's own (a user-space process; no GPU setting is changed) so that the ranks' kernels
+# run concurrently, checks with a 2-rank heap + op smoke test that cuMem fd import works under
+# it, and stops it again if not (and always at the end).
+MPS_ON=0
+mps_stop() {
+    if [ "$MPS_ON" = 1 ]; then
+        echo quit | nvidia-cuda-mps-control >/dev/null 2>&1
+        sleep 1
+        MPS_ON=0
+        say "MPS daemon stopped"
+    fi
+}
+if [ "${DCPKIT_SUITE_MPS:-0}" = 1 ] && [ -n "$NPS" ]; then
+    if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+        export CUDA_MPS_PIPE_DIRECTORY=/tmp/dcpkit_mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/dcpkit_mps_log
+        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+        MPI_FLAGS+=(-x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY)
+        if nvidia-cuda-mps-control -d >"$LOGS/mps.log" 2>&1; then
+            MPS_ON=1
+            mpicmd 2 mps_probe
+            if timeout -k 5 120 "${MPICMD[@]}" "$PY" -m pytest -p no:cacheprovider -q -x \
+                    tests/mpi/test_symmetric.py tests/mpi/test_lse_reduce.py \
+                    -k "peer_wrote_cumem or epoch_wrap" >"$LOGS/mps_probe.log" 2>&1; then
+                say "MPS daemon running: ranks sharing a GPU run concurrently"
+                RESULTS+=("mps|2|0|0|MPS daemon used (ranks share the GPU concurrently)")
+            else
+                say "MPS probe failed (see logs/mps_probe.log); going on without MPS"
+                tail -n 15 "$LOGS/mps_probe.log" | cut -c1-200
+                RESULTS+=("mps|2|1|0|MPS probe failed: running without MPS")
+                mps_stop
+            fi
+        else
+            say "nvidia-cuda-mps-control -d failed (see logs/mps.log); going on without MPS"
+        fi
+    else
+        say "no nvidia-cuda-mps-control on this machine; going on without MPS"
+        RESULTS+=("mps|-|skip|0|nvidia-cuda-mps-control not found")
+    fi
+fi
 
 # ----------------------------------------------------------------------------- stages
 if [[ $STAGES == *,info,* ]]; then
