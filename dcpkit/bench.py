@@ -43,6 +43,11 @@ Method (/work/.library/device/METHOD.md, STYLE.md rule 12):
   an iteration's time is the maximum over ranks; the table shows the median and the p95.
 * Every row carries its physical floor (:func:`dcpkit._stats.floor_us`) and ``time / floor``.
 
+NCCL needs one GPU per rank. Where ranks of a host share a GPU (a functional run with more ranks
+than GPUs), the ``nccl`` and ``torch`` paths (both NCCL) are not run: they are reported as
+``n/a (NCCL unavailable: ...)`` (log, summary, JSON ``meta.paths_not_available``), not as failed
+rows, and the comparisons with NCCL read "no NCCL baseline in this run".
+
 Robustness. Every step that can fail runs as a *stage*: all ranks run it, wait for their GPU,
 then exchange (error, result) with one allgather, so every rank takes the same branch: a failed
 size or path is recorded in the JSON and the table (``ERROR``) and the run goes on. Every device
@@ -91,6 +96,8 @@ GEOMETRY = {"H": 128, "D": 576, "D_v": 512, "D_kv": 576, "dtype": "bfloat16", "d
 ALL_OPS = ("q_gather", "lse_reduce", "decode_layer", "kv_gather")
 ALL_PATHS = ("direct", "direct-pull", "multicast", "nccl", "torch")
 ALL_MODES = ("eager", "graph")
+#: Paths that run on NCCL (dcpkit.fallback, torch.distributed's NCCL backend).
+NCCL_PATHS = ("nccl", "torch")
 SCHEMA = "dcpkit-bench/1"
 
 # Offsets in the small symmetric heap of the ceilings kernels.
@@ -485,6 +492,11 @@ class _DeviceBase:
         d = self.xp.empty(tuple(shape), dtype=_uint_dtype(dt.itemsize))
         return d if dt == np.dtype(_uint_dtype(dt.itemsize)) else d.view(dt)
 
+    def pci_bus_id(self) -> Optional[str]:
+        """The PCI bus id of this rank's GPU; None where unknown (then it is never counted as
+        shared with another rank's)."""
+        return None
+
     def poison(self, arrays) -> None:
         """Set every bit of every array (NaN for floats), then wait for it."""
         for a in arrays:
@@ -602,6 +614,9 @@ class CupyDevice(_DeviceBase):
         except Exception:  # noqa: BLE001 - NCCL not available through CuPy
             out["nccl"] = None
         return out
+
+    def pci_bus_id(self) -> Optional[str]:
+        return str(self.cupy.cuda.runtime.deviceGetPCIBusId(self.device))
 
     # ------------------------------------------------------------------ streams and waits
     def new_stream(self):
@@ -1672,7 +1687,36 @@ def _agree_paths(ctx: _Ctx) -> List[str]:
     if dropped:
         ctx.log(f"paths not run here: {', '.join(dropped)} (multicast only where NOTE "
                 f"[dcpkit multicast guard] allows it; torch only where installed)")
+    gated = [p for p in common if p in NCCL_PATHS]
+    why = _nccl_unavailable(ctx) if gated else None
+    if why is not None:
+        note = f"n/a (NCCL unavailable: {why})"
+        ctx.meta["paths_not_available"] = {p: note for p in gated}
+        ctx.log(f"paths not run here: {', '.join(gated)}: {note}")
+        common = [p for p in common if p not in gated]
     return common
+
+
+def _nccl_unavailable(ctx: _Ctx) -> Optional[str]:
+    """Collective (one stage): why NCCL cannot start in this group, or None. NCCL refuses two
+    ranks of one host on one GPU (``ncclInvalidUsage`` in ``ncclCommInitRank``), a documented
+    limit of NCCL: the NCCL paths are then n/a, not failures. A GPU whose bus id cannot be
+    read counts as unknown (NCCL is then tried, and a failure is an error as usual)."""
+    from .manager import shared_gpu_blocker  # noqa: WPS433
+
+    def mine():
+        try:
+            bus = ctx.dev.pci_bus_id()
+        except Exception:  # noqa: BLE001 - unknown: NCCL is tried as usual
+            bus = None
+        return ctx.comm.host, bus
+
+    try:
+        per = _stage(ctx, "gpus", mine)
+    except StageFailed as e:
+        ctx.log(f"could not compare the GPUs of the ranks ({_short(e, 200)}): NCCL is tried")
+        return None
+    return shared_gpu_blocker(hosts=[h for h, _ in per], bus_ids=[b for _, b in per])
 
 
 def _nccl_group(ctx: _Ctx):
@@ -1796,6 +1840,8 @@ def _run(ctx: _Ctx, factory) -> int:
             print("# run errors:")
             for e in res["errors"]:
                 print(f"#   {_short(e, 300)}")
+        for p, note in (ctx.meta.get("paths_not_available") or {}).items():
+            print(f"# path {p}: {_short(note, 300)}")
         wrong = sum(r.get("wrong") or 0 for r in res["rows"])
         failed = sum(1 for r in res["rows"] if r.get("error"))
         print(f"# dcpkit bench: W={ctx.world}, {len(res['rows'])} rows, {failed} failed, "

@@ -34,6 +34,12 @@ What every rank ``r`` of ``N`` does, ``B`` sequences, ``H_r = H / N`` heads per 
    ``q_gather``, ``lse_reduce`` and a layer (both), on the direct path and on the NCCL path,
    eager and inside a CUDA graph (20 layers captured in one graph on a non-default stream).
 
+Where NCCL cannot start (ranks sharing a GPU with ``--allow-shared-gpu``: NCCL needs one GPU per
+rank; NCCL missing or failing), the checked step runs on the direct path all the same (the
+``auto`` DCPComm is then direct-only, and the check's kv_gather is a direct op), the report says
+``NCCL path: unavailable (<reason>)`` (JSON ``nccl_path``, ``nccl_unavailable_reason``), the NCCL
+timings are skipped, and the verdict is the direct path's.
+
 The exchanges go through :class:`~dcpkit.manager.DCPComm` (``policy="auto"`` for the checked
 step, which records the path that served each op; ``"direct"`` and ``"nccl"`` for the timings);
 without ``dcpkit.manager`` the direct ops and the NCCL ops are used as they are. ``--torch`` runs
@@ -499,6 +505,16 @@ def _build_exchanges(comm, *, model: Model, batch: int, dtype, policy: str,
                       f"{path} ops (dcpkit.manager not available)")
 
 
+def _nccl_unavailable(decode: _Exchanges) -> Optional[str]:
+    """Why the NCCL path cannot run, as the ``auto`` DCPComm of ``decode`` agreed at
+    construction (equal on every rank); None when it is available or was not tried (the
+    ops without dcpkit.manager: the NCCL timings then find out for themselves)."""
+    target = decode.target
+    if isinstance(target, _Ops):
+        return None
+    return getattr(target, "nccl_reason", None)
+
+
 def _build_kv_exchange(comm, decode: _Exchanges, *, rows: int, model: Model,
                        dtype) -> _Exchanges:
     """Collective: the kv_gather that collects every rank's KV shard for the check.
@@ -860,10 +876,16 @@ def _time_path(comm, ex: _Exchanges, side, inputs: Dict[str, Any], iters: int,
 
 
 def _run_timings(comm, args, model: Model, side, inputs: Dict[str, Any],
-                 say: "_Say") -> Dict[str, Any]:
-    """Collective: the direct and the NCCL paths, each built for the purpose, then closed."""
+                 say: "_Say", nccl_unavailable: Optional[str] = None) -> Dict[str, Any]:
+    """Collective: the direct and the NCCL paths, each built for the purpose, then closed.
+    ``nccl_unavailable`` (equal on every rank): why the NCCL path cannot run; its timings are
+    then skipped (``{"skipped": ...}``)."""
     timing: Dict[str, Any] = {}
     for policy in ("direct", "nccl"):
+        if policy == "nccl" and nccl_unavailable is not None:
+            timing[policy] = {"skipped": f"NCCL unavailable: {nccl_unavailable}"}
+            say(f"NCCL timings skipped: NCCL unavailable ({nccl_unavailable})")
+            continue
         with say.timed(f"timing the {policy} path ({args.iters} repeats, eager and in a CUDA "
                        f"graph of {GRAPH_LAYERS} layers)"):
             try:
@@ -1107,6 +1129,13 @@ def run(args: argparse.Namespace, comm, say: "_Say") -> Dict[str, Any]:
         indent = "\n" + " " * (len(_PREFIX) + 6)
         say("ops: " + ex.description.replace("\n", indent))
         say(f"kv_gather of the check: {kv_ex.description}".replace("\n", indent))
+        nccl_unavailable = _nccl_unavailable(base)
+        report["nccl_unavailable_reason"] = nccl_unavailable
+        report["nccl_path"] = ("available" if nccl_unavailable is None
+                               else f"unavailable ({nccl_unavailable})")
+        if nccl_unavailable is not None:
+            say(f"NCCL path: {report['nccl_path']}; the check and the verdict are the direct "
+                f"path's")
 
         with say.timed("decode step: q_gather -> partial attention (fp32) -> lse_reduce"):
             def decode():
@@ -1160,7 +1189,8 @@ def run(args: argparse.Namespace, comm, say: "_Say") -> Dict[str, Any]:
         inputs = {"q": q, "out_partial": out_partial, "lse_partial": lse_partial, "dtype": dt,
                   "q_full_shape": (args.batch, model.num_heads, model.qk_dim),
                   "out_shape": (args.batch, H_r, model.v_dim)}
-        report["timing"] = _run_timings(comm, args, model, side, inputs, say)
+        report["timing"] = _run_timings(comm, args, model, side, inputs, say,
+                                        report["nccl_unavailable_reason"])
         report["timing_notes"] = TIMING_NOTES
     return report
 
@@ -1208,6 +1238,10 @@ def format_report(report: Dict[str, Any]) -> str:
         "  paths      " + "   ".join(f"{op}: {paths.get(op, '?')}"
                                      for op in ("q_gather", "lse_reduce", "kv_gather"))
         + ("" if report.get("paths_agree", True) else "   (ranks disagree!)"),
+    ]
+    if report.get("nccl_path"):
+        lines.append(f"             NCCL path: {report['nccl_path']}")
+    lines += [
         f"  check      q_gather bit-exact: {'yes' if c['q_gather_bit_exact'] else 'NO'}   "
         f"kv_gather bit-exact: {'yes' if c['kv_gather_bit_exact'] else 'NO'}   "
         f"non-finite outputs: {c['nonfinite_outputs']}",
@@ -1246,6 +1280,8 @@ def format_report(report: Dict[str, Any]) -> str:
             t = timing.get(policy, {})
             if "error" in t:
                 lines.append(f"             {policy} path unavailable: {t['error']}")
+            if "skipped" in t:
+                lines.append(f"             {policy} path not timed: {t['skipped']}")
             for step, g in (t.get("graph") or {}).items():
                 if isinstance(g, dict) and "error" in g:
                     lines.append(f"             {policy} graph of {step} failed: {g['error']}")

@@ -30,11 +30,23 @@ graph is being captured), and an ``out=`` it cannot write receives a copy of the
 
 Every call records its path: :attr:`DCPComm.last_path` (``"direct-unicast"``,
 ``"direct-multicast"`` or ``"nccl"``) and :attr:`DCPComm.counters` (op -> path -> calls).
+
+NCCL unavailable. NCCL needs one GPU per rank (``ncclCommInitRank`` refuses two ranks of one
+host on one GPU with ``ncclInvalidUsage``), and it may be missing or fail to start. Before any
+rank enters ``ncclCommInitRank`` (collective, with no deadline) the ranks agree on its
+preconditions (every rank read its GPU's PCI bus id; no two ranks of a host share a GPU); then
+they build the NCCL group and ops and agree on the outcome with one allgather. With
+``policy="auto"`` a failure on any rank leaves every rank direct-only, with the reason in
+:attr:`DCPComm.nccl_reason` and :meth:`DCPComm.describe`; a later call that needs NCCL
+(``T > max_tokens``, an lse dtype the direct kernel does not read) raises
+:class:`~dcpkit.errors.InvalidArgument` naming that reason. ``policy="nccl"`` raises at
+construction, on every rank.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -48,8 +60,8 @@ from .reference import resolve_dtype
 
 __all__ = [
     "DCPComm", "select_path", "direct_call_blocker", "direct_geometry_blocker",
-    "topology_blocker", "POLICIES", "OPS", "PATH_DIRECT_UNICAST", "PATH_DIRECT_MULTICAST",
-    "PATH_NCCL", "DIRECT_LSE_DTYPES",
+    "topology_blocker", "shared_gpu_blocker", "POLICIES", "OPS", "PATH_DIRECT_UNICAST",
+    "PATH_DIRECT_MULTICAST", "PATH_NCCL", "DIRECT_LSE_DTYPES",
 ]
 
 POLICIES = ("auto", "direct", "nccl")
@@ -89,6 +101,31 @@ def topology_blocker(*, hosts: Sequence[str],
         pairs = ", ".join(f"{a}-{b}" for a, b in sorted(set(map(tuple, p2p_missing))))
         return f"no GPU peer access between ranks {pairs}"
     return None
+
+
+def shared_gpu_blocker(*, hosts: Sequence[str],
+                       bus_ids: Sequence[Optional[str]]) -> Optional[str]:
+    """Why NCCL cannot run this group: ranks of one host on one GPU (None when every rank has
+    a GPU of its own). NCCL compares the same two things (host and PCI bus id) in
+    ``ncclCommInitRank`` and refuses duplicates with ``ncclInvalidUsage``.
+
+    Parameters
+    ----------
+    hosts : sequence of str
+        Host identity of every rank (``Communicator.hosts``).
+    bus_ids : sequence of str or None
+        PCI bus id of every rank's GPU (``cudaDeviceGetPCIBusId``); None where unknown (never
+        counted as shared).
+    """
+    ranks_of: Dict[Tuple[str, str], List[int]] = {}
+    for r, (h, b) in enumerate(zip(hosts, bus_ids)):
+        if b is not None:
+            ranks_of.setdefault((h, str(b)), []).append(r)
+    shared = [(ranks, b) for (_, b), ranks in ranks_of.items() if len(ranks) > 1]
+    if not shared:
+        return None
+    detail = "; ".join(f"ranks {ranks} share GPU {b}" for ranks, b in shared)
+    return f"NCCL needs one GPU per rank: {detail}"
 
 
 def direct_geometry_blocker(op: str, *, dtype, row_bytes: int) -> Optional[str]:
@@ -169,6 +206,22 @@ def select_path(op: str, policy: str, *, direct_path: Optional[str],
         raise InvalidArgument(f"{op}: no path can serve this call: {why}NCCL is unavailable "
                               f"({nccl_blocker})")
     return PATH_NCCL
+
+
+def _err_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _failure_reason(what: str, failed: Dict[int, str], world_size: int) -> str:
+    """One line naming what failed where: the ranks' own errors (a PeerError only echoes
+    them), one message when every failing rank reported the same."""
+    own = {r: m for r, m in failed.items() if not m.startswith("PeerError:")} or failed
+    texts = set(own.values())
+    if len(texts) == 1:
+        where = ("every rank" if len(own) == world_size
+                 else f"rank(s) {sorted(own)}")
+        return f"{what} failed on {where}: {texts.pop()}"
+    return str(PeerError(what, own))
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -280,7 +333,10 @@ class DCPComm:
     direct_reason : dict
         op -> why no direct op serves it at all (None where one is available).
     nccl_reason : str or None
-        Why the NCCL ops are unavailable (None when available).
+        Why the NCCL ops are unavailable (None when available): ``"policy is 'direct'"``, or,
+        with ``policy="auto"``, why they could not be built (ranks sharing a GPU, NCCL missing
+        or failing to start on some rank); equal on every rank. Then the direct ops serve
+        every call they can, and a call that needs NCCL raises naming this reason.
 
     Collective: construction, every call, :meth:`close`.
 
@@ -290,11 +346,12 @@ class DCPComm:
         Ranks passed different policies (naming the ranks) or geometries.
     InvalidArgument, InvalidType
         A bad argument; ``policy="direct"`` where the direct ops cannot exist (multi-host, no
-        peer access, unsupported geometry).
+        peer access, unsupported geometry); ``policy="nccl"`` where ranks share a GPU.
     MissingDependency
         ``policy="nccl"`` and NCCL is not usable (names the cuda12 / cuda13 extra).
     PeerError
-        Another rank failed a setup step.
+        Another rank failed a setup step (with ``policy="nccl"``: building the NCCL group or
+        ops; the failing rank raises its own error).
     """
 
     def __init__(self, comm: Communicator, *, max_tokens: int, num_heads: int,
@@ -443,23 +500,83 @@ class DCPComm:
         if self.policy == "direct":
             self.nccl_reason = "policy is 'direct'"
         else:
-            try:
-                self.nccl_group = self._build_nccl_group()
-            except DcpkitError as e:
-                if self.policy == "nccl":
-                    raise
-                self.nccl_reason = f"{type(e).__name__}: {e}"
-            if self.nccl_group is not None:
-                for op in self.ops:
-                    self.nccl_ops[op] = self._build_nccl(op, self.nccl_group)
+            self.nccl_reason = self._build_nccl_all()
+            if self.nccl_reason is not None and self.rank == 0:
+                warnings.warn(f"DCPComm: NCCL is unavailable, the direct ops serve every call "
+                              f"they can: {self.nccl_reason}", RuntimeWarning, stacklevel=3)
         self._load_copy_kernel()
         self.comm.barrier()
+
+    def _build_nccl_all(self) -> Optional[str]:
+        """The NCCL group and ops (collective). Returns why NCCL is unavailable (None when
+        built), equal on every rank; with ``policy="nccl"`` raises instead, on every rank.
+
+        ``ncclCommInitRank`` is collective and has no deadline: a rank that failed before it
+        would leave its peers waiting inside it. So the ranks first agree on its
+        preconditions (one allgather: every rank's GPU and whether reading it failed), and
+        enter NCCL only when every rank can; then they agree on the outcome (one allgather)."""
+        # 1. preconditions, agreed before any rank calls NCCL
+        err: Optional[BaseException] = None
+        bus = None
+        try:
+            bus = self._pci_bus_id()
+        except Exception as e:  # noqa: BLE001 - agreed below
+            err = e
+        every = self.comm.allgather((None if err is None else _err_text(err), bus))
+        failed = {r: m for r, (m, _) in enumerate(every) if m is not None}
+        if failed:
+            reason = str(PeerError("reading the PCI bus id of the GPU", failed))
+        else:
+            reason = shared_gpu_blocker(hosts=self.comm.hosts, bus_ids=[b for _, b in every])
+        if reason is not None:
+            if self.policy == "nccl":
+                if err is not None:
+                    raise err
+                raise InvalidArgument(f"DCPComm: policy 'nccl' cannot be served: NCCL is "
+                                      f"unavailable ({reason})")
+            return reason
+        # 2. the group and the ops; the outcome agreed
+        err = None
+        try:
+            self.nccl_group = self._build_nccl_group()
+            for op in self.ops:
+                self.nccl_ops[op] = self._build_nccl(op, self.nccl_group)
+        except Exception as e:  # noqa: BLE001 - NcclError, torch, MissingDependency: agreed
+            err = e
+        msgs = self.comm.allgather(None if err is None else _err_text(err))
+        failed = {r: m for r, m in enumerate(msgs) if m is not None}
+        if not failed:
+            return None
+        self._close_nccl()
+        if self.policy == "nccl":
+            if err is not None:
+                raise err
+            raise PeerError("DCPComm: building the NCCL group and ops", failed)
+        return _failure_reason("building the NCCL group and ops", failed, self.world_size)
+
+    def _close_nccl(self) -> None:
+        """Close the NCCL ops and group built so far on this rank (after a failed build, which
+        every rank agreed on); errors of the close are dropped: the build error is reported."""
+        for o in [self.nccl_ops.get(op) for op in OPS] + [self.nccl_group]:
+            if o is not None:
+                try:
+                    o.close()
+                except Exception:  # noqa: BLE001 - the build error is what matters
+                    pass
+        self.nccl_ops = {op: None for op in OPS}
+        self.nccl_group = None
 
     # Hooks (a CPU test subclass replaces them with fakes).
     def _current_device(self) -> int:
         import cupy  # noqa: WPS433
 
         return int(cupy.cuda.Device().id)
+
+    def _pci_bus_id(self) -> Optional[str]:
+        """The PCI bus id of this rank's GPU (None where unknown)."""
+        import cupy  # noqa: WPS433
+
+        return str(cupy.cuda.runtime.deviceGetPCIBusId(self.device))
 
     def _probe_topology(self) -> Optional[str]:
         """Why the group is not one NVLink domain (None when it is); equal on every rank."""

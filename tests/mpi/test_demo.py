@@ -7,6 +7,11 @@ the JSON report, which every rank then reads. The demo checks its own output (re
 attention over the whole KV, q_gather and kv_gather bit for bit); these tests assert its
 verdict, the exit status on every rank, and the path that served each op: at this size
 q_gather and lse_reduce must run on the direct path (a silent NCCL fallback fails here).
+
+Where ranks share a GPU (``--allow-shared-gpu``), NCCL cannot start (one GPU per rank): the
+demo must still check and pass on the direct path, say ``NCCL path: unavailable (...)`` and skip
+the NCCL timings. Where every rank has a GPU of its own (``nccl_expected``), the NCCL path must
+be available and timed.
 """
 
 import json
@@ -51,11 +56,22 @@ def _describe(rcs, report):
     c = report.get("check", {})
     keys = ("verdict", "max_abs_error", "tolerance_abs", "nonfinite_outputs",
             "q_gather_bit_exact", "kv_gather_bit_exact", "worst", "per_rank_max_abs_error")
-    return (f"exit status per rank {rcs}; paths {report.get('paths')}; check "
-            f"{ {k: c.get(k) for k in keys} }")
+    return (f"exit status per rank {rcs}; paths {report.get('paths')}; NCCL path "
+            f"{report.get('nccl_path')}; check { {k: c.get(k) for k in keys} }")
 
 
-def test_demo_small_passes_on_the_direct_path(comm, seed, tmp_path):
+def _check_nccl_status(report, nccl_expected, why):
+    """The NCCL path is available (one GPU per rank), or unavailable because ranks share a
+    GPU, and the report says which."""
+    if nccl_expected:
+        assert report["nccl_path"] == "available", why
+        assert report["nccl_unavailable_reason"] is None, why
+    else:
+        assert report["nccl_path"].startswith("unavailable (NCCL needs one GPU per rank: "), why
+        assert report["nccl_unavailable_reason"].startswith("NCCL needs one GPU per rank"), why
+
+
+def test_demo_small_passes_on_the_direct_path(comm, seed, tmp_path, nccl_expected):
     rcs, report = _run(comm, tmp_path, seed, "--batch", "2", "--context", "256", "--iters", "5")
     ok, msg = all_ranks_ok(comm, report is not None, "reading the JSON report")
     assert ok, msg + "; " + _describe(rcs, report)
@@ -71,6 +87,7 @@ def test_demo_small_passes_on_the_direct_path(comm, seed, tmp_path):
     assert report["paths_agree"], why
     assert report["world_size"] == comm.world_size
     assert report["context_lengths"][-1] == comm.world_size - 1      # some ranks hold no KV
+    _check_nccl_status(report, nccl_expected, why)
     # the timings ran on the path they claim, eager and in a graph
     t = report["timing"]
     assert all(p.startswith("direct") for p in t["direct"]["paths"].values()), t["direct"]
@@ -78,11 +95,19 @@ def test_demo_small_passes_on_the_direct_path(comm, seed, tmp_path):
         for step in ("q_gather", "lse_reduce", "layer"):
             entry = t["direct"][mode][step]
             assert entry.get("median_us", 0) > 0, f"direct {mode} {step}: {entry}"
-    if "error" not in t["nccl"]:
+    if nccl_expected:
+        assert "error" not in t["nccl"] and "skipped" not in t["nccl"], t["nccl"]
         assert t["nccl"]["paths"] == {"q_gather": "nccl", "lse_reduce": "nccl"}, t["nccl"]
+        for mode in ("eager", "graph"):
+            for step in ("q_gather", "lse_reduce", "layer"):
+                entry = t["nccl"][mode][step]
+                assert entry.get("median_us", 0) > 0, f"nccl {mode} {step}: {entry}"
+    else:
+        assert t["nccl"] == {"skipped": f"NCCL unavailable: "
+                                        f"{report['nccl_unavailable_reason']}"}, t["nccl"]
 
 
-def test_demo_kimi_k2_float16(comm, seed, tmp_path):
+def test_demo_kimi_k2_float16(comm, seed, tmp_path, nccl_expected):
     """The other preset and dtype, odd batch and context, no timings."""
     rcs, report = _run(comm, tmp_path, seed, "--model", "kimi-k2", "--dtype", "float16",
                        "--batch", "3", "--context", "101", "--iters", "0")
@@ -94,9 +119,10 @@ def test_demo_kimi_k2_float16(comm, seed, tmp_path):
     assert (report["num_heads"], report["dtype"]) == (64, "float16"), why
     assert report["paths"]["q_gather"].startswith("direct"), why
     assert report["paths"]["lse_reduce"].startswith("direct"), why
+    _check_nccl_status(report, nccl_expected, why)
 
 
-def test_demo_torch(comm, seed, tmp_path):
+def test_demo_torch(comm, seed, tmp_path, nccl_expected):
     """``--torch``: the same layer with torch tensors, checked against
     ``scaled_dot_product_attention``."""
     missing = demo._torch_problem()
@@ -112,3 +138,4 @@ def test_demo_torch(comm, seed, tmp_path):
     assert report["check"]["verdict"] == "PASS", why
     assert report["paths"]["q_gather"].startswith("direct"), why
     assert report["paths"]["lse_reduce"].startswith("direct"), why
+    _check_nccl_status(report, nccl_expected, why)

@@ -9,6 +9,9 @@ Run (every rank runs every test in the same order)::
 
 Inputs are fresh every run (``seed`` fixture; replay with ``DCPKIT_TEST_SEED``); outputs and
 workspace buffers are poisoned (all bits set) before each call.
+
+Every test here needs NCCL: where ranks share a GPU (NCCL needs one GPU per rank) the whole
+module is skipped with that reason (the ``nccl_usable`` fixture of conftest.py).
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ cupy = pytest.importorskip("cupy")
 
 T_MAX = 16
 
+pytestmark = pytest.mark.usefixtures("nccl_usable")
+
 
 @pytest.fixture(scope="module")
-def group(comm):
-    """One NCCL communicator shared by every op of this module."""
+def group(comm, nccl_usable):
+    """One NCCL communicator shared by every op of this module (needs one GPU per rank)."""
     g = NcclGroup(comm)
     yield g
     g.close()

@@ -6,6 +6,11 @@ Run (every rank runs every test in the same order)::
 
     mpirun -np 2 python -m pytest tests/mpi/test_manager.py -p no:cacheprovider
     mpirun -np 4 python -m pytest tests/mpi/test_manager.py -p no:cacheprovider
+
+Where ranks share a GPU, NCCL cannot start (one GPU per rank): the tests of the NCCL path skip
+(``nccl_usable``), the direct parts still run, and
+``test_auto_without_nccl_is_direct_only_and_says_why`` checks that DCPComm then runs
+direct-only, names the reason and refuses calls that need NCCL on every rank.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ def dcp_auto(comm):
 
 
 @pytest.fixture(scope="module")
-def dcp_nccl(comm):
+def dcp_nccl(comm, nccl_usable):
     d = DCPComm(comm, policy="nccl", **_geometry(comm))
     yield d
     d.close()
@@ -55,13 +60,14 @@ def _path_everywhere(comm, dcp, want_prefix: str, what: str, errors) -> None:
         errors.append(f"{what}: expected path {want_prefix}* on every rank, got {paths}")
 
 
-def test_direct_within_capacity_equals_nccl(comm, seed, dcp_auto, dcp_nccl):
+def test_direct_within_capacity_equals_nccl(comm, seed, dcp_auto, nccl_expected, request):
     """T in {1, 5, T_max}: auto takes the direct path on every rank, policy='nccl' takes NCCL;
     both equal the reference and each other (bit-exact gathers, lse_reduce within
-    tolerance)."""
+    tolerance). Where ranks share a GPU (no NCCL), the direct path against the reference."""
     H = 8 * comm.world_size
     H_r = H // comm.world_size
     r = comm.rank
+    dcp_nccl = request.getfixturevalue("dcp_nccl") if nccl_expected else None
 
     def body(errors):
         if dcp_auto.direct_reason["q_gather"] is not None:
@@ -70,25 +76,28 @@ def test_direct_within_capacity_equals_nccl(comm, seed, dcp_auto, dcp_nccl):
         for k, T in enumerate((1, 5, T_MAX)):
             cq = QCase(comm, sub_seed(seed, k, 1), T=T, H_r=H_r, D=DQ, dtype=DTYPE)
             q = to_gpu(cq.q)
-            d = to_host(dcp_auto.q_gather(q))
+            got = {"direct": to_host(dcp_auto.q_gather(q))}
             _path_everywhere(comm, dcp_auto, "direct-", f"q_gather T={T} auto", errors)
-            n = to_host(dcp_nccl.q_gather(q))
-            _path_everywhere(comm, dcp_nccl, "nccl", f"q_gather T={T} nccl", errors)
-            for name, got in (("direct", d), ("nccl", n)):
-                diff = first_diff(got, cq.ref)
+            if dcp_nccl is not None:
+                got["nccl"] = to_host(dcp_nccl.q_gather(q))
+                _path_everywhere(comm, dcp_nccl, "nccl", f"q_gather T={T} nccl", errors)
+            for name, g in got.items():
+                diff = first_diff(g, cq.ref)
                 if diff:
                     errors.append(f"rank {r} q_gather T={T} {name}: {diff}")
-            if first_diff(d, n):
-                errors.append(f"rank {r} q_gather T={T}: direct != nccl: {first_diff(d, n)}")
+            if dcp_nccl is not None and first_diff(got["direct"], got["nccl"]):
+                errors.append(f"rank {r} q_gather T={T}: direct != nccl: "
+                              f"{first_diff(got['direct'], got['nccl'])}")
 
             ck = KVCase(comm, sub_seed(seed, k, 2), T=T, D=DKV, dtype=DTYPE)
             kv = to_gpu(ck.kv)
-            d = to_host(dcp_auto.kv_gather(kv))
+            got = {"direct": to_host(dcp_auto.kv_gather(kv))}
             _path_everywhere(comm, dcp_auto, "direct-", f"kv_gather T={T} auto", errors)
-            n = to_host(dcp_nccl.kv_gather(kv))
-            _path_everywhere(comm, dcp_nccl, "nccl", f"kv_gather T={T} nccl", errors)
-            for name, got in (("direct", d), ("nccl", n)):
-                diff = first_diff(got, ck.ref)
+            if dcp_nccl is not None:
+                got["nccl"] = to_host(dcp_nccl.kv_gather(kv))
+                _path_everywhere(comm, dcp_nccl, "nccl", f"kv_gather T={T} nccl", errors)
+            for name, g in got.items():
+                diff = first_diff(g, ck.ref)
                 if diff:
                     errors.append(f"rank {r} kv_gather T={T} {name}: {diff}")
 
@@ -99,18 +108,19 @@ def test_direct_within_capacity_equals_nccl(comm, seed, dcp_auto, dcp_nccl):
             od, ld = dcp_auto.lse_reduce(x, l, out_lse=out_l, **kw)
             _path_everywhere(comm, dcp_auto, "direct-", f"lse_reduce T={T} auto", errors)
             od, ld = to_host(od), to_host(ld)
-            on = to_host(dcp_nccl.lse_reduce(x, l, **kw))
-            _path_everywhere(comm, dcp_nccl, "nccl", f"lse_reduce T={T} nccl", errors)
             errors.append(cl.check_host(r, od, ld, f"T={T} direct"))
-            errors.append(cl.check_host(r, on, None, f"T={T} nccl"))
-            diff = close_enough(od.astype(np.float64), on.astype(np.float64), DTYPE)
-            if diff:
-                errors.append(f"rank {r} lse_reduce T={T}: direct vs nccl: {diff}")
+            if dcp_nccl is not None:
+                on = to_host(dcp_nccl.lse_reduce(x, l, **kw))
+                _path_everywhere(comm, dcp_nccl, "nccl", f"lse_reduce T={T} nccl", errors)
+                errors.append(cl.check_host(r, on, None, f"T={T} nccl"))
+                diff = close_enough(od.astype(np.float64), on.astype(np.float64), DTYPE)
+                if diff:
+                    errors.append(f"rank {r} lse_reduce T={T}: direct vs nccl: {diff}")
 
     run_all_ranks(comm, "DCPComm direct == NCCL", body)
 
 
-def test_past_capacity_goes_to_nccl_on_every_rank(comm, seed, dcp_auto):
+def test_past_capacity_goes_to_nccl_on_every_rank(comm, seed, nccl_usable, dcp_auto):
     H = 8 * comm.world_size
     H_r = H // comm.world_size
     r = comm.rank
@@ -139,7 +149,7 @@ def test_past_capacity_goes_to_nccl_on_every_rank(comm, seed, dcp_auto):
     run_all_ranks(comm, "DCPComm T > max_tokens", body)
 
 
-def test_nccl_lse_algorithms_equal_direct(comm, seed, dcp_auto):
+def test_nccl_lse_algorithms_equal_direct(comm, seed, nccl_usable, dcp_auto):
     """The three NCCL lse_reduce algorithms against the direct op on the same inputs (the
     all-reduce variant against the direct outputs of every rank)."""
     H = 8 * comm.world_size
@@ -172,6 +182,57 @@ def test_nccl_lse_algorithms_equal_direct(comm, seed, dcp_auto):
                         errors.append(f"rank {r} {algorithm} T={T}: direct vs nccl: {diff}")
 
     run_all_ranks(comm, "NCCL lse algorithms == direct", body)
+
+
+def test_auto_without_nccl_is_direct_only_and_says_why(comm, seed, dcp_auto, nccl_expected):
+    """One GPU per rank: policy 'auto' built its NCCL ops (nccl_reason None). Ranks sharing a
+    GPU: NCCL cannot start, so 'auto' is direct-only on every rank with the reason recorded
+    (nccl_reason, describe()); calls that need NCCL (T > max_tokens, a float64 lse) raise
+    InvalidArgument naming it on every rank, before any transfer; policy 'nccl' raises at
+    construction on every rank; the direct path still serves T <= max_tokens."""
+    H = 8 * comm.world_size
+    H_r = H // comm.world_size
+    r = comm.rank
+
+    def body(errors):
+        reasons = comm.allgather(dcp_auto.nccl_reason)
+        if nccl_expected:
+            if any(x is not None for x in reasons) or dcp_auto.nccl_group is None:
+                errors.append(f"one GPU per rank, yet NCCL is unavailable: {reasons}")
+            return
+        why = reasons[0]
+        if why is None or any(x != why for x in reasons) or \
+                not why.startswith("NCCL needs one GPU per rank: ranks "):
+            errors.append(f"ranks share a GPU: nccl_reason per rank {reasons}")
+            return
+        if any(o is not None for o in dcp_auto.nccl_ops.values()):
+            errors.append(f"NCCL ops built although NCCL is unavailable: {dcp_auto.nccl_ops}")
+        if f"nccl: unavailable: {why}" not in dcp_auto.describe():
+            errors.append(f"describe() does not name the reason:\n{dcp_auto.describe()}")
+        calls = {"q_gather T > max_tokens": lambda: dcp_auto.q_gather(
+                     to_gpu(QCase(comm, sub_seed(seed, 45), T=T_MAX + 1, H_r=H_r, D=DQ,
+                                  dtype=DTYPE).q)),
+                 "float64 lse": lambda: dcp_auto.lse_reduce(*LseCase(
+                     comm, sub_seed(seed, 46), T=3, H=H, D=DV, dtype=DTYPE,
+                     lse_dtype="float64").gpu_args()[:2])}
+        for what, call in calls.items():
+            try:
+                call()
+                errors.append(f"{what}: no error without NCCL")
+            except InvalidArgument as e:
+                if f"NCCL is unavailable ({why})" not in str(e):
+                    errors.append(f"{what}: the error does not name the reason: {e}")
+        try:
+            DCPComm(comm, policy="nccl", **_geometry(comm)).close()
+            errors.append("policy='nccl' was built although ranks share a GPU")
+        except InvalidArgument as e:
+            if f"policy 'nccl' cannot be served: NCCL is unavailable ({why})" not in str(e):
+                errors.append(f"policy='nccl': unexpected message: {e}")
+        cq = QCase(comm, sub_seed(seed, 47), T=T_MAX, H_r=H_r, D=DQ, dtype=DTYPE)
+        errors.append(cq.check(r, dcp_auto.q_gather(to_gpu(cq.q)), "T = max_tokens, no NCCL"))
+        _path_everywhere(comm, dcp_auto, "direct-", "q_gather without NCCL", errors)
+
+    run_all_ranks(comm, "DCPComm auto without NCCL", body)
 
 
 def test_policy_direct_refuses_past_capacity_on_every_rank(comm, seed):
@@ -211,7 +272,7 @@ def test_mismatched_policies_raise_config_mismatch_naming_ranks(comm):
     run_all_ranks(comm, "mismatched policies", body)
 
 
-def test_float64_lse_goes_to_nccl(comm, seed, dcp_auto):
+def test_float64_lse_goes_to_nccl(comm, seed, nccl_usable, dcp_auto):
     H = 8 * comm.world_size
 
     def body(errors):

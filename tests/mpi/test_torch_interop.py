@@ -7,6 +7,9 @@ Run (every rank runs every test in the same order; needs torch)::
 
     mpirun -np 2 python -m pytest tests/mpi/test_torch_interop.py -p no:cacheprovider
     mpirun -np 4 python -m pytest tests/mpi/test_torch_interop.py -p no:cacheprovider
+
+Where ranks share a GPU, NCCL cannot start (one GPU per rank): the NCCL parts are skipped
+(``nccl_usable`` / ``nccl_expected`` of conftest.py) and everything on the direct path runs.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import dcpkit.torch as dt  # noqa: E402  (after the skip: needs torch)
 from dcpkit.comm import Communicator  # noqa: E402
 from dcpkit.fallback import NcclKVGather  # noqa: E402
 from dcpkit.manager import DCPComm  # noqa: E402
+from dcpkit.ops import KVGather  # noqa: E402
 
 BF16 = resolve_dtype("bfloat16")
 T_MAX = 16
@@ -99,15 +103,18 @@ def test_bf16_round_trip_is_zero_copy(comm, tdev):
 
 
 # ----------------------------------------------------------------------------- ops
-def test_torch_ops_match_reference(comm, seed, dcp, tdev):
+def test_torch_ops_match_reference(comm, seed, dcp, tdev, nccl_expected):
     """q_gather, kv_gather, lse_reduce with torch bf16 tensors: the DLPack path (workspace
-    views as torch tensors) and the custom-op path (out=), against the references."""
+    views as torch tensors) and the custom-op path (out=), against the references; T up to
+    max_tokens on the direct path, and T > max_tokens on the NCCL path where ranks have a GPU
+    each (NCCL cannot start where they share one)."""
     H = 8 * comm.world_size
     H_r, r = 8, comm.rank
+    sizes = (1, 5, T_MAX) + ((T_MAX + 3,) if nccl_expected else ())   # T_MAX + 3: NCCL
 
     def body(errors):
         with dt.TorchOps(dcp) as ops:
-            for k, T in enumerate((1, 5, T_MAX, T_MAX + 3)):   # the last one: NCCL path
+            for k, T in enumerate(sizes):
                 cq = QCase(comm, sub_seed(seed, k, 1), T=T, H_r=H_r, D=DQ, dtype="bfloat16")
                 q = t_from_np(cq.q, tdev)
                 res = ops.q_gather(q)
@@ -146,8 +153,9 @@ def test_torch_ops_match_reference(comm, seed, dcp, tdev):
                 errors.append(cl.check_host(r, np_from_t(out), np_from_t(out_lse),
                                             f"T={T} custom op"))
             paths = comm.allgather(dcp.last_path)
-            if any(p != "nccl" for p in paths):
-                errors.append(f"T > max_tokens through torch: paths {paths}")
+            want = "nccl" if nccl_expected else "direct-"
+            if any(not str(p).startswith(want) for p in paths):
+                errors.append(f"T = {sizes[-1]} through torch: paths {paths}, expected {want}*")
 
     run_all_ranks(comm, "TorchOps(DCPComm) against the references", body)
 
@@ -246,9 +254,12 @@ def test_ordered_on_current_torch_stream(comm, seed, dcp, tdev):
 
 # ----------------------------------------------------------------------------- graphs
 @pytest.mark.parametrize("policy", ["auto", "nccl"])
-def test_torch_graph_with_custom_ops_100_replays(comm, seed, tdev, policy):
+def test_torch_graph_with_custom_ops_100_replays(comm, seed, tdev, policy, request):
     """q_gather + lse_reduce custom ops captured in a torch CUDA graph; 100 replays with
-    fresh inputs copied in place and poisoned outputs; every replay checked."""
+    fresh inputs copied in place and poisoned outputs; every replay checked. ``auto`` runs
+    the direct path (also where ranks share a GPU); ``nccl`` needs one GPU per rank."""
+    if policy == "nccl":
+        request.getfixturevalue("nccl_usable")      # skips where ranks share a GPU
     H_r, Dq, Dv, T = 8, 128, 128, 5
     H = H_r * comm.world_size
     r = comm.rank
@@ -300,9 +311,11 @@ def test_torch_graph_with_custom_ops_100_replays(comm, seed, tdev, policy):
 
 
 # ----------------------------------------------------------------------------- torch groups
-def test_communicator_from_torch(comm, seed, tdev):
+def test_communicator_from_torch(comm, seed, tdev, nccl_expected):
     """torch.distributed (gloo) started from the MPI job; Communicator.from_torch gives the
-    same ranks, working collectives, ConfigMismatch naming the ranks, and carries an op."""
+    same ranks, working collectives, ConfigMismatch naming the ranks, and carries a direct op
+    (its symmetric heap set up over the torch group) and, where ranks have a GPU each, an
+    NCCL op."""
     import torch.distributed as dist
 
     port = None
@@ -335,10 +348,16 @@ def test_communicator_from_torch(comm, seed, tdev):
                 if e.ranks != [1]:
                     errors.append(f"ConfigMismatch names ranks {e.ranks}, expected [1]")
             tc.barrier()
-            with NcclKVGather(tc, max_tokens=4, row_dim=64, dtype="bfloat16") as op:
-                ck = KVCase(comm, sub_seed(seed, 90), T=3, D=64, dtype="bfloat16")
-                errors.append(ck.check(comm.rank, op(cupy.asarray(ck.kv.view(np.uint16))
-                                                     .view(BF16)), "NCCL op on from_torch"))
+            ops = [("direct", KVGather)] + ([("NCCL", NcclKVGather)] if nccl_expected else [])
+            for k, (name, cls) in enumerate(ops):
+                with cls(tc, max_tokens=4, row_dim=64, dtype="bfloat16") as op:
+                    ck = KVCase(comm, sub_seed(seed, 90, k), T=3, D=64, dtype="bfloat16")
+                    res = op(cupy.asarray(ck.kv.view(np.uint16)).view(BF16))
+                    errors.append(ck.check(comm.rank, res, f"{name} op on from_torch"))
+                    want = ("nccl",) if name == "NCCL" else ("unicast", "multicast")
+                    if getattr(op, "transport", None) not in want:
+                        errors.append(f"{name} op on from_torch has transport "
+                                      f"{getattr(op, 'transport', None)!r}, expected {want}")
         finally:
             dist.destroy_process_group()
 

@@ -516,7 +516,7 @@ class FakeRunner(bench.Runner):
         self.closed += 1
 
 
-def _fake_run(tmp_path, W, behaviour, extra_args=(), delay_us=0.0):
+def _fake_run(tmp_path, W, behaviour, extra_args=(), delay_us=0.0, dev_cls=FakeDevice):
     args = ["--quick", "--max-bytes", "16K", "--tokens", "1,8", "--paths", "direct,nccl",
             "--json", str(tmp_path / "bench.json"), *extra_args]
     cfg = bench.resolve_config(bench.build_parser().parse_args(args))
@@ -530,7 +530,7 @@ def _fake_run(tmp_path, W, behaviour, extra_args=(), delay_us=0.0):
         return mk(ctx, op, path, mt)
 
     def body(comm):
-        return bench.run_bench(dict(cfg), comm, FakeDevice(comm, delay_us), args, factory=factory)
+        return bench.run_bench(dict(cfg), comm, dev_cls(comm, delay_us), args, factory=factory)
 
     out = run_group(W, body, timeout_s=60.0)
     for r, (status, val) in enumerate(out):
@@ -663,3 +663,40 @@ def test_fake_sweep_one_mode_one_path(tmp_path):
     assert all(r["speedup_vs_nccl"] is None for r in res["rows"])
     vs = [i for i in res["targets"] if i["target"].startswith("q_gather.nccl")]
     assert vs and all(i["met"] is None for i in vs)
+
+
+class SharedGpuDevice(FakeDevice):
+    """Every rank on one GPU (a functional run with more ranks than GPUs)."""
+
+    def pci_bus_id(self):
+        return "0000:19:00.0"
+
+
+class OwnGpuDevice(FakeDevice):
+    def pci_bus_id(self):
+        return f"0000:{0x19 + self.rank:02x}:00.0"
+
+
+def test_fake_sweep_ranks_sharing_a_gpu_nccl_is_na_not_a_failure(tmp_path, capsys):
+    """NCCL refuses two ranks on one GPU: the NCCL paths are n/a (recorded, not failed rows),
+    the exit status is 0 when everything that ran is correct."""
+    rcs, res = _fake_run(tmp_path, 2, {}, ["--ops", "q_gather,kv_gather"],
+                         dev_cls=SharedGpuDevice)
+    assert rcs == [0, 0]
+    assert {r["path"] for r in res["rows"]} == {"direct"}
+    assert all(r["error"] is None and r["wrong"] == 0 for r in res["rows"])
+    why = "NCCL needs one GPU per rank: ranks [0, 1] share GPU 0000:19:00.0"
+    assert res["meta"]["paths_not_available"] == {"nccl": f"n/a (NCCL unavailable: {why})"}
+    assert not res["errors"]
+    vs = [i for i in res["targets"] if ".nccl" in i["target"]]
+    assert vs and all(i["met"] is None for i in vs)
+    out = capsys.readouterr().out
+    assert f"paths not run here: nccl: n/a (NCCL unavailable: {why})" in out, out
+    assert f"# path nccl: n/a (NCCL unavailable: {why})" in out, out
+
+
+def test_fake_sweep_one_gpu_per_rank_runs_nccl(tmp_path):
+    rcs, res = _fake_run(tmp_path, 2, {}, ["--ops", "q_gather"], dev_cls=OwnGpuDevice)
+    assert rcs == [0, 0]
+    assert {r["path"] for r in res["rows"]} == {"direct", "nccl"}
+    assert "paths_not_available" not in res["meta"]

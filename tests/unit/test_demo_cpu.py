@@ -16,6 +16,7 @@ import pytest
 
 from dcpkit import demo
 from dcpkit.comm import Communicator
+from dcpkit.errors import InvalidArgument
 from dcpkit.reference import kv_gather_reference, lse_reduce_reference, resolve_dtype
 
 
@@ -464,13 +465,20 @@ def _fake_cupy():
     return cp
 
 
-def _fake_manager(bug=None):
-    """A NumPy DCPComm on the references; ``bug`` breaks one op on purpose."""
+def _fake_manager(bug=None, nccl_reason=None):
+    """A NumPy DCPComm on the references; ``bug`` breaks one op on purpose; ``nccl_reason``:
+    NCCL is unavailable (policy 'auto' is direct-only and says why, 'nccl' raises)."""
     mod = types.ModuleType("dcpkit.manager")
 
     class DCPComm:
         def __init__(self, comm, *, max_tokens, num_heads, q_head_dim, v_head_dim,
                      kv_row_dim=None, dtype, policy="auto"):
+            self.nccl_reason = nccl_reason
+            if nccl_reason is not None:
+                comm.barrier()              # the agreement a real DCPComm makes
+                if policy == "nccl":
+                    raise InvalidArgument(f"DCPComm: policy 'nccl' cannot be served: NCCL is "
+                                          f"unavailable ({nccl_reason})")
             self.comm, self.max_tokens, self.dtype = comm, max_tokens, resolve_dtype(dtype)
             self.H_r = num_heads // comm.world_size
             self.path = "nccl" if policy == "nccl" else "direct-unicast"
@@ -541,9 +549,9 @@ def _fake_manager(bug=None):
 import time  # noqa: E402
 
 
-def _simulate(monkeypatch, W, argv, bug=None):
+def _simulate(monkeypatch, W, argv, bug=None, nccl_reason=None):
     cp = _fake_cupy()
-    manager, ops = _fake_manager(bug)
+    manager, ops = _fake_manager(bug, nccl_reason)
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setitem(sys.modules, "dcpkit.manager", manager)
     monkeypatch.setitem(sys.modules, "dcpkit.ops", ops)
@@ -599,6 +607,34 @@ def test_simulated_run_passes(monkeypatch, capsys, W, argv):
     for progress in ("building inputs", "building the ops", "decode step", "reference:",
                      "check: max abs error"):
         assert progress in out, out
+
+
+def test_simulated_run_without_nccl_checks_and_times_the_direct_path(monkeypatch, capsys):
+    """NCCL unavailable (ranks sharing a GPU): the check runs on the direct path, the report
+    says why NCCL is unavailable, the NCCL timings are skipped (never built), PASS."""
+    why = "NCCL needs one GPU per rank: ranks [0, 1] share GPU 0000:19:00.0"
+    rep = _simulate(monkeypatch, 2, ["--batch", "2", "--context", "30", "--iters", "2"],
+                    nccl_reason=why)[0]
+    assert rep["check"]["verdict"] == "PASS", rep["check"]
+    assert rep["paths"] == {"q_gather": "direct-unicast", "lse_reduce": "direct-unicast",
+                            "kv_gather": "direct-unicast"}
+    assert rep["nccl_path"] == f"unavailable ({why})"
+    assert rep["nccl_unavailable_reason"] == why
+    assert rep["timing"]["nccl"] == {"skipped": f"NCCL unavailable: {why}"}
+    assert rep["timing"]["direct"]["paths"] == {"q_gather": "direct-unicast",
+                                                "lse_reduce": "direct-unicast"}
+    text = demo.format_report(rep)
+    assert f"NCCL path: unavailable ({why})" in text, text
+    assert f"nccl path not timed: NCCL unavailable: {why}" in text, text
+    assert "verdict    PASS" in text
+    out = capsys.readouterr().out
+    assert f"NCCL timings skipped: NCCL unavailable ({why})" in out, out
+    assert "timing the nccl path" not in out, out
+    json.dumps(rep)
+    # with NCCL available the report says so
+    rep = _simulate(monkeypatch, 2, ["--batch", "2", "--context", "30", "--iters", "0"])[0]
+    assert rep["nccl_path"] == "available" and rep["nccl_unavailable_reason"] is None
+    assert "NCCL path: available" in demo.format_report(rep)
 
 
 @pytest.mark.parametrize("bug,what", [("lse_reduce", "max_abs_error"),

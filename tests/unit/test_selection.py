@@ -6,16 +6,19 @@ counters and describe() are checked without a GPU."""
 from __future__ import annotations
 
 import math
+import threading
+import warnings
 
 import numpy as np
 import pytest
 
+from _threadgroup import run_group
 from dcpkit.comm import Communicator
 from dcpkit.errors import (ClosedError, ConfigMismatch, InvalidArgument, MissingDependency,
                            PeerError)
 from dcpkit.manager import (DCPComm, PATH_DIRECT_MULTICAST, PATH_DIRECT_UNICAST, PATH_NCCL,
                             POLICIES, direct_call_blocker, direct_geometry_blocker,
-                            select_path, topology_blocker)
+                            select_path, shared_gpu_blocker, topology_blocker)
 
 
 # ----------------------------------------------------------------------------- select_path
@@ -190,6 +193,9 @@ class FakeDCPComm(DCPComm):
     def _current_device(self):
         return 0
 
+    def _pci_bus_id(self):
+        return None     # unknown: never counted as shared (the echo comm would repeat it)
+
     def _probe_topology(self):
         return topology_blocker(hosts=self.comm.hosts)
 
@@ -350,13 +356,16 @@ def test_nccl_missing():
         nccl_error = missing
 
     # auto: the direct path still serves what it can; past capacity the error names the extra
-    dcp = NoNccl(fake_comm(), **GEOM)
+    with pytest.warns(RuntimeWarning, match="DCPComm: NCCL is unavailable, the direct ops "
+                                            "serve every call they can: .*MissingDependency"):
+        dcp = NoNccl(fake_comm(), **GEOM)
     assert dcp.q_gather(q_input(1))[1] == "direct"
     with pytest.raises(InvalidArgument) as ei:
         dcp.q_gather(q_input(9))
     assert "NCCL is unavailable" in str(ei.value) and "pip install 'dcpkit[cuda12]'" in \
         str(ei.value)
-    assert "nccl: unavailable: MissingDependency" in dcp.describe()
+    assert "nccl: unavailable: building the NCCL group and ops failed on every rank: " \
+        "MissingDependency" in dcp.describe()
     dcp.close()
     # nccl policy: the construction itself raises MissingDependency
     with pytest.raises(MissingDependency, match=r"dcpkit\[cuda12\]"):
@@ -433,3 +442,217 @@ def test_lse_base_two_reaches_both_ops():
     dcp = FakeDCPComm(fake_comm(), lse_base=math.e, **GEOM)
     assert "lse_base=e" in dcp.describe()
     dcp.close()
+
+
+# ----------------------------------------------------------------------------- NCCL unavailable
+# Ranks as threads with real Communicators (tests/unit/_threadgroup.py): every collective step
+# really meets the other ranks, so a rank that skipped or added one makes the test fail with
+# BrokenBarrierError instead of passing.
+def test_shared_gpu_blocker():
+    assert shared_gpu_blocker(hosts=["a"] * 4, bus_ids=["0:1", "0:2", "0:3", "0:4"]) is None
+    why = shared_gpu_blocker(hosts=["a"] * 4, bus_ids=["0:1", "0:1", "0:2", "0:2"])
+    assert why == ("NCCL needs one GPU per rank: ranks [0, 1] share GPU 0:1; ranks [2, 3] "
+                   "share GPU 0:2")
+    # the same bus id on two hosts is two GPUs; an unknown bus id is never shared
+    assert shared_gpu_blocker(hosts=["a", "b"], bus_ids=["0:1", "0:1"]) is None
+    assert shared_gpu_blocker(hosts=["a", "a"], bus_ids=[None, None]) is None
+    why = shared_gpu_blocker(hosts=["a", "b", "a"], bus_ids=["0:1", "0:1", "0:1"])
+    assert why == "NCCL needs one GPU per rank: ranks [0, 2] share GPU 0:1"
+
+
+class NcclError(RuntimeError):
+    """Stands in for cupy's NcclError (not a DcpkitError)."""
+
+
+class GroupDCPComm(FakeDCPComm):
+    """A FakeDCPComm for thread groups: a GPU per rank given by ``bus_of(rank)``; its NCCL group
+    is collective like ``ncclCommInitRank`` (an allgather; raises on every rank, own error on
+    the failing ones, PeerError on the others, like NcclGroup) and records who entered it."""
+
+    bus_of = staticmethod(lambda rank: f"0000:{rank + 0x10:02x}:00.0")
+    group_fails_on = ()         # ranks whose ncclCommInitRank fails
+    op_fails_on = ()            # ranks whose NCCL op build fails, locally (no collective)
+    entered = None              # set of ranks that entered the NCCL group build (per test)
+    lock = threading.Lock()
+
+    def _pci_bus_id(self):
+        return self.bus_of(self.rank)
+
+    def _build_nccl_group(self):
+        with self.lock:
+            self.entered.add(self.rank)
+        mine = self.rank in self.group_fails_on
+        failed = [r for r, f in enumerate(self.comm.allgather(mine)) if f]
+        if mine:
+            raise NcclError("NCCL_ERROR_INVALID_USAGE: invalid usage")
+        if failed:
+            raise PeerError("NcclGroup: ncclCommInitRank",
+                            {r: "NcclError: NCCL_ERROR_INVALID_USAGE" for r in failed})
+        return FakeOp("group", "nccl")
+
+    def _build_nccl(self, op, group):
+        if op == "lse_reduce" and self.rank in self.op_fails_on:
+            raise NcclError("NCCL_ERROR_UNHANDLED_CUDA_ERROR: out of memory")
+        return FakeOp(op, "nccl")
+
+
+def _make(cls, **kw):
+    """``comm -> cls(comm, ...)`` with 2 heads per rank."""
+    cls.entered = set()
+    return lambda comm: cls(comm, **dict(GEOM, num_heads=2 * comm.world_size, **kw))
+
+
+def _direct_only_checks(comm, dcp, reason):
+    """What every rank of a direct-only DCPComm must show (returns facts for the test)."""
+    facts = {"reason": dcp.nccl_reason, "group": dcp.nccl_group,
+             "nccl_ops": dict(dcp.nccl_ops), "describe": dcp.describe()}
+    H = 2 * comm.world_size
+    facts["small"] = dcp.q_gather(FakeArray((8, 2, 64)))[1]
+    for call in (lambda: dcp.q_gather(FakeArray((9, 2, 64))),
+                 lambda: dcp.kv_gather(FakeArray((9, 64))),
+                 lambda: dcp.lse_reduce(FakeArray((2, H, 64)),
+                                        FakeArray((2, H), np.float64))):
+        try:
+            call()
+            facts.setdefault("errors", []).append(None)
+        except InvalidArgument as e:
+            facts.setdefault("errors", []).append(str(e))
+    dcp.close()
+    return facts
+
+
+def _assert_direct_only(res, reason):
+    for rank, (kind, facts) in enumerate(res):
+        assert kind == "ok", f"rank {rank} raised {facts!r}"
+        assert facts["reason"] == reason, f"rank {rank}: {facts['reason']}"
+        assert facts["group"] is None and set(facts["nccl_ops"].values()) == {None}
+        assert f"nccl: unavailable: {reason}" in facts["describe"]
+        assert facts["small"] == "direct"
+        for msg in facts["errors"]:
+            assert msg is not None and "no path can serve this call" in msg, msg
+            assert msg.endswith(f"NCCL is unavailable ({reason})"), msg
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_sharing_a_gpu_auto_is_direct_only_and_never_enters_nccl(world):
+    class Shared(GroupDCPComm):
+        bus_of = staticmethod(lambda rank: "0000:19:00.0" if rank < 2 else "0000:2a:00.0")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = run_group(world, lambda comm: _direct_only_checks(
+            comm, _make(Shared)(comm), None))
+    _assert_direct_only(res, "NCCL needs one GPU per rank: ranks [0, 1] share GPU 0000:19:00.0")
+    assert Shared.entered == set(), "a rank entered ncclCommInitRank although ranks share a GPU"
+
+
+def test_ranks_sharing_a_gpu_policy_nccl_raises_on_every_rank():
+    class Shared(GroupDCPComm):
+        bus_of = staticmethod(lambda rank: "0000:19:00.0")
+
+    res = run_group(2, _make(Shared, policy="nccl"))
+    for rank, (kind, e) in enumerate(res):
+        assert kind == "err" and isinstance(e, InvalidArgument), (rank, e)
+        assert str(e) == ("DCPComm: policy 'nccl' cannot be served: NCCL is unavailable (NCCL "
+                          "needs one GPU per rank: ranks [0, 1] share GPU 0000:19:00.0)")
+    assert Shared.entered == set()
+
+
+def test_one_gpu_per_rank_builds_nccl():
+    """Distinct GPUs: nothing is weakened, NCCL serves what the direct ops cannot."""
+    def body(comm):
+        dcp = _make(GroupDCPComm)(comm)
+        facts = (dcp.nccl_reason, dcp.q_gather(FakeArray((9, 2, 64)))[1],
+                 dcp.q_gather(FakeArray((8, 2, 64)))[1])
+        dcp.close()
+        return facts
+
+    res = run_group(2, body)
+    assert res == [("ok", (None, "nccl", "direct"))] * 2
+    assert GroupDCPComm.entered == {0, 1}
+
+
+@pytest.mark.parametrize("fails_on", [(1,), (0, 1, 2)])
+def test_nccl_init_fails_auto_is_direct_only_on_every_rank(fails_on):
+    class Broken(GroupDCPComm):
+        group_fails_on = fails_on
+
+    where = "every rank" if len(fails_on) == 3 else f"rank(s) {list(fails_on)}"
+    reason = (f"building the NCCL group and ops failed on {where}: NcclError: "
+              f"NCCL_ERROR_INVALID_USAGE: invalid usage")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = run_group(3, lambda comm: _direct_only_checks(comm, _make(Broken)(comm), None))
+    _assert_direct_only(res, reason)
+    assert Broken.entered == {0, 1, 2}
+
+
+def test_nccl_op_build_fails_on_one_rank_only():
+    """A failure that only one rank sees (no collective inside): every rank closes what it
+    built and agrees on the reason."""
+    built = []
+
+    class Broken(GroupDCPComm):
+        op_fails_on = (2,)
+
+        def _build_nccl(self, op, group):
+            o = super()._build_nccl(op, group)
+            built.append(o)
+            return o
+
+    reason = ("building the NCCL group and ops failed on rank(s) [2]: NcclError: "
+              "NCCL_ERROR_UNHANDLED_CUDA_ERROR: out of memory")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = run_group(3, lambda comm: _direct_only_checks(comm, _make(Broken)(comm), None))
+    _assert_direct_only(res, reason)
+    assert built and all(o.closed for o in built)
+
+
+@pytest.mark.parametrize("fails_on", [(1,), (0, 1)])
+def test_nccl_init_fails_policy_nccl_raises_on_every_rank(fails_on):
+    class Broken(GroupDCPComm):
+        group_fails_on = fails_on
+
+    res = run_group(2, _make(Broken, policy="nccl"))
+    for rank, (kind, e) in enumerate(res):
+        assert kind == "err", f"rank {rank} built a DCPComm with policy 'nccl'"
+        if rank in fails_on:
+            assert isinstance(e, NcclError) and "NCCL_ERROR_INVALID_USAGE" in str(e)
+        else:
+            assert isinstance(e, PeerError) and e.failed.keys() == set(fails_on), e
+
+
+def test_nccl_op_fails_on_one_rank_policy_nccl_raises_on_every_rank():
+    class Broken(GroupDCPComm):
+        op_fails_on = (0,)
+
+    res = run_group(2, _make(Broken, policy="nccl"))
+    assert res[0][0] == "err" and isinstance(res[0][1], NcclError)
+    assert res[1][0] == "err" and isinstance(res[1][1], PeerError)
+    assert res[1][1].failed == {0: "NcclError: NCCL_ERROR_UNHANDLED_CUDA_ERROR: out of memory"}
+    assert "DCPComm: building the NCCL group and ops failed on rank(s) [0]" in str(res[1][1])
+
+
+def test_precondition_failing_on_one_rank_never_enters_nccl():
+    """Rank 1 cannot read its GPU: no rank enters the (collective) NCCL init, so none is left
+    waiting inside it; auto goes direct-only, policy 'nccl' raises on every rank."""
+    class NoBus(GroupDCPComm):
+        def _pci_bus_id(self):
+            if self.rank == 1:
+                raise RuntimeError("cudaErrorNoDevice")
+            return super()._pci_bus_id()
+
+    reason = ("reading the PCI bus id of the GPU failed on rank(s) [1]: rank 1: RuntimeError: "
+              "cudaErrorNoDevice")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = run_group(3, lambda comm: _direct_only_checks(comm, _make(NoBus)(comm), None))
+    _assert_direct_only(res, reason)
+    assert NoBus.entered == set()
+    res = run_group(3, _make(NoBus, policy="nccl"))
+    assert res[1][0] == "err" and isinstance(res[1][1], RuntimeError)
+    for rank in (0, 2):
+        kind, e = res[rank]
+        assert kind == "err" and isinstance(e, InvalidArgument) and reason in str(e), e
+    assert NoBus.entered == set()
