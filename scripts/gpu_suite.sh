@@ -16,6 +16,8 @@
 #                         the number of GPUs are dropped: no oversubscribed runs)
 #   DCPKIT_SUITE_SHARED_GPU  1: also run world sizes above the number of GPUs, ranks sharing
 #                         GPUs (functional checks only: their kernels time-slice the GPU)
+#   DCPKIT_SUITE_DEMO_NP, DCPKIT_SUITE_BENCH_NP  world sizes of the demo / bench stages
+#                         (default: those of DCPKIT_SUITE_NP)
 #   DCPKIT_SUITE_MPS      1: with shared GPUs, run an MPS daemon of this machine's own (see below)
 #   DCPKIT_SUITE_BUDGET_S seconds the whole script may take           (default 570: one 600 s call)
 #   DCPKIT_BENCH_ARGS     extra arguments of `dcpkit bench`, e.g. "--quick"
@@ -280,7 +282,7 @@ fi
 
 if [[ $STAGES == *,demo,* ]]; then
     if [ -f "$ROOT/dcpkit/demo.py" ]; then
-        for n in $NPS; do
+        for n in ${DCPKIT_SUITE_DEMO_NP:-$NPS}; do
             mpicmd "$n" "demo_$n"
             run_stage demo "$n" 180 "$LOGS/demo_$n.log" \
                 "${MPICMD[@]}" "$PY" -m dcpkit demo --json "$WORK/demo_$n.json" ${DEMO_SHARED[@]+"${DEMO_SHARED[@]}"}
@@ -291,7 +293,7 @@ if [[ $STAGES == *,demo,* ]]; then
 fi
 
 if [[ $STAGES == *,bench,* ]]; then
-    for n in $NPS; do
+    for n in ${DCPKIT_SUITE_BENCH_NP:-$NPS}; do
         mpicmd "$n" "bench_$n"
         # shellcheck disable=SC2086
         run_stage bench "$n" 400 "$LOGS/bench_$n.log" \
