@@ -128,6 +128,7 @@ fi
 NPS=""
 SHARED="${DCPKIT_SUITE_SHARED_GPU:-0}"
 DEMO_SHARED=()
+[ "$SHARED" = 1 ] && export DCPKIT_ALLOW_SHARED_GPU=1
 for n in ${DCPKIT_SUITE_NP:-2 4}; do
     if [ "$n" -le "$NGPU" ]; then NPS="$NPS $n"
     elif [ "$SHARED" = 1 ] && [ "$NGPU" -ge 1 ]; then
@@ -158,6 +159,7 @@ say "environment: $NGPU GPU(s), world sizes:${NPS:- none}, commit ${DCPKIT_COMMI
 for v in $GUARD_VARS; do say "  $v: ${GUARD0[$v]}"; done
 
 MPI_FLAGS=(-x PYTHONPATH -x DCPKIT_COMMIT -x DCPKIT_MACHINE_KIND)
+[ "$SHARED" = 1 ] && MPI_FLAGS+=(-x DCPKIT_ALLOW_SHARED_GPU)
 if mpirun --version 2>&1 | grep -qi "open mpi"; then
     MPI_OPENMPI=1
     [ "$(id -u)" = 0 ] && MPI_FLAGS+=(--allow-run-as-root)

@@ -67,7 +67,8 @@ class GatherWorkspace(OpWorkspace):
     vectors_per_cta : int
         16-byte vectors of one rank's block that one CTA handles per call before the grid grows
         (tuning knob: small values spread decode-size calls over more SMs). The grid never
-        exceeds ``sm_count`` CTAs: CTAs that wait must be co-resident.
+        exceeds ``max_ctas`` (the SM count, divided among ranks sharing a GPU): CTAs that
+        wait must be co-resident.
     """
 
     launches_per_call = 1
@@ -143,7 +144,7 @@ class GatherWorkspace(OpWorkspace):
         return ptr, ptr
 
     def _grid(self, vectors: int) -> int:
-        return launch_config(vectors, max(1, int(self.vectors_per_cta)), self.sm_count)
+        return launch_config(vectors, max(1, int(self.vectors_per_cta)), self.max_ctas)
 
     def _launch(self, kernel, grid: int, args: Tuple, stream) -> None:
         import cupy  # noqa: WPS433

@@ -150,6 +150,14 @@ class OpWorkspace:
             self._graph_out = cupy.empty(max(self._out_bytes, 1) * U, dtype=cupy.uint8)
             self._eager_out: List[Optional[object]] = [None] * U
             self.sm_count = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
+            bus = cupy.cuda.runtime.deviceGetPCIBusId(self.device)
+        # Ranks of this group on this very GPU (more than one only in functional runs where
+        # ranks share a GPU, e.g. under MPS). Every CTA of a dcpkit kernel that waits must be
+        # co-resident with the CTAs it waits for, the other ranks' included when they share
+        # the SMs: each rank takes at most its share of the SMs.
+        every = comm.allgather((comm.host, bus))
+        self.ranks_on_gpu = sum(1 for hb in every if hb == (comm.host, bus))
+        self.max_ctas = max(1, self.sm_count // self.ranks_on_gpu)
         self._calls = [0] * U          # host shadow of the epoch, exact until a capture
         self._captured = [False] * U   # whether a call of this ubatch was ever captured
         self._timeout_ns = np.uint64(int(self.timeout_ms * 1e6))

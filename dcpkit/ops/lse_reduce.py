@@ -322,7 +322,7 @@ class LseReduce(OpWorkspace):
         ]
         # H, H_r, D_v (every call).
         self._tail_args = (np.int32(self.num_heads), np.int32(H_r), np.int32(self.head_dim))
-        self._grids = [(launch_config(W * T * H_r, WARPS_PER_CTA, self.sm_count),)
+        self._grids = [(launch_config(W * T * H_r, WARPS_PER_CTA, self.max_ctas),)
                        for T in range(self.max_tokens + 1)]
         self._int32 = [np.int32(T) for T in range(self.max_tokens + 1)]
 

@@ -26,6 +26,9 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "two_jobs_check.py"
 LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_")
+# Settings of the MPI installation (e.g. OMPI_MCA_plm_rsh_agent on machines without ssh) are
+# not state of an enclosing job: they are kept.
+KEEP_PREFIXES = ("OMPI_MCA_", "OMPI_ALLOW_RUN_AS_ROOT")
 WAIT_S = 400
 
 
@@ -60,7 +63,8 @@ def _mpirun():
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(LAUNCHER_PREFIXES) or k.startswith(KEEP_PREFIXES)}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [
         p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     return env

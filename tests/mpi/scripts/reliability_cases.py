@@ -263,6 +263,9 @@ def write_line(path, text: str) -> None:
 
 # ----------------------------------------------------------------------------- launching jobs
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_", "MPI_LOCAL")
+# Settings of the MPI installation (e.g. OMPI_MCA_plm_rsh_agent on machines without ssh) are
+# not state of an enclosing job: they are kept.
+_KEEP_PREFIXES = ("OMPI_MCA_", "OMPI_ALLOW_RUN_AS_ROOT")
 
 
 def find_mpirun() -> Optional[str]:
@@ -317,7 +320,8 @@ def job_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """This process's environment for a child job: unchanged, except that the variables of an
     enclosing MPI launcher are dropped (so the child mpirun starts a fresh job) and the dcpkit
     this process imports is put first on PYTHONPATH. The multicast kill switches stay set."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_LAUNCHER_PREFIXES) or k.startswith(_KEEP_PREFIXES)}
     import dcpkit as _d
 
     root = str(Path(_d.__file__).resolve().parent.parent)
