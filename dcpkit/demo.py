@@ -380,6 +380,20 @@ def _pci_bus_id(device: int) -> str:
     return str(cupy.cuda.runtime.deviceGetPCIBusId(device))
 
 
+def _distinct_gpus(comm) -> int:
+    """How many GPUs the ranks use (collective); world_size when a GPU cannot be identified."""
+    try:
+        import cupy  # noqa: WPS433
+
+        bus = _pci_bus_id(cupy.cuda.runtime.getDevice())
+    except Exception:  # noqa: BLE001 - only used for the report
+        bus = None
+    every = comm.allgather((comm.host, bus))
+    if any(b is None for _, b in every):
+        return comm.world_size
+    return len(set(every))
+
+
 def _environment_problem(comm, args, model: Model) -> Optional[str]:
     """Why the demo cannot run on this rank, or ``None``. Collective (one allgather), so
     that every rank counts the GPUs its host's ranks would use: rank ``r`` takes visible GPU
@@ -1097,6 +1111,7 @@ def run(args: argparse.Namespace, comm, say: "_Say") -> Dict[str, Any]:
         "context_lengths": [int(x) for x in lengths], "kv_rows_per_rank": T_local,
         "layout": "token i on rank i mod world_size", "seed": args.seed, "world_size": W,
         "gpus": comm.allgather(_gpu_name()), "tensors": side.name,
+        "distinct_gpus": _distinct_gpus(comm),
     }
 
     def upload():
@@ -1215,8 +1230,11 @@ def format_report(report: Dict[str, Any]) -> str:
     lengths = report["context_lengths"]
     W = report["world_size"]
     gpus = report["gpus"]
-    gpu_text = (f"{W} x {gpus[0]}" if all(g == gpus[0] for g in gpus)
+    n_gpus = report.get("distinct_gpus", W)
+    gpu_text = (f"{n_gpus} x {gpus[0]}" if all(g == gpus[0] for g in gpus)
                 else ", ".join(gpus))
+    if n_gpus < W:
+        gpu_text += " (ranks share GPUs: a functional run, timings mean nothing)"
     paths = report["paths"]
     u_exp = -int(round(math.log2(unit_roundoff(report["dtype"]))))
     tensors = " (torch tensors)" if report.get("tensors") == "torch" else ""

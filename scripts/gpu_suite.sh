@@ -18,6 +18,9 @@
 #                         GPUs (functional checks only: their kernels time-slice the GPU)
 #   DCPKIT_SUITE_DEMO_NP, DCPKIT_SUITE_BENCH_NP  world sizes of the demo / bench stages
 #                         (default: those of DCPKIT_SUITE_NP)
+#   stages "overhead" (scripts/host_overhead.py, N = DCPKIT_SUITE_OVERHEAD_NP, default 2) and
+#   "soak" (scripts/soak.py, N = DCPKIT_SUITE_SOAK_NP, default 4, DCPKIT_SUITE_SOAK_CALLS calls)
+#   run only when named in DCPKIT_SUITE_STAGES
 #   DCPKIT_SUITE_MPS      1: with shared GPUs, run an MPS daemon of this machine's own (see below)
 #   DCPKIT_SUITE_BUDGET_S seconds the whole script may take           (default 570: one 600 s call)
 #   DCPKIT_BENCH_ARGS     extra arguments of `dcpkit bench`, e.g. "--quick"
@@ -83,7 +86,7 @@ finish() {
         cat "$LOGS/env.txt" 2>/dev/null
     } >"$SUMMARY"
     cp "$SUMMARY" "$OUT/summary.txt"
-    for f in "$WORK"/bench_*.json "$WORK"/bench_*.png "$WORK"/demo_*.json; do
+    for f in "$WORK"/bench_*.json "$WORK"/bench_*.png "$WORK"/demo_*.json "$WORK"/soak_*.json; do
         [ -f "$f" ] && cp "$f" "$OUT/"
     done
     cp "$WORK"/demo_*.json "$LOGS/" 2>/dev/null
@@ -280,6 +283,25 @@ if [[ $STAGES == *,tests,* || $STAGES == *,gputests,* ]]; then
             "$PY" -m pytest tests/gpu -p no:cacheprovider -q -rfEs --timeout=300 \
             ${DCPKIT_PYTEST_ARGS:-}
     fi
+fi
+
+if [[ $STAGES == *,overhead,* ]]; then
+    for n in ${DCPKIT_SUITE_OVERHEAD_NP:-2}; do
+        mpicmd "$n" "overhead_$n"
+        run_stage overhead "$n" 120 "$LOGS/overhead_$n.log" \
+            "${MPICMD[@]}" "$PY" scripts/host_overhead.py --json "$LOGS/overhead_$n.json"
+        grep -E "us/call" "$LOGS/overhead_$n.log" | head -5
+    done
+fi
+
+if [[ $STAGES == *,soak,* ]]; then
+    for n in ${DCPKIT_SUITE_SOAK_NP:-4}; do
+        mpicmd "$n" "soak_$n"
+        run_stage soak "$n" "${DCPKIT_SUITE_SOAK_CAP_S:-240}" "$LOGS/soak_$n.log" \
+            "${MPICMD[@]}" "$PY" scripts/soak.py --calls "${DCPKIT_SUITE_SOAK_CALLS:-100000}" \
+            --json "$WORK/soak_$n.json"
+        tail -n 6 "$LOGS/soak_$n.log" | cut -c1-200
+    done
 fi
 
 if [[ $STAGES == *,demo,* ]]; then

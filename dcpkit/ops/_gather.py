@@ -147,19 +147,44 @@ class GatherWorkspace(OpWorkspace):
         return launch_config(vectors, max(1, int(self.vectors_per_cta)), self.max_ctas)
 
     def _launch(self, kernel, grid: int, args: Tuple, stream) -> None:
+        """Launch on ``stream`` straight through the driver function (no device or stream
+        context switch on the hot path; one only when another device is current)."""
         import cupy  # noqa: WPS433
 
-        with cupy.cuda.Device(self.device), stream:
-            kernel((grid,), (THREADS,), args)
+        fn = self._fn_cache.get(id(kernel)) if hasattr(self, "_fn_cache") else None
+        if fn is None:
+            with cupy.cuda.Device(self.device):
+                fn = kernel.kernel  # cupy.cuda.function.Function of this device
+            if not hasattr(self, "_fn_cache"):
+                self._fn_cache = {}
+            self._fn_cache[id(kernel)] = fn
+        if cupy.cuda.runtime.getDevice() == self.device:
+            fn((grid,), (THREADS,), args, shared_mem=0, stream=stream)
+        else:
+            with cupy.cuda.Device(self.device):
+                fn((grid,), (THREADS,), args, shared_mem=0, stream=stream)
 
     def _view(self, ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...]):
         """A CuPy array over workspace memory at ``ptr`` (no copy). It keeps the workspace object
-        alive, but not its memory: a view is invalid after :meth:`close`."""
+        alive, but not its memory: a view is invalid after :meth:`close`.
+
+        Views are memoised per (address, shape, strides): the result of call ``n + 3`` of a
+        ubatch may be the same Python object as that of call ``n`` (the same memory, by the
+        lifetime rule), which keeps object creation off the hot path."""
         import cupy  # noqa: WPS433
 
+        key = (ptr, shape, strides)
+        cache = self.__dict__.setdefault("_view_cache", {})
+        v = cache.get(key)
+        if v is not None:
+            return v
         nbytes = 0
         if all(s > 0 for s in shape):
             nbytes = sum((n - 1) * st for n, st in zip(shape, strides)) + self.dtype.itemsize
         mem = cupy.cuda.UnownedMemory(int(ptr), int(nbytes), self, int(self.device))
-        return cupy.ndarray(shape, dtype=self.dtype, memptr=cupy.cuda.MemoryPointer(mem, 0),
-                            strides=strides)
+        v = cupy.ndarray(shape, dtype=self.dtype, memptr=cupy.cuda.MemoryPointer(mem, 0),
+                         strides=strides)
+        if len(cache) > 4096:
+            cache.clear()
+        cache[key] = v
+        return v

@@ -319,6 +319,7 @@ class OpWorkspace:
         import cupy  # noqa: WPS433
 
         self._closed = True
+        self.__dict__.pop("_view_cache", None)  # views over memory about to be freed
         with cupy.cuda.Device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
             if self._owns_heap:

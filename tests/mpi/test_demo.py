@@ -71,7 +71,25 @@ def _check_nccl_status(report, nccl_expected, why):
         assert report["nccl_unavailable_reason"].startswith("NCCL needs one GPU per rank"), why
 
 
+def _skip_unless_heads_split(comm, heads=(128, 64)):
+    """The demo's presets have 128 (DeepSeek-V3) and 64 (Kimi-K2) heads; other world sizes are
+    refused by the demo itself (tested by test_demo_refuses_a_world_size_that_does_not_split)."""
+    if any(h % comm.world_size for h in heads):
+        pytest.skip(f"the demo presets' heads {heads} do not split over world_size "
+                    f"{comm.world_size}")
+
+
+def test_demo_refuses_a_world_size_that_does_not_split(comm, seed, tmp_path):
+    """World sizes that do not divide the heads (e.g. 3): exit 2 on every rank, no hang."""
+    if 128 % comm.world_size == 0:
+        pytest.skip(f"world_size {comm.world_size} splits 128 heads")
+    rcs, report = _run(comm, tmp_path, seed, "--batch", "2", "--context", "64", "--iters", "0")
+    assert rcs == [2] * comm.world_size, _describe(rcs, report)
+    assert report is None, report
+
+
 def test_demo_small_passes_on_the_direct_path(comm, seed, tmp_path, nccl_expected):
+    _skip_unless_heads_split(comm, (128,))
     rcs, report = _run(comm, tmp_path, seed, "--batch", "2", "--context", "256", "--iters", "5")
     ok, msg = all_ranks_ok(comm, report is not None, "reading the JSON report")
     assert ok, msg + "; " + _describe(rcs, report)
@@ -109,6 +127,7 @@ def test_demo_small_passes_on_the_direct_path(comm, seed, tmp_path, nccl_expecte
 
 def test_demo_kimi_k2_float16(comm, seed, tmp_path, nccl_expected):
     """The other preset and dtype, odd batch and context, no timings."""
+    _skip_unless_heads_split(comm, (64,))
     rcs, report = _run(comm, tmp_path, seed, "--model", "kimi-k2", "--dtype", "float16",
                        "--batch", "3", "--context", "101", "--iters", "0")
     ok, msg = all_ranks_ok(comm, report is not None, "reading the JSON report")
@@ -125,6 +144,7 @@ def test_demo_kimi_k2_float16(comm, seed, tmp_path, nccl_expected):
 def test_demo_torch(comm, seed, tmp_path, nccl_expected):
     """``--torch``: the same layer with torch tensors, checked against
     ``scaled_dot_product_attention``."""
+    _skip_unless_heads_split(comm, (128,))
     missing = demo._torch_problem()
     if all(p is not None for p in comm.allgather(missing)):
         pytest.skip(missing)
