@@ -95,6 +95,10 @@ def _device_of_pointer(ptr: int) -> int:
 
 def check_dtype(info: ArrayInfo, allowed: Iterable, op: str, name: str) -> None:
     """Raise :class:`InvalidType` unless ``info.dtype`` is one of ``allowed``."""
+    dt = info.dtype
+    for a in allowed:  # fast path of the hot loop: the workspace's own dtype object
+        if dt is a:
+            return
     allowed = [np.dtype(a) for a in allowed]
     if info.dtype not in allowed:
         names = ", ".join(dtype_name(a) for a in allowed)

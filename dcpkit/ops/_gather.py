@@ -143,6 +143,19 @@ class GatherWorkspace(OpWorkspace):
         ptr = self.output_ptr(ubatch, capturing)
         return ptr, ptr
 
+    def _head_args(self, ubatch: int) -> Tuple:
+        """Protocol parameters + (peer_data, data_slot_bytes, mc_data) of ``ubatch``: constant
+        for the workspace's life, built once (pointers as Python ints: CuPy passes them as
+        8-byte integers)."""
+        cache = self.__dict__.setdefault("_head_args_cache", {})
+        args = cache.get(ubatch)
+        if args is None:
+            args = self.proto_args(ubatch) + (int(self.peer_data_ptr(ubatch)),
+                                              int(self.data_slot_bytes),
+                                              int(self.mc_data_ptr(ubatch)))
+            cache[ubatch] = args
+        return args
+
     def _grid(self, vectors: int) -> int:
         return launch_config(vectors, max(1, int(self.vectors_per_cta)), self.max_ctas)
 

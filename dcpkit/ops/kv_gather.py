@@ -203,18 +203,21 @@ class KVGather(GatherWorkspace):
                 return out
             return self._result_view(self.data_slot_ptr(ubatch, 0), 0)
         stream = self.get_stream(stream)
-        kout, result = self._destination(ubatch, stream, (T, str(self.dtype), ubatch),
+        kout, result = self._destination(ubatch, stream,
+                                         (T, str(self.dtype), ubatch) if self._debug else (),
                                          oi.ptr if oi is not None else 0)
         W = self.world_size
         block_vecs = T * self.row_bytes // 16
-        common = (self.peer_data_ptr(ubatch), np.uint64(self.data_slot_bytes))
-        tail = (np.uint64(ki.ptr), np.uint32(block_vecs), np.uint64(kout))
+        # 8-byte parameters as Python ints (CuPy passes them as 8-byte integers), 4-byte ones
+        # as NumPy scalars.
+        head = self._head_args(ubatch)  # protocol, peer_data, data_slot_bytes, mc_data
+        tail = (ki.ptr, np.uint32(block_vecs), int(kout))
         if self.algorithm == "pull":
             grid = self._grid(W * block_vecs)
-            args = self.proto_args(ubatch) + common + tail
+            args = head[:-1] + tail  # the pull kernel takes no multicast address
         else:
             grid = self._grid(block_vecs * (W if kout else 1))
-            args = self.proto_args(ubatch) + common + (self.mc_data_ptr(ubatch),) + tail
+            args = head + tail
         self._launch(self._kernel, grid, args, stream)
         if out is not None:
             return out

@@ -210,7 +210,8 @@ class QGather(GatherWorkspace):
                 return out
             return self._result_view(self.data_slot_ptr(ubatch, 0), 0, return_padded)
         stream = self.get_stream(stream)
-        kout, result = self._destination(ubatch, stream, (T, str(self.dtype), ubatch),
+        kout, result = self._destination(ubatch, stream,
+                                         (T, str(self.dtype), ubatch) if self._debug else (),
                                          oi.ptr if oi is not None else 0)
         W = self.world_size
         full_row = self.num_heads * self.head_dim * self.dtype.itemsize
@@ -221,11 +222,11 @@ class QGather(GatherWorkspace):
             out_stride = self.slot_token_bytes
         row_vecs = self.row_bytes // 16
         grid = self._grid(T * row_vecs * (W if kout else 1))
-        args = self.proto_args(ubatch) + (
-            self.peer_data_ptr(ubatch), np.uint64(self.data_slot_bytes), self.mc_data_ptr(ubatch),
-            np.uint64(qi.ptr), np.int64(q_stride), np.uint32(row_vecs),
-            np.int64(self.slot_token_bytes), np.uint32(T), np.uint64(kout),
-            np.int64(out_stride),
+        # 8-byte parameters as Python ints (CuPy passes them as 8-byte integers), 4-byte ones
+        # as NumPy scalars.
+        args = self._head_args(ubatch) + (
+            qi.ptr, int(q_stride), np.uint32(row_vecs), int(self.slot_token_bytes),
+            np.uint32(T), int(kout), int(out_stride),
         )
         self._launch(self._kernel, grid, args, stream)
         if out is not None:
