@@ -8,6 +8,10 @@ op's symmetric region, per ubatch ``u`` (every part 256-byte aligned)::
     slot 0   slot_bytes                 data of even epochs
     slot 1   slot_bytes                 data of odd epochs
 
+(The gathers carve three data slots, chosen by ``epoch % 3``, out of these two: their results
+are read after the kernel retired, see NOTE [dcpkit gather slots] in ``kernels/gather.cuh``.
+Signals always keep two slots, ``epoch & 1``.)
+
 Local (non-symmetric) device state per workspace: ``epoch u64 [U]``, ``arrive u32 [U]`` (CTA
 arrival counters, zero between calls), ``abort u32 [1]``; a 32-byte timeout record in mapped
 pinned host memory.
