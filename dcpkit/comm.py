@@ -236,6 +236,31 @@ class Communicator:
             raise ConfigMismatch(what, values)
         return values
 
+    def agree_setup(self, what: str, init: Callable[[], Any], geometry: str = "geometry") -> Any:
+        """One exchange that checks a collective constructor's arguments on every rank.
+
+        Every rank runs ``init()``, which validates its local arguments (raising a
+        :class:`DcpkitError`) and returns a value that must be equal on every rank (the
+        geometry). Then, in one allgather: a rank whose ``init()`` raised re-raises its own
+        error, every other rank raises :class:`PeerError` naming it; values that differ raise
+        :class:`ConfigMismatch` on every rank naming the ranks. Returns the value.
+        """
+        err: Optional[DcpkitError] = None
+        value = None
+        try:
+            value = init()
+        except DcpkitError as e:
+            err = e
+        every = self.allgather((None if err is None else f"{type(err).__name__}: {err}", value))
+        if err is not None:
+            raise err
+        failed = {r: m for r, (m, _) in enumerate(every) if m is not None}
+        if failed:
+            raise PeerError(f"{what}: constructor arguments", failed)
+        if any(v != value for _, v in every):
+            raise ConfigMismatch(f"{what}: {geometry}", [v for _, v in every])
+        return value
+
     def all_ok(self, what: str, error: Optional[BaseException]) -> None:
         """One step of a collective transaction: share whether this rank's step failed.
 

@@ -64,8 +64,8 @@ from . import jit
 from ._arrays import ArrayInfo, array_info, check_device, check_dtype, check_shape, dtype_name
 from ._cuda import cuda_extra
 from .comm import Communicator
-from .errors import (ClosedError, ConfigMismatch, CudaError, DcpkitError, InvalidArgument,
-                     InvalidType, MissingDependency, PeerError)
+from .errors import (ClosedError, CudaError, InvalidArgument, InvalidType, MissingDependency,
+                     PeerError)
 from .ops._workspace import check_positive_int, debug_enabled, default_timeout_ms
 from .reference import resolve_dtype
 
@@ -427,22 +427,7 @@ class _NcclOp:
         if not isinstance(comm, Communicator):
             raise InvalidType(f"{self.op_name}: comm must be a dcpkit.Communicator "
                               f"(got {type(comm).__name__})")
-        err: Optional[DcpkitError] = None
-        geometry = None
-        try:
-            geometry = init()
-        except DcpkitError as e:
-            err = e
-        every = comm.allgather((None if err is None else f"{type(err).__name__}: {err}",
-                                geometry))
-        if err is not None:
-            raise err
-        failed = {r: m for r, (m, _) in enumerate(every) if m is not None}
-        if failed:
-            raise PeerError(f"{self.op_name} (nccl): constructor arguments", failed)
-        if any(g != geometry for _, g in every):
-            raise ConfigMismatch(f"{self.op_name} (nccl): geometry ({what})",
-                                 [g for _, g in every])
+        comm.agree_setup(f"{self.op_name} (nccl)", init, f"geometry ({what})")
 
     def _check_common(self, comm: Communicator, max_tokens, num_ubatches, timeout_ms) -> None:
         op = self.op_name

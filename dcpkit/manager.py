@@ -384,26 +384,13 @@ class DCPComm:
             raise ConfigMismatch("DCPComm: policy", policies)
         self.policy = policy
         # 2. the geometry
-        err = None
-        geometry = None
-        try:
-            geometry = self._init_geometry(max_tokens, num_heads, q_head_dim, v_head_dim,
-                                           kv_row_dim, dtype, num_ubatches, lse_base,
-                                           nccl_lse_algorithm, nccl_max_tokens, return_lse)
-        except DcpkitError as e:
-            err = e
-        every = comm.allgather((None if err is None else f"{type(err).__name__}: {err}",
-                                geometry))
-        if err is not None:
-            raise err
-        failed = {r: m for r, (m, _) in enumerate(every) if m is not None}
-        if failed:
-            raise PeerError("DCPComm: constructor arguments", failed)
-        if any(g != geometry for _, g in every):
-            raise ConfigMismatch("DCPComm: geometry (max_tokens, num_heads, q_head_dim, "
-                                 "v_head_dim, kv_row_dim, dtype, num_ubatches, lse_base, "
-                                 "nccl_lse_algorithm, nccl_max_tokens, return_lse)",
-                                 [g for _, g in every])
+        comm.agree_setup(
+            "DCPComm",
+            lambda: self._init_geometry(max_tokens, num_heads, q_head_dim, v_head_dim,
+                                        kv_row_dim, dtype, num_ubatches, lse_base,
+                                        nccl_lse_algorithm, nccl_max_tokens, return_lse),
+            "geometry (max_tokens, num_heads, q_head_dim, v_head_dim, kv_row_dim, dtype, "
+            "num_ubatches, lse_base, nccl_lse_algorithm, nccl_max_tokens, return_lse)")
         self.timeout_ms = timeout_ms
         self.last_path: Optional[str] = None
         self.counters: Dict[str, Dict[str, int]] = {

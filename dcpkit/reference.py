@@ -10,7 +10,7 @@ checked with a tolerance stated by the caller (:func:`lse_reduce_tolerance`).
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 

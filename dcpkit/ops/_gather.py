@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from ..errors import ConfigMismatch, DcpkitError, InvalidType, PeerError
+from ..errors import InvalidType
 from ._workspace import OpWorkspace, _round_up, launch_config
 
 __all__ = ["GatherWorkspace", "DATA_SLOTS", "THREADS", "resolve_gather_dtype"]
@@ -75,25 +75,9 @@ class GatherWorkspace(OpWorkspace):
     vectors_per_cta = 512
 
     def _agree_arguments(self, comm, init, what: str) -> None:
-        """Run ``init()`` (checks the constructor arguments, records the geometry and returns
-        it) and agree with every rank in one exchange: a rank whose arguments were rejected
-        raises its own error, the others raise :class:`PeerError` naming it; geometries that
-        differ raise :class:`ConfigMismatch` on every rank."""
-        err: Optional[DcpkitError] = None
-        geometry = None
-        try:
-            geometry = init()
-        except DcpkitError as e:
-            err = e
-        every = comm.allgather((None if err is None else f"{type(err).__name__}: {err}",
-                                geometry))
-        if err is not None:
-            raise err
-        failed = {r: m for r, (m, _) in enumerate(every) if m is not None}
-        if failed:
-            raise PeerError(f"{self.op_name}: constructor arguments", failed)
-        if any(g != geometry for _, g in every):
-            raise ConfigMismatch(f"{self.op_name}: geometry ({what})", [g for _, g in every])
+        """Check the constructor arguments on every rank and agree on the geometry in one
+        exchange (:meth:`Communicator.agree_setup`)."""
+        comm.agree_setup(self.op_name, init, f"geometry ({what})")
 
     def _setup_gather(self, comm, *, data_slot_bytes: int, out_bytes: int, num_ubatches: int,
                       timeout_ms, heap, multicast) -> None:

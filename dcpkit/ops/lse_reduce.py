@@ -38,7 +38,7 @@ from .. import jit
 from .._arrays import ArrayInfo, array_info, check_device, check_dtype, check_ndim, check_shape
 from .._arrays import dtype_name
 from ..comm import Communicator
-from ..errors import ConfigMismatch, DcpkitError, InvalidArgument, InvalidType, PeerError
+from ..errors import InvalidArgument, InvalidType
 from ..reference import resolve_dtype
 from ._workspace import OpWorkspace, _round_up, check_positive_int, launch_config
 
@@ -215,26 +215,16 @@ class LseReduce(OpWorkspace):
         if not isinstance(comm, Communicator):
             raise InvalidType(f"{op}: comm must be a dcpkit.Communicator "
                               f"(got {type(comm).__name__})")
-        err = None
-        try:
+        def init():
             self._init_geometry(comm.world_size, max_tokens=max_tokens, num_heads=num_heads,
                                 head_dim=head_dim, dtype=dtype, lse_base=lse_base,
                                 return_lse=return_lse)
-            geometry = (self.max_tokens, self.num_heads, self.head_dim, str(self.dtype),
-                        self.lse_base, self.return_lse)
-        except DcpkitError as e:
-            err, geometry = e, None
+            return (self.max_tokens, self.num_heads, self.head_dim, str(self.dtype),
+                    self.lse_base, self.return_lse)
+
         # One exchange: which ranks rejected their arguments, and whether the geometries agree.
-        every = comm.allgather((None if err is None else f"{type(err).__name__}: {err}",
-                                geometry))
-        if err is not None:
-            raise err
-        failed = {r: m for r, (m, _) in enumerate(every) if m is not None}
-        if failed:
-            raise PeerError(f"{op}: constructor arguments", failed)
-        if any(g != geometry for _, g in every):
-            raise ConfigMismatch(f"{op}: geometry (max_tokens, num_heads, head_dim, dtype, "
-                                 f"lse_base, return_lse)", [g for _, g in every])
+        comm.agree_setup(op, init, "geometry (max_tokens, num_heads, head_dim, dtype, lse_base, "
+                                   "return_lse)")
 
         self._setup(comm, slot_bytes=self._slot_bytes_needed, out_bytes=self._out_bytes_needed,
                     num_ubatches=num_ubatches, timeout_ms=timeout_ms, heap=heap)
