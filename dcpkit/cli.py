@@ -29,7 +29,8 @@ _COMMANDS = {
 
 
 def _usage() -> str:
-    lines = ["usage: dcpkit {info,demo,bench} [options]", "",
+    lines = ["usage: dcpkit {info,demo,bench} [options]   (or: python -m dcpkit ...)",
+             "       dcpkit --version", "",
              "dcpkit: low-latency multi-GPU collectives for decode context parallelism.", "",
              "commands:"]
     lines += [f"  {k:<7}{v[1]}" for k, v in _COMMANDS.items()]
@@ -44,6 +45,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     dependency it needs is missing (the message names the extra to install).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-V", "--version"):
+        from . import __version__  # noqa: WPS433
+
+        print(f"dcpkit {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
@@ -57,8 +63,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ModuleNotFoundError as e:
         if e.name != mod_name:
             raise
-        print(f"dcpkit {command}: {mod_name} is not available in this installation "
-              f"(in progress)", file=sys.stderr)
+        print(f"dcpkit {command}: {mod_name} is not available in this installation",
+              file=sys.stderr)
         return 2
     except MissingDependency as e:
         print(f"dcpkit {command}: {e}", file=sys.stderr)
