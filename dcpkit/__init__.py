@@ -9,11 +9,24 @@ Heavy modules (CuPy, cuda-python, MPI, torch) are imported on first use, so ``im
 works on any machine.
 """
 
-from __future__ import annotations
-
-import importlib
-
 __version__ = "0.1.0"
+
+# Errors are listed by name (not imported) so that ``import dcpkit`` stays free of work; a unit
+# test checks this list against dcpkit.errors.__all__.
+_ERRORS = (
+    "DcpkitError",
+    "InvalidArgument",
+    "InvalidType",
+    "MissingDependency",
+    "CudaError",
+    "CompileError",
+    "CollectiveTimeout",
+    "ConfigMismatch",
+    "PeerError",
+    "ClosedError",
+    "MulticastDisabled",
+    "FdExchangeError",
+)
 
 __all__ = [
     "__version__",
@@ -24,12 +37,7 @@ __all__ = [
     "QGather",
     "KVGather",
     "DCPComm",
-    "DcpkitError",
-    "CollectiveTimeout",
-    "ConfigMismatch",
-    "CompileError",
-    "CudaError",
-    "MissingDependency",
+    *_ERRORS,
 ]
 
 _LAZY = {
@@ -40,12 +48,7 @@ _LAZY = {
     "QGather": "dcpkit.ops",
     "KVGather": "dcpkit.ops",
     "DCPComm": "dcpkit.manager",
-    "DcpkitError": "dcpkit.errors",
-    "CollectiveTimeout": "dcpkit.errors",
-    "ConfigMismatch": "dcpkit.errors",
-    "CompileError": "dcpkit.errors",
-    "CudaError": "dcpkit.errors",
-    "MissingDependency": "dcpkit.errors",
+    **{name: "dcpkit.errors" for name in _ERRORS},
 }
 
 
@@ -53,8 +56,12 @@ def __getattr__(name):
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'dcpkit' has no attribute {name!r}")
+    import importlib  # noqa: WPS433 - local, so that dir(dcpkit) does not list it
+
     return getattr(importlib.import_module(mod), name)
 
 
 def __dir__():
-    return sorted(list(globals()) + list(_LAZY))
+    """The public names (``__all__``) and the submodules imported so far."""
+    public = {n for n in globals() if not n.startswith("_")}
+    return sorted(public | set(__all__))

@@ -10,6 +10,7 @@ Messages follow ``"<op>: <argument> <property> must <constraint> (got <value>)"`
 
 from __future__ import annotations
 
+import operator
 from typing import Iterable, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -53,7 +54,14 @@ def array_info(x, op: str, name: str) -> ArrayInfo:
     Raises
     ------
     InvalidType
-        ``x`` is a host array (NumPy, a CPU torch tensor), None, or not an array at all.
+        ``x`` is a host array (NumPy, a CPU torch tensor), None, or not an array at all; its
+        ``__cuda_array_interface__`` is not a dict, lacks ``shape`` / ``typestr`` / ``data``, or
+        has a ``typestr`` / ``descr`` NumPy does not understand.
+    InvalidArgument
+        Its ``__cuda_array_interface__`` is malformed: ``shape`` / ``strides`` not tuples of
+        ints (or of different lengths), negative dimensions, ``data`` not a ``(pointer,
+        read_only)`` pair, a null pointer with elements, a ``mask``; or the pointer is not
+        device memory.
     """
     cls = type(x)
     if cls.__module__.startswith("cupy") and hasattr(x, "data") and hasattr(x, "strides"):
@@ -69,9 +77,54 @@ def array_info(x, op: str, name: str) -> ArrayInfo:
     cai = getattr(x, "__cuda_array_interface__", None)
     if cai is None:
         raise InvalidType(f"{op}: {name} must be a GPU array (got {_type_name(x)})")
-    shape = tuple(int(s) for s in cai["shape"])
-    dt = np.dtype(cai["typestr"]) if not cai.get("descr") or len(cai["descr"]) <= 1 \
-        else np.dtype(cai["descr"])
+    shape, strides, dt, ptr = _parse_cai(cai, op, name)
+    device = getattr(x, "_dcpkit_device", None)
+    if device is None:
+        device = _device_of_pointer(ptr, op, name)
+    return ArrayInfo(shape, strides, dt, ptr, int(device), x)
+
+
+def _int_tuple(v) -> Optional[Tuple[int, ...]]:
+    """``v`` as a tuple of ints (Python or NumPy ints, never bools), or None if it is not one."""
+    if not isinstance(v, (tuple, list)):
+        return None
+    out = []
+    for s in v:
+        if isinstance(s, (bool, np.bool_)):
+            return None
+        try:
+            out.append(operator.index(s))
+        except TypeError:
+            return None
+    return tuple(out)
+
+
+def _parse_cai(cai, op: str, name: str) -> Tuple[Tuple[int, ...], Tuple[int, ...], np.dtype, int]:
+    """(shape, strides in bytes, dtype, pointer) of a ``__cuda_array_interface__`` dict, every
+    field checked (version 2 and 3 of the protocol)."""
+    what = f"{op}: {name} __cuda_array_interface__"
+    if not isinstance(cai, dict):
+        raise InvalidType(f"{what} must be a dict (got {_type_name(cai)})")
+    missing = [k for k in ("shape", "typestr", "data") if k not in cai]
+    if missing:
+        raise InvalidType(f"{what} must have the keys 'shape', 'typestr' and 'data' "
+                          f"(missing {missing})")
+    shape = _int_tuple(cai["shape"])
+    if shape is None:
+        raise InvalidArgument(f"{what}['shape'] must be a tuple of ints (got {cai['shape']!r})")
+    if any(s < 0 for s in shape):
+        raise InvalidArgument(f"{what}['shape'] dimensions must be >= 0 (got {shape})")
+    typestr, descr = cai["typestr"], cai.get("descr")
+    try:
+        if not isinstance(typestr, str):
+            raise TypeError("not a str")
+        dt = np.dtype(typestr) if not descr or len(descr) <= 1 else np.dtype(descr)
+    except (TypeError, ValueError) as e:
+        shown = typestr if not descr or len(descr) <= 1 else descr
+        raise InvalidType(f"{what}['typestr'] must be a NumPy type string such as '<f4' "
+                          f"(got {shown!r}: {e})") from None
+    if dt.itemsize == 0:
+        raise InvalidType(f"{what}['typestr'] must describe a fixed-size type (got {typestr!r})")
     strides = cai.get("strides")
     if strides is None:  # C-contiguous
         acc, st = dt.itemsize, []
@@ -79,17 +132,45 @@ def array_info(x, op: str, name: str) -> ArrayInfo:
             st.append(acc)
             acc *= s
         strides = tuple(reversed(st))
-    ptr = int(cai["data"][0])
-    device = getattr(x, "_dcpkit_device", None)
-    if device is None:
-        device = _device_of_pointer(ptr)
-    return ArrayInfo(shape, tuple(int(s) for s in strides), dt, ptr, int(device), x)
+    else:
+        got = strides
+        strides = _int_tuple(strides)
+        if strides is None:
+            raise InvalidArgument(f"{what}['strides'] must be None or a tuple of ints "
+                                  f"(got {got!r})")
+        if len(strides) != len(shape):
+            raise InvalidArgument(f"{what}['strides'] length must equal the number of "
+                                  f"dimensions {len(shape)} (got {strides})")
+    data = cai["data"]
+    ptr = None
+    if isinstance(data, (tuple, list)) and len(data) == 2 \
+            and not isinstance(data[0], (bool, np.bool_)):
+        try:
+            ptr = operator.index(data[0])
+        except TypeError:
+            ptr = None
+    if ptr is None:
+        raise InvalidArgument(f"{what}['data'] must be a (pointer, read_only) pair with an int "
+                              f"pointer (got {data!r})")
+    if ptr < 0:
+        raise InvalidArgument(f"{what}['data'] pointer must be >= 0 (got {ptr})")
+    if ptr == 0 and all(shape):
+        raise InvalidArgument(f"{what}['data'] pointer must not be null for an array with "
+                              f"elements (got 0, shape {shape})")
+    if cai.get("mask") is not None:
+        raise InvalidArgument(f"{what}['mask'] must be None: masked arrays are not supported "
+                              f"(got {_type_name(cai['mask'])})")
+    return shape, strides, dt, ptr
 
 
-def _device_of_pointer(ptr: int) -> int:
+def _device_of_pointer(ptr: int, op: str = "array_info", name: str = "array") -> int:
     import cupy  # noqa: WPS433
 
-    attrs = cupy.cuda.runtime.pointerGetAttributes(ptr)
+    try:
+        attrs = cupy.cuda.runtime.pointerGetAttributes(ptr)
+    except Exception as e:  # noqa: BLE001 - CUDARuntimeError: not a pointer CUDA knows
+        raise InvalidArgument(f"{op}: {name} data pointer must be device memory (got "
+                              f"{ptr:#x}: {type(e).__name__}: {e})") from None
     return int(attrs.device)
 
 

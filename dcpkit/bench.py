@@ -1853,30 +1853,79 @@ def _run(ctx: _Ctx, factory) -> int:
 
 
 # ----------------------------------------------------------------------------- entry points
+def _oserror_text(e: BaseException) -> str:
+    """``No such file or directory`` rather than ``[Errno 2] No such file or directory: 'x'``."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return f"{type(e).__name__}: {e}"
+
+
+def _render_md_fail(message: str) -> int:
+    print(f"dcpkit bench: --render-md: {message}", file=sys.stderr)
+    return 2
+
+
 def render_md_main(args: argparse.Namespace) -> int:
-    """``--render-md``: BENCHMARKS.md from JSON files (no GPU, no MPI)."""
+    """``--render-md``: BENCHMARKS.md from JSON files (no GPU, no MPI).
+
+    Returns 0, or 2 with one line on stderr (no traceback) when an input cannot be read or is
+    not a ``dcpkit bench --json`` result, or the output cannot be written.
+    """
     results, plots = [], {}
     out_dir = os.path.dirname(os.path.abspath(args.md_out)) if args.md_out else os.getcwd()
+    if args.md_out:
+        if os.path.isdir(args.md_out):
+            return _render_md_fail(f"cannot write --md-out {args.md_out}: it is a directory")
+        if not os.path.isdir(out_dir):
+            return _render_md_fail(f"cannot write --md-out {args.md_out}: directory {out_dir} "
+                                   f"does not exist")
     for path in args.render_md:
-        with open(path) as f:
-            res = json.load(f)
+        try:
+            with open(path, encoding="utf-8") as f:
+                res = json.load(f)
+        except (OSError, UnicodeDecodeError) as e:
+            return _render_md_fail(f"cannot read {path}: {_oserror_text(e)}")
+        except ValueError as e:  # json.JSONDecodeError
+            return _render_md_fail(f"{path} is not JSON ({e})")
+        if not isinstance(res, dict):
+            return _render_md_fail(f"{path} must hold one {SCHEMA} JSON object (got a JSON "
+                                   f"{type(res).__name__})")
         if res.get("schema") != SCHEMA:
             print(f"dcpkit bench: {path} is not a {SCHEMA} JSON (schema "
                   f"{res.get('schema')!r})", file=sys.stderr)
             return 2
         results.append(res)
         png = os.path.splitext(path)[0] + ".png"
-        W = (res.get("meta") or {}).get("world_size")
+        W = (res.get("meta") or {}).get("world_size") if isinstance(res.get("meta"), dict) \
+            else None
         if os.path.isfile(png) and W is not None:
             plots[W] = os.path.relpath(os.path.abspath(png), out_dir)
     notes = None
     if args.notes:
-        with open(args.notes) as f:
-            notes = f.read()
-    md = _report.render_markdown(results, notes=notes, plots=plots, sources=args.render_md)
+        try:
+            with open(args.notes, encoding="utf-8") as f:
+                notes = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            return _render_md_fail(f"cannot read --notes {args.notes}: {_oserror_text(e)}")
+    try:
+        md = _report.render_markdown(results, notes=notes, plots=plots, sources=args.render_md)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        # name the file that does not render on its own, if one does not
+        bad = list(args.render_md)
+        for path, res in zip(args.render_md, results):
+            try:
+                _report.render_markdown([res], sources=[path])
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+                bad = [path]
+                break
+        return _render_md_fail(f"{' '.join(bad)} is a malformed {SCHEMA} JSON "
+                               f"({type(e).__name__}: {e})")
     if args.md_out:
-        with open(args.md_out, "w") as f:
-            f.write(md)
+        try:
+            with open(args.md_out, "w", encoding="utf-8") as f:
+                f.write(md)
+        except OSError as e:
+            return _render_md_fail(f"cannot write --md-out {args.md_out}: {_oserror_text(e)}")
         print(f"dcpkit bench: wrote {args.md_out} from {len(results)} run(s)")
     else:
         sys.stdout.write(md)
@@ -1905,8 +1954,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         dev = CupyDevice(comm, cfg)
     except Exception as e:  # noqa: BLE001 - no CuPy, no driver, no GPU: say so, no traceback
-        print(f"dcpkit bench: rank {comm.rank}: no usable GPU ({type(e).__name__}: {e}); the "
-              f"benchmark needs one GPU per rank", file=sys.stderr)
+        # Without libcuda CuPy says cudaErrorInsufficientDriver (a version mismatch): name the
+        # real cause with dcpkit info's driver probe.
+        from .info import no_driver_reason  # noqa: WPS433
+
+        why = no_driver_reason() or f"{type(e).__name__}: {e}"
+        print(f"dcpkit bench: rank {comm.rank}: no usable GPU ({why}); the benchmark needs one "
+              f"GPU per rank", file=sys.stderr)
         return 2
     return run_bench(cfg, comm, dev, argv)
 

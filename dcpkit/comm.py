@@ -16,12 +16,14 @@ Usage::
 
 from __future__ import annotations
 
+import numbers
 import os
 import pickle
 import socket
 from typing import Any, Callable, List, Optional, Tuple
 
-from .errors import ClosedError, ConfigMismatch, DcpkitError, MissingDependency, PeerError
+from .errors import (ClosedError, ConfigMismatch, DcpkitError, InvalidArgument, InvalidType,
+                     MissingDependency, PeerError)
 
 __all__ = ["Communicator", "host_identity", "launcher_world_size"]
 
@@ -80,6 +82,28 @@ def _check_launcher_world_size(env, MPI) -> None:
         f"the MPI of this mpirun (see README, Known limits)")
 
 
+def _is_int(x) -> bool:
+    """True for Python and NumPy integers, False for bools and everything else."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+class _Unpicklable:
+    """Sent in place of an object that cannot be pickled, so that every rank learns of it and
+    raises (instead of the other ranks waiting in the collective)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _pickle_problem(obj) -> Optional[str]:
+    """None when ``obj`` pickles, else the error as ``"Type: message"``."""
+    try:
+        pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 - PicklingError, TypeError, AttributeError, ...
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 class Communicator:
     """A host-side process group: rank, world size, and collectives over Python objects.
 
@@ -106,8 +130,15 @@ class Communicator:
     def __init__(self, rank: int, world_size: int, *, allgather: Callable[[Any], List[Any]],
                  broadcast: Callable[[Any, int], Any], barrier: Callable[[], None],
                  backend: str, handle: Any = None):
-        if world_size < 1 or not (0 <= rank < world_size):
-            raise DcpkitError(f"Communicator: rank {rank} must lie in [0, {world_size})")
+        for name, v in (("rank", rank), ("world_size", world_size)):
+            if not _is_int(v):
+                raise InvalidType(f"Communicator: {name} must be an int (got "
+                                  f"{type(v).__name__} {v!r})")
+        if world_size < 1:
+            raise InvalidArgument(f"Communicator: world_size must be >= 1 (got {world_size})")
+        if not 0 <= rank < world_size:
+            raise InvalidArgument(f"Communicator: rank must lie in [0, {world_size}) "
+                                  f"(got {rank})")
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.backend = backend
@@ -133,6 +164,8 @@ class Communicator:
         ------
         MissingDependency
             mpi4py (or an MPI library) is not installed: install the ``mpi`` extra.
+        InvalidType
+            ``comm`` is neither None nor an ``mpi4py.MPI.Comm``.
         DcpkitError
             A launcher started several processes (``OMPI_COMM_WORLD_SIZE`` or ``PMI_SIZE``
             > 1) but ``MPI.COMM_WORLD`` has one rank: mpi4py loaded another MPI library than
@@ -144,6 +177,9 @@ class Communicator:
             raise MissingDependency("mpi4py", "mpi", str(e)) from None
         except RuntimeError as e:  # mpi4py present but no MPI library found
             raise MissingDependency("an MPI library", "mpi", str(e)) from None
+        if comm is not None and not isinstance(comm, MPI.Comm):
+            raise InvalidType(f"Communicator.from_mpi: comm must be None or an mpi4py.MPI.Comm "
+                              f"(got {type(comm).__name__} {comm!r})")
         c = MPI.COMM_WORLD if comm is None else comm
         if comm is None and c.Get_size() == 1:
             _check_launcher_world_size(os.environ, MPI)
@@ -205,18 +241,68 @@ class Communicator:
         if self._closed:
             raise ClosedError(f"Communicator.{what}: the communicator is closed")
 
+    def _gather(self, method: str, obj: Any, shown: Any = None) -> List[Any]:
+        """allgather on behalf of ``method``: an object that does not pickle on some rank makes
+        every rank raise (that rank InvalidType, the others PeerError), nobody waits. ``shown``
+        is what the message names (default ``obj``)."""
+        self._check_open(method)
+        problem = _pickle_problem(obj)
+        values = list(self._allgather(obj if problem is None else _Unpicklable(problem)))
+        bad = {r: v.message for r, v in enumerate(values) if isinstance(v, _Unpicklable)}
+        if bad:
+            if problem is not None:
+                what = obj if shown is None else shown
+                raise InvalidType(f"Communicator.{method}: the object must be picklable (got "
+                                  f"{type(what).__name__}: {problem})")
+            raise PeerError(f"Communicator.{method}: pickling the object", bad)
+        return values
+
     def allgather(self, obj: Any) -> List[Any]:
-        """Every rank's ``obj``, as a list indexed by rank (picklable objects)."""
-        self._check_open("allgather")
-        return list(self._allgather(obj))
+        """Every rank's ``obj``, as a list indexed by rank.
+
+        Raises
+        ------
+        InvalidType
+            ``obj`` cannot be pickled on this rank (every other rank raises PeerError).
+        PeerError
+            ``obj`` could not be pickled on another rank.
+        ClosedError
+            The communicator is closed.
+        """
+        return self._gather("allgather", obj)
 
     def broadcast(self, obj: Any, root: int = 0) -> Any:
-        """``obj`` of rank ``root``, on every rank."""
-        self._check_open("broadcast")
-        if not (0 <= root < self.world_size):
-            raise DcpkitError(f"Communicator.broadcast: root must lie in [0, {self.world_size}) "
-                              f"(got {root})")
-        return self._broadcast(obj, root)
+        """``obj`` of rank ``root``, on every rank.
+
+        Raises
+        ------
+        InvalidType
+            ``root`` is not an int (bools included), or ``obj`` cannot be pickled on the root
+            (every other rank raises PeerError).
+        InvalidArgument
+            ``root`` is outside ``[0, world_size)``.
+        ClosedError
+            The communicator is closed.
+        """
+        return self._bcast("broadcast", obj, root)
+
+    def _bcast(self, method: str, obj: Any, root: int) -> Any:
+        self._check_open(method)
+        if not _is_int(root):
+            raise InvalidType(f"Communicator.{method}: root must be an int (got "
+                              f"{type(root).__name__} {root!r})")
+        if not 0 <= root < self.world_size:
+            raise InvalidArgument(f"Communicator.{method}: root must lie in "
+                                  f"[0, {self.world_size}) (got {root})")
+        root = int(root)
+        problem = _pickle_problem(obj) if self.rank == root else None
+        got = self._broadcast(obj if problem is None else _Unpicklable(problem), root)
+        if isinstance(got, _Unpicklable):
+            if problem is not None:
+                raise InvalidType(f"Communicator.{method}: the object must be picklable (got "
+                                  f"{type(obj).__name__}: {problem})")
+            raise PeerError(f"Communicator.{method}: pickling the object", {root: got.message})
+        return got
 
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
@@ -228,9 +314,11 @@ class Communicator:
         """Check that ``value`` is equal on every rank.
 
         Returns every rank's value. Raises :class:`ConfigMismatch` on every rank, naming the
-        ranks that differ, when they are not all equal.
+        ranks that differ, when they are not all equal; :class:`InvalidType` /
+        :class:`PeerError` (on the other ranks) when ``value`` does not pickle on some rank;
+        :class:`ClosedError` on a closed communicator.
         """
-        values = self.allgather(value)
+        values = self._gather("agree", value)
         first = pickle.dumps(values[0])
         if any(pickle.dumps(v) != first for v in values[1:]):
             raise ConfigMismatch(what, values)
@@ -251,7 +339,9 @@ class Communicator:
             value = init()
         except DcpkitError as e:
             err = e
-        every = self.allgather((None if err is None else f"{type(err).__name__}: {err}", value))
+        every = self._gather("agree_setup",
+                             (None if err is None else f"{type(err).__name__}: {err}", value),
+                             shown=value)
         if err is not None:
             raise err
         failed = {r: m for r, (m, _) in enumerate(every) if m is not None}
@@ -265,12 +355,30 @@ class Communicator:
         """One step of a collective transaction: share whether this rank's step failed.
 
         Every rank calls this after a step, passing the exception it caught (or ``None``).
-        If any rank failed, every rank raises: the failing rank re-raises its own exception
-        (chained to a :class:`PeerError`), the others raise :class:`PeerError` naming the
-        failing ranks and their messages. No rank is left waiting in a later step.
+        If any rank failed, every rank raises :class:`PeerError` naming the failing ranks and
+        their messages; on a failing rank the PeerError is chained to its own exception
+        (``raise PeerError(...) from error``, so ``__cause__`` is that exception). No rank is
+        left waiting in a later step.
+
+        Raises
+        ------
+        PeerError
+            Some rank passed an exception.
+        InvalidType
+            ``error`` is neither None nor an exception (after the exchange, in which this rank
+            counts as failed, so the others raise PeerError and nobody waits).
+        ClosedError
+            The communicator is closed.
         """
+        bad_arg = None
+        if error is not None and not isinstance(error, BaseException):
+            bad_arg = InvalidType(f"Communicator.all_ok: error must be an exception or None "
+                                  f"(got {type(error).__name__} {error!r})")
+            error = bad_arg
         msg = None if error is None else f"{type(error).__name__}: {error}"
-        msgs = self.allgather(msg)
+        msgs = self._gather("all_ok", msg)
+        if bad_arg is not None:
+            raise bad_arg
         failed = {r: m for r, m in enumerate(msgs) if m is not None}
         if failed:
             err = PeerError(what, failed)
@@ -302,4 +410,4 @@ class Communicator:
     def job_token(self) -> str:
         """A random token equal on every rank, different for every job (for socket names)."""
         tok = os.urandom(8).hex() if self.rank == 0 else None
-        return self.broadcast(tok, root=0)
+        return self._bcast("job_token", tok, 0)

@@ -350,6 +350,13 @@ def _gpu_count() -> Tuple[int, str]:
     except ImportError as e:
         return 0, f"CuPy is not installed ({e})"
     except Exception as e:  # noqa: BLE001 - no driver, no device: both mean "no GPU"
+        # Without libcuda CuPy says cudaErrorInsufficientDriver (a version mismatch): name the
+        # real cause with dcpkit info's driver probe.
+        from .info import no_driver_reason  # noqa: WPS433
+
+        why = no_driver_reason()
+        if why:
+            return 0, why
         return 0, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 

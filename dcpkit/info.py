@@ -3,7 +3,9 @@
 Prints the versions of dcpkit and of everything it runs on (CuPy, cuda-bindings, NVRTC, NCCL,
 NVSHMEM, mpi4py and the MPI library), the GPUs with compute capability, SM count and memory,
 the peer-to-peer access matrix, and whether multicast is supported, whether dcpkit would use it
-and, if not, why. ``--json`` prints the same as one JSON object.
+and, if not, why. ``--json`` prints the same as one JSON object. Under ``mpirun`` only the launcher's rank 0
+prints (read from ``OMPI_COMM_WORLD_RANK`` / ``PMIX_RANK`` / ``PMI_RANK``, no MPI
+initialisation) unless ``--all-ranks`` is given.
 
 Every probe is read-only: nothing is allocated on a GPU and no multicast object is created.
 On a machine without GPU or CUDA driver it says so and exits 0. MPI is not initialised (the
@@ -21,7 +23,7 @@ import platform
 import sys
 from typing import Any, Dict, List, Optional
 
-__all__ = ["collect", "format_text", "main"]
+__all__ = ["collect", "format_text", "main", "no_driver_reason", "launcher_rank"]
 
 #: Variables that decide whether multicast may be used (printed when set).
 MULTICAST_ENV = (
@@ -132,6 +134,63 @@ def _driver_probe() -> Dict[str, Any]:
     return out
 
 
+def _libcuda_loads() -> bool:
+    """Whether the CUDA driver library can be loaded (ctypes; no cuInit, no other side effect
+    than mapping the library)."""
+    import ctypes  # noqa: WPS433
+
+    names = ("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")
+    for name in names:
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def no_driver_reason(probe: Optional[Dict[str, Any]] = None) -> Optional[str]:
+    """``"no CUDA driver found (...)"`` when this machine has no CUDA driver library, else None.
+
+    The answer of :func:`_driver_probe` (cuda-bindings' loader) where it ran; where
+    cuda-bindings is missing, whether ``libcuda`` loads with ctypes. ``demo`` and ``bench`` use
+    it so that a machine without driver is not reported as a driver/runtime version mismatch
+    (CuPy's ``cudaErrorInsufficientDriver``). Never raises.
+    """
+    try:
+        p = _driver_probe() if probe is None else probe
+        if p.get("ok"):
+            return None
+        err = str(p.get("error") or "")
+        missing_lib = err.startswith("DynamicLibNotFoundError") or (
+            ("libcuda" in err or "nvcuda" in err) and "cannot open" in err)
+        if not missing_lib and (err.startswith("MissingDependency") or not err):
+            missing_lib = not _libcuda_loads()
+        if missing_lib:
+            return ("no CUDA driver found (the NVIDIA driver library libcuda is not installed "
+                    "on this machine)")
+    except Exception:  # noqa: BLE001 - a probe never raises
+        return None
+    return None
+
+
+#: Variables in which MPI launchers publish each process's rank (Open MPI, PMIx, PMI-1/2
+#: launchers such as MPICH's hydra and Intel MPI).
+_LAUNCHER_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+
+
+def launcher_rank(env=None) -> Optional[int]:
+    """This process's rank as an MPI launcher published it, or None outside a launcher. Reads
+    the environment only (no MPI initialisation)."""
+    env = os.environ if env is None else env
+    for var in _LAUNCHER_RANK_VARS:
+        try:
+            return int(env[var])
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
 def _attr(drv, dev, name: str) -> Optional[int]:
     attr = getattr(drv.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_" + name, None)
     if attr is None:
@@ -197,9 +256,22 @@ def _gpus(driver_ok: bool) -> Dict[str, Any]:
 
 def _multicast(gpus: List[Dict[str, Any]]) -> Dict[str, Any]:
     flags = [g.get("multicast_supported") for g in gpus]
-    # None: no GPU, or the attribute could not be read (then the decision assumes "no").
+    # None: no GPU, or the attribute could not be read: then nothing was queried and the
+    # answer is "unknown", never "the device reports 0".
     known = bool(gpus) and all(f is not None for f in flags)
     supported = known and all(f == 1 for f in flags)
+    if known:
+        unknown_why = None
+    elif not gpus:
+        unknown_why = ("unknown (no GPU/driver: CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED was not "
+                       "queried)")
+    else:
+        unknown_why = "unknown (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED could not be read)"
+    asked = []
+
+    def device_supported() -> bool:  # called by the guard only when rules 1 and 2 pass
+        asked.append(True)
+        return supported
     out: Dict[str, Any] = {
         "device_supported": supported if known else None,
         "used": None,
@@ -218,14 +290,20 @@ def _multicast(gpus: List[Dict[str, Any]]) -> Dict[str, Any]:
         return out
     env = dict(os.environ)
     try:
-        use, reason = multicast_decision(None, env, supported)
+        use, reason = multicast_decision(None, env, device_supported)
         out["used"] = bool(use)
         out["reason"] = str(reason)
+        if asked and unknown_why is not None:  # the answer hinged on the unknown attribute
+            out["reason"] = unknown_why
         # The same question for a user who opts in: shows which variable or attribute would
         # still refuse (a decision only: nothing is created).
-        use1, reason1 = multicast_decision(True, env, supported)
+        asked.clear()
+        use1, reason1 = multicast_decision(True, env, device_supported)
         out["used_if_opted_in"] = bool(use1)
         out["reason_if_opted_in"] = str(reason1)
+        if asked and unknown_why is not None:
+            out["used_if_opted_in"] = None
+            out["reason_if_opted_in"] = unknown_why
     except Exception as e:  # noqa: BLE001
         out["reason"] = f"unknown (multicast_decision failed: {_err(e)})"
     return out
@@ -259,7 +337,8 @@ def _yn(v) -> str:
 def format_text(info: Dict[str, Any]) -> str:
     """The human-readable report of :func:`collect`'s dict."""
     v = info["versions"]
-    lines = [f"dcpkit {v['dcpkit']}  ({v['dcpkit_path']})",
+    who = f"  [launcher rank {info['launcher_rank']}]" if "launcher_rank" in info else ""
+    lines = [f"dcpkit {v['dcpkit']}  ({v['dcpkit_path']}){who}",
              f"python {v['python']}, numpy {v['numpy']}", "", "versions"]
 
     def row(name, val, err_key=None):
@@ -320,8 +399,9 @@ def format_text(info: Dict[str, Any]) -> str:
         lines.append(f"multicast        supported by every GPU: {sup}")
         lines.append(f"  dcpkit would use it: {_yn(mc['used'])} ({mc['reason']})")
         if "used_if_opted_in" in mc:
-            lines.append(f"  if opted in (multicast=True or DCPKIT_MULTICAST=1): "
-                         f"{_yn(mc['used_if_opted_in'])} ({mc['reason_if_opted_in']})")
+            ans = mc["reason_if_opted_in"] if mc["used_if_opted_in"] is None \
+                else f"{_yn(mc['used_if_opted_in'])} ({mc['reason_if_opted_in']})"
+            lines.append(f"  if opted in (multicast=True or DCPKIT_MULTICAST=1): {ans}")
     env = info["env"]
     lines.append("environment      " + (", ".join(f"{k}={x}" for k, x in env.items())
                                       if env else "(none of the multicast or device variables set)"))
@@ -329,14 +409,23 @@ def format_text(info: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of ``python -m dcpkit info [--json]``; returns the exit status (0)."""
+    """Entry point of ``python -m dcpkit info [--json] [--all-ranks]``; returns the exit status
+    (0). Under an MPI launcher, ranks other than 0 print nothing unless ``--all-ranks``."""
     p = argparse.ArgumentParser(
         prog="dcpkit info",
         description="Print what dcpkit finds on this machine: versions, GPUs, P2P access, "
                     "and whether multicast would be used (and why not). Needs no GPU.")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--all-ranks", action="store_true",
+                   help="under mpirun, print the report on every rank (default: only on the "
+                        "launcher's rank 0)")
     args = p.parse_args(argv)
+    rank = launcher_rank()
+    if rank is not None and rank != 0 and not args.all_ranks:
+        return 0  # one report per job: rank 0 prints it
     info = collect()
+    if rank is not None:
+        info["launcher_rank"] = rank
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=False))
     else:

@@ -12,6 +12,13 @@ for its disk cache is the whole translation unit and an edited header is never s
 
 Every template variant that dcpkit may launch is listed in :data:`VARIANTS`; ops pick their
 kernel by one of these name expressions and :func:`get_kernel` refuses any other.
+
+Target architectures: the kernels need **sm_70 (Volta) or newer** (the PTX memory-model
+instructions of the signalling protocol: ``ld.acquire``, ``st.release``, ``fence.sc``); the
+multicast variants run only on sm_90+ (below, their ``multimem`` stores compile to a trap and the
+multicast guard never selects them). CUDA 13 toolkits start at sm_75 (Turing). dcpkit is
+targeted at, and measured on, **sm_90** (H200); CI compiles every file for sm_90, sm_80 and
+sm_70 (where the installed NVRTC still supports it).
 """
 
 from __future__ import annotations
@@ -22,9 +29,10 @@ import threading
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .errors import CompileError, MissingDependency
+from .errors import CompileError, InvalidArgument, InvalidType, MissingDependency
 
-__all__ = ["kernels_dir", "VARIANTS", "source", "get_kernel", "compile_only", "DEFAULT_OPTIONS"]
+__all__ = ["kernels_dir", "VARIANTS", "source", "get_kernel", "compile_only", "DEFAULT_OPTIONS",
+           "nvrtc_version", "nvrtc_archs"]
 
 #: NVRTC options used for every dcpkit kernel (CuPy adds ``-arch`` for the current device).
 DEFAULT_OPTIONS: Tuple[str, ...] = ("-std=c++17",)
@@ -113,6 +121,56 @@ _MODULES: Dict[tuple, object] = {}
 _LOCK = threading.Lock()
 
 
+def _known_files() -> str:
+    return ", ".join(sorted(VARIANTS))
+
+
+def _check_file(file, op: str) -> str:
+    """``file`` if it is a kernel file registered in :data:`VARIANTS`, else a clear error."""
+    if not isinstance(file, str):
+        raise InvalidType(f"{op}: file must be a kernel file name (str) registered in "
+                          f"jit.VARIANTS [{_known_files()}] (got {type(file).__name__} {file!r})")
+    if file not in VARIANTS:
+        raise InvalidArgument(f"{op}: file must be one of the kernel files registered in "
+                              f"jit.VARIANTS [{_known_files()}] (got {file!r})")
+    return file
+
+
+def _files_arg(files, op: str) -> List[str]:
+    """``files`` of :func:`compile_only` as a list: None = every file, a str = one file."""
+    if files is None:
+        return list(VARIANTS)
+    if isinstance(files, str):
+        return [_check_file(files, op)]
+    try:
+        items = list(files)
+    except TypeError:
+        raise InvalidType(f"{op}: files must be None, a kernel file name or a sequence of them "
+                          f"(got {type(files).__name__} {files!r})") from None
+    return [_check_file(f, op) for f in items]
+
+
+def _options_arg(options, op: str) -> Tuple[str, ...]:
+    """Extra NVRTC options as a tuple of str: None = none, a str = one option."""
+    if options is None:
+        return ()
+    if isinstance(options, str):
+        return (options,)
+    if isinstance(options, (bytes, bytearray)):
+        raise InvalidType(f"{op}: options must be a str or a sequence of str (got bytes "
+                          f"{options!r})")
+    try:
+        items = tuple(options)
+    except TypeError:
+        raise InvalidType(f"{op}: options must be None, a str or a sequence of str "
+                          f"(got {type(options).__name__} {options!r})") from None
+    bad = [o for o in items if not isinstance(o, str)]
+    if bad:
+        raise InvalidType(f"{op}: options entries must be str, e.g. '-lineinfo' "
+                          f"(got {bad[0]!r} of type {type(bad[0]).__name__} in {options!r})")
+    return items
+
+
 def _cupy():
     try:
         import cupy  # noqa: WPS433
@@ -133,20 +191,29 @@ def get_kernel(file: str, name_expr: str, options: Sequence[str] = ()):
         Kernel file name in ``kernels/``, e.g. ``"lse_reduce.cu"``.
     name_expr : str
         One of ``VARIANTS[file]``.
-    options : sequence of str
-        Extra NVRTC options (appended to :data:`DEFAULT_OPTIONS`).
+    options : str or sequence of str, optional
+        Extra NVRTC options (appended to :data:`DEFAULT_OPTIONS`); a str is one option, None
+        none.
 
     Raises
     ------
-    KeyError
-        ``name_expr`` is not a registered variant of ``file``.
+    InvalidArgument
+        ``file`` is not a registered kernel file, or ``name_expr`` not one of its variants.
+    InvalidType
+        ``file`` / ``name_expr`` is not a str, or ``options`` holds something else than str.
     CompileError
         NVRTC rejected the file; carries the file name, the options and the NVRTC log.
     """
-    if name_expr not in VARIANTS.get(file, ()):
-        raise KeyError(f"dcpkit.jit: {name_expr!r} is not a registered variant of kernels/{file}")
+    op = "jit.get_kernel"
+    _check_file(file, op)
+    if not isinstance(name_expr, str):
+        raise InvalidType(f"{op}: name_expr must be a str, one of jit.VARIANTS[{file!r}] "
+                          f"(got {type(name_expr).__name__} {name_expr!r})")
+    if name_expr not in VARIANTS[file]:
+        raise InvalidArgument(f"{op}: name_expr must be a registered variant of kernels/{file}, "
+                              f"one of jit.VARIANTS[{file!r}] (got {name_expr!r})")
+    opts = tuple(DEFAULT_OPTIONS) + _options_arg(options, op)
     cupy = _cupy()
-    opts = tuple(DEFAULT_OPTIONS) + tuple(options)
     dev = cupy.cuda.runtime.getDevice()
     key = (file, opts, dev)
     with _LOCK:
@@ -190,6 +257,27 @@ def nvrtc_version() -> Optional[Tuple[int, int]]:
         return None
 
 
+def nvrtc_archs() -> Optional[List[int]]:
+    """The ``sm_XY`` targets the loaded NVRTC can compile for, as ints ``XY`` (e.g. ``[75, 80,
+    86, 89, 90, ...]``), or None when NVRTC cannot be loaded or cannot tell."""
+    try:
+        nvrtc = _nvrtc()
+        err, archs = nvrtc.nvrtcGetSupportedArchs()
+        if int(err) != 0:
+            return None
+        return [int(a) for a in archs]
+    except Exception:  # noqa: BLE001
+        return None
+
+
+_ARCH = re.compile(r"^sm_(\d+)[af]?$")
+
+# What NVRTC itself prints for an old but still supported target: a note about the toolkit, not a
+# warning in dcpkit's kernels.
+_NVRTC_ARCH_NOTE = re.compile(r"^nvrtc: warning: Architectures prior to .* are deprecated.*$",
+                              re.M)
+
+
 def _compile_one(nvrtc, file: str, exprs: Iterable[str], opts: List[str]) -> Dict[str, int]:
     code = source(file).encode()
     err, prog = nvrtc.nvrtcCreateProgram(code, file.encode(), 0, [], [])
@@ -209,7 +297,7 @@ def _compile_one(nvrtc, file: str, exprs: Iterable[str], opts: List[str]) -> Dic
         log_s = log.decode(errors="replace").rstrip("\x00").strip()
         if int(res) != 0:
             raise CompileError(file, opts, log_s)
-        if "warning" in log_s.lower():
+        if "warning" in _NVRTC_ARCH_NOTE.sub("", log_s).lower():
             # A warning in our own kernels is a bug to fix, not noise to ship.
             raise CompileError(file, opts, "warnings are errors in dcpkit kernels:\n" + log_s)
         lowered = {}
@@ -230,12 +318,13 @@ def compile_only(files: Optional[Sequence[str]] = None, arch: str = "sm_90",
 
     Parameters
     ----------
-    files : sequence of str, optional
-        Kernel file names (default: every file in :data:`VARIANTS`).
+    files : str or sequence of str, optional
+        Kernel file names registered in :data:`VARIANTS` (default None: every file); a str is
+        one file.
     arch : str
-        Target, ``sm_XY`` (default ``sm_90``, Hopper).
-    options : sequence of str
-        Extra NVRTC options.
+        Target, ``sm_XY`` (default ``sm_90``, Hopper; the kernels need ``sm_70`` or newer).
+    options : str or sequence of str, optional
+        Extra NVRTC options; a str is one option, None none.
 
     Returns
     -------
@@ -244,14 +333,30 @@ def compile_only(files: Optional[Sequence[str]] = None, arch: str = "sm_90",
 
     Raises
     ------
+    InvalidArgument
+        A file is not registered in :data:`VARIANTS`, or ``arch`` is not an ``sm_XY`` target.
+    InvalidType
+        ``files``, ``arch`` or ``options`` has the wrong type.
     CompileError
-        NVRTC rejected a file, or printed a warning for it.
+        NVRTC rejected a file, or printed a warning for it (NVRTC's own note that an old
+        target is deprecated is not one).
     """
+    op = "jit.compile_only"
+    todo = _files_arg(files, op)
+    if not isinstance(arch, str):
+        raise InvalidType(f"{op}: arch must be a str such as 'sm_90' "
+                          f"(got {type(arch).__name__} {arch!r})")
+    m = _ARCH.match(arch)
+    if not m:
+        raise InvalidArgument(f"{op}: arch must be a real target such as 'sm_90' (got {arch!r})")
+    extra = _options_arg(options, op)
     nvrtc = _nvrtc()
-    opts = list(DEFAULT_OPTIONS) + [f"-arch={arch}"] + list(options)
+    archs = nvrtc_archs()
+    if archs and int(m.group(1)) not in archs:
+        raise InvalidArgument(f"{op}: arch must be a target this NVRTC supports "
+                              f"[{', '.join(f'sm_{a}' for a in archs)}] (got {arch!r})")
+    opts = list(DEFAULT_OPTIONS) + [f"-arch={arch}"] + list(extra)
     out = {}
-    for f in (files if files is not None else list(VARIANTS)):
-        if f not in VARIANTS:
-            raise KeyError(f"dcpkit.jit: kernels/{f} is not registered in VARIANTS")
+    for f in todo:
         out[f] = _compile_one(nvrtc, f, VARIANTS[f], opts)
     return out

@@ -3,8 +3,8 @@
 A multicast object gives every rank one virtual address, ``mc_ptr``, bound to every rank's copy
 of a symmetric heap: a ``multimem.st`` to ``mc_ptr + offset`` lands at ``offset`` in every copy
 (NVLink SHARP on NVSwitch systems). Creating one takes NVSwitch resources; on shared machines an
-operator can forbid it, and there ``cuMulticastCreate`` must never run (DESIGN.md, "Multicast
-safety on shared machines").
+operator can forbid it, and there ``cuMulticastCreate`` must never run (see README.md,
+"Known limits", and NOTE [dcpkit multicast guard] below).
 
 NOTE [dcpkit multicast guard]
 Multicast is used only when all of these hold, checked in this order:
@@ -115,7 +115,9 @@ def multicast_decision(opt_in: Optional[bool], env: Mapping[str, str],
 
     Naive equivalent::
 
-        opted_in = opt_in if opt_in is not None else env.get("DCPKIT_MULTICAST") == "1"
+        truthy = ("1", "true", "yes", "on", "y", "t")    # or any non-zero integer
+        opted_in = opt_in if opt_in is not None else \
+            env.get("DCPKIT_MULTICAST", "").strip().lower() in truthy
         return opted_in and not any_kill_switch(env) and device_supported
 
     Parameters

@@ -10,11 +10,11 @@ checked with a tolerance stated by the caller (:func:`lse_reduce_tolerance`).
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, InvalidType
 
 __all__ = [
     "q_gather_reference", "kv_gather_reference", "lse_reduce_reference", "make_inputs",
@@ -23,43 +23,183 @@ __all__ = [
 
 _OP_SEEDS = {"q_gather": 1, "kv_gather": 2, "lse_reduce": 3}
 
+# Short and case-insensitive names of dtypes (looked up lowercased; anything else goes to
+# np.dtype unchanged, so that NumPy's case-sensitive codes keep their meaning: 'B' is uint8,
+# 'F' complex64, 'U4' a 4-character string).
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "half": "float16", "float16": "float16",
+    "fp32": "float32", "float": "float32", "float32": "float32",
+    "fp64": "float64", "float64": "float64",
+    "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2",
+}
 
-def resolve_dtype(dtype) -> np.dtype:
-    """A NumPy dtype from a name or dtype; ``"bfloat16"``/``"bf16"`` map to ml_dtypes' bfloat16,
-    ``"fp8"``/``"float8_e4m3fn"`` to ml_dtypes' float8_e4m3fn."""
+
+def _type_name(x) -> str:
+    return type(x).__name__
+
+
+def resolve_dtype(dtype, *, op: str = "resolve_dtype", name: str = "dtype") -> np.dtype:
+    """A NumPy dtype from a dtype, a type or a name.
+
+    Names are looked up case-insensitively among the aliases ``bf16``/``bfloat16`` (ml_dtypes'
+    bfloat16), ``fp16``/``half``/``float16``, ``fp32``/``float``/``float32`` (note: ``float``
+    is float32 here), ``fp64``/``float64``, ``fp8``/``e4m3`` (ml_dtypes' float8_e4m3fn),
+    ``e5m2`` and every ``float8_*`` type of ml_dtypes. Any other string goes to ``np.dtype``
+    as written, so NumPy's case-sensitive codes keep their meaning (``"B"`` is uint8, ``"b"``
+    int8, ``"F"`` complex64, ``"U4"`` a string type).
+
+    Raises
+    ------
+    InvalidType
+        ``dtype`` is None, or not a dtype NumPy (or ml_dtypes) knows. ``op`` and ``name`` name
+        the caller and argument in the message.
+    """
+    if dtype is None:
+        raise InvalidType(f"{op}: {name} must be a NumPy dtype or dtype name such as "
+                          f"'bfloat16' (got None)")
     if isinstance(dtype, str):
-        key = dtype.lower()
-        aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-                   "float": "float32", "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn"}
-        key = aliases.get(key, key)
-        if key in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
-            import ml_dtypes  # noqa: WPS433
+        key = dtype.strip().lower()
+        key = _DTYPE_ALIASES.get(key, key if key.startswith("float8_") else None)
+        if key is not None:
+            if key in ("bfloat16",) or key.startswith("float8_"):
+                import ml_dtypes  # noqa: WPS433
 
-            return np.dtype(getattr(ml_dtypes, key))
-        return np.dtype(key)
-    return np.dtype(dtype)
+                t = getattr(ml_dtypes, key, None)
+                if t is None:
+                    raise InvalidType(f"{op}: {name} must be a dtype ml_dtypes "
+                                      f"{ml_dtypes.__version__} knows (got {dtype!r})")
+                return np.dtype(t)
+            return np.dtype(key)
+    try:
+        return np.dtype(dtype)
+    except (TypeError, ValueError) as e:
+        raise InvalidType(f"{op}: {name} must be a NumPy dtype or dtype name such as "
+                          f"'bfloat16' (got {dtype!r}: {e})") from None
 
 
-def random_array(rng: np.random.Generator, shape: Sequence[int], dtype) -> np.ndarray:
-    """Random data of ``dtype``: normal values for floats, uniform bytes for 1-byte integers."""
-    dt = resolve_dtype(dtype)
+def _is_ml_dtype(dt: np.dtype) -> bool:
+    return getattr(dt.type, "__module__", "").startswith("ml_dtypes")
+
+
+def _is_float(dt: np.dtype) -> bool:
+    """IEEE-like floating dtypes: NumPy's and ml_dtypes' (bfloat16, float8_*)."""
+    return dt.kind == "f" or (_is_ml_dtype(dt) and "float" in dt.name)
+
+
+def _is_numeric(dt: np.dtype) -> bool:
+    return dt.kind in "biufc" or _is_ml_dtype(dt)
+
+
+def _random(rng: np.random.Generator, shape: Sequence[int], dt: np.dtype, op: str,
+            name: str) -> np.ndarray:
+    if not _is_numeric(dt):
+        raise InvalidType(f"{op}: {name} must be a numeric dtype (got {dt})")
+    if dt.kind == "b":
+        return rng.integers(0, 2, size=tuple(shape)).astype(dt)
     if dt.kind in "iu":
         info = np.iinfo(dt)
         return rng.integers(info.min, info.max, size=tuple(shape), dtype=dt, endpoint=True)
     return rng.standard_normal(size=tuple(shape), dtype=np.float32).astype(dt)
 
 
+def random_array(rng: np.random.Generator, shape: Sequence[int], dtype) -> np.ndarray:
+    """Random data of ``dtype``: normal values for floats, uniform values over the whole range
+    for integers, 0/1 for bool."""
+    dt = resolve_dtype(dtype, op="random_array")
+    return _random(rng, shape, dt, "random_array", "dtype")
+
+
+# ----------------------------------------------------------------------------- argument checks
+def _int(value, op: str, name: str, minimum: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidType(f"{op}: {name} must be an int (got {_type_name(value)} {value!r})")
+    v = int(value)
+    if minimum is not None and v < minimum:
+        raise InvalidArgument(f"{op}: {name} must be >= {minimum} (got {v})")
+    return v
+
+
+def _real(value, op: str, name: str) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                      np.floating)):
+        raise InvalidType(f"{op}: {name} must be a real number (got {_type_name(value)} "
+                          f"{value!r})")
+    return float(value)
+
+
+def _lse_base(value, op: str) -> float:
+    b = _real(value, op, "lse_base")
+    if b != math.e and b != 2.0:
+        raise InvalidArgument(f"{op}: lse_base must be math.e or 2 (got {value!r})")
+    return b
+
+
+def _fraction(value, op: str, name: str) -> float:
+    f = _real(value, op, name)
+    if not 0.0 <= f <= 1.0:  # NaN fails too
+        raise InvalidArgument(f"{op}: {name} must lie in [0, 1] (got {value!r})")
+    return f
+
+
+def _arrays(seq, op: str, name: str) -> List[np.ndarray]:
+    """A non-empty sequence of host arrays (one per rank) as a list of ndarrays."""
+    if seq is None or isinstance(seq, (str, bytes)) or not hasattr(seq, "__len__"):
+        raise InvalidType(f"{op}: {name} must be a sequence of arrays, one per rank "
+                          f"(got {_type_name(seq)})")
+    arrs = [np.asarray(a) for a in seq]
+    if not arrs:
+        raise InvalidArgument(f"{op}: {name} must hold one array per rank (got an empty "
+                              f"sequence)")
+    return arrs
+
+
+def _same_layout(arrs: List[np.ndarray], op: str, name: str, ndim: int, dims: str) -> None:
+    """Every array has ``ndim`` dimensions, and the shape and dtype of ``arrs[0]``."""
+    a0 = arrs[0]
+    if a0.ndim != ndim:
+        raise InvalidArgument(f"{op}: {name}[0] must have {ndim} dimensions [{dims}] "
+                              f"(got shape {a0.shape})")
+    for s, a in enumerate(arrs[1:], start=1):
+        if a.shape != a0.shape:
+            raise InvalidArgument(f"{op}: {name}[{s}] shape must equal {name}[0]'s {a0.shape} "
+                                  f"[{dims}] (got {a.shape})")
+        if a.dtype != a0.dtype:
+            raise InvalidType(f"{op}: {name}[{s}] dtype must equal {name}[0]'s {a0.dtype} "
+                              f"(got {a.dtype})")
+
+
 # ----------------------------------------------------------------------------- references
 def q_gather_reference(qs: Sequence[np.ndarray]) -> np.ndarray:
     """``all_gather(q, dim=1)``: ``qs[s]`` is rank ``s``'s ``q [T, H_r, D]``; returns
-    ``[T, H, D]`` with heads ``[s*H_r, (s+1)*H_r)`` from rank ``s``."""
-    return np.concatenate([np.asarray(q) for q in qs], axis=1)
+    ``[T, H, D]`` with heads ``[s*H_r, (s+1)*H_r)`` from rank ``s``.
+
+    Raises
+    ------
+    InvalidArgument
+        ``qs`` is empty, or its arrays are not 3-D of one shape.
+    InvalidType
+        ``qs`` is not a sequence, or its arrays differ in dtype.
+    """
+    arrs = _arrays(qs, "q_gather_reference", "qs")
+    _same_layout(arrs, "q_gather_reference", "qs", 3, "T, H_r, D")
+    return np.concatenate(arrs, axis=1)
 
 
 def kv_gather_reference(kvs: Sequence[np.ndarray]) -> np.ndarray:
     """``all_gather_into_tensor(kv)``: ``kvs[s]`` is rank ``s``'s ``kv [T, D_kv]``; returns
-    ``[world_size*T, D_kv]`` with rows ``[s*T, (s+1)*T)`` from rank ``s``."""
-    return np.concatenate([np.asarray(k) for k in kvs], axis=0)
+    ``[world_size*T, D_kv]`` with rows ``[s*T, (s+1)*T)`` from rank ``s``.
+
+    Raises
+    ------
+    InvalidArgument
+        ``kvs`` is empty, or its arrays are not 2-D of one shape.
+    InvalidType
+        ``kvs`` is not a sequence, or its arrays differ in dtype.
+    """
+    arrs = _arrays(kvs, "kv_gather_reference", "kvs")
+    _same_layout(arrs, "kv_gather_reference", "kvs", 2, "T, D_kv")
+    return np.concatenate(arrs, axis=0)
 
 
 def _valid_rows(T: int, seq_lens: Optional[np.ndarray], qsl: Optional[np.ndarray]) -> np.ndarray:
@@ -76,6 +216,24 @@ def _valid_rows(T: int, seq_lens: Optional[np.ndarray], qsl: Optional[np.ndarray
             if sl[i] == 0:
                 valid[max(0, int(qsl[i])):min(T, int(qsl[i + 1]))] = False
     return valid
+
+
+def _index_array(x, op: str, name: str, dims: str, monotonic: bool = True) -> np.ndarray:
+    """``x`` as a 1-D int64 array of non-negative values (non-decreasing if ``monotonic``)."""
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise InvalidType(f"{op}: {name} dtype must be an integer dtype (got {a.dtype})")
+    if a.ndim != 1:
+        raise InvalidArgument(f"{op}: {name} must have 1 dimension [{dims}] (got shape "
+                              f"{a.shape})")
+    if monotonic and a.size == 0:
+        raise InvalidArgument(f"{op}: {name} length must be >= 1 for [{dims}] (got 0)")
+    a = a.astype(np.int64)
+    if a.size and a.min() < 0:
+        raise InvalidArgument(f"{op}: {name} values must be >= 0 (got {a.tolist()})")
+    if monotonic and (np.diff(a) < 0).any():
+        raise InvalidArgument(f"{op}: {name} values must be non-decreasing (got {a.tolist()})")
+    return a
 
 
 def lse_reduce_reference(out_partials: Sequence[np.ndarray], lse_partials: Sequence[np.ndarray],
@@ -108,19 +266,63 @@ def lse_reduce_reference(out_partials: Sequence[np.ndarray], lse_partials: Seque
         Merged natural-log lse; ``-inf`` for all-empty rows.
 
     The rows of rank ``r`` are ``out[:, r*H_r:(r+1)*H_r]``.
+
+    Raises
+    ------
+    InvalidArgument
+        Empty sequences, a different number of out and lse partials, shapes that differ
+        between ranks or do not match ``[T, H, D_v]`` / ``[T, H]``, ``lse_base`` other than e
+        or 2, ``seq_lens`` without ``query_start_loc`` or of the wrong length, an empty,
+        negative or decreasing ``query_start_loc``.
+    InvalidType
+        Non-numeric arrays, non-integer ``seq_lens`` / ``query_start_loc``, a non-numeric
+        ``lse_base``.
     """
-    W = len(out_partials)
-    if len(lse_partials) != W:
-        raise InvalidArgument("lse_reduce_reference: one lse_partial per rank is needed")
+    op = "lse_reduce_reference"
+    outs = _arrays(out_partials, op, "out_partials")
+    lses = _arrays(lse_partials, op, "lse_partials")
+    W = len(outs)
+    if len(lses) != W:
+        raise InvalidArgument(f"{op}: lse_partials length must equal len(out_partials) = {W}: "
+                              f"one lse_partial per rank is needed (got {len(lses)})")
+    if outs[0].ndim != 3:
+        raise InvalidArgument(f"{op}: out_partials[0] must have 3 dimensions [T, H, D_v] "
+                              f"(got shape {outs[0].shape})")
+    T, H, D = outs[0].shape
+    for name, arrs, want, dims in (("out_partials", outs, (T, H, D), "T, H, D_v"),
+                                   ("lse_partials", lses, (T, H), "T, H")):
+        for s, a in enumerate(arrs):
+            if a.shape != want:
+                raise InvalidArgument(f"{op}: {name}[{s}] shape must be {want} [{dims}] "
+                                      f"(got {a.shape})")
+            if not (_is_numeric(a.dtype) and a.dtype.kind != "c"):
+                raise InvalidType(f"{op}: {name}[{s}] dtype must be a real numeric dtype "
+                                  f"(got {a.dtype})")
+    base = _lse_base(lse_base, op)
     if seq_lens is not None and query_start_loc is None:
-        raise InvalidArgument("lse_reduce_reference: seq_lens needs query_start_loc")
-    T, H, D = np.asarray(out_partials[0]).shape
-    scale = 1.0 if lse_base == math.e else math.log(lse_base)
+        raise InvalidArgument(f"{op}: seq_lens needs query_start_loc (got query_start_loc=None)")
+    qsl = None if query_start_loc is None else _index_array(query_start_loc, op,
+                                                            "query_start_loc", "S+1")
+    sls: List[Optional[np.ndarray]] = [None] * W
+    if seq_lens is not None:
+        S = len(qsl) - 1
+        if isinstance(seq_lens, (str, bytes)) or not hasattr(seq_lens, "__len__"):
+            raise InvalidType(f"{op}: seq_lens must be a sequence of int arrays [S], one per "
+                              f"rank (got {_type_name(seq_lens)})")
+        if len(seq_lens) != W:
+            raise InvalidArgument(f"{op}: seq_lens length must be world_size = {W}, one array "
+                                  f"per rank (got {len(seq_lens)})")
+        for s in range(W):
+            sls[s] = _index_array(seq_lens[s], op, f"seq_lens[{s}]", "S", monotonic=False)
+            if len(sls[s]) != S:
+                raise InvalidArgument(f"{op}: seq_lens[{s}] length must be "
+                                      f"len(query_start_loc) - 1 = {S} (got {len(sls[s])})")
+    scale = 1.0 if base == math.e else math.log(base)
     lse = np.empty((W, T, H), dtype=np.float64)
     for s in range(W):
-        ls = np.asarray(lse_partials[s]).astype(np.float64) * scale
+        ls = lses[s].astype(np.float64) * scale
         ls[~np.isfinite(ls) & ~np.isneginf(ls)] = -np.inf   # NaN, +inf -> -inf
-        valid = _valid_rows(T, None if seq_lens is None else seq_lens[s], query_start_loc)
+        valid = _valid_rows(T, sls[s], qsl)
         ls[~valid, :] = -np.inf
         lse[s] = ls
     m = lse.max(axis=0)                                   # [T, H]
@@ -136,7 +338,7 @@ def lse_reduce_reference(out_partials: Sequence[np.ndarray], lse_partials: Seque
         ws = w[s]
         nz = ws > 0
         if nz.any():
-            src = np.asarray(out_partials[s]).astype(np.float64)
+            src = outs[s].astype(np.float64)
             out[nz] += ws[nz][:, None] * src[nz]
     with np.errstate(divide="ignore"):
         merged = np.where(empty, -np.inf, m_safe + np.log(np.where(empty, 1.0, denom)))
@@ -155,6 +357,16 @@ def _rng(seed: int, rank: int, op: str) -> np.random.Generator:
     return np.random.default_rng([int(seed), int(rank), _OP_SEEDS[op]])
 
 
+# Keyword arguments of make_inputs per op: (required, optional).
+_GEOMETRY = {
+    "q_gather": (("tokens", "num_heads", "head_dim"), ("dtype",)),
+    "kv_gather": (("tokens", "row_dim"), ("dtype",)),
+    "lse_reduce": (("tokens", "num_heads", "head_dim"),
+                   ("dtype", "lse_dtype", "lse_base", "num_requests", "empty_fraction",
+                    "nonfinite_fraction")),
+}
+
+
 def make_inputs(rank: int, world_size: int, seed: int, *, op: str, **geometry) -> Dict:
     """Rank ``rank``'s inputs for ``op``, reproducible from ``(seed, rank)`` alone.
 
@@ -171,49 +383,86 @@ def make_inputs(rank: int, world_size: int, seed: int, *, op: str, **geometry) -
     "query_start_loc": [S+1] int32 or None}``. ``query_start_loc`` is equal on every rank;
     ``seq_lens`` differ per rank and contain zeros so that some requests are empty here.
 
-    All arrays are host (NumPy) arrays.
+    ``dtype`` defaults to bfloat16. All arrays are host (NumPy) arrays.
+
+    Raises
+    ------
+    InvalidArgument
+        Unknown ``op``; a required keyword missing or an unknown one given (a typo such as
+        ``num_request``); ``world_size < 1``; ``rank`` outside ``[0, world_size)``; a negative
+        ``seed``, ``tokens`` or ``num_requests``; ``num_heads`` / ``head_dim`` / ``row_dim`` < 1;
+        ``num_heads`` not a multiple of ``world_size`` (q_gather); a fraction outside [0, 1];
+        ``lse_base`` other than e or 2.
+    InvalidType
+        A count that is not an int (bools included), an unknown or non-numeric dtype, a
+        non-float ``dtype`` / ``lse_dtype`` for lse_reduce.
     """
-    if op not in _OP_SEEDS:
-        raise InvalidArgument(f"make_inputs: op must be one of {sorted(_OP_SEEDS)} (got {op!r})")
-    rng = _rng(seed, rank, op)
-    T = int(geometry["tokens"])
+    fn = "make_inputs"
+    if not isinstance(op, str) or op not in _OP_SEEDS:
+        raise InvalidArgument(f"{fn}: op must be one of {sorted(_OP_SEEDS)} (got {op!r})")
+    required, optional = _GEOMETRY[op]
+    unknown = sorted(k for k in geometry if k not in required and k not in optional)
+    if unknown:
+        raise InvalidArgument(f"{fn}: keyword arguments for op={op!r} must be among "
+                              f"{list(required + optional)} (got unknown {unknown})")
+    missing = [k for k in required if k not in geometry]
+    if missing:
+        raise InvalidArgument(f"{fn}: op={op!r} needs the keyword arguments {list(required)} "
+                              f"(missing {missing})")
+    W = _int(world_size, fn, "world_size", 1)
+    r = _int(rank, fn, "rank", 0)
+    if r >= W:
+        raise InvalidArgument(f"{fn}: rank must lie in [0, {W}) (got {r})")
+    seed = _int(seed, fn, "seed", 0)
+    T = _int(geometry["tokens"], fn, "tokens", 0)
+    rng = _rng(seed, r, op)
+    dtype = resolve_dtype(geometry.get("dtype", "bfloat16"), op=fn)
     if op == "q_gather":
-        H, D = int(geometry["num_heads"]), int(geometry["head_dim"])
-        if H % world_size:
-            raise InvalidArgument(f"make_inputs: num_heads {H} must divide by world_size "
-                                  f"{world_size}")
-        return {"q": random_array(rng, (T, H // world_size, D), geometry.get("dtype", "bfloat16"))}
+        H = _int(geometry["num_heads"], fn, "num_heads", 1)
+        D = _int(geometry["head_dim"], fn, "head_dim", 1)
+        if H % W:
+            raise InvalidArgument(f"{fn}: num_heads must be a multiple of world_size {W} "
+                                  f"(got {H})")
+        return {"q": _random(rng, (T, H // W, D), dtype, fn, "dtype")}
     if op == "kv_gather":
-        D = int(geometry["row_dim"])
-        return {"kv": random_array(rng, (T, D), geometry.get("dtype", "bfloat16"))}
+        D = _int(geometry["row_dim"], fn, "row_dim", 1)
+        return {"kv": _random(rng, (T, D), dtype, fn, "dtype")}
     # lse_reduce
-    H, D = int(geometry["num_heads"]), int(geometry["head_dim"])
-    dtype = resolve_dtype(geometry.get("dtype", "bfloat16"))
-    lse_dtype = resolve_dtype(geometry.get("lse_dtype", "float32"))
-    base = float(geometry.get("lse_base", math.e))
+    H = _int(geometry["num_heads"], fn, "num_heads", 1)
+    D = _int(geometry["head_dim"], fn, "head_dim", 1)
+    lse_dtype = resolve_dtype(geometry.get("lse_dtype", "float32"), op=fn, name="lse_dtype")
+    for name, dt in (("dtype", dtype), ("lse_dtype", lse_dtype)):
+        if not _is_float(dt):
+            raise InvalidType(f"{fn}: {name} must be a floating dtype for op='lse_reduce' "
+                              f"(got {dt})")
+    base = _lse_base(geometry.get("lse_base", math.e), fn)
+    empty_fraction = _fraction(geometry.get("empty_fraction", 0.05), fn, "empty_fraction")
+    nonfinite_fraction = _fraction(geometry.get("nonfinite_fraction", 0.01), fn,
+                                   "nonfinite_fraction")
+    S = _int(geometry.get("num_requests", 0), fn, "num_requests", 0)
     out = rng.standard_normal((T, H, D), dtype=np.float32)
     lse = rng.normal(4.0, 2.0, size=(T, H)).astype(np.float64)
     if base != math.e:
         lse = lse / math.log(base)
-    empty = rng.random((T, H)) < float(geometry.get("empty_fraction", 0.05))
+    empty = rng.random((T, H)) < empty_fraction
     lse[empty] = -np.inf
     out[empty] = np.nan  # an empty source's payload must never be read
-    bad = rng.random((T, H)) < float(geometry.get("nonfinite_fraction", 0.01))
+    bad = rng.random((T, H)) < nonfinite_fraction
     lse[bad] = np.where(rng.random(int(bad.sum())) < 0.5, np.nan, np.inf)
     out[bad] = np.nan
-    S = int(geometry.get("num_requests", 0))
     seq_lens = qsl = None
     if S > 0:
         # query_start_loc must be equal on every rank: draw it from a rank-independent stream.
-        shared = np.random.default_rng([int(seed), 0x5EED, S, T])
+        shared = np.random.default_rng([seed, 0x5EED, S, T])
         cuts = np.sort(shared.integers(0, T + 1, size=S - 1)) if S > 1 else np.zeros(0, int)
         used = int(shared.integers(max(0, T - 2), T + 1))    # a few padding rows at the end
         qsl = np.concatenate([[0], np.minimum(cuts, used), [used]]).astype(np.int32)
         seq_lens = rng.integers(1, 1000, size=S).astype(np.int32)
         seq_lens[rng.random(S) < 0.3] = 0
-    return {
-        "out_partial": out.astype(dtype),
-        "lse_partial": lse.astype(lse_dtype),
-        "seq_lens": seq_lens,
-        "query_start_loc": qsl,
-    }
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN / inf into the narrow dtypes
+        return {
+            "out_partial": out.astype(dtype),
+            "lse_partial": lse.astype(lse_dtype),
+            "seq_lens": seq_lens,
+            "query_start_loc": qsl,
+        }

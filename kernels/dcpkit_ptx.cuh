@@ -28,6 +28,13 @@
 // (op, rank, silent peer, expected, observed, ubatch) in host-mapped memory, raises the device
 // abort flag so that no later call of the workspace waits again, and the kernel returns; the host
 // raises CollectiveTimeout at the next call or synchronize().
+//
+// Target architectures: everything but the multicast stores needs sm_70 (Volta) or newer:
+// ld.acquire / st.release / ld.relaxed / st.relaxed, fence.sc / fence.acq_rel and
+// atom.relaxed are PTX memory-model instructions of sm_70. bf16 conversion uses cvt.rn.bf16.f32
+// on sm_80+ and the same rounding written out in integer arithmetic below it. The multimem
+// stores exist only on sm_90+; on older targets they compile to a trap, so that every file
+// (unicast variants included) still compiles in one NVRTC run for any target >= sm_70.
 #pragma once
 
 namespace dcpkit {
@@ -56,7 +63,18 @@ template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
   bf16_t r;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+#else
+  // sm_70 / sm_75 have no bf16 cvt: round to nearest, ties to even, on the bits (exact for
+  // finite values, subnormals and infinities; a NaN stays a quiet NaN of the same sign).
+  const u32 u = __float_as_uint(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    r.bits = static_cast<u16>((u >> 16) | 0x0040u);
+  } else {
+    r.bits = static_cast<u16>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+#endif
   return r;
 }
 template <> __device__ __forceinline__ fp16_t from_float<fp16_t>(float x) {
@@ -139,13 +157,26 @@ __device__ __forceinline__ u32 atom_add_relaxed_gpu(u32* p, u32 v) {
 }
 
 // Multicast: one store whose copies land in every rank's memory (sm_90, NVLink SHARP). Used only
-// where dcpkit's multicast guard allows it (dcpkit/multicast.py).
+// where dcpkit's multicast guard allows it (dcpkit/multicast.py, NOTE [dcpkit multicast guard]):
+// the Multicast variants are launched only with a multicast object bound, and one exists only on
+// devices that report CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 1, i.e. sm_90 or newer. Below
+// sm_90 these helpers compile to a trap (multimem.* does not exist there) so that the unicast
+// variants of the same file still compile for sm_70 .. sm_89; a trap there means the guard was
+// bypassed.
 __device__ __forceinline__ void multimem_st16(void* mc, const uint4& v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("multimem.st.relaxed.sys.global.v4.f32 [%0], {%1,%2,%3,%4};"
                :: "l"(mc), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+#else
+  __trap();
+#endif
 }
 __device__ __forceinline__ void multimem_st_release_sys(u32* mc, u32 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("multimem.st.release.sys.global.u32 [%0], %1;" :: "l"(mc), "r"(v) : "memory");
+#else
+  __trap();
+#endif
 }
 
 __device__ __forceinline__ u64 globaltimer_ns() {

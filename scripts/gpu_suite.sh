@@ -31,8 +31,12 @@
 #   PYTHON                the interpreter (default python3)
 #
 # Never touches NCCL_NVLS_ENABLE, NVSHMEM_DISABLE_NVLS or TORCH_SYMM_MEM_DISABLE_MULTICAST: they
-# are printed at the start and checked unchanged before every stage (DESIGN.md, "Multicast
-# safety on shared machines").
+# are printed at the start and checked unchanged before every stage (README.md, "Known limits";
+# NOTE [dcpkit multicast guard] in dcpkit/multicast.py).
+#
+# Exit status: 0 when every stage passed; 2 on a machine with no GPU (after the info stage: the
+# other stages need GPUs and would otherwise be dropped silently); 3 when a multicast variable
+# changed; otherwise 1 when a stage failed or a requested stage had no world size to run at.
 #
 # Run from the repository root:  bash scripts/gpu_suite.sh
 set -u
@@ -46,7 +50,7 @@ PY="${PYTHON:-python3}"
 STAGES=",${DCPKIT_SUITE_STAGES:-info,tests,demo,bench},"
 BUDGET_S="${DCPKIT_SUITE_BUDGET_S:-570}"
 START_S=$(date +%s)
-WORK="$(mktemp -d /tmp/dcpkit_suite.XXXXXX)"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/dcpkit_suite.XXXXXX")"
 LOGS="$WORK/logs"
 mkdir -p "$LOGS"
 SUMMARY="$WORK/summary.txt"
@@ -264,6 +268,28 @@ fi
 if [[ $STAGES == *,info,* ]]; then
     run_stage info - 120 "$LOGS/info.log" "$PY" -m dcpkit info
     head -c 3000 "$LOGS/info.log"
+fi
+
+# No GPU: every later stage needs one. Say so and fail (exit 2) instead of dropping them all and
+# reporting success.
+if [ "${NGPU:-0}" -eq 0 ]; then
+    say "no GPU found on this machine (nvidia-smi lists none and CuPy counts none): the GPU" \
+        "suite needs GPUs; stages after info not run (see 'python -m dcpkit info' above)"
+    RESULTS+=("gpus|-|2|0|no GPU found: stages after info not run")
+    exit 2
+fi
+# Requested stages that run under mpirun with no world size left (every DCPKIT_SUITE_NP size
+# above the GPU count): a failure, not a silent skip.
+if [ -z "$NPS" ]; then
+    DROPPED=()
+    [[ $STAGES == *,tests,* || $STAGES == *,mpitests,* ]] && DROPPED+=(mpitests)
+    [[ $STAGES == *,demo,* ]] && [ -z "${DCPKIT_SUITE_DEMO_NP:-}" ] && DROPPED+=(demo)
+    [[ $STAGES == *,bench,* ]] && [ -z "${DCPKIT_SUITE_BENCH_NP:-}" ] && DROPPED+=(bench)
+    for st in ${DROPPED[@]+"${DROPPED[@]}"}; do
+        say "stage $st not run: no world size of '${DCPKIT_SUITE_NP:-2 4}' fits $NGPU GPU(s)" \
+            "(set DCPKIT_SUITE_NP, or DCPKIT_SUITE_SHARED_GPU=1)"
+        RESULTS+=("$st|-|1|0|not run: no world size of '${DCPKIT_SUITE_NP:-2 4}' fits $NGPU GPU(s)")
+    done
 fi
 
 if [[ $STAGES == *,tests,* || $STAGES == *,mpitests,* ]]; then

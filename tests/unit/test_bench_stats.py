@@ -307,6 +307,81 @@ def test_render_md_rejects_foreign_json(tmp_path, capsys):
     assert "is not a dcpkit-bench/1 JSON" in capsys.readouterr().err
 
 
+@pytest.fixture
+def one_result(tmp_path):
+    p = tmp_path / "bench_2.json"
+    p.write_text(json.dumps(bench._jsonable(_synthetic_result(2))))
+    return p
+
+
+@pytest.mark.parametrize("setup,args,fragment", [
+    (lambda d: None, lambda d, ok: [str(d / "missing.json")],
+     "cannot read {d}/missing.json: No such file or directory"),
+    (lambda d: (d / "x.json").write_text("not json {"), lambda d, ok: [str(d / "x.json")],
+     "{d}/x.json is not JSON (Expecting value"),
+    (lambda d: (d / "x.json").write_bytes(b"\xff\xfe\x00"), lambda d, ok: [str(d / "x.json")],
+     "cannot read {d}/x.json: UnicodeDecodeError"),
+    (lambda d: (d / "x.json").write_text("[1, 2]"), lambda d, ok: [str(d / "x.json")],
+     "{d}/x.json must hold one dcpkit-bench/1 JSON object (got a JSON list)"),
+    (lambda d: (d / "x.json").write_text('"text"'), lambda d, ok: [str(d / "x.json")],
+     "{d}/x.json must hold one dcpkit-bench/1 JSON object (got a JSON str)"),
+    (lambda d: None, lambda d, ok: [str(d)], "cannot read {d}: Is a directory"),
+    (lambda d: (d / "x.json").write_text('{"schema": "dcpkit-bench/1", "rows": 5}'),
+     lambda d, ok: [str(ok), str(d / "x.json")],
+     "{d}/x.json is a malformed dcpkit-bench/1 JSON (TypeError"),
+    (lambda d: None, lambda d, ok: [str(ok), "--md-out", str(d / "nodir" / "B.md")],
+     "cannot write --md-out {d}/nodir/B.md: directory {d}/nodir does not exist"),
+    (lambda d: None, lambda d, ok: [str(ok), "--md-out", str(d)],
+     "cannot write --md-out {d}: it is a directory"),
+    (lambda d: None, lambda d, ok: [str(ok), "--notes", str(d / "no_notes.md")],
+     "cannot read --notes {d}/no_notes.md: No such file or directory"),
+    (lambda d: None, lambda d, ok: [str(ok), "--notes", str(d)],
+     "cannot read --notes {d}: Is a directory"),
+])
+def test_render_md_bad_inputs_are_one_line_errors(tmp_path, one_result, capsys, setup, args,
+                                                  fragment):
+    d = tmp_path / "in"
+    d.mkdir()
+    setup(d)
+    rc = bench.main(["--render-md", *args(d, one_result)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    assert err.startswith("dcpkit bench: --render-md: "), err
+    assert fragment.format(d=d) in err, err
+
+
+def test_render_md_bad_inputs_exit_2_from_the_command_line(run_python, tmp_path):
+    (tmp_path / "l.json").write_text("[]")
+    proc = run_python(["-m", "dcpkit.bench", "--render-md", str(tmp_path / "l.json")])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "must hold one dcpkit-bench/1 JSON object (got a JSON list)" in proc.stderr
+
+
+def test_bench_without_driver_says_so(monkeypatch, capsys):
+    """No libcuda: 'no CUDA driver found', not CuPy's cudaErrorInsufficientDriver."""
+    from dcpkit import comm as comm_mod, info
+
+    class Two:
+        rank, world_size = 0, 2
+
+    def no_device(comm, cfg):
+        raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient "
+                           "for CUDA runtime version")
+
+    monkeypatch.setattr(comm_mod.Communicator, "from_mpi", classmethod(lambda cls: Two()))
+    monkeypatch.setattr(bench, "CupyDevice", no_device)
+    monkeypatch.setattr(info, "no_driver_reason", lambda probe=None: "no CUDA driver found (x)")
+    assert bench.main(["--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "dcpkit bench: rank 0: no usable GPU (no CUDA driver found (x))" in err, err
+    assert "InsufficientDriver" not in err
+    monkeypatch.setattr(info, "no_driver_reason", lambda probe=None: None)
+    assert bench.main(["--quick"]) == 2
+    assert "RuntimeError: cudaErrorInsufficientDriver" in capsys.readouterr().err
+
+
 def test_analyse_missed_names_the_dominant_term():
     row = _row("q_gather", "direct", "eager", 1, [20.0] * 3)
     _stats.annotate([row], CEIL)

@@ -183,3 +183,97 @@ def test_python_dash_m_dcpkit_without_arguments(run_python):
     assert proc.returncode == 2
     assert "usage: dcpkit" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- unknown multicast
+def test_info_without_gpu_says_unknown_not_reports_0(monkeypatch):
+    """No GPU: nothing was queried, so the report must not claim the device said 0."""
+    monkeypatch.setattr(info, "_gpus", lambda driver_ok: {"count": 0, "gpus": [], "p2p": [],
+                                                          "error": "no driver"})
+    monkeypatch.setenv("DCPKIT_MULTICAST", "1")
+    for k in ("DCPKIT_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS",
+              "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
+        monkeypatch.delenv(k, raising=False)
+    d = info.collect()
+    mc = d["multicast"]
+    assert mc["device_supported"] is None
+    assert mc["reason"].startswith("unknown (no GPU/driver"), mc
+    assert mc["used_if_opted_in"] is None and mc["reason_if_opted_in"].startswith(
+        "unknown (no GPU/driver"), mc
+    text = info.format_text(d)
+    assert "MULTICAST_SUPPORTED = 0" not in text, text
+    assert "if opted in (multicast=True or DCPKIT_MULTICAST=1): unknown (no GPU/driver" in text
+    # not opted in: the guard never gets to the device, the reason stays "not opted in"
+    monkeypatch.delenv("DCPKIT_MULTICAST")
+    mc = info.collect()["multicast"]
+    assert mc["used"] is False and mc["reason"].startswith("not opted in"), mc
+
+
+def test_info_gpu_with_unreadable_attribute_is_unknown(monkeypatch):
+    gpus = {"count": 1, "gpus": [{"index": 0, "name": "X", "compute_capability": "9.0",
+                                  "sm_count": 1, "memory_bytes": 1, "multicast_supported": None}],
+            "p2p": [[None]], "error": None}
+    monkeypatch.setattr(info, "_gpus", lambda driver_ok: gpus)
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    monkeypatch.delenv("DCPKIT_DISABLE_MULTICAST", raising=False)
+    monkeypatch.delenv("NVSHMEM_DISABLE_NVLS", raising=False)
+    monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)
+    mc = info.collect()["multicast"]
+    assert mc["used_if_opted_in"] is None
+    assert mc["reason_if_opted_in"] == ("unknown (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED could "
+                                        "not be read)")
+
+
+# ----------------------------------------------------------------------------- no driver probe
+def test_no_driver_reason(monkeypatch):
+    lib_missing = {"ok": False, "version": None,
+                   "error": 'DynamicLibNotFoundError: "cuda" is an NVIDIA driver library'}
+    assert info.no_driver_reason(lib_missing).startswith("no CUDA driver found")
+    assert info.no_driver_reason({"ok": True, "version": "13.0", "error": None}) is None
+    # the driver is there but does not initialise: not "no driver"
+    assert info.no_driver_reason({"ok": False, "version": None,
+                                  "error": "cuInit failed with CUDA_ERROR_NO_DEVICE"}) is None
+    # cuda-bindings missing: ask the loader directly
+    no_bindings = {"ok": False, "version": None, "error": "MissingDependency: cuda-bindings"}
+    monkeypatch.setattr(info, "_libcuda_loads", lambda: False)
+    assert info.no_driver_reason(no_bindings).startswith("no CUDA driver found")
+    monkeypatch.setattr(info, "_libcuda_loads", lambda: True)
+    assert info.no_driver_reason(no_bindings) is None
+
+
+def test_no_driver_reason_on_this_machine():
+    probe = info._driver_probe()
+    reason = info.no_driver_reason()
+    if probe["ok"]:
+        assert reason is None
+    elif "DynamicLibNotFoundError" in str(probe["error"]):
+        assert reason == ("no CUDA driver found (the NVIDIA driver library libcuda is not "
+                          "installed on this machine)")
+
+
+# ----------------------------------------------------------------------------- one report per job
+def test_launcher_rank():
+    assert info.launcher_rank({}) is None
+    assert info.launcher_rank({"OMPI_COMM_WORLD_RANK": "2"}) == 2
+    assert info.launcher_rank({"PMIX_RANK": "1"}) == 1
+    assert info.launcher_rank({"PMI_RANK": "0"}) == 0
+    assert info.launcher_rank({"PMI_RANK": "x"}) is None
+
+
+@pytest.mark.parametrize("var", ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"])
+def test_info_prints_only_on_launcher_rank_0(run_python, var):
+    quiet = run_python(["-m", "dcpkit", "info", "--json"], env={var: "2"})
+    assert quiet.returncode == 0 and quiet.stdout == "", quiet.stdout + quiet.stderr
+    loud = run_python(["-m", "dcpkit", "info", "--json", "--all-ranks"], env={var: "2"})
+    assert loud.returncode == 0, loud.stderr
+    assert json.loads(loud.stdout)["launcher_rank"] == 2
+    first = run_python(["-m", "dcpkit", "info"], env={var: "0"})
+    assert first.returncode == 0 and "[launcher rank 0]" in first.stdout
+
+
+def test_info_under_mpiexec_prints_one_document(mpi_launcher, run_cmd):
+    proc = run_cmd(mpi_launcher.command(3, sys.executable, "-m", "dcpkit", "info", "--json"),
+                   timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)  # exactly one JSON document
+    assert d["launcher_rank"] == 0

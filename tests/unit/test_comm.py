@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from dcpkit.comm import Communicator, launcher_world_size
-from dcpkit.errors import ClosedError, DcpkitError, PeerError
+from dcpkit.errors import ClosedError, DcpkitError, InvalidArgument, InvalidType, PeerError
+
+from _threadgroup import run_group
 
 WORKER = Path(__file__).resolve().parent / "mpi_scripts" / "comm_worker.py"
 LAUNCH_TIMEOUT_S = 60
@@ -174,7 +176,146 @@ def test_broadcast_root_out_of_range():
         c.broadcast(0, root=1)
 
 
+def _fake(rank, world_size):
+    return Communicator(rank, world_size, allgather=lambda o: [o] * 2, broadcast=lambda o, r: o,
+                        barrier=lambda: None, backend="test")
+
+
 def test_rank_out_of_range():
-    with pytest.raises(DcpkitError, match=r"rank 2 must lie in \[0, 2\)"):
-        Communicator(2, 2, allgather=lambda o: [o, o], broadcast=lambda o, r: o,
-                     barrier=lambda: None, backend="test")
+    with pytest.raises(InvalidArgument, match=r"^Communicator: rank must lie in \[0, 2\) "
+                       r"\(got 2\)"):
+        _fake(2, 2)
+    with pytest.raises(InvalidArgument, match=r"^Communicator: world_size must be >= 1 "
+                       r"\(got 0\)"):
+        _fake(0, 0)
+
+
+@pytest.mark.parametrize("rank,world_size,bad", [(0.5, 2, "rank"), ("0", 2, "rank"),
+                                                 (True, 2, "rank"), (None, 2, "rank"),
+                                                 (0, 2.0, "world_size"), (0, "2", "world_size")])
+def test_rank_and_world_size_types(rank, world_size, bad):
+    with pytest.raises(InvalidType, match=rf"^Communicator: {bad} must be an int \(got "):
+        _fake(rank, world_size)
+
+
+def test_numpy_int_rank_is_accepted():
+    np = pytest.importorskip("numpy")
+    assert _fake(np.int64(1), np.int32(2)).rank == 1
+
+
+@pytest.mark.parametrize("root", ["0", None, True, 0.0, [0]])
+def test_broadcast_root_type(root):
+    c = Communicator.single()
+    with pytest.raises(InvalidType, match=r"^Communicator.broadcast: root must be an int "
+                       r"\(got "):
+        c.broadcast("x", root=root)
+
+
+def test_from_mpi_refuses_a_non_communicator():
+    pytest.importorskip("mpi4py")
+    with pytest.raises(InvalidType, match=r"^Communicator.from_mpi: comm must be None or an "
+                       r"mpi4py.MPI.Comm \(got str 'x'\)"):
+        Communicator.from_mpi("x")
+
+
+def test_unpicklable_objects_single_rank():
+    c = Communicator.single()
+    unpicklable = lambda: None  # noqa: E731 - a lambda does not pickle
+    for method, call in (("allgather", lambda: c.allgather(unpicklable)),
+                         ("agree", lambda: c.agree("thing", unpicklable)),
+                         ("broadcast", lambda: c.broadcast(unpicklable)),
+                         ("agree_setup", lambda: c.agree_setup("op", lambda: unpicklable))):
+        with pytest.raises(InvalidType, match=rf"^Communicator.{method}: the object must be "
+                           rf"picklable \(got function: "):
+            call()
+    c.barrier()  # still usable
+    assert c.allgather(1) == [1]
+
+
+def test_unpicklable_object_on_one_rank_fails_every_rank():
+    """No rank is left waiting: the rank with the bad object raises InvalidType, the others
+    PeerError naming it."""
+    bad = lambda: None  # noqa: E731
+
+    def body(comm):
+        res = {}
+        for method in ("allgather", "agree", "broadcast"):
+            obj = bad if comm.rank == 1 else comm.rank
+            try:
+                if method == "allgather":
+                    comm.allgather(obj)
+                elif method == "agree":
+                    comm.agree("x", obj)
+                else:
+                    comm.broadcast(obj if comm.rank == 1 else None, root=1)
+                res[method] = None
+            except DcpkitError as e:
+                res[method] = (type(e).__name__, str(e), getattr(e, "failed", None))
+        res["after"] = comm.allgather(comm.rank)
+        return res
+
+    out = run_group(3, body)
+    for r, (status, res) in enumerate(out):
+        assert status == "ok", f"rank {r}: {res!r}"
+        for method in ("allgather", "agree", "broadcast"):
+            got = res[method]
+            assert got is not None, f"rank {r}: {method} accepted an unpicklable object"
+            if r == 1:
+                assert got[0] == "InvalidType" and f"Communicator.{method}: the object must be " \
+                    "picklable" in got[1], f"rank {r}: {got}"
+            else:
+                assert got[0] == "PeerError", f"rank {r}: {got}"
+                assert f"Communicator.{method}: pickling the object failed on rank(s) [1]" \
+                    in got[1], got[1]
+                assert list(got[2]) == [1]
+        assert res["after"] == [0, 1, 2]
+
+
+def test_all_ok_refuses_a_non_exception():
+    c = Communicator.single()
+    with pytest.raises(InvalidType, match=r"^Communicator.all_ok: error must be an exception or "
+                       r"None \(got str 'string'\)"):
+        c.all_ok("step", "string")
+
+    def body(comm):
+        try:
+            comm.all_ok("step", "oops" if comm.rank == 0 else None)
+        except DcpkitError as e:
+            return type(e).__name__, str(e)
+        return None
+
+    out = run_group(2, body)
+    assert out[0][1][0] == "InvalidType", out
+    assert out[1][1][0] == "PeerError" and "step failed on rank(s) [0]" in out[1][1][1], out
+
+
+def test_all_ok_failing_rank_raises_peer_error_chained_to_its_own():
+    """What the docstring says: PeerError on every rank; on the failing rank its __cause__ is
+    the rank's own exception."""
+    def body(comm):
+        own = ValueError("bad value") if comm.rank == 1 else None
+        try:
+            comm.all_ok("step", own)
+        except PeerError as e:
+            return type(e.__cause__).__name__ if e.__cause__ is not None else None, e.failed
+        return "no error"
+
+    out = run_group(2, body)
+    assert out[1] == ("ok", ("ValueError", {1: "ValueError: bad value"})), out
+    assert out[0] == ("ok", (None, {1: "ValueError: bad value"})), out
+    assert "PeerError" in Communicator.all_ok.__doc__ and "from error" in Communicator.all_ok.__doc__
+
+
+def test_closed_communicator_names_the_method():
+    c = Communicator.single()
+    c.close()
+    for method, call in (("allgather", lambda: c.allgather(1)),
+                         ("agree", lambda: c.agree("x", 1)),
+                         ("agree_setup", lambda: c.agree_setup("op", lambda: 1)),
+                         ("all_ok", lambda: c.all_ok("x", None)),
+                         ("broadcast", lambda: c.broadcast(1)),
+                         ("barrier", lambda: c.barrier()),
+                         ("job_token", lambda: c.job_token())):
+        with pytest.raises(ClosedError, match=rf"^Communicator.{method}: the communicator is "
+                           rf"closed$"):
+            call()

@@ -92,6 +92,30 @@ def test_no_gpu_in_process(capsys, monkeypatch):
     assert "no CUDA GPU is visible on this host" in err and "no CUDA driver" in err
 
 
+def test_no_driver_is_named_not_a_version_mismatch(monkeypatch, capsys):
+    """Without libcuda CuPy reports cudaErrorInsufficientDriver; the demo says there is no
+    driver (dcpkit info's probe)."""
+    cupy = pytest.importorskip("cupy")
+    from dcpkit import info
+
+    class Runtime:
+        def getDeviceCount(self):
+            raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is "
+                               "insufficient for CUDA runtime version")
+
+    monkeypatch.setattr(cupy.cuda, "runtime", Runtime())
+    monkeypatch.setattr(info, "no_driver_reason", lambda probe=None: "no CUDA driver found (x)")
+    assert demo._gpu_count() == (0, "no CUDA driver found (x)")
+    rc = demo.main(["--batch", "2", "--context", "64"], comm=Communicator.single())
+    err = capsys.readouterr().err
+    assert rc == 2 and "no CUDA GPU is visible on this host: no CUDA driver found" in err, err
+    assert "InsufficientDriver" not in err
+    # a driver that is there: CuPy's own message stays
+    monkeypatch.setattr(info, "no_driver_reason", lambda probe=None: None)
+    n, why = demo._gpu_count()
+    assert n == 0 and why.startswith("RuntimeError: cudaErrorInsufficientDriver"), why
+
+
 class FakeComm:
     """Rank 0 of ``world_size`` ranks on one host whose ranks see ``gpus`` GPUs; rank ``r``
     lands on the GPU with PCI bus id ``bus{r % gpus}``."""

@@ -103,3 +103,35 @@ def test_check_with_the_real_bindings_enum():
         check((drv.CUresult.CUDA_ERROR_INVALID_VALUE,), "cuMemMap")
     assert check((drv.CUresult.CUDA_SUCCESS, 7), "cuX") == 7
 
+
+
+# ----------------------------------------------------------------------------- dcpkit's namespace
+def test_every_error_class_is_exported_from_dcpkit():
+    import dcpkit
+
+    missing = [n for n in errors.__all__ if n not in dcpkit.__all__]
+    assert not missing, f"dcpkit.__all__ lacks {missing} (raised by dcpkit, listed in errors)"
+    for n in errors.__all__:
+        assert getattr(dcpkit, n) is getattr(errors, n), n
+    from dcpkit import ClosedError as C, InvalidArgument as A, PeerError as P
+    assert P is PeerError and C is ClosedError and A is InvalidArgument
+
+
+def test_every_name_in_dcpkit_all_resolves():
+    import dcpkit
+
+    assert len(set(dcpkit.__all__)) == len(dcpkit.__all__)
+    for n in dcpkit.__all__:
+        assert getattr(dcpkit, n) is not None, n
+    with pytest.raises(AttributeError, match="module 'dcpkit' has no attribute 'nope'"):
+        dcpkit.nope  # noqa: B018
+
+
+def test_dir_dcpkit_lists_only_public_names():
+    import dcpkit
+
+    names = dir(dcpkit)
+    for leaked in ("annotations", "importlib", "_LAZY", "_ERRORS"):
+        assert leaked not in names, f"dir(dcpkit) lists {leaked!r}"
+    assert set(dcpkit.__all__) <= set(names)
+    assert [n for n in names if n.startswith("_")] == ["__version__"], names

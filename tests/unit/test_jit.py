@@ -1,5 +1,6 @@
 """dcpkit.jit on a machine without GPU: NVRTC compile of every kernel and template variant for
-sm_90, CompileError contents, #include splicing, and the variant registry."""
+sm_90 (the target) and sm_80 / sm_70 (the minimum), CompileError contents, #include splicing,
+argument checks, and the variant registry."""
 
 import shutil
 from pathlib import Path
@@ -8,7 +9,7 @@ import pytest
 
 import dcpkit
 from dcpkit import jit
-from dcpkit.errors import CompileError, DcpkitError
+from dcpkit.errors import CompileError, DcpkitError, InvalidArgument, InvalidType
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -24,6 +25,35 @@ def test_every_variant_compiles_for_sm90(file):
     res = jit.compile_only([file], arch="sm_90")
     assert res[file]["variants"] == len(jit.VARIANTS[file])
     assert res[file]["cubin_bytes"] > 0
+
+
+# Below sm_90 the multicast variants must still compile (their multimem stores become a trap):
+# NVRTC compiles every variant of a file in one run, so one sm_90-only instruction would make the
+# unicast variants unusable on A100 / L40S too. sm_70 is the documented minimum.
+@pytest.mark.parametrize("arch", ["sm_80", "sm_70"])
+@pytest.mark.parametrize("file", sorted(jit.VARIANTS))
+def test_every_variant_compiles_below_sm90(file, arch):
+    archs = jit.nvrtc_archs()
+    if archs is not None and int(arch[3:]) not in archs:
+        pytest.skip(f"this NVRTC ({jit.nvrtc_version()}) cannot target {arch} "
+                    f"(CUDA 13 starts at sm_75)")
+    res = jit.compile_only([file], arch=arch)
+    assert res[file]["variants"] == len(jit.VARIANTS[file])
+    assert res[file]["cubin_bytes"] > 0
+
+
+def test_multimem_helpers_are_guarded_for_sm90():
+    """Every multimem instruction in the header sits under an sm_90 guard that traps below."""
+    text = (jit.kernels_dir() / "dcpkit_ptx.cuh").read_text()
+    lines = text.splitlines()
+    uses = [i for i, l in enumerate(lines) if "multimem." in l and "asm" in l]
+    assert len(uses) == 2, uses
+    for i in uses:
+        before = "\n".join(lines[max(0, i - 3):i])
+        after = "\n".join(lines[i:i + 6])
+        assert "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900" in before, before
+        assert "__trap();" in after and "#endif" in after, after
+    assert "sm_70" in jit.__doc__ and "sm_90" in jit.__doc__
 
 
 def test_every_kernel_file_is_registered():
@@ -142,15 +172,74 @@ def test_missing_include_names_the_file(scratch_kernels):
 
 def test_get_kernel_refuses_unregistered_variants():
     file = next(iter(jit.VARIANTS))
-    with pytest.raises(KeyError, match="is not a registered variant of kernels/"):
+    with pytest.raises(InvalidArgument,
+                       match=r"jit.get_kernel: name_expr must be a registered variant of kernels/"):
         jit.get_kernel(file, "dcpkit::not_a_kernel<float>")
-    with pytest.raises(KeyError, match="is not a registered variant of kernels/nope.cu"):
+    with pytest.raises(InvalidArgument, match=r"jit.get_kernel: file must be one of the kernel "
+                       r"files registered in jit.VARIANTS \[.*q_gather.cu.*\] \(got 'nope.cu'\)"):
         jit.get_kernel("nope.cu", "anything")
+    with pytest.raises(InvalidType, match="jit.get_kernel: file must be a kernel file name"):
+        jit.get_kernel(None, "anything")
+    with pytest.raises(InvalidType, match="jit.get_kernel: name_expr must be a str"):
+        jit.get_kernel(file, 3)
+
+
+@pytest.mark.parametrize("options", [[1], ("-G", None), b"-G", 3.5])
+def test_get_kernel_refuses_bad_options_before_cupy(options):
+    file = "q_gather.cu"
+    with pytest.raises(InvalidType, match="jit.get_kernel: options"):
+        jit.get_kernel(file, jit.VARIANTS[file][0], options=options)
 
 
 def test_compile_only_refuses_unregistered_files():
-    with pytest.raises(KeyError, match="kernels/nope.cu is not registered in VARIANTS"):
+    with pytest.raises(InvalidArgument, match=r"jit.compile_only: file must be one of the kernel "
+                       r"files registered in jit.VARIANTS \[ceilings.cu, .*\] \(got 'nope.cu'\)"):
         jit.compile_only(["nope.cu"])
+    with pytest.raises(InvalidArgument, match=r"\(got 'nope.cu'\)"):
+        jit.compile_only("nope.cu")
+    with pytest.raises(InvalidType, match=r"jit.compile_only: files must be None, a kernel file "
+                       r"name or a sequence of them \(got int 3\)"):
+        jit.compile_only(3)
+    with pytest.raises(InvalidType, match=r"file must be a kernel file name \(str\)"):
+        jit.compile_only([None])
+
+
+def test_compile_only_takes_one_file_as_a_str():
+    """A str is one file, not a sequence of one-character file names."""
+    res = jit.compile_only("ceilings.cu")
+    assert list(res) == ["ceilings.cu"]
+    assert res["ceilings.cu"]["variants"] == len(jit.VARIANTS["ceilings.cu"])
+
+
+def test_compile_only_options_forms(scratch_kernels):
+    scratch_kernels("opt.cu", "namespace t {\n__global__ void b(int* p) { p[0] = undefined_xyz; }\n}\n",
+                    ["t::b"])
+    for options, expected in (("-lineinfo", ["-lineinfo"]), (None, []), ((), []),
+                              (["-lineinfo", "-G"], ["-lineinfo", "-G"])):
+        with pytest.raises(CompileError) as ei:
+            jit.compile_only("opt.cu", options=options)
+        # a str is one option (not one option per character); None is no option
+        assert list(ei.value.options) == ["-std=c++17", "-arch=sm_90"] + expected, options
+    for bad in ([1], ["-G", None], b"-G", 7):
+        with pytest.raises(InvalidType, match="jit.compile_only: options"):
+            jit.compile_only("opt.cu", options=bad)
+
+
+def test_compile_only_arch_checks():
+    for bad in ("90", "sm90", "compute_90", "sm_9x", ""):
+        with pytest.raises(InvalidArgument, match=r"jit.compile_only: arch must be a real target "
+                           r"such as 'sm_90'"):
+            jit.compile_only("ceilings.cu", arch=bad)
+    with pytest.raises(InvalidType, match="jit.compile_only: arch must be a str"):
+        jit.compile_only("ceilings.cu", arch=90)
+    with pytest.raises(InvalidArgument, match=r"arch must be a target this NVRTC supports \["
+                       r".*sm_90.*\] \(got 'sm_1'\)"):
+        jit.compile_only("ceilings.cu", arch="sm_1")
+
+
+def test_nvrtc_archs():
+    archs = jit.nvrtc_archs()
+    assert archs and 90 in archs and 80 in archs
 
 
 def test_nvrtc_version():

@@ -15,9 +15,10 @@ import math
 import numpy as np
 import pytest
 
-from dcpkit.errors import InvalidArgument
-from dcpkit.reference import (_valid_rows, lse_reduce_reference, lse_reduce_tolerance,
-                              make_inputs, resolve_dtype)
+from dcpkit.errors import InvalidArgument, InvalidType
+from dcpkit.reference import (_valid_rows, kv_gather_reference, lse_reduce_reference,
+                              lse_reduce_tolerance, make_inputs, q_gather_reference,
+                              resolve_dtype)
 
 BF16 = resolve_dtype("bfloat16")
 NINF = -np.inf
@@ -249,3 +250,216 @@ def test_make_inputs_is_reproducible_and_shares_query_start_loc():
     assert q[-1] <= 11
     other = make_inputs(0, 2, 100, **g)["lse_partial"]
     assert not np.array_equal(other, a0["lse_partial"])
+
+
+# ----------------------------------------------------------------------------- resolve_dtype
+# NumPy's one-character codes are case-sensitive: lowercasing them changed their meaning
+# ('B' uint8 -> int8, 'F' complex64 -> float32, ...). Only the aliases are case-insensitive.
+@pytest.mark.parametrize("code,expected", [
+    ("b", np.int8), ("B", np.uint8), ("h", np.int16), ("H", np.uint16), ("i", np.int32),
+    ("I", np.uint32), ("l", np.int64), ("L", np.uint64), ("q", np.int64), ("Q", np.uint64),
+    ("e", np.float16), ("f", np.float32), ("d", np.float64), ("F", np.complex64),
+    ("D", np.complex128), ("?", np.bool_), ("U4", np.dtype("<U4")), ("S4", np.dtype("S4")),
+    ("u4", np.uint32), ("i2", np.int16), (">i2", np.dtype(">i2")), ("f8", np.float64),
+    ("c8", np.complex64), ("int8", np.int8), ("uint8", np.uint8),
+])
+def test_resolve_dtype_keeps_numpy_codes(code, expected):
+    assert resolve_dtype(code) == np.dtype(expected), code
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("bf16", "bfloat16"), ("BF16", "bfloat16"), ("bfloat16", "bfloat16"),
+    ("BFloat16", "bfloat16"), ("fp16", "float16"), ("half", "float16"), ("Half", "float16"),
+    ("fp32", "float32"), ("FP32", "float32"), ("float", "float32"), ("Float32", "float32"),
+    ("fp8", "float8_e4m3fn"), ("e4m3", "float8_e4m3fn"), ("E4M3", "float8_e4m3fn"),
+    ("float8_e4m3fn", "float8_e4m3fn"), ("float8_e5m2", "float8_e5m2"),
+    ("FLOAT8_E5M2", "float8_e5m2"),
+])
+def test_resolve_dtype_aliases_are_case_insensitive(name, expected):
+    import ml_dtypes
+
+    want = np.dtype(getattr(ml_dtypes, expected, None) or expected)
+    assert resolve_dtype(name) == want, name
+
+
+def test_resolve_dtype_passes_dtypes_and_types_through():
+    assert resolve_dtype(np.float16) == np.float16
+    assert resolve_dtype(np.dtype(np.uint8)) == np.uint8
+    assert resolve_dtype(BF16) is BF16 or resolve_dtype(BF16) == BF16
+
+
+@pytest.mark.parametrize("bad", [None, "nope", "float8_nope", "", object()])
+def test_resolve_dtype_rejects_unknown(bad):
+    with pytest.raises(InvalidType, match=r"resolve_dtype: dtype must be a .*dtype"):
+        resolve_dtype(bad)
+    with pytest.raises(InvalidType, match=r"^make_inputs: lse_dtype must be"):
+        resolve_dtype(bad, op="make_inputs", name="lse_dtype")
+
+
+# ----------------------------------------------------------------------------- reference input checks
+def _lse_args(W=2, T=3, H=2, D=4):
+    return ([np.zeros((T, H, D)) for _ in range(W)], [np.zeros((T, H)) for _ in range(W)])
+
+
+@pytest.mark.parametrize("change,exc,fragment", [
+    (lambda o, l, kw: ([], [], kw), InvalidArgument,
+     "out_partials must hold one array per rank (got an empty sequence)"),
+    (lambda o, l, kw: (o, [], kw), InvalidArgument,
+     "lse_partials must hold one array per rank (got an empty sequence)"),
+    (lambda o, l, kw: (None, l, kw), InvalidType, "out_partials must be a sequence of arrays"),
+    (lambda o, l, kw: (o, l[:1], kw), InvalidArgument, "one lse_partial per rank is needed"),
+    (lambda o, l, kw: ([x[0] for x in o], l, kw), InvalidArgument,
+     "out_partials[0] must have 3 dimensions [T, H, D_v] (got shape (2, 4))"),
+    (lambda o, l, kw: ([o[0], o[1][:, :1]], l, kw), InvalidArgument,
+     "out_partials[1] shape must be (3, 2, 4) [T, H, D_v] (got (3, 1, 4))"),
+    (lambda o, l, kw: (o, [l[0], l[1][:2]], kw), InvalidArgument,
+     "lse_partials[1] shape must be (3, 2) [T, H] (got (2, 2))"),
+    (lambda o, l, kw: (o, [l[0], np.zeros((3, 2, 1))], kw), InvalidArgument,
+     "lse_partials[1] shape must be (3, 2)"),
+    (lambda o, l, kw: (o, [l[0], np.full((3, 2), "x")], kw), InvalidType,
+     "lse_partials[1] dtype must be a real numeric dtype (got <U1)"),
+    (lambda o, l, kw: (o, l, {"lse_base": 10}), InvalidArgument,
+     "lse_base must be math.e or 2 (got 10)"),
+    (lambda o, l, kw: (o, l, {"lse_base": 1}), InvalidArgument, "lse_base must be math.e or 2"),
+    (lambda o, l, kw: (o, l, {"lse_base": 0}), InvalidArgument, "lse_base must be math.e or 2"),
+    (lambda o, l, kw: (o, l, {"lse_base": -2.0}), InvalidArgument, "lse_base must be math.e"),
+    (lambda o, l, kw: (o, l, {"lse_base": "2"}), InvalidType, "lse_base must be a real number"),
+    (lambda o, l, kw: (o, l, {"lse_base": True}), InvalidType, "lse_base must be a real number"),
+    (lambda o, l, kw: (o, l, {"query_start_loc": np.zeros(0, np.int32)}), InvalidArgument,
+     "query_start_loc length must be >= 1 for [S+1] (got 0)"),
+    (lambda o, l, kw: (o, l, {"query_start_loc": np.array([0, 3, 1], np.int32)}),
+     InvalidArgument, "query_start_loc values must be non-decreasing (got [0, 3, 1])"),
+    (lambda o, l, kw: (o, l, {"query_start_loc": np.array([-1, 3], np.int32)}),
+     InvalidArgument, "query_start_loc values must be >= 0 (got [-1, 3])"),
+    (lambda o, l, kw: (o, l, {"query_start_loc": np.array([0.0, 3.0])}), InvalidType,
+     "query_start_loc dtype must be an integer dtype (got float64)"),
+    (lambda o, l, kw: (o, l, {"query_start_loc": np.array([[0, 3]], np.int32)}),
+     InvalidArgument, "query_start_loc must have 1 dimension [S+1] (got shape (1, 2))"),
+    (lambda o, l, kw: (o, l, {"query_start_loc": np.array([0, 3], np.int32),
+                              "seq_lens": [np.array([1], np.int32)]}), InvalidArgument,
+     "seq_lens length must be world_size = 2, one array per rank (got 1)"),
+    (lambda o, l, kw: (o, l, {"query_start_loc": np.array([0, 3], np.int32),
+                              "seq_lens": [np.array([1], np.int32), np.array([1, 2], np.int32)]}),
+     InvalidArgument, "seq_lens[1] length must be len(query_start_loc) - 1 = 1 (got 2)"),
+    (lambda o, l, kw: (o, l, {"query_start_loc": np.array([0, 3], np.int32),
+                              "seq_lens": [np.array([1], np.int32), np.array([-1], np.int32)]}),
+     InvalidArgument, "seq_lens[1] values must be >= 0 (got [-1])"),
+])
+def test_lse_reduce_reference_input_checks(change, exc, fragment):
+    o, l = _lse_args()
+    outs, lses, kw = change(o, l, {})
+    with pytest.raises(exc) as ei:
+        lse_reduce_reference(outs, lses, **kw)
+    assert str(ei.value).startswith("lse_reduce_reference: "), str(ei.value)
+    assert fragment in str(ei.value), str(ei.value)
+
+
+def test_lse_reduce_reference_accepts_both_bases_and_a_one_row_qsl():
+    o, l = _lse_args()
+    for base in (math.e, 2, 2.0):
+        out, lse = lse_reduce_reference(o, l, lse_base=base)
+        assert out.shape == (3, 2, 4) and lse.shape == (3, 2)
+    out, lse = lse_reduce_reference(o, l, query_start_loc=np.array([2], np.int32))  # S = 0
+    assert np.isneginf(lse[2]).all() and np.isfinite(lse[:2]).all()
+
+
+@pytest.mark.parametrize("fn,name,ndim", [(q_gather_reference, "qs", 3),
+                                          (kv_gather_reference, "kvs", 2)])
+def test_gather_references_reject_mixed_inputs(fn, name, ndim):
+    op = fn.__name__
+    shape = (3, 2, 4)[:ndim]
+    a = np.zeros(shape, np.float32)
+    with pytest.raises(InvalidArgument, match=rf"^{op}: {name} must hold one array per rank"):
+        fn([])
+    with pytest.raises(InvalidType, match=rf"^{op}: {name} must be a sequence of arrays"):
+        fn(None)
+    with pytest.raises(InvalidType, match=rf"^{op}: {name}\[1\] dtype must equal {name}\[0\]'s "
+                       rf"float32 \(got float16\)"):
+        fn([a, a.astype(np.float16)])
+    other = np.zeros((3, 5, 4)[:ndim], np.float32)
+    with pytest.raises(InvalidArgument, match=rf"^{op}: {name}\[1\] shape must equal "):
+        fn([a, other])
+    with pytest.raises(InvalidArgument, match=rf"^{op}: {name}\[0\] must have {ndim} dimensions"):
+        fn([np.zeros((2,) * (ndim + 1)), np.zeros((2,) * (ndim + 1))])
+    got = fn([a, a + 1])
+    assert got.shape == ((3, 4, 4) if ndim == 3 else (6, 2))
+
+
+# ----------------------------------------------------------------------------- make_inputs checks
+_GEOM = {"q_gather": dict(tokens=4, num_heads=4, head_dim=8),
+         "kv_gather": dict(tokens=4, row_dim=8),
+         "lse_reduce": dict(tokens=4, num_heads=4, head_dim=8)}
+
+
+@pytest.mark.parametrize("op", sorted(_GEOM))
+def test_make_inputs_names_a_missing_keyword(op):
+    for key in _GEOM[op]:
+        g = {k: v for k, v in _GEOM[op].items() if k != key}
+        with pytest.raises(InvalidArgument, match=rf"make_inputs: op='{op}' needs the keyword "
+                           rf"arguments .* \(missing \['{key}'\]\)"):
+            make_inputs(0, 2, 1, op=op, **g)
+
+
+@pytest.mark.parametrize("op,typo", [("lse_reduce", "num_request"), ("q_gather", "row_dim"),
+                                     ("kv_gather", "num_heads"), ("lse_reduce", "lse_bse"),
+                                     ("q_gather", "world")])
+def test_make_inputs_rejects_unknown_keywords(op, typo):
+    with pytest.raises(InvalidArgument, match=rf"make_inputs: keyword arguments for op='{op}' "
+                       rf"must be among \[.*\] \(got unknown \['{typo}'\]\)"):
+        make_inputs(0, 2, 1, op=op, **_GEOM[op], **{typo: 3})
+
+
+@pytest.mark.parametrize("args,kw,exc,fragment", [
+    ((0, 0, 1), {}, InvalidArgument, "world_size must be >= 1 (got 0)"),
+    ((0, -2, 1), {}, InvalidArgument, "world_size must be >= 1 (got -2)"),
+    ((2, 2, 1), {}, InvalidArgument, "rank must lie in [0, 2) (got 2)"),
+    ((-1, 2, 1), {}, InvalidArgument, "rank must be >= 0 (got -1)"),
+    ((0, 2, -5), {}, InvalidArgument, "seed must be >= 0 (got -5)"),
+    ((0, 2, 1.5), {}, InvalidType, "seed must be an int (got float 1.5)"),
+    ((True, 2, 1), {}, InvalidType, "rank must be an int (got bool True)"),
+    ((0, 2.0, 1), {}, InvalidType, "world_size must be an int (got float 2.0)"),
+    ((0, 2, 1), {"tokens": 4.0}, InvalidType, "tokens must be an int (got float 4.0)"),
+    ((0, 2, 1), {"tokens": True}, InvalidType, "tokens must be an int (got bool True)"),
+    ((0, 2, 1), {"tokens": "4"}, InvalidType, "tokens must be an int (got str '4')"),
+    ((0, 2, 1), {"tokens": -1}, InvalidArgument, "tokens must be >= 0 (got -1)"),
+    ((0, 2, 1), {"num_heads": 0}, InvalidArgument, "num_heads must be >= 1 (got 0)"),
+    ((0, 2, 1), {"head_dim": 2.5}, InvalidType, "head_dim must be an int"),
+    ((0, 2, 1), {"num_requests": -1}, InvalidArgument, "num_requests must be >= 0 (got -1)"),
+    ((0, 2, 1), {"empty_fraction": 1.5}, InvalidArgument,
+     "empty_fraction must lie in [0, 1] (got 1.5)"),
+    ((0, 2, 1), {"nonfinite_fraction": -0.1}, InvalidArgument,
+     "nonfinite_fraction must lie in [0, 1] (got -0.1)"),
+    ((0, 2, 1), {"empty_fraction": float("nan")}, InvalidArgument,
+     "empty_fraction must lie in [0, 1] (got nan)"),
+    ((0, 2, 1), {"empty_fraction": "0.1"}, InvalidType, "empty_fraction must be a real number"),
+    ((0, 2, 1), {"lse_base": 10.0}, InvalidArgument, "lse_base must be math.e or 2 (got 10.0)"),
+    ((0, 2, 1), {"dtype": None}, InvalidType, "dtype must be a NumPy dtype"),
+    ((0, 2, 1), {"dtype": "int8"}, InvalidType,
+     "dtype must be a floating dtype for op='lse_reduce' (got int8)"),
+    ((0, 2, 1), {"lse_dtype": "B"}, InvalidType,
+     "lse_dtype must be a floating dtype for op='lse_reduce' (got uint8)"),
+])
+def test_make_inputs_argument_checks(args, kw, exc, fragment):
+    with pytest.raises(exc) as ei:
+        make_inputs(*args, op="lse_reduce", **{**_GEOM["lse_reduce"], **kw})
+    assert str(ei.value).startswith("make_inputs: "), str(ei.value)
+    assert fragment in str(ei.value), str(ei.value)
+
+
+def test_make_inputs_gather_checks():
+    with pytest.raises(InvalidArgument, match=r"make_inputs: op must be one of"):
+        make_inputs(0, 2, 1, op="all_reduce", tokens=1)
+    with pytest.raises(InvalidArgument, match=r"make_inputs: op must be one of"):
+        make_inputs(0, 2, 1, op=["q_gather"], tokens=1)
+    with pytest.raises(InvalidArgument, match=r"num_heads must be a multiple of world_size 3 "
+                       r"\(got 4\)"):
+        make_inputs(0, 3, 1, op="q_gather", **_GEOM["q_gather"])
+    with pytest.raises(InvalidType, match=r"make_inputs: dtype must be a numeric dtype "
+                       r"\(got <U4\)"):
+        make_inputs(0, 2, 1, op="kv_gather", **_GEOM["kv_gather"], dtype="U4")
+    # NumPy codes keep their meaning here too ('B' is uint8, not int8)
+    kv = make_inputs(0, 2, 1, op="kv_gather", **_GEOM["kv_gather"], dtype="B")["kv"]
+    assert kv.dtype == np.uint8 and kv.shape == (4, 8)
+    q = make_inputs(1, 2, 1, op="q_gather", **_GEOM["q_gather"], dtype=np.int64(0).dtype)["q"]
+    assert q.shape == (4, 2, 8) and q.dtype == np.int64
+    assert make_inputs(0, 1, 0, op="kv_gather", tokens=0, row_dim=3)["kv"].shape == (0, 3)

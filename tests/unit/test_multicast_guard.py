@@ -24,7 +24,7 @@ from _threadgroup import run_group
 KILL = [name for name, _ in mc.KILL_SWITCHES]
 
 # Values tried for each variable, with whether the value forbids multicast (independent table,
-# written from DESIGN.md and the NOTE, not from the code).
+# written from the design notes and NOTE [dcpkit multicast guard], not from the code).
 NCCL_VALUES = {None: False, "": False, "0": True, "1": False, "2": False, "off": True,
                "bogus": True}
 DISABLE_VALUES = {None: False, "": False, "1": True, "0": False, "true": True, "no": False,
@@ -155,6 +155,27 @@ def test_disable_variable_spellings(name, value, forbids):
 def test_opt_in_variable_spellings(value, opted):
     ok, reason = mc.multicast_decision(None, {mc.OPT_IN_VARIABLE: value}, True)
     assert ok is opted, reason
+
+
+@pytest.mark.parametrize("value", ["1", "true", "yes", "on", "y", "t", " Yes ", "TRUE", "0",
+                                   "false", "no", "off", "", "maybe"])
+def test_naive_equivalent_of_the_docstring_matches_the_opt_in(value):
+    """The "naive equivalent" in multicast_decision's docstring is the opt-in rule (for the
+    words it lists; integers other than 0/1 are covered by test_opt_in_variable_spellings)."""
+    doc = mc.multicast_decision.__doc__
+    assert '== "1"' not in doc, "the naive equivalent must not claim only '1' opts in"
+    truthy = ("1", "true", "yes", "on", "y", "t")
+    for w in truthy:
+        assert f'"{w}"' in doc, w
+    naive = value.strip().lower() in truthy
+    ok, reason = mc.multicast_decision(None, {mc.OPT_IN_VARIABLE: value}, True)
+    assert ok is naive, (value, reason)
+
+
+def test_docstrings_cite_only_files_in_the_repository():
+    """DESIGN.md is kept outside the repository: the module must not send readers there."""
+    assert "DESIGN.md" not in (mc.__doc__ or "")
+    assert "Known limits" in mc.__doc__
 
 
 def test_device_query_failure_means_no():
