@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .errors import CudaError, MissingDependency
+from .errors import CudaError, DcpkitError, InvalidArgument, InvalidType, MissingDependency
 
-__all__ = ["driver", "check", "cuda_extra", "device_attribute", "ensure_context"]
+__all__ = ["driver", "check", "cuda_extra", "device_attribute", "ensure_context", "require_cupy",
+           "require_device", "stream_types", "check_stream"]
 
 
 def cuda_extra() -> str:
@@ -40,6 +41,106 @@ def cuda_extra() -> str:
 _DRIVER = None
 
 
+def require_cupy():
+    """The ``cupy`` module; call it first in every public entry point that needs CuPy.
+
+    Raises
+    ------
+    MissingDependency
+        CuPy is not installed (or cannot be imported): the message names the ``cuda12`` /
+        ``cuda13`` extra that brings it.
+    """
+    try:
+        import cupy  # noqa: WPS433 (lazy: CuPy is optional at import)
+    except ImportError as e:
+        raise MissingDependency("cupy", cuda_extra(), str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a broken install (CUDA libraries of another major)
+        raise MissingDependency("cupy", cuda_extra(), f"importing it failed: "
+                                                      f"{type(e).__name__}: {e}") from None
+    return cupy
+
+
+def require_device(what: str, device: Optional[int] = None) -> int:
+    """The CUDA device this thread uses (``device`` when given), checked to exist.
+
+    Turns "no driver" / "no GPU" into one clear error instead of a raw CUDA runtime error from
+    deep inside. Costs two CUDA runtime queries: call it at construction, never per call.
+
+    Parameters
+    ----------
+    what : str
+        The op or class named in the error (``"DCPComm"``, ``"lse_reduce"``, ...).
+    device : int, optional
+        A device index to check against the visible devices (default: the current device).
+
+    Returns
+    -------
+    int
+        The device index.
+
+    Raises
+    ------
+    MissingDependency
+        CuPy is not installed.
+    DcpkitError
+        No CUDA driver, or no visible GPU:
+        ``"<what>: no CUDA GPU is visible (cudaGetDeviceCount: ...)"``.
+    InvalidArgument
+        ``device`` is not one of the visible devices.
+    """
+    cupy = require_cupy()
+    rt = cupy.cuda.runtime
+    try:
+        count = int(rt.getDeviceCount())
+    except Exception as e:  # noqa: BLE001 - no driver, no device, driver too old
+        raise DcpkitError(f"{what}: no CUDA GPU is visible (cudaGetDeviceCount: "
+                          f"{_error_text(e)}); check the NVIDIA driver and "
+                          f"CUDA_VISIBLE_DEVICES") from None
+    if count < 1:
+        raise DcpkitError(f"{what}: no CUDA GPU is visible (cudaGetDeviceCount: 0 devices); "
+                          f"check the NVIDIA driver and CUDA_VISIBLE_DEVICES")
+    if device is None:
+        try:
+            device = int(rt.getDevice())
+        except Exception as e:  # noqa: BLE001 - same as above, for the current device
+            raise DcpkitError(f"{what}: no CUDA GPU is usable (cudaGetDevice: "
+                              f"{_error_text(e)})") from None
+    if not 0 <= int(device) < count:
+        raise InvalidArgument(f"{what}: device index must lie in [0, {count}) (got {device})")
+    return int(device)
+
+
+def _error_text(e: BaseException) -> str:
+    text = str(e)
+    return text if text else type(e).__name__
+
+
+#: The CuPy stream classes (filled on first use; one isinstance check per call).
+_STREAM_TYPES: tuple = ()
+
+
+def stream_types() -> tuple:
+    """The classes a ``stream=`` argument may have: CuPy's stream base class (covers
+    ``cupy.cuda.Stream`` and ``cupy.cuda.ExternalStream``)."""
+    global _STREAM_TYPES
+    if not _STREAM_TYPES:
+        cupy = require_cupy()
+        mod = cupy.cuda.stream
+        base = getattr(mod, "BaseStream", None) or getattr(mod, "_BaseStream", None)
+        _STREAM_TYPES = (base,) if base is not None else (cupy.cuda.Stream,
+                                                          cupy.cuda.ExternalStream)
+    return _STREAM_TYPES
+
+
+def check_stream(stream, what: str):
+    """``stream`` itself when it is None or a CuPy stream; :class:`InvalidType` otherwise
+    (``"<what>: stream must be a cupy.cuda.Stream (got str)"``). One isinstance check."""
+    if stream is None or isinstance(stream, _STREAM_TYPES or stream_types()):
+        return stream
+    raise InvalidType(f"{what}: stream must be a cupy.cuda.Stream (got "
+                      f"{type(stream).__name__})")
+
+
 def driver():
     """The ``cuda.bindings.driver`` module (cuda-python), imported on first use.
 
@@ -56,7 +157,8 @@ def driver():
             try:
                 from cuda import cuda as drv  # noqa: WPS433 (cuda-python < 12.6 layout)
             except ImportError as e:
-                raise MissingDependency("cuda-bindings (cuda-python)", cuda_extra(), str(e)) from None
+                raise MissingDependency("cuda-bindings (cuda-python)", cuda_extra(),
+                                        str(e)) from None
         _DRIVER = drv
     return _DRIVER
 

@@ -60,14 +60,15 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import jit
+from . import _cuda, jit
 from ._arrays import ArrayInfo, array_info, check_device, check_dtype, check_shape, dtype_name
 from ._cuda import cuda_extra
 from .comm import Communicator
 from .errors import (ClosedError, CudaError, InvalidArgument, InvalidType, MissingDependency,
                      PeerError)
-from .ops._workspace import check_positive_int, debug_enabled, default_timeout_ms
+from .ops._workspace import check_positive_int, check_timeout_ms, debug_enabled, guarded
 from .reference import resolve_dtype
+from .symmetric import MAX_NBYTES
 
 __all__ = [
     "NcclGroup", "NcclQGather", "NcclKVGather", "NcclLseReduce", "LSE_ALGORITHMS",
@@ -86,6 +87,7 @@ _MAX_CTAS = 4096
 _COPY_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "uint2",
                16: "uint4"}
 _F32 = np.dtype(np.float32)
+_INT32_MAX = 2**31 - 1
 
 
 def _float_dtypes() -> Tuple[np.dtype, np.dtype, np.dtype]:
@@ -152,25 +154,29 @@ class NcclGroup:
     Raises
     ------
     MissingDependency
-        NCCL is not usable through CuPy (on any rank: the others raise PeerError).
+        CuPy or NCCL is not usable through CuPy (on any rank: the others raise PeerError).
+    DcpkitError
+        No CUDA GPU is visible (on any rank: the others raise PeerError).
     """
 
     def __init__(self, comm: Communicator):
-        import cupy  # noqa: WPS433
-
         self._closed = True
         if not isinstance(comm, Communicator):
             raise InvalidType(f"NcclGroup: comm must be a dcpkit.Communicator "
                               f"(got {type(comm).__name__})")
         self.comm = comm
+
+        def init():
+            # CuPy, NCCL and a GPU on every rank, agreed before any rank enters NCCL.
+            _cuda.require_cupy()
+            self._nccl_mod = nccl_module()
+            self.device = _cuda.require_device("NcclGroup")
+
+        comm.agree_setup("NcclGroup", guarded("NcclGroup", init), "nothing")
+        import cupy  # noqa: WPS433
+
+        nccl = self._nccl_mod
         err: Optional[BaseException] = None
-        nccl = None
-        try:
-            nccl = nccl_module()
-        except MissingDependency as e:
-            err = e
-        _share_outcome(comm, "NcclGroup: cupy.cuda.nccl", err)
-        self.device = int(cupy.cuda.Device().id)
         uid = None
         if comm.rank == 0:
             try:
@@ -185,7 +191,6 @@ class NcclGroup:
         except Exception as e:  # noqa: BLE001 - shared below
             err = e
         _share_outcome(comm, "NcclGroup: ncclCommInitRank", err)
-        self._nccl_mod = nccl
         self._closed = False
 
     def check_async_error(self) -> None:
@@ -336,8 +341,8 @@ class _Kernels:
     by :mod:`dcpkit.jit`, cached on disk by CuPy)."""
 
     def __init__(self, device: int):
-        import cupy  # noqa: WPS433
-
+        cupy = _cuda.require_cupy()
+        _cuda.require_device(f"loading kernels/{_FILE}", device)
         with cupy.cuda.Device(device):
             self.copy = {b: jit.get_kernel(_FILE, f"dcpkit::fallback_copy_kernel<{t}>").kernel
                          for b, t in _COPY_TYPES.items()}
@@ -368,9 +373,18 @@ def strided_copy(dst, src, stream=None) -> None:
     nothing (capture-safe once the kernels are loaded).
 
     Stream: enqueued on ``stream`` (default: the current CuPy stream).
+
+    Raises
+    ------
+    InvalidType, InvalidArgument
+        Host arrays, different shapes or itemsizes, arrays on different GPUs, a ``stream``
+        that is not a CuPy stream.
+    MissingDependency
+        CuPy is not installed.
     """
     di = array_info(dst, "strided_copy", "dst")
     si = array_info(src, "strided_copy", "src")
+    _cuda.check_stream(stream, "strided_copy")
     _copy_infos(di, si, stream)
 
 
@@ -420,29 +434,60 @@ class _NcclOp:
     transport = "nccl"
 
     # ------------------------------------------------------------------ construction
-    def _agree_geometry(self, comm: Communicator, init, what: str) -> None:
-        """Run ``init()`` (argument checks, returns the geometry tuple) on every rank and share
-        the outcome: raise on every rank if any rank failed or if the geometries differ."""
+    def _agree_geometry(self, comm: Communicator, check_arguments, what: str,
+                        nccl_group: Optional["NcclGroup"]) -> None:
+        """Run ``check_arguments(world_size)`` (argument checks, returns the geometry tuple),
+        then the CuPy, NCCL, GPU and ``nccl_group`` checks, on every rank in one exchange:
+        raise on every rank if any rank failed or if the geometries differ."""
         self._closed = True
-        if not isinstance(comm, Communicator):
-            raise InvalidType(f"{self.op_name}: comm must be a dcpkit.Communicator "
-                              f"(got {type(comm).__name__})")
-        comm.agree_setup(f"{self.op_name} (nccl)", init, f"geometry ({what})")
-
-    def _check_common(self, comm: Communicator, max_tokens, num_ubatches, timeout_ms) -> None:
         op = self.op_name
+        if not isinstance(comm, Communicator):
+            raise InvalidType(f"{op}: comm must be a dcpkit.Communicator "
+                              f"(got {type(comm).__name__})")
         self.comm = comm
         self.rank = comm.rank
         self.world_size = comm.world_size
+
+        def init():
+            values = tuple(check_arguments(comm.world_size))
+            _cuda.require_cupy()
+            if nccl_group is None:
+                nccl_module()  # the group this op creates needs it
+                _cuda.require_device(op)
+                return values
+            device = _cuda.require_device(op)
+            if not isinstance(nccl_group, NcclGroup):
+                raise InvalidType(f"{op}: nccl_group must be a dcpkit.fallback.NcclGroup "
+                                  f"(got {type(nccl_group).__name__})")
+            if nccl_group.closed:
+                raise ClosedError(f"{op}: nccl_group must be open (got a closed NcclGroup)")
+            if (nccl_group.device, nccl_group.comm.world_size) != (device, comm.world_size):
+                raise InvalidArgument(
+                    f"{op}: nccl_group must be a group on GPU {device} with world_size "
+                    f"{comm.world_size} (got GPU {nccl_group.device}, world_size "
+                    f"{nccl_group.comm.world_size})")
+            return values
+
+        comm.agree_setup(f"{op} (nccl)", guarded(op, init), f"geometry ({what})")
+
+    def _check_common(self, world_size: int, max_tokens, num_ubatches, timeout_ms) -> None:
+        op = self.op_name
+        self.world_size = int(world_size)
         self.max_tokens = check_positive_int(max_tokens, op, "max_tokens")
+        if self.max_tokens > _INT32_MAX:  # T is an int parameter of the kernels
+            raise InvalidArgument(f"{op}: max_tokens must be <= 2**31 - 1 (got "
+                                  f"{self.max_tokens})")
         self.num_ubatches = check_positive_int(num_ubatches, op, "num_ubatches")
-        if timeout_ms is None:
-            timeout_ms = default_timeout_ms()
-        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, (int, float)) \
-                or not (0 < timeout_ms <= 3_600_000):
-            raise InvalidArgument(f"{op}: timeout_ms must be in (0, 3600000] milliseconds "
-                                  f"(got {timeout_ms!r})")
-        self.timeout_ms = float(timeout_ms)
+        self.timeout_ms = check_timeout_ms(timeout_ms, op)
+
+    def _check_buffer_bytes(self, per_ubatch: int, size_arguments: str) -> None:
+        """The buffers allocated at construction must stay <= 2**40 bytes."""
+        U = self.num_ubatches
+        if U * per_ubatch > MAX_NBYTES:
+            raise InvalidArgument(
+                f"{self.op_name}: num_ubatches * buffer bytes per ubatch must be <= 2**40 (got "
+                f"{U} * {per_ubatch} = {U * per_ubatch}): lower {size_arguments} or "
+                f"num_ubatches")
 
     def _setup_nccl(self, nccl_group: Optional[NcclGroup]) -> None:
         """The NCCL group (shared or own), the device, counters and kernels (collective)."""
@@ -450,21 +495,11 @@ class _NcclOp:
 
         self._cupy = cupy
         self._debug = debug_enabled()
-        if nccl_group is not None:
-            self.device = int(cupy.cuda.Device().id)
-            bad = None
-            if not isinstance(nccl_group, NcclGroup) or nccl_group.closed:
-                bad = f"an open NcclGroup (got {nccl_group!r})"
-            elif nccl_group.device != self.device or nccl_group.comm.world_size != \
-                    self.world_size:
-                bad = (f"a group on GPU {self.device} with world_size {self.world_size} (got "
-                       f"GPU {nccl_group.device}, world_size {nccl_group.comm.world_size})")
-            _share_outcome(self.comm, f"{self.op_name} (nccl): nccl_group",
-                           None if bad is None else InvalidArgument(
-                               f"{self.op_name}: nccl_group must be {bad}"))
+        if nccl_group is not None:  # checked on every rank by _agree_geometry
+            self.device = nccl_group.device
             self._owns_group = False
         else:
-            nccl_group = NcclGroup(self.comm)  # checks NCCL before touching the GPU
+            nccl_group = NcclGroup(self.comm)  # collective, agreed
             self._owns_group = True
             self.device = nccl_group.device
         self.nccl_group = nccl_group
@@ -542,7 +577,13 @@ class _NcclOp:
         return int(ubatch)
 
     def get_stream(self, stream):
-        return self._cupy.cuda.get_current_stream() if stream is None else stream
+        """``stream``, or the current CuPy stream for None; :class:`InvalidType` unless a CuPy
+        stream."""
+        if stream is None:
+            return self._cupy.cuda.get_current_stream()
+        if isinstance(stream, _cuda._STREAM_TYPES or _cuda.stream_types()):
+            return stream
+        return _cuda.check_stream(stream, self.op_name)  # raises InvalidType
 
     def _begin(self, ubatch: int, T: int, stream, debug_key: Tuple) -> Tuple[int, bool]:
         """Bookkeeping after validation, before the first launch. Returns ``(buffer index,
@@ -715,21 +756,11 @@ class NcclQGather(_NcclOp):
                  padded_num_heads: Optional[int] = None, timeout_ms: Optional[float] = None,
                  heap=None, multicast: Optional[bool] = None,
                  nccl_group: Optional[NcclGroup] = None):
-        def init():
-            op = self.op_name
-            self._check_common(comm, max_tokens, num_ubatches, timeout_ms)
-            self.heads_per_rank = check_positive_int(heads_per_rank, op, "heads_per_rank")
-            self.head_dim = check_positive_int(head_dim, op, "head_dim")
-            self.dtype = _resolve_any_dtype(dtype, op)
-            self.num_heads = self.heads_per_rank * self.world_size
-            pad = self.num_heads if padded_num_heads is None else padded_num_heads
-            self.padded_num_heads = check_positive_int(pad, op, "padded_num_heads",
-                                                       minimum=self.num_heads)
-            return (self.max_tokens, self.heads_per_rank, self.head_dim, str(self.dtype),
-                    self.padded_num_heads, self.num_ubatches)
-
-        self._agree_geometry(comm, init, "max_tokens, heads_per_rank, head_dim, dtype, "
-                                         "padded_num_heads, num_ubatches")
+        self._agree_geometry(comm, lambda W: self._check_arguments(
+            W, max_tokens=max_tokens, heads_per_rank=heads_per_rank, head_dim=head_dim,
+            dtype=dtype, num_ubatches=num_ubatches, padded_num_heads=padded_num_heads,
+            timeout_ms=timeout_ms), "max_tokens, heads_per_rank, head_dim, dtype, "
+                                    "padded_num_heads, num_ubatches", nccl_group)
         self._setup_nccl(nccl_group)
         isz = self.dtype.itemsize
         self.row_bytes = self.heads_per_rank * self.head_dim * isz
@@ -744,6 +775,27 @@ class NcclQGather(_NcclOp):
 
         self._allocate(build)
         self._finish()
+
+    def _check_arguments(self, world_size: int, *, max_tokens, heads_per_rank, head_dim, dtype,
+                         num_ubatches=1, padded_num_heads=None, timeout_ms=None) -> Tuple:
+        """Every check of the constructor arguments that needs no GPU and no collective (the
+        constructor's keywords); returns what every rank must agree on."""
+        op = self.op_name
+        self._check_common(world_size, max_tokens, num_ubatches, timeout_ms)
+        self.heads_per_rank = check_positive_int(heads_per_rank, op, "heads_per_rank")
+        self.head_dim = check_positive_int(head_dim, op, "head_dim")
+        self.dtype = _resolve_any_dtype(dtype, op)
+        self.num_heads = self.heads_per_rank * self.world_size
+        pad = self.num_heads if padded_num_heads is None else padded_num_heads
+        self.padded_num_heads = check_positive_int(pad, op, "padded_num_heads",
+                                                   minimum=self.num_heads)
+        isz, T, W = self.dtype.itemsize, self.max_tokens, self.world_size
+        row = self.heads_per_rank * self.head_dim * isz
+        self._check_buffer_bytes(T * row * (1 + W) + 3 * T * self.padded_num_heads
+                                 * self.head_dim * isz,
+                                 "max_tokens, heads_per_rank, head_dim, padded_num_heads")
+        return (self.max_tokens, self.heads_per_rank, self.head_dim, str(self.dtype),
+                self.padded_num_heads, self.num_ubatches)
 
     def _free_buffers(self) -> None:
         self._send = self._gather = self._outs = None
@@ -897,17 +949,10 @@ class NcclKVGather(_NcclOp):
                  num_ubatches: int = 1, algorithm: str = "push",
                  timeout_ms: Optional[float] = None, heap=None,
                  multicast: Optional[bool] = None, nccl_group: Optional[NcclGroup] = None):
-        def init():
-            op = self.op_name
-            self._check_common(comm, max_tokens, num_ubatches, timeout_ms)
-            self.row_dim = check_positive_int(row_dim, op, "row_dim")
-            self.dtype = _resolve_any_dtype(dtype, op)
-            if algorithm not in ("push", "pull"):
-                raise InvalidArgument(f"{op}: algorithm must be 'push' or 'pull' "
-                                      f"(got {algorithm!r})")
-            return (self.max_tokens, self.row_dim, str(self.dtype), self.num_ubatches)
-
-        self._agree_geometry(comm, init, "max_tokens, row_dim, dtype, num_ubatches")
+        self._agree_geometry(comm, lambda W: self._check_arguments(
+            W, max_tokens=max_tokens, row_dim=row_dim, dtype=dtype, num_ubatches=num_ubatches,
+            algorithm=algorithm, timeout_ms=timeout_ms),
+            "max_tokens, row_dim, dtype, num_ubatches", nccl_group)
         self._setup_nccl(nccl_group)
         self.row_bytes = self.row_dim * self.dtype.itemsize
         T, W, U = self.max_tokens, self.world_size, self.num_ubatches
@@ -919,6 +964,22 @@ class NcclKVGather(_NcclOp):
 
         self._allocate(build)
         self._finish()
+
+    def _check_arguments(self, world_size: int, *, max_tokens, row_dim, dtype, num_ubatches=1,
+                         algorithm="push", timeout_ms=None) -> Tuple:
+        """Every check of the constructor arguments that needs no GPU and no collective (the
+        constructor's keywords); returns what every rank must agree on."""
+        op = self.op_name
+        self._check_common(world_size, max_tokens, num_ubatches, timeout_ms)
+        self.row_dim = check_positive_int(row_dim, op, "row_dim")
+        self.dtype = _resolve_any_dtype(dtype, op)
+        if algorithm not in ("push", "pull"):
+            raise InvalidArgument(f"{op}: algorithm must be 'push' or 'pull' "
+                                  f"(got {algorithm!r})")
+        row = self.row_dim * self.dtype.itemsize
+        self._check_buffer_bytes(self.max_tokens * row * (1 + 3 * self.world_size),
+                                 "max_tokens, row_dim")
+        return (self.max_tokens, self.row_dim, str(self.dtype), self.num_ubatches)
 
     def _free_buffers(self) -> None:
         self._send = self._outs = None
@@ -1060,45 +1121,12 @@ class NcclLseReduce(_NcclOp):
                  dtype, num_ubatches: int = 1, lse_base: float = math.e,
                  return_lse: bool = False, timeout_ms: Optional[float] = None, heap=None,
                  algorithm: str = "all_to_all", nccl_group: Optional[NcclGroup] = None):
-        def init():
-            op = self.op_name
-            self._check_common(comm, max_tokens, num_ubatches, timeout_ms)
-            self.num_heads = check_positive_int(num_heads, op, "num_heads")
-            self.head_dim = check_positive_int(head_dim, op, "head_dim")
-            W = self.world_size
-            if self.num_heads % W:
-                raise InvalidArgument(f"{op}: num_heads must be a multiple of world_size {W} "
-                                      f"(got {self.num_heads})")
-            try:
-                dt = resolve_dtype(dtype)
-            except (TypeError, ValueError, AttributeError, ImportError):
-                raise InvalidType(f"{op}: dtype must be one of [bfloat16, float16, float32] "
-                                  f"(got {dtype!r})") from None
-            if dt not in _float_dtypes():
-                raise InvalidType(f"{op}: dtype must be one of [bfloat16, float16, float32] "
-                                  f"(got {dtype_name(dt)})")
-            self.dtype = dt
-            if algorithm not in LSE_ALGORITHMS:
-                raise InvalidArgument(f"{op}: algorithm must be one of {list(LSE_ALGORITHMS)} "
-                                      f"(got {algorithm!r})")
-            self.algorithm = algorithm
-            if algorithm == "all_to_all" and (self.head_dim * dt.itemsize) % 16:
-                raise InvalidArgument(
-                    f"{op}: head_dim * itemsize must be a multiple of 16 bytes for "
-                    f"algorithm 'all_to_all' (got {self.head_dim} * {dt.itemsize}); use "
-                    f"'allgather_reduce_scatter'")
-            if isinstance(lse_base, bool) or not isinstance(lse_base, (int, float, np.number)) \
-                    or float(lse_base) not in (math.e, 2.0):
-                raise InvalidArgument(f"{op}: lse_base must be math.e or 2 (got {lse_base!r})")
-            self.lse_base = math.e if float(lse_base) == math.e else 2.0
-            if not isinstance(return_lse, (bool, np.bool_)):
-                raise InvalidType(f"{op}: return_lse must be a bool (got {return_lse!r})")
-            self.return_lse = bool(return_lse)
-            return (self.max_tokens, self.num_heads, self.head_dim, str(self.dtype),
-                    self.lse_base, self.return_lse, self.algorithm, self.num_ubatches)
-
-        self._agree_geometry(comm, init, "max_tokens, num_heads, head_dim, dtype, lse_base, "
-                                         "return_lse, algorithm, num_ubatches")
+        self._agree_geometry(comm, lambda W: self._check_arguments(
+            W, max_tokens=max_tokens, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
+            num_ubatches=num_ubatches, lse_base=lse_base, return_lse=return_lse,
+            timeout_ms=timeout_ms, algorithm=algorithm),
+            "max_tokens, num_heads, head_dim, dtype, lse_base, return_lse, algorithm, "
+            "num_ubatches", nccl_group)
         self._setup_nccl(nccl_group)
         W, T, U = self.world_size, self.max_tokens, self.num_ubatches
         H, D = self.num_heads, self.head_dim
@@ -1129,6 +1157,59 @@ class NcclLseReduce(_NcclOp):
 
         self._allocate(build)
         self._finish()
+
+    def _check_arguments(self, world_size: int, *, max_tokens, num_heads, head_dim, dtype,
+                         num_ubatches=1, lse_base=math.e, return_lse=False, timeout_ms=None,
+                         algorithm="all_to_all") -> Tuple:
+        """Every check of the constructor arguments that needs no GPU and no collective (the
+        constructor's keywords); returns what every rank must agree on."""
+        op = self.op_name
+        self._check_common(world_size, max_tokens, num_ubatches, timeout_ms)
+        self.num_heads = check_positive_int(num_heads, op, "num_heads")
+        self.head_dim = check_positive_int(head_dim, op, "head_dim")
+        for name, v in (("num_heads", self.num_heads), ("head_dim", self.head_dim)):
+            if v > _INT32_MAX:  # int parameters of the kernels
+                raise InvalidArgument(f"{op}: {name} must be <= 2**31 - 1 (got {v})")
+        W = self.world_size
+        if self.num_heads % W:
+            raise InvalidArgument(f"{op}: num_heads must be a multiple of world_size {W} "
+                                  f"(got {self.num_heads})")
+        try:
+            dt = resolve_dtype(dtype)
+        except (TypeError, ValueError, AttributeError, ImportError):
+            raise InvalidType(f"{op}: dtype must be one of [bfloat16, float16, float32] "
+                              f"(got {dtype!r})") from None
+        if dt not in _float_dtypes():
+            raise InvalidType(f"{op}: dtype must be one of [bfloat16, float16, float32] "
+                              f"(got {dtype_name(dt)})")
+        self.dtype = dt
+        if algorithm not in LSE_ALGORITHMS:
+            raise InvalidArgument(f"{op}: algorithm must be one of {list(LSE_ALGORITHMS)} "
+                                  f"(got {algorithm!r})")
+        self.algorithm = algorithm
+        if algorithm == "all_to_all" and (self.head_dim * dt.itemsize) % 16:
+            raise InvalidArgument(
+                f"{op}: head_dim * itemsize must be a multiple of 16 bytes for "
+                f"algorithm 'all_to_all' (got {self.head_dim} * {dt.itemsize}); use "
+                f"'allgather_reduce_scatter'")
+        if isinstance(lse_base, bool) or not isinstance(lse_base, (int, float, np.number)) \
+                or float(lse_base) not in (math.e, 2.0):
+            raise InvalidArgument(f"{op}: lse_base must be math.e or 2 (got {lse_base!r})")
+        self.lse_base = math.e if float(lse_base) == math.e else 2.0
+        if not isinstance(return_lse, (bool, np.bool_)):
+            raise InvalidType(f"{op}: return_lse must be a bool (got {return_lse!r})")
+        self.return_lse = bool(return_lse)
+        W, T, H, D, isz = (self.world_size, self.max_tokens, self.num_heads, self.head_dim,
+                           dt.itemsize)
+        Ho = H if algorithm == "allgather_all_reduce" else H // W
+        if algorithm == "all_to_all":
+            scratch = 2 * T * H * D * isz + 2 * T * H * 4
+        else:
+            scratch = W * T * H * 4 + T * H * D * 4 + T * (H // W) * D * 4
+        self._check_buffer_bytes(scratch + 3 * T * Ho * (D * isz + 4),
+                                 "max_tokens, num_heads, head_dim")
+        return (self.max_tokens, self.num_heads, self.head_dim, str(self.dtype),
+                self.lse_base, self.return_lse, self.algorithm, self.num_ubatches)
 
     def _free_buffers(self) -> None:
         for name in ("_send_out", "_recv_out", "_send_lse", "_recv_lse", "_lse_all", "_y", "_rs",

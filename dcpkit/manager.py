@@ -51,11 +51,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import _cuda
 from ._arrays import ArrayInfo, array_info, check_ndim, dtype_name
 from .comm import Communicator
-from .errors import (ClosedError, ConfigMismatch, DcpkitError, InvalidArgument, InvalidType,
-                     PeerError)
+from .errors import ClosedError, ConfigMismatch, InvalidArgument, InvalidType, PeerError
 from .fallback import LSE_ALGORITHMS, PATH_NCCL
+from .ops._workspace import check_positive_int, check_timeout_ms, guarded, share_outcome
 from .reference import resolve_dtype
 
 __all__ = [
@@ -69,6 +70,7 @@ OPS = ("q_gather", "lse_reduce", "kv_gather")
 PATH_DIRECT_UNICAST = "direct-unicast"
 PATH_DIRECT_MULTICAST = "direct-multicast"
 PATHS = (PATH_DIRECT_UNICAST, PATH_DIRECT_MULTICAST, PATH_NCCL)
+_INT32_MAX = 2**31 - 1
 
 
 def _direct_float_dtypes() -> Tuple[np.dtype, ...]:
@@ -128,17 +130,24 @@ def shared_gpu_blocker(*, hosts: Sequence[str],
     return f"NCCL needs one GPU per rank: {detail}"
 
 
-def direct_geometry_blocker(op: str, *, dtype, row_bytes: int) -> Optional[str]:
+def direct_geometry_blocker(op: str, *, dtype, row_bytes: int,
+                            world_size: Optional[int] = None) -> Optional[str]:
     """Why the direct op cannot be built for this geometry (None when it can).
 
     ``row_bytes`` is what the direct kernel moves with 16-byte stores: ``H_r * D * itemsize``
     for ``q_gather``, ``D_kv * itemsize`` for ``kv_gather``, ``D_v * itemsize`` for
-    ``lse_reduce``.
+    ``lse_reduce``. ``world_size`` (optional) is checked against the sources the direct
+    ``lse_reduce`` merge handles.
     """
+    from .ops.lse_reduce import MAX_WORLD_SIZE  # noqa: WPS433
+
     dt = resolve_dtype(dtype)
     if op == "lse_reduce" and dt not in _direct_float_dtypes():
         return (f"dtype must be one of [{', '.join(DIRECT_LSE_DTYPES)}] for the direct kernel "
                 f"(got {dtype_name(dt)})")
+    if op == "lse_reduce" and world_size is not None and world_size > MAX_WORLD_SIZE:
+        return (f"world_size must be <= {MAX_WORLD_SIZE} for the direct kernel's merge "
+                f"(got {world_size})")
     if row_bytes % 16:
         what = {"q_gather": "heads_per_rank * q_head_dim * itemsize",
                 "kv_gather": "kv_row_dim * itemsize",
@@ -314,7 +323,8 @@ class DCPComm:
         all heads and so cannot stand in for the direct op: use
         :class:`~dcpkit.fallback.NcclLseReduce` directly.)
     timeout_ms : float, optional
-        Deadline of every wait of the direct ops.
+        Deadline of every wait of the direct ops, in (0, 3600000] milliseconds, any real
+        number type (default ``DCPKIT_TIMEOUT_MS`` or 5000).
     nccl_max_tokens : int, optional
         Buffer capacity of the NCCL ops (default ``max_tokens``). Calls with larger ``T`` still
         work eagerly (the NCCL op then allocates per call); inside a CUDA graph capture ``T``
@@ -345,13 +355,21 @@ class DCPComm:
     ConfigMismatch
         Ranks passed different policies (naming the ranks) or geometries.
     InvalidArgument, InvalidType
-        A bad argument; ``policy="direct"`` where the direct ops cannot exist (multi-host, no
-        peer access, unsupported geometry); ``policy="nccl"`` where ranks share a GPU.
+        A bad argument, also one that an op the policy may build rejects (sizes past the ops'
+        limits, a dtype no path serves): never silently routed to another path;
+        ``policy="direct"`` where the direct ops cannot exist (multi-host, no peer access,
+        unsupported geometry); ``policy="nccl"`` where ranks share a GPU.
     MissingDependency
-        ``policy="nccl"`` and NCCL is not usable (names the cuda12 / cuda13 extra).
+        CuPy is not installed; ``policy="nccl"`` and NCCL is not usable (names the cuda12 /
+        cuda13 extra).
+    DcpkitError
+        No CUDA GPU is visible.
     PeerError
-        Another rank failed a setup step (with ``policy="nccl"``: building the NCCL group or
-        ops; the failing rank raises its own error).
+        Another rank failed a check or a setup step (with ``policy="nccl"``: building the NCCL
+        group or ops; the failing rank raises its own error).
+
+    With ``policy="auto"`` only environment failures (CUDA, NVRTC, memory, NCCL missing or
+    failing) of one path leave the other path serving the calls; wrong arguments always raise.
     """
 
     def __init__(self, comm: Communicator, *, max_tokens: int, num_heads: int,
@@ -383,15 +401,18 @@ class DCPComm:
         if any(p != policy for p in policies):
             raise ConfigMismatch("DCPComm: policy", policies)
         self.policy = policy
-        # 2. the geometry
+        # 2. every argument (also as the ops will see them), CuPy and the GPU: one exchange
+        def init():
+            return self._init_geometry(max_tokens, num_heads, q_head_dim, v_head_dim,
+                                       kv_row_dim, dtype, num_ubatches, lse_base,
+                                       nccl_lse_algorithm, nccl_max_tokens, return_lse,
+                                       timeout_ms)
+
         comm.agree_setup(
-            "DCPComm",
-            lambda: self._init_geometry(max_tokens, num_heads, q_head_dim, v_head_dim,
-                                        kv_row_dim, dtype, num_ubatches, lse_base,
-                                        nccl_lse_algorithm, nccl_max_tokens, return_lse),
+            "DCPComm", guarded("DCPComm", init),
             "geometry (max_tokens, num_heads, q_head_dim, v_head_dim, kv_row_dim, dtype, "
-            "num_ubatches, lse_base, nccl_lse_algorithm, nccl_max_tokens, return_lse)")
-        self.timeout_ms = timeout_ms
+            "num_ubatches, lse_base, nccl_lse_algorithm, nccl_max_tokens, return_lse, "
+            "timeout_ms)")
         self.last_path: Optional[str] = None
         self.counters: Dict[str, Dict[str, int]] = {
             op: {p: 0 for p in PATHS} for op in self.ops}
@@ -408,10 +429,9 @@ class DCPComm:
     # ------------------------------------------------------------------ construction
     def _init_geometry(self, max_tokens, num_heads, q_head_dim, v_head_dim, kv_row_dim, dtype,
                        num_ubatches, lse_base, nccl_lse_algorithm, nccl_max_tokens,
-                       return_lse) -> Tuple:
-        """Check the arguments (no GPU, no collective); returns the geometry tuple."""
-        from .ops._workspace import check_positive_int  # noqa: WPS433
-
+                       return_lse, timeout_ms) -> Tuple:
+        """Check every argument (no collective), also as each op that the policy may build
+        will check it, then CuPy and the GPU; returns the geometry tuple."""
         op = "DCPComm"
         W = self.world_size
         self.max_tokens = check_positive_int(max_tokens, op, "max_tokens")
@@ -441,13 +461,70 @@ class DCPComm:
         self.nccl_lse_algorithm = nccl_lse_algorithm
         self.nccl_max_tokens = self.max_tokens if nccl_max_tokens is None else \
             check_positive_int(nccl_max_tokens, op, "nccl_max_tokens")
+        for name, v in (("max_tokens", self.max_tokens),
+                        ("nccl_max_tokens", self.nccl_max_tokens)):
+            if v > _INT32_MAX:  # T is an int parameter of every kernel
+                raise InvalidArgument(f"{op}: {name} must be <= 2**31 - 1 (got {v})")
         if not isinstance(return_lse, (bool, np.bool_)):
             raise InvalidType(f"{op}: return_lse must be a bool (got {return_lse!r})")
         self.return_lse = bool(return_lse)
+        self.timeout_ms = check_timeout_ms(timeout_ms, op)
         self.ops = tuple(o for o in OPS if o != "kv_gather" or self.kv_row_dim is not None)
+        # The ops' own limits (sizes, dtypes), with DCPComm's arguments: a user error raises
+        # here, on every rank, instead of sending every call to another path.
+        for o in self.ops:
+            if self.policy != "nccl" and direct_geometry_blocker(
+                    o, dtype=self.dtype, row_bytes=self._row_bytes(o), world_size=W) is None:
+                self._check_op_arguments(o, *self._direct_spec(o), "direct")
+            if self.policy != "direct":
+                self._check_op_arguments(o, *self._nccl_spec(o), "NCCL")
+        self.device = self._current_device()  # CuPy and a visible GPU
         return (self.max_tokens, self.num_heads, self.q_head_dim, self.v_head_dim,
                 self.kv_row_dim, str(self.dtype), self.num_ubatches, self.lse_base,
-                self.nccl_lse_algorithm, self.nccl_max_tokens, self.return_lse)
+                self.nccl_lse_algorithm, self.nccl_max_tokens, self.return_lse, self.timeout_ms)
+
+    def _check_op_arguments(self, op: str, cls, kwargs: dict, which: str) -> None:
+        """Run the pure argument checks of ``cls`` (no GPU, no collective) on DCPComm's
+        arguments; an error names DCPComm and the op."""
+        probe = cls.__new__(cls)
+        probe._closed = True  # never built: nothing to release, no warning
+        try:
+            probe._check_arguments(self.world_size, **kwargs)
+        except (InvalidArgument, InvalidType) as e:
+            msg = str(e)
+            if msg.startswith(f"{op}: "):
+                msg = msg[len(op) + 2:]
+            raise type(e)(f"DCPComm: {which} {op} op: {msg}") from None
+
+    def _direct_spec(self, op: str):
+        """The direct op class of ``op`` and the constructor keywords DCPComm gives it."""
+        from .ops import KVGather, LseReduce, QGather  # noqa: WPS433
+
+        common = dict(max_tokens=self.max_tokens, dtype=self.dtype,
+                      num_ubatches=self.num_ubatches, timeout_ms=self.timeout_ms)
+        if op == "q_gather":
+            return QGather, dict(heads_per_rank=self.heads_per_rank, head_dim=self.q_head_dim,
+                                 **common)
+        if op == "lse_reduce":
+            return LseReduce, dict(num_heads=self.num_heads, head_dim=self.v_head_dim,
+                                   lse_base=self.lse_base, return_lse=True, **common)
+        return KVGather, dict(row_dim=self.kv_row_dim, **common)
+
+    def _nccl_spec(self, op: str):
+        """The NCCL op class of ``op`` and the constructor keywords DCPComm gives it (without
+        ``nccl_group``)."""
+        from .fallback import NcclKVGather, NcclLseReduce, NcclQGather  # noqa: WPS433
+
+        common = dict(max_tokens=self.nccl_max_tokens, dtype=self.dtype,
+                      num_ubatches=self.num_ubatches)
+        if op == "q_gather":
+            return NcclQGather, dict(heads_per_rank=self.heads_per_rank,
+                                     head_dim=self.q_head_dim, **common)
+        if op == "lse_reduce":
+            return NcclLseReduce, dict(num_heads=self.num_heads, head_dim=self.v_head_dim,
+                                       lse_base=self.lse_base, return_lse=True,
+                                       algorithm=self.nccl_lse_algorithm, **common)
+        return NcclKVGather, dict(row_dim=self.kv_row_dim, **common)
 
     def _row_bytes(self, op: str) -> int:
         isz = self.dtype.itemsize
@@ -457,7 +534,6 @@ class DCPComm:
 
     def _build(self) -> None:
         """Topology, direct ops, NCCL group and ops (collective; consistent on every rank)."""
-        self.device = self._current_device()
         self.topology_reason = self._probe_topology()
         # direct ops
         for op in self.ops:
@@ -468,14 +544,10 @@ class DCPComm:
                 reason = self.topology_reason
             else:
                 reason = direct_geometry_blocker(op, dtype=self.dtype,
-                                                 row_bytes=self._row_bytes(op))
+                                                 row_bytes=self._row_bytes(op),
+                                                 world_size=self.world_size)
             if reason is None:
-                try:
-                    self.direct_ops[op] = self._build_direct(op)
-                except DcpkitError as e:
-                    if self.policy == "direct":
-                        raise
-                    reason = f"building the direct op failed on some rank ({e})"
+                reason = self._build_direct_agreed(op)
             if reason is not None and self.policy == "direct":
                 raise InvalidArgument(f"DCPComm: policy 'direct' cannot serve {op}: {reason}")
             self.direct_reason[op] = reason
@@ -491,8 +563,38 @@ class DCPComm:
             if self.nccl_reason is not None and self.rank == 0:
                 warnings.warn(f"DCPComm: NCCL is unavailable, the direct ops serve every call "
                               f"they can: {self.nccl_reason}", RuntimeWarning, stacklevel=3)
-        self._load_copy_kernel()
-        self.comm.barrier()
+        err = None
+        try:
+            self._load_copy_kernel()
+        except Exception as e:  # noqa: BLE001 - shared below (also the closing barrier)
+            err = e
+        share_outcome(self.comm, "DCPComm: loading the copy kernel", err)
+
+    def _build_direct_agreed(self, op: str) -> Optional[str]:
+        """Build the direct op; returns None, or why it failed (equal on every rank).
+
+        The op's constructor fails on every rank or on none. A user error on any rank
+        (:class:`InvalidArgument` / :class:`InvalidType`: the arguments are wrong) raises on
+        every rank, as does any failure with ``policy="direct"``; an environment failure
+        (CUDA, compile, memory, a missing package, a peer's such failure) becomes the reason
+        with ``policy="auto"`` (the NCCL op serves the calls)."""
+        err: Optional[BaseException] = None
+        try:
+            self.direct_ops[op] = self._build_direct(op)
+        except Exception as e:  # noqa: BLE001 - classified and agreed below
+            err = e
+        user = isinstance(err, (InvalidArgument, InvalidType))
+        every = self.comm.allgather(None if err is None else (user, _err_text(err)))
+        failed = {r: v for r, v in enumerate(every) if v is not None}
+        if not failed:
+            return None
+        if err is not None and (self.policy == "direct" or any(u for u, _ in failed.values())):
+            raise err
+        if self.policy == "direct" or any(u for u, _ in failed.values()):
+            raise PeerError(f"DCPComm: building the direct {op} op",
+                            {r: m for r, (_, m) in failed.items()})
+        return _failure_reason("building the direct op",
+                               {r: m for r, (_, m) in failed.items()}, self.world_size)
 
     def _build_nccl_all(self) -> Optional[str]:
         """The NCCL group and ops (collective). Returns why NCCL is unavailable (None when
@@ -530,12 +632,14 @@ class DCPComm:
                 self.nccl_ops[op] = self._build_nccl(op, self.nccl_group)
         except Exception as e:  # noqa: BLE001 - NcclError, torch, MissingDependency: agreed
             err = e
-        msgs = self.comm.allgather(None if err is None else _err_text(err))
-        failed = {r: m for r, m in enumerate(msgs) if m is not None}
+        user = isinstance(err, (InvalidArgument, InvalidType))
+        every = self.comm.allgather(None if err is None else (user, _err_text(err)))
+        failed = {r: v[1] for r, v in enumerate(every) if v is not None}
         if not failed:
             return None
         self._close_nccl()
-        if self.policy == "nccl":
+        # policy 'nccl', or a user error (wrong arguments, never an environment failure)
+        if self.policy == "nccl" or any(v[0] for v in every if v is not None):
             if err is not None:
                 raise err
             raise PeerError("DCPComm: building the NCCL group and ops", failed)
@@ -555,9 +659,10 @@ class DCPComm:
 
     # Hooks (a CPU test subclass replaces them with fakes).
     def _current_device(self) -> int:
-        import cupy  # noqa: WPS433
-
-        return int(cupy.cuda.Device().id)
+        """This rank's GPU (CuPy's current device); MissingDependency without CuPy,
+        DcpkitError without a visible GPU (runs inside the agreed argument check)."""
+        _cuda.require_cupy()
+        return _cuda.require_device("DCPComm")
 
     def _pci_bus_id(self) -> Optional[str]:
         """The PCI bus id of this rank's GPU (None where unknown)."""
@@ -566,39 +671,41 @@ class DCPComm:
         return str(cupy.cuda.runtime.deviceGetPCIBusId(self.device))
 
     def _probe_topology(self) -> Optional[str]:
-        """Why the group is not one NVLink domain (None when it is); equal on every rank."""
+        """Why the group is not one NVLink domain (None when it is); equal on every rank. A
+        runtime failure on any rank raises on every rank (two agreed steps)."""
         import cupy  # noqa: WPS433
 
         rt = cupy.cuda.runtime
-        bus = rt.deviceGetPCIBusId(self.device)
-        buses = self.comm.allgather(bus)
+        err: Optional[BaseException] = None
+        bus = None
+        try:
+            bus = rt.deviceGetPCIBusId(self.device)
+        except Exception as e:  # noqa: BLE001 - shared below
+            err = e
+        buses = [b for (b,) in share_outcome(self.comm, "DCPComm: reading the PCI bus id of "
+                                                        "the GPU", err, bus)]
         missing: List[Tuple[int, int]] = []
-        if not self.comm.spans_hosts:
-            for s, b in enumerate(buses):
-                if s == self.rank or b == bus:
-                    continue
-                try:
-                    peer = rt.deviceGetByPCIBusId(b)
-                except rt.CUDARuntimeError:
-                    continue  # not visible to this process: the heap setup tests that pair
-                if not rt.deviceCanAccessPeer(self.device, peer):
-                    missing.append((min(self.rank, s), max(self.rank, s)))
-        every = self.comm.allgather(missing)
+        err = None
+        try:
+            if not self.comm.spans_hosts:
+                for s, b in enumerate(buses):
+                    if s == self.rank or b == bus:
+                        continue
+                    try:
+                        peer = rt.deviceGetByPCIBusId(b)
+                    except rt.CUDARuntimeError:
+                        continue  # not visible to this process: the heap setup tests that pair
+                    if not rt.deviceCanAccessPeer(self.device, peer):
+                        missing.append((min(self.rank, s), max(self.rank, s)))
+        except Exception as e:  # noqa: BLE001 - shared below
+            err = e
+        every = share_outcome(self.comm, "DCPComm: peer access check", err, missing)
         return topology_blocker(hosts=self.comm.hosts,
-                                p2p_missing=[p for lst in every for p in lst])
+                                p2p_missing=[p for (lst,) in every for p in lst])
 
     def _build_direct(self, op: str):
-        from .ops import KVGather, LseReduce, QGather  # noqa: WPS433
-
-        common = dict(max_tokens=self.max_tokens, dtype=self.dtype,
-                      num_ubatches=self.num_ubatches, timeout_ms=self.timeout_ms)
-        if op == "q_gather":
-            return QGather(self.comm, heads_per_rank=self.heads_per_rank,
-                           head_dim=self.q_head_dim, **common)
-        if op == "lse_reduce":
-            return LseReduce(self.comm, num_heads=self.num_heads, head_dim=self.v_head_dim,
-                             lse_base=self.lse_base, return_lse=True, **common)
-        return KVGather(self.comm, row_dim=self.kv_row_dim, **common)
+        cls, kwargs = self._direct_spec(op)
+        return cls(self.comm, **kwargs)
 
     def _build_nccl_group(self):
         from .fallback import NcclGroup  # noqa: WPS433
@@ -606,18 +713,8 @@ class DCPComm:
         return NcclGroup(self.comm)
 
     def _build_nccl(self, op: str, group):
-        from .fallback import NcclKVGather, NcclLseReduce, NcclQGather  # noqa: WPS433
-
-        common = dict(max_tokens=self.nccl_max_tokens, dtype=self.dtype,
-                      num_ubatches=self.num_ubatches, nccl_group=group)
-        if op == "q_gather":
-            return NcclQGather(self.comm, heads_per_rank=self.heads_per_rank,
-                               head_dim=self.q_head_dim, **common)
-        if op == "lse_reduce":
-            return NcclLseReduce(self.comm, num_heads=self.num_heads, head_dim=self.v_head_dim,
-                                 lse_base=self.lse_base, return_lse=True,
-                                 algorithm=self.nccl_lse_algorithm, **common)
-        return NcclKVGather(self.comm, row_dim=self.kv_row_dim, **common)
+        cls, kwargs = self._nccl_spec(op)
+        return cls(self.comm, nccl_group=group, **kwargs)
 
     def _load_copy_kernel(self) -> None:
         """Load the strided-copy kernel now (layout normalisation must not compile later)."""
@@ -651,9 +748,15 @@ class DCPComm:
         self.counters[op][path] += 1
 
     def _stream(self, stream):
-        import cupy  # noqa: WPS433
+        """``stream``, or the current CuPy stream for None; :class:`InvalidType` unless a CuPy
+        stream."""
+        if stream is None:
+            import cupy  # noqa: WPS433
 
-        return cupy.cuda.get_current_stream() if stream is None else stream
+            return cupy.cuda.get_current_stream()
+        if isinstance(stream, _cuda._STREAM_TYPES or _cuda.stream_types()):
+            return stream
+        return _cuda.check_stream(stream, "DCPComm")  # raises InvalidType
 
     def _normalised(self, arr, info: ArrayInfo, ok: bool, name: str, op: str, stream):
         """``arr`` itself when the direct kernel reads its layout, else a C-contiguous copy

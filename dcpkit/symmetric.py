@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import numbers
 import os
 import warnings
 from typing import Callable, List, Optional, Tuple
@@ -194,31 +195,35 @@ def _check_args(comm, nbytes, device, backend, handle_type, multicast, timeout_s
                               f"NVLink-connected host)")
     if multicast is not None and not isinstance(multicast, bool):
         raise InvalidType(f"{op}: multicast must be True, False or None (got {multicast!r})")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
-            or not 0 < timeout_s <= 3600:
+    if isinstance(timeout_s, (bool, np.bool_)) or not isinstance(timeout_s, numbers.Real):
+        raise InvalidType(f"{op}: timeout_s must be a real number of seconds "
+                          f"(got {type(timeout_s).__name__} {timeout_s!r})")
+    if not 0 < float(timeout_s) <= 3600:  # NaN fails too
         raise InvalidArgument(f"{op}: timeout_s must lie in (0, 3600] seconds (got {timeout_s!r})")
+    # Dependencies last (argument errors first), still before any driver call: a missing
+    # package on one rank raises there and PeerError on the others.
+    _cuda.require_cupy()  # MissingDependency naming the extra
     if backend == "nvshmem":
         from . import _nvshmem  # noqa: WPS433
 
         _nvshmem.load()  # MissingDependency naming the extra
+    else:
+        _cuda.driver()  # cuda-bindings: MissingDependency naming the extra
 
 
 def _check_device(device, nbytes: int) -> int:
-    """Checks that need the CUDA runtime: the device index and the size against its memory."""
+    """Checks that need the CUDA runtime: a visible GPU, the device index, a usable context on
+    it, and the size against its memory."""
     op = "SymmetricHeap"
+    cupy = _cuda.require_cupy()
+    device = _cuda.require_device(op, device)  # DcpkitError naming the missing GPU
     try:
-        import cupy  # noqa: WPS433
-
-        if device is None:
-            device = cupy.cuda.runtime.getDevice()
-        count = cupy.cuda.runtime.getDeviceCount()
-        if not 0 <= device < count:
-            raise InvalidArgument(f"{op}: device index must lie in [0, {count}) (got {device})")
+        with cupy.cuda.Device(device):
+            cupy.cuda.runtime.free(0)  # the primary context exists (the nvshmem path needs it)
         total = int(cupy.cuda.runtime.getDeviceProperties(device)["totalGlobalMem"])
-    except DcpkitError:
-        raise
-    except Exception as e:  # noqa: BLE001 - no CuPy, no driver, no device
-        raise DcpkitError(f"{op}: no usable CUDA device ({type(e).__name__}: {e})") from e
+    except Exception as e:  # noqa: BLE001 - a device that cannot start a context
+        raise DcpkitError(f"{op}: device {device} is not usable ({type(e).__name__}: {e})") \
+            from None
     if nbytes > total:
         raise InvalidArgument(f"{op}: nbytes must be <= the memory of device {device} "
                               f"({total} bytes) (got {nbytes})")
@@ -266,10 +271,14 @@ class SymmetricHeap:
         Opt in (True), out (False) or follow ``DCPKIT_MULTICAST`` (None). Used only where NOTE
         [dcpkit multicast guard] allows it, on every rank.
     timeout_s : float
-        Deadline of the descriptor exchange between ranks, in seconds (0, 3600].
+        Deadline of the descriptor exchange between ranks, in seconds (0, 3600]; any real
+        number type.
 
     Attributes
     ----------
+    rank, world_size : int
+        This rank and the size of the heap's group (read-only: an op given ``heap=`` checks
+        them against its ``comm``).
     nbytes : int
         Size of each rank's copy in bytes (granularity-rounded).
     device : int
@@ -310,7 +319,11 @@ class SymmetricHeap:
     InvalidArgument
         GPUs of the group that cannot reach each other (every rank, naming the pairs).
     MissingDependency
-        ``backend="nvshmem"`` without nvshmem4py.
+        CuPy or cuda-bindings is not installed, or ``backend="nvshmem"`` without nvshmem4py
+        (names the extra); on the rank that misses it, PeerError on the others.
+    DcpkitError
+        No CUDA GPU is visible (``"SymmetricHeap: no CUDA GPU is visible ..."``), or the
+        device cannot start a context; PeerError on the other ranks.
     CudaError, FdExchangeError, PeerError
         A setup step failed on this rank or a peer; everything was unwound on every rank.
 
@@ -339,8 +352,8 @@ class SymmetricHeap:
             raise InvalidType(f"SymmetricHeap: comm must be a dcpkit.Communicator "
                               f"(got {type(comm).__name__})")
         self.comm = comm
-        self.rank = comm.rank
-        self.world_size = comm.world_size
+        self._rank = comm.rank
+        self._world_size = comm.world_size
         self.backend = backend
 
         # 1. Arguments: no GPU, no driver. Shared so that no rank waits for a rank that raised.
@@ -741,6 +754,16 @@ class SymmetricHeap:
         """True after :meth:`close`."""
         return self._closed
 
+    @property
+    def rank(self) -> int:
+        """This process's rank in the heap's group (read-only)."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks of the heap's group (read-only)."""
+        return self._world_size
+
     def _check_open(self, op: str) -> None:
         if self._closed:
             raise ClosedError(f"{op}: the heap is closed")
@@ -794,7 +817,7 @@ class SymmetricHeap:
         if not isinstance(shape, (tuple, list)):
             raise InvalidType(f"{op}: shape must be an int or a tuple of ints (got {shape!r})")
         shape = tuple(_check_int(s, op, "shape entry", minimum=0) for s in shape)
-        size = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        size = math.prod(shape) * dt.itemsize  # exact Python ints: no overflow
         if off % dt.itemsize:
             raise InvalidArgument(f"{op}: offset must be a multiple of the itemsize of {dt} "
                                   f"({dt.itemsize} bytes) (got {off})")
@@ -929,7 +952,7 @@ class SymmetricHeap:
         self._undo = []
         self._next = 0
         self.nbytes = int(nbytes)
-        self.rank, self.world_size = rank, world_size
+        self._rank, self._world_size = rank, world_size
         self.device = 0
         self.backend = "cumem"
         self.handle_type = "posix_fd"

@@ -74,19 +74,15 @@ class GatherWorkspace(OpWorkspace):
     launches_per_call = 1
     vectors_per_cta = 512
 
-    def _agree_arguments(self, comm, init, what: str) -> None:
-        """Check the constructor arguments on every rank and agree on the geometry in one
-        exchange (:meth:`Communicator.agree_setup`)."""
-        comm.agree_setup(self.op_name, init, f"geometry ({what})")
-
-    def _setup_gather(self, comm, *, data_slot_bytes: int, out_bytes: int, num_ubatches: int,
-                      timeout_ms, heap, multicast) -> None:
+    def _check_gather_common(self, world_size: int, *, data_slot_bytes: int, out_bytes: int,
+                             num_ubatches, timeout_ms) -> Tuple:
+        """:meth:`OpWorkspace._check_common` for a gather: the two base slots hold
+        ``DATA_SLOTS`` data slots of ``data_slot_bytes`` (rounded up), back to back."""
         slot = _round_up(max(int(data_slot_bytes), 16))
-        # two base slots hold DATA_SLOTS data slots of `slot` bytes, back to back
-        self._setup(comm, slot_bytes=-(-DATA_SLOTS * slot // 2), out_bytes=out_bytes,
-                    num_ubatches=num_ubatches, timeout_ms=timeout_ms, heap=heap,
-                    multicast=multicast)
         self.data_slot_bytes = slot
+        return self._check_common(world_size, slot_bytes=-(-DATA_SLOTS * slot // 2),
+                                  out_bytes=out_bytes, num_ubatches=num_ubatches,
+                                  timeout_ms=timeout_ms)
 
     def _compile(self, file: str, name_expr: str):
         """Compile (or fetch) the kernel on every rank; a failure anywhere closes the workspace

@@ -32,21 +32,28 @@ a graph that captured a call of this ubatch.
 
 from __future__ import annotations
 
+import numbers
 import os
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .. import _cuda
 from ..comm import Communicator
-from ..errors import ClosedError, CollectiveTimeout, InvalidArgument, InvalidType
+from ..errors import (ClosedError, CollectiveTimeout, DcpkitError, InvalidArgument, InvalidType,
+                      PeerError)
+from ..symmetric import MAX_NBYTES
 
-__all__ = ["OpWorkspace", "OP_IDS", "OP_NAMES", "default_timeout_ms", "debug_enabled",
-           "TIMEOUT_RECORD_FIELDS"]
+__all__ = ["OpWorkspace", "OP_IDS", "OP_NAMES", "default_timeout_ms", "check_timeout_ms",
+           "debug_enabled", "share_outcome", "guarded", "check_heap", "TIMEOUT_RECORD_FIELDS",
+           "MAX_TIMEOUT_MS"]
 
 OP_IDS: Dict[str, int] = {"lse_reduce": 1, "q_gather": 2, "kv_gather": 3, "ceilings": 4}
 OP_NAMES: Dict[int, str] = {v: k for k, v in OP_IDS.items()}
 TIMEOUT_RECORD_FIELDS = ("state", "op", "rank", "peer", "expected", "observed", "ubatch", "pad")
+#: Largest wait deadline accepted, in milliseconds (one hour).
+MAX_TIMEOUT_MS = 3_600_000
 
 _ALIGN = 256
 
@@ -55,15 +62,41 @@ def _round_up(x: int, a: int = _ALIGN) -> int:
     return (x + a - 1) // a * a
 
 
-def default_timeout_ms() -> float:
+def default_timeout_ms(op: str = "dcpkit") -> float:
     """The wait deadline used when an op is built without ``timeout_ms``: ``DCPKIT_TIMEOUT_MS``
-    or 5000 ms."""
+    or 5000 ms.
+
+    Raises
+    ------
+    InvalidArgument
+        ``DCPKIT_TIMEOUT_MS`` is set but is not a number of milliseconds in (0, 3600000].
+    """
     v = os.environ.get("DCPKIT_TIMEOUT_MS", "")
+    if not v:
+        return 5000.0
     try:
-        return float(v) if v else 5000.0
+        t = float(v)
     except ValueError:
-        raise InvalidArgument(f"DCPKIT_TIMEOUT_MS must be a number of milliseconds (got {v!r})") \
-            from None
+        t = float("nan")
+    if not 0 < t <= MAX_TIMEOUT_MS:  # NaN fails too
+        raise InvalidArgument(f"{op}: DCPKIT_TIMEOUT_MS must be a number of milliseconds in "
+                              f"(0, {MAX_TIMEOUT_MS}] (got {v!r})")
+    return t
+
+
+def check_timeout_ms(value, op: str) -> float:
+    """Validate a ``timeout_ms`` argument (None: :func:`default_timeout_ms`); returns it as a
+    float. Any real number type is accepted (``int``, ``float``, ``numpy.float32``, ...)."""
+    if value is None:
+        return default_timeout_ms(op)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise InvalidType(f"{op}: timeout_ms must be a real number of milliseconds (got "
+                          f"{type(value).__name__} {value!r})")
+    t = float(value)
+    if not 0 < t <= MAX_TIMEOUT_MS:  # NaN fails too
+        raise InvalidArgument(f"{op}: timeout_ms must lie in (0, {MAX_TIMEOUT_MS}] milliseconds "
+                              f"(got {value!r})")
+    return t
 
 
 def debug_enabled() -> bool:
@@ -80,61 +113,205 @@ def check_positive_int(value, op: str, name: str, *, minimum: int = 1) -> int:
     return int(value)
 
 
+def guarded(op: str, init: Callable[[], Any]) -> Callable[[], Any]:
+    """``init`` for :meth:`Communicator.agree_setup`, which shares only dcpkit errors
+    (:class:`~dcpkit.errors.DcpkitError`): any other exception of a check (a ``TypeError``
+    from an odd argument value) becomes :class:`InvalidArgument`, so that it is shared too and
+    no rank is left waiting."""
+    def checked():
+        try:
+            return init()
+        except DcpkitError:
+            raise
+        except Exception as e:  # noqa: BLE001 - turned into a shared error
+            raise InvalidArgument(f"{op}: checking the constructor arguments failed "
+                                  f"({type(e).__name__}: {e})") from e
+    return checked
+
+
+def share_outcome(comm: Communicator, what: str, err: Optional[BaseException], *extra):
+    """One collective step: every rank shares whether its step failed (plus ``extra``, a value
+    every rank wants from every other). If any rank failed, every rank raises: the failing rank
+    its own error, the others :class:`PeerError` naming it. Returns every rank's ``extra``."""
+    every = comm.allgather((None if err is None else f"{type(err).__name__}: {err}",) + extra)
+    if err is not None:
+        raise err
+    failed = {r: v[0] for r, v in enumerate(every) if v[0] is not None}
+    if failed:
+        raise PeerError(what, failed)
+    return [v[1:] for v in every]
+
+
+def check_heap(heap, comm: Communicator, op: str, nbytes: int) -> None:
+    """Checks of a ``heap=`` argument (no collective): an open :class:`SymmetricHeap` of this
+    very group (same world_size, same rank) with ``nbytes`` free after its last reservation."""
+    from ..symmetric import SymmetricHeap  # noqa: WPS433
+
+    if not isinstance(heap, SymmetricHeap):
+        raise InvalidType(f"{op}: heap must be a dcpkit.SymmetricHeap (got "
+                          f"{type(heap).__name__})")
+    if heap.closed:
+        raise ClosedError(f"{op}: heap must be open (got a closed SymmetricHeap)")
+    if (heap.world_size, heap.rank) != (comm.world_size, comm.rank):
+        raise InvalidArgument(f"{op}: heap must belong to the group of comm: heap world_size and "
+                              f"rank must be {comm.world_size} and {comm.rank} (got "
+                              f"{heap.world_size} and {heap.rank})")
+    off = _round_up(heap.reserved_bytes, _ALIGN)
+    if off + nbytes > heap.nbytes:
+        raise InvalidArgument(f"{op}: heap free bytes must be >= {nbytes}, the size of the "
+                              f"workspace (got {max(heap.nbytes - off, 0)} bytes free after "
+                              f"offset {off} of {heap.nbytes})")
+
+
 class OpWorkspace:
     """Base class of the direct ops (:class:`~dcpkit.ops.LseReduce`, ``QGather``, ``KVGather``).
 
-    A subclass calls :meth:`_setup` from its constructor with the number of bytes one slot needs
-    and the number of bytes of one output, launches its kernels with :meth:`proto_args` first,
-    and calls :meth:`_begin_call` at the start of every call.
+    A subclass implements ``_check_arguments(world_size, **constructor keywords)``: every
+    check of its arguments that needs no GPU and no collective, ending with
+    :meth:`_check_common`, returning the values every rank must agree on. Its constructor calls
+    :meth:`_setup` with that function bound to its arguments; :meth:`_setup` runs it on every
+    rank inside one agreed exchange. The subclass then launches its kernels with
+    :meth:`proto_args` first, and calls :meth:`begin_call` at the start of every call.
 
     Collective: construction, :meth:`close` and every call.
     """
 
     op_name = "op"
+    #: Constructor arguments that size the workspace (named in size errors).
+    size_arguments = "the geometry"
 
     # ------------------------------------------------------------------ construction
-    def _setup(self, comm: Communicator, *, slot_bytes: int, out_bytes: int, num_ubatches: int,
-               timeout_ms: Optional[float], heap=None, multicast=None) -> None:
-        import cupy  # noqa: WPS433
-
-        from ..symmetric import SymmetricHeap  # noqa: WPS433
-
+    def _check_common(self, world_size: int, *, slot_bytes: int, out_bytes: int, num_ubatches,
+                      timeout_ms) -> Tuple:
+        """The checks every direct op shares, no GPU, no collective: ``num_ubatches``,
+        ``timeout_ms`` (or ``DCPKIT_TIMEOUT_MS``) and the size of the symmetric region. Sets the
+        layout; returns ``(num_ubatches, timeout_ms, region bytes)``."""
         op = self.op_name
-        if not isinstance(comm, Communicator):
-            raise InvalidType(f"{op}: comm must be a dcpkit.Communicator "
-                              f"(got {type(comm).__name__})")
-        self._closed = True  # until setup completes
-        self.comm = comm
-        self.rank = comm.rank
-        self.world_size = comm.world_size
         self.num_ubatches = check_positive_int(num_ubatches, op, "num_ubatches")
-        if timeout_ms is None:
-            timeout_ms = default_timeout_ms()
-        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, (int, float)) \
-                or not (0 < timeout_ms <= 3_600_000):
-            raise InvalidArgument(f"{op}: timeout_ms must be in (0, 3600000] milliseconds "
-                                  f"(got {timeout_ms!r})")
-        self.timeout_ms = float(timeout_ms)
-        self._debug = debug_enabled()
-
-        W, U = self.world_size, self.num_ubatches
+        self.timeout_ms = check_timeout_ms(timeout_ms, op)
+        W, U = int(world_size), self.num_ubatches
         self._sig_bytes = _round_up(2 * W * 4)
         self.slot_bytes = _round_up(max(int(slot_bytes), 16))
         self._ubatch_stride = self._sig_bytes + 2 * self.slot_bytes
-        region = U * self._ubatch_stride
-        comm.agree(f"{op}: workspace geometry (symmetric bytes, ubatches, timeout_ms)",
-                   (region, U, self.timeout_ms))
+        self._region = U * self._ubatch_stride
+        self._out_bytes = int(out_bytes)
+        if self._region > MAX_NBYTES:
+            raise InvalidArgument(
+                f"{op}: num_ubatches * symmetric bytes per ubatch must be <= 2**40 (got "
+                f"{U} * {self._ubatch_stride} = {self._region}): lower {self.size_arguments} "
+                f"or num_ubatches")
+        return (U, self.timeout_ms, self._region)
 
+    def _setup(self, comm: Communicator, check_arguments: Callable[[int], Tuple], what: str, *,
+               heap=None, multicast=None) -> None:
+        """Agree on the arguments, then build the symmetric region, the local state and the
+        timeout record (collective).
+
+        ``check_arguments(world_size)`` validates the op's arguments (no GPU, no collective) and
+        returns what every rank must agree on. It runs on every rank inside one exchange
+        (:meth:`Communicator.agree_setup`) together with the dependency, device and ``heap=``
+        checks: a rank that rejects its arguments raises its own error, every other rank
+        :class:`PeerError`; differing values raise :class:`ConfigMismatch` on every rank. No
+        rank is left waiting in a later collective. Nothing is reserved in ``heap`` before every
+        rank passed every check.
+        """
+        op = self.op_name
+        self._closed = True  # until setup completes
+        if not isinstance(comm, Communicator):
+            raise InvalidType(f"{op}: comm must be a dcpkit.Communicator "
+                              f"(got {type(comm).__name__})")
+        self.comm = comm
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+
+        def init():
+            values = tuple(check_arguments(comm.world_size))
+            if multicast is not None and not isinstance(multicast, bool):
+                raise InvalidType(f"{op}: multicast must be True, False or None "
+                                  f"(got {multicast!r})")
+            cupy = _cuda.require_cupy()
+            if heap is not None:
+                check_heap(heap, comm, op, self._region)
+            device = _cuda.require_device(op, None if heap is None else heap.device)
+            if heap is None:
+                self._check_fits(cupy, device)
+            return values
+
+        comm.agree_setup(op, guarded(op, init), f"geometry ({what}, num_ubatches, timeout_ms, "
+                                                 f"symmetric bytes)")
+        self._debug = debug_enabled()
+        self._init_region(heap, multicast)
+        self._closed = False
+
+    def _check_fits(self, cupy, device: int) -> None:
+        """The workspace's own heap must fit in the GPU's memory (an error naming the op's
+        arguments, not the heap's)."""
+        try:
+            total = int(cupy.cuda.runtime.getDeviceProperties(device)["totalGlobalMem"])
+        except Exception:  # noqa: BLE001 - unknown: the heap checks it again
+            return
+        if self._region > total:
+            raise InvalidArgument(
+                f"{self.op_name}: num_ubatches * symmetric bytes per ubatch must be <= the "
+                f"memory of GPU {device}, {total} bytes (got {self.num_ubatches} * "
+                f"{self._ubatch_stride} = {self._region}): lower {self.size_arguments} or "
+                f"num_ubatches")
+
+    def _init_region(self, heap, multicast) -> None:
+        """The heap (own or reserved in ``heap``), then the local state; a failure anywhere
+        releases this workspace's part on every rank and raises on every rank."""
+        from ..symmetric import SymmetricHeap  # noqa: WPS433
+
+        comm, op = self.comm, self.op_name
         self._owns_heap = heap is None
         if heap is None:
-            heap = SymmetricHeap(comm, region, multicast=multicast)
+            heap = SymmetricHeap(comm, self._region, multicast=multicast)  # collective, agreed
             self._base = 0
         else:
-            self._base = heap.reserve(region, align=_ALIGN)
+            # Every rank checked the room before: this cannot fail. Never given back (the heap
+            # is a bump allocator), also when a later step of this constructor fails.
+            self._base = heap.reserve(self._region, align=_ALIGN)
         self.heap = heap
         self.device = heap.device
         self.multicast = bool(heap.mc_ptr)
+        self._rec_ptr = 0
+        err = None
+        bus = None
+        try:
+            bus = self._init_local_state()
+        except Exception as e:  # noqa: BLE001 - shared with every rank below
+            err = e
+        try:
+            every = share_outcome(comm, f"{op}: workspace state", err, comm.host, bus)
+        except BaseException:
+            self._free_local_state()
+            if self._owns_heap:
+                try:
+                    heap.close()  # collective: every rank is here
+                except Exception:  # noqa: BLE001 - the setup error is what matters
+                    pass
+            self.heap = None
+            raise
+        # Ranks of this group on this very GPU (more than one only in functional runs where
+        # ranks share a GPU, e.g. under MPS). Every CTA of a dcpkit kernel that waits must be
+        # co-resident with the CTAs it waits for, the other ranks' included when they share
+        # the SMs: each rank takes at most its share of the SMs.
+        self.ranks_on_gpu = sum(1 for hb in every if hb == (comm.host, bus))
+        self.max_ctas = max(1, self.sm_count // self.ranks_on_gpu)
+        U = self.num_ubatches
+        self._calls = [0] * U          # host shadow of the epoch, exact until a capture
+        self._captured = [False] * U   # whether a call of this ubatch was ever captured
+        self._timeout_ns = np.uint64(int(self.timeout_ms * 1e6))
+        self._proto = [self._make_proto(u) for u in range(U)]
 
+    def _init_local_state(self) -> str:
+        """Epochs, counters, peer tables, the timeout record, output buffers (this rank only).
+        Returns the PCI bus id of the GPU."""
+        import ctypes  # noqa: WPS433
+
+        import cupy  # noqa: WPS433
+
+        heap, U = self.heap, self.num_ubatches
         with cupy.cuda.Device(self.device):
             self._epoch = cupy.zeros(U, dtype=cupy.uint64)
             self._ctl = cupy.zeros(U + 1, dtype=cupy.uint32)  # arrive[U], abort
@@ -146,27 +323,27 @@ class OpWorkspace:
             self._peer_data = cupy.asarray(tbl + np.uint64(self._sig_bytes))
             flags = cupy.cuda.runtime.hostAllocMapped | cupy.cuda.runtime.hostAllocPortable
             self._rec_ptr = cupy.cuda.runtime.hostAlloc(32, flags)
-            import ctypes  # noqa: WPS433
-
             self._rec = np.ctypeslib.as_array((ctypes.c_uint32 * 8).from_address(self._rec_ptr))
             self._rec[:] = 0
-            self._out_bytes = int(out_bytes)
             self._graph_out = cupy.empty(max(self._out_bytes, 1) * U, dtype=cupy.uint8)
             self._eager_out: List[Optional[object]] = [None] * U
-            self.sm_count = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
-            bus = cupy.cuda.runtime.deviceGetPCIBusId(self.device)
-        # Ranks of this group on this very GPU (more than one only in functional runs where
-        # ranks share a GPU, e.g. under MPS). Every CTA of a dcpkit kernel that waits must be
-        # co-resident with the CTAs it waits for, the other ranks' included when they share
-        # the SMs: each rank takes at most its share of the SMs.
-        every = comm.allgather((comm.host, bus))
-        self.ranks_on_gpu = sum(1 for hb in every if hb == (comm.host, bus))
-        self.max_ctas = max(1, self.sm_count // self.ranks_on_gpu)
-        self._calls = [0] * U          # host shadow of the epoch, exact until a capture
-        self._captured = [False] * U   # whether a call of this ubatch was ever captured
-        self._timeout_ns = np.uint64(int(self.timeout_ms * 1e6))
-        self._proto = [self._make_proto(u) for u in range(U)]
-        self._closed = False
+            props = cupy.cuda.runtime.getDeviceProperties(self.device)
+            self.sm_count = props["multiProcessorCount"]
+            return cupy.cuda.runtime.deviceGetPCIBusId(self.device)
+
+    def _free_local_state(self) -> None:
+        """Drop what :meth:`_init_local_state` made (after a failed setup, or at close)."""
+        self._rec = np.zeros(8, dtype=np.uint32)
+        if getattr(self, "_rec_ptr", 0):
+            try:
+                import cupy  # noqa: WPS433
+
+                cupy.cuda.runtime.freeHost(self._rec_ptr)
+            finally:
+                self._rec_ptr = 0
+        self._epoch = self._ctl = self._peer_sig = self._peer_data = None
+        self._graph_out = None
+        self._eager_out = [None] * getattr(self, "num_ubatches", 0)
 
     def _make_proto(self, u: int) -> Tuple:
         mc = 0
@@ -186,12 +363,21 @@ class OpWorkspace:
         )
 
     def _finish_setup(self) -> None:
-        """Warm-up barrier: no rank may wait inside a kernel while a peer still compiles."""
+        """Warm-up barrier: no rank may wait inside a kernel while a peer still compiles. A
+        device error on any rank closes the workspace and raises on every rank."""
         import cupy  # noqa: WPS433
 
-        with cupy.cuda.Device(self.device):
-            cupy.cuda.runtime.deviceSynchronize()
-        self.comm.barrier()
+        err = None
+        try:
+            with cupy.cuda.Device(self.device):
+                cupy.cuda.runtime.deviceSynchronize()
+        except Exception as e:  # noqa: BLE001 - shared with every rank below
+            err = e
+        try:
+            share_outcome(self.comm, f"{self.op_name}: warm-up", err)  # also the barrier
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ per call
     def proto_args(self, ubatch: int) -> Tuple:
@@ -230,9 +416,20 @@ class OpWorkspace:
         return int(ubatch)
 
     def get_stream(self, stream):
-        import cupy  # noqa: WPS433
+        """``stream``, or the current CuPy stream for None.
 
-        return cupy.cuda.get_current_stream() if stream is None else stream
+        Raises
+        ------
+        InvalidType
+            ``stream`` is not a CuPy stream (``cupy.cuda.Stream`` / ``ExternalStream``).
+        """
+        if stream is None:
+            import cupy  # noqa: WPS433
+
+            return cupy.cuda.get_current_stream()
+        if isinstance(stream, _cuda._STREAM_TYPES or _cuda.stream_types()):
+            return stream
+        return _cuda.check_stream(stream, self.op_name)  # raises InvalidType
 
     def begin_call(self, ubatch: int, stream, debug_key: Tuple) -> Tuple[int, bool, bool]:
         """Bookkeeping at the start of a call, after validation and before the launch.
@@ -324,17 +521,24 @@ class OpWorkspace:
 
         self._closed = True
         self.__dict__.pop("_view_cache", None)  # views over memory about to be freed
+        errors: List[BaseException] = []
         with cupy.cuda.Device(self.device):
-            cupy.cuda.runtime.deviceSynchronize()
-            if self._owns_heap:
-                self.heap.close()
+            try:
+                cupy.cuda.runtime.deviceSynchronize()
+            except Exception as e:  # noqa: BLE001 - go on: the heap close is collective
+                errors.append(e)
+            if self._owns_heap and self.heap is not None:
+                try:
+                    self.heap.close()
+                except Exception as e:  # noqa: BLE001
+                    errors.append(e)
             self.heap = None
-            cupy.cuda.runtime.freeHost(self._rec_ptr)
-            self._rec = np.zeros(8, dtype=np.uint32)
-            self._rec_ptr = 0
-            self._epoch = self._ctl = self._peer_sig = self._peer_data = None
-            self._graph_out = None
-            self._eager_out = [None] * self.num_ubatches
+            try:
+                self._free_local_state()
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def __enter__(self):
         return self

@@ -19,9 +19,10 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from .. import _cuda
 from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
 from ..comm import Communicator
-from ..errors import InvalidArgument, InvalidType
+from ..errors import InvalidArgument
 from ._gather import MAX_VECTORS, GatherWorkspace, resolve_gather_dtype
 from ._workspace import check_positive_int
 
@@ -72,9 +73,13 @@ class KVGather(GatherWorkspace):
     algorithm : {"push", "pull"}
         See above; default ``"push"``.
     timeout_ms : float, optional
-        Deadline of every wait (default ``DCPKIT_TIMEOUT_MS`` or 5000).
+        Deadline of every wait in (0, 3600000] milliseconds, any real number type (default
+        ``DCPKIT_TIMEOUT_MS`` or 5000).
     heap : SymmetricHeap, optional
-        Reserve the workspace in this heap instead of allocating its own. The workspace takes
+        Reserve the workspace in this open heap of the same group (same ``world_size`` and
+        ``rank`` as ``comm``) instead of allocating its own. The reservation is taken only
+        after every rank passed every check, and is never given back (the heap is a bump
+        allocator), also when a later setup step fails. The workspace takes
         ``3 * world_size * max_tokens * D_kv * itemsize`` bytes per ubatch (plus signals).
     multicast : bool, optional
         Ask for a multicast heap (used only where dcpkit's multicast guard allows it).
@@ -93,33 +98,34 @@ class KVGather(GatherWorkspace):
     Raises
     ------
     InvalidArgument, InvalidType
-        A geometry argument is out of range, the row bytes are not a multiple of 16, or
-        ``algorithm`` is unknown.
+        A geometry argument is out of range, the row bytes are not a multiple of 16,
+        ``algorithm`` is unknown, the workspace would exceed 2**40 bytes, a bad
+        ``timeout_ms`` / ``DCPKIT_TIMEOUT_MS`` / ``multicast``, a ``heap`` of another group or
+        without room.
+    MissingDependency
+        CuPy is not installed (names the ``cuda12`` / ``cuda13`` extra).
+    DcpkitError
+        No CUDA GPU is visible.
     PeerError
-        Another rank rejected its arguments or failed to compile the kernel.
+        Another rank rejected its arguments, missed CuPy or a GPU, or failed to compile the
+        kernel.
     ConfigMismatch
-        Ranks passed different geometries or algorithms.
+        Ranks passed different geometries, ``num_ubatches`` or ``timeout_ms`` or algorithms.
     """
 
     op_name = "kv_gather"
+    size_arguments = "max_tokens, row_dim"
 
     def __init__(self, comm: Communicator, *, max_tokens: int, row_dim: int, dtype,
                  num_ubatches: int = 1, algorithm: str = "push",
                  timeout_ms: Optional[float] = None, heap=None,
                  multicast: Optional[bool] = None):
-        op = self.op_name
         self._closed = True  # until the setup completes
-        if not isinstance(comm, Communicator):
-            raise InvalidType(f"{op}: comm must be a dcpkit.Communicator "
-                              f"(got {type(comm).__name__})")
-        self._agree_arguments(
-            comm, lambda: self._init_geometry(comm.world_size, max_tokens, row_dim, dtype,
-                                              algorithm),
-            "max_tokens, row_dim, dtype, algorithm")
-        nbytes = self.world_size * self.max_tokens * self.row_bytes
-        self._setup_gather(comm, data_slot_bytes=nbytes, out_bytes=nbytes,
-                           num_ubatches=num_ubatches, timeout_ms=timeout_ms, heap=heap,
-                           multicast=multicast)
+        # One exchange: arguments, CuPy, the GPU or room in the heap, equal geometries.
+        self._setup(comm, lambda W: self._check_arguments(
+            W, max_tokens=max_tokens, row_dim=row_dim, dtype=dtype, num_ubatches=num_ubatches,
+            algorithm=algorithm, timeout_ms=timeout_ms),
+            "max_tokens, row_dim, dtype, algorithm", heap=heap, multicast=multicast)
         if self.algorithm == "pull":
             self.transport = "unicast"
             name = "dcpkit::kv_gather_pull_kernel"
@@ -129,6 +135,16 @@ class KVGather(GatherWorkspace):
             name = f"dcpkit::kv_gather_push_kernel<dcpkit::Transport::{tr}>"
         self._kernel = self._compile("kv_gather.cu", name)
         self._finish_setup()
+
+    def _check_arguments(self, world_size: int, *, max_tokens, row_dim, dtype, num_ubatches=1,
+                         algorithm="push", timeout_ms=None) -> Tuple:
+        """Every check of the constructor arguments that needs no GPU and no collective (the
+        constructor's keywords); returns what every rank must agree on."""
+        geometry = self._init_geometry(world_size, max_tokens, row_dim, dtype, algorithm)
+        nbytes = self.world_size * self.max_tokens * self.row_bytes
+        return geometry + self._check_gather_common(
+            world_size, data_slot_bytes=nbytes, out_bytes=nbytes, num_ubatches=num_ubatches,
+            timeout_ms=timeout_ms)
 
     def _init_geometry(self, world_size: int, max_tokens, row_dim, dtype, algorithm) -> Tuple:
         """Check and record the geometry (no GPU, no collective); returns it."""
@@ -190,19 +206,24 @@ class KVGather(GatherWorkspace):
         Raises
         ------
         InvalidArgument, InvalidType
-            A bad shape, dtype, layout, alignment, device, ``T``, ubatch, or a host array;
-            raised before anything is launched and before the call counts.
+            A bad shape, dtype, layout, alignment, device, ``T``, ubatch, a host array, or a
+            ``stream`` that is not a CuPy stream; raised before anything is launched and
+            before the call counts.
         ClosedError
             The workspace is closed.
         CollectiveTimeout
             A previous wait of this workspace expired (the workspace is poisoned).
         """
         T, ubatch, ki, oi = self._validate(kv, ubatch, out)
+        if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES
+                                                 or _cuda.stream_types()):
+            _cuda.check_stream(stream, self.op_name)  # raises InvalidType
         if T == 0:
             if out is not None:
                 return out
             return self._result_view(self.data_slot_ptr(ubatch, 0), 0)
-        stream = self.get_stream(stream)
+        if stream is None:
+            stream = self.get_stream(None)
         kout, result = self._destination(ubatch, stream,
                                          (T, str(self.dtype), ubatch) if self._debug else (),
                                          oi.ptr if oi is not None else 0)

@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from .. import jit
+from .. import _cuda, jit
 from .._arrays import ArrayInfo, array_info, check_device, check_dtype, check_ndim, check_shape
 from .._arrays import dtype_name
 from ..comm import Communicator
@@ -171,9 +171,13 @@ class LseReduce(OpWorkspace):
     return_lse : bool
         Also return the merged natural-log lse ``[T, H_r]`` float32 from every call.
     timeout_ms : float, optional
-        Deadline of every wait (default ``DCPKIT_TIMEOUT_MS`` or 5000 ms).
+        Deadline of every wait in (0, 3600000] milliseconds, any real number type (default
+        ``DCPKIT_TIMEOUT_MS`` or 5000 ms).
     heap : SymmetricHeap, optional
-        Reserve the workspace in this heap instead of allocating its own.
+        Reserve the workspace in this open heap of the same group (same ``world_size`` and
+        ``rank`` as ``comm``) instead of allocating its own. The reservation is taken only
+        after every rank passed every check, and is never given back (the heap is a bump
+        allocator), also when a later setup step fails.
 
     Attributes
     ----------
@@ -184,11 +188,12 @@ class LseReduce(OpWorkspace):
 
     Notes
     -----
-    Output lifetime. With ``out=`` the result is written there. Otherwise it lands in a workspace output buffer:
-    an eager call's result stays valid while it is consumed on the same stream before call
-    ``n + 2`` of the same ubatch is issued (two buffers alternate); a call captured in a CUDA
-    graph writes a fixed buffer of its ubatch that stays valid until the next replay of a graph
-    that captured a call of this ubatch. Copy the result to keep it longer.
+    Output lifetime. With ``out=`` the result is written there. Otherwise it lands in a
+    workspace output buffer: an eager call's result stays valid while it is consumed on the
+    same stream before call ``n + 2`` of the same ubatch is issued (two buffers alternate); a
+    call captured in a CUDA graph writes a fixed buffer of its ubatch that stays valid until
+    the next replay of a graph that captured a call of this ubatch. Copy the result to keep it
+    longer.
 
     Collective: construction (compiles the kernels, ends with a barrier), every call (every rank,
     same ``T``, dtypes, masks present or not, ubatch, in the same order) and :meth:`close`.
@@ -197,14 +202,22 @@ class LseReduce(OpWorkspace):
     ------
     InvalidArgument, InvalidType
         A bad constructor argument (``H % world_size != 0``, ``D_v * itemsize % 16 != 0``, an
-        unsupported dtype or ``lse_base``, ``world_size > 64``).
+        unsupported dtype or ``lse_base``, ``world_size > 64``, a workspace over 2**40 bytes,
+        a bad ``timeout_ms`` or ``DCPKIT_TIMEOUT_MS``, a ``heap`` of another group or without
+        room).
+    MissingDependency
+        CuPy is not installed (names the ``cuda12`` / ``cuda13`` extra).
+    DcpkitError
+        No CUDA GPU is visible.
     PeerError
-        Another rank rejected its arguments or failed to compile the kernels.
+        Another rank rejected its arguments, missed CuPy or a GPU, or failed to compile the
+        kernels.
     ConfigMismatch
-        The ranks passed different geometries.
+        The ranks passed different geometries, ``num_ubatches`` or ``timeout_ms``.
     """
 
     op_name = "lse_reduce"
+    size_arguments = "max_tokens, num_heads, head_dim"
     launches_per_call = 1
 
     def __init__(self, comm: Communicator, *, max_tokens: int, num_heads: int, head_dim: int,
@@ -212,22 +225,13 @@ class LseReduce(OpWorkspace):
                  timeout_ms: Optional[float] = None, heap=None):
         op = self.op_name
         self._closed = True
-        if not isinstance(comm, Communicator):
-            raise InvalidType(f"{op}: comm must be a dcpkit.Communicator "
-                              f"(got {type(comm).__name__})")
-        def init():
-            self._init_geometry(comm.world_size, max_tokens=max_tokens, num_heads=num_heads,
-                                head_dim=head_dim, dtype=dtype, lse_base=lse_base,
-                                return_lse=return_lse)
-            return (self.max_tokens, self.num_heads, self.head_dim, str(self.dtype),
-                    self.lse_base, self.return_lse)
-
-        # One exchange: which ranks rejected their arguments, and whether the geometries agree.
-        comm.agree_setup(op, init, "geometry (max_tokens, num_heads, head_dim, dtype, lse_base, "
-                                   "return_lse)")
-
-        self._setup(comm, slot_bytes=self._slot_bytes_needed, out_bytes=self._out_bytes_needed,
-                    num_ubatches=num_ubatches, timeout_ms=timeout_ms, heap=heap)
+        # One exchange: which ranks rejected their arguments (or miss CuPy, a GPU, room in the
+        # heap), and whether the geometries agree.
+        self._setup(comm, lambda W: self._check_arguments(
+            W, max_tokens=max_tokens, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
+            num_ubatches=num_ubatches, lse_base=lse_base, return_lse=return_lse,
+            timeout_ms=timeout_ms),
+            "max_tokens, num_heads, head_dim, dtype, lse_base, return_lse", heap=heap)
         err = None
         try:
             self._load_kernels()
@@ -240,6 +244,20 @@ class LseReduce(OpWorkspace):
             raise
         self._finish_setup()
 
+    def _check_arguments(self, world_size: int, *, max_tokens, num_heads, head_dim, dtype,
+                         num_ubatches=1, lse_base=math.e, return_lse=False,
+                         timeout_ms=None) -> Tuple:
+        """Every check of the constructor arguments that needs no GPU and no collective (the
+        constructor's keywords); returns what every rank must agree on."""
+        self._init_geometry(world_size, max_tokens=max_tokens, num_heads=num_heads,
+                            head_dim=head_dim, dtype=dtype, lse_base=lse_base,
+                            return_lse=return_lse)
+        return (self.max_tokens, self.num_heads, self.head_dim, str(self.dtype), self.lse_base,
+                self.return_lse) + self._check_common(
+                    world_size, slot_bytes=self._slot_bytes_needed,
+                    out_bytes=self._out_bytes_needed, num_ubatches=num_ubatches,
+                    timeout_ms=timeout_ms)
+
     # ------------------------------------------------------------------ construction helpers
     def _init_geometry(self, world_size: int, *, max_tokens, num_heads, head_dim, dtype,
                        lse_base, return_lse) -> None:
@@ -248,6 +266,9 @@ class LseReduce(OpWorkspace):
         self.max_tokens = check_positive_int(max_tokens, op, "max_tokens")
         self.num_heads = check_positive_int(num_heads, op, "num_heads")
         self.head_dim = check_positive_int(head_dim, op, "head_dim")
+        for name, v in (("num_heads", self.num_heads), ("head_dim", self.head_dim)):
+            if v > _INT32_MAX:  # int parameters of the kernel
+                raise InvalidArgument(f"{op}: {name} must be <= 2**31 - 1 (got {v})")
         W = int(world_size)
         if W > MAX_WORLD_SIZE:
             raise InvalidArgument(f"{op}: world_size must be <= {MAX_WORLD_SIZE} (got {W})")
@@ -368,7 +389,8 @@ class LseReduce(OpWorkspace):
         Raises
         ------
         InvalidType
-            A host array or a non-array, a wrong dtype, a non-integer ubatch.
+            A host array or a non-array, a wrong dtype, a non-integer ubatch, a ``stream`` that
+            is not a CuPy stream.
         InvalidArgument
             A wrong shape, ``T > max_tokens``, rows not 16-byte aligned, negative strides, an
             array on another GPU, ``seq_lens`` without ``query_start_loc`` or of the wrong
@@ -384,6 +406,9 @@ class LseReduce(OpWorkspace):
         """
         plan = self._validate(out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out,
                               out_lse)
+        if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES
+                                                 or _cuda.stream_types()):
+            _cuda.check_stream(stream, self.op_name)  # raises InvalidType
         if plan.T == 0:
             return self._empty_result(plan)
         return self._launch(plan, stream)
@@ -568,6 +593,13 @@ class _CombinePlan(NamedTuple):
     out_lse: Optional[ArrayInfo]
 
 
+def _check_same_gpu(info: ArrayInfo, src_out: ArrayInfo, name: str) -> None:
+    """lse_combine has no workspace: every array must live on ``src_out``'s GPU."""
+    if info.device != src_out.device:
+        raise InvalidArgument(f"lse_combine: {name} device must be src_out's GPU "
+                              f"{src_out.device} (got GPU {info.device})")
+
+
 def _validate_combine(src_out, src_lse, out, out_lse) -> _CombinePlan:
     """Argument checks of :func:`lse_combine` (no GPU needed)."""
     op = "lse_combine"
@@ -589,12 +621,12 @@ def _validate_combine(src_out, src_lse, out, out_lse) -> _CombinePlan:
     check_dtype(sl, (np.float32,), op, "src_lse")
     check_shape(sl, (W, T, H_r), "W, T, H_r", op, "src_lse")
     _check_contiguous(sl, op, "src_lse")
-    check_device(sl, so.device, op, "src_lse")
+    _check_same_gpu(sl, so, "src_lse")
     o = array_info(out, op, "out")
     check_dtype(o, (so.dtype,), op, "out")
     check_shape(o, (T, H_r, D), "T, H_r, D_v", op, "out")
     _check_contiguous(o, op, "out")
-    check_device(o, so.device, op, "out")
+    _check_same_gpu(o, so, "out")
     if o.ptr % 16:
         raise InvalidArgument(f"{op}: out data pointer must be 16-byte aligned "
                               f"(got pointer offset {o.ptr % 16})")
@@ -604,7 +636,7 @@ def _validate_combine(src_out, src_lse, out, out_lse) -> _CombinePlan:
         check_dtype(ol, (np.float32,), op, "out_lse")
         check_shape(ol, (T, H_r), "T, H_r", op, "out_lse")
         _check_contiguous(ol, op, "out_lse")
-        check_device(ol, so.device, op, "out_lse")
+        _check_same_gpu(ol, so, "out_lse")
     if sl.ptr % 4 or (ol is not None and ol.ptr % 4):
         raise InvalidArgument(f"{op}: src_lse and out_lse must be 4-byte aligned")
     return _CombinePlan(W, T, H_r, D, so, sl, o, ol)
@@ -645,17 +677,24 @@ def lse_combine(src_out, src_lse, out, out_lse=None, stream=None):
     Raises
     ------
     InvalidType, InvalidArgument
-        A host array, a wrong dtype, shape, layout or alignment, arrays on different GPUs.
+        A host array, a wrong dtype, shape, layout or alignment, arrays on different GPUs, a
+        ``stream`` that is not a CuPy stream.
+    MissingDependency
+        CuPy is not installed.
+    DcpkitError
+        No CUDA GPU is visible.
     """
     plan = _validate_combine(src_out, src_lse, out, out_lse)
+    if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES or _cuda.stream_types()):
+        _cuda.check_stream(stream, "lse_combine")  # raises InvalidType
     if plan.T == 0 or plan.H_r == 0:
         return out if out_lse is None else (out, out_lse)
-    import cupy  # noqa: WPS433
-
+    cupy = _cuda.require_cupy()
     dev = plan.src_out.device
     key = (dev, plan.src_out.dtype)
     fn = _COMBINE_FNS.get(key)
     if fn is None:
+        _cuda.require_device("lse_combine", dev)
         with cupy.cuda.Device(dev):
             fn = _COMBINE_FNS[key] = jit.get_kernel(_FILE, _combine_variant(key[1])).kernel
     grid = (launch_config(plan.T * plan.H_r, WARPS_PER_CTA, 1 << 16),)

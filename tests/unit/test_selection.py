@@ -14,8 +14,8 @@ import pytest
 
 from _threadgroup import run_group
 from dcpkit.comm import Communicator
-from dcpkit.errors import (ClosedError, ConfigMismatch, InvalidArgument, MissingDependency,
-                           PeerError)
+from dcpkit.errors import (ClosedError, CompileError, ConfigMismatch, CudaError, DcpkitError,
+                           InvalidArgument, InvalidType, MissingDependency, PeerError)
 from dcpkit.manager import (DCPComm, PATH_DIRECT_MULTICAST, PATH_DIRECT_UNICAST, PATH_NCCL,
                             POLICIES, direct_call_blocker, direct_geometry_blocker,
                             select_path, shared_gpu_blocker, topology_blocker)
@@ -656,3 +656,197 @@ def test_precondition_failing_on_one_rank_never_enters_nccl():
         kind, e = res[rank]
         assert kind == "err" and isinstance(e, InvalidArgument) and reason in str(e), e
     assert NoBus.entered == set()
+
+
+# ----------------------------------------------------------------------------- user errors raise
+# DCPComm validates every argument itself, also as each op it may build will check it: wrong
+# arguments raise on every rank instead of silently sending every call to NCCL. Only
+# environment failures (CUDA, NVRTC, memory, missing packages) make the other path serve.
+@pytest.mark.parametrize("change,exc,fragment", [
+    (dict(timeout_ms=-5), InvalidArgument,
+     "DCPComm: timeout_ms must lie in (0, 3600000] milliseconds (got -5)"),
+    (dict(timeout_ms="soon"), InvalidType,
+     "DCPComm: timeout_ms must be a real number of milliseconds (got str 'soon')"),
+    (dict(timeout_ms=False), InvalidType, "DCPComm: timeout_ms must be a real number"),
+    (dict(max_tokens=2**40), InvalidArgument,
+     "DCPComm: max_tokens must be <= 2**31 - 1 (got 1099511627776)"),
+    (dict(nccl_max_tokens=2**31), InvalidArgument,
+     "DCPComm: nccl_max_tokens must be <= 2**31 - 1 (got 2147483648)"),
+    (dict(max_tokens=2**28), InvalidArgument,
+     "DCPComm: direct q_gather op: max_tokens*H*head_dim*itemsize must be < 32 GiB"),
+    (dict(max_tokens=2**30, policy="nccl"), InvalidArgument,
+     "DCPComm: NCCL q_gather op: num_ubatches * buffer bytes per ubatch must be <= 2**40"),
+    (dict(num_ubatches=2**27), InvalidArgument,
+     "DCPComm: direct q_gather op: num_ubatches * symmetric bytes per ubatch must be <= 2**40"),
+    (dict(dtype="float64"), InvalidType,
+     "DCPComm: NCCL lse_reduce op: dtype must be one of [bfloat16, float16, float32] (got "
+     "float64)"),
+])
+def test_bad_arguments_raise_instead_of_routing_to_nccl(change, exc, fragment):
+    with pytest.raises(exc) as ei:
+        FakeDCPComm(fake_comm(), **dict(GEOM, **change))
+    assert fragment in str(ei.value), str(ei.value)
+
+
+def test_timeouts_of_any_real_type_and_the_variable(monkeypatch):
+    monkeypatch.delenv("DCPKIT_TIMEOUT_MS", raising=False)
+    dcp = FakeDCPComm(fake_comm(), timeout_ms=np.float32(250), **GEOM)
+    assert dcp.timeout_ms == 250.0 and type(dcp.timeout_ms) is float
+    dcp.close()
+    dcp = FakeDCPComm(fake_comm(), **GEOM)
+    assert dcp.timeout_ms == 5000.0
+    dcp.close()
+    monkeypatch.setenv("DCPKIT_TIMEOUT_MS", "-5")
+    with pytest.raises(InvalidArgument, match=r"^DCPComm: DCPKIT_TIMEOUT_MS must be a number of "
+                                              r"milliseconds in \(0, 3600000\] \(got '-5'\)$"):
+        FakeDCPComm(fake_comm(), **GEOM)
+
+
+def test_direct_ops_get_the_validated_timeout():
+    class Spy(FakeDCPComm):
+        def _build_direct(self, op):
+            cls, kwargs = self._direct_spec(op)
+            self.seen = getattr(self, "seen", []) + [kwargs["timeout_ms"]]
+            return FakeOp(op, "direct")
+
+    dcp = Spy(fake_comm(), timeout_ms=np.int64(300), **GEOM)
+    assert dcp.seen == [300.0, 300.0, 300.0]
+    dcp.close()
+
+
+@pytest.mark.parametrize("error,falls_back", [
+    (InvalidArgument("q_gather: max_tokens must be >= 1 (got 0)"), False),
+    (InvalidType("q_gather: dtype must be a fixed-size data type (got object)"), False),
+    (CudaError("cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY"), True),
+    (CompileError("q_gather.cu", ["-arch=sm_90"], "error: something"), True),
+    (MissingDependency("cuda-bindings (cuda-python)", "cuda12"), True),
+    (DcpkitError("q_gather: no CUDA GPU is visible (cudaGetDeviceCount: ...)"), True),
+    (RuntimeError("cupy OutOfMemoryError: out of memory allocating 1024 bytes"), True),
+    (PeerError("q_gather: workspace state", {1: "CudaError: cuMemCreate failed"}), True),
+])
+def test_direct_build_user_errors_raise_environment_errors_fall_back(error, falls_back):
+    class Broken(FakeDCPComm):
+        direct_error = error
+
+    if not falls_back:
+        with pytest.raises(type(error)) as ei:
+            Broken(fake_comm(), **GEOM)
+        assert ei.value is error
+        return
+    dcp = Broken(fake_comm(), **GEOM)
+    reason = dcp.direct_reason["q_gather"]
+    assert reason.startswith("building the direct op failed on every rank: "), reason
+    assert type(error).__name__ in reason
+    assert dcp.q_gather(q_input(1))[1] == "nccl"
+    dcp.close()
+    with pytest.raises(type(error)):
+        Broken(fake_comm(), policy="direct", **GEOM)
+
+
+def test_nccl_build_user_error_raises_in_auto():
+    class Broken(FakeDCPComm):
+        nccl_error = InvalidArgument("q_gather: nccl_group must be a group on GPU 0")
+
+    with pytest.raises(InvalidArgument, match="nccl_group must be a group on GPU 0"):
+        Broken(fake_comm(), **GEOM)
+
+
+class OpAgreedDCPComm(GroupDCPComm):
+    """Direct op builds that fail like the real ones: every rank at once (one allgather),
+    the failing rank with its own error, the others with PeerError."""
+
+    direct_fails_on = {}      # rank -> exception
+
+    def _build_direct(self, op):
+        mine = self.direct_fails_on.get(self.rank)
+        msgs = self.comm.allgather(None if mine is None else f"{type(mine).__name__}: {mine}")
+        if mine is not None:
+            raise mine
+        failed = {r: m for r, m in enumerate(msgs) if m is not None}
+        if failed:
+            raise PeerError(f"{op}: constructor arguments", failed)
+        return FakeOp(op, "direct")
+
+
+def test_direct_user_error_on_one_rank_raises_on_every_rank():
+    class Broken(OpAgreedDCPComm):
+        direct_fails_on = {1: InvalidArgument("q_gather: heap free bytes must be >= 4096")}
+
+    res = run_group(3, _make(Broken))
+    assert res[1][0] == "err" and isinstance(res[1][1], InvalidArgument), res[1]
+    for r in (0, 2):
+        kind, e = res[r]
+        assert kind == "err" and isinstance(e, PeerError) and set(e.failed) == {1}, (r, e)
+    assert Broken.entered == set(), "a rank went on to build NCCL after a user error"
+
+
+def test_direct_environment_error_on_one_rank_falls_back_on_every_rank():
+    class Broken(OpAgreedDCPComm):
+        direct_fails_on = {1: CudaError("cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY")}
+
+    def body(comm):
+        dcp = _make(Broken)(comm)
+        facts = (dcp.direct_reason["q_gather"], dcp.q_gather(FakeArray((2, 2, 64)))[1])
+        dcp.close()
+        return facts
+
+    res = run_group(3, body)
+    reason = ("building the direct op failed on rank(s) [1]: CudaError: cuMemCreate failed "
+              "with CUDA_ERROR_OUT_OF_MEMORY")
+    assert res == [("ok", (reason, "nccl"))] * 3, res
+
+
+@pytest.mark.parametrize("change,exc,fragment", [
+    (dict(timeout_ms=-5), InvalidArgument, "DCPComm: timeout_ms must lie in"),
+    (dict(max_tokens=2**40), InvalidArgument, "DCPComm: max_tokens must be <= 2**31 - 1"),
+    (dict(num_ubatches=0), InvalidArgument, "DCPComm: num_ubatches must be >= 1 (got 0)"),
+])
+def test_bad_argument_on_one_rank_raises_on_every_rank(change, exc, fragment):
+    def body(comm):
+        return _make(GroupDCPComm, **(change if comm.rank == 1 else {}))(comm)
+
+    res = run_group(3, body)
+    assert res[1][0] == "err" and isinstance(res[1][1], exc) and fragment in str(res[1][1])
+    for r in (0, 2):
+        kind, e = res[r]
+        assert kind == "err" and isinstance(e, PeerError) and set(e.failed) == {1}, (r, e)
+        assert fragment in e.failed[1]
+
+
+def test_missing_gpu_on_one_rank_raises_on_every_rank():
+    class NoGpu(GroupDCPComm):
+        def _current_device(self):
+            if self.rank == 1:
+                raise DcpkitError("DCPComm: no CUDA GPU is visible (cudaGetDeviceCount: "
+                                  "cudaErrorNoDevice)")
+            return 0
+
+    res = run_group(3, _make(NoGpu))
+    assert res[1][0] == "err" and type(res[1][1]) is DcpkitError
+    for r in (0, 2):
+        kind, e = res[r]
+        assert kind == "err" and isinstance(e, PeerError) and set(e.failed) == {1}, (r, e)
+        assert "no CUDA GPU is visible" in e.failed[1]
+    assert NoGpu.entered == set()
+
+
+def test_stream_must_be_a_cupy_stream():
+    dcp = FakeDCPComm(fake_comm(), **GEOM)
+    with pytest.raises(InvalidType, match=r"^DCPComm: stream must be a cupy.cuda.Stream "
+                                          r"\(got str\)$"):
+        DCPComm._stream(dcp, "x")
+    cupy = pytest.importorskip("cupy")
+    assert DCPComm._stream(dcp, cupy.cuda.Stream.null) is cupy.cuda.Stream.null
+    dcp.close()
+
+
+def test_world_size_past_the_direct_merge_goes_to_nccl():
+    assert direct_geometry_blocker("lse_reduce", dtype="bfloat16", row_bytes=128,
+                                   world_size=65) == \
+        "world_size must be <= 64 for the direct kernel's merge (got 65)"
+    assert direct_geometry_blocker("q_gather", dtype="bfloat16", row_bytes=128,
+                                   world_size=65) is None
+    dcp = FakeDCPComm(fake_comm(world_size=65), **dict(GEOM, num_heads=130))
+    assert dcp.direct_reason["lse_reduce"].startswith("world_size must be <= 64")
+    assert dcp.direct_reason["q_gather"] is None
+    dcp.close()

@@ -55,7 +55,8 @@ BAD_ARGS = [
     (dict(nbytes=4096, multicast="yes"), InvalidType, "multicast must be True, False or None"),
     (dict(nbytes=4096, timeout_s=0), InvalidArgument, r"timeout_s must lie in \(0, 3600\]"),
     (dict(nbytes=4096, timeout_s=1e9), InvalidArgument, "timeout_s must lie in"),
-    (dict(nbytes=4096, timeout_s=True), InvalidArgument, "timeout_s must lie in"),
+    (dict(nbytes=4096, timeout_s=True), InvalidType, "timeout_s must be a real number"),
+    (dict(nbytes=4096, timeout_s="60"), InvalidType, "timeout_s must be a real number"),
 ]
 
 
