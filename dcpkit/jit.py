@@ -214,6 +214,9 @@ def get_kernel(file: str, name_expr: str, options: Sequence[str] = ()):
                               f"one of jit.VARIANTS[{file!r}] (got {name_expr!r})")
     opts = tuple(DEFAULT_OPTIONS) + _options_arg(options, op)
     cupy = _cupy()
+    from ._cuda import require_device  # noqa: WPS433
+
+    require_device("jit.get_kernel")
     dev = cupy.cuda.runtime.getDevice()
     key = (file, opts, dev)
     with _LOCK:
