@@ -311,15 +311,16 @@ def test_debug_mismatch_raises_before_launch(comm, seed, name, algorithm, monkey
     dev, exp = case.prepare(seed + 1, 16)
     expect_mismatch("ubatch 1 on the odd rank", dev, 1 if rank == odd else 0)
 
-    # A good call afterwards: correct, and exactly one host allgather per call.
+    # A good call afterwards: correct, and exactly one host allgather per call. Counted at the
+    # Communicator's transport (_allgather), which every exchange (allgather, agree, ...) uses.
     counts = {"allgather": 0}
-    real = comm.allgather
+    real = comm._allgather
 
     def counting(obj):
         counts["allgather"] += 1
         return real(obj)
 
-    monkeypatch.setattr(comm, "allgather", counting)
+    monkeypatch.setattr(comm, "_allgather", counting)
     out = case.poisoned_out(16)
     try:
         res = case.call(dev, ubatch=1, out=out)
@@ -327,7 +328,7 @@ def test_debug_mismatch_raises_before_launch(comm, seed, name, algorithm, monkey
         msgs.append(case.check(res, exp, "good call after the mismatches"))
     except Exception as e:  # noqa: BLE001
         msgs.append(f"good call raised {type(e).__name__}: {e}")
-    monkeypatch.setattr(comm, "allgather", real)
+    monkeypatch.setattr(comm, "_allgather", real)
     if counts["allgather"] != 1:
         msgs.append(f"DCPKIT_DEBUG=1 call made {counts['allgather']} allgathers (expected 1)")
     msgs.append(_epochs_match_calls(case))
@@ -345,7 +346,9 @@ def test_no_debug_no_host_collectives(comm, seed, name, algorithm, monkeypatch):
     if op._debug:
         msgs.append("op._debug is True without DCPKIT_DEBUG")
     dev, exp = case.prepare(seed, 16)
-    counts = {"allgather": 0, "broadcast": 0, "barrier": 0}
+    # Counted at the Communicator's transport (_allgather, _broadcast, _barrier), which every
+    # host exchange goes through.
+    counts = {"_allgather": 0, "_broadcast": 0, "_barrier": 0}
     real = {k: getattr(comm, k) for k in counts}
 
     def counting(kind):
