@@ -254,7 +254,7 @@ def render_markdown(results: Sequence[Mapping[str, Any]], *, notes: Optional[str
     results : sequence of dict
         Parsed JSON files written by ``dcpkit bench --json``.
     notes : str, optional
-        Markdown kept by hand in a separate file, appended under "Notes".
+        Markdown kept by hand in a separate file, shown under "Notes" before the tables.
     plots : dict world_size -> str, optional
         Relative paths of the PNG plots, shown under each run.
     sources : sequence of str
@@ -272,8 +272,10 @@ def render_markdown(results: Sequence[Mapping[str, Any]], *, notes: Optional[str
            "and taken as the maximum over ranks. The **floor** of a row is the one-way NVLink "
            "latency plus the bytes each GPU must send divided by the unicast egress ceiling, both "
            "measured in the same run; `x floor` = time / floor; `x NCCL` = time of the fastest "
-           "NCCL path (CuPy NCCL or torch.distributed) in the same mode / this time.", "",
-           "## Runs", "",
+           "NCCL path (CuPy NCCL or torch.distributed) in the same mode / this time.", ""]
+    if notes:  # kept by hand: what a reader must know before reading the numbers
+        out += ["## Notes", "", notes.strip(), ""]
+    out += ["## Runs", "",
            "| W | machine | GPU | driver | CUDA runtime | CuPy | NCCL | torch | commit | date |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res:
@@ -312,8 +314,6 @@ def render_markdown(results: Sequence[Mapping[str, Any]], *, notes: Optional[str
             row = _row_for(it, rows)
             if row is not None:
                 out.append("- " + analyse_missed(it, row, r.get("ceilings") or {}, rows))
-    if notes:
-        out += ["", "## Notes", "", notes.strip()]
     for r in res:
         W = (r.get("meta") or {}).get("world_size")
         out += ["", f"## Results, W = {W}", "", "```text", render_table(r.get("rows") or []),
