@@ -26,6 +26,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from .. import _cuda
 from ..errors import InvalidType
 from ._workspace import OpWorkspace, _round_up, launch_config
 
@@ -122,6 +123,23 @@ class GatherWorkspace(OpWorkspace):
             return 0, self.data_slot_ptr(ubatch, self._calls[ubatch] % DATA_SLOTS)
         ptr = self.output_ptr(ubatch, capturing)
         return ptr, ptr
+
+    def _check_stream(self, stream) -> None:
+        """Raise InvalidType unless ``stream`` is None or a CuPy stream (one isinstance on the
+        hot path)."""
+        if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES
+                                                 or _cuda.stream_types()):
+            _cuda.check_stream(stream, self.op_name)  # raises InvalidType
+
+    def _start(self, T: int, ubatch: int, stream, out_info) -> Tuple[object, int, int]:
+        """The call bookkeeping shared by both gathers, after validation (T > 0). Returns
+        ``(stream, kernel_out, result_ptr)`` (see :meth:`_destination`)."""
+        if stream is None:
+            stream = self.get_stream(None)
+        kout, result = self._destination(ubatch, stream,
+                                         (T, str(self.dtype), ubatch) if self._debug else (),
+                                         out_info.ptr if out_info is not None else 0)
+        return stream, kout, result
 
     def _head_args(self, ubatch: int) -> Tuple:
         """Protocol parameters + (peer_data, data_slot_bytes, mc_data) of ``ubatch``: constant

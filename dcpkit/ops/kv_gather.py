@@ -19,7 +19,6 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from .. import _cuda
 from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
 from ..comm import Communicator
 from ..errors import InvalidArgument
@@ -215,18 +214,12 @@ class KVGather(GatherWorkspace):
             A previous wait of this workspace expired (the workspace is poisoned).
         """
         T, ubatch, ki, oi = self._validate(kv, ubatch, out)
-        if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES
-                                                 or _cuda.stream_types()):
-            _cuda.check_stream(stream, self.op_name)  # raises InvalidType
+        self._check_stream(stream)
         if T == 0:
             if out is not None:
                 return out
             return self._result_view(self.data_slot_ptr(ubatch, 0), 0)
-        if stream is None:
-            stream = self.get_stream(None)
-        kout, result = self._destination(ubatch, stream,
-                                         (T, str(self.dtype), ubatch) if self._debug else (),
-                                         oi.ptr if oi is not None else 0)
+        stream, kout, result = self._start(T, ubatch, stream, oi)
         W = self.world_size
         block_vecs = T * self.row_bytes // 16
         # 8-byte parameters as Python ints (CuPy passes them as 8-byte integers), 4-byte ones

@@ -19,7 +19,6 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from .. import _cuda
 from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
 from ..comm import Communicator
 from ..errors import InvalidArgument
@@ -225,18 +224,12 @@ class QGather(GatherWorkspace):
             A previous wait of this workspace expired (the workspace is poisoned).
         """
         T, ubatch, qi, oi = self._validate(q, ubatch, out, return_padded)
-        if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES
-                                                 or _cuda.stream_types()):
-            _cuda.check_stream(stream, self.op_name)  # raises InvalidType
+        self._check_stream(stream)
         if T == 0:
             if out is not None:
                 return out
             return self._result_view(self.data_slot_ptr(ubatch, 0), 0, return_padded)
-        if stream is None:
-            stream = self.get_stream(None)
-        kout, result = self._destination(ubatch, stream,
-                                         (T, str(self.dtype), ubatch) if self._debug else (),
-                                         oi.ptr if oi is not None else 0)
+        stream, kout, result = self._start(T, ubatch, stream, oi)
         W = self.world_size
         full_row = self.num_heads * self.head_dim * self.dtype.itemsize
         q_stride = qi.strides[0] if T > 1 else self.row_bytes
