@@ -26,7 +26,7 @@
 // Waits test equality, never ordering, so the protocol is unaffected when the low 32 bits wrap.
 // Every wait has a deadline (%globaltimer). On expiry the waiting thread records
 // (op, rank, silent peer, expected, observed, ubatch) in host-mapped memory, raises the device
-// abort flag so that no later call of the workspace waits again, and the kernel returns; the host
+// abort word so that no later call of the workspace waits again, and the kernel returns; the host
 // raises CollectiveTimeout at the next call or synchronize().
 //
 // Target architectures: everything but the multicast stores needs sm_70 (Volta) or newer:
@@ -205,7 +205,7 @@ struct TimeoutRecord {
 struct Proto {
   u64* epoch;           // this ubatch's epoch counter (device memory)
   u32* arrive;          // this ubatch's CTA arrival counter (device memory, zero between calls)
-  u32* abort_flag;      // workspace abort flag (device memory)
+  u32* abort_word;      // workspace abort word (device memory)
   TimeoutRecord* rec;   // workspace timeout record (host-mapped)
   u32* signals;         // this rank's signals [2][world] of this ubatch (local copy)
   const u64* peer_sig;  // [world]: address of signals[0][0] of this ubatch on each peer
@@ -236,12 +236,12 @@ __device__ __forceinline__ u64 call_epoch(const Proto& p) {
   return *reinterpret_cast<volatile u64*>(p.epoch) + 1ull;
 }
 __device__ __forceinline__ bool aborted(const Proto& p) {
-  return *reinterpret_cast<volatile u32*>(p.abort_flag) != 0u;
+  return *reinterpret_cast<volatile u32*>(p.abort_word) != 0u;
 }
 
 __device__ __forceinline__ void record_timeout(const Proto& p, int peer, u32 expected,
                                                u32 observed) {
-  atomicExch(p.abort_flag, 1u);
+  atomicExch(p.abort_word, 1u);
   if (atomicCAS(&p.rec->state, 0u, 1u) == 0u) {
     volatile TimeoutRecord* r = p.rec;
     r->op = p.op;
