@@ -25,7 +25,7 @@
 // call e + 1, which starts after its call e (and all its reads of slot p) retired on its stream.
 // Waits test equality, never ordering, so the protocol is unaffected when the low 32 bits wrap.
 // Every wait has a deadline (%globaltimer). On expiry the waiting thread records
-// (op, rank, silent peer, expected, observed, ubatch) in host-mapped memory, raises the device
+// (op, rank, silent peer, expected, observed, ubatch) in host-mapped memory, sets the device
 // abort word so that no later call of the workspace waits again, and the kernel returns; the host
 // raises CollectiveTimeout at the next call or synchronize().
 //
