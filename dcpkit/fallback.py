@@ -66,8 +66,9 @@ from ._cuda import cuda_extra
 from .comm import Communicator
 from .errors import (ClosedError, CudaError, InvalidArgument, InvalidType, MissingDependency,
                      PeerError)
-from .ops._workspace import check_positive_int, check_timeout_ms, debug_enabled, guarded
-from .reference import resolve_dtype
+from .ops._workspace import (check_bool, check_positive_int, check_timeout_ms, debug_enabled,
+                             guarded)
+from .reference import check_lse_base, resolve_dtype
 from .symmetric import MAX_NBYTES
 
 __all__ = [
@@ -1192,13 +1193,8 @@ class NcclLseReduce(_NcclOp):
                 f"{op}: head_dim * itemsize must be a multiple of 16 bytes for "
                 f"algorithm 'all_to_all' (got {self.head_dim} * {dt.itemsize}); use "
                 f"'allgather_reduce_scatter'")
-        if isinstance(lse_base, bool) or not isinstance(lse_base, (int, float, np.number)) \
-                or float(lse_base) not in (math.e, 2.0):
-            raise InvalidArgument(f"{op}: lse_base must be math.e or 2 (got {lse_base!r})")
-        self.lse_base = math.e if float(lse_base) == math.e else 2.0
-        if not isinstance(return_lse, (bool, np.bool_)):
-            raise InvalidType(f"{op}: return_lse must be a bool (got {return_lse!r})")
-        self.return_lse = bool(return_lse)
+        self.lse_base = check_lse_base(lse_base, op)
+        self.return_lse = check_bool(return_lse, op, "return_lse")
         W, T, H, D, isz = (self.world_size, self.max_tokens, self.num_heads, self.head_dim,
                            dt.itemsize)
         Ho = H if algorithm == "allgather_all_reduce" else H // W

@@ -56,8 +56,9 @@ from ._arrays import ArrayInfo, array_info, check_ndim, dtype_name
 from .comm import Communicator
 from .errors import ClosedError, ConfigMismatch, InvalidArgument, InvalidType, PeerError
 from .fallback import LSE_ALGORITHMS, PATH_NCCL
-from .ops._workspace import check_positive_int, check_timeout_ms, guarded, share_outcome
-from .reference import resolve_dtype
+from .ops._workspace import (check_bool, check_positive_int, check_timeout_ms, guarded,
+                             share_outcome)
+from .reference import check_lse_base, resolve_dtype
 
 __all__ = [
     "DCPComm", "select_path", "direct_call_blocker", "direct_geometry_blocker",
@@ -450,10 +451,7 @@ class DCPComm:
             raise InvalidType(f"{op}: dtype must be a NumPy dtype or dtype name "
                               f"(got {dtype!r})") from None
         self.num_ubatches = check_positive_int(num_ubatches, op, "num_ubatches")
-        if isinstance(lse_base, bool) or not isinstance(lse_base, (int, float, np.number)) \
-                or float(lse_base) not in (math.e, 2.0):
-            raise InvalidArgument(f"{op}: lse_base must be math.e or 2 (got {lse_base!r})")
-        self.lse_base = math.e if float(lse_base) == math.e else 2.0
+        self.lse_base = check_lse_base(lse_base, op)
         usable = [a for a in LSE_ALGORITHMS if a != "allgather_all_reduce"]
         if nccl_lse_algorithm not in usable:
             raise InvalidArgument(f"{op}: nccl_lse_algorithm must be one of {usable} "
@@ -465,9 +463,7 @@ class DCPComm:
                         ("nccl_max_tokens", self.nccl_max_tokens)):
             if v > _INT32_MAX:  # T is an int parameter of every kernel
                 raise InvalidArgument(f"{op}: {name} must be <= 2**31 - 1 (got {v})")
-        if not isinstance(return_lse, (bool, np.bool_)):
-            raise InvalidType(f"{op}: return_lse must be a bool (got {return_lse!r})")
-        self.return_lse = bool(return_lse)
+        self.return_lse = check_bool(return_lse, op, "return_lse")
         self.timeout_ms = check_timeout_ms(timeout_ms, op)
         self.ops = tuple(o for o in OPS if o != "kv_gather" or self.kv_row_dim is not None)
         # The ops' own limits (sizes, dtypes), with DCPComm's arguments: a user error raises

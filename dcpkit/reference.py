@@ -128,7 +128,16 @@ def _real(value, op: str, name: str) -> float:
     return float(value)
 
 
-def _lse_base(value, op: str) -> float:
+def check_lse_base(value, op: str) -> float:
+    """``value`` as the float base of an lse argument: ``math.e`` or ``2.0``.
+
+    Raises
+    ------
+    InvalidType
+        ``value`` is not a real number (bools and strings included).
+    InvalidArgument
+        ``value`` is a number other than e or 2.
+    """
     b = _real(value, op, "lse_base")
     if b != math.e and b != 2.0:
         raise InvalidArgument(f"{op}: lse_base must be math.e or 2 (got {value!r})")
@@ -298,7 +307,7 @@ def lse_reduce_reference(out_partials: Sequence[np.ndarray], lse_partials: Seque
             if not (_is_numeric(a.dtype) and a.dtype.kind != "c"):
                 raise InvalidType(f"{op}: {name}[{s}] dtype must be a real numeric dtype "
                                   f"(got {a.dtype})")
-    base = _lse_base(lse_base, op)
+    base = check_lse_base(lse_base, op)
     if seq_lens is not None and query_start_loc is None:
         raise InvalidArgument(f"{op}: seq_lens needs query_start_loc (got query_start_loc=None)")
     qsl = None if query_start_loc is None else _index_array(query_start_loc, op,
@@ -435,7 +444,7 @@ def make_inputs(rank: int, world_size: int, seed: int, *, op: str, **geometry) -
         if not _is_float(dt):
             raise InvalidType(f"{fn}: {name} must be a floating dtype for op='lse_reduce' "
                               f"(got {dt})")
-    base = _lse_base(geometry.get("lse_base", math.e), fn)
+    base = check_lse_base(geometry.get("lse_base", math.e), fn)
     empty_fraction = _fraction(geometry.get("empty_fraction", 0.05), fn, "empty_fraction")
     nonfinite_fraction = _fraction(geometry.get("nonfinite_fraction", 0.01), fn,
                                    "nonfinite_fraction")

@@ -104,6 +104,13 @@ def debug_enabled() -> bool:
     return os.environ.get("DCPKIT_DEBUG", "") not in ("", "0")
 
 
+def check_bool(value, op: str, name: str) -> bool:
+    """``value`` as a bool (Python or NumPy bool only); :class:`InvalidType` otherwise."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidType(f"{op}: {name} must be a bool (got {value!r})")
+    return bool(value)
+
+
 def check_positive_int(value, op: str, name: str, *, minimum: int = 1) -> int:
     """Validate an integer constructor argument (bools are rejected)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

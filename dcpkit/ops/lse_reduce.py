@@ -39,8 +39,8 @@ from .._arrays import ArrayInfo, array_info, check_device, check_dtype, check_nd
 from .._arrays import dtype_name
 from ..comm import Communicator
 from ..errors import InvalidArgument, InvalidType
-from ..reference import resolve_dtype
-from ._workspace import OpWorkspace, _round_up, check_positive_int, launch_config
+from ..reference import check_lse_base, resolve_dtype
+from ._workspace import OpWorkspace, _round_up, check_bool, check_positive_int, launch_config
 
 __all__ = ["LseReduce", "lse_combine"]
 
@@ -288,13 +288,8 @@ class LseReduce(OpWorkspace):
         if row_bytes % 16:
             raise InvalidArgument(f"{op}: head_dim * itemsize must be a multiple of 16 bytes "
                                   f"(got {self.head_dim} * {dt.itemsize} = {row_bytes})")
-        if isinstance(lse_base, bool) or not isinstance(lse_base, (int, float, np.number)) \
-                or float(lse_base) not in (math.e, 2.0):
-            raise InvalidArgument(f"{op}: lse_base must be math.e or 2 (got {lse_base!r})")
-        self.lse_base = math.e if float(lse_base) == math.e else 2.0
-        if not isinstance(return_lse, (bool, np.bool_)):
-            raise InvalidType(f"{op}: return_lse must be a bool (got {return_lse!r})")
-        self.return_lse = bool(return_lse)
+        self.lse_base = check_lse_base(lse_base, op)
+        self.return_lse = check_bool(return_lse, op, "return_lse")
 
         H_r = self.num_heads // W
         self.heads_per_rank = H_r

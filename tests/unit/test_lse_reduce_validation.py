@@ -355,7 +355,7 @@ def test_poisoned_workspace_raises_the_timeout_naming_the_peer(ws):
     (dict(dtype="no_such_type"), 4, InvalidType, "dtype must be one of"),
     (dict(lse_base=10), 4, InvalidArgument, "lse_base must be math.e or 2 (got 10)"),
     (dict(lse_base=2.7), 4, InvalidArgument, "lse_base must be math.e or 2"),
-    (dict(lse_base=True), 4, InvalidArgument, "lse_base must be math.e or 2"),
+    (dict(lse_base=True), 4, InvalidType, "lse_base must be a real number"),
     (dict(max_tokens=0), 4, InvalidArgument, "max_tokens must be >= 1 (got 0)"),
     (dict(max_tokens=2.5), 4, InvalidType, "max_tokens must be an int"),
     (dict(num_heads=0), 4, InvalidArgument, "num_heads must be >= 1"),
