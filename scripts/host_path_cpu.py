@@ -1,0 +1,382 @@
+"""Python cost alone of one eager call of every dcpkit path, with the kernel launch stubbed out
+(CPU only: no GPU, no driver).
+
+    python scripts/host_path_cpu.py [--calls 20000] [--profile PATH] [--json PATH]
+
+Every op is built without its collective setup (``__new__`` plus the state ``_setup`` would
+give it, over made-up device addresses); the launch is replaced by a recorder, so what is timed
+is the argument checks, the plan, the bookkeeping and the result, exactly as a call runs them.
+Arrays are CuPy arrays over unowned made-up memory (never dereferenced). Paths:
+
+* ``QGather`` / ``KVGather`` / ``LseReduce`` called directly, view-returning and ``out=`` forms;
+* ``DCPComm`` with those ops inside (its topology probe and NCCL replaced by fakes);
+* ``TorchOps`` and the custom ops ``torch.ops.dcpkit.*`` with torch CPU tensors. There are no
+  CUDA tensors here: the DLPack import is replaced by a CuPy array over ``data_ptr()`` and the
+  stream by a stand-in, so these rows are a lower bound of the real cost (the GPU script,
+  ``scripts/host_overhead.py``, measures it).
+
+Prints one table (median and p90 of the per-call time, over ``--calls`` calls, each timed
+alone). This is a report, not a test: CI runs it with few calls and checks its rows only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import contextlib
+import io
+import json
+import math
+import os
+import pstats
+import sys
+import time
+import types
+from typing import Callable, Dict, List, Tuple
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+
+#: The DCP decode geometry of the GPU benchmark (H = 128, D_q = 576, D_v = 512, bf16), at W=2.
+W, RANK, T_MAX, T = 2, 0, 8, 1
+H, D_Q, D_V = 128, 576, 512
+H_R = H // W
+BASE = 1 << 40
+
+ROWS = ("q_gather view", "q_gather out=", "kv_gather view", "kv_gather out=",
+        "lse_reduce view", "lse_reduce out=", "DCPComm.q_gather", "DCPComm.lse_reduce",
+        "DCPComm.kv_gather", "TorchOps.q_gather view", "TorchOps.q_gather out=",
+        "TorchOps.lse_reduce out=", "torch.ops.dcpkit.q_gather", "torch.ops.dcpkit.lse_reduce")
+
+
+class Recorder:
+    """Stands in for the kernel launch: keeps the last launch's arguments and a count."""
+
+    def __init__(self):
+        self.count = 0
+        self.last: Tuple = ()
+
+    def gather(self, kernel, grid, args, stream):  # GatherWorkspace._launch(kernel, grid, ...)
+        self.count += 1
+        self.last = ("gather", grid, args, stream)
+
+    def function(self, grid, block, args, shared_mem=0, stream=None):  # a cupy Function
+        self.count += 1
+        self.last = ("function", grid, args, stream)
+
+
+def _cpu_stream():
+    """A CuPy stream object (it passes dcpkit's stream check) that is never capturing."""
+    import cupy
+
+    import warnings
+
+    class CpuStream(cupy.cuda.ExternalStream):
+        def is_capturing(self):
+            return False
+
+        def __enter__(self):   # CuPy's makes the stream current through the runtime
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return CpuStream(0)
+
+
+def _buffer(nbytes: int):
+    import cupy
+
+    global BASE
+    BASE += 1 << 28
+    mem = cupy.cuda.UnownedMemory(BASE, max(nbytes, 1), None, 0)
+    return cupy.ndarray((max(nbytes, 1),), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+
+
+def array(shape, dtype):
+    """A CuPy array over made-up, 256-byte aligned memory."""
+    from dcpkit.reference import resolve_dtype
+
+    dt = resolve_dtype(dtype)
+    n = int(np.prod(shape)) * dt.itemsize
+    return _buffer(n).view(dt)[: int(np.prod(shape))].reshape(shape)
+
+
+def _state(ws, stream, rec: Recorder, num_ubatches=1):
+    """The attributes ``OpWorkspace._setup`` gives a workspace, over made-up addresses."""
+    ws.rank, ws.world_size, ws.device = RANK, W, 0
+    ws.num_ubatches = num_ubatches
+    ws.timeout_ms = 5000.0
+    ws._debug = False
+    ws._closed = False
+    ws._rec = np.zeros(8, dtype=np.uint32)
+    ws._calls = [0] * num_ubatches
+    ws._captured = [False] * num_ubatches
+    ws.multicast = False
+    ws.max_ctas = 66
+    ws._base = 0
+    ws.heap = types.SimpleNamespace(local_ptr=BASE, mc_ptr=0)
+    ws.get_stream = lambda s: stream if s is None else s
+    ws._graph_out = _buffer(1 << 20)
+    ws._eager_out = [_buffer(1 << 20) for _ in range(num_ubatches)]
+    proto = (np.uint64(BASE), np.uint64(BASE + 8), np.uint64(BASE + 16), np.uint64(BASE + 24),
+             np.uint64(BASE + 32), np.uint64(BASE + 40), np.uint64(0), np.int32(RANK),
+             np.int32(W), np.uint64(5 * 10**9), np.uint32(1), np.uint32(0))
+    ws._proto = [proto] * num_ubatches
+    return ws
+
+
+def build_ops(stream, rec: Recorder, *, return_lse: bool = False):
+    """QGather, KVGather and LseReduce (bf16, the DCP geometry) whose launches go to ``rec``
+    (``return_lse``: LseReduce's, as DCPComm builds it)."""
+    from dcpkit.ops.kv_gather import KVGather
+    from dcpkit.ops.lse_reduce import LseReduce, _float_dtypes
+    from dcpkit.ops.q_gather import QGather
+
+    qg = QGather.__new__(QGather)
+    qg._check_arguments(W, max_tokens=T_MAX, heads_per_rank=H_R, head_dim=D_Q,
+                        dtype="bfloat16", timeout_ms=5000.0)
+    _state(qg, stream, rec)
+    qg._head_args_cache = {0: qg._proto[0] + (BASE + 64, qg.data_slot_bytes, 0)}
+    qg._kernel = "q_gather_kernel"
+    qg._launch = rec.gather
+    qg.transport = "unicast"
+
+    kg = KVGather.__new__(KVGather)
+    kg._check_arguments(W, max_tokens=T_MAX, row_dim=D_Q, dtype="bfloat16",
+                        timeout_ms=5000.0)
+    _state(kg, stream, rec)
+    kg._head_args_cache = {0: kg._proto[0] + (BASE + 64, kg.data_slot_bytes, 0)}
+    kg._kernel = "kv_gather_kernel"
+    kg._launch = rec.gather
+    kg.transport = "unicast"
+
+    lr = LseReduce.__new__(LseReduce)
+    lr._check_arguments(W, max_tokens=T_MAX, num_heads=H, head_dim=D_V, dtype="bfloat16",
+                        lse_base=math.e, return_lse=return_lse, timeout_ms=5000.0)
+    _state(lr, stream, rec)
+    lr._cupy = _cupy_shim(stream)
+    lr._fn = {dt: rec.function for dt in _float_dtypes()}
+    lr._head_args = [lr._proto[0] + (np.uint64(BASE + 64), np.uint64(lr.slot_bytes),
+                                     np.uint64(lr._lse_offset), np.int32(T_MAX))]
+    lr._tail_args = (np.int32(H), np.int32(H_R), np.int32(D_V))
+    lr._grids = [(max(1, min(66, -(-W * t * H_R // 8))),) for t in range(T_MAX + 1)]
+    lr._int32 = [np.int32(t) for t in range(T_MAX + 1)]
+    lr.transport = "unicast"
+    return qg, kg, lr
+
+
+def _cupy_shim(stream):
+    """CuPy, except that the current stream is ``stream`` (no driver here)."""
+    import cupy
+
+    cuda = types.SimpleNamespace(get_current_stream=lambda: stream,
+                                 UnownedMemory=cupy.cuda.UnownedMemory,
+                                 MemoryPointer=cupy.cuda.MemoryPointer,
+                                 Device=lambda d=None: contextlib.nullcontext())
+    return types.SimpleNamespace(cuda=cuda, ndarray=cupy.ndarray, empty=cupy.empty)
+
+
+def build_dcpcomm(ops, stream):
+    """A DCPComm whose direct ops are ``ops`` (topology probe and NCCL replaced by fakes)."""
+    from dcpkit.comm import Communicator
+    from dcpkit.manager import DCPComm
+
+    by_name = {o.op_name: o for o in ops}
+
+    class CpuDCPComm(DCPComm):
+        def _current_device(self):
+            return 0
+
+        def _pci_bus_id(self):
+            return None
+
+        def _probe_topology(self):
+            return None
+
+        def _build_direct(self, op):
+            return by_name[op]
+
+        def _build_nccl_group(self):
+            raise RuntimeError("no NCCL on this machine")
+
+        def _load_copy_kernel(self):
+            pass
+
+        def _stream(self, s):
+            return stream if s is None else s
+
+    comm = Communicator(RANK, W, allgather=lambda o: [o] * W, broadcast=lambda o, root: o,
+                        barrier=lambda: None, backend="fake")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # "NCCL is unavailable"
+        return CpuDCPComm(comm, max_tokens=T_MAX, num_heads=H, q_head_dim=D_Q, v_head_dim=D_V,
+                          kv_row_dim=D_Q, dtype="bfloat16")
+
+
+@contextlib.contextmanager
+def torch_on_cpu(stream):
+    """dcpkit.torch with CPU tensors: the DLPack import becomes a CuPy array over
+    ``data_ptr()`` after the same checks, CuPy's device context a no-op, torch's stream
+    ``stream``."""
+    import cupy
+
+    import dcpkit.torch as dt
+
+    def to_cupy(t, *, name="tensor", device=None):
+        torch = dt._torch()
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(name)
+        if t.dtype not in dt.supported_dtypes():
+            raise TypeError(name)
+        from dcpkit.reference import resolve_dtype
+
+        npdt = resolve_dtype(str(t.dtype).replace("torch.", ""))
+        mem = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t, 0)
+        return cupy.ndarray(tuple(t.shape), npdt, cupy.cuda.MemoryPointer(mem, 0),
+                            strides=tuple(s * t.element_size() for s in t.stride()))
+
+    def from_cupy(a):
+        return a   # no CUDA tensors here
+
+    saved = (dt.to_cupy, dt.from_cupy, dt.cupy_stream, dt._cupy)
+    shim = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda d=None: contextlib.nullcontext()))
+    dt.to_cupy, dt.from_cupy = to_cupy, from_cupy
+    dt.cupy_stream = lambda device=None: stream
+    dt._cupy = lambda: shim
+    try:
+        yield dt
+    finally:
+        dt.to_cupy, dt.from_cupy, dt.cupy_stream, dt._cupy = saved
+
+
+
+def paths(stream, rec: Recorder) -> Dict[str, Tuple[Callable[[], object], int]]:
+    """Row name -> (a zero-argument call of that path, which launches once; the data pointer
+    of its first input, which the launch must receive)."""
+    qg, kg, lr = build_ops(stream, rec)
+    dcp = build_dcpcomm(build_ops(stream, rec, return_lse=True), stream)
+    q = array((T, H_R, D_Q), "bfloat16")
+    q_out = array((T, H, D_Q), "bfloat16")
+    kv = array((T, D_Q), "bfloat16")
+    kv_out = array((W * T, D_Q), "bfloat16")
+    xo = array((T, H, D_V), "bfloat16")
+    lse = array((T, H), "float32")
+    o = array((T, H_R, D_V), "bfloat16")
+    qp, kp, xp = q.data.ptr, kv.data.ptr, xo.data.ptr
+    res = {
+        "q_gather view": (lambda: qg(q), qp),
+        "q_gather out=": (lambda: qg(q, out=q_out), qp),
+        "kv_gather view": (lambda: kg(kv), kp),
+        "kv_gather out=": (lambda: kg(kv, out=kv_out), kp),
+        "lse_reduce view": (lambda: lr(xo, lse), xp),
+        "lse_reduce out=": (lambda: lr(xo, lse, out=o), xp),
+        "DCPComm.q_gather": (lambda: dcp.q_gather(q), qp),
+        "DCPComm.lse_reduce": (lambda: dcp.lse_reduce(xo, lse, out=o), xp),
+        "DCPComm.kv_gather": (lambda: dcp.kv_gather(kv), kp),
+    }
+    try:
+        import torch
+    except ImportError:
+        return res
+    tq = torch.zeros((T, H_R, D_Q), dtype=torch.bfloat16)
+    tq_out = torch.zeros((T, H, D_Q), dtype=torch.bfloat16)
+    txo = torch.zeros((T, H, D_V), dtype=torch.bfloat16)
+    tlse = torch.zeros((T, H), dtype=torch.float32)
+    to = torch.zeros((T, H_R, D_V), dtype=torch.bfloat16)
+    from dcpkit.torch import TorchOps
+
+    tops = TorchOps(dcp)
+    cq, cl = torch.ops.dcpkit.q_gather, torch.ops.dcpkit.lse_reduce
+    h = tops.handle
+    tqp, txp = tq.data_ptr(), txo.data_ptr()
+    res.update({
+        "TorchOps.q_gather view": (lambda: tops.q_gather(tq), tqp),
+        "TorchOps.q_gather out=": (lambda: tops.q_gather(tq, out=tq_out), tqp),
+        "TorchOps.lse_reduce out=": (lambda: tops.lse_reduce(txo, tlse, out=to), txp),
+        "torch.ops.dcpkit.q_gather": (lambda: cq(h, tq, tq_out, 0), tqp),
+        "torch.ops.dcpkit.lse_reduce": (lambda: cl(h, txo, tlse, None, None, to, None, 0), txp),
+    })
+    return res
+
+
+def measure(fn: Callable[[], object], calls: int) -> np.ndarray:
+    """Per-call times in microseconds, each call timed alone."""
+    clock = time.perf_counter_ns
+    for _ in range(min(200, calls)):
+        fn()
+    out = np.empty(calls, dtype=np.float64)
+    for i in range(calls):
+        t0 = clock()
+        fn()
+        out[i] = clock() - t0
+    return out / 1e3
+
+
+def run(calls: int = 20000, *, profile_calls: int = 0) -> Dict[str, dict]:
+    """Every row: ``{"median_us", "p90_us", "calls", "launches", "last_launch", "input_ptr"[,
+    "profile"]}``. ``launches`` is how many times the stubbed launch ran during the timed calls;
+    ``last_launch`` is ``(kind, grid, kernel arguments, stream)`` of the last one."""
+    rows: Dict[str, dict] = {}
+    rec = Recorder()
+    stream = _cpu_stream()
+    with torch_on_cpu(stream):
+        fns = paths(stream, rec)
+        for name in ROWS:
+            if name not in fns:
+                continue
+            fn, ptr = fns[name]
+            fn()
+            before = rec.count
+            t = measure(fn, calls)
+            row = {"median_us": float(np.median(t)), "p90_us": float(np.percentile(t, 90)),
+                   "calls": calls, "launches": rec.count - before - min(200, calls),
+                   "last_launch": rec.last, "input_ptr": ptr}
+            if profile_calls:
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(profile_calls):
+                    fn()
+                pr.disable()
+                s = io.StringIO()
+                pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(12)
+                row["profile"] = s.getvalue()
+            rows[name] = row
+    return rows
+
+
+def table(rows: Dict[str, dict]) -> str:
+    lines = [f"{'path (CPU, launch stubbed)':32s} {'median us':>10s} {'p90 us':>10s} "
+             f"{'calls':>8s}"]
+    for name, r in rows.items():
+        lines.append(f"{name:32s} {r['median_us']:10.2f} {r['p90_us']:10.2f} {r['calls']:8d}")
+    return "\n".join(lines)
+
+
+def main(argv: List[str] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=20000)
+    ap.add_argument("--profile", default=None, help="write cProfile tables of every row here")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    rows = run(args.calls, profile_calls=2000 if args.profile else 0)
+    print(table(rows))
+    if args.profile:
+        with open(args.profile, "w") as f:
+            for name, r in rows.items():
+                f.write(f"==== {name}\n{r.pop('profile')}\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: {kk: vv for kk, vv in v.items() if kk not in ("last_launch", "input_ptr")}
+                       for k, v in rows.items()}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

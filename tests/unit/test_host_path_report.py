@@ -1,0 +1,58 @@
+"""The CPU micro-benchmark of the host path (scripts/host_path_cpu.py) runs as a report: with few
+calls it produces every row, and every row's stubbed launch ran once per call with the call's
+own input pointer and T. Never a timing threshold."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cupy")
+_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "host_path_cpu.py")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("host_path_cpu", _SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_row_is_reported_and_every_call_launched_with_its_arguments(capsys):
+    mod = _load()
+    rows = mod.run(calls=30)
+    try:
+        import torch  # noqa: F401
+        expected = set(mod.ROWS)
+    except ImportError:
+        expected = {r for r in mod.ROWS if "torch" not in r.lower()}
+    assert set(rows) == expected
+    for name, r in rows.items():
+        assert r["calls"] == 30 and r["launches"] == 30, (name, r["launches"])
+        assert r["median_us"] > 0 and r["p90_us"] >= r["median_us"], name
+        kind, grid, args, _stream = r["last_launch"]
+        flat = [int(a) for a in args]
+        assert r["input_ptr"] in flat, f"{name}: the launch lacks the input pointer"
+        T = mod.T
+        if "lse_reduce" in name:
+            assert kind == "function" and int(args[-4]) == T, name   # ..., T, H, H_r, D_v
+            assert int(args[-3]) == mod.H and int(args[-1]) == mod.D_V, name
+        else:
+            assert kind == "gather", name
+            assert any(isinstance(a, np.uint32) and int(a) in (T, T * mod.D_Q * 2 // 16)
+                       for a in args), name
+    text = mod.table(rows)
+    for name in rows:
+        assert name in text
+
+
+def test_main_prints_the_table(tmp_path, capsys):
+    mod = _load()
+    out = tmp_path / "rows.json"
+    assert mod.main(["--calls", "20", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "q_gather view" in printed and "median us" in printed
+    assert out.exists() and "lse_reduce out=" in out.read_text()
