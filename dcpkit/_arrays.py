@@ -19,7 +19,7 @@ from .errors import InvalidArgument, InvalidType
 
 __all__ = [
     "ArrayInfo", "array_info", "check_dtype", "check_ndim", "check_device", "check_align",
-    "check_shape", "dtype_name",
+    "check_shape", "dtype_name", "array_key",
 ]
 
 
@@ -82,6 +82,51 @@ def array_info(x, op: str, name: str) -> ArrayInfo:
     if device is None:
         device = _device_of_pointer(ptr, op, name)
     return ArrayInfo(shape, strides, dt, ptr, int(device), x)
+
+
+#: Array classes that passed array_info's CuPy test (their description is read the same way).
+_CUPY_CLASSES: set = set()
+
+
+def array_key(x) -> Optional[tuple]:
+    """A hashable key that determines :func:`array_info` of ``x`` (everything but ``obj``), or
+    None where that cannot be read cheaply and exactly.
+
+    Two objects with equal keys get equal descriptions, so a check of one holds for the other
+    (see :mod:`dcpkit._plan`): a CuPy array gives ``(class, pointer, shape, strides, dtype,
+    device)``; an ``__cuda_array_interface__`` object that names its device (``_dcpkit_device``)
+    gives ``(class, device, the interface dict frozen with the type of every value)`` (a bool
+    where an int belongs, or a list where a tuple belongs, is a different key, so the check
+    that rejects it is never skipped). Anything else gives None: validated in full on every
+    call.
+    """
+    cls = type(x)
+    if cls in _CUPY_CLASSES or (cls.__module__.startswith("cupy") and hasattr(x, "data")
+                                and hasattr(x, "strides")):
+        _CUPY_CLASSES.add(cls)
+        mem = x.data
+        return (cls, mem.ptr, x.shape, x.strides, x.dtype, mem.device_id)
+    device = getattr(x, "_dcpkit_device", None)
+    if device is None or cls.__module__.startswith("torch") or isinstance(x, np.ndarray):
+        return None
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if type(cai) is not dict:
+        return None
+    try:
+        return (cls, _freeze(device), _freeze(cai))
+    except TypeError:  # an unhashable value somewhere
+        return None
+
+
+def _freeze(v):
+    """``v`` as a hashable value that is equal only to values of the same types throughout."""
+    t = type(v)
+    if t is dict:
+        return (dict, tuple(sorted(((k, _freeze(x)) for k, x in v.items()), key=repr)))
+    if t is tuple or t is list:
+        return (t, tuple(_freeze(x) for x in v))
+    hash(v)  # TypeError when unhashable
+    return (t, v)
 
 
 def _int_tuple(v) -> Optional[Tuple[int, ...]]:
