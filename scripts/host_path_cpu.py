@@ -105,27 +105,49 @@ def array(shape, dtype):
     return _buffer(n).view(dt)[: int(np.prod(shape))].reshape(shape)
 
 
-def _state(ws, stream, rec: Recorder, num_ubatches=1):
-    """The attributes ``OpWorkspace._setup`` gives a workspace, over made-up addresses."""
-    ws.rank, ws.world_size, ws.device = RANK, W, 0
-    ws.num_ubatches = num_ubatches
-    ws.timeout_ms = 5000.0
+def stub_workspace(ws, stream, rec: Recorder, *, rank: int = RANK, world_size: int = W):
+    """Give ``ws`` (built with ``__new__`` and its ``_check_arguments``, which sets the geometry
+    and the layout) the state ``OpWorkspace._setup`` and the kernel loading would give it, over
+    made-up addresses, with every launch going to ``rec`` and ``stream`` as the current
+    stream."""
+    from dcpkit.ops.lse_reduce import _float_dtypes
+
+    U = ws.num_ubatches
+    ws.rank, ws.world_size, ws.device = rank, world_size, 0
     ws._debug = False
     ws._closed = False
     ws._rec = np.zeros(8, dtype=np.uint32)
-    ws._calls = [0] * num_ubatches
-    ws._captured = [False] * num_ubatches
+    ws._calls = [0] * U
+    ws._captured = [False] * U
     ws.multicast = False
+    ws.transport = "unicast"
     ws.max_ctas = 66
     ws._base = 0
-    ws.heap = types.SimpleNamespace(local_ptr=BASE, mc_ptr=0)
+    ws.heap = types.SimpleNamespace(local_ptr=_buffer(ws._region).data.ptr, mc_ptr=0)
     ws.get_stream = lambda s: stream if s is None else s
-    ws._graph_out = _buffer(1 << 20)
-    ws._eager_out = [_buffer(1 << 20) for _ in range(num_ubatches)]
-    proto = (np.uint64(BASE), np.uint64(BASE + 8), np.uint64(BASE + 16), np.uint64(BASE + 24),
-             np.uint64(BASE + 32), np.uint64(BASE + 40), np.uint64(0), np.int32(RANK),
-             np.int32(W), np.uint64(5 * 10**9), np.uint32(1), np.uint32(0))
-    ws._proto = [proto] * num_ubatches
+    ws._graph_out = _buffer(max(ws._out_bytes, 1) * U)
+    ws._eager_out = [_buffer(2 * max(ws._out_bytes, 1)) for _ in range(U)]
+    rp = BASE + 8192
+    ws._proto = [(np.uint64(rp), np.uint64(rp + 8), np.uint64(rp + 16), np.uint64(rp + 24),
+                  np.uint64(rp + 32), np.uint64(rp + 40), np.uint64(0), np.int32(rank),
+                  np.int32(world_size), np.uint64(5 * 10**9), np.uint32(1), np.uint32(u))
+                 for u in range(U)]
+    peer_data = [np.uint64(rp + 4096 + 8 * world_size * u) for u in range(U)]
+    ws.peer_data_ptr = lambda u: peer_data[u]
+    if ws.op_name == "lse_reduce":
+        T_max, H_r = ws.max_tokens, ws.heads_per_rank
+        ws._cupy = _cupy_shim(stream)
+        ws._fn = {dt: rec.function for dt in _float_dtypes()}
+        ws._head_args = [ws._proto[u] + (peer_data[u], np.uint64(ws.slot_bytes),
+                                         np.uint64(ws._lse_offset), np.int32(T_max))
+                         for u in range(U)]
+        ws._tail_args = (np.int32(ws.num_heads), np.int32(H_r), np.int32(ws.head_dim))
+        ws._grids = [(max(1, min(ws.max_ctas, -(-world_size * t * H_r // 8))),)
+                     for t in range(T_max + 1)]
+        ws._int32 = [np.int32(t) for t in range(T_max + 1)]
+    else:
+        ws._kernel = f"{ws.op_name}_kernel"
+        ws._launch = rec.gather
     return ws
 
 
@@ -133,40 +155,19 @@ def build_ops(stream, rec: Recorder, *, return_lse: bool = False):
     """QGather, KVGather and LseReduce (bf16, the DCP geometry) whose launches go to ``rec``
     (``return_lse``: LseReduce's, as DCPComm builds it)."""
     from dcpkit.ops.kv_gather import KVGather
-    from dcpkit.ops.lse_reduce import LseReduce, _float_dtypes
+    from dcpkit.ops.lse_reduce import LseReduce
     from dcpkit.ops.q_gather import QGather
 
     qg = QGather.__new__(QGather)
     qg._check_arguments(W, max_tokens=T_MAX, heads_per_rank=H_R, head_dim=D_Q,
                         dtype="bfloat16", timeout_ms=5000.0)
-    _state(qg, stream, rec)
-    qg._head_args_cache = {0: qg._proto[0] + (BASE + 64, qg.data_slot_bytes, 0)}
-    qg._kernel = "q_gather_kernel"
-    qg._launch = rec.gather
-    qg.transport = "unicast"
-
     kg = KVGather.__new__(KVGather)
     kg._check_arguments(W, max_tokens=T_MAX, row_dim=D_Q, dtype="bfloat16",
                         timeout_ms=5000.0)
-    _state(kg, stream, rec)
-    kg._head_args_cache = {0: kg._proto[0] + (BASE + 64, kg.data_slot_bytes, 0)}
-    kg._kernel = "kv_gather_kernel"
-    kg._launch = rec.gather
-    kg.transport = "unicast"
-
     lr = LseReduce.__new__(LseReduce)
     lr._check_arguments(W, max_tokens=T_MAX, num_heads=H, head_dim=D_V, dtype="bfloat16",
                         lse_base=math.e, return_lse=return_lse, timeout_ms=5000.0)
-    _state(lr, stream, rec)
-    lr._cupy = _cupy_shim(stream)
-    lr._fn = {dt: rec.function for dt in _float_dtypes()}
-    lr._head_args = [lr._proto[0] + (np.uint64(BASE + 64), np.uint64(lr.slot_bytes),
-                                     np.uint64(lr._lse_offset), np.int32(T_MAX))]
-    lr._tail_args = (np.int32(H), np.int32(H_R), np.int32(D_V))
-    lr._grids = [(max(1, min(66, -(-W * t * H_R // 8))),) for t in range(T_MAX + 1)]
-    lr._int32 = [np.int32(t) for t in range(T_MAX + 1)]
-    lr.transport = "unicast"
-    return qg, kg, lr
+    return tuple(stub_workspace(ws, stream, rec) for ws in (qg, kg, lr))
 
 
 def _cupy_shim(stream):
