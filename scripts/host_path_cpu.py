@@ -11,9 +11,9 @@ Arrays are CuPy arrays over unowned made-up memory (never dereferenced). Paths:
 * ``QGather`` / ``KVGather`` / ``LseReduce`` called directly, view-returning and ``out=`` forms;
 * ``DCPComm`` with those ops inside (its topology probe and NCCL replaced by fakes);
 * ``TorchOps`` and the custom ops ``torch.ops.dcpkit.*`` with torch CPU tensors. There are no
-  CUDA tensors here: the DLPack import is replaced by a CuPy array over ``data_ptr()`` and the
-  stream by a stand-in, so these rows are a lower bound of the real cost (the GPU script,
-  ``scripts/host_overhead.py``, measures it).
+  CUDA tensors here: the tensor checks accept the CPU, torch's stream is a stand-in and a
+  view result crosses back as a constant tensor, so these rows miss torch's stream query and
+  one DLPack export per new view (the GPU script, ``scripts/host_overhead.py``, measures it).
 
 Prints one table (median and p90 of the per-call time, over ``--calls`` calls, each timed
 alone). This is a report, not a test: CI runs it with few calls and checks its rows only.
@@ -222,40 +222,41 @@ def build_dcpcomm(ops, stream):
 
 @contextlib.contextmanager
 def torch_on_cpu(stream):
-    """dcpkit.torch with CPU tensors: the DLPack import becomes a CuPy array over
-    ``data_ptr()`` after the same checks, CuPy's device context a no-op, torch's stream
-    ``stream``."""
+    """dcpkit.torch with CPU tensors: the tensor checks accept the CPU (and are otherwise the
+    same), CuPy's device is the op's, torch's stream handle 0 is ``stream``, and a result
+    crosses back as a constant CPU tensor (no DLPack of made-up device memory)."""
     import cupy
+    import torch
 
     import dcpkit.torch as dt
 
-    def to_cupy(t, *, name="tensor", device=None):
-        torch = dt._torch()
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(name)
-        if t.dtype not in dt.supported_dtypes():
-            raise TypeError(name)
-        from dcpkit.reference import resolve_dtype
+    real_check = dt._check_tensor
 
-        npdt = resolve_dtype(str(t.dtype).replace("torch.", ""))
-        mem = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t, 0)
-        return cupy.ndarray(tuple(t.shape), npdt, cupy.cuda.MemoryPointer(mem, 0),
-                            strides=tuple(s * t.element_size() for s in t.stride()))
+    def check(t, name, device):
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            if t.dtype not in dt.supported_dtypes():
+                raise TypeError(name)
+            return None
+        return real_check(t, name, device)
 
-    def from_cupy(a):
-        return a   # no CUDA tensors here
-
-    saved = (dt.to_cupy, dt.from_cupy, dt.cupy_stream, dt._cupy)
+    token = torch.zeros(1)
+    runtime = types.SimpleNamespace(getDevice=lambda: 0)
     shim = types.SimpleNamespace(cuda=types.SimpleNamespace(
-        Device=lambda d=None: contextlib.nullcontext()))
-    dt.to_cupy, dt.from_cupy = to_cupy, from_cupy
-    dt.cupy_stream = lambda device=None: stream
+        Device=lambda d=None: contextlib.nullcontext(), runtime=runtime,
+        UnownedMemory=cupy.cuda.UnownedMemory, MemoryPointer=cupy.cuda.MemoryPointer),
+        ndarray=cupy.ndarray, from_dlpack=cupy.from_dlpack)
+    names = ("_check_tensor", "_raw_stream_fn", "_wrap_stream", "from_cupy", "_cupy")
+    saved = {n: getattr(dt, n) for n in names if hasattr(dt, n)}
+    dt._check_tensor = check
+    dt._raw_stream_fn = lambda: (lambda device: 0)
+    dt._wrap_stream = lambda ptr, device: stream
+    dt.from_cupy = lambda a: token
     dt._cupy = lambda: shim
     try:
         yield dt
     finally:
-        dt.to_cupy, dt.from_cupy, dt.cupy_stream, dt._cupy = saved
-
+        for n, v in saved.items():
+            setattr(dt, n, v)
 
 
 def paths(stream, rec: Recorder) -> Dict[str, Tuple[Callable[[], object], int]]:
