@@ -56,3 +56,22 @@ def test_main_prints_the_table(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "q_gather view" in printed and "median us" in printed
     assert out.exists() and "lse_reduce out=" in out.read_text()
+
+
+def test_gpu_script_fails_with_one_clear_line_without_a_gpu():
+    import subprocess
+    import sys
+
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            pytest.skip("a GPU is visible here: the script would run")
+    except Exception:  # noqa: BLE001 - no driver: what this test needs
+        pass
+    script = os.path.join(os.path.dirname(_SCRIPT), "host_overhead.py")
+    res = subprocess.run([sys.executable, script, "--calls", "10"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2, res
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("host_overhead: needs"), res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
