@@ -34,12 +34,17 @@ def test_every_row_is_reported_and_every_call_launched_with_its_arguments(capsys
         assert r["calls"] == 30 and r["launches"] == 30, (name, r["launches"])
         assert r["median_us"] > 0 and r["p90_us"] >= r["median_us"], name
         kind, grid, args, _stream = r["last_launch"]
+        if kind == "launcher":     # a KernelParams buffer
+            args = [args[i] for i in range(len(args))]
         flat = [int(a) for a in args]
         assert r["input_ptr"] in flat, f"{name}: the launch lacks the input pointer"
         T = mod.T
         if "lse_reduce" in name:
             assert kind == "function" and int(args[-4]) == T, name   # ..., T, H, H_r, D_v
             assert int(args[-3]) == mod.H and int(args[-1]) == mod.D_V, name
+        elif "fast path" in name:
+            assert kind == "launcher", name
+            assert int(args[19]) == T, name          # tokens
         else:
             assert kind == "gather", name
             assert any(isinstance(a, np.uint32) and int(a) in (T, T * mod.D_Q * 2 // 16)
