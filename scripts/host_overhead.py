@@ -192,8 +192,11 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
         return qu2(q, ubatch=turn["ub"])
 
     fast_rows = []
+    # its own workspace: a fault of the prototype cannot poison the op measured beside it
+    qf = QGather(comm, max_tokens=8, heads_per_rank=Hr, head_dim=D_Q, dtype="bfloat16")
+    closers.append(qf)
     for backend in ("ctypes", "bindings"):
-        fq = _checked_fast_path(cupy, comm, qg, q, backend)
+        fq = _checked_fast_path(cupy, comm, qf, q, backend)
         if fq is not None:
             fast_rows += [(f"q_gather view, fast path ({backend})", "op", lambda f=fq: f(q)),
                           (f"q_gather out=, fast path ({backend})", "op",
