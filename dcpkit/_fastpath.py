@@ -103,6 +103,18 @@ class FastQGather:
 
     def __call__(self, q, *, ubatch: int = 0, out=None, stream=None,
                  return_padded: bool = False):
+        """``op(q, ubatch=..., out=..., stream=..., return_padded=...)``, see
+        :meth:`~dcpkit.ops.QGather.__call__` (same result, same lifetime, same errors).
+
+        Collective: as the op. Stream: one kernel on ``stream``; never blocks the host.
+
+        Raises
+        ------
+        InvalidArgument, InvalidType, ClosedError, CollectiveTimeout
+            As the op, before anything is launched or counted.
+        CudaError
+            ``cuLaunchKernel`` failed.
+        """
         ws = self.op
         ws.check_open()
         if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES
@@ -131,7 +143,4 @@ class FastQGather:
             return out
         return ws._result_view(result, plan.T, plan.padded)
 
-    @staticmethod
-    def param_types() -> tuple:
-        return Q_GATHER_PARAM_TYPES
 
