@@ -53,11 +53,11 @@ dcpkit op it used is closed.
 
 from __future__ import annotations
 
-import itertools
-import threading
 import weakref
 from typing import Any, Dict, Optional, Tuple
 
+from . import _torch_registry as _reg
+from ._arrays import array_key
 from .errors import ClosedError, InvalidArgument, InvalidType, MissingDependency
 
 __all__ = ["to_cupy", "from_cupy", "cupy_stream", "TorchOps", "register_custom_ops",
@@ -280,11 +280,10 @@ class TensorConverter:
 
 
 # ----------------------------------------------------------------------------- registry
-# handle -> weak reference to a live TorchOps. Owned by the TorchOps objects: each adds itself
-# at construction and removes itself in close() (or when it is garbage-collected).
-_REGISTRY: Dict[int, "weakref.ref[TorchOps]"] = {}
-_NEXT_HANDLE = itertools.count(1)
-_LOCK = threading.Lock()
+# Process-wide (see dcpkit._torch_registry): handle -> weak reference to a live TorchOps.
+_REGISTRY = _reg.REGISTRY
+_NEXT_HANDLE = _reg.NEXT_HANDLE
+_LOCK = _reg.LOCK
 
 
 def _lookup(handle: int, op: str) -> "TorchOps":
@@ -303,13 +302,10 @@ def _lookup(handle: int, op: str) -> "TorchOps":
 # for a mutating op, bumping the version counter of every mutated tensor (so that autograd
 # notices a saved tensor that changed), the impls do themselves.
 def _bump(*tensors) -> None:
-    inc = _INCREMENT_VERSION[0]
+    inc = _reg.state["increment_version"]
     for t in tensors:
         if t is not None:
             inc(t)
-
-
-_INCREMENT_VERSION: list = [None]
 
 
 def _q_gather_impl(handle: int, q, out, ubatch: int) -> None:
@@ -350,8 +346,6 @@ _SCHEMAS = {
                    "Tensor? query_start_loc, Tensor(a!) out, Tensor(b!)? out_lse, int ubatch) "
                    "-> ()", ("out", "out_lse"), _lse_reduce_impl, _lse_reduce_fake),
 }
-_CUSTOM_OPS: Optional[Dict[str, Any]] = None
-_LIBRARY = None   # the torch.library.Library that holds the registrations (kept alive here)
 
 
 def register_custom_ops() -> Dict[str, Any]:
@@ -370,19 +364,19 @@ def register_custom_ops() -> Dict[str, Any]:
     (``CompositeExplicitAutograd``) plus a fake (meta) kernel for tracing; each bumps the
     version counter of the tensors it writes. Returns op name -> ``torch.ops.dcpkit.<name>``.
     """
-    global _CUSTOM_OPS, _LIBRARY
+    torch = _torch()   # MissingDependency without torch, registered or not
+    state = _reg.state
     with _LOCK:
-        if _CUSTOM_OPS is None:
-            torch = _torch()
-            _INCREMENT_VERSION[0] = torch.autograd.graph.increment_version
+        if state["custom_ops"] is None:
+            state["increment_version"] = torch.autograd.graph.increment_version
             lib = torch.library.Library("dcpkit", "DEF")
             for name, (schema, _mutates, impl, fake) in _SCHEMAS.items():
                 lib.define(f"{name}{schema}")
                 lib.impl(name, impl, "CompositeExplicitAutograd")
                 torch.library.register_fake(f"dcpkit::{name}", fake, lib=lib)
-            _LIBRARY = lib
-            _CUSTOM_OPS = {name: getattr(torch.ops.dcpkit, name) for name in _SCHEMAS}
-    return _CUSTOM_OPS
+            state["library"] = lib
+            state["custom_ops"] = {name: getattr(torch.ops.dcpkit, name) for name in _SCHEMAS}
+    return state["custom_ops"]
 
 
 # ----------------------------------------------------------------------------- front end
@@ -488,8 +482,6 @@ class TorchOps:
     def _to_torch(self, res):
         """A torch tensor over the CuPy result ``res`` (a view of workspace memory): DLPack
         once per description of the view, then a fresh alias (``detach()``) of that tensor."""
-        from ._arrays import array_key  # noqa: WPS433
-
         key = array_key(res)
         t = self._results.get(key) if key is not None else None
         if t is None:
