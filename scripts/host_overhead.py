@@ -115,6 +115,11 @@ def back_to_back_us(cupy, fn, repeats: int = 50, n: int = 20) -> float:
     return float(np.median(per))
 
 
+def _gpu_name(cupy, dev: int) -> str:
+    name = cupy.cuda.runtime.getDeviceProperties(dev)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -192,10 +197,11 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
         return qu2(q, ubatch=turn["ub"])
 
     fast_rows = []
-    # its own workspace: a fault of the prototype cannot poison the op measured beside it
-    qf = QGather(comm, max_tokens=8, heads_per_rank=Hr, head_dim=D_Q, dtype="bfloat16")
-    closers.append(qf)
     for backend in ("ctypes", "bindings"):
+        # a workspace of its own: a fault of the prototype cannot poison (or shift the epochs
+        # of) the op measured beside it
+        qf = QGather(comm, max_tokens=8, heads_per_rank=Hr, head_dim=D_Q, dtype="bfloat16")
+        closers.append(qf)
         fq = _checked_fast_path(cupy, comm, qf, q, backend)
         if fq is not None:
             fast_rows += [(f"q_gather view, fast path ({backend})", "op", lambda f=fq: f(q)),
@@ -343,7 +349,7 @@ def main(argv=None) -> int:
         return 0
     base = max(results["empty RawKernel launch (cupy)"]["median_us"])
     lines = [f"host time per call, W={W}, T={T}, {args.calls} calls per row, max over ranks "
-             f"(commit {_commit()}, {cupy.cuda.runtime.getDeviceProperties(dev)['name'].decode()})",
+             f"(commit {_commit()}, {_gpu_name(cupy, dev)})",
              f"{'path':44s} {'median us':>10s} {'p90 us':>9s}  target"]
     verdicts = {}
     for name, row in results.items():
@@ -365,7 +371,7 @@ def main(argv=None) -> int:
     print("\n".join(lines))
     if args.json:
         meta = {"world_size": W, "tokens": T, "calls": args.calls, "commit": _commit(),
-                "gpu": cupy.cuda.runtime.getDeviceProperties(dev)["name"].decode(),
+                "gpu": _gpu_name(cupy, dev),
                 "driver": cupy.cuda.runtime.driverGetVersion(),
                 "empty_launch_us": base}
         with open(args.json, "w") as f:
