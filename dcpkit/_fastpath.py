@@ -117,11 +117,12 @@ class FastQGather:
         """
         ws = self.op
         ws.check_open()
-        if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES
-                                                 or _cuda.stream_types()):
-            _cuda.check_stream(stream, ws.op_name)  # raises InvalidType
         plan = self.cache.lookup(call_key((q, out), (ubatch, return_padded)), q, ubatch, out,
                                  return_padded)
+        if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES
+                                                 or _cuda.stream_types()):
+            _cuda.check_stream(stream, ws.op_name)  # raises InvalidType (after the arguments,
+            #                                         as the op checks them)
         if plan.T == 0:
             return ws(q, ubatch=ubatch, out=out, stream=stream, return_padded=return_padded)
         if stream is None:
