@@ -80,3 +80,12 @@ def test_gpu_script_fails_with_one_clear_line_without_a_gpu():
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("host_overhead: needs"), res.stderr
     assert "Traceback" not in res.stderr + res.stdout
+
+
+def test_report_without_torch_has_every_other_row(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", None)
+    mod = _load()
+    rows = mod.run(calls=5)
+    assert set(rows) == {r for r in mod.ROWS if "torch" not in r.lower()}
