@@ -244,10 +244,8 @@ class TensorConverter:
         if self._np is None:
             from .reference import resolve_dtype  # noqa: WPS433
 
-            torch = _torch()
             self._np = {d: resolve_dtype(str(d).replace("torch.", ""))
                         for d in supported_dtypes()}
-            del torch
         return self._np[t.dtype]
 
     def __call__(self, t, name: str = "tensor"):
