@@ -9,7 +9,7 @@ ranks (ranks may share one GPU under MPS). Every rank runs every row in the same
 Rows (host time per call, each call timed alone; the device is synchronised every 100 calls,
 outside the timed calls, so that a full launch queue never turns host time into device time):
 
-* baselines: an empty CuPy ``RawKernel`` launch (no parameters; the issue's baseline), the same
+* baselines: an empty CuPy ``RawKernel`` launch (no parameters: the targets' baseline), the same
   with 19 parameters, and dcpkit's :class:`~dcpkit._launch.Launcher` (ctypes and cuda.bindings)
   with those 19 parameters packed once;
 * every op with CuPy arrays, the view-returning and the ``out=`` forms; through ``DCPComm``;
