@@ -10,6 +10,7 @@ Messages follow ``"<op>: <argument> <property> must <constraint> (got <value>)"`
 
 from __future__ import annotations
 
+import ctypes
 import operator
 from typing import Iterable, NamedTuple, Optional, Sequence, Tuple
 
@@ -19,7 +20,7 @@ from .errors import InvalidArgument, InvalidType
 
 __all__ = [
     "ArrayInfo", "array_info", "check_dtype", "check_ndim", "check_device", "check_align",
-    "check_shape", "dtype_name",
+    "check_shape", "dtype_name", "array_key", "dlpack_info", "DLPackInfo",
 ]
 
 
@@ -82,6 +83,51 @@ def array_info(x, op: str, name: str) -> ArrayInfo:
     if device is None:
         device = _device_of_pointer(ptr, op, name)
     return ArrayInfo(shape, strides, dt, ptr, int(device), x)
+
+
+#: Array classes that passed array_info's CuPy test (their description is read the same way).
+_CUPY_CLASSES: set = set()
+
+
+def array_key(x) -> Optional[tuple]:
+    """A hashable key that determines :func:`array_info` of ``x`` (everything but ``obj``), or
+    None where that cannot be read cheaply and exactly.
+
+    Two objects with equal keys get equal descriptions, so a check of one holds for the other
+    (see :mod:`dcpkit._plan`): a CuPy array gives ``(class, pointer, shape, strides, dtype,
+    device)``; an ``__cuda_array_interface__`` object that names its device (``_dcpkit_device``)
+    gives ``(class, device, the interface dict frozen with the type of every value)`` (a bool
+    where an int belongs, or a list where a tuple belongs, is a different key, so the check
+    that rejects it is never skipped). Anything else gives None: validated in full on every
+    call.
+    """
+    cls = type(x)
+    if cls in _CUPY_CLASSES or (cls.__module__.startswith("cupy") and hasattr(x, "data")
+                                and hasattr(x, "strides")):
+        _CUPY_CLASSES.add(cls)
+        mem = x.data
+        return (cls, mem.ptr, x.shape, x.strides, x.dtype, mem.device_id)
+    device = getattr(x, "_dcpkit_device", None)
+    if device is None or cls.__module__.startswith("torch") or isinstance(x, np.ndarray):
+        return None
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if type(cai) is not dict:
+        return None
+    try:
+        return (cls, _freeze(device), _freeze(cai))
+    except TypeError:  # an unhashable value somewhere
+        return None
+
+
+def _freeze(v):
+    """``v`` as a hashable value that is equal only to values of the same types throughout."""
+    t = type(v)
+    if t is dict:
+        return (dict, tuple(sorted(((k, _freeze(x)) for k, x in v.items()), key=repr)))
+    if t is tuple or t is list:
+        return (t, tuple(_freeze(x) for x in v))
+    hash(v)  # TypeError when unhashable
+    return (t, v)
 
 
 def _int_tuple(v) -> Optional[Tuple[int, ...]]:
@@ -217,3 +263,76 @@ def check_align(value: int, align: int, op: str, what: str) -> None:
     of ``align``."""
     if value % align:
         raise InvalidArgument(f"{op}: {what} must be a multiple of {align} bytes (got {value})")
+
+
+# ----------------------------------------------------------------------------- DLPack
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("version", _DLPackVersion), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64),
+                ("dl_tensor", _DLTensor)]
+
+
+class DLPackInfo(NamedTuple):
+    """What a DLPack capsule describes. ``ptr`` is ``data + byte_offset``: the address of
+    element ``[0, ..., 0]``; ``strides`` are in elements (None: C-contiguous)."""
+
+    ptr: int
+    device_type: int
+    device_id: int
+    shape: Tuple[int, ...]
+    strides: Optional[Tuple[int, ...]]
+    dtype_code: int
+    dtype_bits: int
+    dtype_lanes: int
+
+
+def dlpack_info(capsule) -> DLPackInfo:
+    """Read a DLPack capsule (``"dltensor"`` or ``"dltensor_versioned"``) without consuming it.
+
+    The data pointer is ``data + byte_offset``: producers may hand out a slice as the base
+    allocation plus a non-zero ``byte_offset``, and a consumer that reads ``data`` alone points
+    at the wrong element.
+
+    Raises
+    ------
+    InvalidType
+        ``capsule`` is not a DLPack capsule (or one already consumed).
+    """
+    api = ctypes.pythonapi
+    api.PyCapsule_IsValid.restype = ctypes.c_int
+    api.PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    if api.PyCapsule_IsValid(capsule, b"dltensor"):
+        # DLManagedTensor: the DLTensor comes first
+        t = _DLTensor.from_address(api.PyCapsule_GetPointer(capsule, b"dltensor"))
+    elif api.PyCapsule_IsValid(capsule, b"dltensor_versioned"):
+        t = _DLManagedTensorVersioned.from_address(
+            api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")).dl_tensor
+    else:
+        raise InvalidType(f"dlpack_info: capsule must be an unconsumed DLPack capsule "
+                          f"(got {_type_name(capsule)})")
+    nd = int(t.ndim)
+    shape = tuple(int(t.shape[i]) for i in range(nd))
+    strides = tuple(int(t.strides[i]) for i in range(nd)) if t.strides else None
+    return DLPackInfo(int(t.data or 0) + int(t.byte_offset), int(t.device.device_type),
+                      int(t.device.device_id), shape, strides, int(t.dtype.code),
+                      int(t.dtype.bits), int(t.dtype.lanes))

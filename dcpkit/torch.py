@@ -27,9 +27,17 @@ Usage, on every rank::
     ops.close(); dcp.close()
 
 Streams. A call runs on ``torch.cuda.current_stream()`` of the op's GPU (wrapped as a CuPy
-stream), so a torch kernel that writes an input right before the call and one that reads the
-output right after need no synchronisation. Conversions use DLPack on that same stream: no
-copy, no extra event.
+stream, one wrapper per stream handle), so a torch kernel that writes an input right before the
+call and one that reads the output right after need no synchronisation. No copy, no extra
+event.
+
+Conversions. A :class:`TorchOps` call does not go through DLPack for its inputs: it describes
+each tensor to the op as a CuPy array over ``data_ptr()`` (which already counts the storage
+offset) with the tensor's shape, strides and dtype, memoised per description (data pointer,
+shape, strides, dtype, device, tensor class; see :class:`TensorConverter` for why this key and
+not the tensor's identity). Results that are views of workspace memory cross back through
+DLPack once per description of the view, then as a fresh ``detach()`` alias of the first.
+:func:`to_cupy` and :func:`from_cupy` stay plain DLPack round trips.
 
 Outputs. With ``out=`` (and, for ``lse_reduce``, ``out_lse=`` or ``return_lse`` unset) the call
 goes through the custom op (``torch.ops.dcpkit.q_gather`` etc., which writes into the
@@ -45,17 +53,15 @@ dcpkit op it used is closed.
 
 from __future__ import annotations
 
-from __future__ import annotations
-
-import itertools
-import threading
 import weakref
 from typing import Any, Dict, Optional, Tuple
 
+from . import _torch_registry as _reg
+from ._arrays import array_key
 from .errors import ClosedError, InvalidArgument, InvalidType, MissingDependency
 
 __all__ = ["to_cupy", "from_cupy", "cupy_stream", "TorchOps", "register_custom_ops",
-           "supported_dtypes"]
+           "supported_dtypes", "TensorConverter"]
 
 
 def _torch():
@@ -136,7 +142,14 @@ def to_cupy(t, *, name: str = "tensor", device: Optional[int] = None):
         A tensor on another GPU than ``device``.
     """
     _check_tensor(t, name, device)
-    return _cupy().from_dlpack(t.detach())
+    a = _cupy().from_dlpack(t.detach())
+    if a.size and a.data.ptr != t.data_ptr():  # a consumer that ignored DLPack's byte_offset
+        from .errors import DcpkitError  # noqa: WPS433
+
+        raise DcpkitError(f"dcpkit.torch: {name} data pointer must survive the DLPack import "
+                          f"(got {a.data.ptr:#x} for data_ptr() {t.data_ptr():#x}: the "
+                          f"capsule's byte_offset was not applied)")
+    return a
 
 
 def from_cupy(a):
@@ -167,20 +180,108 @@ class _StreamHandle:
 def cupy_stream(device: Optional[int] = None):
     """torch's current stream on ``device`` (default: torch's current device) as a CuPy
     stream object (no new stream is created; the handle is shared)."""
-    torch, cupy = _torch(), _cupy()
-    ptr = torch.cuda.current_stream(device).cuda_stream
+    torch = _torch()
+    return _wrap_stream(torch.cuda.current_stream(device).cuda_stream, device)
+
+
+def _wrap_stream(ptr: int, device: Optional[int]):
+    """A CuPy stream object over the stream handle ``ptr`` (no new stream)."""
+    cupy = _cupy()
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None:
         return from_external(_StreamHandle(ptr))
     return cupy.cuda.ExternalStream(ptr, -1 if device is None else int(device))
 
 
+def _raw_stream_fn():
+    """``device -> torch's current stream handle`` as cheaply as torch allows."""
+    torch = _torch()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda device: torch.cuda.current_stream(device).cuda_stream
+
+
+class TensorConverter:
+    """torch tensors -> CuPy arrays over the same memory, memoised per tensor description.
+
+    Naive equivalent: ``cupy.from_dlpack(t.detach())`` after :func:`to_cupy`'s checks.
+
+    The key is ``(class, data_ptr(), shape, stride(), dtype, device index)``: exactly what the
+    CuPy array describes, so two tensors with equal keys get equal arrays. Why not the tensor's
+    identity (``id(t)``, ``t._cdata``, the version counter): an identity is reused once the
+    tensor is freed, and a live tensor's shape or strides can change under it (``as_strided_``,
+    ``set_``, ``resize_``), so an identity key could hand out an array that describes other
+    memory or another layout. With the description as the key, memory freed and reused at the
+    same address with the same layout is described rightly by the cached array, and any other
+    layout is a new key, checked in full (:func:`to_cupy`'s checks) before it is stored. The
+    cached arrays own nothing (they do not keep a tensor alive): an array is only handed out
+    for a live tensor of its very description, for the duration of a call. The data pointer is
+    ``data_ptr()``, which counts the storage offset: a slice's array starts at the slice.
+
+    Parameters
+    ----------
+    device : int, optional
+        Required CUDA device ordinal (None: any GPU).
+    max_entries : int
+        Bound on the arrays kept (the oldest is dropped).
+    check : callable, optional
+        ``check(t, name, device)``, the checks of a new description (default: those of
+        :func:`to_cupy`).
+    """
+
+    __slots__ = ("device", "max_entries", "_arrays", "_check", "_np", "hits", "misses")
+
+    def __init__(self, device: Optional[int] = None, max_entries: int = 256, check=None):
+        self.device = device
+        self.max_entries = int(max_entries)
+        self._arrays: Dict[tuple, Any] = {}
+        self._check = check or _check_tensor
+        self._np = None
+        self.hits = self.misses = 0
+
+    def _dtype(self, t):
+        if self._np is None:
+            from .reference import resolve_dtype  # noqa: WPS433
+
+            self._np = {d: resolve_dtype(str(d).replace("torch.", ""))
+                        for d in supported_dtypes()}
+        return self._np[t.dtype]
+
+    def __call__(self, t, name: str = "tensor"):
+        """The CuPy array of ``t`` (raises as :func:`to_cupy` does)."""
+        try:
+            key = (type(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device())
+        except (AttributeError, TypeError, RuntimeError):
+            key = None
+        a = self._arrays.get(key) if key is not None else None
+        if a is not None:
+            self.hits += 1
+            return a
+        self._check(t, name, self.device)  # raises for anything to_cupy refuses
+        self.misses += 1
+        if key is None or t.numel() == 0:
+            return _cupy().from_dlpack(t.detach())
+        cupy = _cupy()
+        isz = t.element_size()
+        nbytes = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) * isz + isz
+        mem = cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, None, max(t.get_device(), 0))
+        a = cupy.ndarray(tuple(t.shape), self._dtype(t), cupy.cuda.MemoryPointer(mem, 0),
+                         strides=tuple(s * isz for s in t.stride()))
+        if len(self._arrays) >= self.max_entries:
+            del self._arrays[next(iter(self._arrays))]
+        self._arrays[key] = a
+        return a
+
+    def clear(self) -> None:
+        self._arrays.clear()
+
+
 # ----------------------------------------------------------------------------- registry
-# handle -> weak reference to a live TorchOps. Owned by the TorchOps objects: each adds itself
-# at construction and removes itself in close() (or when it is garbage-collected).
-_REGISTRY: Dict[int, "weakref.ref[TorchOps]"] = {}
-_NEXT_HANDLE = itertools.count(1)
-_LOCK = threading.Lock()
+# Process-wide (see dcpkit._torch_registry): handle -> weak reference to a live TorchOps.
+_REGISTRY = _reg.REGISTRY
+_NEXT_HANDLE = _reg.NEXT_HANDLE
+_LOCK = _reg.LOCK
 
 
 def _lookup(handle: int, op: str) -> "TorchOps":
@@ -193,21 +294,36 @@ def _lookup(handle: int, op: str) -> "TorchOps":
 
 
 # ----------------------------------------------------------------------------- custom ops
+# The kernels are registered for every backend (CompositeExplicitAutograd) with
+# torch.library.Library, not torch.library.custom_op, whose Python autograd and
+# ADInplaceOrView layers cost tens of microseconds per call. What the ADInplaceOrView layer did
+# for a mutating op, bumping the version counter of every mutated tensor (so that autograd
+# notices a saved tensor that changed), the impls do themselves.
+def _bump(*tensors) -> None:
+    inc = _reg.state["increment_version"]
+    for t in tensors:
+        if t is not None:
+            inc(t)
+
+
 def _q_gather_impl(handle: int, q, out, ubatch: int) -> None:
-    _lookup(handle, "q_gather")._invoke("q_gather", [("q", q)], {"ubatch": ubatch, "out": out})
+    _lookup(handle, "q_gather")._invoke("q_gather", (("q", q),), {"ubatch": ubatch, "out": out})
+    _bump(out)
 
 
 def _kv_gather_impl(handle: int, kv, out, ubatch: int) -> None:
-    _lookup(handle, "kv_gather")._invoke("kv_gather", [("kv", kv)],
+    _lookup(handle, "kv_gather")._invoke("kv_gather", (("kv", kv),),
                                          {"ubatch": ubatch, "out": out})
+    _bump(out)
 
 
 def _lse_reduce_impl(handle: int, out_partial, lse_partial, seq_lens, query_start_loc, out,
                      out_lse, ubatch: int) -> None:
     _lookup(handle, "lse_reduce")._invoke(
-        "lse_reduce", [("out_partial", out_partial), ("lse_partial", lse_partial)],
+        "lse_reduce", (("out_partial", out_partial), ("lse_partial", lse_partial)),
         {"seq_lens": seq_lens, "query_start_loc": query_start_loc, "ubatch": ubatch, "out": out,
          "out_lse": out_lse})
+    _bump(out, out_lse)
 
 
 def _gather_fake(handle, x, out, ubatch) -> None:
@@ -228,7 +344,6 @@ _SCHEMAS = {
                    "Tensor? query_start_loc, Tensor(a!) out, Tensor(b!)? out_lse, int ubatch) "
                    "-> ()", ("out", "out_lse"), _lse_reduce_impl, _lse_reduce_fake),
 }
-_CUSTOM_OPS: Optional[Dict[str, Any]] = None
 
 
 def register_custom_ops() -> Dict[str, Any]:
@@ -243,23 +358,30 @@ def register_custom_ops() -> Dict[str, Any]:
                            Tensor? seq_lens, Tensor? query_start_loc, Tensor(a!) out,
                            Tensor(b!)? out_lse, int ubatch)
 
-    ``handle`` is :attr:`TorchOps.handle`. Returns op name -> the ``CustomOpDef``.
+    ``handle`` is :attr:`TorchOps.handle`. The kernels are registered for every backend
+    (``CompositeExplicitAutograd``) plus a fake (meta) kernel for tracing; each bumps the
+    version counter of the tensors it writes. Returns op name -> ``torch.ops.dcpkit.<name>``.
     """
-    global _CUSTOM_OPS
+    torch = _torch()   # MissingDependency without torch, registered or not
+    state = _reg.state
     with _LOCK:
-        if _CUSTOM_OPS is None:
-            torch = _torch()
-            ops = {}
-            for name, (schema, mutates, impl, fake) in _SCHEMAS.items():
-                op = torch.library.custom_op(f"dcpkit::{name}", impl, mutates_args=mutates,
-                                             schema=schema)
-                op.register_fake(fake)
-                ops[name] = op
-            _CUSTOM_OPS = ops
-    return _CUSTOM_OPS
+        if state["custom_ops"] is None:
+            state["increment_version"] = torch.autograd.graph.increment_version
+            lib = torch.library.Library("dcpkit", "DEF")
+            for name, (schema, _mutates, impl, fake) in _SCHEMAS.items():
+                lib.define(f"{name}{schema}")
+                lib.impl(name, impl, "CompositeExplicitAutograd")
+                torch.library.register_fake(f"dcpkit::{name}", fake, lib=lib)
+            state["library"] = lib
+            state["custom_ops"] = {name: getattr(torch.ops.dcpkit, name) for name in _SCHEMAS}
+    return state["custom_ops"]
 
 
 # ----------------------------------------------------------------------------- front end
+#: Keyword arguments of the ops that are tensors (converted; returned as the caller's tensors).
+_TENSOR_KEYWORDS = frozenset(("out", "out_lse", "seq_lens", "query_start_loc"))
+
+
 class TorchOps:
     """torch front end of a :class:`~dcpkit.manager.DCPComm`, a direct op
     (:class:`~dcpkit.ops.QGather`, ...) or an NCCL op (:mod:`dcpkit.fallback`).
@@ -303,7 +425,11 @@ class TorchOps:
         self.target = target
         self.ops = ops
         self.device = int(target.device)
-        register_custom_ops()
+        self._custom_ops = register_custom_ops()
+        self._conv = TensorConverter(self.device)
+        self._streams: Dict[int, Any] = {}       # stream handle -> CuPy stream object
+        self._results: Dict[tuple, Any] = {}     # result description -> torch tensor
+        self._raw_stream = _raw_stream_fn()
         self._closed = True
         with _LOCK:
             self.handle = next(_NEXT_HANDLE)
@@ -340,34 +466,61 @@ class TorchOps:
                                   f"(got a target serving {list(self.ops)})")
         return fn
 
+    def _stream(self):
+        """torch's current stream on the op's GPU as a CuPy stream (one object per handle: the
+        handle is the stream, so a handle seen again is the same stream)."""
+        ptr = self._raw_stream(self.device)
+        s = self._streams.get(ptr)
+        if s is None:
+            if len(self._streams) >= 64:
+                self._streams.clear()
+            s = self._streams[ptr] = _wrap_stream(ptr, self.device)
+        return s
+
+    def _to_torch(self, res):
+        """A torch tensor over the CuPy result ``res`` (a view of workspace memory): DLPack
+        once per description of the view, then a fresh alias (``detach()``) of that tensor."""
+        key = array_key(res)
+        t = self._results.get(key) if key is not None else None
+        if t is None:
+            t = from_cupy(res)
+            if key is None:
+                return t
+            if len(self._results) >= 256:
+                del self._results[next(iter(self._results))]
+            self._results[key] = t
+        return t.detach()
+
     def _invoke(self, op: str, args, kwargs: Dict[str, Any]):
-        """Run ``op`` on torch's current stream with every tensor converted to CuPy; convert
-        the result back (returning the caller's tensors where they were the destinations)."""
-        torch, cupy = _torch(), _cupy()
+        """Run ``op`` on torch's current stream with every tensor described as a CuPy array;
+        convert the result back (returning the caller's tensors where they were the
+        destinations)."""
         fn = self._fn(op)
-        dev = self.device
-        with cupy.cuda.Device(dev):
-            stream = cupy_stream(dev)
+        conv = self._conv
+        cargs = [conv(t, n) for n, t in args]
+        ckw = {}
+        back = {}
+        for k, v in kwargs.items():
+            if v is not None and k in _TENSOR_KEYWORDS:
+                c = conv(v, k)
+                back[id(c)] = v
+                ckw[k] = c
+            else:
+                ckw[k] = v
+        stream = self._stream()
+        cupy = _cupy()
+        if cupy.cuda.runtime.getDevice() == self.device:
             with stream:
-                cargs = [to_cupy(t, name=n, device=dev) for n, t in args]
-                ckw = {}
-                back = {}
-                for k, v in kwargs.items():
-                    if isinstance(v, torch.Tensor) or (v is not None and k in
-                                                       ("out", "out_lse", "seq_lens",
-                                                        "query_start_loc")):
-                        c = to_cupy(v, name=k, device=dev)
-                        back[id(c)] = v
-                        ckw[k] = c
-                    else:
-                        ckw[k] = v
                 res = fn(*cargs, stream=stream, **ckw)
-                if isinstance(res, tuple):
-                    return tuple(back[id(r)] if id(r) in back else from_cupy(r) for r in res)
-                return back[id(res)] if id(res) in back else from_cupy(res)
+        else:
+            with cupy.cuda.Device(self.device), stream:
+                res = fn(*cargs, stream=stream, **ckw)
+        if isinstance(res, tuple):
+            return tuple(back[id(r)] if id(r) in back else self._to_torch(r) for r in res)
+        return back[id(res)] if id(res) in back else self._to_torch(res)
 
     def _custom(self, op: str):
-        return getattr(_torch().ops.dcpkit, op)
+        return self._custom_ops[op]
 
     # ------------------------------------------------------------------ ops
     def q_gather(self, q, *, ubatch: int = 0, out=None):

@@ -1,96 +1,382 @@
-"""Host-side cost of one eager call of each direct op, and where it goes (cProfile).
+"""Host time of one eager call of every dcpkit path, against an empty-launch baseline of the
+same run, and device time of back-to-back eager calls (run on GPUs, under mpirun).
 
-    mpirun -np 2 python scripts/host_overhead.py [--calls 2000] [--json PATH]
+    mpirun -np 2 python scripts/host_overhead.py [--calls 10000] [--json PATH] [--profile]
 
-For each op at the DCP decode geometry (H = 128, D_q = 576, D_v = 512, bf16), every rank issues
-``--calls`` back-to-back eager calls and measures the host time per call (the loop alone, no
-synchronisation inside it) and the time per call including the final synchronisation. Rank 0
-then profiles 500 more calls with cProfile and prints the functions that cost the most. This is
-a diagnostic for the "eager call <= 15 us" target of the benchmark, not a test.
+Geometry: the DCP decode step (H = 128, D_q = 576, D_v = 512, bf16, T = 1), W = the number of
+ranks (ranks may share one GPU under MPS). Every rank runs every row in the same order.
+
+Rows (host time per call, each call timed alone; the device is synchronised every 100 calls,
+outside the timed calls, so that a full launch queue never turns host time into device time):
+
+* baselines: an empty CuPy ``RawKernel`` launch (no parameters: the targets' baseline), the same
+  with 19 parameters, and dcpkit's :class:`~dcpkit._launch.Launcher` (ctypes and cuda.bindings)
+  with those 19 parameters packed once;
+* every op with CuPy arrays, the view-returning and the ``out=`` forms; through ``DCPComm``;
+  ``TorchOps`` with torch tensors; the custom ops ``torch.ops.dcpkit.*`` (where torch has CUDA);
+* growth: q_gather with 4 live workspaces called in turn (against 1), and with 2 ubatches called
+  in turn (against 1);
+* back to back: 20 eager calls in a row between two CUDA events, device time per call (median
+  over repeats), for q_gather, lse_reduce and the empty kernel.
+
+Prints one table (max over ranks of every rank's median and p90) with the targets judged,
+``<= empty launch + N us``, and writes JSON (for BENCHMARKS.md) with ``--json``. Exits with one
+clear line and status 2 on a machine without a GPU.
 """
 
+from __future__ import annotations
+
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
+import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import cupy  # noqa: E402
-import numpy as np  # noqa: E402
+H, D_Q, D_V, T = 128, 576, 512, 1
+SYNC_EVERY = 100
+#: Row -> (target name, allowance over the empty launch in us).
+TARGETS = {"op": ("every op with CuPy arrays", 2.0), "dcp": ("through DCPComm", 3.0),
+           "torch": ("TorchOps with torch tensors", 3.0),
+           "custom": ("torch custom ops", 6.0)}
+_EMPTY_SRC = r"""
+extern "C" __global__ void dcpkit_empty() {}
+extern "C" __global__ void dcpkit_empty_args(
+    unsigned long long a0, unsigned long long a1, unsigned long long a2, unsigned long long a3,
+    unsigned long long a4, unsigned long long a5, unsigned long long a6, int r, int w,
+    unsigned long long timeout, unsigned int op, unsigned int u, unsigned long long p0,
+    unsigned long long p1, unsigned long long p2, unsigned long long q, unsigned int t,
+    unsigned long long o, unsigned long long s) {}
+"""
+_ARG_TYPES = ["u64"] * 7 + ["i32", "i32", "u64", "u32", "u32"] + ["u64"] * 4 + ["u32", "u64",
+                                                                                  "u64"]
 
-from dcpkit.comm import Communicator  # noqa: E402
-from dcpkit.ops import KVGather, LseReduce, QGather  # noqa: E402
-from dcpkit.reference import make_inputs  # noqa: E402
+
+def _fail(msg: str) -> int:
+    print(f"host_overhead: {msg}", file=sys.stderr)
+    return 2
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    comm = Communicator.from_mpi()
-    cupy.cuda.Device(comm.local_rank % cupy.cuda.runtime.getDeviceCount()).use()
+def _gpu_or_reason():
+    """(cupy, None) where a CUDA GPU is usable, else (None, why)."""
+    try:
+        import cupy
+    except Exception as e:  # noqa: BLE001 - ImportError or a broken CUDA install
+        return None, f"needs CuPy and a CUDA GPU (importing cupy failed: {type(e).__name__})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - CUDARuntimeError: no driver / no device
+        return None, f"needs a CUDA GPU (none usable here: {str(e).splitlines()[0]})"
+    if n < 1:
+        return None, "needs a CUDA GPU (none visible)"
+    return cupy, None
+
+
+def _stats(us):
+    import numpy as np
+
+    a = np.asarray(us, dtype=np.float64)
+    return float(np.median(a)), float(np.percentile(a, 90))
+
+
+def host_times(fn, calls: int, sync) -> list:
+    """Per-call host time in us; ``sync()`` every SYNC_EVERY calls, outside the timed calls."""
+    clock = time.perf_counter_ns
+    out = []
+    for _ in range(200):
+        fn()
+    sync()
+    for i in range(calls):
+        t0 = clock()
+        fn()
+        out.append((clock() - t0) / 1e3)
+        if i % SYNC_EVERY == SYNC_EVERY - 1:
+            sync()
+    sync()
+    return out
+
+
+def back_to_back_us(cupy, fn, repeats: int = 50, n: int = 20) -> float:
+    """Device time per call of ``n`` eager calls in a row (median over ``repeats``)."""
+    import numpy as np
+
+    stream = cupy.cuda.get_current_stream()
+    per = []
+    for _ in range(repeats):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record(stream)
+        for _ in range(n):
+            fn()
+        b.record(stream)
+        b.synchronize()
+        per.append(cupy.cuda.get_elapsed_time(a, b) * 1e3 / n)
+    return float(np.median(per))
+
+
+def _gpu_name(cupy, dev: int) -> str:
+    name = cupy.cuda.runtime.getDeviceProperties(dev)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+                              timeout=10).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def build_rows(cupy, comm, dev: int, have_torch: bool):
+    """[(row name, kind, call)]: kind is "base", "op", "dcp", "torch", "custom" or "growth".
+    Returns also what must be closed at the end."""
+    import numpy as np
+
+    from dcpkit import DCPComm
+    from dcpkit._launch import KernelParams, Launcher
+    from dcpkit.ops import KVGather, LseReduce, QGather
+    from dcpkit.reference import make_inputs
+
     W, r = comm.world_size, comm.rank
-    H, Dq, Dv, T = 128, 576, 512, 1
+    mod = cupy.RawModule(code=_EMPTY_SRC)
+    empty, empty_args = mod.get_function("dcpkit_empty"), mod.get_function("dcpkit_empty_args")
+    vals = [0] * 7 + [r, W, 10**9, 2, 0] + [0] * 4 + [1, 0, 0]
+    cargs = tuple(np.int32(v) if t == "i32" else np.uint32(v) if t == "u32" else int(v)
+                  for v, t in zip(vals, _ARG_TYPES))
+    params = KernelParams(_ARG_TYPES, vals)
+    sptr = cupy.cuda.get_current_stream().ptr
+    rows = [
+        ("empty RawKernel launch (cupy)", "base", lambda: empty((1,), (32,), ())),
+        ("empty kernel, 19 params (cupy)", "info", lambda: empty_args((1,), (32,), cargs)),
+    ]
+    for backend in ("ctypes", "bindings"):
+        try:
+            ln = Launcher(empty_args, 32, backend=backend)
+            ln.launch(1, params, sptr)
+            rows.append((f"empty kernel, 19 params (Launcher {backend})", "info",
+                         lambda ln=ln: ln.launch(1, params, sptr)))
+        except Exception as e:  # noqa: BLE001 - reported as a missing row
+            print(f"[rank {r}] Launcher {backend}: {type(e).__name__}: {e}", file=sys.stderr)
+    Hr = H // W
     q = cupy.asarray(make_inputs(r, W, 1, op="q_gather", tokens=T, num_heads=H,
-                                 head_dim=Dq)["q"])
-    li = make_inputs(r, W, 1, op="lse_reduce", tokens=T, num_heads=H, head_dim=Dv)
-    op_in = cupy.asarray(li["out_partial"])
-    lse_in = cupy.asarray(li["lse_partial"])
-    kv = cupy.asarray(make_inputs(r, W, 1, op="kv_gather", tokens=4, row_dim=Dq)["kv"])
-    ops = {
-        "q_gather": (QGather(comm, max_tokens=8, heads_per_rank=H // W, head_dim=Dq,
-                             dtype="bfloat16"), lambda o: o(q)),
-        "lse_reduce": (LseReduce(comm, max_tokens=8, num_heads=H, head_dim=Dv,
-                                 dtype="bfloat16"), lambda o: o(op_in, lse_in)),
-        "kv_gather": (KVGather(comm, max_tokens=8, row_dim=Dq, dtype="bfloat16"),
-                      lambda o: o(kv)),
-    }
-    report = {"world_size": W, "calls": args.calls, "ops": {}}
-    for name, (op, call) in ops.items():
-        for _ in range(50):
-            call(op)
-        op.synchronize()
+                                 head_dim=D_Q)["q"])
+    li = make_inputs(r, W, 1, op="lse_reduce", tokens=T, num_heads=H, head_dim=D_V)
+    xo, lse = cupy.asarray(li["out_partial"]), cupy.asarray(li["lse_partial"])
+    kv = cupy.asarray(make_inputs(r, W, 1, op="kv_gather", tokens=4, row_dim=D_Q)["kv"])
+    q_out = cupy.empty((T, H, D_Q), dtype=q.dtype)
+    kv_out = cupy.empty((4 * W, D_Q), dtype=kv.dtype)
+    o = cupy.empty((T, Hr, D_V), dtype=xo.dtype)
+    qg = QGather(comm, max_tokens=8, heads_per_rank=Hr, head_dim=D_Q, dtype="bfloat16")
+    kg = KVGather(comm, max_tokens=8, row_dim=D_Q, dtype="bfloat16")
+    lr = LseReduce(comm, max_tokens=8, num_heads=H, head_dim=D_V, dtype="bfloat16")
+    qg4 = [QGather(comm, max_tokens=8, heads_per_rank=Hr, head_dim=D_Q, dtype="bfloat16")
+           for _ in range(3)] + [qg]
+    qu2 = QGather(comm, max_tokens=8, heads_per_rank=Hr, head_dim=D_Q, dtype="bfloat16",
+                  num_ubatches=2)
+    dcp = DCPComm(comm, max_tokens=8, num_heads=H, q_head_dim=D_Q, v_head_dim=D_V,
+                  kv_row_dim=D_Q, dtype="bfloat16")
+    closers = [qg, kg, lr, qu2, dcp] + qg4[:3]
+    turn = {"ws": 0, "ub": 0}
+
+    def round_robin():
+        turn["ws"] = (turn["ws"] + 1) & 3
+        return qg4[turn["ws"]](q)
+
+    def alternate():
+        turn["ub"] ^= 1
+        return qu2(q, ubatch=turn["ub"])
+
+    fast_rows = []
+    for backend in ("ctypes", "bindings"):
+        # a workspace of its own: a fault of the prototype cannot poison (or shift the epochs
+        # of) the op measured beside it
+        qf = QGather(comm, max_tokens=8, heads_per_rank=Hr, head_dim=D_Q, dtype="bfloat16")
+        closers.append(qf)
+        fq = _checked_fast_path(cupy, comm, qf, q, backend)
+        if fq is not None:
+            fast_rows += [(f"q_gather view, fast path ({backend})", "op", lambda f=fq: f(q)),
+                          (f"q_gather out=, fast path ({backend})", "op",
+                           lambda f=fq: f(q, out=q_out))]
+    rows += [
+        ("q_gather view", "op", lambda: qg(q)),
+        ("q_gather out=", "op", lambda: qg(q, out=q_out)),
+    ] + fast_rows + [
+        ("kv_gather view", "op", lambda: kg(kv)),
+        ("kv_gather out=", "op", lambda: kg(kv, out=kv_out)),
+        ("lse_reduce view", "op", lambda: lr(xo, lse)),
+        ("lse_reduce out=", "op", lambda: lr(xo, lse, out=o)),
+        ("DCPComm.q_gather", "dcp", lambda: dcp.q_gather(q)),
+        ("DCPComm.lse_reduce out=", "dcp", lambda: dcp.lse_reduce(xo, lse, out=o)),
+        ("DCPComm.kv_gather", "dcp", lambda: dcp.kv_gather(kv)),
+        ("q_gather view, 4 live workspaces in turn", "growth", round_robin),
+        ("q_gather view, 2 ubatches in turn", "growth", alternate),
+    ]
+    if have_torch:
+        import torch
+
+        from dcpkit.torch import TorchOps
+
+        tops = TorchOps(dcp)
+        closers.insert(0, tops)
+        tq = torch.from_dlpack(q)
+        tq_out = torch.empty((T, H, D_Q), dtype=tq.dtype, device=tq.device)
+        txo, tlse = torch.from_dlpack(xo), torch.from_dlpack(lse)
+        to = torch.empty((T, Hr, D_V), dtype=txo.dtype, device=txo.device)
+        cq, cl, h = torch.ops.dcpkit.q_gather, torch.ops.dcpkit.lse_reduce, tops.handle
+        rows += [
+            ("TorchOps.q_gather view", "torch", lambda: tops.q_gather(tq)),
+            ("TorchOps.q_gather out=", "torch", lambda: tops.q_gather(tq, out=tq_out)),
+            ("TorchOps.lse_reduce out=", "torch", lambda: tops.lse_reduce(txo, tlse, out=to)),
+            ("torch.ops.dcpkit.q_gather", "custom", lambda: cq(h, tq, tq_out, 0)),
+            ("torch.ops.dcpkit.lse_reduce", "custom",
+             lambda: cl(h, txo, tlse, None, None, to, None, 0)),
+        ]
+    b2b = [("empty kernel", lambda: empty((1,), (32,), ())),
+           ("q_gather view", lambda: qg(q)), ("q_gather out=", lambda: qg(q, out=q_out)),
+           ("lse_reduce out=", lambda: lr(xo, lse, out=o))]
+    return rows, b2b, closers
+
+
+def _checked_fast_path(cupy, comm, qg, q, backend: str):
+    """A FastQGather over ``qg`` whose results equal the op's bit for bit (view and ``out=``
+    forms, three calls each, collective), or None (reported) where they do not on any rank."""
+    from dcpkit._fastpath import FastQGather
+
+    err = None
+    try:
+        fq = FastQGather(qg, backend=backend)
+        for _ in range(3):
+            ref = qg(q).copy()
+            got = fq(q).copy()
+            a, b = cupy.empty_like(ref), cupy.empty_like(ref)
+            qg(q, out=a)
+            fq(q, out=b)
+            cupy.cuda.get_current_stream().synchronize()
+            for x in (got, b):
+                if not bool((x.view(cupy.uint16) == ref.view(cupy.uint16)).all()):
+                    err = "result differs from the op's"
+    except Exception as e:  # noqa: BLE001 - reported, the row is left out
+        err = f"{type(e).__name__}: {e}"
+    every = comm.allgather(err)
+    bad = {r: e for r, e in enumerate(every) if e}
+    if bad:
+        if comm.rank == 0:
+            print(f"FAST PATH ({backend}) LEFT OUT: {bad}", file=sys.stderr)
+        return None
+    return fq
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=10000)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="rank 0 prints a cProfile table of 2000 calls of every row")
+    args = ap.parse_args(argv)
+    cupy, why = _gpu_or_reason()
+    if cupy is None:
+        return _fail(why)
+    from dcpkit.comm import Communicator
+
+    comm = Communicator.from_mpi()
+    W, r = comm.world_size, comm.rank
+    dev = comm.local_rank % cupy.cuda.runtime.getDeviceCount()
+    cupy.cuda.Device(dev).use()
+    torch = _torch_cuda()
+    if torch is not None:
+        torch.cuda.set_device(dev)
+    have_torch = all(comm.allgather(torch is not None))
+    rows, b2b, closers = build_rows(cupy, comm, dev, have_torch)
+    # every rank must run the same rows
+    names = [n for n, _, _ in rows]
+    every = comm.allgather(names)
+    common = [n for n in names if all(n in e for e in every)]
+    sync = cupy.cuda.get_current_stream().synchronize
+    if have_torch:
+        tsync = torch.cuda.current_stream(dev).synchronize
+
+        def sync():  # noqa: F811 - both streams (TorchOps runs on torch's)
+            cupy.cuda.get_current_stream().synchronize()
+            tsync()
+    results = {}
+    for name, kind, fn in rows:
+        if name not in common:
+            continue
         comm.barrier()
-        t0 = time.perf_counter()
-        for _ in range(args.calls):
-            call(op)
-        t1 = time.perf_counter()
-        op.synchronize()
-        t2 = time.perf_counter()
-        host_us = (t1 - t0) / args.calls * 1e6
-        total_us = (t2 - t0) / args.calls * 1e6
+        med, p90 = _stats(host_times(fn, args.calls, sync))
+        every = comm.allgather((med, p90))
+        results[name] = {"kind": kind, "median_us": [m for m, _ in every],
+                         "p90_us": [p for _, p in every], "calls": args.calls}
+        if args.profile:
+            import cProfile
+            import io
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            for i in range(2000):
+                fn()
+                if i % SYNC_EVERY == 0:
+                    sync()
+            pr.disable()
+            sync()
+            comm.barrier()
+            if r == 0:
+                s = io.StringIO()
+                pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(12)
+                print(f"==== {name}\n{s.getvalue()}")
+    device = {}
+    for name, fn in b2b:
         comm.barrier()
-        prof_text = ""
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(500):
-            call(op)
-        pr.disable()
-        op.synchronize()
+        for _ in range(20):
+            fn()
+        sync()
         comm.barrier()
-        if r == 0:
-            s = io.StringIO()
-            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(10)
-            prof_text = s.getvalue()
-        every = comm.allgather((host_us, total_us))
-        report["ops"][name] = {"host_us_per_call": [e[0] for e in every],
-                               "with_sync_us_per_call": [e[1] for e in every]}
-        if r == 0:
-            print(f"{name:11s} host {max(e[0] for e in every):7.2f} us/call   "
-                  f"with sync {max(e[1] for e in every):7.2f} us/call (max over ranks)")
-            print("\n".join(line for line in prof_text.splitlines()[6:24] if line.strip()))
-            sys.stdout.flush()
-    for op, _ in ops.values():
-        op.close()
-    if r == 0 and args.json:
+        device[name] = comm.allgather(back_to_back_us(cupy, fn))
+    for c in closers:
+        c.close()
+    if r != 0:
+        return 0
+    base = max(results["empty RawKernel launch (cupy)"]["median_us"])
+    lines = [f"host time per call, W={W}, T={T}, {args.calls} calls per row, max over ranks "
+             f"(commit {_commit()}, {_gpu_name(cupy, dev)})",
+             f"{'path':44s} {'median us':>10s} {'p90 us':>9s}  target"]
+    verdicts = {}
+    for name, row in results.items():
+        med, p90 = max(row["median_us"]), max(row["p90_us"])
+        judged = ""
+        if row["kind"] in TARGETS:
+            what, allow = TARGETS[row["kind"]]
+            ok = med <= base + allow
+            verdicts[name] = ok
+            judged = f"<= empty + {allow:g} us ({base + allow:.1f}): {'met' if ok else 'MISSED'}"
+        elif row["kind"] == "growth":
+            ref = max(results["q_gather view"]["median_us"])
+            judged = f"vs q_gather view {ref:.2f}: {med - ref:+.2f} us"
+        lines.append(f"{name:44s} {med:10.2f} {p90:9.2f}  {judged}")
+    lines.append("")
+    lines.append("back-to-back eager calls, 20 in a row, device time per call (max over ranks)")
+    for name, v in device.items():
+        lines.append(f"{name:44s} {max(v):10.2f} us")
+    print("\n".join(lines))
+    if args.json:
+        meta = {"world_size": W, "tokens": T, "calls": args.calls, "commit": _commit(),
+                "gpu": _gpu_name(cupy, dev),
+                "driver": cupy.cuda.runtime.driverGetVersion(),
+                "empty_launch_us": base}
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+            json.dump({"meta": meta, "host": results, "back_to_back_device_us": device,
+                       "targets_met": verdicts}, f, indent=1)
     return 0
 
 

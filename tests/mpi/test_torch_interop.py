@@ -369,3 +369,78 @@ def test_communicator_from_torch(comm, seed, tdev, nccl_expected):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# ----------------------------------------------------------------------------- memoised views
+def test_slices_and_restrided_views_of_one_storage_give_their_own_results(comm, seed, dcp,
+                                                                          tdev):
+    """TorchOps describes tensors without DLPack, memoised per description: inputs that are
+    slices of one storage (non-zero storage offset), a view re-strided under the same data
+    pointer, and an input freed and reallocated between calls must each give the result of
+    their own contents, call after call; custom ops bump the version of what they write."""
+    H_r = 8
+    T = 5
+
+    def body(errors):
+        with dt.TorchOps(dcp) as ops:
+            cq = QCase(comm, sub_seed(seed, 7, 1), T=T, H_r=H_r, D=DQ, dtype="bfloat16")
+            q = t_from_np(cq.q, tdev)
+            store = torch.zeros((2 * T + 1, H_r, DQ), dtype=torch.bfloat16,
+                                device=f"cuda:{tdev}")
+            store[1:T + 1] = q                               # offset one token
+            padded = torch.zeros((T, 2 * H_r, DQ), dtype=torch.bfloat16,
+                                 device=f"cuda:{tdev}")
+            padded[:, :H_r] = q                              # token stride 2*H_r*D
+            for rep in range(3):
+                for name, x in (("contiguous", q), ("slice at offset", store[1:T + 1]),
+                                ("token-padded view", padded[:, :H_r])):
+                    d = first_diff(np_from_t(ops.q_gather(x)), cq.ref)
+                    errors.append(f"rank {comm.rank} rep {rep} {name}: {d}" if d else "")
+                # the padded view's data pointer again, contiguous strides, other contents:
+                # only this rank's heads are known here (each rank's are its own input)
+                flat = padded.view(-1)[:T * H_r * DQ].view(T, H_r, DQ)
+                mine = np_from_t(ops.q_gather(flat))[:, comm.rank * H_r:(comm.rank + 1) * H_r]
+                d = first_diff(mine, np_from_t(flat))
+                errors.append(f"rank {comm.rank} rep {rep} same pointer, contiguous: {d}"
+                              if d else "")
+                fresh = t_from_np(cq.q, tdev)                # freed and reallocated
+                d = first_diff(np_from_t(ops.q_gather(fresh)), cq.ref)
+                errors.append(f"rank {comm.rank} rep {rep} fresh tensor: {d}" if d else "")
+                del fresh
+            out = t_poisoned((T, 8 * comm.world_size, DQ), torch.bfloat16, tdev)
+            v = out._version
+            ops.q_gather(q, out=out)
+            if out._version != v + 1:
+                errors.append(f"custom op did not bump out's version ({v} -> {out._version})")
+
+    run_all_ranks(comm, "TorchOps with slices and re-strided views", body)
+
+
+def test_fast_q_gather_matches_the_op(comm, seed, tdev):
+    """dcpkit._fastpath.FastQGather (plan cache + packed-parameter launch) against the op and
+    the reference, view and out= forms, both launcher backends, with the plan cache hit."""
+    from dcpkit._fastpath import FastQGather
+    from dcpkit.ops import QGather
+
+    H_r = 8
+
+    def body(errors):
+        with QGather(comm, max_tokens=T_MAX, heads_per_rank=H_r, head_dim=DQ,
+                     dtype="bfloat16") as qg:
+            for backend in ("ctypes", "bindings"):
+                fast = FastQGather(qg, backend=backend)
+                for k, T in enumerate((1, 5, T_MAX)):
+                    cq = QCase(comm, sub_seed(seed, k, 9), T=T, H_r=H_r, D=DQ,
+                               dtype="bfloat16")
+                    q = cupy.asarray(cq.q)
+                    out = cupy.full((T, H_r * comm.world_size, DQ), 0xFFFF,
+                                    dtype=cupy.uint16).view(q.dtype)
+                    for rep in range(4):
+                        errors.append(cq.check(comm.rank, fast(q), f"{backend} view {rep}"))
+                        fast(q, out=out)
+                        errors.append(cq.check(comm.rank, out, f"{backend} out= {rep}"))
+                        errors.append(cq.check(comm.rank, qg(q), f"op after fast {rep}"))
+                if fast.cache.hits == 0:
+                    errors.append(f"{backend}: the plan cache was never hit")
+
+    run_all_ranks(comm, "FastQGather against the reference", body)

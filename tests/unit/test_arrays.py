@@ -4,6 +4,8 @@ TypeError or ValueError. No GPU: the objects describe made-up addresses on "devi
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -93,3 +95,61 @@ def test_not_an_array():
             array_info(x, "q_gather", "q")
     with pytest.raises(InvalidType, match=r"got host numpy.ndarray"):
         array_info(np.zeros(3), "q_gather", "q")
+
+
+# ----------------------------------------------------------------------------- DLPack
+class _Managed(ctypes.Structure):
+    from dcpkit._arrays import _DLTensor
+
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+def _capsule(data, byte_offset, shape, strides=None, *, versioned=False, device=(2, 3)):
+    """A DLPack capsule made by hand, as a producer that slices with byte_offset would."""
+    from dcpkit._arrays import _DLManagedTensorVersioned
+
+    keep = []
+    m = _DLManagedTensorVersioned() if versioned else _Managed()
+    t = m.dl_tensor
+    t.data, t.byte_offset = data, byte_offset
+    t.device.device_type, t.device.device_id = device
+    t.ndim = len(shape)
+    sh = (ctypes.c_int64 * len(shape))(*shape)
+    keep.append(sh)
+    t.shape = ctypes.cast(sh, ctypes.POINTER(ctypes.c_int64))
+    if strides is not None:
+        st = (ctypes.c_int64 * len(strides))(*strides)
+        keep.append(st)
+        t.strides = ctypes.cast(st, ctypes.POINTER(ctypes.c_int64))
+    t.dtype.code, t.dtype.bits, t.dtype.lanes = 2, 16, 1
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype = ctypes.py_object
+    new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    name = b"dltensor_versioned" if versioned else b"dltensor"
+    return new(ctypes.addressof(m), name, None), (m, keep)
+
+
+@pytest.mark.parametrize("versioned", [False, True])
+def test_dlpack_pointer_counts_the_byte_offset(versioned):
+    from dcpkit._arrays import dlpack_info
+
+    cap, keep = _capsule(PTR, 4096 + 64, (3, 8), (16, 1), versioned=versioned)
+    info = dlpack_info(cap)
+    assert info.ptr == PTR + 4096 + 64           # not the base allocation's address
+    assert (info.device_type, info.device_id) == (2, 3)
+    assert (info.shape, info.strides) == ((3, 8), (16, 1))
+    assert (info.dtype_code, info.dtype_bits, info.dtype_lanes) == (2, 16, 1)
+    cap, keep = _capsule(PTR, 0, (5,), versioned=versioned)
+    assert dlpack_info(cap).ptr == PTR and dlpack_info(cap).strides is None
+    with pytest.raises(InvalidType, match="must be an unconsumed DLPack capsule"):
+        dlpack_info(object())
+
+
+def test_dlpack_pointer_of_real_slices():
+    torch = pytest.importorskip("torch")
+    from dcpkit._arrays import dlpack_info
+
+    x = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    for t in (x, x[2:], x[:, 3:], x[1::2, 5:]):
+        assert dlpack_info(t.__dlpack__()).ptr == t.data_ptr()

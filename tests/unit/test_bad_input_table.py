@@ -1,6 +1,8 @@
-"""The bad-input table of issue 9 (item 5), CPU part: bad calls across the three ops and the
-symmetric heap, each raising its specific error class with its message fragment before anything
-is launched or counted, and the workspace still accepting a good call afterwards.
+"""The bad-input table, CPU part: bad calls across the three ops and the symmetric heap, each
+raising its specific error class with its message fragment before anything is launched or
+counted, and the workspace still accepting a good call afterwards. Every op row runs cold, and
+again after warm-up calls (through the whole call, the launch recorded) with the same arrays and
+with good arrays at the addresses of the bad ones.
 
 No GPU: workspaces are built with ``__new__`` plus the state ``_setup`` would give them (no
 heap, no kernels: a launch attempt would fail with another error); arrays are small objects
@@ -37,12 +39,15 @@ class Dev:
 
     _next = BASE
 
-    def __init__(self, shape, dtype=F16, strides_el=None, *, offset=0, device=DEV):
+    def __init__(self, shape, dtype=F16, strides_el=None, *, offset=0, device=DEV, ptr=None):
         dt = np.dtype(dtype)
-        Dev._next += 1 << 24
+        if ptr is None:
+            Dev._next += 1 << 24
+            ptr = Dev._next + offset
+        self.ptr = ptr
         strides = None if strides_el is None else tuple(s * dt.itemsize for s in strides_el)
         self.__cuda_array_interface__ = {
-            "shape": tuple(shape), "typestr": dt.str, "data": (Dev._next + offset, False),
+            "shape": tuple(shape), "typestr": dt.str, "data": (ptr, False),
             "strides": strides, "version": 3,
         }
         self._dcpkit_device = device
@@ -86,25 +91,31 @@ def good_call(kind, ws):
                         Dev((T, H_R, D_V)), Dev((T, H_R), F32))
 
 
-def _q(**kw):
-    a = dict(q=Dev((T, H_R, D)))
+def _bad_call(positional, defaults, kw):
+    """``ws -> ws(*positional arrays, **keywords)`` of one row; ``.args`` holds every argument
+    by name and ``.bad`` the names the row changed (the warm-up replaces them)."""
+    a = dict(defaults)
     a.update(kw)
-    q = a.pop("q")
-    return lambda ws: ws(q, **a)
+
+    def call(ws):
+        rest = {k: v for k, v in a.items() if k not in positional}
+        return ws(*[a[k] for k in positional], **rest)
+
+    call.args, call.bad, call.positional = a, set(kw), positional
+    return call
+
+
+def _q(**kw):
+    return _bad_call(("q",), dict(q=Dev((T, H_R, D))), kw)
 
 
 def _kv(**kw):
-    a = dict(kv=Dev((T, D_KV)))
-    a.update(kw)
-    kv = a.pop("kv")
-    return lambda ws: ws(kv, **a)
+    return _bad_call(("kv",), dict(kv=Dev((T, D_KV))), kw)
 
 
 def _lse(**kw):
-    a = dict(out_partial=Dev((T, H, D_V)), lse_partial=Dev((T, H), F32))
-    a.update(kw)
-    x, lse = a.pop("out_partial"), a.pop("lse_partial")
-    return lambda ws: ws(x, lse, **a)
+    return _bad_call(("out_partial", "lse_partial"),
+                     dict(out_partial=Dev((T, H, D_V)), lse_partial=Dev((T, H), F32)), kw)
 
 
 def _closed(ws):
@@ -324,3 +335,133 @@ def test_the_table_has_at_least_30_bad_calls():
     assert len(ROWS) + len(HEAP_ROWS) + len(CTOR_ROWS) >= 30
     kinds = {r[1] for r in ROWS}
     assert kinds == {"q", "kv", "lse"}
+
+
+# ----------------------------------------------------------------------------- warm, then bad
+# The same rows after warm-up calls: a cached plan (or any other state a good call leaves)
+# must never let a bad call through. "same arrays": the warm-up calls use the row's own good
+# arrays; "reused addresses": they use good arrays at the very addresses of the row's bad ones
+# (memory freed and reused with another layout).
+#: Good (shape, dtype) of every array argument, by workspace kind.
+GOOD = {
+    "q": {"q": ((T, H_R, D), F16), "out": ((T, H, D), F16)},
+    "kv": {"kv": ((T, D_KV), F16), "out": ((W * T, D_KV), F16)},
+    "lse": {"out_partial": ((T, H, D_V), F16), "lse_partial": ((T, H), F32),
+            "seq_lens": ((3,), I32), "query_start_loc": ((4,), I32),
+            "out": ((T, H_R, D_V), F16), "out_lse": ((T, H_R), F32)},
+}
+_STUBS = {}
+
+
+def _stubs():
+    """scripts/host_path_cpu.py: workspaces whose calls run in full with the launch recorded."""
+    if not _STUBS:
+        import importlib.util
+        import os
+
+        path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "host_path_cpu.py")
+        spec = importlib.util.spec_from_file_location("host_path_cpu", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        _STUBS["mod"] = mod
+    return _STUBS["mod"]
+
+
+def make_callable(kind):
+    """A workspace of ``kind`` whose calls run in full on CPU, every launch recorded."""
+    pytest.importorskip("cupy")
+    mod = _stubs()
+    if kind == "q":
+        ws = QGather.__new__(QGather)
+        ws._check_arguments(W, max_tokens=T_MAX, heads_per_rank=H_R, head_dim=D,
+                            dtype="float16", num_ubatches=2, timeout_ms=300.0)
+    elif kind == "kv":
+        ws = KVGather.__new__(KVGather)
+        ws._check_arguments(W, max_tokens=T_MAX, row_dim=D_KV, dtype="float16",
+                            num_ubatches=2, timeout_ms=300.0)
+    else:
+        ws = LseReduce.__new__(LseReduce)
+        ws._check_arguments(W, max_tokens=T_MAX, num_heads=H, head_dim=D_V, dtype=F16,
+                            num_ubatches=2, lse_base=math.e, return_lse=False,
+                            timeout_ms=300.0)
+    rec = mod.Recorder()
+    return mod.stub_workspace(ws, mod._cpu_stream(), rec, rank=RANK, world_size=W), rec
+
+
+def _warm_up_calls(kind, bad, mode):
+    """The good calls made before the bad one."""
+    args = dict(bad.args)
+    for name in bad.bad:
+        if name in GOOD[kind]:
+            shape, dt = GOOD[kind][name]
+            old = args[name]
+            ptr = (old.ptr // 16 * 16) if mode == "reused addresses" and isinstance(old, Dev) \
+                else None
+            args[name] = Dev(shape, dt, ptr=ptr)
+        else:
+            args.pop(name)      # a bad scalar (ubatch, return_padded): the default
+    if kind == "lse" and "seq_lens" in args and "query_start_loc" not in args:
+        args["query_start_loc"] = Dev((4,), I32)
+    pos = [args.pop(k) for k in bad.positional]
+    calls = [lambda ws: ws(*pos, **args)]
+    if "out" not in args:     # also the out= form
+        shape, dt = GOOD[kind]["out"]
+        out = Dev(shape, dt)
+        calls.append(lambda ws: ws(*pos, out=out, **args))
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["same arrays", "reused addresses"])
+@pytest.mark.parametrize("kind,change,bad,exc,fragment", [r[1:] for r in ROWS],
+                         ids=[r[0] for r in ROWS])
+def test_bad_call_after_warm_up_raises_before_launch(kind, change, bad, exc, fragment, mode):
+    ws, rec = make_callable(kind)
+    warm = _warm_up_calls(kind, bad, mode)
+    for _ in range(3):
+        for call in warm:
+            call(ws)
+    assert rec.count == 3 * len(warm), "the warm-up calls did not launch"
+    if change is not None:
+        ws = change(ws)
+    calls, launches = list(ws._calls), rec.count
+    with pytest.raises(exc) as info:
+        bad(ws)
+    assert fragment in str(info.value), f"{str(info.value)!r} lacks {fragment!r}"
+    assert ws._calls == calls and rec.count == launches, "the rejected call counted or launched"
+    if change is None:
+        warm[0](ws)          # still usable
+        assert rec.count == launches + 1
+
+
+Q_ROWS = [r for r in ROWS if r[1] == "q"]
+
+
+@pytest.mark.parametrize("mode", ["same arrays", "reused addresses"])
+@pytest.mark.parametrize("kind,change,bad,exc,fragment", [r[1:] for r in Q_ROWS],
+                         ids=[r[0] for r in Q_ROWS])
+def test_bad_call_through_a_warm_plan_cache_raises_before_launch(kind, change, bad, exc,
+                                                                 fragment, mode):
+    """The q_gather rows through dcpkit._fastpath.FastQGather (plan cache + packed-parameter
+    launch): after warm-up calls filled the cache, every bad call still raises, launches
+    nothing and counts nothing."""
+    from dcpkit._fastpath import FastQGather
+
+    ws, rec = make_callable(kind)
+    fast = FastQGather(ws)
+    fast._launcher = rec             # the recorder stands in for the launch
+    fast._current_device = lambda: DEV
+    warm = _warm_up_calls(kind, bad, mode)
+    for _ in range(3):
+        for call in warm:
+            call(fast)
+    assert rec.count == 3 * len(warm) and fast.cache.hits >= 2 * len(warm)
+    if change is not None:
+        ws = change(ws)
+    calls, launches = list(ws._calls), rec.count
+    with pytest.raises(exc) as info:
+        bad(fast)
+    assert fragment in str(info.value), f"{str(info.value)!r} lacks {fragment!r}"
+    assert ws._calls == calls and rec.count == launches, "the rejected call counted or launched"
+    if change is None:
+        warm[0](fast)
+        assert rec.count == launches + 1

@@ -76,3 +76,94 @@ def test_custom_ops_register_and_refuse_unknown_handles():
     q = torch.zeros(2, 2, 4)
     with pytest.raises(ClosedError, match="handle 987654 must name a live"):
         torch.ops.dcpkit.q_gather(987654, q, torch.zeros(2, 4, 4), 0)
+
+
+# ----------------------------------------------------------------------------- conversions
+def _cpu_check(t, name, device):
+    """The tensor checks, with the CPU standing in for the GPU."""
+    import torch
+
+    import dcpkit.torch as dt
+
+    if not isinstance(t, torch.Tensor):
+        raise InvalidType(f"dcpkit.torch: {name} must be a torch.Tensor")
+    if t.dtype not in dt.supported_dtypes():
+        raise InvalidType(f"dcpkit.torch: {name} dtype must be one of ...")
+
+
+@needs_torch
+def test_converter_describes_each_tensor_exactly_and_memoises_per_description():
+    pytest.importorskip("cupy")
+    import torch
+
+    from dcpkit._arrays import array_info
+    from dcpkit.torch import TensorConverter
+
+    conv = TensorConverter(None, check=_cpu_check)
+    base = torch.zeros(8, 16, dtype=torch.bfloat16)
+    views = [base, base[2:], base[:, 4:], base[1::2], base.t(),
+             base.as_strided((4, 16), (32, 1)),                  # same pointer, other strides
+             base.view(torch.int16), base.view(16, 8)]           # same pointer, other dtype/shape
+    arrays = [conv(v, "x") for v in views]
+    for v, a in zip(views, arrays):
+        i = array_info(a, "op", "x")
+        assert i.ptr == v.data_ptr(), "a slice must start at its first element"
+        assert i.shape == tuple(v.shape)
+        assert i.strides == tuple(s * v.element_size() for s in v.stride())
+        assert i.itemsize == v.element_size()
+    assert len({id(a) for a in arrays}) == len(views)   # every layout its own array
+    assert conv.misses == len(views) and conv.hits == 0
+    again = base[2:]                                     # another tensor, same description
+    assert conv(again, "x") is arrays[1] and conv.hits == 1
+    with pytest.raises(InvalidType, match="x dtype must be"):
+        conv(torch.zeros(2, dtype=torch.complex64), "x")   # a refused tensor is never stored
+    with pytest.raises(InvalidType, match="x dtype must be"):
+        conv(torch.zeros(2, dtype=torch.complex64), "x")
+    with pytest.raises(InvalidType, match="must be a torch.Tensor"):
+        conv([1, 2], "x")
+
+
+@needs_torch
+def test_converter_refuses_cpu_tensors_with_the_default_checks():
+    import torch
+
+    from dcpkit.torch import TensorConverter
+
+    conv = TensorConverter(0)
+    for _ in range(2):
+        with pytest.raises(InvalidType, match="q must be a CUDA tensor"):
+            conv(torch.zeros(4), "q")
+    assert conv.hits == 0
+
+
+@needs_torch
+def test_custom_ops_bump_the_version_of_what_they_write_and_trace():
+    import torch
+
+    import dcpkit.torch as dt
+
+    dt.register_custom_ops()
+    seen = []
+
+    class Target:
+        op_name = "q_gather"
+        device = 0
+
+    ops = dt.TorchOps(Target())
+    ops._invoke = lambda op, args, kw: seen.append((op, [n for n, _ in args], sorted(kw)))
+    q, out = torch.zeros(2, 2, 4), torch.zeros(2, 4, 4)
+    v = out._version
+    torch.ops.dcpkit.q_gather(ops.handle, q, out, 0)
+    assert seen == [("q_gather", ["q"], ["out", "ubatch"])]
+    assert out._version == v + 1, "autograd must see that out was written"
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(a, b):
+        torch.ops.dcpkit.q_gather(ops.handle, a, b, 0)
+        return b + 1
+
+    code = make_fx(f, tracing_mode="fake")(q, out).code
+    assert "torch.ops.dcpkit.q_gather.default" in code
+    ops.close()
+    with pytest.raises(ClosedError, match="must name a live"):
+        torch.ops.dcpkit.q_gather(ops.handle, q, out, 0)

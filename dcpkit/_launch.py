@@ -1,0 +1,282 @@
+"""A kernel launcher with a parameter buffer packed once per plan and patched in place.
+
+CuPy's ``Function.__call__`` converts every argument on every launch (a Python int becomes an
+8-byte integer, a NumPy scalar its own size) and builds the ``void*`` array anew. A decode loop
+launches the same kernel with the same parameters except a few (data pointers, the output, ``T``):
+:class:`KernelParams` keeps the parameter values in one buffer laid out as CUDA's ABI lays out a
+parameter list (each parameter aligned to its size), and an array of ``void*`` pointing into it,
+both built once. A call patches the fields that change and hands the array to
+``cuLaunchKernel``, which copies the values during the call (eager launch or graph capture
+alike), so patching the buffer afterwards never changes a launched or captured kernel.
+
+:class:`Launcher` calls ``cuLaunchKernel`` through ``ctypes`` on ``libcuda`` (the fewest Python
+steps), or through cuda-python's ``cuda.bindings.driver`` (``backend="bindings"``). It takes the
+``CUfunction`` of a loaded CuPy kernel (``cupy.cuda.function.Function.ptr``) and a stream handle
+(``cupy.cuda.Stream.ptr``).
+
+Parameter types: ``"u64"``, ``"i64"`` (pointers go as ``"u64"``), ``"u32"``, ``"i32"``,
+``"f32"``. :func:`ptx_param_types` reads a kernel's parameter list from its PTX, so a test can
+check a plan's type list against the kernel the op really launches.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from typing import List, Optional, Sequence, Tuple
+
+from .errors import CudaError, InvalidArgument
+
+__all__ = ["KernelParams", "Launcher", "PARAM_TYPES", "param_layout", "ptx_param_types",
+           "check_params_match"]
+
+#: Parameter type name -> ctypes type (size == alignment for every one of them).
+PARAM_TYPES = {
+    "u64": ctypes.c_uint64, "i64": ctypes.c_int64, "u32": ctypes.c_uint32,
+    "i32": ctypes.c_int32, "f32": ctypes.c_float,
+}
+_PTX_TYPES = {"u64": "u64", "s64": "i64", "b64": "u64", "u32": "u32", "s32": "i32",
+              "b32": "u32", "f32": "f32"}
+#: What PTX keeps of a parameter type: its width and whether it is a float (NVRTC declares
+#: ``int`` as ``.u32`` and ``long long`` as ``.u64``: signedness lives in the C++ source only).
+_KIND = {"u64": "b64", "i64": "b64", "u32": "b32", "i32": "b32", "f32": "f32"}
+
+
+def param_layout(types: Sequence[str]) -> Tuple[List[int], int]:
+    """Byte offsets of the parameters and the total size, as CUDA's ABI lays out a kernel
+    parameter list: each parameter at the next multiple of its size; the total rounded up to
+    the largest alignment.
+
+    Raises
+    ------
+    InvalidArgument
+        An unknown type name.
+    """
+    offsets, pos, align = [], 0, 1
+    for t in types:
+        ct = PARAM_TYPES.get(t)
+        if ct is None:
+            raise InvalidArgument(f"KernelParams: parameter type must be one of "
+                                  f"{list(PARAM_TYPES)} (got {t!r})")
+        size = ctypes.sizeof(ct)
+        pos = -(-pos // size) * size
+        offsets.append(pos)
+        pos += size
+        align = max(align, size)
+    return offsets, -(-pos // align) * align
+
+
+class KernelParams:
+    """The parameter values of one kernel launch, packed once, patched in place.
+
+    Parameters
+    ----------
+    types : sequence of str
+        The kernel's parameter types in order (see the module docstring).
+    values : sequence, optional
+        Initial values (default all zero).
+
+    Attributes
+    ----------
+    address : int
+        Address of the ``void*`` array (``kernelParams`` of ``cuLaunchKernel``).
+    offsets : list of int
+        Byte offset of every parameter in :attr:`buffer`.
+    buffer : ctypes array
+        The packed values (``size`` bytes, 8-byte aligned).
+    """
+
+    __slots__ = ("types", "offsets", "size", "buffer", "_fields", "_ptrs", "address")
+
+    def __init__(self, types: Sequence[str], values: Optional[Sequence] = None):
+        self.types = tuple(types)
+        self.offsets, self.size = param_layout(self.types)
+        # c_uint64 elements: the buffer itself is 8-byte aligned
+        self.buffer = (ctypes.c_uint64 * max(1, self.size // 8 + (self.size % 8 > 0)))()
+        self._fields = [PARAM_TYPES[t].from_buffer(self.buffer, off)
+                        for t, off in zip(self.types, self.offsets)]
+        base = ctypes.addressof(self.buffer)
+        self._ptrs = (ctypes.c_void_p * max(1, len(self.types)))(
+            *[base + off for off in self.offsets])
+        self.address = ctypes.addressof(self._ptrs)
+        if values is not None:
+            self.set_all(values)
+
+    def __len__(self) -> int:
+        return len(self.types)
+
+    def __setitem__(self, i: int, value) -> None:
+        """Patch parameter ``i`` (an int for the integer types, a float for ``"f32"``; masked
+        to the type's width as C would store it)."""
+        self._fields[i].value = value
+
+    def __getitem__(self, i: int):
+        return self._fields[i].value
+
+    def set_all(self, values: Sequence) -> None:
+        if len(values) != len(self.types):
+            raise InvalidArgument(f"KernelParams: values must number {len(self.types)} "
+                                  f"(got {len(values)})")
+        for f, v in zip(self._fields, values):
+            f.value = v
+
+    def raw(self) -> bytes:
+        """The packed bytes (for tests)."""
+        return ctypes.string_at(ctypes.addressof(self.buffer), self.size)
+
+    def pointers(self) -> List[int]:
+        """The ``void*`` array's entries (for tests)."""
+        return [int(p) for p in self._ptrs[:len(self.types)]]
+
+
+_LIBCUDA = None
+
+
+def _libcuda():
+    """``cuLaunchKernel`` and ``cuGetErrorName`` of libcuda through ctypes (loaded once)."""
+    global _LIBCUDA
+    if _LIBCUDA is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuLaunchKernel
+        u = ctypes.c_uint
+        fn.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        name = lib.cuGetErrorName
+        name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        name.restype = ctypes.c_int
+        _LIBCUDA = (fn, name)
+    return _LIBCUDA
+
+
+def _error_name(code: int) -> str:
+    try:
+        s = ctypes.c_char_p()
+        if _libcuda()[1](code, ctypes.byref(s)) == 0 and s.value:
+            return s.value.decode()
+    except OSError:
+        pass
+    return f"CUresult {code}"
+
+
+class Launcher:
+    """Launches one loaded kernel with a :class:`KernelParams` buffer.
+
+    Parameters
+    ----------
+    function : int or object with ``.ptr``
+        The ``CUfunction`` (``cupy.cuda.function.Function`` or its ``.ptr``).
+    block : int
+        Threads per CTA (1-D).
+    shared_mem : int
+        Dynamic shared memory bytes.
+    backend : {"ctypes", "bindings"}
+        ``"ctypes"``: libcuda's ``cuLaunchKernel`` through ctypes; ``"bindings"``: through
+        ``cuda.bindings.driver``.
+
+    Stream: :meth:`launch` enqueues on the given stream handle and never blocks the host.
+    The current CUDA context must be the function's (the op's device is current).
+    """
+
+    __slots__ = ("function", "block", "shared_mem", "backend", "_call", "_fn_obj", "_streams")
+
+    def __init__(self, function, block: int, shared_mem: int = 0, backend: str = "ctypes"):
+        self.function = int(getattr(function, "ptr", function))
+        self.block = int(block)
+        self.shared_mem = int(shared_mem)
+        if backend not in ("ctypes", "bindings"):
+            raise InvalidArgument(f"Launcher: backend must be 'ctypes' or 'bindings' "
+                                  f"(got {backend!r})")
+        self.backend = backend
+        self._streams = {}
+        if backend == "ctypes":
+            self._call = _libcuda()[0]
+            self._fn_obj = None
+        else:
+            from . import _cuda  # noqa: WPS433
+
+            drv = _cuda.driver()
+            self._call = drv.cuLaunchKernel
+            self._fn_obj = drv.CUfunction(self.function)
+
+    def launch(self, grid: int, params: KernelParams, stream_ptr: int) -> None:
+        """Enqueue the kernel: ``grid`` CTAs of :attr:`block` threads, on the stream handle
+        ``stream_ptr`` (0: the legacy default stream).
+
+        Raises
+        ------
+        CudaError
+            ``cuLaunchKernel`` failed (its ``CUDA_ERROR_...`` name).
+        """
+        if self._fn_obj is None:
+            res = self._call(self.function, grid, 1, 1, self.block, 1, 1, self.shared_mem,
+                             stream_ptr, params.address, None)
+            if res:
+                raise CudaError("cuLaunchKernel", _error_name(res))
+            return
+        s = self._streams.get(stream_ptr)
+        if s is None:
+            from . import _cuda  # noqa: WPS433
+
+            s = self._streams[stream_ptr] = _cuda.driver().CUstream(stream_ptr)
+        (res,) = self._call(self._fn_obj, grid, 1, 1, self.block, 1, 1, self.shared_mem, s,
+                            params.address, 0)
+        if int(res):
+            raise CudaError("cuLaunchKernel", getattr(res, "name", str(res)))
+
+
+_ENTRY = re.compile(r"\.entry\s+(\S+)\s*\((.*?)\)", re.S)
+_PARAM = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?\.(\w+)\s+\S+?(\[\d+\])?\s*(?:,|$)")
+
+
+def ptx_param_types(ptx: str, entry: Optional[str] = None) -> List[str]:
+    """The parameter types of a kernel entry in PTX, as :class:`KernelParams` names them.
+
+    Parameters
+    ----------
+    ptx : str
+        PTX text (from NVRTC).
+    entry : str, optional
+        The (mangled) entry name; default the only entry.
+
+    Raises
+    ------
+    InvalidArgument
+        No such entry (or several, with ``entry=None``), or a parameter that is not a scalar
+        of a supported type (a struct or an array parameter).
+    """
+    entries = {m.group(1): m.group(2) for m in _ENTRY.finditer(ptx)}
+    if entry is None:
+        if len(entries) != 1:
+            raise InvalidArgument(f"ptx_param_types: entry must be given when the PTX has "
+                                  f"{len(entries)} entries (got None)")
+        (params,) = entries.values()
+    elif entry in entries:
+        params = entries[entry]
+    else:
+        raise InvalidArgument(f"ptx_param_types: entry must be one of {sorted(entries)} "
+                              f"(got {entry!r})")
+    out = []
+    for line in [p.strip() for p in params.split(",") if p.strip()]:
+        m = _PARAM.match(line + ",")
+        if m is None or m.group(2) or m.group(1) not in _PTX_TYPES:
+            raise InvalidArgument(f"ptx_param_types: parameter must be a scalar u64/s64/u32/"
+                                  f"s32/f32 (got {line!r})")
+        out.append(_PTX_TYPES[m.group(1)])
+    return out
+
+
+def check_params_match(types: Sequence[str], ptx: str, entry: Optional[str] = None,
+                       what: str = "kernel") -> None:
+    """Raise :class:`InvalidArgument` unless ``types`` (a plan's parameter list) has the
+    kernel's parameter count and, parameter by parameter, its width and float-ness as the PTX
+    declares them.
+    """
+    want = ptx_param_types(ptx, entry)
+    if len(want) != len(types):
+        raise InvalidArgument(f"{what}: parameter count must be {len(want)} as the kernel "
+                              f"declares (got {len(types)})")
+    for i, (t, w) in enumerate(zip(types, want)):
+        if _KIND.get(t) != _KIND[w]:
+            raise InvalidArgument(f"{what}: parameter {i} must be {_KIND[w]} as the kernel "
+                                  f"declares (got {t!r})")

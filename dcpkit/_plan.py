@@ -1,0 +1,132 @@
+"""A cache of validated call plans, keyed on everything the validation looked at.
+
+An op call spends most of its host time checking its arguments and deriving what the launch
+needs (grid, strides in elements, pointers, the packed kernel parameters). For a decode loop
+those are the same on every step: the same buffers, the same ``T``, the same stream. The op
+keeps one :class:`PlanCache`; a call builds its key with :func:`call_key` and either finds the
+plan of an earlier identical call or runs the full validation (the *miss*), which raises exactly
+as it does without the cache, and stores the plan only when it succeeded.
+
+The key is the whole input of the validation, not a handle to an allocation:
+
+* every array contributes :func:`dcpkit._arrays.array_key`: data pointer, shape, strides in
+  bytes, dtype, device and the array's type. The validation of an argument reads nothing else,
+  so a plan is a pure function of its key: memory that was freed and reused at the same address
+  with the same layout is validated the same way (the plan is right for it), and the same
+  address with another layout (a view with other strides, another dtype) is a different key
+  that gets its own full validation. An array whose description cannot be read cheaply and
+  exactly (an ``__cuda_array_interface__`` object without a known device) makes the call
+  uncacheable: it is validated in full every time.
+* every scalar contributes ``(type, value)``: ``True == 1`` and ``1.0 == 1`` in Python, so a
+  value alone would let ``ubatch=True`` reuse the plan of ``ubatch=1`` and skip the check that
+  rejects it.
+* an absent optional argument contributes :data:`ABSENT`, which no array key equals.
+
+What the key cannot carry is checked on every call, outside the plan: whether the workspace is
+closed or poisoned, whether the stream is capturing, the debug-mode agreement.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Hashable, Optional
+
+from ._arrays import array_key
+
+__all__ = ["PlanCache", "call_key", "scalar_key", "ABSENT"]
+
+#: Key part of an optional argument that was not given (None).
+ABSENT = ("absent",)
+
+
+def scalar_key(value) -> Hashable:
+    """``(type(value), value)``: equal only for values of one type (``True`` is not ``1``).
+    Unhashable values give ``None`` (the call is then uncacheable)."""
+    try:
+        hash(value)
+    except TypeError:
+        return None
+    return (type(value), value)
+
+
+def call_key(arrays, scalars=()) -> Optional[tuple]:
+    """The plan-cache key of a call: one part per array argument (``None`` for an absent
+    optional one) and one per scalar argument, in a fixed order; ``None`` when some part cannot
+    be keyed (the call is then validated in full, never cached).
+
+    Parameters
+    ----------
+    arrays : sequence
+        The array arguments (CuPy arrays, ``__cuda_array_interface__`` objects, or None).
+    scalars : sequence
+        The other arguments that the validation reads (ubatch, flags, the stream handle).
+    """
+    parts = []
+    for a in arrays:
+        if a is None:
+            parts.append(ABSENT)
+            continue
+        k = array_key(a)
+        if k is None:
+            return None
+        parts.append(k)
+    for s in scalars:
+        k = scalar_key(s)
+        if k is None:
+            return None
+        parts.append(k)
+    return tuple(parts)
+
+
+class PlanCache:
+    """Validated plans of an op's calls, at most ``max_entries`` of them (oldest dropped).
+
+    Parameters
+    ----------
+    build : callable
+        ``build(*args) -> plan``: the full validation of a call (raises on bad input, launches
+        nothing). Run on every miss; its result is stored only when it returns.
+    max_entries : int
+        Bound on the plans kept (a decode loop needs a handful: one per distinct buffer set
+        and ``T``).
+
+    Attributes
+    ----------
+    hits, misses : int
+        Counts of lookups served from the cache and of full validations.
+    """
+
+    __slots__ = ("_build", "_plans", "max_entries", "hits", "misses")
+
+    def __init__(self, build: Callable[..., Any], max_entries: int = 256):
+        if max_entries < 1:
+            raise ValueError("PlanCache: max_entries must be >= 1")
+        self._build = build
+        self._plans: Dict[Hashable, Any] = {}
+        self.max_entries = int(max_entries)
+        self.hits = 0
+        self.misses = 0
+
+    def lookup(self, key: Optional[Hashable], *args):
+        """The plan of the call keyed ``key`` (built from ``args`` on a miss; ``key=None``:
+        always built, never stored)."""
+        if key is not None:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self.hits += 1
+                return plan
+        plan = self._build(*args)  # raises on bad input: nothing is stored
+        self.misses += 1
+        if key is not None and plan is not None:
+            plans = self._plans
+            if len(plans) >= self.max_entries:
+                del plans[next(iter(plans))]
+            plans[key] = plan
+        return plan
+
+    def clear(self) -> None:
+        """Forget every plan (the op calls it at close and whenever its own state that plans
+        depend on changes)."""
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)

@@ -1,0 +1,122 @@
+"""dcpkit._launch on CPU: the parameter buffer's layout (each parameter aligned to its size, as
+CUDA's ABI lays out a parameter list), in-place patching, the void* array, the parameter list
+read from NVRTC's PTX, and the launcher's call of cuLaunchKernel (the driver replaced by a
+recorder). The real launch runs in the ops' GPU tests."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import pytest
+
+from dcpkit import _launch
+from dcpkit._launch import KernelParams, Launcher, check_params_match, param_layout, \
+    ptx_param_types
+from dcpkit.errors import CudaError, InvalidArgument
+
+
+@pytest.mark.parametrize("types,offsets,size", [
+    (["u64"], [0], 8),
+    (["u32"], [0], 4),
+    (["u32", "u64"], [0, 8], 16),                       # u64 aligned up to 8
+    (["u64", "i32", "f32", "u64"], [0, 8, 12, 16], 24),
+    (["i32", "u32", "i32"], [0, 4, 8], 12),
+    (["i32", "u64", "i32"], [0, 8, 16], 24),            # total rounded to 8
+    (["f32", "i64", "u32", "u32", "u64"], [0, 8, 16, 20, 24], 32),
+    ([], [], 0),
+])
+def test_layout_aligns_every_parameter_to_its_size(types, offsets, size):
+    assert param_layout(types) == (offsets, size)
+    p = KernelParams(types)
+    assert p.offsets == offsets and p.size == size
+    base = ctypes.addressof(p.buffer)
+    assert base % 8 == 0
+    assert p.pointers()[:len(types)] == [base + o for o in offsets]
+
+
+def test_values_are_packed_little_endian_and_patched_in_place():
+    p = KernelParams(["u64", "i32", "f32", "u32", "i64"], [0x1122334455667788, -2, 1.5, 7, -1])
+    raw = p.raw()
+    assert raw[0:8] == struct.pack("<Q", 0x1122334455667788)
+    assert raw[8:12] == struct.pack("<i", -2)
+    assert raw[12:16] == struct.pack("<f", 1.5)
+    assert raw[16:20] == struct.pack("<I", 7)
+    assert raw[24:32] == struct.pack("<q", -1)
+    addr, ptrs = p.address, p.pointers()
+    p[0] = 0xDEADBEEF00
+    p[3] = 2**32 + 5           # masked to 32 bits as C stores it
+    p[2] = 0.25
+    assert (p[0], p[3], p[2]) == (0xDEADBEEF00, 5, 0.25)
+    assert p.raw()[8:12] == struct.pack("<i", -2)      # neighbours untouched
+    assert (p.address, p.pointers()) == (addr, ptrs)   # the same buffer: nothing rebuilt
+    arr = (ctypes.c_void_p * 5).from_address(p.address)
+    assert ctypes.c_uint64.from_address(arr[0]).value == 0xDEADBEEF00
+    assert ctypes.c_float.from_address(arr[2]).value == 0.25
+
+
+def test_bad_types_and_counts_are_refused():
+    with pytest.raises(InvalidArgument, match="parameter type must be one of"):
+        KernelParams(["u64", "f64"])
+    with pytest.raises(InvalidArgument, match="values must number 2"):
+        KernelParams(["u64", "u32"], [1])
+
+
+def _ptx(src: str) -> str:
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+    err, prog = nvrtc.nvrtcCreateProgram(src.encode(), b"k.cu", 0, [], [])
+    (res,) = nvrtc.nvrtcCompileProgram(prog, 1, [b"--gpu-architecture=compute_90"])
+    if int(res) != 0:
+        pytest.skip(f"NVRTC could not compile here: {res}")
+    _, n = nvrtc.nvrtcGetPTXSize(prog)
+    buf = b" " * n
+    nvrtc.nvrtcGetPTX(prog, buf)
+    return buf.decode().rstrip("\0 ")
+
+
+def test_parameter_list_from_ptx():
+    ptx = _ptx('extern "C" __global__ void k(unsigned long long a, int b, float c, '
+               'unsigned int d, long long e, const float* f) { if (b < 0) *(float*)a = '
+               'c + d + e + f[0]; }\n'
+               'extern "C" __global__ void j(int x) { if (x < 0) asm("trap;"); }')
+    assert ptx_param_types(ptx, "k") == ["u64", "u32", "f32", "u32", "u64", "u64"]
+    assert ptx_param_types(ptx, "j") == ["u32"]
+    check_params_match(["u64", "i32", "f32", "u32", "i64", "u64"], ptx, "k")
+    with pytest.raises(InvalidArgument, match="parameter 2 must be f32"):
+        check_params_match(["u64", "i32", "i32", "u32", "i64", "u64"], ptx, "k")
+    with pytest.raises(InvalidArgument, match="parameter count must be 6"):
+        check_params_match(["u64"], ptx, "k")
+    with pytest.raises(InvalidArgument, match="entry must be given"):
+        ptx_param_types(ptx)
+    with pytest.raises(InvalidArgument, match="entry must be one of"):
+        ptx_param_types(ptx, "nope")
+    struct_ptx = _ptx('struct S { int a[4]; };\n'
+                      'extern "C" __global__ void s(S v) { if (v.a[0] < 0) asm("trap;"); }')
+    with pytest.raises(InvalidArgument, match="must be a scalar"):
+        ptx_param_types(struct_ptx)
+
+
+class _FakeFunction:
+    ptr = 0xF00D
+
+
+def test_launcher_calls_cuLaunchKernel_with_the_buffer(monkeypatch):
+    calls = []
+
+    def fake_launch(*args):
+        calls.append(args)
+        return 0 if len(calls) == 1 else 700
+
+    def fake_name(code, out):
+        out._obj.value = b"CUDA_ERROR_ILLEGAL_ADDRESS"
+        return 0
+
+    monkeypatch.setattr(_launch, "_LIBCUDA", (fake_launch, fake_name))
+    p = KernelParams(["u64", "u32"], [1, 2])
+    ln = Launcher(_FakeFunction(), block=512, shared_mem=64)
+    ln.launch(7, p, 0xABC)
+    assert calls == [(0xF00D, 7, 1, 1, 512, 1, 1, 64, 0xABC, p.address, None)]
+    with pytest.raises(CudaError, match="cuLaunchKernel failed with CUDA_ERROR_ILLEGAL_ADDRESS"):
+        ln.launch(7, p, 0xABC)
+    with pytest.raises(InvalidArgument, match="backend must be"):
+        Launcher(1, block=32, backend="cupy")

@@ -1,0 +1,145 @@
+"""dcpkit._plan: the call-plan cache and its keys. A cached plan never hides an error: the same
+pointer with another layout, dtype, device or argument type is another key and gets the full
+validation; a failed validation stores nothing. No GPU: CuPy arrays over made-up addresses and
+``__cuda_array_interface__`` objects."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dcpkit._arrays import array_info, array_key
+from dcpkit._plan import ABSENT, PlanCache, call_key, scalar_key
+from dcpkit.errors import InvalidArgument, InvalidType
+from dcpkit.ops.q_gather import QGather
+
+cupy = pytest.importorskip("cupy")
+PTR = 1 << 36
+
+
+def cp(shape, dtype=np.float16, strides=None, ptr=PTR, device=0):
+    mem = cupy.cuda.UnownedMemory(ptr, 1 << 24, None, device)
+    return cupy.ndarray(tuple(shape), dtype, cupy.cuda.MemoryPointer(mem, 0), strides=strides)
+
+
+class Cai:
+    def __init__(self, cai, device=0):
+        self.__cuda_array_interface__ = cai
+        if device is not None:
+            self._dcpkit_device = device
+
+
+def cai(**change):
+    d = {"shape": (4, 8), "typestr": "<f2", "data": (PTR, False), "strides": None,
+         "version": 3}
+    d.update(change)
+    return d
+
+
+# ----------------------------------------------------------------------------- keys
+def test_cupy_key_is_the_whole_description():
+    a = cp((4, 8))
+    assert array_key(a) == array_key(cp((4, 8)))             # another object, same memory
+    i = array_info(a, "op", "a")
+    assert array_key(a)[1:] == (i.ptr, i.shape, i.strides, i.dtype, i.device)
+    different = [cp((4, 8), strides=(32, 2)),                 # same pointer, padded rows
+                 cp((8, 4)),                                  # same pointer, other shape
+                 cp((4, 8), np.uint16),                       # same pointer, other dtype
+                 cp((4, 8), device=1),                        # same address, other GPU
+                 cp((4, 8), ptr=PTR + 256)]
+    keys = {array_key(x) for x in different}
+    assert len(keys) == len(different) and array_key(a) not in keys
+
+
+def test_cai_key_carries_the_type_of_every_value():
+    base = array_key(Cai(cai()))
+    assert base is not None and base == array_key(Cai(cai()))
+    for other in (cai(shape=(True, 8)), cai(shape=[4, 8]), cai(data=(PTR, 0)),
+                  cai(strides=(16, 2)), cai(typestr="<u2"), cai(mask=None),
+                  cai(shape=(np.int64(4), 8))):
+        assert array_key(Cai(other)) != base, other
+    assert array_key(Cai(cai(), device=1)) != base
+    assert array_key(Cai(cai(), device=None)) is None    # device unknown: never cached
+    assert array_key(Cai(cai(shape=[[4], 8]))) is not None
+    assert array_key(Cai(cai(descr=[{"a", "b"}]))) is None  # unhashable inside: never cached
+    assert array_key(np.zeros(3)) is None and array_key(object()) is None
+
+
+def test_scalar_keys_tell_types_apart():
+    assert scalar_key(1) != scalar_key(True) and scalar_key(1) != scalar_key(1.0)
+    assert scalar_key(1) == scalar_key(1)
+    assert scalar_key([1]) is None
+    assert call_key([cp((2, 2)), None], [0]) == call_key([cp((2, 2)), None], [0])
+    assert call_key([None], []) == (ABSENT,)
+    assert call_key([cp((2, 2))], [0]) != call_key([cp((2, 2))], [False])
+    assert call_key([Cai(cai(), device=None)], [0]) is None
+    assert call_key([cp((2, 2))], [[0]]) is None
+
+
+# ----------------------------------------------------------------------------- the cache
+def test_a_failed_validation_stores_nothing_and_raises_again():
+    calls = []
+
+    def build(x):
+        calls.append(x)
+        if x < 0:
+            raise InvalidArgument(f"op: x must be >= 0 (got {x})")
+        return ("plan", x)
+
+    c = PlanCache(build, max_entries=2)
+    assert c.lookup(("k", 1), 1) == ("plan", 1) and c.lookup(("k", 1), 1) == ("plan", 1)
+    assert (c.hits, c.misses, len(calls)) == (1, 1, 1)
+    for _ in range(2):
+        with pytest.raises(InvalidArgument, match="x must be >= 0"):
+            c.lookup(("k", -1), -1)
+    assert len(c) == 1 and len(calls) == 3
+    assert c.lookup(None, 5) == ("plan", 5) and c.lookup(None, 5) == ("plan", 5)
+    assert len(c) == 1 and c.misses == 3   # uncacheable: validated every time
+    c.lookup(("k", 2), 2)
+    c.lookup(("k", 3), 3)                  # bound 2: the oldest goes
+    assert len(c) == 2 and c.lookup(("k", 1), 1) and c.misses == 6
+    c.clear()
+    assert len(c) == 0
+    with pytest.raises(ValueError):
+        PlanCache(build, max_entries=0)
+
+
+# ----------------------------------------------------------------------------- with an op
+def _q_workspace():
+    ws = QGather.__new__(QGather)
+    ws.rank, ws.world_size, ws.num_ubatches, ws.device = 0, 2, 2, 0
+    ws._closed, ws._rec = False, np.zeros(8, dtype=np.uint32)
+    ws._calls, ws._captured, ws._debug = [0, 0], [False, False], False
+    ws._init_geometry(2, 8, 4, 64, "float16", None)
+    return ws
+
+
+def _cached_validate(ws, cache, q, ubatch=0, out=None, padded=False):
+    key = call_key((q, out), (ubatch, padded))
+    return cache.lookup(key, q, ubatch, out, padded)
+
+
+def test_a_cached_q_gather_plan_never_hides_an_error():
+    ws = _q_workspace()
+    cache = PlanCache(ws._validate)
+    good = cp((5, 4, 64))
+    for _ in range(3):
+        T, ub, qi, oi = _cached_validate(ws, cache, good, 1)
+        assert (T, ub, qi.ptr, oi) == (5, 1, PTR, None)
+    assert (cache.hits, cache.misses) == (2, 1)
+    # the same address, re-described: a padded token stride that is not 16-byte aligned
+    with pytest.raises(InvalidArgument, match="token stride"):
+        _cached_validate(ws, cache, cp((5, 4, 64), strides=(520, 128, 2)), 1)
+    # the same address, another dtype; then another head count
+    with pytest.raises(InvalidType, match="q dtype must be"):
+        _cached_validate(ws, cache, cp((5, 4, 64), np.float32), 1)
+    with pytest.raises(InvalidArgument, match="q shape must be"):
+        _cached_validate(ws, cache, cp((5, 3, 64)), 1)
+    # ubatch True after ubatch 1 was cached: still refused
+    with pytest.raises(InvalidType, match="ubatch must be an int"):
+        _cached_validate(ws, cache, good, True)
+    # a fake array at the cached address with another layout (freed and reused memory)
+    with pytest.raises(InvalidArgument, match="head stride"):
+        _cached_validate(ws, cache, Cai({"shape": (5, 4, 64), "typestr": "<f2",
+                                         "data": (PTR, False), "strides": (1024, 256, 2)}), 1)
+    assert len(cache) == 1
