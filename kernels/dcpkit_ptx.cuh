@@ -72,8 +72,9 @@
 // Every wait has a deadline (%globaltimer). On expiry the waiting thread records (op, rank,
 // silent peer, expected, observed, ubatch) in host-mapped memory, sets the device abort word so
 // that no later kernel of the workspace waits again, and returns. A poisoned workspace stays
-// visibly poisoned: the waiter that failed, and every later kernel of the workspace (eager or
-// graph replay), fill the call's whole result with 0xFF bytes (NaN in every float dtype, merged
+// visibly poisoned: the elected CTA of the call that failed (the last to arrive, so that no
+// store of the call's own CTAs lands after it), and every later kernel of the workspace (eager
+// or graph replay), fill the call's whole result with 0xFF bytes (NaN in every float dtype, merged
 // lse NaN); the host raises CollectiveTimeout / ConfigMismatch at the next call, synchronize()
 // or check().
 //
@@ -349,7 +350,8 @@ __device__ __forceinline__ u64 signal_word(u64 e, u32 fp) {
 }
 
 // The epoch of this call. Read it once, at kernel start, and keep it: the elected CTA stores the
-// new value before the kernel ends. (every thread may call it; the value only changes between kernels).
+// new value before the kernel ends (every thread may call it; it changes only between kernels:
+// the elected CTA is the last to arrive, so no CTA of the kernel reads it after the store).
 __device__ __forceinline__ u64 call_epoch(const Proto& p) {
   return *reinterpret_cast<volatile u64*>(p.epoch) + 1ull;
 }

@@ -221,7 +221,8 @@ __device__ __forceinline__ void gather_poison(const Proto& P, const GatherGeom& 
 //               g.out_stride) are written to `out`.
 // Zero copy: one waiter (the last CTA to arrive), so kernel completion implies that every rank's
 // block is in the local slot. Copy-out: the last min(grid, P.waiters) CTAs wait, then share the
-// copy. A poisoned workspace, or a failed wait, fills the whole result with 0xFF bytes.
+// copy. A poisoned workspace (every CTA), or a failed wait (the elected CTA), fills the whole
+// result with 0xFF bytes.
 template <Transport TR>
 __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer_data,
                                                  u64 slot_bytes, u64 mc_data, const char* src,
@@ -245,7 +246,9 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
   if (w < 0) return;  // not a waiter: done
   const u32 nw = k < gridDim.x ? k : gridDim.x;
   if (!wait_all_sources(P, sig_slot, e32, fp)) {
-    gather_poison(P, g, result, result_stride, 0u, 1u);
+    // The elected CTA (waiter nw - 1, the last to arrive: every CTA's stores into `out` are
+    // ordered before its arrival) poisons the whole result; the other waiters just return.
+    if (static_cast<u32>(w) == nw - 1u) gather_poison(P, g, result, result_stride, 0u, 1u);
     return;
   }
   if (out != nullptr) {
@@ -289,7 +292,9 @@ __device__ __forceinline__ void gather_pull_call(const Proto& P, const u64* peer
   if (w < 0) return;
   const u32 nw = P.waiters < gridDim.x ? P.waiters : gridDim.x;
   if (!wait_all_sources(P, sig_slot, e32, fp)) {
-    gather_poison(P, g, result, result_stride, 0u, 1u);
+    // The elected CTA (waiter nw - 1, the last to arrive: every CTA's stores into `out` are
+    // ordered before its arrival) poisons the whole result; the other waiters just return.
+    if (static_cast<u32>(w) == nw - 1u) gather_poison(P, g, result, result_stride, 0u, 1u);
     return;
   }
   gather_collect<true>(P, peer_data, slot_off, g, result, result_stride, static_cast<u32>(w), nw);

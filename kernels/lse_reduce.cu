@@ -296,8 +296,10 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   const int nw = static_cast<int>(P.waiters < gridDim.x ? P.waiters : gridDim.x);
 
   // 3. The waiters combine the own slot once every source (this rank included) has published.
-  if (!wait_all_sources(P, slot, e32, fp)) {
-    poison_result(reinterpret_cast<char*>(out), out_lse, T, H_r, row_bytes, 0u, 1u);
+  if (!wait_all_sources(P, slot, e32, fp)) {  // the elected CTA (waiter nw - 1) poisons
+    if (w == nw - 1) {
+      poison_result(reinterpret_cast<char*>(out), out_lse, T, H_r, row_bytes, 0u, 1u);
+    }
     return;
   }
   const char* own = reinterpret_cast<const char*>(peer_data[rank]) + slot_off;
