@@ -63,20 +63,24 @@
 // host keeps K <= waiter_ctas = max(1, SM share // MAX_LIVE_KERNELS) (SM share = SMs / ranks
 // sharing the GPU; MAX_LIVE_KERNELS = 8 dcpkit kernels of one rank in flight at once, e.g. four
 // workspaces x two ubatches), and every kernel's launch bounds let two of its CTAs fit on one
-// SM. So the waiters of all dcpkit kernels in flight on a GPU never exceed its SM count, each SM
-// keeps room for one more dcpkit CTA, and a CTA that does not wait can always be scheduled once
-// foreign kernels (which never wait on dcpkit) retire: every kernel's elected CTA arrives,
-// every signal is stored, every waiter returns. A long compute kernel delays calls, never
-// deadlocks them. Zero-copy gathers use K = 1 (kernel completion only has to imply the data).
+// SM. So the waiters of all dcpkit kernels in flight on a GPU never exceed its SM count, the GPU
+// has room for one more dcpkit CTA than its waiters take, and a CTA that does not wait can
+// always be scheduled once foreign kernels (which never wait on dcpkit) retire: every kernel's
+// elected CTA arrives, every signal is stored, every waiter returns. A long compute kernel
+// delays calls, never deadlocks them. Zero-copy gathers use K = 1 (kernel completion only has
+// to imply the data). More than MAX_LIVE_KERNELS kernels of a rank in flight, or a larger
+// waiter_ctas, void this argument (the knob is for measurements).
 //
 // Every wait has a deadline (%globaltimer). On expiry the waiting thread records (op, rank,
 // silent peer, expected, observed, ubatch) in host-mapped memory, sets the device abort word so
 // that no later kernel of the workspace waits again, and returns. A poisoned workspace stays
-// visibly poisoned: the elected CTA of the call that failed (the last to arrive, so that no
-// store of the call's own CTAs lands after it), and every later kernel of the workspace (eager
-// or graph replay), fill the call's whole result with 0xFF bytes (NaN in every float dtype, merged
-// lse NaN); the host raises CollectiveTimeout / ConfigMismatch at the next call, synchronize()
-// or check().
+// visibly poisoned: in the call whose wait failed, and in every later kernel of the workspace
+// (eager or graph replay), the elected CTA fills the call's whole result with 0xFF bytes (NaN in
+// every float dtype, merged lse NaN). A CTA that finds the workspace poisoned at its start stores
+// nothing but still arrives, and the elected CTA of a poisoned workspace stores no signal: so the
+// elected CTA is always the last of the kernel to store, and no stale or partial data is left
+// in the result. The host raises CollectiveTimeout / ConfigMismatch at the next call,
+// synchronize() or check().
 //
 // Target architectures: everything but the multicast stores needs sm_70 (Volta) or newer:
 // ld.acquire / st.release / ld.relaxed / st.relaxed, fence.acq_rel and atom.acq_rel are PTX
@@ -453,19 +457,27 @@ __device__ __forceinline__ bool wait_all_sources(const Proto& p, int slot, u32 e
 }
 
 // Steps 2 (arrive, elect, publish) of NOTE [dcpkit epoch signalling]. Called by every thread of
-// every CTA after its payload stores. Returns this CTA's waiter index in [0, K) if it is one of
-// the last K CTAs to arrive, else -1 (the CTA must exit without waiting). K = min(gridDim.x,
-// k_waiters), k_waiters >= 1.
+// every CTA after its payload stores (also by a CTA that found the workspace poisoned and stored
+// nothing: every CTA arrives, so that the elected one comes after all of them). Returns this
+// CTA's waiter index in [0, K) if it is one of the last K CTAs to arrive, else -1 (the CTA must
+// exit without waiting). K = min(gridDim.x, k_waiters), k_waiters >= 1; the elected CTA is
+// waiter K - 1. `published` (meaningful in the elected CTA only): false when the elected CTA
+// found the workspace poisoned and stored no signal.
 template <Transport TR>
 __device__ __forceinline__ int arrive_and_publish(const Proto& p, u64 e, int slot, u32 fp,
-                                                  u32 k_waiters) {
+                                                  u32 k_waiters, bool& published) {
   __shared__ int s_waiter;
+  __shared__ int s_published;
   __syncthreads();  // every thread's payload stores are ordered before thread 0's release
   if (threadIdx.x == 0) {
     const u32 n = gridDim.x;
     const u32 k = k_waiters < n ? k_waiters : n;
     const u32 prev = atom_add_acq_rel_gpu(p.arrive, 1u);
-    if (prev == n - 1u) {  // elected: every CTA of this kernel has arrived
+    s_published = 0;
+    if (prev == n - 1u && aborted(p)) {  // elected in a poisoned workspace: no signal
+      *reinterpret_cast<volatile u32*>(p.arrive) = 0u;
+    } else if (prev == n - 1u) {  // elected: every CTA of this kernel has arrived
+      s_published = 1;
       *reinterpret_cast<volatile u32*>(p.arrive) = 0u;  // ready for the next call
       *reinterpret_cast<volatile u64*>(p.epoch) = e;    // step (4): the new epoch
       fence_acq_rel_sys();                              // the one release of the call
@@ -483,6 +495,7 @@ __device__ __forceinline__ int arrive_and_publish(const Proto& p, u64 e, int slo
     s_waiter = (prev + k >= n) ? static_cast<int>(prev - (n - k)) : -1;
   }
   __syncthreads();
+  published = s_published != 0;
   return s_waiter;
 }
 

@@ -221,8 +221,8 @@ __device__ __forceinline__ void gather_poison(const Proto& P, const GatherGeom& 
 //               g.out_stride) are written to `out`.
 // Zero copy: one waiter (the last CTA to arrive), so kernel completion implies that every rank's
 // block is in the local slot. Copy-out: the last min(grid, P.waiters) CTAs wait, then share the
-// copy. A poisoned workspace (every CTA), or a failed wait (the elected CTA), fills the whole
-// result with 0xFF bytes.
+// copy. In a poisoned workspace, or after a failed wait, the elected CTA fills the whole result
+// with 0xFF bytes (NOTE [dcpkit epoch signalling]).
 template <Transport TR>
 __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer_data,
                                                  u64 slot_bytes, u64 mc_data, const char* src,
@@ -234,21 +234,21 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
   char* result = out != nullptr ? out
                                 : reinterpret_cast<char*>(__ldg(peer_data + P.rank) + slot_off);
   const long long result_stride = out != nullptr ? g.out_stride : g.slot_stride;
-  if (gather_aborted(P)) {
-    gather_poison(P, g, result, result_stride, blockIdx.x, gridDim.x);
-    return;
-  }
+  const bool dead = gather_aborted(P);  // poisoned: store nothing, arrive, the elected fills
   const u32 fp = call_fingerprint(P, g.tokens, 0u, false, false);
 
-  gather_push<TR>(P, peer_data, mc_data, slot_off, src, g, out);
+  if (!dead) gather_push<TR>(P, peer_data, mc_data, slot_off, src, g, out);
   const u32 k = out == nullptr ? 1u : P.waiters;
-  const int w = arrive_and_publish<TR>(P, e, sig_slot, fp, k);
+  bool published;
+  const int w = arrive_and_publish<TR>(P, e, sig_slot, fp, k, published);
   if (w < 0) return;  // not a waiter: done
   const u32 nw = k < gridDim.x ? k : gridDim.x;
-  if (!wait_all_sources(P, sig_slot, e32, fp)) {
-    // The elected CTA (waiter nw - 1, the last to arrive: every CTA's stores into `out` are
-    // ordered before its arrival) poisons the whole result; the other waiters just return.
-    if (static_cast<u32>(w) == nw - 1u) gather_poison(P, g, result, result_stride, 0u, 1u);
+  const bool elected = static_cast<u32>(w) == nw - 1u;
+  // The elected CTA (the last to arrive: every CTA's stores into `out` come before its arrival)
+  // poisons the whole result when the workspace is poisoned or a wait fails; the other waiters
+  // just return.
+  if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, sig_slot, e32, fp)) {
+    if (elected) gather_poison(P, g, result, result_stride, 0u, 1u);
     return;
   }
   if (out != nullptr) {
@@ -278,23 +278,22 @@ __device__ __forceinline__ void gather_pull_call(const Proto& P, const u64* peer
   char* own_slot = reinterpret_cast<char*>(__ldg(peer_data + P.rank) + slot_off);
   char* result = out != nullptr ? out : own_slot;
   const long long result_stride = out != nullptr ? g.out_stride : g.slot_stride;
-  if (gather_aborted(P)) {
-    gather_poison(P, g, result, result_stride, blockIdx.x, gridDim.x);
-    return;
-  }
+  const bool dead = gather_aborted(P);  // poisoned: store nothing, arrive, the elected fills
   const u32 fp = call_fingerprint(P, g.tokens, 0u, false, false);
   const long long col0 = static_cast<long long>(P.rank) * g.row_vecs * 16ll;
 
-  gather_copy<true>(src, g.src_stride, own_slot + col0, g.slot_stride,
-                    out == nullptr ? nullptr : out + col0, g.out_stride, g.rows, g.row_vecs,
-                    blockIdx.x, gridDim.x);
-  const int w = arrive_and_publish<Transport::Unicast>(P, e, sig_slot, fp, P.waiters);
+  if (!dead) {
+    gather_copy<true>(src, g.src_stride, own_slot + col0, g.slot_stride,
+                      out == nullptr ? nullptr : out + col0, g.out_stride, g.rows, g.row_vecs,
+                      blockIdx.x, gridDim.x);
+  }
+  bool published;
+  const int w = arrive_and_publish<Transport::Unicast>(P, e, sig_slot, fp, P.waiters, published);
   if (w < 0) return;
   const u32 nw = P.waiters < gridDim.x ? P.waiters : gridDim.x;
-  if (!wait_all_sources(P, sig_slot, e32, fp)) {
-    // The elected CTA (waiter nw - 1, the last to arrive: every CTA's stores into `out` are
-    // ordered before its arrival) poisons the whole result; the other waiters just return.
-    if (static_cast<u32>(w) == nw - 1u) gather_poison(P, g, result, result_stride, 0u, 1u);
+  const bool elected = static_cast<u32>(w) == nw - 1u;
+  if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, sig_slot, e32, fp)) {
+    if (elected) gather_poison(P, g, result, result_stride, 0u, 1u);
     return;
   }
   gather_collect<true>(P, peer_data, slot_off, g, result, result_stride, static_cast<u32>(w), nw);

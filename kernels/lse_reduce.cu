@@ -229,11 +229,9 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   (void)H;  // H == W * H_r; kept in the signature for readability of the launch
   const Proto P = DCPKIT_PROTO_MAKE();
   const u64 row_bytes = static_cast<u64>(D_v) * sizeof(OUT_T);
-  if (__syncthreads_or(aborted(P) ? 1 : 0)) {  // poisoned: the result says so
-    poison_result(reinterpret_cast<char*>(out), out_lse, T, H_r, row_bytes, blockIdx.x,
-                  gridDim.x);
-    return;
-  }
+  // Poisoned: send nothing, arrive; the elected CTA fills the result (NOTE [dcpkit epoch
+  // signalling]).
+  const bool dead = __syncthreads_or(aborted(P) ? 1 : 0) != 0;
   const u64 e = call_epoch(P);  // read once: the elected CTA stores e before the kernel ends
   const u32 e32 = static_cast<u32>(e);
   const int slot = static_cast<int>(e & 1ull);
@@ -247,7 +245,7 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
                                   query_start_loc != nullptr, seq_lens != nullptr);
 
   // 1. Send. Row i -> destination d (ranks start on different destinations), token t, head h.
-  const int rows = W * T * H_r;
+  const int rows = dead ? 0 : W * T * H_r;
   for (int i = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x >> 5);
        i < rows; i += nwarps) {
     const int d = (rank + 1 + i % W) % W;
@@ -291,15 +289,16 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   }
 
   // 2. Arrive, elect, publish (NOTE [dcpkit epoch signalling], steps 2 and 4).
-  const int w = arrive_and_publish<Transport::Unicast>(P, e, slot, fp, P.waiters);
+  bool published;
+  const int w = arrive_and_publish<Transport::Unicast>(P, e, slot, fp, P.waiters, published);
   if (w < 0) return;  // not a waiter: done
   const int nw = static_cast<int>(P.waiters < gridDim.x ? P.waiters : gridDim.x);
+  const bool elected = w == nw - 1;
 
   // 3. The waiters combine the own slot once every source (this rank included) has published.
-  if (!wait_all_sources(P, slot, e32, fp)) {  // the elected CTA (waiter nw - 1) poisons
-    if (w == nw - 1) {
-      poison_result(reinterpret_cast<char*>(out), out_lse, T, H_r, row_bytes, 0u, 1u);
-    }
+  // Poisoned, or a wait failed: the elected CTA fills the whole result, the others return.
+  if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, slot, e32, fp)) {
+    if (elected) poison_result(reinterpret_cast<char*>(out), out_lse, T, H_r, row_bytes, 0u, 1u);
     return;
   }
   const char* own = reinterpret_cast<const char*>(peer_data[rank]) + slot_off;
