@@ -24,7 +24,10 @@
 //   3. Wait (waiters only): threads [0, world) each poll signals[slot][s] with ld.relaxed.sys
 //      until its low half equals (u32)e, then read it once more with ld.acquire.sys and compare
 //      the fingerprint; then the CTA synchronises before any thread reads the payload.
-//   4. The waiters copy out / combine, splitting the work among the K of them.
+//   4. Copy-out / combine: the waiters, and every other CTA that finds all the signals of
+//      the call within a bounded spin (kHelpNs; it never blocks), claim units of the work from
+//      a per-call work counter (parity e & 1, reset for the next call by the elected CTA) until
+//      none is left. The waiters alone guarantee completion; the helpers add parallelism.
 // Why this is enough (PTX ISA, "Memory Consistency Model": morally strong operations,
 // release and acquire patterns, causality order). A CTA's payload stores precede its bar.sync;
 // the barrier orders them before thread 0's atom, whose release semantics (gpu scope, morally
@@ -59,7 +62,8 @@
 // compare the epoch only.
 //
 // Co-residency rule (no deadlock whatever the launch order). Only waiter CTAs ever block, and a
-// kernel has at most K of them; every other CTA stores, arrives and exits in bounded time. The
+// kernel has at most K of them; every other CTA stores, arrives, spins at most kHelpNs, maybe
+// helps (bounded work, no wait) and exits in bounded time. The
 // host keeps K <= waiter_ctas = max(1, SM share // MAX_LIVE_KERNELS) (SM share = SMs / ranks
 // sharing the GPU; MAX_LIVE_KERNELS = 8 dcpkit kernels of one rank in flight at once, e.g. four
 // workspaces x two ubatches), and every kernel's launch bounds let two of its CTAs fit on one
@@ -325,6 +329,7 @@ struct Proto {
   u32 waiters;          // most waiter CTAs of a copy-out / combine kernel (host: waiter_ctas)
   u32 num_ubatches;
   u32 sig_ustride;      // u64 words between the signals of consecutive ubatches
+  u32* work;            // this ubatch's work counters [2] (by epoch parity; device memory)
 };
 
 // Kernel parameters of the protocol, first in every dcpkit kernel's parameter list (the order is
@@ -335,12 +340,12 @@ struct Proto {
       const dcpkit::u64 *proto_peer_sig, dcpkit::u64 *proto_mc_sig, int proto_rank,       \
       int proto_world, dcpkit::u64 proto_timeout_ns, dcpkit::u32 proto_op,                \
       dcpkit::u32 proto_ubatch, dcpkit::u32 proto_fp_base, dcpkit::u32 proto_waiters,     \
-      dcpkit::u32 proto_num_ubatches, dcpkit::u32 proto_sig_ustride
+      dcpkit::u32 proto_num_ubatches, dcpkit::u32 proto_sig_ustride, dcpkit::u32 *proto_work
 #define DCPKIT_PROTO_MAKE()                                                               \
   dcpkit::Proto{proto_epoch, proto_arrive, proto_abort, proto_rec, proto_signals,         \
                 proto_peer_sig, proto_mc_sig, proto_rank, proto_world, proto_timeout_ns,  \
                 proto_op, proto_ubatch, proto_fp_base, proto_waiters, proto_num_ubatches, \
-                proto_sig_ustride}
+                proto_sig_ustride, proto_work}
 
 // The fingerprint of this call: the workspace's fields plus T, the lse dtype code and the masks.
 __device__ __forceinline__ u32 call_fingerprint(const Proto& p, u32 T, u32 lse_code, bool qsl,
@@ -474,6 +479,11 @@ __device__ __forceinline__ int arrive_and_publish(const Proto& p, u64 e, int slo
     const u32 k = k_waiters < n ? k_waiters : n;
     const u32 prev = atom_add_acq_rel_gpu(p.arrive, 1u);
     s_published = 0;
+    if (prev == n - 1u) {
+      // The work counter of the next call (parity e + 1): the call before this one, its last
+      // user, retired before this kernel started.
+      reinterpret_cast<volatile u32*>(p.work)[(e + 1ull) & 1ull] = 0u;
+    }
     if (prev == n - 1u && aborted(p)) {  // elected in a poisoned workspace: no signal
       *reinterpret_cast<volatile u32*>(p.arrive) = 0u;
     } else if (prev == n - 1u) {  // elected: every CTA of this kernel has arrived
@@ -497,6 +507,41 @@ __device__ __forceinline__ int arrive_and_publish(const Proto& p, u64 e, int slo
   __syncthreads();
   published = s_published != 0;
   return s_waiter;
+}
+
+// Helping (step 4 of NOTE [dcpkit epoch signalling]): a CTA that is not a waiter polls every
+// source's signal for at most kHelpNs (a bounded spin: it never blocks, so the co-residency rule
+// is unaffected); if all are there with the right fingerprint it takes one acquire each and
+// helps with the copy-out / combine. CTA-uniform; records nothing (the waiters do).
+constexpr u64 kHelpNs = 20000;
+__device__ __forceinline__ bool try_all_sources(const Proto& p, int slot, u32 expected, u32 fp) {
+  int ok = 1;
+  const int src = static_cast<int>(threadIdx.x);
+  if (src < p.world) {
+    const u64* sig = p.signals + slot * p.world + src;
+    u64 v = ld_relaxed_sys_u64(sig);
+    if (static_cast<u32>(v) != expected) {
+      const u64 start = globaltimer_ns();
+      do {
+        v = ld_relaxed_sys_u64(sig);
+      } while (static_cast<u32>(v) != expected && globaltimer_ns() - start < kHelpNs);
+    }
+    ok = static_cast<u32>(v) == expected ? 1 : 0;
+    if (ok) {
+      v = ld_acquire_sys_u64(sig);
+      ok = (!DCPKIT_SELF_CHECK || static_cast<u32>(v >> 32) == fp) && !aborted(p) ? 1 : 0;
+    }
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
+// The next unit of work of this call (work counter of parity `slot`), for the whole CTA.
+__device__ __forceinline__ u32 claim_work(const Proto& p, int slot) {
+  __shared__ u32 s_claim;
+  __syncthreads();  // every thread has read the previous claim
+  if (threadIdx.x == 0) s_claim = atomicAdd(p.work + slot, 1u);
+  __syncthreads();
+  return s_claim;
 }
 
 // 0xFF bytes over `rows` rows of `row_vecs` 16-byte vectors (row stride `stride` bytes), shared

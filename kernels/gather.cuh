@@ -175,26 +175,31 @@ __device__ __forceinline__ void gather_push(const Proto& P, const u64* peer_data
 }
 
 // Every source's part except this rank's, from a data slot into `dst` (same layout, row stride
-// `dst_stride`), shared by the waiter CTAs [0, ncta) of which this is `cta`; waiter b starts with
-// source (rank + 1 + b) % world.
+// `dst_stride`), in units claimed from the call's work counter (parity `slot`) by every CTA that
+// takes part (the waiters and the helpers) until none is left. A unit is one pass of
+// kGatherUnroll vectors per thread over one source's part; consecutive units go to different
+// sources so that every link (pull) or slot region (push) is busy at once.
 // kFromPeers: source s's part is read from rank s's own slot over NVLink (pull); otherwise from
 // this rank's slot, where the peers pushed it (copy-out after a push).
 template <bool kFromPeers>
 __device__ __forceinline__ void gather_collect(const Proto& P, const u64* peer_data, u64 slot_off,
                                                const GatherGeom& g, char* dst,
-                                               long long dst_stride, u32 cta, u32 ncta) {
+                                               long long dst_stride, int slot) {
   const long long part_bytes = static_cast<long long>(g.row_vecs) * 16ll;
-  u32 s = (static_cast<u32>(P.rank) + 1u + cta % static_cast<u32>(P.world)) %
-          static_cast<u32>(P.world);
-  for (int j = 0; j < P.world; ++j) {
-    if (s != static_cast<u32>(P.rank)) {
-      const u32 holder = kFromPeers ? s : static_cast<u32>(P.rank);
-      const char* from = reinterpret_cast<const char*>(__ldg(peer_data + holder) + slot_off)
-                         + s * part_bytes;
-      gather_copy<false>(from, g.slot_stride, dst + s * part_bytes, dst_stride, nullptr, 0,
-                         g.rows, g.row_vecs, cta, ncta);
-    }
-    s = gather_next_peer(P, s);
+  const u32 W = static_cast<u32>(P.world);
+  const u32 n = g.rows * g.row_vecs;
+  const u32 per_unit = blockDim.x * static_cast<u32>(kGatherUnroll);
+  const u32 units_per_src = (n + per_unit - 1u) / per_unit;
+  const u32 units = units_per_src * (W - 1u);
+  for (u32 c = claim_work(P, slot); c < units; c = claim_work(P, slot)) {
+    const u32 j = c % (W - 1u);          // which other source
+    const u32 part = c / (W - 1u);       // which pass over its part
+    const u32 s = (static_cast<u32>(P.rank) + 1u + j) % W;
+    const u32 holder = kFromPeers ? s : static_cast<u32>(P.rank);
+    const char* from = reinterpret_cast<const char*>(__ldg(peer_data + holder) + slot_off)
+                       + s * part_bytes;
+    gather_copy<false>(from, g.slot_stride, dst + s * part_bytes, dst_stride, nullptr, 0,
+                       g.rows, g.row_vecs, part, units_per_src);
   }
 }
 
@@ -221,8 +226,9 @@ __device__ __forceinline__ void gather_poison(const Proto& P, const GatherGeom& 
 //               g.out_stride) are written to `out`.
 // Zero copy: one waiter (the last CTA to arrive), so kernel completion implies that every rank's
 // block is in the local slot. Copy-out: the last min(grid, P.waiters) CTAs wait, then share the
-// copy. In a poisoned workspace, or after a failed wait, the elected CTA fills the whole result
-// with 0xFF bytes (NOTE [dcpkit epoch signalling]).
+// copy with the other CTAs that find every signal within kHelpNs (work claimed unit by unit).
+// In a poisoned workspace, or after a failed wait, the elected CTA fills the whole result with
+// 0xFF bytes (NOTE [dcpkit epoch signalling]).
 template <Transport TR>
 __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer_data,
                                                  u64 slot_bytes, u64 mc_data, const char* src,
@@ -241,7 +247,11 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
   const u32 k = out == nullptr ? 1u : P.waiters;
   bool published;
   const int w = arrive_and_publish<TR>(P, e, sig_slot, fp, k, published);
-  if (w < 0) return;  // not a waiter: done
+  if (w < 0) {  // not a waiter: help with the copy-out if every source is there soon
+    if (out == nullptr || dead || !try_all_sources(P, sig_slot, e32, fp)) return;
+    gather_collect<false>(P, peer_data, slot_off, g, out, g.out_stride, sig_slot);
+    return;
+  }
   const u32 nw = k < gridDim.x ? k : gridDim.x;
   const bool elected = static_cast<u32>(w) == nw - 1u;
   // The elected CTA (the last to arrive: every CTA's stores into `out` come before its arrival)
@@ -251,17 +261,16 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
     if (elected) gather_poison(P, g, result, result_stride, 0u, 1u);
     return;
   }
-  if (out != nullptr) {
-    gather_collect<false>(P, peer_data, slot_off, g, out, g.out_stride, static_cast<u32>(w), nw);
-  }
+  if (out != nullptr) gather_collect<false>(P, peer_data, slot_off, g, out, g.out_stride, sig_slot);
 }
 
 // One pull gather call (unicast only).
 //   (a) every CTA copies its share of the own input into the own data slot, column rank (and
 //       into `out` with copy-out);
 //   (b) publish: this rank's signal now means "my block is staged in my slot";
-//   (c) the last min(grid, P.waiters) CTAs wait for every source, then load source s's block
-//       from rank s's slot over NVLink into the same place of the own slot (or of `out`).
+//   (c) the last min(grid, P.waiters) CTAs wait for every source (the others help if every
+//       source is there within kHelpNs), then they load source s's block from rank s's slot
+//       over NVLink into the same place of the own slot (or of `out`), unit by unit.
 // Slot reuse stays safe (same argument as NOTE [dcpkit epoch signalling], reads instead of
 // writes): this rank rewrites its data slot k (staging, step a) only at call n + 3; that call
 // starts after its call n + 2, whose waiters all waited for every peer's n + 2 signal, and a peer
@@ -289,14 +298,18 @@ __device__ __forceinline__ void gather_pull_call(const Proto& P, const u64* peer
   }
   bool published;
   const int w = arrive_and_publish<Transport::Unicast>(P, e, sig_slot, fp, P.waiters, published);
-  if (w < 0) return;
+  if (w < 0) {  // not a waiter: help with the loads if every source is there soon
+    if (dead || !try_all_sources(P, sig_slot, e32, fp)) return;
+    gather_collect<true>(P, peer_data, slot_off, g, result, result_stride, sig_slot);
+    return;
+  }
   const u32 nw = P.waiters < gridDim.x ? P.waiters : gridDim.x;
   const bool elected = static_cast<u32>(w) == nw - 1u;
   if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, sig_slot, e32, fp)) {
     if (elected) gather_poison(P, g, result, result_stride, 0u, 1u);
     return;
   }
-  gather_collect<true>(P, peer_data, slot_off, g, result, result_stride, static_cast<u32>(w), nw);
+  gather_collect<true>(P, peer_data, slot_off, g, result, result_stride, sig_slot);
 }
 
 }  // namespace dcpkit

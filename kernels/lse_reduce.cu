@@ -13,8 +13,9 @@
 //               (this one included) after one fence.acq_rel.sys.
 //   3. combine  the last K CTAs to arrive (K = min(grid, waiter_ctas)) wait for all sources
 //               (its own rank included: that signal says every CTA of this kernel finished its
-//               stores), then their warps stride over (t, h): out = sum_s w_s * payload_s in
-//               fp32, rounded once; merged lse = m + log(sum). The other CTAs exit after step 2.
+//               stores); the other CTAs help if every signal is there within kHelpNs, else exit.
+//               They claim units of kWarps items (t, h) from the call's work counter:
+//               out = sum_s w_s * payload_s in fp32, rounded once; merged lse = m + log(sum).
 // See NOTE [dcpkit epoch signalling] in dcpkit_ptx.cuh for why slots can be reused without a
 // barrier, and for the co-residency rule that bounds the waiting CTAs.
 //
@@ -291,20 +292,27 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   // 2. Arrive, elect, publish (NOTE [dcpkit epoch signalling], steps 2 and 4).
   bool published;
   const int w = arrive_and_publish<Transport::Unicast>(P, e, slot, fp, P.waiters, published);
-  if (w < 0) return;  // not a waiter: done
-  const int nw = static_cast<int>(P.waiters < gridDim.x ? P.waiters : gridDim.x);
-  const bool elected = w == nw - 1;
-
-  // 3. The waiters combine the own slot once every source (this rank included) has published.
-  // Poisoned, or a wait failed: the elected CTA fills the whole result, the others return.
-  if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, slot, e32, fp)) {
-    if (elected) poison_result(reinterpret_cast<char*>(out), out_lse, T, H_r, row_bytes, 0u, 1u);
-    return;
+  if (w < 0) {  // not a waiter: help with the combine if every source is there soon
+    if (dead || !try_all_sources(P, slot, e32, fp)) return;
+  } else {
+    const int nw = static_cast<int>(P.waiters < gridDim.x ? P.waiters : gridDim.x);
+    const bool elected = w == nw - 1;
+    // 3. The waiters combine the own slot once every source (this rank included) has
+    // published. Poisoned, or a wait failed: the elected CTA fills the whole result.
+    if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, slot, e32, fp)) {
+      if (elected) poison_result(reinterpret_cast<char*>(out), out_lse, T, H_r, row_bytes, 0u, 1u);
+      return;
+    }
   }
+  // The combine, in units of kWarps items claimed from the call's work counter.
   const char* own = reinterpret_cast<const char*>(peer_data[rank]) + slot_off;
-  combine_rows<OUT_T>(own, static_cast<u64>(T_max) * H_r * row_bytes,
-                      reinterpret_cast<const float*>(own + lse_offset),
-                      static_cast<u64>(T_max) * H_r, W, T, H_r, D_v, out, out_lse, w, nw);
+  const int units = (T * H_r + kWarps - 1) / kWarps;
+  for (int c = static_cast<int>(claim_work(P, slot)); c < units;
+       c = static_cast<int>(claim_work(P, slot))) {
+    combine_rows<OUT_T>(own, static_cast<u64>(T_max) * H_r * row_bytes,
+                        reinterpret_cast<const float*>(own + lse_offset),
+                        static_cast<u64>(T_max) * H_r, W, T, H_r, D_v, out, out_lse, c, units);
+  }
 }
 
 // The merge alone, over local contiguous arrays: src_out [W][T][H_r][D_v], src_lse float

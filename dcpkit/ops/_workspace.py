@@ -14,7 +14,8 @@ are read after the kernel retired, see NOTE [dcpkit gather slots] in ``kernels/g
 Signals always keep two slots, ``epoch & 1``.)
 
 Local (non-symmetric) device state per workspace: ``epoch u64 [U]``, ``arrive u32 [U]`` (CTA
-arrival counters, zero between calls), ``abort u32 [1]``; the failure record
+arrival counters, zero between calls), ``abort u32 [1]``, ``work u32 [U, 2]`` (work counters of
+the copy-out / combine, by epoch parity); the failure record
 (``_protocol.RECORD_BYTES``, timeout or mismatch) in mapped pinned host memory.
 
 Outputs. Parity of the slot a call uses is chosen on the device (``epoch & 1``). The host keeps a
@@ -393,7 +394,8 @@ class OpWorkspace:
         heap, U = self.heap, self.num_ubatches
         with cupy.cuda.Device(self.device):
             self._epoch = cupy.zeros(U, dtype=cupy.uint64)
-            self._ctl = cupy.zeros(U + 1, dtype=cupy.uint32)  # arrive[U], abort
+            # arrive[U], abort, work[U][2] (copy-out / combine work counters by epoch parity)
+            self._ctl = cupy.zeros(3 * U + 1, dtype=cupy.uint32)
             # peer_sig[u, s] = address of signals[0][0] of ubatch u on rank s
             tbl = np.array([[p + self._base + u * self._ubatch_stride for p in heap.peer_ptrs]
                             for u in range(U)], dtype=np.uint64)
@@ -445,6 +447,7 @@ class OpWorkspace:
             np.uint32(OP_IDS[self.op_name]), np.uint32(u),
             np.uint32(fp_base), np.uint32(self.waiter_ctas), np.uint32(self.num_ubatches),
             np.uint32(self._ubatch_stride // 8),      # u64 words between ubatches' signals
+            np.uint64(ctl + 4 * (self.num_ubatches + 1 + 2 * u)),  # work counters [2]
         )
 
     def _finish_setup(self) -> None:
