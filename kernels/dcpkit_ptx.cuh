@@ -5,33 +5,90 @@
 // ------------------------------
 // Every op workspace owns, per ubatch:
 //   * epoch   : a 64-bit counter in ordinary device memory. A call reads it, uses e = epoch + 1,
-//               and the last CTA to finish stores e back. It is advanced on the device, inside the
-//               op's own kernel, so CUDA-graph replays advance it too.
-//   * signals : u32 [2][world_size] in symmetric memory. signals[slot][s] on rank r is written
-//               only by rank s, with the low 32 bits of s's epoch. slot = e & 1.
-//   * slots   : data regions double-buffered by slot.
-// A call at epoch e on rank r:
-//   1. Payload: 16-byte stores of r's data into every destination's slot (e & 1), through peer
-//      pointers (unicast) or one multimem.st to the multicast address (multicast).
-//   2. Publish: every writing thread executes fence.sc.sys; the CTA synchronises; thread 0
-//      increments a local arrival counter; the CTA that arrives last (the elected CTA) resets the
-//      counter, executes fence.acq_rel.sys and st.release.sys the value (u32)e into
-//      signals[slot][r] of every destination (or one multimem.st.release.sys).
-//   3. Wait: the threads that need peer data poll signals[slot][s] with ld.acquire.sys until it
-//      equals (u32)e, then the CTA synchronises before any thread reads the payload.
-//   4. The elected CTA of the last kernel of the call stores e into epoch.
+//               and the elected CTA (below) stores e back. It is advanced on the device, inside
+//               the op's own kernel, so CUDA-graph replays advance it too.
+//   * signals : u64 [2][world_size] in symmetric memory. signals[slot][s] on rank r is written
+//               only by rank s, slot = e & 1. A signal word is (fingerprint << 32) | (u32)e: the
+//               low half is the epoch, the high half the fingerprint of the call (below).
+//   * slots   : data regions multi-buffered by epoch.
+// A call at epoch e on rank r, in a kernel of G CTAs of which K wait (1 <= K <= G):
+//   1. Payload: every CTA stores its share of r's data into every destination's slot (16-byte
+//      stores through peer pointers, or one multimem.st to the multicast address).
+//   2. Arrive: CTA barrier (bar.sync); then thread 0 alone adds 1 to the ubatch's arrival
+//      counter with atom.acq_rel.gpu. The CTA that gets G - 1 back is the elected CTA: it resets
+//      the counter, stores e into epoch, executes ONE fence.acq_rel.sys and then, still in
+//      thread 0, one st.relaxed.sys.u64 of the signal word into signals[slot][r] of every
+//      destination (this rank included; or one multimem.st.relaxed.sys.u64). The CTAs that got
+//      G - K .. G - 1 back (the last K to arrive, the elected one included) are the waiters; every
+//      other CTA exits here.
+//   3. Wait (waiters only): threads [0, world) each poll signals[slot][s] with ld.relaxed.sys
+//      until its low half equals (u32)e, then read it once more with ld.acquire.sys and compare
+//      the fingerprint; then the CTA synchronises before any thread reads the payload.
+//   4. Copy-out / combine: the waiters, and every other CTA that finds all the signals of
+//      the call within a bounded spin (kHelpNs; it never blocks), claim units of the work from
+//      a per-call work counter (parity e & 1, reset for the next call by the elected CTA) until
+//      none is left. The waiters alone guarantee completion; the helpers add parallelism.
+// Why this is enough (PTX ISA, "Memory Consistency Model": morally strong operations,
+// release and acquire patterns, causality order). A CTA's payload stores precede its bar.sync;
+// the barrier orders them before thread 0's atom, whose release semantics (gpu scope, morally
+// strong with every other CTA's atom on the same counter) make them precede, in causality order,
+// everything after the elected CTA's acquire of the same counter (the atoms form one release
+// sequence, each observes the previous one). The elected thread's fence.acq_rel.sys followed by
+// its relaxed signal stores is a release pattern at system scope; a waiter's ld.acquire.sys that
+// reads the signal value is an acquire pattern morally strong with it; the waiter's bar.sync
+// then extends the order to every thread of its CTA. Causality order is transitive, so every
+// payload store of every CTA of every source happens before every payload load of the waiters.
+// No other fence is needed: no fence.sc and no per-thread fence on either side.
 // Reuse is safe without any extra barrier: rank r writes slot p again only at epoch e + 2; its
 // call e + 1 waited for every peer's e + 1 signal, and a peer publishes e + 1 only inside its
 // call e + 1, which starts after its call e (and all its reads of slot p) retired on its stream.
 // Waits test equality, never ordering, so the protocol is unaffected when the low 32 bits wrap.
-// Every wait has a deadline (%globaltimer). On expiry the waiting thread records
-// (op, rank, silent peer, expected, observed, ubatch) in host-mapped memory, sets the device
-// abort word so that no later call of the workspace waits again, and the kernel returns; the host
-// raises CollectiveTimeout at the next call or synchronize().
+//
+// Fingerprint (the high half of a signal word; dcpkit/ops/_protocol.py mirrors the macros):
+//   bits  0- 2  op id (1 lse_reduce, 2 q_gather, 3 kv_gather)
+//   bits  3- 6  ubatch mod 16
+//   bits  7-10  dtype code of the data (dcpkit/ops/_protocol.py DTYPE_CODES)
+//   bits 11-12  lse_partial dtype code (lse_reduce; 0 for the gathers)
+//   bit  13     query_start_loc given;  bit 14  seq_lens given (lse_reduce)
+//   bits 15-31  T mod 2**17
+// A waiter that reads the expected epoch with another fingerprint stops waiting, records op,
+// rank, peer, its own fingerprint and the fingerprint it saw from every source of this epoch in
+// the host-mapped record (kind = mismatch), and poisons the workspace; the host raises
+// ConfigMismatch naming the ranks and values. T values that differ by a multiple of 2**17, and
+// anything the fingerprint does not carry, are left to the host check of DCPKIT_DEBUG=1. A
+// ubatch mismatch sends the signal to another ubatch's words: a waiter whose deadline expires
+// first looks there (a peer's signal for an epoch this rank did not call on that ubatch) and
+// records a mismatch instead of a timeout. With -DDCPKIT_SELF_CHECK=0 (benchmark only) the waits
+// compare the epoch only.
+//
+// Co-residency rule (no deadlock whatever the launch order). Only waiter CTAs ever block, and a
+// kernel has at most K of them; every other CTA stores, arrives, spins at most kHelpNs, maybe
+// helps (bounded work, no wait) and exits in bounded time. The
+// host keeps K <= waiter_ctas = max(1, SM share // MAX_LIVE_KERNELS) (SM share = SMs / ranks
+// sharing the GPU; MAX_LIVE_KERNELS = 8 dcpkit kernels of one rank in flight at once, e.g. four
+// workspaces x two ubatches), and every kernel's launch bounds let two of its CTAs fit on one
+// SM. So the waiters of all dcpkit kernels in flight on a GPU never exceed its SM count, the GPU
+// has room for one more dcpkit CTA than its waiters take, and a CTA that does not wait can
+// always be scheduled once foreign kernels (which never wait on dcpkit) retire: every kernel's
+// elected CTA arrives, every signal is stored, every waiter returns. A long compute kernel
+// delays calls, never deadlocks them. Zero-copy gathers use K = 1 (kernel completion only has
+// to imply the data). More than MAX_LIVE_KERNELS kernels of a rank in flight, or a larger
+// waiter_ctas, void this argument (the knob is for measurements).
+//
+// Every wait has a deadline (%globaltimer). On expiry the waiting thread records (op, rank,
+// silent peer, expected, observed, ubatch) in host-mapped memory, sets the device abort word so
+// that no later kernel of the workspace waits again, and returns. A poisoned workspace stays
+// visibly poisoned: in the call whose wait failed, and in every later kernel of the workspace
+// (eager or graph replay), the elected CTA fills the call's whole result with 0xFF bytes (NaN in
+// every float dtype, merged lse NaN). A CTA that finds the workspace poisoned at its start stores
+// nothing but still arrives, and the elected CTA of a poisoned workspace stores no signal: so the
+// elected CTA is always the last of the kernel to store, and no stale or partial data is left
+// in the result. The host raises CollectiveTimeout / ConfigMismatch at the next call,
+// synchronize() or check().
 //
 // Target architectures: everything but the multicast stores needs sm_70 (Volta) or newer:
-// ld.acquire / st.release / ld.relaxed / st.relaxed, fence.sc / fence.acq_rel and
-// atom.relaxed are PTX memory-model instructions of sm_70. bf16 conversion uses cvt.rn.bf16.f32
+// ld.acquire / st.release / ld.relaxed / st.relaxed, fence.acq_rel and atom.acq_rel are PTX
+// memory-model instructions of sm_70. bf16 conversion uses cvt.rn.bf16.f32
 // on sm_80+ and the same rounding written out in integer arithmetic below it. The multimem
 // stores exist only on sm_90+; on older targets they compile to a trap, so that every file
 // (unicast variants included) still compiles in one NVRTC run for any target >= sm_70.
@@ -149,6 +206,31 @@ __device__ __forceinline__ void fence_sc_sys() { asm volatile("fence.sc.sys;" ::
 __device__ __forceinline__ void fence_acq_rel_sys() {
   asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
+// 64-bit signal words (NOTE [dcpkit epoch signalling]).
+__device__ __forceinline__ u64 ld_relaxed_sys_u64(const u64* p) {
+  u64 v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ u64 ld_acquire_sys_u64(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed_sys_u64(u64* p, u64 v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_sys_u64(u64* p, u64 v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+// The arrival counter of the CTA election: release (this CTA's stores, ordered before it by the
+// CTA barrier) and acquire (every earlier arrival's) at gpu scope.
+__device__ __forceinline__ u32 atom_add_acq_rel_gpu(u32* p, u32 v) {
+  u32 old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+               : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
 __device__ __forceinline__ u32 atom_add_relaxed_gpu(u32* p, u32 v) {
   u32 old;
   asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;"
@@ -171,9 +253,9 @@ __device__ __forceinline__ void multimem_st16(void* mc, const uint4& v) {
   __trap();
 #endif
 }
-__device__ __forceinline__ void multimem_st_release_sys(u32* mc, u32 v) {
+__device__ __forceinline__ void multimem_st_relaxed_sys_u64(u64* mc, u64 v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("multimem.st.release.sys.global.u32 [%0], %1;" :: "l"(mc), "r"(v) : "memory");
+  asm volatile("multimem.st.relaxed.sys.global.u64 [%0], %1;" :: "l"(mc), "l"(v) : "memory");
 #else
   __trap();
 #endif
@@ -188,50 +270,97 @@ __device__ __forceinline__ u64 globaltimer_ns() {
 enum class Transport : int { Unicast = 0, Multicast = 1 };
 
 // ----------------------------------------------------------------------------- protocol state
-// Host-visible timeout record (mapped pinned memory), one per workspace. Layout shared with
-// dcpkit/ops/_workspace.py (TIMEOUT_RECORD_FIELDS).
-struct TimeoutRecord {
+// Fingerprint fields (NOTE [dcpkit epoch signalling]); dcpkit/ops/_protocol.py mirrors them.
+#define DCPKIT_FP_OP_SHIFT 0
+#define DCPKIT_FP_OP_BITS 3
+#define DCPKIT_FP_UBATCH_SHIFT 3
+#define DCPKIT_FP_UBATCH_BITS 4
+#define DCPKIT_FP_DTYPE_SHIFT 7
+#define DCPKIT_FP_DTYPE_BITS 4
+#define DCPKIT_FP_LSE_SHIFT 11
+#define DCPKIT_FP_LSE_BITS 2
+#define DCPKIT_FP_QSL_SHIFT 13
+#define DCPKIT_FP_SEQ_SHIFT 14
+#define DCPKIT_FP_T_SHIFT 15
+#define DCPKIT_FP_T_BITS 17
+// Record kinds; sources whose fingerprint the record keeps.
+#define DCPKIT_REC_TIMEOUT 0
+#define DCPKIT_REC_MISMATCH 1
+#define DCPKIT_REC_SOURCES 64
+#ifndef DCPKIT_SELF_CHECK
+#define DCPKIT_SELF_CHECK 1
+#endif
+
+// Host-visible record of the first failure of a workspace (mapped pinned memory). Layout shared
+// with dcpkit/ops/_protocol.py (RECORD_FIELDS, RECORD_WORDS).
+struct ProtoRecord {
   u32 state;     // 0 = clear, 1 = being written, 2 = complete
   u32 op;        // op id (dcpkit/ops/_workspace.py OP_IDS)
   u32 rank;      // the rank that waited
-  u32 peer;      // the silent peer
+  u32 peer;      // the silent (timeout) or disagreeing (mismatch) peer
   u32 expected;  // low 32 bits of the epoch waited for
-  u32 observed;  // the signal value last seen
+  u32 observed;  // the signal's epoch half last seen
   u32 ubatch;
-  u32 pad;
+  u32 kind;      // DCPKIT_REC_TIMEOUT or DCPKIT_REC_MISMATCH
+  u32 own_fp;    // fingerprint of this rank's call
+  u32 peer_fp;   // fingerprint seen from `peer`
+  u32 world;
+  u32 reserved[5];
+  u32 seen_fp[DCPKIT_REC_SOURCES];  // mismatch: fingerprint seen from each source at this epoch
+                                    // (0 = not arrived when the record was written)
 };
+typedef ProtoRecord TimeoutRecord;  // the former name
 
 // Everything the protocol needs, passed to every kernel as separate parameters and gathered here.
 struct Proto {
-  u64* epoch;           // this ubatch's epoch counter (device memory)
+  u64* epoch;           // this ubatch's epoch counter (device memory; u64 [num_ubatches])
   u32* arrive;          // this ubatch's CTA arrival counter (device memory, zero between calls)
   u32* abort_word;      // workspace abort word (device memory)
-  TimeoutRecord* rec;   // workspace timeout record (host-mapped)
-  u32* signals;         // this rank's signals [2][world] of this ubatch (local copy)
+  ProtoRecord* rec;     // workspace record (host-mapped)
+  u64* signals;         // this rank's signals [2][world] of this ubatch (local copy)
   const u64* peer_sig;  // [world]: address of signals[0][0] of this ubatch on each peer
-  u32* mc_sig;          // multicast address of signals[0][0] (0 without multicast)
+  u64* mc_sig;          // multicast address of signals[0][0] (0 without multicast)
   int rank;
   int world;
   u64 timeout_ns;
   u32 op;
   u32 ubatch;
+  u32 fp_base;          // op, ubatch and dtype fields of the fingerprint
+  u32 waiters;          // most waiter CTAs of a copy-out / combine kernel (host: waiter_ctas)
+  u32 num_ubatches;
+  u32 sig_ustride;      // u64 words between the signals of consecutive ubatches
+  u32* work;            // this ubatch's work counters [2] (by epoch parity; device memory)
 };
 
 // Kernel parameters of the protocol, first in every dcpkit kernel's parameter list (the order is
 // the one dcpkit/ops/_workspace.py passes), and the Proto built from them.
 #define DCPKIT_PROTO_PARAMS                                                               \
   dcpkit::u64 *proto_epoch, dcpkit::u32 *proto_arrive, dcpkit::u32 *proto_abort,          \
-      dcpkit::TimeoutRecord *proto_rec, dcpkit::u32 *proto_signals,                       \
-      const dcpkit::u64 *proto_peer_sig, dcpkit::u32 *proto_mc_sig, int proto_rank,       \
+      dcpkit::ProtoRecord *proto_rec, dcpkit::u64 *proto_signals,                         \
+      const dcpkit::u64 *proto_peer_sig, dcpkit::u64 *proto_mc_sig, int proto_rank,       \
       int proto_world, dcpkit::u64 proto_timeout_ns, dcpkit::u32 proto_op,                \
-      dcpkit::u32 proto_ubatch
+      dcpkit::u32 proto_ubatch, dcpkit::u32 proto_fp_base, dcpkit::u32 proto_waiters,     \
+      dcpkit::u32 proto_num_ubatches, dcpkit::u32 proto_sig_ustride, dcpkit::u32 *proto_work
 #define DCPKIT_PROTO_MAKE()                                                               \
   dcpkit::Proto{proto_epoch, proto_arrive, proto_abort, proto_rec, proto_signals,         \
                 proto_peer_sig, proto_mc_sig, proto_rank, proto_world, proto_timeout_ns,  \
-                proto_op, proto_ubatch}
+                proto_op, proto_ubatch, proto_fp_base, proto_waiters, proto_num_ubatches, \
+                proto_sig_ustride, proto_work}
+
+// The fingerprint of this call: the workspace's fields plus T, the lse dtype code and the masks.
+__device__ __forceinline__ u32 call_fingerprint(const Proto& p, u32 T, u32 lse_code, bool qsl,
+                                                bool seq) {
+  return p.fp_base | (lse_code << DCPKIT_FP_LSE_SHIFT) |
+         ((qsl ? 1u : 0u) << DCPKIT_FP_QSL_SHIFT) | ((seq ? 1u : 0u) << DCPKIT_FP_SEQ_SHIFT) |
+         ((T & ((1u << DCPKIT_FP_T_BITS) - 1u)) << DCPKIT_FP_T_SHIFT);
+}
+__device__ __forceinline__ u64 signal_word(u64 e, u32 fp) {
+  return (static_cast<u64>(fp) << 32) | static_cast<u64>(static_cast<u32>(e));
+}
 
 // The epoch of this call. Read it once, at kernel start, and keep it: the elected CTA stores the
-// new value before the kernel ends. (every thread may call it; the value only changes between kernels).
+// new value before the kernel ends (every thread may call it; it changes only between kernels:
+// the elected CTA is the last to arrive, so no CTA of the kernel reads it after the store).
 __device__ __forceinline__ u64 call_epoch(const Proto& p) {
   return *reinterpret_cast<volatile u64*>(p.epoch) + 1ull;
 }
@@ -239,94 +368,193 @@ __device__ __forceinline__ bool aborted(const Proto& p) {
   return *reinterpret_cast<volatile u32*>(p.abort_word) != 0u;
 }
 
-__device__ __forceinline__ void record_timeout(const Proto& p, int peer, u32 expected,
-                                               u32 observed) {
+// Write the record (first failure of the workspace only) and poison the workspace. For a
+// mismatch, the fingerprint seen from every source of this epoch goes in too, so that the host
+// can name every rank's value; `peer_word` is the word seen from `peer` (it may come from
+// another ubatch's signals).
+__device__ __forceinline__ void record_failure(const Proto& p, u32 kind, int slot, int peer,
+                                               u32 expected, u64 peer_word, u32 own_fp) {
   atomicExch(p.abort_word, 1u);
   if (atomicCAS(&p.rec->state, 0u, 1u) == 0u) {
-    volatile TimeoutRecord* r = p.rec;
+    volatile ProtoRecord* r = p.rec;
     r->op = p.op;
     r->rank = static_cast<u32>(p.rank);
     r->peer = static_cast<u32>(peer);
     r->expected = expected;
-    r->observed = observed;
+    r->observed = static_cast<u32>(peer_word);
     r->ubatch = p.ubatch;
+    r->kind = kind;
+    r->own_fp = own_fp;
+    r->peer_fp = static_cast<u32>(peer_word >> 32);
+    r->world = static_cast<u32>(p.world);
+    if (kind == DCPKIT_REC_MISMATCH) {
+      for (int s = 0; s < p.world && s < DCPKIT_REC_SOURCES; ++s) {
+        const u64 w = ld_relaxed_sys_u64(p.signals + slot * p.world + s);
+        r->seen_fp[s] = (static_cast<u32>(w) == expected) ? static_cast<u32>(w >> 32) : 0u;
+      }
+      if (peer < DCPKIT_REC_SOURCES) r->seen_fp[peer] = static_cast<u32>(peer_word >> 32);
+    }
     __threadfence_system();
     st_release_sys(&p.rec->state, 2u);
   }
 }
 
-// Poll signals[slot][src] until it equals `expected` or the deadline passes. Returns false on
-// timeout (after recording it) or when the workspace was aborted by another thread.
-__device__ __forceinline__ bool wait_signal(const Proto& p, int slot, int src, u32 expected) {
-  const u32* sig = p.signals + slot * p.world + src;
-  u32 v = ld_acquire_sys(sig);
-  if (v == expected) return true;
-  const u64 start = globaltimer_ns();
-  u32 spins = 0;
-  while (true) {
-    v = ld_acquire_sys(sig);
-    if (v == expected) return true;
-    if ((++spins & 255u) == 0u) {
-      if (aborted(p)) return false;
-      if (globaltimer_ns() - start > p.timeout_ns) {
-        record_timeout(p, src, expected, v);
-        return false;
+// At the deadline: did `src` signal another ubatch of this workspace for an epoch this rank has
+// not called there (a ubatch mismatch)? Returns that signal word, or 0.
+__device__ __forceinline__ u64 other_ubatch_signal(const Proto& p, int src) {
+  const u64* epochs = p.epoch - p.ubatch;
+  const u64* sig0 = p.signals - static_cast<u64>(p.ubatch) * p.sig_ustride;
+  for (u32 u = 0; u < p.num_ubatches; ++u) {
+    if (u == p.ubatch) continue;
+    const u64 e = *reinterpret_cast<const volatile u64*>(epochs + u) + 1ull;
+    const u64 w = ld_relaxed_sys_u64(sig0 + u * p.sig_ustride + (e & 1ull) * p.world + src);
+    if (static_cast<u32>(w) == static_cast<u32>(e) && (w >> 32) != 0ull) return w;
+  }
+  return 0ull;
+}
+
+// Poll signals[slot][src] until its epoch half equals `expected`, then one acquire and the
+// fingerprint check. Returns false on timeout or mismatch (after recording it) or when the
+// workspace was poisoned by another thread.
+__device__ __forceinline__ bool wait_signal(const Proto& p, int slot, int src, u32 expected,
+                                            u32 fp) {
+  const u64* sig = p.signals + slot * p.world + src;
+  u64 v = ld_relaxed_sys_u64(sig);
+  if (static_cast<u32>(v) != expected) {
+    const u64 start = globaltimer_ns();
+    u32 spins = 0;
+    while (true) {
+      v = ld_relaxed_sys_u64(sig);
+      if (static_cast<u32>(v) == expected) break;
+      if ((++spins & 255u) == 0u) {
+        if (aborted(p)) return false;
+        if (globaltimer_ns() - start > p.timeout_ns) {
+          const u64 other = other_ubatch_signal(p, src);
+          if (other != 0ull) {
+            record_failure(p, DCPKIT_REC_MISMATCH, slot, src, expected, other, fp);
+          } else {
+            record_failure(p, DCPKIT_REC_TIMEOUT, slot, src, expected, v, fp);
+          }
+          return false;
+        }
       }
     }
   }
+  v = ld_acquire_sys_u64(sig);  // the one acquire of this source (same value: the epoch is fixed)
+#if DCPKIT_SELF_CHECK
+  if (static_cast<u32>(v >> 32) != fp) {
+    record_failure(p, DCPKIT_REC_MISMATCH, slot, src, expected, v, fp);
+    return false;
+  }
+#endif
+  return true;
 }
 
 // Threads [0, world) of the calling CTA wait for one source each (src = threadIdx.x, this rank
 // included: its own signal tells that every CTA of this rank's kernel finished its stores into
 // the local slot); then the CTA synchronises. Returns false (uniformly across the CTA) when any
 // wait failed. Must be called by every thread of the CTA (blockDim.x >= world).
-__device__ __forceinline__ bool wait_all_sources(const Proto& p, int slot, u32 expected) {
-  __shared__ int ok_all;
-  if (threadIdx.x == 0) ok_all = 1;
-  __syncthreads();
+__device__ __forceinline__ bool wait_all_sources(const Proto& p, int slot, u32 expected, u32 fp) {
   const int src = static_cast<int>(threadIdx.x);
-  if (src < p.world) {
-    if (!wait_signal(p, slot, src, expected)) atomicExch(&ok_all, 0);
-  }
-  __syncthreads();
-  return ok_all != 0;
+  int ok = 1;
+  if (src < p.world) ok = wait_signal(p, slot, src, expected, fp) ? 1 : 0;
+  return __syncthreads_and(ok) != 0;
 }
 
-// Publish step (2) of NOTE [dcpkit epoch signalling]. Called by every thread of every CTA after
-// its payload stores; returns true in the elected (last) CTA. `publish` = false runs only the
-// election (for kernels that must elect a last CTA without signalling).
+// Steps 2 (arrive, elect, publish) of NOTE [dcpkit epoch signalling]. Called by every thread of
+// every CTA after its payload stores (also by a CTA that found the workspace poisoned and stored
+// nothing: every CTA arrives, so that the elected one comes after all of them). Returns this
+// CTA's waiter index in [0, K) if it is one of the last K CTAs to arrive, else -1 (the CTA must
+// exit without waiting). K = min(gridDim.x, k_waiters), k_waiters >= 1; the elected CTA is
+// waiter K - 1. `published` (meaningful in the elected CTA only): false when the elected CTA
+// found the workspace poisoned and stored no signal.
 template <Transport TR>
-__device__ __forceinline__ bool arrive_and_publish(const Proto& p, u32 epoch32, int slot,
-                                                   bool publish) {
-  __shared__ int is_last;
-  fence_sc_sys();
-  __syncthreads();
+__device__ __forceinline__ int arrive_and_publish(const Proto& p, u64 e, int slot, u32 fp,
+                                                  u32 k_waiters, bool& published) {
+  __shared__ int s_waiter;
+  __shared__ int s_published;
+  __syncthreads();  // every thread's payload stores are ordered before thread 0's release
   if (threadIdx.x == 0) {
-    const u32 prev = atom_add_relaxed_gpu(p.arrive, 1u);
-    is_last = (prev == gridDim.x - 1u) ? 1 : 0;
-    if (is_last) {
-      fence_acq_rel_sys();
-      *reinterpret_cast<volatile u32*>(p.arrive) = 0u;  // ready for the next call
+    const u32 n = gridDim.x;
+    const u32 k = k_waiters < n ? k_waiters : n;
+    const u32 prev = atom_add_acq_rel_gpu(p.arrive, 1u);
+    s_published = 0;
+    if (prev == n - 1u) {
+      // The work counter of the next call (parity e + 1): the call before this one, its last
+      // user, retired before this kernel started.
+      reinterpret_cast<volatile u32*>(p.work)[(e + 1ull) & 1ull] = 0u;
     }
-  }
-  __syncthreads();
-  if (is_last && publish) {
-    if (TR == Transport::Multicast) {
-      if (threadIdx.x == 0) multimem_st_release_sys(p.mc_sig + slot * p.world + p.rank, epoch32);
-    } else {
-      const int peer = static_cast<int>(threadIdx.x);
-      if (peer < p.world) {
-        u32* dst = reinterpret_cast<u32*>(p.peer_sig[peer]) + slot * p.world + p.rank;
-        st_release_sys(dst, epoch32);
+    if (prev == n - 1u && aborted(p)) {  // elected in a poisoned workspace: no signal
+      *reinterpret_cast<volatile u32*>(p.arrive) = 0u;
+    } else if (prev == n - 1u) {  // elected: every CTA of this kernel has arrived
+      s_published = 1;
+      *reinterpret_cast<volatile u32*>(p.arrive) = 0u;  // ready for the next call
+      *reinterpret_cast<volatile u64*>(p.epoch) = e;    // step (4): the new epoch
+      fence_acq_rel_sys();                              // the one release of the call
+      const u64 word = signal_word(e, fp);
+      if (TR == Transport::Multicast) {
+        multimem_st_relaxed_sys_u64(p.mc_sig + slot * p.world + p.rank, word);
+      } else {
+        for (int j = 1; j <= p.world; ++j) {  // peers first, this rank last
+          const int d = (p.rank + j) % p.world;
+          u64* dst = reinterpret_cast<u64*>(p.peer_sig[d]) + slot * p.world + p.rank;
+          st_relaxed_sys_u64(dst, word);
+        }
       }
     }
+    s_waiter = (prev + k >= n) ? static_cast<int>(prev - (n - k)) : -1;
   }
-  return is_last != 0;
+  __syncthreads();
+  published = s_published != 0;
+  return s_waiter;
 }
 
-// Step (4): the elected CTA of the call's last kernel stores the new epoch.
-__device__ __forceinline__ void finish_epoch(const Proto& p, u64 e) {
-  if (threadIdx.x == 0) *reinterpret_cast<volatile u64*>(p.epoch) = e;
+// Helping (step 4 of NOTE [dcpkit epoch signalling]): a CTA that is not a waiter polls every
+// source's signal for at most kHelpNs (a bounded spin: it never blocks, so the co-residency rule
+// is unaffected); if all are there with the right fingerprint it takes one acquire each and
+// helps with the copy-out / combine. CTA-uniform; records nothing (the waiters do).
+constexpr u64 kHelpNs = 20000;
+__device__ __forceinline__ bool try_all_sources(const Proto& p, int slot, u32 expected, u32 fp) {
+  int ok = 1;
+  const int src = static_cast<int>(threadIdx.x);
+  if (src < p.world) {
+    const u64* sig = p.signals + slot * p.world + src;
+    u64 v = ld_relaxed_sys_u64(sig);
+    if (static_cast<u32>(v) != expected) {
+      const u64 start = globaltimer_ns();
+      do {
+        v = ld_relaxed_sys_u64(sig);
+      } while (static_cast<u32>(v) != expected && globaltimer_ns() - start < kHelpNs);
+    }
+    ok = static_cast<u32>(v) == expected ? 1 : 0;
+    if (ok) {
+      v = ld_acquire_sys_u64(sig);
+      ok = (!DCPKIT_SELF_CHECK || static_cast<u32>(v >> 32) == fp) && !aborted(p) ? 1 : 0;
+    }
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
+// The next unit of work of this call (work counter of parity `slot`), for the whole CTA.
+__device__ __forceinline__ u32 claim_work(const Proto& p, int slot) {
+  __shared__ u32 s_claim;
+  __syncthreads();  // every thread has read the previous claim
+  if (threadIdx.x == 0) s_claim = atomicAdd(p.work + slot, 1u);
+  __syncthreads();
+  return s_claim;
+}
+
+// 0xFF bytes over `rows` rows of `row_vecs` 16-byte vectors (row stride `stride` bytes), shared
+// by CTAs [0, ncta) of which this is `cta`: the poison pattern (NaN in every float dtype).
+__device__ __forceinline__ void poison_fill16(char* dst, long long stride, u32 rows, u32 row_vecs,
+                                              u32 cta, u32 ncta) {
+  const uint4 ff = make_uint4(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);
+  const unsigned long long n = static_cast<unsigned long long>(rows) * row_vecs;
+  for (unsigned long long i = static_cast<unsigned long long>(cta) * blockDim.x + threadIdx.x;
+       i < n; i += static_cast<unsigned long long>(ncta) * blockDim.x) {
+    const unsigned long long r = i / row_vecs;
+    st16(dst + r * stride + (i - r * row_vecs) * 16ull, ff);
+  }
 }
 
 }  // namespace dcpkit

@@ -27,6 +27,9 @@ namespace dcpkit {
 constexpr u32 kGatherDataSlots = 3;
 // Threads per CTA; dcpkit/ops/_gather.py THREADS. wait_all_sources needs blockDim.x >= world.
 constexpr int kGatherThreads = 512;
+// CTAs of one gather kernel that must fit on one SM together (launch bounds; the co-residency
+// rule of NOTE [dcpkit epoch signalling] needs 2).
+constexpr int kGatherMinBlocks = 2;
 // 16-byte vectors each thread loads before it stores them (loads in flight per thread).
 constexpr int kGatherUnroll = 4;
 
@@ -40,6 +43,7 @@ struct GatherGeom {
   long long src_stride;   // bytes between rows of the input
   long long slot_stride;  // bytes between rows of a slot
   long long out_stride;   // bytes between rows of out (copy-out only)
+  u32 tokens;             // T of the call (the fingerprint's T)
 };
 
 // Vector i of a rows x row_vecs block -> (row, column in vectors). One row: no division.
@@ -64,19 +68,20 @@ __device__ __forceinline__ u32 gather_next_peer(const Proto& P, u32 s) {
   return (s + 1u == static_cast<u32>(P.world)) ? 0u : s + 1u;
 }
 
-// Local copy of a rows x row_vecs block of 16-byte vectors, shared by all CTAs of the grid:
-// thread j of the grid handles vectors j, j + span, j + 2 * span, ... (span = threads of the
-// grid, so a small block spreads over every CTA), loading kGatherUnroll of them before it
-// stores them. kInput: the source is this call's read-only input (ld.global.nc); otherwise it
+// Local copy of a rows x row_vecs block of 16-byte vectors, shared by CTAs [0, ncta) of which
+// this one is `cta`: thread j of them handles vectors j, j + span, j + 2 * span, ... (span =
+// their threads, so a small block spreads over every one), loading kGatherUnroll of them before
+// it stores them. kInput: the source is this call's read-only input (ld.global.nc); otherwise it
 // is slot data written by a peer, read after a wait (ld.global.cg). `dst2`, when not null,
 // receives a second copy.
 template <bool kInput>
 __device__ __forceinline__ void gather_copy(const char* src, long long src_stride, char* dst,
                                             long long dst_stride, char* dst2,
-                                            long long dst2_stride, u32 rows, u32 row_vecs) {
+                                            long long dst2_stride, u32 rows, u32 row_vecs,
+                                            u32 cta, u32 ncta) {
   const u32 n = rows * row_vecs;
-  const u32 span = gridDim.x * blockDim.x;  // threads of the grid
-  for (u32 base = blockIdx.x * blockDim.x + threadIdx.x; base < n;
+  const u32 span = ncta * blockDim.x;  // threads of the CTAs sharing the copy
+  for (u32 base = cta * blockDim.x + threadIdx.x; base < n;
        base += span * kGatherUnroll) {
     uint4 v[kGatherUnroll];
     u32 row[kGatherUnroll], col[kGatherUnroll];
@@ -170,31 +175,45 @@ __device__ __forceinline__ void gather_push(const Proto& P, const u64* peer_data
 }
 
 // Every source's part except this rank's, from a data slot into `dst` (same layout, row stride
-// `dst_stride`), shared by all CTAs; CTA b starts with source (rank + 1 + b) % world.
+// `dst_stride`), in units claimed from the call's work counter (parity `slot`) by every CTA that
+// takes part (the waiters and the helpers) until none is left. A unit is one pass of
+// kGatherUnroll vectors per thread over one source's part; consecutive units go to different
+// sources so that every link (pull) or slot region (push) is busy at once.
 // kFromPeers: source s's part is read from rank s's own slot over NVLink (pull); otherwise from
 // this rank's slot, where the peers pushed it (copy-out after a push).
 template <bool kFromPeers>
 __device__ __forceinline__ void gather_collect(const Proto& P, const u64* peer_data, u64 slot_off,
                                                const GatherGeom& g, char* dst,
-                                               long long dst_stride) {
+                                               long long dst_stride, int slot) {
   const long long part_bytes = static_cast<long long>(g.row_vecs) * 16ll;
-  u32 s = gather_first_peer(P);
-  for (int j = 0; j < P.world; ++j) {
-    if (s != static_cast<u32>(P.rank)) {
-      const u32 holder = kFromPeers ? s : static_cast<u32>(P.rank);
-      const char* from = reinterpret_cast<const char*>(__ldg(peer_data + holder) + slot_off)
-                         + s * part_bytes;
-      gather_copy<false>(from, g.slot_stride, dst + s * part_bytes, dst_stride, nullptr, 0,
-                         g.rows, g.row_vecs);
-    }
-    s = gather_next_peer(P, s);
+  const u32 W = static_cast<u32>(P.world);
+  const u32 n = g.rows * g.row_vecs;
+  const u32 per_unit = blockDim.x * static_cast<u32>(kGatherUnroll);
+  const u32 units_per_src = (n + per_unit - 1u) / per_unit;
+  const u32 units = units_per_src * (W - 1u);
+  for (u32 c = claim_work(P, slot); c < units; c = claim_work(P, slot)) {
+    const u32 j = c % (W - 1u);          // which other source
+    const u32 part = c / (W - 1u);       // which pass over its part
+    const u32 s = (static_cast<u32>(P.rank) + 1u + j) % W;
+    const u32 holder = kFromPeers ? s : static_cast<u32>(P.rank);
+    const char* from = reinterpret_cast<const char*>(__ldg(peer_data + holder) + slot_off)
+                       + s * part_bytes;
+    gather_copy<false>(from, g.slot_stride, dst + s * part_bytes, dst_stride, nullptr, 0,
+                       g.rows, g.row_vecs, part, units_per_src);
   }
 }
 
-// The workspace was poisoned by an earlier timeout: the whole CTA returns (CTA-uniform, so no
-// thread is left alone at a barrier of the protocol).
+// The workspace was poisoned by an earlier timeout or mismatch: the whole CTA takes the poison
+// path (CTA-uniform, so no thread is left alone at a barrier of the protocol).
 __device__ __forceinline__ bool gather_aborted(const Proto& P) {
   return __syncthreads_or(aborted(P) ? 1 : 0) != 0;
+}
+
+// The whole result of a call (g.rows rows of world * g.row_vecs vectors at `dst`, row stride
+// `stride`) filled with the poison pattern by CTAs [0, ncta).
+__device__ __forceinline__ void gather_poison(const Proto& P, const GatherGeom& g, char* dst,
+                                              long long stride, u32 cta, u32 ncta) {
+  poison_fill16(dst, stride, g.rows, static_cast<u32>(P.world) * g.row_vecs, cta, ncta);
 }
 
 // One push gather call, steps 1-4 of NOTE [dcpkit epoch signalling].
@@ -205,64 +224,92 @@ __device__ __forceinline__ bool gather_aborted(const Proto& P) {
 //   out       : nullptr = zero copy (the caller reads the own data slot after the kernel);
 //               else copy-out: the gathered rows (world * g.row_vecs vectors each, row stride
 //               g.out_stride) are written to `out`.
-// Zero copy: only the elected CTA waits for the sources, so kernel completion implies that every
-// rank's block is in the local slot. Copy-out: every CTA waits, then copies its share.
+// Zero copy: one waiter (the last CTA to arrive), so kernel completion implies that every rank's
+// block is in the local slot. Copy-out: the last min(grid, P.waiters) CTAs wait, then share the
+// copy with the other CTAs that find every signal within kHelpNs (work claimed unit by unit).
+// In a poisoned workspace, or after a failed wait, the elected CTA fills the whole result with
+// 0xFF bytes (NOTE [dcpkit epoch signalling]).
 template <Transport TR>
 __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer_data,
                                                  u64 slot_bytes, u64 mc_data, const char* src,
                                                  const GatherGeom& g, char* out) {
-  if (gather_aborted(P)) return;
   const u64 e = call_epoch(P);  // read once: the elected CTA stores e before the kernel ends
   const u32 e32 = static_cast<u32>(e);
   const int sig_slot = static_cast<int>(e & 1ull);
   const u64 slot_off = (e % kGatherDataSlots) * slot_bytes;
+  char* result = out != nullptr ? out
+                                : reinterpret_cast<char*>(__ldg(peer_data + P.rank) + slot_off);
+  const long long result_stride = out != nullptr ? g.out_stride : g.slot_stride;
+  const bool dead = gather_aborted(P);  // poisoned: store nothing, arrive, the elected fills
+  const u32 fp = call_fingerprint(P, g.tokens, 0u, false, false);
 
-  gather_push<TR>(P, peer_data, mc_data, slot_off, src, g, out);
-  const bool last = arrive_and_publish<TR>(P, e32, sig_slot, true);
-  if (last) finish_epoch(P, e);
-
-  if (out == nullptr) {
-    if (last) wait_all_sources(P, sig_slot, e32);  // CTA-uniform: every thread of the CTA calls
+  if (!dead) gather_push<TR>(P, peer_data, mc_data, slot_off, src, g, out);
+  const u32 k = out == nullptr ? 1u : P.waiters;
+  bool published;
+  const int w = arrive_and_publish<TR>(P, e, sig_slot, fp, k, published);
+  if (w < 0) {  // not a waiter: help with the copy-out if every source is there soon
+    if (out == nullptr || dead || !try_all_sources(P, sig_slot, e32, fp)) return;
+    gather_collect<false>(P, peer_data, slot_off, g, out, g.out_stride, sig_slot);
     return;
   }
-  if (!wait_all_sources(P, sig_slot, e32)) return;
-  gather_collect<false>(P, peer_data, slot_off, g, out, g.out_stride);
+  const u32 nw = k < gridDim.x ? k : gridDim.x;
+  const bool elected = static_cast<u32>(w) == nw - 1u;
+  // The elected CTA (the last to arrive: every CTA's stores into `out` come before its arrival)
+  // poisons the whole result when the workspace is poisoned or a wait fails; the other waiters
+  // just return.
+  if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, sig_slot, e32, fp)) {
+    if (elected) gather_poison(P, g, result, result_stride, 0u, 1u);
+    return;
+  }
+  if (out != nullptr) gather_collect<false>(P, peer_data, slot_off, g, out, g.out_stride, sig_slot);
 }
 
 // One pull gather call (unicast only).
 //   (a) every CTA copies its share of the own input into the own data slot, column rank (and
 //       into `out` with copy-out);
 //   (b) publish: this rank's signal now means "my block is staged in my slot";
-//   (c) every CTA waits for every source, then loads source s's block from rank s's slot over
-//       NVLink into the same place of the own slot (or of `out`).
+//   (c) the last min(grid, P.waiters) CTAs wait for every source (the others help if every
+//       source is there within kHelpNs), then they load source s's block from rank s's slot
+//       over NVLink into the same place of the own slot (or of `out`), unit by unit.
 // Slot reuse stays safe (same argument as NOTE [dcpkit epoch signalling], reads instead of
 // writes): this rank rewrites its data slot k (staging, step a) only at call n + 3; that call
-// starts after its call n + 2, whose CTAs all waited for every peer's n + 2 signal, and a peer
+// starts after its call n + 2, whose waiters all waited for every peer's n + 2 signal, and a peer
 // publishes n + 2 only inside its call n + 2, after its call n -- including every load it made
 // from this rank's slot -- retired. Peers never write into this rank's slot, so the view rule of
 // NOTE [dcpkit gather slots] holds as well (pull alone would even allow two slots).
 __device__ __forceinline__ void gather_pull_call(const Proto& P, const u64* peer_data,
                                                  u64 slot_bytes, const char* src,
                                                  const GatherGeom& g, char* out) {
-  if (gather_aborted(P)) return;
   const u64 e = call_epoch(P);
   const u32 e32 = static_cast<u32>(e);
   const int sig_slot = static_cast<int>(e & 1ull);
   const u64 slot_off = (e % kGatherDataSlots) * slot_bytes;
   char* own_slot = reinterpret_cast<char*>(__ldg(peer_data + P.rank) + slot_off);
+  char* result = out != nullptr ? out : own_slot;
+  const long long result_stride = out != nullptr ? g.out_stride : g.slot_stride;
+  const bool dead = gather_aborted(P);  // poisoned: store nothing, arrive, the elected fills
+  const u32 fp = call_fingerprint(P, g.tokens, 0u, false, false);
   const long long col0 = static_cast<long long>(P.rank) * g.row_vecs * 16ll;
 
-  gather_copy<true>(src, g.src_stride, own_slot + col0, g.slot_stride,
-                    out == nullptr ? nullptr : out + col0, g.out_stride, g.rows, g.row_vecs);
-  const bool last = arrive_and_publish<Transport::Unicast>(P, e32, sig_slot, true);
-  if (last) finish_epoch(P, e);
-
-  if (!wait_all_sources(P, sig_slot, e32)) return;
-  if (out == nullptr) {
-    gather_collect<true>(P, peer_data, slot_off, g, own_slot, g.slot_stride);
-  } else {
-    gather_collect<true>(P, peer_data, slot_off, g, out, g.out_stride);
+  if (!dead) {
+    gather_copy<true>(src, g.src_stride, own_slot + col0, g.slot_stride,
+                      out == nullptr ? nullptr : out + col0, g.out_stride, g.rows, g.row_vecs,
+                      blockIdx.x, gridDim.x);
   }
+  bool published;
+  const int w = arrive_and_publish<Transport::Unicast>(P, e, sig_slot, fp, P.waiters, published);
+  if (w < 0) {  // not a waiter: help with the loads if every source is there soon
+    if (dead || !try_all_sources(P, sig_slot, e32, fp)) return;
+    gather_collect<true>(P, peer_data, slot_off, g, result, result_stride, sig_slot);
+    return;
+  }
+  const u32 nw = P.waiters < gridDim.x ? P.waiters : gridDim.x;
+  const bool elected = static_cast<u32>(w) == nw - 1u;
+  if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, sig_slot, e32, fp)) {
+    if (elected) gather_poison(P, g, result, result_stride, 0u, 1u);
+    return;
+  }
+  gather_collect<true>(P, peer_data, slot_off, g, result, result_stride, sig_slot);
 }
 
 }  // namespace dcpkit

@@ -8,13 +8,16 @@
 //               the row out_partial[t, d*H_r + h] goes (16-byte stores) to slot row [r][t][h] on
 //               rank d, its lse (natural log, sanitised, -inf when the row is masked) to the lse
 //               slot [r][t][h]. A row whose lse is -inf sends no payload.
-//   2. publish  arrive_and_publish: fence, last-CTA election, the elected CTA stores the epoch
-//               into signals[slot][r] of every rank (this one included) and the new epoch.
-//   3. combine  every CTA waits for all sources (its own rank included: that signal says every
-//               CTA of this kernel finished its stores), then warps grid-stride over (t, h):
+//   2. publish  arrive_and_publish: CTA barrier, arrival (last-CTA election), the elected CTA
+//               stores the new epoch and the signal word into signals[slot][r] of every rank
+//               (this one included) after one fence.acq_rel.sys.
+//   3. combine  the last K CTAs to arrive (K = min(grid, waiter_ctas)) wait for all sources
+//               (its own rank included: that signal says every CTA of this kernel finished its
+//               stores); the other CTAs help if every signal is there within kHelpNs, else exit.
+//               They claim units of kWarps items (t, h) from the call's work counter:
 //               out = sum_s w_s * payload_s in fp32, rounded once; merged lse = m + log(sum).
 // See NOTE [dcpkit epoch signalling] in dcpkit_ptx.cuh for why slots can be reused without a
-// barrier. Every CTA waits, so the grid never exceeds the number of SMs (all CTAs co-resident).
+// barrier, and for the co-residency rule that bounds the waiting CTAs.
 //
 // Slot layout on the owner rank (slot p = epoch & 1, base = peer_data[owner] + p * slot_bytes):
 //   payload  OUT_T [W src][T_max][H_r][D_v]
@@ -68,7 +71,8 @@ __device__ __forceinline__ bool row_masked(int t, const int* seq_lens, const int
   return lo > 0 && seq_lens[lo - 1] == 0;
 }
 
-// The merge, shared by both kernels. Warps grid-stride over items (t, h) in [0, T*H_r).
+// The merge, shared by both kernels. The warps of CTAs [0, ncta) (this one is `cta`) stride over
+// items (t, h) in [0, T*H_r).
 //   payload : source 0, item 0 of [W][T_cap][H_r][D_v] OUT_T (src_stride_bytes between sources)
 //   lse     : source 0, item 0 of [W][T_cap][H_r] float (src_lse_stride elements between sources)
 //   out     : [T][H_r][D_v] contiguous, 16-byte aligned rows; out_lse: [T][H_r] or null.
@@ -77,14 +81,15 @@ __device__ __forceinline__ bool row_masked(int t, const int* seq_lens, const int
 template <typename OUT_T>
 __device__ __forceinline__ void combine_rows(const char* payload, u64 src_stride_bytes,
                                              const float* lse, u64 src_lse_stride, int W, int T,
-                                             int H_r, int D_v, OUT_T* out, float* out_lse) {
+                                             int H_r, int D_v, OUT_T* out, float* out_lse,
+                                             int cta, int ncta) {
   constexpr int E = vec_elems<OUT_T>::value;
   __shared__ float s_p[kWarps][kMaxSources];    // lse, then exp(l - m), per source
   __shared__ float s_w[kWarps][kMaxSources];    // weights of the sources that are read
   __shared__ int s_src[kWarps][kMaxSources];    // ... and their source index
   const int lane = static_cast<int>(threadIdx.x & 31u);
   const int wib = static_cast<int>(threadIdx.x >> 5);
-  const int nwarps = static_cast<int>(gridDim.x) * kWarps;
+  const int nwarps = ncta * kWarps;
   const int items = T * H_r;
   const u64 row_bytes = static_cast<u64>(D_v) * sizeof(OUT_T);
   const int nvec = static_cast<int>(row_bytes / 16);
@@ -92,7 +97,7 @@ __device__ __forceinline__ void combine_rows(const char* payload, u64 src_stride
   float* wv = s_w[wib];
   int* src = s_src[wib];
 
-  for (int item = static_cast<int>(blockIdx.x) * kWarps + wib; item < items; item += nwarps) {
+  for (int item = cta * kWarps + wib; item < items; item += nwarps) {
     char* orow = reinterpret_cast<char*>(out) + static_cast<u64>(item) * row_bytes;
     // Max over sources (lane s holds sources s, s + 32, ...).
     float m = neg_inf();
@@ -185,14 +190,36 @@ __device__ __forceinline__ void combine_rows(const char* payload, u64 src_stride
   }
 }
 
+// Fingerprint code of the lse_partial dtype (dcpkit/ops/_protocol.py LSE_CODES).
+template <typename T> struct lse_code;
+template <> struct lse_code<bf16_t> { static constexpr u32 value = 1; };
+template <> struct lse_code<fp16_t> { static constexpr u32 value = 2; };
+template <> struct lse_code<float> { static constexpr u32 value = 3; };
+
+// The poison pattern over a call's whole result (out [T][H_r][D_v], out_lse [T][H_r] or null),
+// by CTAs [0, ncta): 0xFF bytes, NaN in every output dtype.
+__device__ __forceinline__ void poison_result(char* out, float* out_lse, int T, int H_r,
+                                              u64 row_bytes, u32 cta, u32 ncta) {
+  poison_fill16(out, static_cast<long long>(row_bytes), static_cast<u32>(T * H_r),
+                static_cast<u32>(row_bytes / 16), cta, ncta);
+  if (out_lse != nullptr) {
+    for (int i = static_cast<int>(cta * blockDim.x + threadIdx.x); i < T * H_r;
+         i += static_cast<int>(ncta * blockDim.x)) {
+      out_lse[i] = __int_as_float(-1);  // 0xFFFFFFFF: NaN
+    }
+  }
+}
+
 }  // namespace lse_detail
 
 // One call of LseReduce (dcpkit/ops/lse_reduce.py). Strides are in elements; seq_lens,
 // query_start_loc and out_lse may be null. Host guarantees: D_v * sizeof(OUT_T) % 16 == 0,
 // 16-byte aligned input rows (out_partial, token and head strides), out contiguous and 16-byte
-// aligned, world_size <= kMaxSources, gridDim.x <= number of SMs, blockDim.x == kThreads.
+// aligned, world_size <= kMaxSources, blockDim.x == kThreads. Any grid: the last
+// min(grid, P.waiters) CTAs to arrive wait and combine, the others send and exit (NOTE [dcpkit
+// epoch signalling], co-residency rule; two CTAs fit on one SM by the launch bounds).
 template <typename OUT_T, typename LSE_T>
-__global__ void __launch_bounds__(lse_detail::kThreads, 1)
+__global__ void __launch_bounds__(lse_detail::kThreads, 2)
 lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64 lse_offset,
                   int T_max, const OUT_T* out_partial, long long in_tok_stride,
                   long long in_head_stride, const LSE_T* lse_partial, long long lse_tok_stride,
@@ -202,7 +229,10 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   using namespace lse_detail;
   (void)H;  // H == W * H_r; kept in the signature for readability of the launch
   const Proto P = DCPKIT_PROTO_MAKE();
-  if (aborted(P)) return;
+  const u64 row_bytes = static_cast<u64>(D_v) * sizeof(OUT_T);
+  // Poisoned: send nothing, arrive; the elected CTA fills the result (NOTE [dcpkit epoch
+  // signalling]).
+  const bool dead = __syncthreads_or(aborted(P) ? 1 : 0) != 0;
   const u64 e = call_epoch(P);  // read once: the elected CTA stores e before the kernel ends
   const u32 e32 = static_cast<u32>(e);
   const int slot = static_cast<int>(e & 1ull);
@@ -210,12 +240,13 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   const int rank = P.rank;
   const int lane = static_cast<int>(threadIdx.x & 31u);
   const int nwarps = static_cast<int>(gridDim.x) * kWarps;
-  const u64 row_bytes = static_cast<u64>(D_v) * sizeof(OUT_T);
   const int nvec = static_cast<int>(row_bytes / 16);
   const u64 slot_off = static_cast<u64>(slot) * slot_bytes;
+  const u32 fp = call_fingerprint(P, static_cast<u32>(T), lse_code<LSE_T>::value,
+                                  query_start_loc != nullptr, seq_lens != nullptr);
 
   // 1. Send. Row i -> destination d (ranks start on different destinations), token t, head h.
-  const int rows = W * T * H_r;
+  const int rows = dead ? 0 : W * T * H_r;
   for (int i = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x >> 5);
        i < rows; i += nwarps) {
     const int d = (rank + 1 + i % W) % W;
@@ -258,15 +289,30 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
     if (lane == 0) reinterpret_cast<float*>(base + lse_offset)[srow] = l;
   }
 
-  // 2. Publish (NOTE [dcpkit epoch signalling], steps 2 and 4).
-  if (arrive_and_publish<Transport::Unicast>(P, e32, slot, true)) finish_epoch(P, e);
-
-  // 3. Combine the own slot once every source (this rank included) has published.
-  if (!wait_all_sources(P, slot, e32)) return;
+  // 2. Arrive, elect, publish (NOTE [dcpkit epoch signalling], steps 2 and 4).
+  bool published;
+  const int w = arrive_and_publish<Transport::Unicast>(P, e, slot, fp, P.waiters, published);
+  if (w < 0) {  // not a waiter: help with the combine if every source is there soon
+    if (dead || !try_all_sources(P, slot, e32, fp)) return;
+  } else {
+    const int nw = static_cast<int>(P.waiters < gridDim.x ? P.waiters : gridDim.x);
+    const bool elected = w == nw - 1;
+    // 3. The waiters combine the own slot once every source (this rank included) has
+    // published. Poisoned, or a wait failed: the elected CTA fills the whole result.
+    if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, slot, e32, fp)) {
+      if (elected) poison_result(reinterpret_cast<char*>(out), out_lse, T, H_r, row_bytes, 0u, 1u);
+      return;
+    }
+  }
+  // The combine, in units of kWarps items claimed from the call's work counter.
   const char* own = reinterpret_cast<const char*>(peer_data[rank]) + slot_off;
-  combine_rows<OUT_T>(own, static_cast<u64>(T_max) * H_r * row_bytes,
-                      reinterpret_cast<const float*>(own + lse_offset),
-                      static_cast<u64>(T_max) * H_r, W, T, H_r, D_v, out, out_lse);
+  const int units = (T * H_r + kWarps - 1) / kWarps;
+  for (int c = static_cast<int>(claim_work(P, slot)); c < units;
+       c = static_cast<int>(claim_work(P, slot))) {
+    combine_rows<OUT_T>(own, static_cast<u64>(T_max) * H_r * row_bytes,
+                        reinterpret_cast<const float*>(own + lse_offset),
+                        static_cast<u64>(T_max) * H_r, W, T, H_r, D_v, out, out_lse, c, units);
+  }
 }
 
 // The merge alone, over local contiguous arrays: src_out [W][T][H_r][D_v], src_lse float
@@ -281,7 +327,8 @@ lse_combine_kernel(const OUT_T* src_out, const float* src_lse, OUT_T* out, float
   const u64 row_bytes = static_cast<u64>(D_v) * sizeof(OUT_T);
   combine_rows<OUT_T>(reinterpret_cast<const char*>(src_out),
                       static_cast<u64>(T) * H_r * row_bytes, src_lse,
-                      static_cast<u64>(T) * H_r, W, T, H_r, D_v, out, out_lse);
+                      static_cast<u64>(T) * H_r, W, T, H_r, D_v, out, out_lse,
+                      static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
 }
 
 }  // namespace dcpkit

@@ -16,15 +16,17 @@ namespace dcpkit {
 //   out              : nullptr (zero copy: the result is read from the own data slot), or the
 //                      copy-out destination [T, H, D] with heads contiguous
 //   out_token_stride : bytes between tokens of out
-// Grid: 1 to sm_count CTAs of kGatherThreads threads (every CTA must be co-resident).
+// Grid: any number of CTAs of kGatherThreads threads; at most P.waiters of them wait
+// (NOTE [dcpkit epoch signalling], co-residency rule).
 template <Transport TR>
-__global__ void __launch_bounds__(kGatherThreads)
+__global__ void __launch_bounds__(kGatherThreads, kGatherMinBlocks)
 q_gather_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64 mc_data,
                 const char* q, long long q_token_stride, u32 row_vecs,
                 long long slot_token_stride, u32 tokens, char* out,
                 long long out_token_stride) {
   const Proto P = DCPKIT_PROTO_MAKE();
-  const GatherGeom g{tokens, row_vecs, q_token_stride, slot_token_stride, out_token_stride};
+  const GatherGeom g{tokens, row_vecs, q_token_stride, slot_token_stride, out_token_stride,
+                    tokens};
   gather_push_call<TR>(P, peer_data, slot_bytes, mc_data, q, g, out);
 }
 

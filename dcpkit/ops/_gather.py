@@ -68,12 +68,20 @@ class GatherWorkspace(OpWorkspace):
     vectors_per_cta : int
         16-byte vectors of one rank's block that one CTA handles per call before the grid grows
         (tuning knob: small values spread decode-size calls over more SMs). The grid never
-        exceeds ``max_ctas`` (the SM count, divided among ranks sharing a GPU): CTAs that
-        wait must be co-resident.
+        exceeds ``max_ctas`` (the SM count, divided among ranks sharing a GPU).
+    waiter_ctas : int
+        CTAs of a copy-out call that wait for the peers and share the copy-out (the others
+        store, signal and exit); a zero-copy call has one. Default: the SM share divided by
+        ``MAX_LIVE_KERNELS`` (8), at least 1 (NOTE [dcpkit epoch signalling], co-residency
+        rule).
+    THREADS : int
+        Threads per CTA.
     """
 
     launches_per_call = 1
     vectors_per_cta = 512
+    #: Threads per CTA of the gather kernels (kernels/gather.cuh kGatherThreads).
+    THREADS = THREADS
 
     def _check_gather_common(self, world_size: int, *, data_slot_bytes: int, out_bytes: int,
                              num_ubatches, timeout_ms) -> Tuple:
@@ -96,7 +104,7 @@ class GatherWorkspace(OpWorkspace):
         kernel = None
         try:
             with cupy.cuda.Device(self.device):
-                kernel = jit.get_kernel(file, name_expr)
+                kernel = jit.get_kernel(file, name_expr, self._kernel_options())
         except Exception as e:  # noqa: BLE001 - shared with every rank below
             err = e
         try:
@@ -116,7 +124,8 @@ class GatherWorkspace(OpWorkspace):
         """Call bookkeeping (advances the host shadow of the epoch). Returns ``(kernel_out,
         result_ptr)``: the ``out`` pointer the kernel gets (0 = zero copy) and the address of the
         result (``out_ptr`` when the caller gave ``out=``)."""
-        _, capturing, exact = self.begin_call(ubatch, stream, debug_key)
+        _, capturing, exact = self.begin_call(ubatch, stream, debug_key,
+                                              needs_output=not out_ptr)
         if out_ptr:
             return out_ptr, out_ptr
         if exact:
@@ -153,6 +162,16 @@ class GatherWorkspace(OpWorkspace):
                                               int(self.mc_data_ptr(ubatch)))
             cache[ubatch] = args
         return args
+
+    def _vectors(self, T: int, copy_out: bool) -> int:
+        """16-byte vectors that size the grid of a call (the op's own count)."""
+        raise NotImplementedError
+
+    def ctas_for(self, T: int, *, copy_out: bool = False) -> int:
+        """The grid (CTA count, :attr:`THREADS` threads each) of a call with ``T`` tokens:
+        zero copy (eager, never captured) or ``copy_out`` (``out=``, graph capture, eager after
+        a capture)."""
+        return self._grid(self._vectors(int(T), bool(copy_out)))
 
     def _grid(self, vectors: int) -> int:
         return launch_config(vectors, max(1, int(self.vectors_per_cta)), self.max_ctas)

@@ -4,7 +4,8 @@ record, output buffers, and the call bookkeeping.
 See NOTE [dcpkit epoch signalling] in ``kernels/dcpkit_ptx.cuh`` for the protocol. Layout of an
 op's symmetric region, per ubatch ``u`` (every part 256-byte aligned)::
 
-    signals  u32 [2, world_size]       written only by peers (and by this rank for itself)
+    signals  u64 [2, world_size]       written only by peers (and by this rank for itself):
+                                        (fingerprint << 32) | epoch (dcpkit/ops/_protocol.py)
     slot 0   slot_bytes                 data of even epochs
     slot 1   slot_bytes                 data of odd epochs
 
@@ -13,8 +14,9 @@ are read after the kernel retired, see NOTE [dcpkit gather slots] in ``kernels/g
 Signals always keep two slots, ``epoch & 1``.)
 
 Local (non-symmetric) device state per workspace: ``epoch u64 [U]``, ``arrive u32 [U]`` (CTA
-arrival counters, zero between calls), ``abort u32 [1]``; a 32-byte timeout record in mapped
-pinned host memory.
+arrival counters, zero between calls), ``abort u32 [1]``, ``work u32 [U, 2]`` (work counters of
+the copy-out / combine, by epoch parity); the failure record
+(``_protocol.RECORD_BYTES``, timeout or mismatch) in mapped pinned host memory.
 
 Outputs. Parity of the slot a call uses is chosen on the device (``epoch & 1``). The host keeps a
 shadow count of the calls of each ubatch; it is exact while the ubatch is only called eagerly.
@@ -23,11 +25,27 @@ shadow count of the calls of each ubatch; it is exact while the ubatch is only c
   (zero copy); lse_reduce writes into one of two workspace output buffers.
 * eager call after the ubatch was captured: the host no longer knows the device parity, so the
   result is copied into one of two workspace output buffers, alternating per eager call.
-* call while the stream is capturing: the result goes to the ubatch's graph output buffer, a
-  fixed address that the graph's later kernels can read on every replay.
+* call while the stream is capturing: the result goes to a graph output buffer of its own, taken
+  from a pool of ``graph_outputs`` buffers allocated with the workspace (never given back: a
+  graph may be replayed at any time); a capture that finds the pool empty raises
+  :class:`DcpkitError` (pass ``out=`` or build the workspace with a larger ``graph_outputs``).
 In every eager case the returned view stays valid while it is consumed on the same stream before
 call ``n + 2`` of the same ubatch is issued; a graph output stays valid until the next replay of
-a graph that captured a call of this ubatch.
+the graph that captured the call.
+
+Capture. A workspace is never built, and its first call is never made, while the stream is
+capturing (:func:`check_not_capturing`): setup compiles, loads modules, allocates and runs host
+collectives, none of which a capture may contain.
+
+Poison. After a timeout or a mismatch the workspace is poisoned: every later kernel of it (eager
+or graph replay) fills its result with 0xFF bytes (NaN in every float dtype; the merged lse NaN),
+and :attr:`OpWorkspace.poisoned` / :meth:`OpWorkspace.check` tell it from the mapped record
+without synchronising. A replay-only loop detects it like this::
+
+    for step in range(n):
+        graph.launch(stream)
+        if op.poisoned:          # a read of host memory, no device sync
+            op.check()           # raises CollectiveTimeout or ConfigMismatch
 """
 
 from __future__ import annotations
@@ -41,17 +59,24 @@ import numpy as np
 
 from .. import _cuda
 from ..comm import Communicator
-from ..errors import (ClosedError, CollectiveTimeout, DcpkitError, InvalidArgument, InvalidType,
-                      PeerError)
+from ..errors import (ClosedError, CollectiveTimeout, ConfigMismatch, DcpkitError,
+                      InvalidArgument, InvalidType, PeerError)
+from . import _protocol
 from ..symmetric import MAX_NBYTES
 
 __all__ = ["OpWorkspace", "OP_IDS", "OP_NAMES", "default_timeout_ms", "check_timeout_ms",
            "debug_enabled", "share_outcome", "guarded", "check_heap", "TIMEOUT_RECORD_FIELDS",
-           "MAX_TIMEOUT_MS"]
+           "MAX_TIMEOUT_MS", "MAX_LIVE_KERNELS", "DEFAULT_GRAPH_OUTPUTS", "check_not_capturing"]
 
 OP_IDS: Dict[str, int] = {"lse_reduce": 1, "q_gather": 2, "kv_gather": 3, "ceilings": 4}
 OP_NAMES: Dict[int, str] = {v: k for k, v in OP_IDS.items()}
-TIMEOUT_RECORD_FIELDS = ("state", "op", "rank", "peer", "expected", "observed", "ubatch", "pad")
+#: The first eight words of the failure record (the whole layout: _protocol.RECORD_FIELDS).
+TIMEOUT_RECORD_FIELDS = _protocol.RECORD_FIELDS[:8]
+#: dcpkit kernels of one rank that may be in flight at once without deadlock (NOTE [dcpkit
+#: epoch signalling], co-residency rule): the default waiter_ctas is the SM share / this.
+MAX_LIVE_KERNELS = 8
+#: Graph output buffers of a workspace when the constructor is given none.
+DEFAULT_GRAPH_OUTPUTS = 4
 #: Largest wait deadline accepted, in milliseconds (one hour).
 MAX_TIMEOUT_MS = 3_600_000
 
@@ -109,6 +134,30 @@ def check_bool(value, op: str, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise InvalidType(f"{op}: {name} must be a bool (got {value!r})")
     return bool(value)
+
+
+def check_not_capturing(stream, op: str, what: str) -> None:
+    """Raise :class:`DcpkitError` if ``stream`` is capturing a CUDA graph (``what``: the step
+    refused, e.g. "construction")."""
+    if stream is None:
+        return
+    try:
+        capturing = bool(stream.is_capturing())
+    except Exception:  # noqa: BLE001 - a stream that cannot tell is not capturing here
+        return
+    if capturing:
+        raise DcpkitError(f"{op}: {what} must not happen while a CUDA graph is being captured "
+                          f"(got a capturing stream): build the workspace and make one eager "
+                          f"call before capturing")
+
+
+def _current_stream(cupy, device: int):
+    """The current CuPy stream of ``device`` (None where it cannot be had: no driver)."""
+    try:
+        with cupy.cuda.Device(device):
+            return cupy.cuda.get_current_stream()
+    except Exception:  # noqa: BLE001 - no stream, nothing capturing
+        return None
 
 
 def check_positive_int(value, op: str, name: str, *, minimum: int = 1) -> int:
@@ -197,7 +246,7 @@ class OpWorkspace:
         self.num_ubatches = check_positive_int(num_ubatches, op, "num_ubatches")
         self.timeout_ms = check_timeout_ms(timeout_ms, op)
         W, U = int(world_size), self.num_ubatches
-        self._sig_bytes = _round_up(2 * W * 4)
+        self._sig_bytes = _round_up(2 * W * 8)  # u64 signal words
         self.slot_bytes = _round_up(max(int(slot_bytes), 16))
         self._ubatch_stride = self._sig_bytes + 2 * self.slot_bytes
         self._region = U * self._ubatch_stride
@@ -208,6 +257,23 @@ class OpWorkspace:
                 f"{U} * {self._ubatch_stride} = {self._region}): lower {self.size_arguments} "
                 f"or num_ubatches")
         return (U, self.timeout_ms, self._region)
+
+    def _check_protocol_options(self, *, graph_outputs, waiter_ctas, self_check) -> None:
+        """The protocol knobs every op takes (no GPU, no collective; need not agree across
+        ranks): ``graph_outputs`` (>= 0), ``waiter_ctas`` (None or >= 1) and the benchmark-only
+        ``_self_check`` (a bool)."""
+        op = self.op_name
+        if graph_outputs is None:
+            graph_outputs = DEFAULT_GRAPH_OUTPUTS
+        self.graph_outputs = check_positive_int(graph_outputs, op, "graph_outputs", minimum=0)
+        self._waiter_ctas_arg = (None if waiter_ctas is None else
+                                 check_positive_int(waiter_ctas, op, "waiter_ctas"))
+        self._self_check = check_bool(self_check, op, "_self_check")
+
+    def _kernel_options(self) -> Tuple[str, ...]:
+        """NVRTC options of the op's kernels: the benchmark-only variant without the
+        fingerprint comparison when built with ``_self_check=False``."""
+        return () if getattr(self, "_self_check", True) else ("-DDCPKIT_SELF_CHECK=0",)
 
     def _setup(self, comm: Communicator, check_arguments: Callable[[int], Tuple], what: str, *,
                heap=None, multicast=None) -> None:
@@ -240,6 +306,9 @@ class OpWorkspace:
             if heap is not None:
                 check_heap(heap, comm, op, self._region)
             device = _cuda.require_device(op, None if heap is None else heap.device)
+            # Inside the agreed exchange, so that every rank raises (the capturing one its
+            # own error, the others PeerError), before any GPU work or other collective.
+            check_not_capturing(_current_stream(cupy, device), op, "construction")
             if heap is None:
                 self._check_fits(cupy, device)
             return values
@@ -305,6 +374,10 @@ class OpWorkspace:
         # the SMs: each rank takes at most its share of the SMs.
         self.ranks_on_gpu = sum(1 for hb in every if hb == (comm.host, bus))
         self.max_ctas = max(1, self.sm_count // self.ranks_on_gpu)
+        # Waiting CTAs per kernel (NOTE [dcpkit epoch signalling], co-residency rule).
+        wc = getattr(self, "_waiter_ctas_arg", None)
+        self.waiter_ctas = min(self.max_ctas, wc if wc is not None
+                               else max(1, self.max_ctas // MAX_LIVE_KERNELS))
         U = self.num_ubatches
         self._calls = [0] * U          # host shadow of the epoch, exact until a capture
         self._captured = [False] * U   # whether a call of this ubatch was ever captured
@@ -321,7 +394,8 @@ class OpWorkspace:
         heap, U = self.heap, self.num_ubatches
         with cupy.cuda.Device(self.device):
             self._epoch = cupy.zeros(U, dtype=cupy.uint64)
-            self._ctl = cupy.zeros(U + 1, dtype=cupy.uint32)  # arrive[U], abort
+            # arrive[U], abort, work[U][2] (copy-out / combine work counters by epoch parity)
+            self._ctl = cupy.zeros(3 * U + 1, dtype=cupy.uint32)
             # peer_sig[u, s] = address of signals[0][0] of ubatch u on rank s
             tbl = np.array([[p + self._base + u * self._ubatch_stride for p in heap.peer_ptrs]
                             for u in range(U)], dtype=np.uint64)
@@ -329,10 +403,13 @@ class OpWorkspace:
             # peer_data[u, s] = address of slot 0 of ubatch u on rank s
             self._peer_data = cupy.asarray(tbl + np.uint64(self._sig_bytes))
             flags = cupy.cuda.runtime.hostAllocMapped | cupy.cuda.runtime.hostAllocPortable
-            self._rec_ptr = cupy.cuda.runtime.hostAlloc(32, flags)
-            self._rec = np.ctypeslib.as_array((ctypes.c_uint32 * 8).from_address(self._rec_ptr))
+            self._rec_ptr = cupy.cuda.runtime.hostAlloc(_protocol.RECORD_BYTES, flags)
+            self._rec = np.ctypeslib.as_array(
+                (ctypes.c_uint32 * _protocol.RECORD_WORDS).from_address(self._rec_ptr))
             self._rec[:] = 0
-            self._graph_out = cupy.empty(max(self._out_bytes, 1) * U, dtype=cupy.uint8)
+            n_graph = getattr(self, "graph_outputs", DEFAULT_GRAPH_OUTPUTS)
+            self._graph_out = cupy.empty(max(self._out_bytes * n_graph, 1), dtype=cupy.uint8)
+            self._graph_next = 0
             self._eager_out: List[Optional[object]] = [None] * U
             props = cupy.cuda.runtime.getDeviceProperties(self.device)
             self.sm_count = props["multiProcessorCount"]
@@ -340,7 +417,7 @@ class OpWorkspace:
 
     def _free_local_state(self) -> None:
         """Drop what :meth:`_init_local_state` made (after a failed setup, or at close)."""
-        self._rec = np.zeros(8, dtype=np.uint32)
+        self._rec = np.zeros(_protocol.RECORD_WORDS, dtype=np.uint32)
         if getattr(self, "_rec_ptr", 0):
             try:
                 import cupy  # noqa: WPS433
@@ -357,6 +434,7 @@ class OpWorkspace:
         if self.multicast:
             mc = self.heap.mc_ptr + self._base + u * self._ubatch_stride
         ctl = self._ctl.data.ptr
+        fp_base = _protocol.fingerprint_base(OP_IDS[self.op_name], u, self.dtype)
         return (
             np.uint64(self._epoch.data.ptr + 8 * u),   # epoch
             np.uint64(ctl + 4 * u),                    # arrive
@@ -367,6 +445,9 @@ class OpWorkspace:
             np.uint64(mc),                             # multicast signals (0 = none)
             np.int32(self.rank), np.int32(self.world_size), self._timeout_ns,
             np.uint32(OP_IDS[self.op_name]), np.uint32(u),
+            np.uint32(fp_base), np.uint32(self.waiter_ctas), np.uint32(self.num_ubatches),
+            np.uint32(self._ubatch_stride // 8),      # u64 words between ubatches' signals
+            np.uint64(ctl + 4 * (self.num_ubatches + 1 + 2 * u)),  # work counters [2]
         )
 
     def _finish_setup(self) -> None:
@@ -408,11 +489,25 @@ class OpWorkspace:
                 + parity * self.slot_bytes)
 
     def check_open(self) -> None:
-        """Raise if the workspace is closed or poisoned by a timeout."""
+        """Raise if the workspace is closed or poisoned by a timeout or a mismatch."""
         if self._closed:
             raise ClosedError(f"{self.op_name}: the workspace is closed")
         if self._rec[0] != 0:
-            self._raise_timeout()
+            self._raise_failure()
+
+    def check(self) -> None:
+        """Raise the failure that poisoned the workspace, if any: :class:`CollectiveTimeout` or
+        :class:`ConfigMismatch`. Reads the host-mapped record only (no device sync, no
+        collective): cheap enough for every step of a graph-replay loop.
+
+        Raises
+        ------
+        ClosedError
+            The workspace is closed.
+        CollectiveTimeout, ConfigMismatch
+            The workspace is poisoned.
+        """
+        self.check_open()
 
     def check_ubatch(self, ubatch) -> int:
         if isinstance(ubatch, bool) or not isinstance(ubatch, (int, np.integer)):
@@ -438,7 +533,8 @@ class OpWorkspace:
             return stream
         return _cuda.check_stream(stream, self.op_name)  # raises InvalidType
 
-    def begin_call(self, ubatch: int, stream, debug_key: Tuple) -> Tuple[int, bool, bool]:
+    def begin_call(self, ubatch: int, stream, debug_key: Tuple, *,
+                   needs_output: bool = False) -> Tuple[int, bool, bool]:
         """Bookkeeping at the start of a call, after validation and before the launch.
 
         Returns ``(parity, capturing, exact)``: the parity the device will use if the host shadow
@@ -446,24 +542,40 @@ class OpWorkspace:
         a ubatch that was never captured).
 
         With ``DCPKIT_DEBUG=1`` every rank first compares ``debug_key`` (op, T, dtype, ubatch,
-        ...) and raises :class:`ConfigMismatch` naming the ranks that differ.
+        ...) and raises :class:`ConfigMismatch` naming the ranks that differ. A capturing call
+        raises :class:`DcpkitError` (before it counts) when it is the workspace's first call, or
+        when it ``needs_output`` (no ``out=``) and every graph output buffer is taken.
         """
         if self._debug:
             self.comm.agree(f"{self.op_name}: call arguments (op, T, dtype, ubatch, ...)",
                             (self.op_name,) + tuple(debug_key))
         capturing = bool(stream.is_capturing())
         if capturing:
+            if not any(self._calls):
+                check_not_capturing(stream, self.op_name, "the first call")
+            if needs_output and self._graph_next >= self.graph_outputs:
+                raise DcpkitError(
+                    f"{self.op_name}: graph output buffers must suffice for every call captured "
+                    f"without out= (got graph_outputs={self.graph_outputs}, all taken by "
+                    f"earlier captured calls): pass out= or build the workspace with a larger "
+                    f"graph_outputs")
             self._captured[ubatch] = True
         self._calls[ubatch] += 1
         parity = self._calls[ubatch] & 1
         return parity, capturing, (not capturing and not self._captured[ubatch])
 
     def output_ptr(self, ubatch: int, capturing: bool) -> int:
-        """Device address of the workspace output buffer for this call (``out=None``)."""
+        """Device address of the workspace output buffer for this call (``out=None``): a graph
+        output buffer of its own while capturing (taken for good), else one of the two eager
+        buffers of the ubatch."""
         import cupy  # noqa: WPS433
 
         if capturing:
-            return self._graph_out.data.ptr + ubatch * self._out_bytes
+            k = self._graph_next
+            if k >= self.graph_outputs:  # begin_call checked; an internal invariant
+                raise DcpkitError(f"{self.op_name}: graph output buffers exhausted")
+            self._graph_next = k + 1
+            return self._graph_out.data.ptr + k * self._out_bytes
         buf = self._eager_out[ubatch]
         if buf is None:
             with cupy.cuda.Device(self.device):
@@ -481,17 +593,37 @@ class OpWorkspace:
             raise ClosedError(f"{self.op_name}: the workspace is closed")
         self.get_stream(stream).synchronize()
         if self._rec[0] != 0:
-            self._raise_timeout()
+            self._raise_failure()
 
-    def _raise_timeout(self) -> None:
-        rec = dict(zip(TIMEOUT_RECORD_FIELDS, (int(v) for v in self._rec)))
-        op = OP_NAMES.get(rec["op"], self.op_name)
-        raise CollectiveTimeout(op, rec["rank"], rec["peer"], rec["expected"], rec["observed"],
-                                ubatch=rec["ubatch"], timeout_ms=self.timeout_ms)
+    def _raise_failure(self) -> None:
+        """Raise what the record holds: :class:`CollectiveTimeout` or :class:`ConfigMismatch`."""
+        rec = self._rec
+        f = dict(zip(TIMEOUT_RECORD_FIELDS, (int(v) for v in rec[:8])))
+        op = OP_NAMES.get(f["op"], self.op_name)
+        if f["kind"] == _protocol.REC_MISMATCH and len(rec) >= _protocol.RECORD_WORDS:
+            raise self._mismatch_error(op, rec)
+        raise CollectiveTimeout(op, f["rank"], f["peer"], f["expected"], f["observed"],
+                                ubatch=f["ubatch"], timeout_ms=self.timeout_ms)
+
+    def _mismatch_error(self, op: str, rec) -> ConfigMismatch:
+        """The :class:`ConfigMismatch` of a mismatch record: the values this rank saw."""
+        n = len(_protocol.RECORD_FIELDS)
+        f = dict(zip(_protocol.RECORD_FIELDS, (int(v) for v in rec[:n])))
+        W = min(int(f["world"]) or self.world_size, _protocol.RECORD_SOURCES)
+        seen = [int(v) or None for v in rec[n:n + W]]
+        for r, fp in ((f["rank"], f["own_fp"]), (f["peer"], f["peer_fp"])):
+            if r < W:
+                seen[r] = fp
+        summary, per_rank = _protocol.describe_mismatch(seen)
+        return ConfigMismatch(
+            f"{op}: call arguments ({summary}; seen by rank {f['rank']} in ubatch "
+            f"{f['ubatch']}, epoch {f['expected']}; the workspace is poisoned: close it and "
+            f"build a new one)", per_rank)
 
     @property
     def poisoned(self) -> bool:
-        """True once a wait of this workspace timed out."""
+        """True once a wait of this workspace timed out or found a peer's call differing (a read
+        of host-mapped memory: no device sync). Then :meth:`check` raises the error."""
         return (not self._closed) and self._rec[0] != 0
 
     # ------------------------------------------------------------------ test hooks
@@ -507,7 +639,7 @@ class OpWorkspace:
             W = self.world_size
             for u in range(self.num_ubatches):
                 self._epoch[u] = value
-                sig = self.heap.view(self._base + u * self._ubatch_stride, (2, W), np.uint32)
+                sig = self.heap.view(self._base + u * self._ubatch_stride, (2, W), np.uint64)
                 for e in (value, value - 1):
                     if e >= 0:
                         sig[e & 1, :] = e & 0xFFFFFFFF
@@ -565,5 +697,6 @@ class OpWorkspace:
 
 def launch_config(total_items: int, items_per_cta: int, max_ctas: int) -> int:
     """Number of CTAs: enough to cover ``total_items`` at ``items_per_cta`` each, at least 1, at
-    most ``max_ctas`` (the co-resident limit: dcpkit kernels that wait need every CTA resident)."""
+    most ``max_ctas`` (the rank's SM share; only ``waiter_ctas`` of them wait, NOTE [dcpkit
+    epoch signalling])."""
     return max(1, min(max_ctas, -(-total_items // max(1, items_per_cta))))

@@ -82,6 +82,17 @@ class KVGather(GatherWorkspace):
         ``3 * world_size * max_tokens * D_kv * itemsize`` bytes per ubatch (plus signals).
     multicast : bool, optional
         Ask for a multicast heap (used only where dcpkit's multicast guard allows it).
+    graph_outputs : int
+        Calls captured in CUDA graphs without ``out=`` that the workspace serves over its life,
+        each with a result buffer of its own (``world_size * max_tokens * D_kv * itemsize``
+        bytes each, allocated with the workspace; default 4, 0 for none). One more raises
+        :class:`DcpkitError` at capture time: pass ``out=`` then.
+    waiter_ctas : int, optional
+        CTAs of a copy-out (push) or any pull call that wait and copy (default: the SM share /
+        8, at least 1; NOTE [dcpkit epoch signalling]). A measuring knob; the co-residency rule
+        holds only for the default.
+    _self_check : bool
+        Benchmark only: ``False`` compiles the variant whose waits compare the epoch only.
 
     Attributes
     ----------
@@ -94,8 +105,18 @@ class KVGather(GatherWorkspace):
 
     Collective: construction (compiles the kernel, then a barrier), every call, :meth:`close`.
 
+    Poisoned workspace: after a timeout or a :class:`ConfigMismatch` every later kernel of the
+    workspace (graph replays included) fills its result with 0xFF bytes (NaN for float
+    dtypes, all-ones bytes for the others). A graph-replay loop checks it without a device sync::
+
+        graph.launch(stream)
+        if kg.poisoned:
+            kg.check()      # raises CollectiveTimeout or ConfigMismatch
+
     Raises
     ------
+    DcpkitError
+        The current stream is capturing a CUDA graph (on every rank).
     InvalidArgument, InvalidType
         A geometry argument is out of range, the row bytes are not a multiple of 16,
         ``algorithm`` is unknown, the workspace would exceed 2**40 bytes, a bad
@@ -118,12 +139,14 @@ class KVGather(GatherWorkspace):
     def __init__(self, comm: Communicator, *, max_tokens: int, row_dim: int, dtype,
                  num_ubatches: int = 1, algorithm: str = "push",
                  timeout_ms: Optional[float] = None, heap=None,
-                 multicast: Optional[bool] = None):
+                 multicast: Optional[bool] = None, graph_outputs: Optional[int] = None,
+                 waiter_ctas: Optional[int] = None, _self_check: bool = True):
         self._closed = True  # until the setup completes
         # One exchange: arguments, CuPy, the GPU or room in the heap, equal geometries.
         self._setup(comm, lambda W: self._check_arguments(
             W, max_tokens=max_tokens, row_dim=row_dim, dtype=dtype, num_ubatches=num_ubatches,
-            algorithm=algorithm, timeout_ms=timeout_ms),
+            algorithm=algorithm, timeout_ms=timeout_ms, graph_outputs=graph_outputs,
+            waiter_ctas=waiter_ctas, self_check=_self_check),
             "max_tokens, row_dim, dtype, algorithm", heap=heap, multicast=multicast)
         if self.algorithm == "pull":
             self.transport = "unicast"
@@ -136,9 +159,12 @@ class KVGather(GatherWorkspace):
         self._finish_setup()
 
     def _check_arguments(self, world_size: int, *, max_tokens, row_dim, dtype, num_ubatches=1,
-                         algorithm="push", timeout_ms=None) -> Tuple:
+                         algorithm="push", timeout_ms=None, graph_outputs=None,
+                         waiter_ctas=None, self_check=True) -> Tuple:
         """Every check of the constructor arguments that needs no GPU and no collective (the
         constructor's keywords); returns what every rank must agree on."""
+        self._check_protocol_options(graph_outputs=graph_outputs, waiter_ctas=waiter_ctas,
+                                     self_check=self_check)
         geometry = self._init_geometry(world_size, max_tokens, row_dim, dtype, algorithm)
         nbytes = self.world_size * self.max_tokens * self.row_bytes
         return geometry + self._check_gather_common(
@@ -194,9 +220,10 @@ class KVGather(GatherWorkspace):
             **Lifetime**: a view returned by call ``n`` stays valid while it is consumed on the
             same stream before call ``n + 2`` of the same ubatch is issued (call ``n + 3``, or
             a peer's call ``n + 3``, may reuse its storage); a view returned while capturing
-            lives in the graph output buffer, valid until the next replay of a graph that
-            captured a call of this ubatch. Views are invalid after :meth:`close`. ``T == 0``
-            returns an empty array without launching.
+            lives in a graph output buffer of its own, valid until the next replay of the graph
+            that captured it. Views are invalid after :meth:`close`. ``T == 0`` returns an
+            empty array without launching. After the workspace is poisoned the result is 0xFF
+            bytes (see the class docstring).
 
         Collective: every rank calls with the same ``T``, dtype and ubatch, in the same order.
 
@@ -212,6 +239,12 @@ class KVGather(GatherWorkspace):
             The workspace is closed.
         CollectiveTimeout
             A previous wait of this workspace expired (the workspace is poisoned).
+        ConfigMismatch
+            A previous call found that the ranks called with different ``T`` / dtype / ubatch
+            (the workspace is poisoned); the message names the ranks and values.
+        DcpkitError
+            The workspace's first call is being captured, or every graph output buffer is
+            taken and ``out`` is None while capturing.
         """
         T, ubatch, ki, oi = self._validate(kv, ubatch, out)
         self._check_stream(stream)
@@ -225,17 +258,22 @@ class KVGather(GatherWorkspace):
         # 8-byte parameters as Python ints (CuPy passes them as 8-byte integers), 4-byte ones
         # as NumPy scalars.
         head = self._head_args(ubatch)  # protocol, peer_data, data_slot_bytes, mc_data
-        tail = (ki.ptr, np.uint32(block_vecs), int(kout))
+        tail = (ki.ptr, np.uint32(block_vecs), np.uint32(T), int(kout))
+        grid = self._grid(self._vectors(T, bool(kout)))
         if self.algorithm == "pull":
-            grid = self._grid(W * block_vecs)
             args = head[:-1] + tail  # the pull kernel takes no multicast address
         else:
-            grid = self._grid(block_vecs * (W if kout else 1))
             args = head + tail
         self._launch(self._kernel, grid, args, stream)
         if out is not None:
             return out
         return self._result_view(result, T)
+
+    def _vectors(self, T: int, copy_out: bool) -> int:
+        block_vecs = T * self.row_bytes // 16
+        if self.algorithm == "pull":
+            return self.world_size * block_vecs
+        return block_vecs * (self.world_size if copy_out else 1)
 
     def _result_view(self, ptr: int, T: int):
         return self._view(ptr, (self.world_size * T, self.row_dim),

@@ -178,6 +178,18 @@ class LseReduce(OpWorkspace):
         ``rank`` as ``comm``) instead of allocating its own. The reservation is taken only
         after every rank passed every check, and is never given back (the heap is a bump
         allocator), also when a later setup step fails.
+    graph_outputs : int
+        Calls captured in CUDA graphs without ``out=`` (or, with ``return_lse``, without
+        ``out_lse=``) that the workspace serves over its life, each with result buffers of its
+        own (allocated with the workspace; default 4, 0 for none). One more raises
+        :class:`DcpkitError` at capture time: pass ``out=`` / ``out_lse=`` then.
+    waiter_ctas : int, optional
+        CTAs that wait and combine (the others send and exit; default: the SM share / 8, at
+        least 1; NOTE [dcpkit epoch signalling]). A measuring knob: more combine parallelism at
+        large ``T``, but the co-residency rule holds only for the default.
+    _self_check : bool
+        Benchmark only: ``False`` compiles the variant whose waits compare the epoch only (no
+        fingerprint check), to measure what the check costs.
 
     Attributes
     ----------
@@ -185,6 +197,10 @@ class LseReduce(OpWorkspace):
         ``H_r``.
     launches_per_call : int
         Kernel launches per call: 1 (the epoch advance is folded into the kernel).
+    waiter_ctas : int
+        CTAs of a call that wait and combine.
+    THREADS : int
+        Threads per CTA.
 
     Notes
     -----
@@ -192,14 +208,26 @@ class LseReduce(OpWorkspace):
     workspace output buffer: an eager call's result stays valid while it is consumed on the
     same stream before call ``n + 2`` of the same ubatch is issued (two buffers alternate); a
     call captured in a CUDA graph writes a fixed buffer of its ubatch that stays valid until
-    the next replay of a graph that captured a call of this ubatch. Copy the result to keep it
+    the next replay of the graph that captured the call (each captured call has buffers of its
+    own). Copy the result to keep it
     longer.
+
+    Poisoned workspace: after a timeout or a :class:`ConfigMismatch` (ranks that called with a
+    different ``T``, lse dtype, mask presence or ubatch) every later kernel of the workspace,
+    graph replays included, writes NaN into the whole output and merged lse. A graph-replay
+    loop checks it without a device sync::
+
+        graph.launch(stream)
+        if op.poisoned:
+            op.check()      # raises CollectiveTimeout or ConfigMismatch
 
     Collective: construction (compiles the kernels, ends with a barrier), every call (every rank,
     same ``T``, dtypes, masks present or not, ubatch, in the same order) and :meth:`close`.
 
     Raises
     ------
+    DcpkitError
+        The current stream is capturing a CUDA graph (on every rank).
     InvalidArgument, InvalidType
         A bad constructor argument (``H % world_size != 0``, ``D_v * itemsize % 16 != 0``, an
         unsupported dtype or ``lse_base``, ``world_size > 64``, a workspace over 2**40 bytes,
@@ -219,10 +247,13 @@ class LseReduce(OpWorkspace):
     op_name = "lse_reduce"
     size_arguments = "max_tokens, num_heads, head_dim"
     launches_per_call = 1
+    THREADS = THREADS
 
     def __init__(self, comm: Communicator, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype, num_ubatches: int = 1, lse_base: float = math.e, return_lse: bool = False,
-                 timeout_ms: Optional[float] = None, heap=None):
+                 timeout_ms: Optional[float] = None, heap=None,
+                 graph_outputs: Optional[int] = None, waiter_ctas: Optional[int] = None,
+                 _self_check: bool = True):
         op = self.op_name
         self._closed = True
         # One exchange: which ranks rejected their arguments (or miss CuPy, a GPU, room in the
@@ -230,7 +261,8 @@ class LseReduce(OpWorkspace):
         self._setup(comm, lambda W: self._check_arguments(
             W, max_tokens=max_tokens, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
             num_ubatches=num_ubatches, lse_base=lse_base, return_lse=return_lse,
-            timeout_ms=timeout_ms),
+            timeout_ms=timeout_ms, graph_outputs=graph_outputs, waiter_ctas=waiter_ctas,
+            self_check=_self_check),
             "max_tokens, num_heads, head_dim, dtype, lse_base, return_lse", heap=heap)
         err = None
         try:
@@ -246,9 +278,12 @@ class LseReduce(OpWorkspace):
 
     def _check_arguments(self, world_size: int, *, max_tokens, num_heads, head_dim, dtype,
                          num_ubatches=1, lse_base=math.e, return_lse=False,
-                         timeout_ms=None) -> Tuple:
+                         timeout_ms=None, graph_outputs=None, waiter_ctas=None,
+                         self_check=True) -> Tuple:
         """Every check of the constructor arguments that needs no GPU and no collective (the
         constructor's keywords); returns what every rank must agree on."""
+        self._check_protocol_options(graph_outputs=graph_outputs, waiter_ctas=waiter_ctas,
+                                     self_check=self_check)
         self._init_geometry(world_size, max_tokens=max_tokens, num_heads=num_heads,
                             head_dim=head_dim, dtype=dtype, lse_base=lse_base,
                             return_lse=return_lse)
@@ -317,7 +352,8 @@ class LseReduce(OpWorkspace):
         self._fn = {}
         with cupy.cuda.Device(self.device):
             for lse_dt in self._lse_dtypes:
-                raw = jit.get_kernel(_FILE, _reduce_variant(self.dtype, lse_dt))
+                raw = jit.get_kernel(_FILE, _reduce_variant(self.dtype, lse_dt),
+                                     self._kernel_options())
                 self._fn[lse_dt] = raw.kernel  # the loaded cupy.cuda.function.Function
         W, H_r = self.world_size, self.heads_per_rank
         # DCPKIT_PROTO_PARAMS, peer_data, slot_bytes, lse_offset, T_max (per ubatch).
@@ -331,6 +367,12 @@ class LseReduce(OpWorkspace):
         self._grids = [(launch_config(W * T * H_r, WARPS_PER_CTA, self.max_ctas),)
                        for T in range(self.max_tokens + 1)]
         self._int32 = [np.int32(T) for T in range(self.max_tokens + 1)]
+
+    def ctas_for(self, T: int) -> int:
+        """The grid (CTA count, :attr:`THREADS` threads each) of a call with ``T`` tokens; the
+        last ``min(grid, waiter_ctas)`` CTAs to arrive wait and combine."""
+        return launch_config(self.world_size * int(T) * self.heads_per_rank, WARPS_PER_CTA,
+                             self.max_ctas)
 
     # ------------------------------------------------------------------ the call
     def __call__(self, out_partial, lse_partial, *, seq_lens=None, query_start_loc=None,
@@ -395,6 +437,12 @@ class LseReduce(OpWorkspace):
             The workspace is closed.
         CollectiveTimeout
             An earlier call timed out waiting for a peer (the workspace is poisoned).
+        ConfigMismatch
+            An earlier call found that the ranks called with a different ``T``, lse dtype, mask
+            presence or ubatch (the workspace is poisoned); names the ranks and values.
+        DcpkitError
+            The workspace's first call is being captured, or every graph output buffer is taken
+            while capturing a call that needs one.
 
         Every check runs before anything is launched or counted: after a rejected call the
         workspace is unchanged and usable.
@@ -542,7 +590,9 @@ class LseReduce(OpWorkspace):
             in_tok, in_head = self.num_heads * self.head_dim, self.head_dim
         key = ((T, str(self.dtype), str(plan.lse.dtype), ub, plan.qsl_ptr != 0,
                 plan.seq_ptr != 0) if self._debug else ())
-        _parity, capturing, _exact = self.begin_call(ub, stream, key)
+        _parity, capturing, _exact = self.begin_call(
+            ub, stream, key,
+            needs_output=plan.out is None or (plan.want_lse and plan.out_lse is None))
         H_r, D = self.heads_per_rank, self.head_dim
         base = None  # workspace output buffer of this call, taken only when needed
         if plan.out is not None:

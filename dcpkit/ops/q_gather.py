@@ -23,7 +23,7 @@ from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dt
 from ..comm import Communicator
 from ..errors import InvalidArgument
 from ._gather import MAX_VECTORS, GatherWorkspace, resolve_gather_dtype
-from ._workspace import check_positive_int
+from ._workspace import check_bool, check_positive_int
 
 __all__ = ["QGather"]
 
@@ -77,6 +77,18 @@ class QGather(GatherWorkspace):
         allocator), also when a later setup step fails.
     multicast : bool, optional
         Ask for a multicast heap (used only where dcpkit's multicast guard allows it).
+    graph_outputs : int
+        Calls captured in CUDA graphs without ``out=`` that the workspace serves over its life,
+        each with a result buffer of its own (``max_tokens * H_pad * D * itemsize`` bytes each,
+        allocated with the workspace; default 4, 0 for none). One more raises
+        :class:`DcpkitError` at capture time: pass ``out=`` then.
+    waiter_ctas : int, optional
+        CTAs of a copy-out call that wait and copy out (default: the SM share / 8, at least 1;
+        NOTE [dcpkit epoch signalling]). A measuring knob: more copy-out parallelism at large
+        ``T``, but the co-residency rule holds only for the default.
+    _self_check : bool
+        Benchmark only: ``False`` compiles the variant whose waits compare the epoch only (no
+        fingerprint check), to measure what the check costs.
 
     Attributes
     ----------
@@ -89,8 +101,19 @@ class QGather(GatherWorkspace):
 
     Collective: construction (compiles the kernel, then a barrier), every call, :meth:`close`.
 
+    Poisoned workspace: after a timeout or a :class:`ConfigMismatch` every later kernel of the
+    workspace (graph replays included) fills its result with 0xFF bytes (NaN for float
+    dtypes, all-ones bytes for the others). A graph-replay loop checks it without a device sync::
+
+        graph.launch(stream)
+        if qg.poisoned:
+            qg.check()      # raises CollectiveTimeout or ConfigMismatch
+
     Raises
     ------
+    DcpkitError
+        The current stream is capturing a CUDA graph (on every rank: the check is part of the
+        agreed setup exchange).
     InvalidArgument, InvalidType
         A geometry argument is out of range, the row bytes are not a multiple of 16, the
         workspace would exceed 2**40 bytes, a bad ``timeout_ms`` / ``DCPKIT_TIMEOUT_MS`` /
@@ -112,13 +135,16 @@ class QGather(GatherWorkspace):
     def __init__(self, comm: Communicator, *, max_tokens: int, heads_per_rank: int,
                  head_dim: int, dtype, num_ubatches: int = 1,
                  padded_num_heads: Optional[int] = None, timeout_ms: Optional[float] = None,
-                 heap=None, multicast: Optional[bool] = None):
+                 heap=None, multicast: Optional[bool] = None,
+                 graph_outputs: Optional[int] = None, waiter_ctas: Optional[int] = None,
+                 _self_check: bool = True):
         self._closed = True  # until the setup completes
         # One exchange: arguments, CuPy, the GPU or room in the heap, equal geometries.
         self._setup(comm, lambda W: self._check_arguments(
             W, max_tokens=max_tokens, heads_per_rank=heads_per_rank, head_dim=head_dim,
             dtype=dtype, num_ubatches=num_ubatches, padded_num_heads=padded_num_heads,
-            timeout_ms=timeout_ms),
+            timeout_ms=timeout_ms, graph_outputs=graph_outputs, waiter_ctas=waiter_ctas,
+            self_check=_self_check),
             "max_tokens, heads_per_rank, head_dim, dtype, padded_num_heads", heap=heap,
             multicast=multicast)
         self.transport = "multicast" if self.multicast else "unicast"
@@ -128,9 +154,12 @@ class QGather(GatherWorkspace):
         self._finish_setup()
 
     def _check_arguments(self, world_size: int, *, max_tokens, heads_per_rank, head_dim, dtype,
-                         num_ubatches=1, padded_num_heads=None, timeout_ms=None) -> Tuple:
+                         num_ubatches=1, padded_num_heads=None, timeout_ms=None,
+                         graph_outputs=None, waiter_ctas=None, self_check=True) -> Tuple:
         """Every check of the constructor arguments that needs no GPU and no collective (the
         constructor's keywords); returns what every rank must agree on."""
+        self._check_protocol_options(graph_outputs=graph_outputs, waiter_ctas=waiter_ctas,
+                                     self_check=self_check)
         geometry = self._init_geometry(world_size, max_tokens, heads_per_rank, head_dim, dtype,
                                        padded_num_heads)
         nbytes = self.max_tokens * self.slot_token_bytes
@@ -204,9 +233,10 @@ class QGather(GatherWorkspace):
             CUDA graph, else a workspace output buffer. **Lifetime**: a view returned by call
             ``n`` stays valid while it is consumed on the same stream before call ``n + 2`` of
             the same ubatch is issued (call ``n + 3``, or a peer's call ``n + 3``, may reuse its
-            storage); a view returned while capturing lives in the graph output buffer, valid
-            until the next replay of a graph that captured a call of this ubatch. Views are
-            invalid after :meth:`close`. ``T == 0`` returns an empty array without launching.
+            storage); a view returned while capturing lives in a graph output buffer of its
+            own, valid until the next replay of the graph that captured it. Views are invalid
+            after :meth:`close`. ``T == 0`` returns an empty array without launching. After
+            the workspace is poisoned the result is 0xFF bytes (see the class docstring).
 
         Collective: every rank calls with the same ``T``, dtype and ubatch, in the same order.
 
@@ -222,6 +252,12 @@ class QGather(GatherWorkspace):
             The workspace is closed.
         CollectiveTimeout
             A previous wait of this workspace expired (the workspace is poisoned).
+        ConfigMismatch
+            A previous call found that the ranks called with different ``T`` / dtype / ubatch
+            (the workspace is poisoned); the message names the ranks and values.
+        DcpkitError
+            The workspace's first call is being captured, or every graph output buffer is
+            taken and ``out`` is None while capturing.
         """
         T, ubatch, qi, oi = self._validate(q, ubatch, out, return_padded)
         self._check_stream(stream)
@@ -238,7 +274,7 @@ class QGather(GatherWorkspace):
         else:
             out_stride = self.slot_token_bytes
         row_vecs = self.row_bytes // 16
-        grid = self._grid(T * row_vecs * (W if kout else 1))
+        grid = self._grid(self._vectors(T, bool(kout)))
         # 8-byte parameters as Python ints (CuPy passes them as 8-byte integers), 4-byte ones
         # as NumPy scalars.
         args = self._head_args(ubatch) + (
@@ -249,6 +285,9 @@ class QGather(GatherWorkspace):
         if out is not None:
             return out
         return self._result_view(result, T, return_padded)
+
+    def _vectors(self, T: int, copy_out: bool) -> int:
+        return T * (self.row_bytes // 16) * (self.world_size if copy_out else 1)
 
     def _result_view(self, ptr: int, T: int, padded: bool):
         isz = self.dtype.itemsize
@@ -264,6 +303,7 @@ class QGather(GatherWorkspace):
         op = self.op_name
         self.check_open()
         ubatch = self.check_ubatch(ubatch)
+        return_padded = check_bool(return_padded, op, "return_padded")
         if return_padded and out is not None:
             raise InvalidArgument(f"{op}: return_padded must be False when out= is given "
                                   f"(got return_padded=True)")

@@ -169,6 +169,8 @@ def test_kv_gather_graph_replays(comm, seed, algorithm):
             kb = poisoned_empty((T, D_KV), dt)
             out_b = poisoned_empty((W * T, D_KV), dt)
             with s:
+                ws(ka, stream=s)  # the first call of a workspace is never captured
+                s.synchronize()
                 s.begin_capture()
                 res_a = ws(ka, stream=s)
                 res_b = ws(kb, out=out_b, stream=s)

@@ -185,6 +185,8 @@ def test_q_gather_graph_replays(comm, seed):
             qb = poisoned_empty((T, H_R, D), dt)
             out_b = poisoned_empty((T, H, D), dt)
             with s:
+                ws(qa, stream=s)  # the first call of a workspace is never captured
+                s.synchronize()
                 s.begin_capture()
                 res_a = ws(qa, stream=s)
                 res_b = ws(qb, out=out_b, stream=s)

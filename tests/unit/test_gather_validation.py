@@ -15,7 +15,8 @@ import pytest
 
 from dcpkit import jit
 from dcpkit.comm import Communicator
-from dcpkit.errors import ClosedError, CollectiveTimeout, InvalidArgument, InvalidType
+from dcpkit.errors import (ClosedError, CollectiveTimeout, DcpkitError, InvalidArgument,
+                           InvalidType)
 from dcpkit.ops._gather import DATA_SLOTS
 from dcpkit.ops._workspace import OP_IDS
 from dcpkit.ops.kv_gather import KVGather
@@ -249,6 +250,8 @@ def _with_slots(ws):
             ptr = 1 << 36
 
     ws._graph_out = _Buf()
+    ws.graph_outputs = 3
+    ws._graph_next = 0
     return ws
 
 
@@ -279,8 +282,17 @@ def test_gather_data_slot_ring_and_routing():
     kout, res = ws._destination(1, FakeStream(), (), 1234)
     assert (kout, res) == (1234, 1234)
     kout, res = ws._destination(1, FakeStream(capturing=True), (), 0)
-    assert kout == res == (1 << 36) + ws._out_bytes  # ubatch 1's graph output
+    assert kout == res == (1 << 36)  # the first graph output buffer
     assert ws._captured == [False, True]
+    # every captured call gets storage of its own, whatever its ubatch ...
+    got = [ws._destination(u, FakeStream(capturing=True), (), 0)[1] for u in (1, 0)]
+    assert got == [(1 << 36) + ws._out_bytes, (1 << 36) + 2 * ws._out_bytes]
+    # ... until the pool is exhausted: a clear error, before the call counts
+    before = list(ws._calls)
+    raises(DcpkitError, "graph_outputs=3", ws._destination, 0, FakeStream(capturing=True), (), 0)
+    assert ws._calls == before and ws._graph_next == 3
+    # a captured call with out= needs no buffer
+    assert ws._destination(0, FakeStream(capturing=True), (), 99) == (99, 99)
 
 
 def test_q_gather_result_view_geometry():

@@ -91,13 +91,14 @@ class OpCase:
     max_tokens, dtype, num_ubatches, timeout_ms, heap : passed to the op constructor.
     algorithm : kv_gather algorithm ("push" or "pull").
     num_requests : S of the lse_reduce masks (0: no ``seq_lens`` / ``query_start_loc``).
+    **op_kwargs : further constructor keywords (``graph_outputs``, ``waiter_ctas``, ...).
 
     Collective: construction and :meth:`call`.
     """
 
     def __init__(self, name: str, comm, *, max_tokens: int = 16, dtype="bfloat16",
                  num_ubatches: int = 1, timeout_ms: Optional[float] = None, heap=None,
-                 algorithm: str = "push", num_requests: int = 0):
+                 algorithm: str = "push", num_requests: int = 0, **op_kwargs):
         from dcpkit.ops import KVGather, LseReduce, QGather
 
         if name not in OPS:
@@ -113,15 +114,15 @@ class OpCase:
         if name == "lse_reduce":
             self.op = LseReduce(comm, max_tokens=max_tokens, num_heads=H_R * self.W,
                                 head_dim=HEAD_DIM_V, dtype=self.dtype, num_ubatches=num_ubatches,
-                                timeout_ms=timeout_ms, heap=heap)
+                                timeout_ms=timeout_ms, heap=heap, **op_kwargs)
         elif name == "q_gather":
             self.op = QGather(comm, max_tokens=max_tokens, heads_per_rank=H_R,
                               head_dim=HEAD_DIM, dtype=self.dtype, num_ubatches=num_ubatches,
-                              timeout_ms=timeout_ms, heap=heap)
+                              timeout_ms=timeout_ms, heap=heap, **op_kwargs)
         else:
             self.op = KVGather(comm, max_tokens=max_tokens, row_dim=ROW_DIM, dtype=self.dtype,
                                num_ubatches=num_ubatches, algorithm=algorithm,
-                               timeout_ms=timeout_ms, heap=heap)
+                               timeout_ms=timeout_ms, heap=heap, **op_kwargs)
 
     # ------------------------------------------------------------------ inputs
     def host_inputs(self, seed: int, T: int, rank: Optional[int] = None) -> Dict:
