@@ -20,6 +20,7 @@ from .report import fmt_bytes, one_line as _one_line, path_label, render_table
 from .report import status_text as _status
 from .report import value_text as _value
 from .row import case_key
+from .stats import annotate_json
 from .targets import evaluate_targets, target_summary
 
 __all__ = ["render_markdown", "analyse_missed", "gpu_label", "before_after"]
@@ -128,7 +129,7 @@ def _meta(res: Mapping[str, Any], key: str, default: str = "-") -> str:
 def gpu_label(res: Mapping[str, Any]) -> str:
     """How the ranks of a run sat on the GPUs, in users' words."""
     meta = res.get("meta") or {}
-    shared = meta.get("ranks_share_gpu")
+    shared = _shared(res)
     if shared:
         mps = meta.get("mps_active_thread_percentage")
         return SHARED_LABEL + (f" (each rank's share: {mps} %)" if mps else "")
@@ -138,12 +139,27 @@ def gpu_label(res: Mapping[str, Any]) -> str:
 
 
 def _shared(res: Mapping[str, Any]) -> Optional[bool]:
-    return (res.get("meta") or {}).get("ranks_share_gpu")
+    meta = res.get("meta") or {}
+    if meta.get("ranks_share_gpu") is not None:
+        return meta["ranks_share_gpu"]
+    # runs of the previous schema say it only in the reason NCCL did not run
+    notes = " ".join(str(v) for v in (meta.get("paths_not_available") or {}).values())
+    return True if "share GPU" in notes else None
+
+
+def _normalize(res: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A run of the previous schema with its rows annotated as this version does."""
+    if res.get("schema") == "dcpkit-bench/2":
+        return res
+    out = dict(res)
+    out["rows"] = annotate_json(res.get("rows") or [], res.get("ceilings") or {})
+    out["targets"] = None
+    return out
 
 
 def _targets_of(res: Mapping[str, Any]) -> List[Dict[str, Any]]:
     items = res.get("targets")
-    if items and all("target" in i for i in items) and res.get("schema") == "dcpkit-bench/2":
+    if items and all("target" in i for i in items):
         return list(items)
     return evaluate_targets(res.get("rows") or [], _shared(res))
 
@@ -192,7 +208,8 @@ def render_markdown(results: Sequence[Mapping[str, Any]], *, notes: Optional[str
     baselines : sequence of dict
         Runs of an older commit; each run is compared with the baseline of its world size.
     """
-    res = sorted(results, key=lambda r: (r.get("meta") or {}).get("world_size", 0))
+    res = sorted((_normalize(r) for r in results),
+                 key=lambda r: (r.get("meta") or {}).get("world_size", 0))
     base = {(b.get("meta") or {}).get("world_size"): b for b in baselines}
     plots = dict(plots or {})
     cmd = command or "python -m dcpkit.bench --render-md JSON..."
