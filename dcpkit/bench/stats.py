@@ -235,14 +235,14 @@ def annotate(rows: List[BenchRow], ceilings: Mapping[str, Any]) -> List[BenchRow
     peer = _best(rows, PEER_PATHS)
     for r in rows:
         k = case_key(vars(r))
-        f = floors.get(k)
+        f = floors.get(k) if r.path != FLOOR_PATH else None   # not a row's own baseline
         r.floor_kernel_us = f.median_us if f is not None else None
         r.x_floor_kernel = (r.median_us / r.floor_kernel_us) \
             if (r.median_us and r.floor_kernel_us) else None
         b = nccl.get(k)
         r.speedup_vs_nccl = b.median_us / r.median_us if (b is not None and r.median_us) else None
         r.baseline_path = b.path if (b is not None and r.median_us) else None
-        p = peer.get(k)
+        p = peer.get(k) if not r.path.startswith(PEER_PATHS) else None
         r.speedup_vs_peer = p.median_us / r.median_us if (p is not None and r.median_us) else None
         r.peer_path = p.path if (p is not None and r.median_us) else None
     return rows
