@@ -51,6 +51,13 @@ def finalize_nvshmem(comm) -> bool:
     return _nvshmem.finalize(comm)
 
 
+def _ptr(a) -> int:
+    """The device address of a CuPy array (the host address of a NumPy one, for tests)."""
+    if isinstance(a, np.ndarray):
+        return int(a.__array_interface__["data"][0])
+    return int(a.data.ptr)
+
+
 class NvshmemRunner(Runner):
     """One op on NVSHMEM's collectives (see the module doc). One symmetric heap per case size,
     allocated at bind time (NVSHMEM's symmetric heap, ``NVSHMEM_SYMMETRIC_SIZE``, bounds it: a
@@ -76,8 +83,8 @@ class NvshmemRunner(Runner):
 
     def _coll(self, name: str, dtype: str, dst, src, nelems: int) -> None:
         fn = getattr(self.bindings, f"{dtype}_{name}_on_stream")
-        rc = fn(self.team, int(dst.data.ptr), int(src.data.ptr), int(nelems),
-                int(self.stream.ptr))
+        rc = fn(self.team, _ptr(dst), _ptr(src), int(nelems),
+                int(getattr(self.stream, "ptr", 0) or 0))
         if rc:
             raise DcpkitError(f"nvshmem: {dtype}_{name}_on_stream returned {rc}")
 
@@ -145,7 +152,7 @@ class NvshmemRunner(Runner):
 
     def call(self, outs=None, graph: bool = False):
         v = self.v
-        with self.stream:
+        with self.enqueue_context():
             if self.op in ("q_gather", "kv_gather"):
                 self._coll("fcollect", "bfloat16", v["dst"], v["src"], self.n)
                 if self.op == "q_gather":
