@@ -178,7 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from ..info import no_driver_reason  # noqa: WPS433
 
         why = no_driver_reason() or f"{type(e).__name__}: {e}"
-        print(f"dcpkit bench: rank {comm.rank}: no usable GPU ({why}); the benchmark needs one "
-              f"GPU per rank", file=sys.stderr)
+        print(f"dcpkit bench: rank {comm.rank}: no usable GPU ({why}); the benchmark needs a GPU "
+              f"on every rank", file=sys.stderr)
         return 2
     return run_bench(cfg, comm, dev, argv)

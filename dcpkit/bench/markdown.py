@@ -284,8 +284,9 @@ def render_markdown(results: Sequence[Mapping[str, Any]], *, notes: Optional[str
             errs = sorted({_one_line(x["error"], 300) for x in failed})
             out += ["", f"NVSHMEM: {len(failed)} of {len(peer)} rows failed:", ""]
             out += [f"- {_md_escape(e)}" for e in errs]
-        na = {**((r.get("meta") or {}).get("paths_not_available") or {}),
-              **((r.get("meta") or {}).get("variants_not_available") or {})}
+        meta = r.get("meta") or {}
+        na = {**(meta.get("paths_not_available") or {}),
+              **(meta.get("variants_not_available") or {}), **(meta.get("ops_not_run") or {})}
         if na:
             out += ["", "Not measured in this run:", ""]
             out += [f"- {k}: {_md_escape(v)}" for k, v in sorted(na.items())]

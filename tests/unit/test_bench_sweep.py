@@ -371,3 +371,13 @@ def test_exact_iters_are_honoured(tmp_path):
     assert sweep.plan(5000.0, cfg, graph=True)["samples"] == 7
     default = bench.resolve_config(bench.build_parser().parse_args([]))
     assert sweep.plan(50000.0, default, graph=False)["samples"] < default["iters"]
+
+
+def test_fake_sweep_heads_that_do_not_divide_are_not_a_failure(tmp_path, capsys):
+    """W = 3 with H = 8: q_gather cannot split its heads; recorded as not run, exit 0."""
+    rcs, res = _fake_run(tmp_path, 3, {}, ["--ops", "q_gather,kv_gather", "--paths", "direct"])
+    assert rcs == [0, 0, 0]
+    assert not res["errors"]
+    assert {r["op"] for r in res["rows"]} == {"kv_gather"}
+    assert "do not divide by world_size 3" in res["meta"]["ops_not_run"]["q_gather"]
+    assert "# q_gather: not run: H = 8 heads do not divide" in capsys.readouterr().out
