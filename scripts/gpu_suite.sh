@@ -414,7 +414,8 @@ if [[ $STAGES == *,bench,* ]]; then
             # from the baseline's own folder, so that its dcpkit (not this one) is imported
             mpicmd "$n" "bench_base_$n" ${BENCH_VARS[@]+"${BENCH_VARS[@]}"}
             run_stage bench_base "$n" 300 "$LOGS/bench_base_$n.log" \
-                env -C "$BASE" PYTHONPATH="$BASE_PYTHONPATH" DCPKIT_COMMIT="$BASE_COMMIT" \
+                bash -c 'cd "$0" && exec "$@"' "$BASE" \
+                env PYTHONPATH="$BASE_PYTHONPATH" DCPKIT_COMMIT="$BASE_COMMIT" \
                 ${BENCH_ENV[@]+"${BENCH_ENV[@]}"} \
                 "${MPICMD[@]}" "$PY" -m dcpkit bench --quick --json "$WORK/bench_base_$n.json"
         fi
