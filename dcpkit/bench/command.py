@@ -119,10 +119,11 @@ def render_md_main(args: argparse.Namespace) -> int:
     except bad_types as e:
         # name the file that does not render on its own, if one does not
         bad = list(args.render_md) + list(args.baseline or [])
-        for path, res in list(zip(args.render_md, results)) + \
-                list(zip(args.baseline or [], baselines)):
+        tries = [(p, [r], ()) for p, r in zip(args.render_md, results)]
+        tries += [(p, results[:1], [b]) for p, b in zip(args.baseline or [], baselines)]
+        for path, cur, base in tries:
             try:
-                markdown.render_markdown([res], baselines=[res] if res in baselines else ())
+                markdown.render_markdown(cur, baselines=base)
             except bad_types:
                 bad = [path]
                 break

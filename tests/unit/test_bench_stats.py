@@ -456,3 +456,12 @@ def test_plot_results_writes_a_small_png(tmp_path):
     assert _report.plot_results({"rows": []}, str(tmp_path / "none.png")) == \
         "no successful rows to plot"
 
+
+
+def test_render_md_names_a_malformed_baseline(tmp_path, one_result, capsys):
+    bad = tmp_path / "base.json"
+    bad.write_text('{"schema": "dcpkit-bench/1", "meta": {"world_size": 2}, "rows": 5}')
+    rc = bench.main(["--render-md", str(one_result), "--baseline", str(bad)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"--render-md: {bad} is a malformed dcpkit-bench/2 JSON" in err, err
