@@ -18,7 +18,8 @@
 #   DCPKIT_SUITE_NP       world sizes, e.g. "2" or "2 4"              (default "2 4"; sizes above
 #                         the number of GPUs are dropped: no oversubscribed runs)
 #   DCPKIT_SUITE_SHARED_GPU  1: also run world sizes above the number of GPUs, ranks sharing
-#                         GPUs (functional checks only: their kernels time-slice the GPU)
+#                         GPUs (without MPS their kernels time-slice the GPU: functional checks
+#                         only; with DCPKIT_SUITE_MPS=1 they run side by side)
 #   DCPKIT_SUITE_DEMO_NP, DCPKIT_SUITE_BENCH_NP  world sizes of the demo / bench stages
 #                         (default: those of DCPKIT_SUITE_NP)
 #   stages "overhead" (scripts/host_overhead.py, N = DCPKIT_SUITE_OVERHEAD_NP, default 2) and
@@ -170,7 +171,7 @@ for n in ${DCPKIT_SUITE_NP:-2 4}; do
     if [ "$n" -le "$NGPU" ]; then NPS="$NPS $n"
     elif [ "$SHARED" = 1 ] && [ "$NGPU" -ge 1 ]; then
         NPS="$NPS $n"; DEMO_SHARED=(--allow-shared-gpu)
-        say "world size $n on $NGPU GPU(s): ranks share GPUs (functional run; timings mean nothing)"
+        say "world size $n on $NGPU GPU(s): ranks share GPUs (no NVLink: timings bound the kernels on this machine, not NVLink)"
     else say "world size $n skipped: $NGPU GPU(s)"; fi
 done
 GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"

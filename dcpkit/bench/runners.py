@@ -218,7 +218,7 @@ class NcclRunner(Runner):
         elif self.op == "kv_gather":
             self.obj = construct(fallback.NcclKVGather, ctx.comm, row_dim=g["D_kv"], **common)
         elif self.op == "lse_reduce":
-            # the baseline of the issue: all_to_all + the direct op's combine
+            # the NCCL baseline of lse_reduce: all_to_all + the direct op's combine
             self.obj = construct(fallback.NcclLseReduce, ctx.comm, num_heads=g["H"],
                                   head_dim=g["D_v"], algorithm="all_to_all", **common)
         else:
