@@ -17,7 +17,7 @@ from .stats import DIRECT_PATHS
 
 __all__ = ["Target", "TARGETS", "evaluate_targets", "target_summary", "SHARED_GPU_NOTE"]
 
-SHARED_GPU_NOTE = "n/a (ranks share a GPU)"
+SHARED_GPU_NOTE = "ranks share a GPU"   # shown as "n/a (ranks share a GPU)"
 
 Rows = Sequence[Mapping[str, Any]]
 Fn = Callable[[Mapping[str, Any], Rows], Optional[float]]
@@ -124,7 +124,7 @@ TARGETS: List[Target] = [
     Target("self_check.cost", "self-checking signals, T=1 graph: cost within noise of a build "
            "without them (median <= its median + the larger p90 - median spread)", ("q_gather", "lse_reduce"), _G, lambda r: r.get("T") == 1,
            "median_us", _self_check_limit, "<=",
-           missing="n/a (the op has no _self_check keyword, or no such row)"),
+           missing="the op has no _self_check keyword, or no such row"),
     Target("peer.small", "dcpkit vs NVSHMEM, T <= 8: >= 1.5x", _SMALL_OPS + ("decode_layer",),
            _BOTH, lambda r: (r.get("T") or 0) <= 8, "speedup_vs_peer", _const(1.5), ">=",
            missing="no NVSHMEM row of this case"),
@@ -144,7 +144,7 @@ TARGETS: List[Target] = [
            "(where available)", ("q_gather", "lse_reduce"), _G, lambda r: (r.get("T") or 0) <= 8,
            "speedup_vs_nccl_symmetric", _const(1.3), ">=", nvlink_only=True,
            value=lambda row, rows: None,
-           missing="n/a (no NCCL symmetric-window path in this run)"),
+           missing="no NCCL symmetric-window path in this run"),
     Target("nvlink.kv_egress", "NVLink: kv_gather >= 16 MiB per rank: >= 95% of the egress "
            "ceiling", ("kv_gather",), _BOTH, lambda r: (r.get("nominal_bytes") or 0) >= 16 * MiB,
            "busbw_frac", _const(0.95), ">=", nvlink_only=True),

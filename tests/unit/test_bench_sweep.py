@@ -357,7 +357,7 @@ def test_fake_sweep_records_whether_ranks_share_a_gpu(tmp_path):
     _, res = _fake_run(tmp_path, 2, {}, ["--ops", "q_gather"], dev_cls=SharedGpuDevice)
     assert res["meta"]["ranks_share_gpu"] is True
     nv = [i for i in res["targets"] if i["target"] == "nvlink.q_gather_t1"]
-    assert nv and all(i["note"] == "n/a (ranks share a GPU)" for i in nv)
+    assert nv and all(i["note"] == "ranks share a GPU" for i in nv)
     _, res = _fake_run(tmp_path, 2, {}, ["--ops", "q_gather"], dev_cls=OwnGpuDevice)
     assert res["meta"]["ranks_share_gpu"] is False
     _, res = _fake_run(tmp_path, 2, {}, ["--ops", "q_gather"])
