@@ -254,6 +254,20 @@ def render_markdown(results: Sequence[Mapping[str, Any]], *, notes: Optional[str
                    f"{_f(c.get('egress_GBps'), '.1f')} | {fmt_bytes(c.get('egress_slice_bytes'))} "
                    f"| {_f(c.get('launch_eager_us'))} | {_f(c.get('launch_graph_us'))} | "
                    f"{c.get('egress_wrong', '-')} |")
+    out += ["", "How close the floor kernel comes to one signal latency plus one kernel in a graph "
+            "(L + K, both from the ceilings above), graph, T = 1:", "",
+            "| W | op | floor kernel (µs) | L + K (µs) | floor kernel / (L + K) |",
+            "|---|---|---|---|---|"]
+    for r in res:
+        c = r.get("ceilings") or {}
+        lk = None if c.get("one_way_latency_us") is None or c.get("launch_graph_us") is None \
+            else c["one_way_latency_us"] + c["launch_graph_us"]
+        for x in r.get("rows") or []:
+            if x["path"] == "floor" and x["mode"] == "graph" and x.get("T") == 1 \
+                    and x["op"] != "kv_gather" and x.get("median_us") is not None:
+                ratio = f"{x['median_us'] / lk:.2f}" if lk else "-"
+                out.append(f"| {_meta(r, 'world_size')} | {x['op']} | {x['median_us']:.2f} | "
+                           f"{_f(lk)} | {ratio} |")
     for r in res:
         W = (r.get("meta") or {}).get("world_size")
         items = _targets_of(r)
