@@ -62,7 +62,8 @@ VARIANTS: Dict[str, List[str]] = {
     "kv_gather.cu": _gather_variants("kv_gather_push_kernel")
     + ["dcpkit::kv_gather_pull_kernel"],
     "ceilings.cu": [
-        "dcpkit::pingpong_kernel", "dcpkit::egress_kernel", "dcpkit::barrier_kernel"],
+        "dcpkit::pingpong_kernel", "dcpkit::egress_kernel", "dcpkit::barrier_kernel",
+        "dcpkit::floor_kernel"],
     # local kernels of the NCCL fallback ops (dcpkit/fallback.py)
     "fallback.cu": [f"dcpkit::fallback_copy_kernel<{e}>" for e in _COPY_ELEMENTS]
     + [f"dcpkit::fallback_lse_mask_kernel<{t}>" for t in _FLOAT_TYPES + ("double",)]

@@ -9,6 +9,9 @@
 //                    an empty kernel, used to measure the launch cost.
 //   barrier_kernel   a device-side barrier over the ranks, launched before every timed region so
 //                    that the ranks' timed regions start together (not part of any timed region).
+//   floor_kernel     the floor of an op: the minimal exchange that moves the op's egress bytes
+//                    with the op's CTA count and the minimal publish / wait protocol, timed
+//                    exactly like the op (dcpkit/bench/floor.py).
 //
 // Every wait has a deadline (%globaltimer): on expiry the kernel writes a status word and returns,
 // it never hangs. The host (dcpkit/bench.py) reads the status after synchronising.
@@ -124,6 +127,87 @@ __global__ void barrier_kernel(u32* local_words, const u64* __restrict__ peer_wo
   if (blockIdx.x != 0 || t >= world) return;
   st_release_sys(reinterpret_cast<u32*>(peer_words[t]) + rank, value);
   if (!poll_reached(local_words + t, value, timeout_ns)) st_relaxed_sys(status, 1u);
+}
+
+// Poll `word` with relaxed loads until it has reached `target` (wrap-safe), then one acquire load;
+// false once `timeout_ns` passed. The acquire pairs with the writer's fence.acq_rel.sys + relaxed
+// store (a release pattern): payload stores before the writer's fence are visible after it.
+__device__ __forceinline__ bool poll_reached_relaxed(const u32* word, u32 target, u64 timeout_ns) {
+  if (static_cast<int>(ld_relaxed_sys(word) - target) < 0) {
+    const u64 start = globaltimer_ns();
+    u32 spins = 0;
+    while (static_cast<int>(ld_relaxed_sys(word) - target) < 0) {
+      if ((++spins & 1023u) == 0u && globaltimer_ns() - start > timeout_ns) return false;
+    }
+  }
+  (void)ld_acquire_sys(word);
+  return true;
+}
+
+// The floor kernel: what any op that sends `nvec` 16-byte vectors to every peer must at least do.
+//
+//   src        this rank's payload, nvec vectors (16-byte aligned).
+//   peer_base  [world] base address of every rank's floor heap, as mapped here (own included).
+//   Heap layout (same on every rank): `world` slots of `slot_bytes` (slot s holds what rank s
+//   sent here), then at `sig_off` the signals u32 [gridDim.x][world]: word (c, s) is written
+//   only by CTA c of rank s.
+//   epochs     u32 [gridDim.x] in ordinary device memory: CTA c's call count, read and written
+//              only by CTA c (no election, no atomics); graph replays advance it.
+//   status     u32 [gridDim.x]: each call writes 0 when every wait of CTA c completed, 1 when one
+//              timed out (the host poisons it before a check, so a call that never ran shows).
+//
+// CTA c stores its contiguous share of the payload into every peer (peer rank + 1 first, as the
+// egress kernel does), CTA barrier; then its thread 0 alone: one fence.acq_rel.sys, one relaxed
+// store of the epoch per peer, relaxed polling of the signal of CTA c of every peer plus one
+// acquire each, with a deadline. Every rank launches the same grid, so CTA c's waits cover CTA c's
+// share from every peer. Waits test "reached" (a peer may already be one call ahead). All CTAs
+// must be co-resident (the host caps the grid like the ops do).
+__global__ void floor_kernel(const uint4* __restrict__ src, u64 nvec, const u64* __restrict__ peer_base,
+                             u64 slot_bytes, u64 sig_off, u32* __restrict__ epochs, int rank,
+                             int world, u64 timeout_ns, u32* __restrict__ status) {
+  constexpr int kUnroll = 4;
+  const int c = static_cast<int>(blockIdx.x);
+  const u64 per = (nvec + gridDim.x - 1) / gridDim.x;
+  const u64 begin = static_cast<u64>(c) * per;
+  const u64 end = begin + per < nvec ? begin + per : nvec;
+  const u64 step = static_cast<u64>(blockDim.x);
+  for (u64 i0 = begin + threadIdx.x; i0 < end; i0 += step * kUnroll) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const u64 i = i0 + static_cast<u64>(u) * step;
+      v[u] = (i < end) ? ld16_nc(src + i) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    for (int j = 1; j < world; ++j) {
+      int peer = rank + j;
+      if (peer >= world) peer -= world;
+      uint4* d = reinterpret_cast<uint4*>(peer_base[peer] + static_cast<u64>(rank) * slot_bytes);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const u64 i = i0 + static_cast<u64>(u) * step;
+        if (i < end) st16(d + i, v[u]);
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const u32 e = epochs[c] + 1u;
+    const u64 word = sig_off + 4ull * (static_cast<u64>(c) * world);
+    fence_acq_rel_sys();
+    for (int j = 1; j < world; ++j) {
+      int peer = rank + j;
+      if (peer >= world) peer -= world;
+      st_relaxed_sys(reinterpret_cast<u32*>(peer_base[peer] + word) + rank, e);
+    }
+    const u32* mine = reinterpret_cast<const u32*>(peer_base[rank] + word);
+    u32 ok = 1u;
+    for (int s = 0; s < world && ok; ++s) {
+      if (s != rank && !poll_reached_relaxed(mine + s, e, timeout_ns)) ok = 0u;
+    }
+    epochs[c] = e;
+    status[c] = ok ? 0u : 1u;
+  }
+  __syncthreads();
 }
 
 }  // namespace dcpkit

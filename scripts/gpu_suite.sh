@@ -4,24 +4,36 @@
 # size), the demo and the benchmark. Everything lands under $OUT (default ./out):
 #
 #   summary.txt       one line per stage (name, world size, exit status, seconds) + env facts
-#   logs.tar.gz       every stage's log, per-rank logs of the mpirun stages, the demo JSONs
+#   logs.tar.gz       every stage's log, per-rank logs of the mpirun stages, and every result
+#                     file below (results/ inside it), also those that did not fit in $OUT
 #   bench_N.json      `dcpkit bench --json` for each world size N (BENCHMARKS.md is made from these)
-#   bench_N.png       its plots
+#   bench_base_N.json the same from the baseline checkout (DCPKIT_SUITE_BASELINE)
 #   demo_N.json       `dcpkit demo --json` for each N
-# (at most 8 files: the lent machines return no more).
+#   bench_N.png       the bench plots
+# At most 8 files land in $OUT, in the order above (the machines return no more); the rest are
+# in logs.tar.gz.
 #
 # Settings (environment):
 #   DCPKIT_SUITE_STAGES   comma list of info,tests,demo,bench        (default: all four)
 #   DCPKIT_SUITE_NP       world sizes, e.g. "2" or "2 4"              (default "2 4"; sizes above
 #                         the number of GPUs are dropped: no oversubscribed runs)
 #   DCPKIT_SUITE_SHARED_GPU  1: also run world sizes above the number of GPUs, ranks sharing
-#                         GPUs (functional checks only: their kernels time-slice the GPU)
+#                         GPUs (without MPS their kernels time-slice the GPU: functional checks
+#                         only; with DCPKIT_SUITE_MPS=1 they run side by side)
 #   DCPKIT_SUITE_DEMO_NP, DCPKIT_SUITE_BENCH_NP  world sizes of the demo / bench stages
 #                         (default: those of DCPKIT_SUITE_NP)
 #   stages "overhead" (scripts/host_overhead.py, N = DCPKIT_SUITE_OVERHEAD_NP, default 2) and
 #   "soak" (scripts/soak.py, N = DCPKIT_SUITE_SOAK_NP, default 4, DCPKIT_SUITE_SOAK_CALLS calls)
 #   run only when named in DCPKIT_SUITE_STAGES
-#   DCPKIT_SUITE_MPS      1: with shared GPUs, run an MPS daemon of this machine's own (see below)
+#   DCPKIT_SUITE_MPS      1: with shared GPUs, run an MPS daemon of this machine's own (see below);
+#                         the bench stages then give every rank CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+#                         = 100/N (dcpkit and NVSHMEM alike; NVSHMEM's on-stream collectives
+#                         abort without it), unless that variable is already set
+#   DCPKIT_SUITE_BASELINE a folder holding another checkout of dcpkit (an older commit): right
+#                         before each bench stage, `dcpkit bench --quick` runs from it at the
+#                         same world size (bench_base_N.json), so one call gives before/after;
+#                         DCPKIT_SUITE_BASELINE_COMMIT names its commit where it is not a git
+#                         checkout (default: its git HEAD, else "unknown")
 #   DCPKIT_SUITE_BUDGET_S seconds the whole script may take           (default 570: one 600 s call)
 #   DCPKIT_BENCH_ARGS     extra arguments of `dcpkit bench`, e.g. "--quick"
 #   DCPKIT_PYTEST_ARGS    extra arguments of the pytest runs, e.g. "-k lse"
@@ -38,9 +50,19 @@
 # other stages need GPUs and would otherwise be dropped silently); 3 when a multicast variable
 # changed; otherwise 1 when a stage failed or a requested stage had no world size to run at.
 #
-# Run from the repository root:  bash scripts/gpu_suite.sh
+# Run from the repository root:  bash scripts/gpu_suite.sh      (bash scripts/gpu_suite.sh --help)
 set -u
 set -o pipefail
+
+usage() {  # the comment block at the top of this file
+    sed -n '2,/^set -u/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+}
+case "${1-}" in
+    -h|--help) usage; exit 0 ;;
+    "") ;;
+    *) echo "gpu_suite.sh: unknown argument '$1' (settings are environment variables; see" \
+            "bash scripts/gpu_suite.sh --help)" >&2; exit 2 ;;
+esac
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 2
@@ -90,10 +112,19 @@ finish() {
         cat "$LOGS/env.txt" 2>/dev/null
     } >"$SUMMARY"
     cp "$SUMMARY" "$OUT/summary.txt"
-    for f in "$WORK"/bench_*.json "$WORK"/bench_*.png "$WORK"/demo_*.json "$WORK"/soak_*.json; do
-        [ -f "$f" ] && cp "$f" "$OUT/"
+    # every result goes into the tarball; the first 6 (in the order of the header) also into
+    # $OUT, beside summary.txt and logs.tar.gz: 8 files at most
+    mkdir -p "$LOGS/results"
+    local f kept=0 left=()
+    for f in "$WORK"/bench_[0-9]*.json "$WORK"/bench_base_*.json "$WORK"/demo_*.json \
+             "$WORK"/bench_*.png "$WORK"/soak_*.json; do
+        [ -f "$f" ] || continue
+        cp "$f" "$LOGS/results/"
+        if [ "$kept" -lt 6 ]; then cp "$f" "$OUT/"; kept=$((kept + 1))
+        else left+=("$(basename "$f")"); fi
     done
-    cp "$WORK"/demo_*.json "$LOGS/" 2>/dev/null
+    [ "${#left[@]}" -gt 0 ] && echo "results only in logs.tar.gz (8-file limit of \$OUT):" \
+        "${left[*]}" >>"$SUMMARY" && cp "$SUMMARY" "$OUT/summary.txt"
     tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null
     # the tail of a log can be huge; the tarball keeps everything, the table stays short
     echo
@@ -140,7 +171,7 @@ for n in ${DCPKIT_SUITE_NP:-2 4}; do
     if [ "$n" -le "$NGPU" ]; then NPS="$NPS $n"
     elif [ "$SHARED" = 1 ] && [ "$NGPU" -ge 1 ]; then
         NPS="$NPS $n"; DEMO_SHARED=(--allow-shared-gpu)
-        say "world size $n on $NGPU GPU(s): ranks share GPUs (functional run; timings mean nothing)"
+        say "world size $n on $NGPU GPU(s): ranks share GPUs (no NVLink: timings bound the kernels on this machine, not NVLink)"
     else say "world size $n skipped: $NGPU GPU(s)"; fi
 done
 GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
@@ -213,11 +244,32 @@ run_stage() {
     return 0
 }
 
-mpicmd() {  # mpicmd N TAG: sets MPICMD to the mpirun prefix, per-rank logs under logs/TAG
+mpicmd() {  # mpicmd N TAG [VAR...]: sets MPICMD to the mpirun prefix, per-rank logs under
+            # logs/TAG; each VAR (set in the caller's environment) is passed to the ranks too
+    local n=$1 tag=$2 v
+    shift 2
     if [ "$MPI_OPENMPI" = 1 ]; then
-        MPICMD=(mpirun "${MPI_FLAGS[@]}" --output-filename "$LOGS/$2" -np "$1")
+        MPICMD=(mpirun "${MPI_FLAGS[@]}")
+        for v in "$@"; do MPICMD+=(-x "$v"); done
+        MPICMD+=(--output-filename "$LOGS/$tag" -np "$n")
     else
-        MPICMD=(mpirun -np "$1")
+        MPICMD=(mpirun -np "$n")   # MPICH's hydra passes the whole environment
+    fi
+}
+
+# bench_env N: the environment of the bench stages at world size N (as "VAR=value" words):
+# with ranks sharing a GPU under MPS, each rank's share of it (NVSHMEM's on-stream collectives
+# abort without one; dcpkit gets the same share, so both are measured alike).
+bench_env() {
+    BENCH_ENV=()
+    BENCH_VARS=()
+    if [ "$MPS_ON" = 1 ] && [ "$1" -gt "$NGPU" ]; then
+        if [ -z "${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-}" ]; then
+            BENCH_ENV+=("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$(( 100 * NGPU / $1 ))")
+        else
+            BENCH_ENV+=("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+        fi
+        BENCH_VARS+=(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)
     fi
 }
 
@@ -342,11 +394,36 @@ if [[ $STAGES == *,demo,* ]]; then
     fi
 fi
 
+BASE="${DCPKIT_SUITE_BASELINE:-}"
+if [[ $STAGES == *,bench,* ]] && [ -n "$BASE" ]; then
+    if [ ! -f "$BASE/dcpkit/__init__.py" ]; then
+        say "DCPKIT_SUITE_BASELINE=$BASE holds no dcpkit checkout: baseline not run"
+        RESULTS+=("baseline|-|1|0|DCPKIT_SUITE_BASELINE=$BASE holds no dcpkit/__init__.py")
+        BASE=""
+    else
+        BASE="$(cd "$BASE" && pwd)"
+        BASE_COMMIT="${DCPKIT_SUITE_BASELINE_COMMIT:-$(git -C "$BASE" rev-parse HEAD 2>/dev/null || echo unknown)}"
+        BASE_PYTHONPATH="$BASE${PYTHONPATH#"$ROOT"}"   # the baseline first, the same wheels
+        say "baseline: $BASE (commit ${BASE_COMMIT:0:12})"
+    fi
+fi
+
 if [[ $STAGES == *,bench,* ]]; then
     for n in ${DCPKIT_SUITE_BENCH_NP:-$NPS}; do
-        mpicmd "$n" "bench_$n"
+        bench_env "$n"
+        if [ -n "$BASE" ]; then
+            # from the baseline's own folder, so that its dcpkit (not this one) is imported
+            mpicmd "$n" "bench_base_$n" ${BENCH_VARS[@]+"${BENCH_VARS[@]}"}
+            run_stage bench_base "$n" 300 "$LOGS/bench_base_$n.log" \
+                bash -c 'cd "$0" && exec "$@"' "$BASE" \
+                env PYTHONPATH="$BASE_PYTHONPATH" DCPKIT_COMMIT="$BASE_COMMIT" \
+                ${BENCH_ENV[@]+"${BENCH_ENV[@]}"} \
+                "${MPICMD[@]}" "$PY" -m dcpkit bench --quick --json "$WORK/bench_base_$n.json"
+        fi
+        mpicmd "$n" "bench_$n" ${BENCH_VARS[@]+"${BENCH_VARS[@]}"}
         # shellcheck disable=SC2086
         run_stage bench "$n" 400 "$LOGS/bench_$n.log" \
+            env ${BENCH_ENV[@]+"${BENCH_ENV[@]}"} \
             "${MPICMD[@]}" "$PY" -m dcpkit bench --json "$WORK/bench_$n.json" \
             --plot "$WORK/bench_$n.png" ${DCPKIT_BENCH_ARGS:-}
         # the compact part of the bench output: ceilings, target counts, the last line

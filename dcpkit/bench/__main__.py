@@ -1,0 +1,7 @@
+"""``python -m dcpkit.bench``."""
+
+import sys
+
+from .command import main
+
+sys.exit(main())

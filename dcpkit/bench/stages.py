@@ -1,0 +1,107 @@
+"""The run's context and its stages: every step that can fail runs on every rank, waits for
+the GPU, then agrees on the outcome with one allgather, so every rank takes the same branch."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Sequence
+
+from .common import SCHEMA, BenchHang, StageFailed, jsonable, short
+from .row import BenchRow
+from .stats import annotate
+from .targets import evaluate_targets
+
+__all__ = ["Ctx", "stage"]
+
+
+class Ctx:
+    """What one run carries around: settings, group, device, results so far."""
+
+    def __init__(self, cfg: Dict[str, Any], comm, dev, argv: Sequence[str]):
+        self.cfg = cfg
+        self.comm = comm
+        self.dev = dev
+        self.argv = list(argv)
+        self.rank = comm.rank
+        self.world = comm.world_size
+        self.rows: List[BenchRow] = []
+        self.errors: List[str] = []
+        self.ceilings: Dict[str, Any] = {}
+        self.meta: Dict[str, Any] = {}
+        self.torch_env = None
+        self.nccl_group = None   # one NCCL communicator shared by the nccl path's ops
+        self.peer_env = None     # NVSHMEM, started for the nvshmem path
+        self.op_objects: Dict[str, Any] = {}   # dcpkit's op of each op name (for ctas_for)
+        self.shared_gpu = None   # whether ranks share a GPU (None: unknown)
+        self.ranks_on_gpu = 1    # ranks on this rank's GPU
+        self.t0 = time.monotonic()
+
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[bench {time.monotonic() - self.t0:7.1f}s] {msg}", flush=True)
+
+    def result(self) -> Dict[str, Any]:
+        rows = [r.to_json() for r in annotate([r.copy() for r in self.rows], self.ceilings)]
+        return {"schema": SCHEMA, "meta": self.meta, "config": jsonable(self.cfg),
+                "ceilings": self.ceilings, "rows": rows,
+                "targets": evaluate_targets(rows, self.meta.get("ranks_share_gpu")),
+                "errors": list(self.errors),
+                "elapsed_s": round(time.monotonic() - self.t0, 1)}
+
+    def save(self) -> None:
+        """Rank 0 writes the JSON of everything so far (atomically)."""
+        if self.rank != 0 or not self.cfg.get("json"):
+            return
+        path = self.cfg["json"]
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(jsonable(self.result()), f, indent=1, allow_nan=False)
+        os.replace(tmp, path)
+
+
+def stage(ctx: Ctx, what: str, fn: Callable[[], Any]) -> List[Any]:
+    """Run ``fn`` on every rank, wait for the GPU, and agree on the outcome.
+
+    Returns every rank's result (a list indexed by rank). Raises :class:`StageFailed` on every
+    rank when ``fn`` raised on any rank, so that all ranks take the same branch afterwards.
+    ``fn`` makes no host collective of its own (a rank that failed half-way would leave its peers
+    in a collective it never enters): cross-rank work inside a stage happens on the GPU, where
+    every wait has a deadline. The exceptions are the collective constructors and ``close()`` of
+    dcpkit resources (heaps, ops, NCCL groups), whose own setup transactions agree on failure.
+
+    Raises
+    ------
+    BenchHang
+        A host wait for the GPU outlived ``--hang-s`` (fatal: the caller aborts the job).
+    """
+    err = None
+    val = None
+    try:
+        val = fn()
+    except BenchHang:
+        raise
+    except Exception as e:  # noqa: BLE001 - recorded and agreed on, never swallowed silently
+        err = f"{type(e).__name__}: {e}"
+        tb = traceback.format_exc() if ctx.cfg.get("verbose") else ""
+        print(f"[bench rank {ctx.rank}] {what}: {short(err, 1000)}\n{tb}", file=sys.stderr,
+              flush=True)
+    try:
+        ctx.dev.quiesce()
+    except BenchHang:
+        raise
+    except Exception as e:  # noqa: BLE001
+        if err is None:
+            err = f"after {what}: {type(e).__name__}: {e}"
+    gathered = ctx.comm.allgather((err, None if err else val, ctx.dev.barrier_token()))
+    ctx.dev.barrier_resync(max(g[2] for g in gathered))
+    failed = {r: g[0] for r, g in enumerate(gathered) if g[0] is not None}
+    if failed:
+        raise StageFailed(what, failed)
+    return [g[1] for g in gathered]
+

@@ -1,0 +1,143 @@
+"""The floor kernel's host side on the CPU: the real FloorRunner through the real sweep, over a
+fake symmetric heap and an emulation of ``floor_kernel`` (stores of every rank's pattern into
+every peer's slot, the status word, a rendezvous of the ranks per call), so that the fresh
+pattern, the poisoned destination, the status check and the CTA count are exercised. The kernel
+itself is compile-checked in test_jit and runs in scripts/gpu_suite.sh."""
+
+import itertools
+import json
+import math
+import threading
+
+import numpy as np
+import pytest
+
+from dcpkit import bench
+from dcpkit.bench import factory as factory_mod
+from dcpkit.bench.floor import estimate_ctas, pattern
+
+from _threadgroup import run_group
+from test_bench_sweep import FakeDevice
+
+_REG = {}
+_IDS = itertools.count(1)
+
+
+class FakeHeap:
+    def __init__(self, comm, nbytes, multicast=False, **kw):
+        self.mem = np.zeros(int(nbytes), np.uint8)
+        self.local_ptr = next(_IDS) << 32
+        _REG[self.local_ptr] = self.mem
+        self.peer_ptrs = comm.allgather(self.local_ptr)
+
+    def view(self, offset, shape, dtype):
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape)) * dt.itemsize
+        assert offset + n <= self.mem.size, "view out of bounds"
+        return self.mem[offset:offset + n].view(dt).reshape(shape)
+
+    def close(self):
+        _REG.pop(self.local_ptr, None)
+
+
+class FloorDevice(FakeDevice):
+    sm_count = 8
+
+    def new_stream(self):
+        return None
+
+
+def _emulated_kernel(barrier, behaviour):
+    def kernel(grid, block, args, stream=None):
+        src, nvec, peer_base, slot, sig_off, epochs, rank, world, timeout_ns, status = args
+        rank, world, ctas = int(rank), int(world), int(grid[0])
+        assert ctas <= epochs.size and block == (256,)
+        data = src.view(np.uint8)[: int(nvec) * 16]
+        for p in range(world):
+            if p == rank or (behaviour == "drop" and p == (rank + 1) % world):
+                continue
+            off = rank * int(slot)
+            assert off + data.size <= int(sig_off)
+            _REG[int(peer_base[p])][off:off + data.size] = data
+        epochs[:ctas] += 1
+        status[:ctas] = 1 if behaviour == "timeout" else 0
+        barrier.wait()     # the kernel returns once every peer's stores are in
+    return kernel
+
+
+class _Kernel:
+    def __init__(self, fn):
+        self.kernel = fn
+
+
+def _run(tmp_path, monkeypatch, W, behaviour=None, ops="q_gather,kv_gather,decode_layer"):
+    from dcpkit import jit, symmetric
+
+    barrier = threading.Barrier(W, timeout=30)
+    monkeypatch.setattr(symmetric, "SymmetricHeap", FakeHeap)
+    monkeypatch.setattr(jit, "get_kernel",
+                        lambda f, name: _Kernel(_emulated_kernel(barrier, behaviour)))
+    args = ["--quick", "--max-bytes", "64K", "--tokens", "1,8", "--paths", "floor", "--ops", ops,
+            "--json", str(tmp_path / "bench.json"), "--iters", "3"]
+    cfg = bench.resolve_config(bench.build_parser().parse_args(args))
+    cfg["geometry"] = dict(cfg["geometry"], H=8, D=16, D_v=16, D_kv=24)
+
+    def body(comm):
+        return bench.run_bench(dict(cfg), comm, FloorDevice(comm), args,
+                               factory=factory_mod.make_runner)
+
+    out = run_group(W, body, timeout_s=60.0)
+    for r, (status, val) in enumerate(out):
+        assert status == "ok", f"rank {r} raised {val!r}"
+    return [v for _, v in out], json.loads((tmp_path / "bench.json").read_text())
+
+
+@pytest.mark.parametrize("W", [2, 4])
+def test_floor_rows_are_checked_and_timed_like_the_ops(tmp_path, monkeypatch, W):
+    rcs, res = _run(tmp_path, monkeypatch, W)
+    assert rcs == [0] * W
+    rows = res["rows"]
+    assert {r["path"] for r in rows} == {"floor"}
+    assert {r["op"] for r in rows} == {"q_gather", "kv_gather", "decode_layer"}
+    for r in rows:
+        assert r["error"] is None and r["wrong"] == 0, r
+        assert r["samples"] == 3 and r["median_us"] > 0
+        stages = [c["stage"] for c in r["checks"]]
+        assert stages[0] == "check" and len(stages) == (2 if r["mode"] == "eager" else 3)
+        assert r["ctas"] and r["ctas"] <= 8
+        assert r["floor_kernel_us"] is None          # a floor row is not its own floor
+
+
+def test_floor_check_catches_a_lost_store_and_a_timeout(tmp_path, monkeypatch):
+    rcs, res = _run(tmp_path, monkeypatch, 4, "drop", ops="q_gather")
+    assert rcs == [1, 1, 1, 1]
+    assert all(r["wrong"] > 0 for r in res["rows"])
+    rcs, res = _run(tmp_path, monkeypatch, 2, "timeout", ops="kv_gather")
+    assert rcs == [1, 1]
+    # every check sees the status words the timed-out waits wrote
+    for r in res["rows"]:
+        assert r["wrong"] >= r["ctas"] * 2 * len(r["checks"]), r
+
+
+def test_pattern_is_fresh_per_bind_and_per_rank():
+    a, b, c = pattern(np, 0, 0, 64), pattern(np, 0, 1, 64), pattern(np, 1, 0, 64)
+    assert not (a == b).any() and not (a == c).any()
+    assert np.array_equal(a, pattern(np, 0, 0, 64))
+
+
+def test_estimate_ctas_follows_the_ops_grid_rules():
+    g = {"H": 128, "D": 576, "D_v": 512, "D_kv": 576, "itemsize": 2, "T": 1}
+    # q_gather W=2, T=1: 64 heads * 576 * 2 B / 16 = 4608 vectors, 512 per CTA -> 9 CTAs
+    assert estimate_ctas("q_gather", g, 2, 66) == 9
+    assert estimate_ctas("q_gather", dict(g, T=128), 2, 66) == 66      # capped
+    assert estimate_ctas("kv_gather", dict(g, T=1000), 4, 33) == math.ceil(1000 * 72 / 512) \
+        or estimate_ctas("kv_gather", dict(g, T=1000), 4, 33) == 33
+
+    class Op:
+        def ctas_for(self, T):
+            return 3 * T
+
+    assert estimate_ctas("lse_reduce", g, 4, 33, Op()) == 3
+    assert estimate_ctas("lse_reduce", dict(g, T=100), 4, 33, Op()) == 33
+    with pytest.raises(ValueError, match="op must be"):
+        estimate_ctas("decode_layer", g, 2, 8)
