@@ -201,3 +201,32 @@ def run_cmd(tmp_path):
                            env=subprocess_env(env))
 
     return run
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernel_compile_memo():
+    """NVRTC compiles each (kernel source, variants, options) once per session.
+
+    Several test files compile the same kernel file for the same target (``test_jit.py``
+    compiles every file; the op tests compile their own). The memo wraps
+    ``dcpkit.jit._compile_one``, the step that runs NVRTC on one file, keyed on the file's whole
+    spliced source, its name expressions and the options: a compile that would see other code
+    (an edited or substituted kernels folder, other variants, another ``-arch``) is a new key
+    and runs NVRTC. Only successful results are kept; a failing compile raises every time.
+    Yields the memo (key -> result) so that a test can check it.
+    """
+    from dcpkit import jit
+
+    real = jit._compile_one
+    memo: dict = {}
+
+    def compile_one(nvrtc, file, exprs, opts):
+        exprs, opts = tuple(exprs), tuple(opts)
+        key = (file, jit.source(file), exprs, opts)
+        if key not in memo:
+            memo[key] = real(nvrtc, file, exprs, list(opts))
+        return dict(memo[key])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jit, "_compile_one", compile_one)
+        yield memo
