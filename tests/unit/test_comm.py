@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dcpkit.comm import Communicator, launcher_world_size
@@ -319,3 +320,77 @@ def test_closed_communicator_names_the_method():
         with pytest.raises(ClosedError, match=rf"^Communicator.{method}: the communicator is "
                            rf"closed$"):
             call()
+
+
+# ----------------------------------------------------------------------------- agree: by value
+def _agree_across(values):
+    """Rank r calls agree("x", values[r]); per rank, None or the error's type name."""
+    def body(comm):
+        try:
+            comm.agree("x", values[comm.rank])
+        except DcpkitError as e:
+            return type(e).__name__
+        return None
+
+    out = run_group(len(values), body)
+    assert all(status == "ok" for status, _ in out), out
+    return [res for _, res in out]
+
+
+EQUAL_ACROSS_RANKS = [
+    pytest.param([{"a": 1, "b": 2}, {"b": 2, "a": 1}], id="dict key order"),
+    pytest.param([np.int64(3), 3, np.int32(3)], id="numpy and python ints"),
+    pytest.param([3, 3.0, np.float32(3.0)], id="integral float"),
+    pytest.param([0.5, np.float32(0.5), np.float16(0.5)], id="numpy floats"),
+    pytest.param([float("nan"), np.float32("nan"), float("nan")], id="nan"),
+    pytest.param([0.0, -0.0], id="signed zero"),
+    pytest.param([(1, "a", [2.0]), [1, "a", (2,)]], id="list vs tuple elementwise"),
+    pytest.param([{"t": (np.int64(8), float("nan")), "d": {"x": None}},
+                  {"d": {"x": None}, "t": [8, float("nan")]}], id="nested"),
+    pytest.param([True, np.bool_(True)], id="numpy bool"),
+    pytest.param([np.dtype("float16"), np.dtype("<f2")], id="dtype"),
+    pytest.param([{1, 2, 3}, frozenset({3, 2, 1})], id="sets"),
+    pytest.param([np.arange(4), np.arange(4)], id="arrays"),
+    pytest.param([np.str_("bf16"), "bf16"], id="numpy str"),
+]
+
+
+@pytest.mark.parametrize("values", EQUAL_ACROSS_RANKS)
+def test_agree_compares_values_not_pickled_bytes(values):
+    assert _agree_across(values) == [None] * len(values)
+
+
+DIFFERENT_ACROSS_RANKS = [
+    pytest.param([3, "3"], id="int vs str"),
+    pytest.param([1, True], id="int vs bool"),
+    pytest.param([0, False], id="zero vs False"),
+    pytest.param(["3", b"3"], id="str vs bytes"),
+    pytest.param([0.1, np.float32(0.1)], id="float32 rounding"),
+    pytest.param([float("nan"), 0.0], id="nan vs number"),
+    pytest.param([float("inf"), float("-inf")], id="infinities"),
+    pytest.param([{"a": 1}, {"a": 1, "b": 2}], id="extra key"),
+    pytest.param([{"a": 1}, {"A": 1}], id="other key"),
+    pytest.param([(1, 2), (2, 1)], id="order of a sequence"),
+    pytest.param([None, 0], id="None vs 0"),
+    pytest.param([np.dtype("float16"), np.dtype("float32")], id="dtypes"),
+    pytest.param([np.arange(4), np.arange(4).astype(np.int32)], id="array dtypes"),
+    pytest.param([2 ** 60 + 1, float(2 ** 60)], id="large int vs nearest float"),
+]
+
+
+@pytest.mark.parametrize("values", DIFFERENT_ACROSS_RANKS)
+def test_agree_keeps_types_that_really_differ_apart(values):
+    assert _agree_across(values) == ["ConfigMismatch"] * len(values)
+
+
+def test_canonical_form_is_deterministic_and_hashable():
+    from dcpkit.comm import canonical
+
+    a = {"z": [1, 2.5, {"k": np.int16(7)}], "a": (None, "s", b"b", float("nan"))}
+    b = {"a": [None, "s", b"b", np.float64("nan")], "z": ((1, np.float32(2.5), {"k": 7}))}
+    assert canonical(a) == canonical(b)
+    assert hash(canonical(a)) == hash(canonical(b))
+    # repeated calls, and a value rebuilt through pickle (what another rank sends), agree
+    import pickle
+
+    assert canonical(pickle.loads(pickle.dumps(a))) == canonical(a)
