@@ -6,12 +6,14 @@ Every driver call in dcpkit goes through :func:`check`, which turns a non-succes
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 from .errors import CudaError, DcpkitError, InvalidArgument, InvalidType, MissingDependency
 
-__all__ = ["driver", "check", "cuda_extra", "device_attribute", "ensure_context", "require_cupy",
-           "require_device", "stream_types", "check_stream"]
+__all__ = ["driver", "check", "cuda_extra", "device_attribute", "driver_library_loads",
+           "ensure_context", "require_cupy", "require_device", "stream_types", "check_stream",
+           "NO_DRIVER"]
 
 
 def cuda_extra() -> str:
@@ -83,8 +85,10 @@ def require_device(what: str, device: Optional[int] = None) -> int:
     MissingDependency
         CuPy is not installed.
     DcpkitError
-        No CUDA driver, or no visible GPU:
-        ``"<what>: no CUDA GPU is visible (cudaGetDeviceCount: ...)"``.
+        No visible GPU: ``"<what>: no CUDA GPU is visible (no CUDA driver on this machine:
+        ...)"`` where the driver library is missing, ``"<what>: no CUDA GPU is visible
+        (cudaGetDeviceCount: ...)"`` otherwise (a driver older than the CUDA runtime, no
+        device, ``CUDA_VISIBLE_DEVICES`` hiding every device).
     InvalidArgument
         ``device`` is not one of the visible devices.
     """
@@ -93,6 +97,11 @@ def require_device(what: str, device: Optional[int] = None) -> int:
     try:
         count = int(rt.getDeviceCount())
     except Exception as e:  # noqa: BLE001 - no driver, no device, driver too old
+        if not driver_library_loads():
+            # Without libcuda the runtime reports cudaErrorInsufficientDriver ("driver version
+            # is insufficient"), which sends a user looking for a driver upgrade.
+            raise DcpkitError(f"{what}: no CUDA GPU is visible ({NO_DRIVER}); dcpkit needs "
+                              f"an NVIDIA GPU and its driver") from None
         raise DcpkitError(f"{what}: no CUDA GPU is visible (cudaGetDeviceCount: "
                           f"{_error_text(e)}); check the NVIDIA driver and "
                           f"CUDA_VISIBLE_DEVICES") from None
@@ -108,6 +117,29 @@ def require_device(what: str, device: Optional[int] = None) -> int:
     if not 0 <= int(device) < count:
         raise InvalidArgument(f"{what}: device index must lie in [0, {count}) (got {device})")
     return int(device)
+
+
+#: What :func:`require_device` and ``dcpkit info`` say where the driver library is missing.
+NO_DRIVER = ("no CUDA driver on this machine: the NVIDIA driver library libcuda.so.1 cannot be "
+             "loaded")
+
+
+def driver_library_loads() -> bool:
+    """Whether the CUDA driver library (``libcuda.so.1``) can be loaded.
+
+    With ctypes, so it answers without cuda-bindings or CuPy; no ``cuInit``, no side effect other
+    than mapping the library. Call it on error paths only (it costs a ``dlopen``).
+    """
+    import ctypes
+
+    names = ("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")
+    for name in names:
+        try:
+            ctypes.CDLL(name)
+        except OSError:
+            continue
+        return True
+    return False
 
 
 def _error_text(e: BaseException) -> str:

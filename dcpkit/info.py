@@ -23,7 +23,10 @@ import platform
 import sys
 from typing import Any, Dict, List, Optional
 
-__all__ = ["collect", "format_text", "main", "no_driver_reason", "launcher_rank"]
+from ._cuda import NO_DRIVER as _NO_DRIVER
+
+__all__ = ["collect", "format_text", "main", "no_driver_reason", "launcher_rank",
+           "stack_warnings", "CUDA_PACKAGES"]
 
 #: Variables that decide whether multicast may be used (printed when set).
 MULTICAST_ENV = (
@@ -111,7 +114,76 @@ def _versions() -> Dict[str, Any]:
         except Exception as e:  # noqa: BLE001
             v["mpi_library_error"] = _err(e)
     v["torch"] = _dist_version("torch")
+    v["cuda_packages"] = {name: ver for name in CUDA_PACKAGES
+                          if (ver := _dist_version(name)) is not None}
     return v
+
+
+#: Installed distributions that belong to one CUDA major, and that major (``dcpkit info`` warns
+#: when those of two majors sit in one environment).
+CUDA_PACKAGES = {
+    "cupy-cuda12x": 12, "cupy-cuda13x": 13,
+    "nvidia-cuda-runtime-cu12": 12, "nvidia-cuda-runtime": 13,
+    "nvidia-cuda-nvrtc-cu12": 12, "nvidia-cuda-nvrtc": 13,
+    "nvidia-nccl-cu12": 12, "nvidia-nccl-cu13": 13,
+    "nvidia-nvshmem-cu12": 12, "nvidia-nvshmem-cu13": 13,
+    "nvshmem4py-cu12": 12, "nvshmem4py-cu13": 13,
+}
+
+
+def _major(version: Optional[str]) -> Optional[int]:
+    try:
+        return int(str(version).split(".")[0])
+    except ValueError:
+        return None
+
+
+def stack_warnings(versions: Dict[str, Any], driver: Optional[Dict[str, Any]] = None) -> List[str]:
+    """Warnings about a mixed CUDA stack, one line each (empty when the stack is consistent).
+
+    A CUDA 12 and a CUDA 13 stack in one environment (both ``cuda12`` and ``cuda13`` extras
+    installed, or parts of each) make CuPy warn at every import and load libraries of the wrong
+    major. Compared: the CUDA major of every installed CUDA wheel (:data:`CUDA_PACKAGES`),
+    cuda-bindings' major, the CUDA runtime CuPy loads and the NVRTC dcpkit loads; and the driver
+    against the runtime (a CUDA 13 runtime needs a CUDA 13 driver).
+    """
+    out: List[str] = []
+    pkgs = versions.get("cuda_packages") or {}
+    by_major: Dict[int, List[str]] = {}
+    for name, ver in pkgs.items():
+        by_major.setdefault(CUDA_PACKAGES[name], []).append(f"{name} {ver}")
+    parts = {}  # component -> major
+    if versions.get("cuda_bindings"):
+        parts["cuda-bindings"] = (_major(versions["cuda_bindings"]), versions["cuda_bindings"])
+    if versions.get("cuda_runtime"):
+        parts["CUDA runtime"] = (_major(versions["cuda_runtime"]), versions["cuda_runtime"])
+    if versions.get("nvrtc"):
+        parts["NVRTC"] = (_major(versions["nvrtc"]), versions["nvrtc"])
+    if "cupy-cuda12x" in pkgs and "cupy-cuda13x" in pkgs:
+        out.append(f"both cupy-cuda12x {pkgs['cupy-cuda12x']} and cupy-cuda13x "
+                   f"{pkgs['cupy-cuda13x']} are installed: they share the cupy module, so one "
+                   f"overwrites the other; uninstall the one that does not match the driver")
+    if len(by_major) > 1:
+        listed = "; ".join(f"CUDA {m}: {', '.join(sorted(n))}" for m, n in sorted(by_major.items()))
+        out.append(f"wheels of two CUDA majors are installed ({listed}): install one of the "
+                   f"cuda12 / cuda13 extras per environment, never both")
+    majors = {m for m, _ in parts.values() if m is not None}
+    if len(majors) > 1:
+        listed = ", ".join(f"{k} {ver}" for k, (_, ver) in parts.items())
+        out.append(f"mixed CUDA majors: {listed}; they must all be CUDA 12 (extra cuda12) or "
+                   f"all CUDA 13 (extra cuda13)")
+    drv = driver or {}
+    rt = versions.get("cuda_runtime")
+    if drv.get("ok") and drv.get("version") and rt:
+        try:
+            older = tuple(map(int, str(drv["version"]).split("."))) < tuple(
+                map(int, str(rt).split(".")))
+        except ValueError:
+            older = False
+        if older and _major(drv["version"]) != _major(rt):
+            out.append(f"the CUDA driver ({drv['version']}) is older than the CUDA runtime CuPy "
+                       f"loads ({rt}): install the cuda{_major(drv['version'])} extra instead")
+    return out
 
 
 def _driver_probe() -> Dict[str, Any]:
@@ -137,16 +209,9 @@ def _driver_probe() -> Dict[str, Any]:
 def _libcuda_loads() -> bool:
     """Whether the CUDA driver library can be loaded (ctypes; no cuInit, no other side effect
     than mapping the library)."""
-    import ctypes  # noqa: WPS433
+    from ._cuda import driver_library_loads
 
-    names = ("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")
-    for name in names:
-        try:
-            ctypes.CDLL(name)
-            return True
-        except OSError:
-            continue
-    return False
+    return driver_library_loads()
 
 
 def no_driver_reason(probe: Optional[Dict[str, Any]] = None) -> Optional[str]:
@@ -319,12 +384,30 @@ def collect() -> Dict[str, Any]:
     info["gpu_count"] = g["count"]
     info["gpus"] = g["gpus"]
     info["p2p"] = g["p2p"]
+    v = info["versions"]
+    missing = []  # packages without which GPUs and driver cannot be checked
+    if v.get("cupy") is None:
+        missing.append("CuPy")
+    if not drv["ok"] and str(drv["error"]).startswith("MissingDependency"):
+        missing.append("cuda-bindings")
+    info["missing"] = missing
+    if missing:
+        from ._cuda import cuda_extra
+
+        info["missing_hint"] = (f"missing or not importable: {', '.join(missing)}; "
+                                f"pip install 'dcpkit[{cuda_extra()}]'")
+    info["driver_library"] = None if drv["ok"] else _libcuda_loads()
     if g["count"] == 0:
-        if not drv["ok"]:
+        if "CuPy" in missing:
+            why = f"not checked ({info['missing_hint']})"
+        elif not drv["ok"] and not info["driver_library"]:
+            why = _NO_DRIVER
+        elif not drv["ok"] and "cuda-bindings" not in missing:
             why = f"no usable CUDA driver on this machine: {drv['error']}"
         else:
             why = g["error"] or "the CUDA driver reports no device"
         info["no_gpu_reason"] = why
+    info["warnings"] = stack_warnings(v, drv)
     info["multicast"] = _multicast(g["gpus"])
     info["env"] = {k: os.environ[k] for k in MULTICAST_ENV + _OTHER_ENV if k in os.environ}
     return info
@@ -362,9 +445,23 @@ def format_text(info: Dict[str, Any]) -> str:
     row("torch", v.get("torch"))
     lines.append("")
     drv = info["driver"]
-    lines.append(f"CUDA driver      {drv['version'] if drv['ok'] else 'not found: ' + str(drv['error'])}")
+    missing = info.get("missing") or []
+    if drv["ok"]:
+        drv_text = drv["version"]
+    elif "cuda-bindings" in missing:
+        lib = {True: "libcuda.so.1 loads", False: "libcuda.so.1 cannot be loaded",
+               None: "libcuda.so.1 not checked"}[info.get("driver_library")]
+        drv_text = f"version not read ({info['missing_hint']}); {lib}"
+    elif info.get("driver_library") is False:
+        drv_text = f"not found ({_NO_DRIVER})"
+    else:
+        drv_text = f"not usable: {drv['error']}"
+    lines.append(f"CUDA driver      {drv_text}")
     n = info["gpu_count"]
-    if n == 0:
+    if n == 0 and "CuPy" in missing:
+        lines.append(f"GPUs             not checked ({info['missing_hint']})")
+        lines.append("P2P access       not checked")
+    elif n == 0:
         lines.append(f"GPUs             none: no GPU here ({info.get('no_gpu_reason')})")
         lines.append("P2P access       n/a (no GPU)")
     else:
@@ -405,6 +502,8 @@ def format_text(info: Dict[str, Any]) -> str:
     env = info["env"]
     lines.append("environment      " + (", ".join(f"{k}={x}" for k, x in env.items())
                                       if env else "(none of the multicast or device variables set)"))
+    for w in info.get("warnings") or []:
+        lines.append(f"warning: {w}")
     return "\n".join(lines)
 
 
@@ -431,3 +530,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         print(format_text(info))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

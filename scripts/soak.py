@@ -26,7 +26,7 @@ by all ranks):
 The JSON summary (rank 0 writes it) has the call counts, wrong results (with the first
 failures), memory and fds at start and end, the final epochs (to show the wrap), and the time.
 The exit status is 0 only if every rank saw zero wrong results, no error, flat resources and
-the wrap.
+the wrap; 2, with one line saying why, where there is no GPU.
 """
 
 from __future__ import annotations
@@ -44,6 +44,38 @@ import numpy as np
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent / "tests" / "mpi" / "scripts"))
+
+
+def _use_this_checkout_if_not_installed() -> None:
+    """Import the installed dcpkit; where none is installed (or only an empty namespace folder
+    of that name), the one of this checkout."""
+    try:
+        import dcpkit
+
+        if getattr(dcpkit, "__file__", None):
+            return
+    except ImportError:
+        pass
+    sys.modules.pop("dcpkit", None)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _gpu_or_exit(what: str) -> None:
+    """Exit with status 2 and one line (printed once per job) where there is no GPU to run on:
+    no CuPy, no CUDA driver, no visible device."""
+    from dcpkit._cuda import require_device
+    from dcpkit.errors import DcpkitError
+    from dcpkit.info import launcher_rank
+
+    try:
+        require_device(what)
+    except DcpkitError as e:
+        if launcher_rank() in (None, 0):
+            print(f"{e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+_use_this_checkout_if_not_installed()
 
 from reliability_cases import (HEAD_DIM, H_R, OPS, ROW_DIM, OpCase, bits_dtype,  # noqa: E402
                                poison, to_host)
@@ -425,6 +457,7 @@ def main(argv=None) -> int:
                     help="wait deadline of the ops (default: DCPKIT_TIMEOUT_MS or 5000)")
     ap.add_argument("--json", default=None, help="write the summary here (rank 0)")
     args = ap.parse_args(argv)
+    _gpu_or_exit("soak")
 
     import cupy
 

@@ -3,6 +3,7 @@ ImportError from deep inside. Each case runs in a fresh interpreter in which the
 top-level package is blocked (``sys.modules[name] = None`` makes every import of it fail)."""
 
 import json
+import re
 
 import pytest
 
@@ -99,5 +100,11 @@ sys.exit(dcpkit.cli.main(["info"]))
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "CuPy           not installed" in out or "CuPy           not available" in out, out
-    assert "mpi4py" in out and "no GPU here" in out, out
+    assert "mpi4py" in out, out
+    # a missing extra is named as such, never reported as "no GPU"
+    assert "no GPU here" not in out, out
+    assert re.search(r"^GPUs +not checked \(missing or not importable: CuPy, cuda-bindings; "
+                     r"pip install 'dcpkit\[cuda1[23]\]'\)$", out, re.M), out
+    assert re.search(r"^CUDA driver +version not read \(missing or not importable: ", out,
+                     re.M), out
     assert "Traceback" not in proc.stderr
