@@ -59,18 +59,22 @@ def main() -> int:
     ap.add_argument("--nbytes", type=int, default=8 << 20, help="bytes of each rank's copy")
     ap.add_argument("--device-offset", type=int, default=0, help="GPU of local rank 0")
     ap.add_argument("--ready-file", help="created once this job is set up")
-    ap.add_argument("--wait-file", help="start the rounds only once this file exists (another "
-                                        "job's --ready-file), so that the two jobs overlap")
+    ap.add_argument(
+        "--wait-file",
+        help="start the rounds only once this file exists (another "
+        "job's --ready-file), so that the two jobs overlap",
+    )
     args = ap.parse_args()
     _use_this_checkout_if_not_installed()
     _gpu_or_exit("two_jobs_check")
 
     import cupy
 
-    from _heap_checks import agree, pattern_errors, run_checked
     from dcpkit.comm import Communicator
     from dcpkit.multicast import KILL_SWITCHES
     from dcpkit.symmetric import SymmetricHeap
+
+    from _heap_checks import agree, pattern_errors, run_checked
 
     comm = Communicator.from_mpi()
     ndev = cupy.cuda.runtime.getDeviceCount()
@@ -95,12 +99,26 @@ def main() -> int:
 
     errors = run_checked(comm, body)
     ok, msg = agree(comm, errors)
-    print("DCPKIT_TWO_JOBS " + json.dumps({
-        "job": args.job, "rank": comm.rank, "world_size": comm.world_size, "device": device,
-        "rounds": args.rounds, "ok": ok, "errors": errors[:6], "job_errors": msg,
-        "handle_types": sorted(set(handle_types)), "start": t0, "end": time.time(),
-        "kill_switches": {name: os.environ.get(name) for name, _ in KILL_SWITCHES},
-    }), flush=True)
+    print(
+        "DCPKIT_TWO_JOBS "
+        + json.dumps(
+            {
+                "job": args.job,
+                "rank": comm.rank,
+                "world_size": comm.world_size,
+                "device": device,
+                "rounds": args.rounds,
+                "ok": ok,
+                "errors": errors[:6],
+                "job_errors": msg,
+                "handle_types": sorted(set(handle_types)),
+                "start": t0,
+                "end": time.time(),
+                "kill_switches": {name: os.environ.get(name) for name, _ in KILL_SWITCHES},
+            }
+        ),
+        flush=True,
+    )
     return 0 if ok else 1
 
 

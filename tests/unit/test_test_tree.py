@@ -30,17 +30,32 @@ def test_no_two_test_tree_modules_share_a_basename(tests_dir):
             continue
         seen[p.name].append(str(p.relative_to(tests_dir)))
     clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
-    assert not clashes, f"modules of the same basename under tests/ (pytest imports them by " \
-                        f"basename, so collection fails): {clashes}"
+    assert not clashes, (
+        f"modules of the same basename under tests/ (pytest imports them by "
+        f"basename, so collection fails): {clashes}"
+    )
 
 
 def test_pytest_collects_the_whole_test_tree(tests_dir, run_cmd):
     # From a scratch folder (run_cmd's cwd), so that the dcpkit under test is the one imported.
-    proc = run_cmd([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
-                    "no:cacheprovider", str(tests_dir)], timeout=300)
+    proc = run_cmd(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(tests_dir),
+        ],
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"pytest --collect-only tests exited {proc.returncode}:\n" \
-                                 f"{out[-4000:]}"
+    assert proc.returncode == 0, (
+        f"pytest --collect-only tests exited {proc.returncode}:\n{out[-4000:]}"
+    )
     for tier in ("unit", "mpi", "gpu"):
-        assert f"tests/{tier}/test_" in proc.stdout, \
+        assert f"tests/{tier}/test_" in proc.stdout, (
             f"no test of tests/{tier} was collected:\n{out[-2000:]}"
+        )
