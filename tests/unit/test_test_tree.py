@@ -39,17 +39,10 @@ def test_no_two_test_tree_modules_share_a_basename(tests_dir):
 def test_pytest_collects_the_whole_test_tree(tests_dir, run_cmd):
     # From a scratch folder (run_cmd's cwd), so that the dcpkit under test is the one imported.
     proc = run_cmd(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "--collect-only",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(tests_dir),
-        ],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", str(tests_dir)],
         timeout=300,
+        # not this session's options (CI's --junitxml would be written by the child too)
+        env={"PYTEST_ADDOPTS": "-p no:cacheprovider"},
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, (
