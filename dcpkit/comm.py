@@ -389,17 +389,38 @@ class Communicator:
         self._barrier()
 
     # ------------------------------------------------------------------ agreement helpers
-    def agree(self, what: str, value: Any) -> List[Any]:
+    def agree(self, what: str, value: Any) -> list[Any]:
         """Check that ``value`` is equal on every rank.
 
-        Values are compared by their :func:`canonical` form: by value, not by their pickled
-        bytes, so ``{"a": 1, "b": 2}`` equals ``{"b": 2, "a": 1}``, ``np.int64(3)`` equals ``3``
-        and NaN equals NaN; ``3`` and ``"3"``, or ``1`` and ``True``, differ.
+        Naive equivalent: ``values = allgather(value); assert all(v == values[0] for v in
+        values)``, with equality of the :func:`canonical` forms: by value, not by pickled bytes,
+        so ``{"a": 1, "b": 2}`` equals ``{"b": 2, "a": 1}``, ``np.int64(3)`` equals ``3`` and NaN
+        equals NaN, while ``3`` and ``"3"``, or ``1`` and ``True``, differ.
 
-        Returns every rank's value. Raises :class:`ConfigMismatch` on every rank, naming the
-        ranks that differ, when they are not all equal; :class:`InvalidType` /
-        :class:`PeerError` (on the other ranks) when ``value`` does not pickle on some rank;
-        :class:`ClosedError` on a closed communicator.
+        Parameters
+        ----------
+        what : str
+            What is compared, named in the error (``"T_max"``, ``"lse_reduce: call arguments"``).
+        value : picklable object
+            This rank's value.
+
+        Returns
+        -------
+        list
+            Every rank's value, indexed by rank.
+
+        Collective: one allgather; every rank calls it with the same ``what``.
+
+        Raises
+        ------
+        ConfigMismatch
+            The values are not all equal (on every rank, naming the ranks that differ).
+        InvalidType
+            ``value`` does not pickle on this rank (the other ranks raise PeerError).
+        PeerError
+            ``value`` did not pickle on another rank.
+        ClosedError
+            The communicator is closed.
         """
         values = self._gather("agree", value)
         first = canonical(values[0])

@@ -139,14 +139,15 @@ def _versions() -> dict[str, Any]:
 
 
 #: Installed distributions that belong to one CUDA major, and that major (``dcpkit info`` warns
-#: when those of two majors sit in one environment).
+#: when those of two majors sit in one environment); None: the major of the package's own
+#: version (the CUDA 13 wheels dropped the ``-cuXX`` suffix).
 CUDA_PACKAGES = {
     "cupy-cuda12x": 12,
     "cupy-cuda13x": 13,
     "nvidia-cuda-runtime-cu12": 12,
-    "nvidia-cuda-runtime": 13,
+    "nvidia-cuda-runtime": None,
     "nvidia-cuda-nvrtc-cu12": 12,
-    "nvidia-cuda-nvrtc": 13,
+    "nvidia-cuda-nvrtc": None,
     "nvidia-nccl-cu12": 12,
     "nvidia-nccl-cu13": 13,
     "nvidia-nvshmem-cu12": 12,
@@ -176,7 +177,9 @@ def stack_warnings(versions: dict[str, Any], driver: dict[str, Any] | None = Non
     pkgs = versions.get("cuda_packages") or {}
     by_major: dict[int, list[str]] = {}
     for name, ver in pkgs.items():
-        by_major.setdefault(CUDA_PACKAGES[name], []).append(f"{name} {ver}")
+        major = CUDA_PACKAGES.get(name) or _major(ver)
+        if major is not None:
+            by_major.setdefault(major, []).append(f"{name} {ver}")
     parts = {}  # component -> major
     if versions.get("cuda_bindings"):
         parts["cuda-bindings"] = (_major(versions["cuda_bindings"]), versions["cuda_bindings"])

@@ -180,6 +180,13 @@ def test_a_mixed_stack_is_flagged(change, fragment):
     assert any(fragment in w for w in warnings), warnings
 
 
+def test_unsuffixed_cuda_wheels_count_by_their_own_major():
+    v = _versions(cuda_packages={"cupy-cuda12x": "14.2.0", "nvidia-cuda-nvrtc": "12.9.86"})
+    assert info.stack_warnings(v) == []
+    v = _versions(cuda_packages={"cupy-cuda12x": "14.2.0", "nvidia-cuda-runtime": "13.0.96"})
+    assert any("CUDA 13: nvidia-cuda-runtime 13.0.96" in w for w in info.stack_warnings(v))
+
+
 def test_a_driver_older_than_the_runtime_is_flagged():
     v = _versions(
         cuda_runtime="13.0",
