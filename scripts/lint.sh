@@ -7,6 +7,7 @@
 # Exit status 0 when both pass, 1 when either finds something, 2 when ruff is not installed
 # (pip install '.[lint]'). Changes nothing; to apply the fixes ruff can make by itself:
 #   ruff check --fix PATH... && ruff format PATH...
+# Findings are listed one a line (--output-format concise); ruff check PATH shows each in full.
 set -uo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,8 +27,8 @@ targets=("$@")
 
 echo "lint: $("${RUFF[@]}" --version) on ${targets[*]}"
 rc=0
-"${RUFF[@]}" check --no-cache "${targets[@]}" || rc=1
-"${RUFF[@]}" format --check --no-cache "${targets[@]}" || rc=1
+"${RUFF[@]}" check --no-cache --output-format concise "${targets[@]}" || rc=1
+"${RUFF[@]}" format --check --no-cache --output-format concise "${targets[@]}" || rc=1
 if [ "$rc" -eq 0 ]; then
     echo "lint: OK"
 else
