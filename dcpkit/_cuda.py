@@ -6,12 +6,24 @@ Every driver call in dcpkit goes through :func:`check`, which turns a non-succes
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import sys
+from typing import Any
 
 from .errors import CudaError, DcpkitError, InvalidArgument, InvalidType, MissingDependency
 
-__all__ = ["driver", "check", "cuda_extra", "device_attribute", "ensure_context", "require_cupy",
-           "require_device", "stream_types", "check_stream"]
+__all__ = [
+    "driver",
+    "check",
+    "cuda_extra",
+    "device_attribute",
+    "driver_library_loads",
+    "ensure_context",
+    "require_cupy",
+    "require_device",
+    "stream_types",
+    "check_stream",
+    "NO_DRIVER",
+]
 
 
 def cuda_extra() -> str:
@@ -23,7 +35,7 @@ def cuda_extra() -> str:
     """
     from importlib import metadata
 
-    def has(name: str) -> Optional[str]:
+    def has(name: str) -> str | None:
         try:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -51,16 +63,17 @@ def require_cupy():
         ``cuda13`` extra that brings it.
     """
     try:
-        import cupy  # noqa: WPS433 (lazy: CuPy is optional at import)
+        import cupy
     except ImportError as e:
         raise MissingDependency("cupy", cuda_extra(), str(e)) from None
     except Exception as e:  # noqa: BLE001 - a broken install (CUDA libraries of another major)
-        raise MissingDependency("cupy", cuda_extra(), f"importing it failed: "
-                                                      f"{type(e).__name__}: {e}") from None
+        raise MissingDependency(
+            "cupy", cuda_extra(), f"importing it failed: {type(e).__name__}: {e}"
+        ) from None
     return cupy
 
 
-def require_device(what: str, device: Optional[int] = None) -> int:
+def require_device(what: str, device: int | None = None) -> int:
     """The CUDA device this thread uses (``device`` when given), checked to exist.
 
     Turns "no driver" / "no GPU" into one clear error instead of a raw CUDA runtime error from
@@ -83,8 +96,10 @@ def require_device(what: str, device: Optional[int] = None) -> int:
     MissingDependency
         CuPy is not installed.
     DcpkitError
-        No CUDA driver, or no visible GPU:
-        ``"<what>: no CUDA GPU is visible (cudaGetDeviceCount: ...)"``.
+        No visible GPU: ``"<what>: no CUDA GPU is visible (no CUDA driver on this machine:
+        ...)"`` where the driver library is missing, ``"<what>: no CUDA GPU is visible
+        (cudaGetDeviceCount: ...)"`` otherwise (a driver older than the CUDA runtime, no
+        device, ``CUDA_VISIBLE_DEVICES`` hiding every device).
     InvalidArgument
         ``device`` is not one of the visible devices.
     """
@@ -93,21 +108,57 @@ def require_device(what: str, device: Optional[int] = None) -> int:
     try:
         count = int(rt.getDeviceCount())
     except Exception as e:  # noqa: BLE001 - no driver, no device, driver too old
-        raise DcpkitError(f"{what}: no CUDA GPU is visible (cudaGetDeviceCount: "
-                          f"{_error_text(e)}); check the NVIDIA driver and "
-                          f"CUDA_VISIBLE_DEVICES") from None
+        if not driver_library_loads():
+            # Without libcuda the runtime reports cudaErrorInsufficientDriver ("driver version
+            # is insufficient"), which sends a user looking for a driver upgrade.
+            raise DcpkitError(
+                f"{what}: no CUDA GPU is visible ({NO_DRIVER}); dcpkit needs "
+                f"an NVIDIA GPU and its driver"
+            ) from None
+        raise DcpkitError(
+            f"{what}: no CUDA GPU is visible (cudaGetDeviceCount: "
+            f"{_error_text(e)}); check the NVIDIA driver and "
+            f"CUDA_VISIBLE_DEVICES"
+        ) from None
     if count < 1:
-        raise DcpkitError(f"{what}: no CUDA GPU is visible (cudaGetDeviceCount: 0 devices); "
-                          f"check the NVIDIA driver and CUDA_VISIBLE_DEVICES")
+        raise DcpkitError(
+            f"{what}: no CUDA GPU is visible (cudaGetDeviceCount: 0 devices); "
+            f"check the NVIDIA driver and CUDA_VISIBLE_DEVICES"
+        )
     if device is None:
         try:
             device = int(rt.getDevice())
         except Exception as e:  # noqa: BLE001 - same as above, for the current device
-            raise DcpkitError(f"{what}: no CUDA GPU is usable (cudaGetDevice: "
-                              f"{_error_text(e)})") from None
+            raise DcpkitError(
+                f"{what}: no CUDA GPU is usable (cudaGetDevice: {_error_text(e)})"
+            ) from None
     if not 0 <= int(device) < count:
         raise InvalidArgument(f"{what}: device index must lie in [0, {count}) (got {device})")
     return int(device)
+
+
+#: What :func:`require_device` and ``dcpkit info`` say where the driver library is missing.
+NO_DRIVER = (
+    "no CUDA driver on this machine: the NVIDIA driver library libcuda.so.1 cannot be loaded"
+)
+
+
+def driver_library_loads() -> bool:
+    """Whether the CUDA driver library (``libcuda.so.1``) can be loaded.
+
+    With ctypes, so it answers without cuda-bindings or CuPy; no ``cuInit``, no side effect other
+    than mapping the library. Call it on error paths only (it costs a ``dlopen``).
+    """
+    import ctypes
+
+    names = ("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")
+    for name in names:
+        try:
+            ctypes.CDLL(name)
+        except OSError:
+            continue
+        return True
+    return False
 
 
 def _error_text(e: BaseException) -> str:
@@ -127,8 +178,9 @@ def stream_types() -> tuple:
         cupy = require_cupy()
         mod = cupy.cuda.stream
         base = getattr(mod, "BaseStream", None) or getattr(mod, "_BaseStream", None)
-        _STREAM_TYPES = (base,) if base is not None else (cupy.cuda.Stream,
-                                                          cupy.cuda.ExternalStream)
+        _STREAM_TYPES = (
+            (base,) if base is not None else (cupy.cuda.Stream, cupy.cuda.ExternalStream)
+        )
     return _STREAM_TYPES
 
 
@@ -137,8 +189,7 @@ def check_stream(stream, what: str):
     (``"<what>: stream must be a cupy.cuda.Stream (got str)"``). One isinstance check."""
     if stream is None or isinstance(stream, _STREAM_TYPES or stream_types()):
         return stream
-    raise InvalidType(f"{what}: stream must be a cupy.cuda.Stream (got "
-                      f"{type(stream).__name__})")
+    raise InvalidType(f"{what}: stream must be a cupy.cuda.Stream (got {type(stream).__name__})")
 
 
 def driver():
@@ -152,13 +203,14 @@ def driver():
     global _DRIVER
     if _DRIVER is None:
         try:
-            from cuda.bindings import driver as drv  # noqa: WPS433
+            from cuda.bindings import driver as drv
         except ImportError:
             try:
-                from cuda import cuda as drv  # noqa: WPS433 (cuda-python < 12.6 layout)
+                from cuda import cuda as drv
             except ImportError as e:
-                raise MissingDependency("cuda-bindings (cuda-python)", cuda_extra(),
-                                        str(e)) from None
+                raise MissingDependency(
+                    "cuda-bindings (cuda-python)", cuda_extra(), str(e)
+                ) from None
         _DRIVER = drv
     return _DRIVER
 
@@ -194,7 +246,7 @@ def check(ret: Any, call: str, hint: str = "") -> Any:
 
 def ensure_context(device: int) -> None:
     """Make the primary context of ``device`` current on this thread (through CuPy)."""
-    import cupy  # noqa: WPS433
+    import cupy
 
     cupy.cuda.Device(device).use()
     # CuPy creates the primary context lazily: touch the runtime so the driver sees it.

@@ -20,12 +20,13 @@ import numbers
 import os
 import pickle
 import socket
+import sys
 from typing import Any, Callable, List, Optional, Tuple
 
 from .errors import (ClosedError, ConfigMismatch, DcpkitError, InvalidArgument, InvalidType,
                      MissingDependency, PeerError)
 
-__all__ = ["Communicator", "host_identity", "launcher_world_size"]
+__all__ = ["Communicator", "canonical", "host_identity", "launcher_world_size"]
 
 
 def host_identity() -> str:
@@ -85,6 +86,84 @@ def _check_launcher_world_size(env, MPI) -> None:
 def _is_int(x) -> bool:
     """True for Python and NumPy integers, False for bools and everything else."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def canonical(value: Any) -> Any:
+    """A hashable form of ``value`` that is equal on two ranks exactly when the values agree.
+
+    What :meth:`Communicator.agree` compares. Deterministic (no ``hash()``, no ``id()``, no
+    dependence on insertion order) and linear in the size of ``value``.
+
+    * Numbers compare by value, NumPy scalars included: ``np.int64(3) == 3 == 3.0``,
+      ``np.float32(0.5) == 0.5``; every NaN equals every NaN, and ``-0.0 == 0.0``.
+    * Booleans (``bool``, ``np.bool_``) are their own kind: ``True`` differs from ``1``, since
+      a flag and a count that happen to share a value are different settings.
+    * ``str`` and ``bytes`` are their own kinds: ``"3"`` differs from ``3`` and from ``b"3"``.
+    * Lists and tuples compare elementwise (a list equals the tuple of the same items); dicts
+      by their items whatever the key order; sets and frozensets by their members.
+    * NumPy dtypes by their name and byte order; NumPy arrays by dtype, shape and bytes.
+    * Anything else by its type and pickled bytes (the strict comparison).
+
+    Raises
+    ------
+    pickle.PicklingError, TypeError
+        ``value`` holds an object that is none of the above and does not pickle.
+    """
+    if value is None:
+        return ("none",)
+    if isinstance(value, (bool, *_np_bool())):
+        return ("bool", bool(value))
+    if isinstance(value, numbers.Number):
+        return _canonical_number(value)
+    if isinstance(value, str):
+        return ("str", str(value))
+    if isinstance(value, (bytes, bytearray)):
+        return ("bytes", bytes(value))
+    if isinstance(value, (list, tuple)):
+        return ("seq", tuple(canonical(v) for v in value))
+    if isinstance(value, dict):
+        items = [(canonical(k), canonical(v)) for k, v in value.items()]
+        return ("dict", tuple(sorted(items, key=repr)))
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted((canonical(v) for v in value), key=repr)))
+    np = _numpy()
+    if np is not None:
+        if isinstance(value, np.dtype):
+            return ("dtype", value.name, value.str)
+        if isinstance(value, np.ndarray):
+            a = np.ascontiguousarray(value)
+            return ("array", a.dtype.name, a.dtype.str, a.shape, a.tobytes())
+    cls = type(value)
+    return ("object", f"{cls.__module__}.{cls.__qualname__}",
+            pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _canonical_number(x) -> tuple:
+    """Real numbers as ``("num", int)`` when integral, ``("num", float)`` otherwise, NaN as
+    ``("nan",)``; complex numbers with a non-zero imaginary part as ``("complex", re, im)``."""
+    if isinstance(x, numbers.Integral):
+        return ("num", int(x))
+    if not isinstance(x, numbers.Real):
+        c = complex(x)
+        if c.imag != 0 or c.imag != c.imag:
+            return ("complex", _canonical_number(c.real), _canonical_number(c.imag))
+        x = c.real
+    f = float(x)
+    if f != f:
+        return ("nan",)
+    if f in (float("inf"), float("-inf")) or not f.is_integer():
+        return ("num", f)
+    return ("num", int(f))
+
+
+def _numpy():
+    """NumPy when it is already imported (a value cannot hold a NumPy object otherwise)."""
+    return sys.modules.get("numpy")
+
+
+def _np_bool() -> tuple:
+    np = _numpy()
+    return (np.bool_,) if np is not None else ()
 
 
 class _Unpicklable:
@@ -310,17 +389,42 @@ class Communicator:
         self._barrier()
 
     # ------------------------------------------------------------------ agreement helpers
-    def agree(self, what: str, value: Any) -> List[Any]:
+    def agree(self, what: str, value: Any) -> list[Any]:
         """Check that ``value`` is equal on every rank.
 
-        Returns every rank's value. Raises :class:`ConfigMismatch` on every rank, naming the
-        ranks that differ, when they are not all equal; :class:`InvalidType` /
-        :class:`PeerError` (on the other ranks) when ``value`` does not pickle on some rank;
-        :class:`ClosedError` on a closed communicator.
+        Naive equivalent: ``values = allgather(value); assert all(v == values[0] for v in
+        values)``, with equality of the :func:`canonical` forms: by value, not by pickled bytes,
+        so ``{"a": 1, "b": 2}`` equals ``{"b": 2, "a": 1}``, ``np.int64(3)`` equals ``3`` and NaN
+        equals NaN, while ``3`` and ``"3"``, or ``1`` and ``True``, differ.
+
+        Parameters
+        ----------
+        what : str
+            What is compared, named in the error (``"T_max"``, ``"lse_reduce: call arguments"``).
+        value : picklable object
+            This rank's value.
+
+        Returns
+        -------
+        list
+            Every rank's value, indexed by rank.
+
+        Collective: one allgather; every rank calls it with the same ``what``.
+
+        Raises
+        ------
+        ConfigMismatch
+            The values are not all equal (on every rank, naming the ranks that differ).
+        InvalidType
+            ``value`` does not pickle on this rank (the other ranks raise PeerError).
+        PeerError
+            ``value`` did not pickle on another rank.
+        ClosedError
+            The communicator is closed.
         """
         values = self._gather("agree", value)
-        first = pickle.dumps(values[0])
-        if any(pickle.dumps(v) != first for v in values[1:]):
+        first = canonical(values[0])
+        if any(canonical(v) != first for v in values[1:]):
             raise ConfigMismatch(what, values)
         return values
 

@@ -3,7 +3,8 @@
 Prints the versions of dcpkit and of everything it runs on (CuPy, cuda-bindings, NVRTC, NCCL,
 NVSHMEM, mpi4py and the MPI library), the GPUs with compute capability, SM count and memory,
 the peer-to-peer access matrix, and whether multicast is supported, whether dcpkit would use it
-and, if not, why. ``--json`` prints the same as one JSON object. Under ``mpirun`` only the launcher's rank 0
+and, if not, why; then a ``warning:`` line for each mix of CUDA 12 and CUDA 13 parts it finds.
+``--json`` prints the same as one JSON object. Under ``mpirun`` only the launcher's rank 0
 prints (read from ``OMPI_COMM_WORLD_RANK`` / ``PMIX_RANK`` / ``PMI_RANK``, no MPI
 initialisation) unless ``--all-ranks`` is given.
 
@@ -21,9 +22,19 @@ import json
 import os
 import platform
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any
 
-__all__ = ["collect", "format_text", "main", "no_driver_reason", "launcher_rank"]
+from ._cuda import NO_DRIVER as _NO_DRIVER
+
+__all__ = [
+    "collect",
+    "format_text",
+    "main",
+    "no_driver_reason",
+    "launcher_rank",
+    "stack_warnings",
+    "CUDA_PACKAGES",
+]
 
 #: Variables that decide whether multicast may be used (printed when set).
 MULTICAST_ENV = (
@@ -36,7 +47,7 @@ MULTICAST_ENV = (
 _OTHER_ENV = ("CUDA_VISIBLE_DEVICES",)
 
 
-def _dist_version(name: str) -> Optional[str]:
+def _dist_version(name: str) -> str | None:
     try:
         return _md.version(name)
     except _md.PackageNotFoundError:
@@ -48,10 +59,10 @@ def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0] if msg else ''}".rstrip(": ")
 
 
-def _versions() -> Dict[str, Any]:
+def _versions() -> dict[str, Any]:
     import dcpkit
 
-    v: Dict[str, Any] = {
+    v: dict[str, Any] = {
         "dcpkit": dcpkit.__version__,
         "dcpkit_path": os.path.dirname(os.path.abspath(dcpkit.__file__)),
         "python": platform.python_version(),
@@ -84,16 +95,26 @@ def _versions() -> Dict[str, Any]:
         if getattr(nccl, "available", True):
             n = int(nccl.get_version())
             # NCCL >= 2.9 encodes major*10000 + minor*100 + patch; older ones major*1000 + ...
-            v["nccl"] = (f"{n // 10000}.{(n % 10000) // 100}.{n % 100}" if n >= 20900
-                         else f"{n // 1000}.{(n % 1000) // 100}.{n % 100}")
+            v["nccl"] = (
+                f"{n // 10000}.{(n % 10000) // 100}.{n % 100}"
+                if n >= 20900
+                else f"{n // 1000}.{(n % 1000) // 100}.{n % 100}"
+            )
         else:
             v["nccl_error"] = "cupy.cuda.nccl is not available (no NCCL library found)"
     except Exception as e:  # noqa: BLE001
         v["nccl_error"] = _err(e)
     # NVSHMEM: distribution metadata only (importing nvshmem4py may initialise things).
-    v["nvshmem"] = {name: ver for name in ("nvshmem4py-cu12", "nvshmem4py-cu13",
-                                           "nvidia-nvshmem-cu12", "nvidia-nvshmem-cu13")
-                    if (ver := _dist_version(name)) is not None}
+    v["nvshmem"] = {
+        name: ver
+        for name in (
+            "nvshmem4py-cu12",
+            "nvshmem4py-cu13",
+            "nvidia-nvshmem-cu12",
+            "nvidia-nvshmem-cu13",
+        )
+        if (ver := _dist_version(name)) is not None
+    }
     # mpi4py and the MPI library, without initialising MPI.
     v["mpi4py"] = _dist_version("mpi4py")
     v["mpi_library"] = None
@@ -111,12 +132,100 @@ def _versions() -> Dict[str, Any]:
         except Exception as e:  # noqa: BLE001
             v["mpi_library_error"] = _err(e)
     v["torch"] = _dist_version("torch")
+    v["cuda_packages"] = {
+        name: ver for name in CUDA_PACKAGES if (ver := _dist_version(name)) is not None
+    }
     return v
 
 
-def _driver_probe() -> Dict[str, Any]:
+#: Installed distributions that belong to one CUDA major, and that major (``dcpkit info`` warns
+#: when those of two majors sit in one environment); None: the major of the package's own
+#: version (the CUDA 13 wheels dropped the ``-cuXX`` suffix).
+CUDA_PACKAGES = {
+    "cupy-cuda12x": 12,
+    "cupy-cuda13x": 13,
+    "nvidia-cuda-runtime-cu12": 12,
+    "nvidia-cuda-runtime": None,
+    "nvidia-cuda-nvrtc-cu12": 12,
+    "nvidia-cuda-nvrtc": None,
+    "nvidia-nccl-cu12": 12,
+    "nvidia-nccl-cu13": 13,
+    "nvidia-nvshmem-cu12": 12,
+    "nvidia-nvshmem-cu13": 13,
+    "nvshmem4py-cu12": 12,
+    "nvshmem4py-cu13": 13,
+}
+
+
+def _major(version: str | None) -> int | None:
+    try:
+        return int(str(version).split(".")[0])
+    except ValueError:
+        return None
+
+
+def stack_warnings(versions: dict[str, Any], driver: dict[str, Any] | None = None) -> list[str]:
+    """Warnings about a mixed CUDA stack, one line each (empty when the stack is consistent).
+
+    A CUDA 12 and a CUDA 13 stack in one environment (both ``cuda12`` and ``cuda13`` extras
+    installed, or parts of each) make CuPy warn at every import and load libraries of the wrong
+    major. Compared: the CUDA major of every installed CUDA wheel (:data:`CUDA_PACKAGES`),
+    cuda-bindings' major, the CUDA runtime CuPy loads and the NVRTC dcpkit loads; and the driver
+    against the runtime (a CUDA 13 runtime needs a CUDA 13 driver).
+    """
+    out: list[str] = []
+    pkgs = versions.get("cuda_packages") or {}
+    by_major: dict[int, list[str]] = {}
+    for name, ver in pkgs.items():
+        major = CUDA_PACKAGES.get(name) or _major(ver)
+        if major is not None:
+            by_major.setdefault(major, []).append(f"{name} {ver}")
+    parts = {}  # component -> major
+    if versions.get("cuda_bindings"):
+        parts["cuda-bindings"] = (_major(versions["cuda_bindings"]), versions["cuda_bindings"])
+    if versions.get("cuda_runtime"):
+        parts["CUDA runtime"] = (_major(versions["cuda_runtime"]), versions["cuda_runtime"])
+    if versions.get("nvrtc"):
+        parts["NVRTC"] = (_major(versions["nvrtc"]), versions["nvrtc"])
+    if "cupy-cuda12x" in pkgs and "cupy-cuda13x" in pkgs:
+        out.append(
+            f"both cupy-cuda12x {pkgs['cupy-cuda12x']} and cupy-cuda13x "
+            f"{pkgs['cupy-cuda13x']} are installed: they share the cupy module, so one "
+            f"overwrites the other; uninstall the one that does not match the driver"
+        )
+    if len(by_major) > 1:
+        listed = "; ".join(f"CUDA {m}: {', '.join(sorted(n))}" for m, n in sorted(by_major.items()))
+        out.append(
+            f"wheels of two CUDA majors are installed ({listed}): install one of the "
+            f"cuda12 / cuda13 extras per environment, never both"
+        )
+    majors = {m for m, _ in parts.values() if m is not None}
+    if len(majors) > 1:
+        listed = ", ".join(f"{k} {ver}" for k, (_, ver) in parts.items())
+        out.append(
+            f"mixed CUDA majors: {listed}; they must all be CUDA 12 (extra cuda12) or "
+            f"all CUDA 13 (extra cuda13)"
+        )
+    drv = driver or {}
+    rt = versions.get("cuda_runtime")
+    if drv.get("ok") and drv.get("version") and rt:
+        try:
+            older = tuple(map(int, str(drv["version"]).split("."))) < tuple(
+                map(int, str(rt).split("."))
+            )
+        except ValueError:
+            older = False
+        if older and _major(drv["version"]) != _major(rt):
+            out.append(
+                f"the CUDA driver ({drv['version']}) is older than the CUDA runtime CuPy "
+                f"loads ({rt}): install the cuda{_major(drv['version'])} extra instead"
+            )
+    return out
+
+
+def _driver_probe() -> dict[str, Any]:
     """cuInit and the driver version through cuda-bindings; never raises."""
-    out: Dict[str, Any] = {"ok": False, "version": None, "error": None}
+    out: dict[str, Any] = {"ok": False, "version": None, "error": None}
     try:
         from ._cuda import driver
 
@@ -137,19 +246,12 @@ def _driver_probe() -> Dict[str, Any]:
 def _libcuda_loads() -> bool:
     """Whether the CUDA driver library can be loaded (ctypes; no cuInit, no other side effect
     than mapping the library)."""
-    import ctypes  # noqa: WPS433
+    from ._cuda import driver_library_loads
 
-    names = ("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")
-    for name in names:
-        try:
-            ctypes.CDLL(name)
-            return True
-        except OSError:
-            continue
-    return False
+    return driver_library_loads()
 
 
-def no_driver_reason(probe: Optional[Dict[str, Any]] = None) -> Optional[str]:
+def no_driver_reason(probe: dict[str, Any] | None = None) -> str | None:
     """``"no CUDA driver found (...)"`` when this machine has no CUDA driver library, else None.
 
     The answer of :func:`_driver_probe` (cuda-bindings' loader) where it ran; where
@@ -163,12 +265,15 @@ def no_driver_reason(probe: Optional[Dict[str, Any]] = None) -> Optional[str]:
             return None
         err = str(p.get("error") or "")
         missing_lib = err.startswith("DynamicLibNotFoundError") or (
-            ("libcuda" in err or "nvcuda" in err) and "cannot open" in err)
+            ("libcuda" in err or "nvcuda" in err) and "cannot open" in err
+        )
         if not missing_lib and (err.startswith("MissingDependency") or not err):
             missing_lib = not _libcuda_loads()
         if missing_lib:
-            return ("no CUDA driver found (the NVIDIA driver library libcuda is not installed "
-                    "on this machine)")
+            return (
+                "no CUDA driver found (the NVIDIA driver library libcuda is not installed "
+                "on this machine)"
+            )
     except Exception:  # noqa: BLE001 - a probe never raises
         return None
     return None
@@ -179,7 +284,7 @@ def no_driver_reason(probe: Optional[Dict[str, Any]] = None) -> Optional[str]:
 _LAUNCHER_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 
 
-def launcher_rank(env=None) -> Optional[int]:
+def launcher_rank(env=None) -> int | None:
     """This process's rank as an MPI launcher published it, or None outside a launcher. Reads
     the environment only (no MPI initialisation)."""
     env = os.environ if env is None else env
@@ -191,7 +296,7 @@ def launcher_rank(env=None) -> Optional[int]:
     return None
 
 
-def _attr(drv, dev, name: str) -> Optional[int]:
+def _attr(drv, dev, name: str) -> int | None:
     attr = getattr(drv.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_" + name, None)
     if attr is None:
         return None
@@ -199,8 +304,8 @@ def _attr(drv, dev, name: str) -> Optional[int]:
     return int(val) if int(res) == 0 else None
 
 
-def _gpus(driver_ok: bool) -> Dict[str, Any]:
-    out: Dict[str, Any] = {"count": 0, "gpus": [], "p2p": [], "error": None}
+def _gpus(driver_ok: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"count": 0, "gpus": [], "p2p": [], "error": None}
     try:
         import cupy
 
@@ -216,7 +321,7 @@ def _gpus(driver_ok: bool) -> Dict[str, Any]:
 
         drv = driver()
     for d in range(n):
-        g: Dict[str, Any] = {"index": d}
+        g: dict[str, Any] = {"index": d}
         try:
             p = rt.getDeviceProperties(d)
             name = p["name"]
@@ -233,14 +338,15 @@ def _gpus(driver_ok: bool) -> Dict[str, Any]:
                     g["multicast_supported"] = _attr(drv, dev, "MULTICAST_SUPPORTED")
                     g["vmm_supported"] = _attr(drv, dev, "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED")
                     g["posix_fd_handles"] = _attr(
-                        drv, dev, "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED")
+                        drv, dev, "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"
+                    )
                     g["fabric_handles"] = _attr(drv, dev, "HANDLE_TYPE_FABRIC_SUPPORTED")
             except Exception as e:  # noqa: BLE001
                 g["attribute_error"] = _err(e)
         out["gpus"].append(g)
-    p2p: List[List[Optional[bool]]] = []
+    p2p: list[list[bool | None]] = []
     for i in range(n):
-        row: List[Optional[bool]] = []
+        row: list[bool | None] = []
         for j in range(n):
             if i == j:
                 row.append(None)
@@ -254,7 +360,7 @@ def _gpus(driver_ok: bool) -> Dict[str, Any]:
     return out
 
 
-def _multicast(gpus: List[Dict[str, Any]]) -> Dict[str, Any]:
+def _multicast(gpus: list[dict[str, Any]]) -> dict[str, Any]:
     flags = [g.get("multicast_supported") for g in gpus]
     # None: no GPU, or the attribute could not be read: then nothing was queried and the
     # answer is "unknown", never "the device reports 0".
@@ -263,8 +369,9 @@ def _multicast(gpus: List[Dict[str, Any]]) -> Dict[str, Any]:
     if known:
         unknown_why = None
     elif not gpus:
-        unknown_why = ("unknown (no GPU/driver: CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED was not "
-                       "queried)")
+        unknown_why = (
+            "unknown (no GPU/driver: CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED was not queried)"
+        )
     else:
         unknown_why = "unknown (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED could not be read)"
     asked = []
@@ -272,7 +379,8 @@ def _multicast(gpus: List[Dict[str, Any]]) -> Dict[str, Any]:
     def device_supported() -> bool:  # called by the guard only when rules 1 and 2 pass
         asked.append(True)
         return supported
-    out: Dict[str, Any] = {
+
+    out: dict[str, Any] = {
         "device_supported": supported if known else None,
         "used": None,
         "reason": None,
@@ -309,22 +417,41 @@ def _multicast(gpus: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def collect() -> Dict[str, Any]:
+def collect() -> dict[str, Any]:
     """Everything ``info`` reports, as a JSON-serialisable dict. Never raises for a missing
     GPU, driver or optional package."""
-    info: Dict[str, Any] = {"versions": _versions()}
+    info: dict[str, Any] = {"versions": _versions()}
     drv = _driver_probe()
     info["driver"] = drv
     g = _gpus(drv["ok"])
     info["gpu_count"] = g["count"]
     info["gpus"] = g["gpus"]
     info["p2p"] = g["p2p"]
+    v = info["versions"]
+    missing = []  # packages without which GPUs and driver cannot be checked
+    if v.get("cupy") is None:
+        missing.append("CuPy")
+    if not drv["ok"] and str(drv["error"]).startswith("MissingDependency"):
+        missing.append("cuda-bindings")
+    info["missing"] = missing
+    if missing:
+        from ._cuda import cuda_extra
+
+        info["missing_hint"] = (
+            f"missing or not importable: {', '.join(missing)}; pip install 'dcpkit[{cuda_extra()}]'"
+        )
+    info["driver_library"] = None if drv["ok"] else _libcuda_loads()
     if g["count"] == 0:
-        if not drv["ok"]:
+        if "CuPy" in missing:
+            why = f"not checked ({info['missing_hint']})"
+        elif not drv["ok"] and not info["driver_library"]:
+            why = _NO_DRIVER
+        elif not drv["ok"] and "cuda-bindings" not in missing:
             why = f"no usable CUDA driver on this machine: {drv['error']}"
         else:
             why = g["error"] or "the CUDA driver reports no device"
         info["no_gpu_reason"] = why
+    info["warnings"] = stack_warnings(v, drv)
     info["multicast"] = _multicast(g["gpus"])
     info["env"] = {k: os.environ[k] for k in MULTICAST_ENV + _OTHER_ENV if k in os.environ}
     return info
@@ -334,12 +461,16 @@ def _yn(v) -> str:
     return "n/a" if v is None else ("yes" if v else "no")
 
 
-def format_text(info: Dict[str, Any]) -> str:
+def format_text(info: dict[str, Any]) -> str:
     """The human-readable report of :func:`collect`'s dict."""
     v = info["versions"]
     who = f"  [launcher rank {info['launcher_rank']}]" if "launcher_rank" in info else ""
-    lines = [f"dcpkit {v['dcpkit']}  ({v['dcpkit_path']}){who}",
-             f"python {v['python']}, numpy {v['numpy']}", "", "versions"]
+    lines = [
+        f"dcpkit {v['dcpkit']}  ({v['dcpkit_path']}){who}",
+        f"python {v['python']}, numpy {v['numpy']}",
+        "",
+        "versions",
+    ]
 
     def row(name, val, err_key=None):
         if val is None:
@@ -362,9 +493,26 @@ def format_text(info: Dict[str, Any]) -> str:
     row("torch", v.get("torch"))
     lines.append("")
     drv = info["driver"]
-    lines.append(f"CUDA driver      {drv['version'] if drv['ok'] else 'not found: ' + str(drv['error'])}")
+    missing = info.get("missing") or []
+    if drv["ok"]:
+        drv_text = drv["version"]
+    elif "cuda-bindings" in missing:
+        lib = {
+            True: "libcuda.so.1 loads",
+            False: "libcuda.so.1 cannot be loaded",
+            None: "libcuda.so.1 not checked",
+        }[info.get("driver_library")]
+        drv_text = f"version not read ({info['missing_hint']}); {lib}"
+    elif info.get("driver_library") is False:
+        drv_text = f"not found ({_NO_DRIVER})"
+    else:
+        drv_text = f"not usable: {drv['error']}"
+    lines.append(f"CUDA driver      {drv_text}")
     n = info["gpu_count"]
-    if n == 0:
+    if n == 0 and "CuPy" in missing:
+        lines.append(f"GPUs             not checked ({info['missing_hint']})")
+        lines.append("P2P access       not checked")
+    elif n == 0:
         lines.append(f"GPUs             none: no GPU here ({info.get('no_gpu_reason')})")
         lines.append("P2P access       n/a (no GPU)")
     else:
@@ -373,12 +521,17 @@ def format_text(info: Dict[str, Any]) -> str:
             if "error" in g:
                 lines.append(f"  {g['index']}  {g['error']}")
                 continue
-            extra = (f"  multicast {_yn(g.get('multicast_supported'))}, "
-                     f"VMM {_yn(g.get('vmm_supported'))}, "
-                     f"POSIX-fd handles {_yn(g.get('posix_fd_handles'))}, "
-                     f"fabric handles {_yn(g.get('fabric_handles'))}")
-            lines.append(f"  {g['index']}  {g['name']}  sm_{g['compute_capability'].replace('.', '')}"
-                         f"  {g['sm_count']} SMs  {g['memory_bytes'] / 2**30:.1f} GiB{extra}")
+            extra = (
+                f"  multicast {_yn(g.get('multicast_supported'))}, "
+                f"VMM {_yn(g.get('vmm_supported'))}, "
+                f"POSIX-fd handles {_yn(g.get('posix_fd_handles'))}, "
+                f"fabric handles {_yn(g.get('fabric_handles'))}"
+            )
+            sm = g["compute_capability"].replace(".", "")
+            lines.append(
+                f"  {g['index']}  {g['name']}  sm_{sm}"
+                f"  {g['sm_count']} SMs  {g['memory_bytes'] / 2**30:.1f} GiB{extra}"
+            )
         lines.append("P2P access       (row: from, column: to; Y = can access peer)")
         lines.append("      " + "".join(f"{j:>3}" for j in range(n)))
         for i, r in enumerate(info["p2p"]):
@@ -399,26 +552,37 @@ def format_text(info: Dict[str, Any]) -> str:
         lines.append(f"multicast        supported by every GPU: {sup}")
         lines.append(f"  dcpkit would use it: {_yn(mc['used'])} ({mc['reason']})")
         if "used_if_opted_in" in mc:
-            ans = mc["reason_if_opted_in"] if mc["used_if_opted_in"] is None \
+            ans = (
+                mc["reason_if_opted_in"]
+                if mc["used_if_opted_in"] is None
                 else f"{_yn(mc['used_if_opted_in'])} ({mc['reason_if_opted_in']})"
+            )
             lines.append(f"  if opted in (multicast=True or DCPKIT_MULTICAST=1): {ans}")
     env = info["env"]
-    lines.append("environment      " + (", ".join(f"{k}={x}" for k, x in env.items())
-                                      if env else "(none of the multicast or device variables set)"))
+    env_text = ", ".join(f"{k}={x}" for k, x in env.items())
+    lines.append(
+        "environment      " + (env_text or "(none of the multicast or device variables set)")
+    )
+    for w in info.get("warnings") or []:
+        lines.append(f"warning: {w}")
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m dcpkit info [--json] [--all-ranks]``; returns the exit status
     (0). Under an MPI launcher, ranks other than 0 print nothing unless ``--all-ranks``."""
     p = argparse.ArgumentParser(
         prog="dcpkit info",
         description="Print what dcpkit finds on this machine: versions, GPUs, P2P access, "
-                    "and whether multicast would be used (and why not). Needs no GPU.")
+        "and whether multicast would be used (and why not). Needs no GPU.",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--all-ranks", action="store_true",
-                   help="under mpirun, print the report on every rank (default: only on the "
-                        "launcher's rank 0)")
+    p.add_argument(
+        "--all-ranks",
+        action="store_true",
+        help="under mpirun, print the report on every rank (default: only on the "
+        "launcher's rank 0)",
+    )
     args = p.parse_args(argv)
     rank = launcher_rank()
     if rank is not None and rank != 0 and not args.all_ranks:
@@ -431,3 +595,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         print(format_text(info))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

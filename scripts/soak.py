@@ -26,7 +26,7 @@ by all ranks):
 The JSON summary (rank 0 writes it) has the call counts, wrong results (with the first
 failures), memory and fds at start and end, the final epochs (to show the wrap), and the time.
 The exit status is 0 only if every rank saw zero wrong results, no error, flat resources and
-the wrap.
+the wrap; 2, with one line saying why, where there is no GPU.
 """
 
 from __future__ import annotations
@@ -38,15 +38,54 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import numpy as np
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent / "tests" / "mpi" / "scripts"))
 
-from reliability_cases import (HEAD_DIM, H_R, OPS, ROW_DIM, OpCase, bits_dtype,  # noqa: E402
-                               poison, to_host)
+
+def _use_this_checkout_if_not_installed() -> None:
+    """Import the installed dcpkit; where none is installed (or only an empty namespace folder
+    of that name), the one of this checkout."""
+    try:
+        import dcpkit
+
+        if getattr(dcpkit, "__file__", None):
+            return
+    except ImportError:
+        pass
+    sys.modules.pop("dcpkit", None)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _gpu_or_exit(what: str) -> None:
+    """Exit with status 2 and one line (printed once per job) where there is no GPU to run on:
+    no CuPy, no CUDA driver, no visible device."""
+    from dcpkit._cuda import require_device
+    from dcpkit.errors import DcpkitError
+    from dcpkit.info import launcher_rank
+
+    try:
+        require_device(what)
+    except DcpkitError as e:
+        if launcher_rank() in (None, 0):
+            print(f"{e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+_use_this_checkout_if_not_installed()
+
+from reliability_cases import (  # noqa: E402 - needs the path set above
+    H_R,
+    HEAD_DIM,
+    OPS,
+    ROW_DIM,
+    OpCase,
+    bits_dtype,
+    poison,
+    to_host,
+)
 
 #: Slack of the flatness checks. A per-call leak over thousands of calls is far larger; the
 #: slack only absorbs allocation granularity of the driver and of CuPy's pools.
@@ -55,7 +94,7 @@ POOL_SLACK_BYTES = 1 << 20
 FD_SLACK = 2
 
 
-def resource_sample() -> Dict[str, int]:
+def resource_sample() -> dict[str, int]:
     """GPU free memory (CuPy pools emptied first), CuPy pool bytes in use, open fds."""
     import cupy
 
@@ -64,9 +103,12 @@ def resource_sample() -> Dict[str, int]:
     pool.free_all_blocks()
     cupy.get_default_pinned_memory_pool().free_all_blocks()
     free, total = cupy.cuda.runtime.memGetInfo()
-    return {"mem_free_bytes": int(free), "mem_total_bytes": int(total),
-            "pool_used_bytes": int(pool.used_bytes()),
-            "fds": len(os.listdir("/proc/self/fd"))}
+    return {
+        "mem_free_bytes": int(free),
+        "mem_total_bytes": int(total),
+        "pool_used_bytes": int(pool.used_bytes()),
+        "fds": len(os.listdir("/proc/self/fd")),
+    }
 
 
 class _Gather:
@@ -79,44 +121,56 @@ class _Gather:
         self.Ts = Ts
         self.T_max = case.max_tokens
         self.bt = bits_dtype(case.dtype)
-        in_shape = ((self.T_max, H_R, HEAD_DIM) if case.name == "q_gather"
-                    else (self.T_max, ROW_DIM))
+        in_shape = (self.T_max, H_R, HEAD_DIM) if case.name == "q_gather" else (self.T_max, ROW_DIM)
         self.in_shape = in_shape
-        self.base = cupy.zeros(in_shape, self.bt)            # this rank's input (raw bits)
-        self.work = cupy.zeros(in_shape, self.bt)            # eager input = base ^ k
-        self.gin = [cupy.zeros(in_shape, self.bt) for _ in range(2)]   # graph inputs
+        self.base = cupy.zeros(in_shape, self.bt)  # this rank's input (raw bits)
+        self.work = cupy.zeros(in_shape, self.bt)  # eager input = base ^ k
+        self.gin = [cupy.zeros(in_shape, self.bt) for _ in range(2)]  # graph inputs
         self.exp = {T: cupy.zeros(case.out_shape(T), self.bt) for T in Ts}
         self.eout = {T: cupy.zeros(case.out_shape(T), self.bt) for T in Ts}
         self.gout = [cupy.zeros(case.out_shape(self.T_max), self.bt) for _ in range(2)]
-        self.exp_host: Dict[int, np.ndarray] = {}
+        self.exp_host: dict[int, np.ndarray] = {}
         self.stream = stream
 
     def refresh(self, seed: int) -> None:
         """Fresh inputs: every rank's input for T_max; expected results for every T."""
         all_host = self.case.all_host_inputs(seed, self.T_max)
         key = "q" if self.case.name == "q_gather" else "kv"
-        self.base.set(np.ascontiguousarray(all_host[self.case.rank][key]).view(self.bt),
-                      self.stream)
+        self.base.set(
+            np.ascontiguousarray(all_host[self.case.rank][key]).view(self.bt), self.stream
+        )
         for T in self.Ts:
             e = self.case.expected([{key: h[key][:T]} for h in all_host])
             self.exp_host[T] = e
             self.exp[T].set(np.ascontiguousarray(e).view(self.bt), self.stream)
 
-    def inputs(self, buf, T: int) -> Dict:
+    def inputs(self, buf, T: int) -> dict:
         key = "q" if self.case.name == "q_gather" else "kv"
         return {key: buf[:T].view(self.case.dtype)}
 
 
 def _xor_value(i: int, bt: np.dtype) -> int:
     """A non-zero per-call value that differs between consecutive calls."""
-    return (i * 40503 + 1) % ((1 << (8 * bt.itemsize)) - 1) + 1 if bt.itemsize < 4 else \
-        (i * 2654435761 + 1) % 0xFFFFFFFF + 1
+    return (
+        (i * 40503 + 1) % ((1 << (8 * bt.itemsize)) - 1) + 1
+        if bt.itemsize < 4
+        else (i * 2654435761 + 1) % 0xFFFFFFFF + 1
+    )
 
 
-def run_soak(comm, *, calls: int = 100_000, seed: int = 0, check_every: int = 1000,
-             max_tokens: int = 32, dtype="bfloat16", timeout_ms: Optional[float] = None,
-             graph_fraction: float = 0.25, wrap_after: Optional[Dict[str, int]] = None,
-             log=None) -> Dict:
+def run_soak(
+    comm,
+    *,
+    calls: int = 100_000,
+    seed: int = 0,
+    check_every: int = 1000,
+    max_tokens: int = 32,
+    dtype="bfloat16",
+    timeout_ms: float | None = None,
+    graph_fraction: float = 0.25,
+    wrap_after: dict[str, int] | None = None,
+    log=None,
+) -> dict:
     """Run the soak on every rank of ``comm`` (collective); returns the summary of all ranks.
 
     Parameters
@@ -138,30 +192,46 @@ def run_soak(comm, *, calls: int = 100_000, seed: int = 0, check_every: int = 10
     if wrap_after is None:
         wrap_after = {"q_gather": 50, "kv_gather": max(50, calls // 24)}
     say = log if log is not None else (lambda s: print(s, flush=True) if rank == 0 else None)
-    rng = np.random.default_rng([seed, 0x50A4])      # equal on every rank: the call sequence
+    rng = np.random.default_rng([seed, 0x50A4])  # equal on every rank: the call sequence
     stream = cupy.cuda.Stream(non_blocking=True)
     Ts = sorted({t for t in (1, 5, 17, max_tokens) if t <= max_tokens})
     t_start = time.monotonic()
 
-    cases = {n: OpCase(n, comm, max_tokens=max_tokens, dtype=dtype, num_ubatches=2,
-                       timeout_ms=timeout_ms, num_requests=3 if n == "lse_reduce" else 0)
-             for n in OPS}
+    cases = {
+        n: OpCase(
+            n,
+            comm,
+            max_tokens=max_tokens,
+            dtype=dtype,
+            num_ubatches=2,
+            timeout_ms=timeout_ms,
+            num_requests=3 if n == "lse_reduce" else 0,
+        )
+        for n in OPS
+    }
     for n, after in wrap_after.items():
         cases[n].op._set_epoch(2**32 - int(after))
     gathers = {n: _Gather(cases[n], Ts, stream) for n in ("q_gather", "kv_gather")}
     lse = cases["lse_reduce"]
     dt = cupy.dtype(lse.dtype)
     with cupy.cuda.Device(lse.op.device):
-        l_in = lse.upload(lse.host_inputs(seed, max_tokens))       # persistent buffers
+        l_in = lse.upload(lse.host_inputs(seed, max_tokens))  # persistent buffers
         l_gout = [cupy.zeros(lse.out_shape(max_tokens), dt) for _ in range(2)]
         l_eout = cupy.zeros(lse.out_shape(max_tokens), dt)
     l_exp = {"host": None}
 
-    stats = {"calls": 0, "eager_calls": 0, "graph_replays": 0, "checked_calls": 0,
-             "device_checked_calls": 0, "wrong_results": 0, "checkpoints": 0}
-    failures: List[str] = []
-    errors: List[str] = []
-    pending: List = []          # (0-d device count of mismatches, description)
+    stats = {
+        "calls": 0,
+        "eager_calls": 0,
+        "graph_replays": 0,
+        "checked_calls": 0,
+        "device_checked_calls": 0,
+        "wrong_results": 0,
+        "checkpoints": 0,
+    }
+    failures: list[str] = []
+    errors: list[str] = []
+    pending: list = []  # (0-d device count of mismatches, description)
 
     def note_failure(msg):
         stats["wrong_results"] += 1
@@ -178,7 +248,7 @@ def run_soak(comm, *, calls: int = 100_000, seed: int = 0, check_every: int = 10
         if not pending:
             return
         counts = cupy.stack([c for c, _ in pending]).get()
-        for (_, what), c in zip(pending, counts):
+        for (_, what), c in zip(pending, counts, strict=True):
             if c:
                 note_failure(f"rank {rank}: {what}: {int(c)} elements differ (device check)")
         pending.clear()
@@ -188,9 +258,13 @@ def run_soak(comm, *, calls: int = 100_000, seed: int = 0, check_every: int = 10
         with stream:
             stream.begin_capture()
             try:
-                for n, g in gathers.items():
-                    g.case.call(g.inputs(g.gin[u], max_tokens), ubatch=u,
-                                out=g.gout[u].view(g.case.dtype), stream=stream)
+                for g in gathers.values():
+                    g.case.call(
+                        g.inputs(g.gin[u], max_tokens),
+                        ubatch=u,
+                        out=g.gout[u].view(g.case.dtype),
+                        stream=stream,
+                    )
                 lse.call(l_in, ubatch=u, out=l_gout[u], stream=stream)
             finally:
                 graph = stream.end_capture()
@@ -214,20 +288,30 @@ def run_soak(comm, *, calls: int = 100_000, seed: int = 0, check_every: int = 10
                 poison(l_gout[u], stream)
             graphs[u].launch(stream)
             for n, g in gathers.items():
-                device_check(g, g.gout[u], max_tokens, ks[n], f"{n} graph replay u={u} "
-                             f"call #{stats['calls']}")
+                device_check(
+                    g,
+                    g.gout[u],
+                    max_tokens,
+                    ks[n],
+                    f"{n} graph replay u={u} call #{stats['calls']}",
+                )
         stats["calls"] += 3
         stats["graph_replays"] += 1
         if check_host:
-            stream.synchronize()   # the host reads below run on another stream
+            stream.synchronize()  # the host reads below run on another stream
             for n, g in gathers.items():
-                m = g.case.check(to_host(g.gout[u].view(g.case.dtype)), g.exp_host[max_tokens],
-                                 f"graph u={u} checkpoint {stats['checkpoints']}", xor=ks[n])
+                m = g.case.check(
+                    to_host(g.gout[u].view(g.case.dtype)),
+                    g.exp_host[max_tokens],
+                    f"graph u={u} checkpoint {stats['checkpoints']}",
+                    xor=ks[n],
+                )
                 stats["checked_calls"] += 1
                 if m:
                     note_failure(m)
-            m = lse.check(to_host(l_gout[u]), l_exp["host"],
-                          f"graph u={u} checkpoint {stats['checkpoints']}")
+            m = lse.check(
+                to_host(l_gout[u]), l_exp["host"], f"graph u={u} checkpoint {stats['checkpoints']}"
+            )
             stats["checked_calls"] += 1
             if m:
                 note_failure(m)
@@ -242,15 +326,20 @@ def run_soak(comm, *, calls: int = 100_000, seed: int = 0, check_every: int = 10
                 poison(g.eout[T], stream)
                 out = g.eout[T].view(g.case.dtype)
             res = g.case.call(g.inputs(g.work, T), ubatch=u, out=out, stream=stream)
-            device_check(g, res, T, k, f"{n} eager u={u} T={T} out={with_out} "
-                         f"call #{stats['calls']}")
+            device_check(
+                g, res, T, k, f"{n} eager u={u} T={T} out={with_out} call #{stats['calls']}"
+            )
             if check_host:
                 host = to_host(res)
         stats["calls"] += 1
         stats["eager_calls"] += 1
         if check_host:
-            m = g.case.check(host, g.exp_host[T], f"eager u={u} out={with_out} checkpoint "
-                             f"{stats['checkpoints']}", xor=k)
+            m = g.case.check(
+                host,
+                g.exp_host[T],
+                f"eager u={u} out={with_out} checkpoint {stats['checkpoints']}",
+                xor=k,
+            )
             stats["checked_calls"] += 1
             if m:
                 note_failure(m)
@@ -268,8 +357,9 @@ def run_soak(comm, *, calls: int = 100_000, seed: int = 0, check_every: int = 10
         stats["calls"] += 1
         stats["eager_calls"] += 1
         if check_host:
-            m = lse.check(host, l_exp["host"], f"eager u={u} out={with_out} checkpoint "
-                          f"{stats['checkpoints']}")
+            m = lse.check(
+                host, l_exp["host"], f"eager u={u} out={with_out} checkpoint {stats['checkpoints']}"
+            )
             stats["checked_calls"] += 1
             if m:
                 note_failure(m)
@@ -278,7 +368,7 @@ def run_soak(comm, *, calls: int = 100_000, seed: int = 0, check_every: int = 10
         """Drain device checks, then fresh inputs and host checks of every op/ubatch/path."""
         stream.synchronize()
         for c in cases.values():
-            c.op.synchronize(stream)               # raises CollectiveTimeout if poisoned
+            c.op.synchronize(stream)  # raises CollectiveTimeout if poisoned
         drain_pending()
         iseed = int(rng.integers(1 << 31))
         for g in gathers.values():
@@ -307,8 +397,10 @@ def run_soak(comm, *, calls: int = 100_000, seed: int = 0, check_every: int = 10
     try:
         checkpoint()
     except Exception as e:  # noqa: BLE001 - agreed on below
-        errors.append(f"rank {rank}: first checkpoint: {type(e).__name__}: {e}\n"
-                      f"{traceback.format_exc(limit=4)}")
+        errors.append(
+            f"rank {rank}: first checkpoint: {type(e).__name__}: {e}\n"
+            f"{traceback.format_exc(limit=4)}"
+        )
     agreed = comm.allgather(len(errors) == 0)
     ok_to_go = all(agreed)
     if ok_to_go:
@@ -331,16 +423,20 @@ def run_soak(comm, *, calls: int = 100_000, seed: int = 0, check_every: int = 10
                             eager_gather(n, u, int(rng.choice(Ts)), with_out, False)
                 checkpoint()
             except Exception as e:  # noqa: BLE001 - agreed on below
-                errors.append(f"rank {rank} at call {stats['calls']}: {type(e).__name__}: "
-                              f"{e}\n{traceback.format_exc(limit=4)}")
+                errors.append(
+                    f"rank {rank} at call {stats['calls']}: {type(e).__name__}: "
+                    f"{e}\n{traceback.format_exc(limit=4)}"
+                )
             next_cp = stats["calls"] + check_every
             # One host exchange per checkpoint: stop every rank when any rank failed.
             if not all(comm.allgather(len(errors) == 0 and stats["wrong_results"] == 0)):
                 break
             if time.monotonic() - last_log > 10:
                 last_log = time.monotonic()
-                say(f"[soak] {stats['calls']} / {calls} calls, "
-                    f"{stats['calls'] / (last_log - t_loop):.0f} calls/s")
+                say(
+                    f"[soak] {stats['calls']} / {calls} calls, "
+                    f"{stats['calls'] / (last_log - t_loop):.0f} calls/s"
+                )
         end_sample = resource_sample()
 
     epochs = {}
@@ -356,16 +452,27 @@ def run_soak(comm, *, calls: int = 100_000, seed: int = 0, check_every: int = 10
             errors.append(f"rank {rank}: close {c.label}: {type(e).__name__}: {e}")
     elapsed = time.monotonic() - t_start
 
-    wrapped = {n: (epochs.get(n) is not None and all(e >= 2**32 for e in epochs[n]))
-               for n in wrap_after}
+    wrapped = {
+        n: (epochs.get(n) is not None and all(e >= 2**32 for e in epochs[n])) for n in wrap_after
+    }
     flat = None
     if start_sample and end_sample:
-        flat = (start_sample["mem_free_bytes"] - end_sample["mem_free_bytes"] <= MEM_SLACK_BYTES
-                and end_sample["pool_used_bytes"] - start_sample["pool_used_bytes"]
-                <= POOL_SLACK_BYTES
-                and end_sample["fds"] - start_sample["fds"] <= FD_SLACK)
-    mine = dict(rank=rank, stats=stats, failures=failures, errors=errors, start=start_sample,
-                end=end_sample, epochs=epochs, wrapped=wrapped, flat=flat)
+        flat = (
+            start_sample["mem_free_bytes"] - end_sample["mem_free_bytes"] <= MEM_SLACK_BYTES
+            and end_sample["pool_used_bytes"] - start_sample["pool_used_bytes"] <= POOL_SLACK_BYTES
+            and end_sample["fds"] - start_sample["fds"] <= FD_SLACK
+        )
+    mine = dict(
+        rank=rank,
+        stats=stats,
+        failures=failures,
+        errors=errors,
+        start=start_sample,
+        end=end_sample,
+        epochs=epochs,
+        wrapped=wrapped,
+        flat=flat,
+    )
     every = comm.allgather(mine)
     summary = {
         "world_size": W,
@@ -388,29 +495,33 @@ def run_soak(comm, *, calls: int = 100_000, seed: int = 0, check_every: int = 10
         "dtype": str(lse.dtype),
         "max_tokens": max_tokens,
         "check_every": check_every,
-        "per_rank": [{k: r[k] for k in ("rank", "start", "end", "epochs", "flat")}
-                     for r in every],
+        "per_rank": [{k: r[k] for k in ("rank", "start", "end", "epochs", "flat")} for r in every],
     }
     return summary
 
 
-def problems(summary: Dict) -> Optional[str]:
+def problems(summary: dict) -> str | None:
     """``None`` when the soak passed, else what went wrong (one line per problem)."""
     out = []
     if summary["errors"]:
         out.append("errors:\n  " + "\n  ".join(summary["errors"]))
     if summary["wrong_results"]:
-        out.append(f"{summary['wrong_results']} wrong results; first:\n  "
-                   + "\n  ".join(summary["first_failures"]))
+        out.append(
+            f"{summary['wrong_results']} wrong results; first:\n  "
+            + "\n  ".join(summary["first_failures"])
+        )
     if summary["calls"] < summary["calls_requested"]:
         out.append(f"only {summary['calls']} of {summary['calls_requested']} calls ran")
     if not summary["flat"]:
-        out.append("GPU memory, CuPy pool or fds not flat: "
-                   + json.dumps([{k: r[k] for k in ("rank", "start", "end")}
-                                 for r in summary["per_rank"]]))
+        out.append(
+            "GPU memory, CuPy pool or fds not flat: "
+            + json.dumps([{k: r[k] for k in ("rank", "start", "end")} for r in summary["per_rank"]])
+        )
     if not summary["wrapped"]:
-        out.append("the epochs did not cross 2**32: "
-                   + json.dumps([r["epochs"] for r in summary["per_rank"]]))
+        out.append(
+            "the epochs did not cross 2**32: "
+            + json.dumps([r["epochs"] for r in summary["per_rank"]])
+        )
     return "\n".join(out) or None
 
 
@@ -421,10 +532,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--timeout-ms", type=float, default=None,
-                    help="wait deadline of the ops (default: DCPKIT_TIMEOUT_MS or 5000)")
+    ap.add_argument(
+        "--timeout-ms",
+        type=float,
+        default=None,
+        help="wait deadline of the ops (default: DCPKIT_TIMEOUT_MS or 5000)",
+    )
     ap.add_argument("--json", default=None, help="write the summary here (rank 0)")
     args = ap.parse_args(argv)
+    _gpu_or_exit("soak")
 
     import cupy
 
@@ -433,8 +549,15 @@ def main(argv=None) -> int:
     comm = Communicator.from_mpi()
     cupy.cuda.Device(comm.local_rank % cupy.cuda.runtime.getDeviceCount()).use()
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
-    summary = run_soak(comm, calls=args.calls, seed=seed, check_every=args.check_every,
-                       max_tokens=args.max_tokens, dtype=args.dtype, timeout_ms=args.timeout_ms)
+    summary = run_soak(
+        comm,
+        calls=args.calls,
+        seed=seed,
+        check_every=args.check_every,
+        max_tokens=args.max_tokens,
+        dtype=args.dtype,
+        timeout_ms=args.timeout_ms,
+    )
     bad = problems(summary)
     if comm.rank == 0:
         try:
@@ -445,11 +568,13 @@ def main(argv=None) -> int:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump(summary, f, indent=1, sort_keys=True)
-        print(f"[soak] world_size {summary['world_size']}: {summary['calls']} calls "
-              f"({summary['eager_calls']} eager, {summary['graph_replays']} graph replays), "
-              f"{summary['checked_calls']} host-checked, {summary['device_checked_calls']} "
-              f"device-checked, {summary['wrong_results']} wrong, flat={summary['flat']}, "
-              f"wrapped={summary['wrapped']}, {summary['elapsed_s']} s, seed {summary['seed']}")
+        print(
+            f"[soak] world_size {summary['world_size']}: {summary['calls']} calls "
+            f"({summary['eager_calls']} eager, {summary['graph_replays']} graph replays), "
+            f"{summary['checked_calls']} host-checked, {summary['device_checked_calls']} "
+            f"device-checked, {summary['wrong_results']} wrong, flat={summary['flat']}, "
+            f"wrapped={summary['wrapped']}, {summary['elapsed_s']} s, seed {summary['seed']}"
+        )
         for r in summary["per_rank"]:
             print(f"[soak] rank {r['rank']}: start {r['start']} end {r['end']}")
         if bad:

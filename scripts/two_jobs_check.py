@@ -1,4 +1,4 @@
-"""One job of the "two jobs at once on one machine" heap check (issue 3).
+"""One job of the "two jobs at once on one machine" heap check.
 
 Run under an MPI launcher, for example::
 
@@ -9,7 +9,8 @@ sockets named after this job's token), writes a rank-specific pattern into every
 checks every copy, and closes the heap. Every rank prints one line
 ``DCPKIT_TWO_JOBS {json}`` with its results, including the multicast-disabling variables it
 saw (so a launcher can check they were inherited), and the exit status is 0 only if every rank
-of the job saw correct heaps. tests/gpu/test_two_jobs.py starts two of these at the same time.
+of the job saw correct heaps (2 where there is no GPU, with one line saying why).
+tests/gpu/test_two_jobs.py starts two of these at the same time.
 """
 
 import argparse
@@ -22,6 +23,35 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "mpi"))
 
 
+def _use_this_checkout_if_not_installed() -> None:
+    """Import the installed dcpkit; where none is installed (or only an empty namespace folder
+    of that name), the one of this checkout."""
+    try:
+        import dcpkit
+
+        if getattr(dcpkit, "__file__", None):
+            return
+    except ImportError:
+        pass
+    sys.modules.pop("dcpkit", None)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _gpu_or_exit(what: str) -> None:
+    """Exit with status 2 and one line (printed once per job) where there is no GPU to run on:
+    no CuPy, no CUDA driver, no visible device."""
+    from dcpkit._cuda import require_device
+    from dcpkit.errors import DcpkitError
+    from dcpkit.info import launcher_rank
+
+    try:
+        require_device(what)
+    except DcpkitError as e:
+        if launcher_rank() in (None, 0):
+            print(f"{e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--job", default="job", help="name printed with the results")
@@ -29,16 +59,22 @@ def main() -> int:
     ap.add_argument("--nbytes", type=int, default=8 << 20, help="bytes of each rank's copy")
     ap.add_argument("--device-offset", type=int, default=0, help="GPU of local rank 0")
     ap.add_argument("--ready-file", help="created once this job is set up")
-    ap.add_argument("--wait-file", help="start the rounds only once this file exists (another "
-                                        "job's --ready-file), so that the two jobs overlap")
+    ap.add_argument(
+        "--wait-file",
+        help="start the rounds only once this file exists (another "
+        "job's --ready-file), so that the two jobs overlap",
+    )
     args = ap.parse_args()
+    _use_this_checkout_if_not_installed()
+    _gpu_or_exit("two_jobs_check")
 
     import cupy
 
-    from _heap_checks import agree, pattern_errors, run_checked
     from dcpkit.comm import Communicator
     from dcpkit.multicast import KILL_SWITCHES
     from dcpkit.symmetric import SymmetricHeap
+
+    from _heap_checks import agree, pattern_errors, run_checked
 
     comm = Communicator.from_mpi()
     ndev = cupy.cuda.runtime.getDeviceCount()
@@ -63,12 +99,26 @@ def main() -> int:
 
     errors = run_checked(comm, body)
     ok, msg = agree(comm, errors)
-    print("DCPKIT_TWO_JOBS " + json.dumps({
-        "job": args.job, "rank": comm.rank, "world_size": comm.world_size, "device": device,
-        "rounds": args.rounds, "ok": ok, "errors": errors[:6], "job_errors": msg,
-        "handle_types": sorted(set(handle_types)), "start": t0, "end": time.time(),
-        "kill_switches": {name: os.environ.get(name) for name, _ in KILL_SWITCHES},
-    }), flush=True)
+    print(
+        "DCPKIT_TWO_JOBS "
+        + json.dumps(
+            {
+                "job": args.job,
+                "rank": comm.rank,
+                "world_size": comm.world_size,
+                "device": device,
+                "rounds": args.rounds,
+                "ok": ok,
+                "errors": errors[:6],
+                "job_errors": msg,
+                "handle_types": sorted(set(handle_types)),
+                "start": t0,
+                "end": time.time(),
+                "kill_switches": {name: os.environ.get(name) for name, _ in KILL_SWITCHES},
+            }
+        ),
+        flush=True,
+    )
     return 0 if ok else 1
 
 

@@ -1,5 +1,5 @@
 """GPU part of the constructor and ``stream=`` robustness checks (the CPU part, with every
-error message, is tests/unit/test_robustness_ops.py).
+error message, is tests/unit/test_robustness_ops_cpu.py).
 
 Run on GPUs, N = 2 and 4::
 

@@ -48,7 +48,8 @@ def pytest_sessionstart(session):
     if IN_CI and _from_checkout():
         raise pytest.UsageError(
             f"DCPKIT_CI=1 but dcpkit was imported from the checkout ({PKG_DIR}), not from the "
-            "installed wheel: run pytest from tests/ (see README), not from the repository root")
+            "installed wheel: run pytest from tests/ (see README), not from the repository root"
+        )
 
 
 def skip_or_fail(reason: str):
@@ -98,15 +99,24 @@ def _kill_tree(p: subprocess.Popen) -> None:
 def run_bounded(cmd, *, timeout: float, cwd, env) -> subprocess.CompletedProcess:
     """Run ``cmd``; on timeout kill it and all its descendants and fail the test (a hang is a
     failure, never a stuck CI). Also cleans up when the test is interrupted."""
-    p = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    p = subprocess.Popen(
+        cmd,
+        cwd=str(cwd),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill_tree(p)
         out, err = p.communicate()
-        pytest.fail(f"{' '.join(map(str, cmd))} did not finish within {timeout} s (hang)\n"
-                    f"--- stdout\n{out}\n--- stderr\n{err}")
+        pytest.fail(
+            f"{' '.join(map(str, cmd))} did not finish within {timeout} s (hang)\n"
+            f"--- stdout\n{out}\n--- stderr\n{err}"
+        )
     finally:
         if p.poll() is None:  # interrupted (pytest-timeout, Ctrl-C): leave nothing behind
             _kill_tree(p)
@@ -120,8 +130,9 @@ def run_python(tmp_path):
 
     def run(code_or_args, *, timeout: float = 120, env=None):
         args = ["-c", code_or_args] if isinstance(code_or_args, str) else list(code_or_args)
-        return run_bounded([sys.executable, *args], timeout=timeout, cwd=tmp_path,
-                           env=subprocess_env(env))
+        return run_bounded(
+            [sys.executable, *args], timeout=timeout, cwd=tmp_path, env=subprocess_env(env)
+        )
 
     return run
 
@@ -197,7 +208,37 @@ def run_cmd(tmp_path):
     """Run any command in ``tmp_path`` with this dcpkit importable, bounded by ``timeout``."""
 
     def run(cmd, *, timeout: float = 120, env=None):
-        return run_bounded(list(map(str, cmd)), timeout=timeout, cwd=tmp_path,
-                           env=subprocess_env(env))
+        return run_bounded(
+            list(map(str, cmd)), timeout=timeout, cwd=tmp_path, env=subprocess_env(env)
+        )
 
     return run
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernel_compile_memo():
+    """NVRTC compiles each (kernel source, variants, options) once per session.
+
+    Several test files compile the same kernel file for the same target (``test_jit.py``
+    compiles every file; the op tests compile their own). The memo wraps
+    ``dcpkit.jit._compile_one``, the step that runs NVRTC on one file, keyed on the file's whole
+    spliced source, its name expressions and the options: a compile that would see other code
+    (an edited or substituted kernels folder, other variants, another ``-arch``) is a new key
+    and runs NVRTC. Only successful results are kept; a failing compile raises every time.
+    Yields the memo (key -> result) so that a test can check it.
+    """
+    from dcpkit import jit
+
+    real = jit._compile_one
+    memo: dict = {}
+
+    def compile_one(nvrtc, file, exprs, opts):
+        exprs, opts = tuple(exprs), tuple(opts)
+        key = (file, jit.source(file), exprs, opts)
+        if key not in memo:
+            memo[key] = real(nvrtc, file, exprs, list(opts))
+        return dict(memo[key])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jit, "_compile_one", compile_one)
+        yield memo

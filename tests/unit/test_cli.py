@@ -49,7 +49,7 @@ def test_info_never_creates_multicast_and_asks_the_guard(monkeypatch):
 
     def fake_decision(opt_in, env, device_supported):
         calls.append((opt_in, dict(env), device_supported))
-        return (False, "fake reason for opt_in=%r" % (opt_in,))
+        return (False, f"fake reason for opt_in={opt_in!r}")
 
     fake = types.ModuleType("dcpkit.multicast")
     fake.multicast_decision = fake_decision
@@ -78,8 +78,13 @@ class _FakeRuntime:
         return 4
 
     def getDeviceProperties(self, d):
-        return {"name": b"NVIDIA H200", "major": 9, "minor": 0, "multiProcessorCount": 132,
-                "totalGlobalMem": 150_000_000_000}
+        return {
+            "name": b"NVIDIA H200",
+            "major": 9,
+            "minor": 0,
+            "multiProcessorCount": 132,
+            "totalGlobalMem": 150_000_000_000,
+        }
 
     def deviceCanAccessPeer(self, i, j):
         return 1
@@ -118,10 +123,17 @@ def test_info_reports_gpus_p2p_and_multicast(monkeypatch):
     d = info.collect()
     assert d["driver"] == {"ok": True, "version": "13.0", "error": None}
     assert d["gpu_count"] == 4
-    assert d["gpus"][3] == {"index": 3, "name": "NVIDIA H200", "compute_capability": "9.0",
-                            "sm_count": 132, "memory_bytes": 150_000_000_000,
-                            "multicast_supported": 1, "vmm_supported": 1,
-                            "posix_fd_handles": 1, "fabric_handles": 1}
+    assert d["gpus"][3] == {
+        "index": 3,
+        "name": "NVIDIA H200",
+        "compute_capability": "9.0",
+        "sm_count": 132,
+        "memory_bytes": 150_000_000_000,
+        "multicast_supported": 1,
+        "vmm_supported": 1,
+        "posix_fd_handles": 1,
+        "fabric_handles": 1,
+    }
     assert d["p2p"][0] == [None, True, True, True]
     assert d["multicast"]["device_supported"] is True
     text = info.format_text(d)
@@ -188,18 +200,24 @@ def test_python_dash_m_dcpkit_without_arguments(run_python):
 # ----------------------------------------------------------------------------- unknown multicast
 def test_info_without_gpu_says_unknown_not_reports_0(monkeypatch):
     """No GPU: nothing was queried, so the report must not claim the device said 0."""
-    monkeypatch.setattr(info, "_gpus", lambda driver_ok: {"count": 0, "gpus": [], "p2p": [],
-                                                          "error": "no driver"})
+    monkeypatch.setattr(
+        info, "_gpus", lambda driver_ok: {"count": 0, "gpus": [], "p2p": [], "error": "no driver"}
+    )
     monkeypatch.setenv("DCPKIT_MULTICAST", "1")
-    for k in ("DCPKIT_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS",
-              "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
+    for k in (
+        "DCPKIT_DISABLE_MULTICAST",
+        "NCCL_NVLS_ENABLE",
+        "NVSHMEM_DISABLE_NVLS",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+    ):
         monkeypatch.delenv(k, raising=False)
     d = info.collect()
     mc = d["multicast"]
     assert mc["device_supported"] is None
     assert mc["reason"].startswith("unknown (no GPU/driver"), mc
     assert mc["used_if_opted_in"] is None and mc["reason_if_opted_in"].startswith(
-        "unknown (no GPU/driver"), mc
+        "unknown (no GPU/driver"
+    ), mc
     text = info.format_text(d)
     assert "MULTICAST_SUPPORTED = 0" not in text, text
     assert "if opted in (multicast=True or DCPKIT_MULTICAST=1): unknown (no GPU/driver" in text
@@ -210,9 +228,21 @@ def test_info_without_gpu_says_unknown_not_reports_0(monkeypatch):
 
 
 def test_info_gpu_with_unreadable_attribute_is_unknown(monkeypatch):
-    gpus = {"count": 1, "gpus": [{"index": 0, "name": "X", "compute_capability": "9.0",
-                                  "sm_count": 1, "memory_bytes": 1, "multicast_supported": None}],
-            "p2p": [[None]], "error": None}
+    gpus = {
+        "count": 1,
+        "gpus": [
+            {
+                "index": 0,
+                "name": "X",
+                "compute_capability": "9.0",
+                "sm_count": 1,
+                "memory_bytes": 1,
+                "multicast_supported": None,
+            }
+        ],
+        "p2p": [[None]],
+        "error": None,
+    }
     monkeypatch.setattr(info, "_gpus", lambda driver_ok: gpus)
     monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
     monkeypatch.delenv("DCPKIT_DISABLE_MULTICAST", raising=False)
@@ -220,19 +250,27 @@ def test_info_gpu_with_unreadable_attribute_is_unknown(monkeypatch):
     monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)
     mc = info.collect()["multicast"]
     assert mc["used_if_opted_in"] is None
-    assert mc["reason_if_opted_in"] == ("unknown (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED could "
-                                        "not be read)")
+    assert mc["reason_if_opted_in"] == (
+        "unknown (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED could not be read)"
+    )
 
 
 # ----------------------------------------------------------------------------- no driver probe
 def test_no_driver_reason(monkeypatch):
-    lib_missing = {"ok": False, "version": None,
-                   "error": 'DynamicLibNotFoundError: "cuda" is an NVIDIA driver library'}
+    lib_missing = {
+        "ok": False,
+        "version": None,
+        "error": 'DynamicLibNotFoundError: "cuda" is an NVIDIA driver library',
+    }
     assert info.no_driver_reason(lib_missing).startswith("no CUDA driver found")
     assert info.no_driver_reason({"ok": True, "version": "13.0", "error": None}) is None
     # the driver is there but does not initialise: not "no driver"
-    assert info.no_driver_reason({"ok": False, "version": None,
-                                  "error": "cuInit failed with CUDA_ERROR_NO_DEVICE"}) is None
+    assert (
+        info.no_driver_reason(
+            {"ok": False, "version": None, "error": "cuInit failed with CUDA_ERROR_NO_DEVICE"}
+        )
+        is None
+    )
     # cuda-bindings missing: ask the loader directly
     no_bindings = {"ok": False, "version": None, "error": "MissingDependency: cuda-bindings"}
     monkeypatch.setattr(info, "_libcuda_loads", lambda: False)
@@ -247,8 +285,10 @@ def test_no_driver_reason_on_this_machine():
     if probe["ok"]:
         assert reason is None
     elif "DynamicLibNotFoundError" in str(probe["error"]):
-        assert reason == ("no CUDA driver found (the NVIDIA driver library libcuda is not "
-                          "installed on this machine)")
+        assert reason == (
+            "no CUDA driver found (the NVIDIA driver library libcuda is not "
+            "installed on this machine)"
+        )
 
 
 # ----------------------------------------------------------------------------- one report per job
@@ -272,8 +312,9 @@ def test_info_prints_only_on_launcher_rank_0(run_python, var):
 
 
 def test_info_under_mpiexec_prints_one_document(mpi_launcher, run_cmd):
-    proc = run_cmd(mpi_launcher.command(3, sys.executable, "-m", "dcpkit", "info", "--json"),
-                   timeout=180)
+    proc = run_cmd(
+        mpi_launcher.command(3, sys.executable, "-m", "dcpkit", "info", "--json"), timeout=180
+    )
     assert proc.returncode == 0, proc.stderr
     d = json.loads(proc.stdout)  # exactly one JSON document
     assert d["launcher_rank"] == 0

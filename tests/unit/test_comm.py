@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dcpkit.comm import Communicator, launcher_world_size
@@ -22,11 +23,12 @@ LAUNCH_TIMEOUT_S = 60
 
 def _results(outdir: Path, n: int, proc) -> list:
     setup_errors = sorted(outdir.glob("setup-error-*.json"))
-    detail = (f"\n--- exit status {proc.returncode}\n--- stdout\n{proc.stdout}\n"
-              f"--- stderr\n{proc.stderr}")
+    detail = (
+        f"\n--- exit status {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    )
     assert not setup_errors, (
-        "Communicator.from_mpi failed: "
-        + "; ".join(p.read_text() for p in setup_errors) + detail)
+        "Communicator.from_mpi failed: " + "; ".join(p.read_text() for p in setup_errors) + detail
+    )
     missing = [r for r in range(n) if not (outdir / f"rank{r}.json").is_file()]
     assert not missing, f"ranks {missing} wrote no result" + detail
     res = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(n)]
@@ -57,13 +59,16 @@ def test_allgather_broadcast_barrier(run_scenario, n):
     for r, x in enumerate(res):
         assert x["backend"] == "mpi"
         assert x["allgather"] == expected_gather, f"rank {r}: allgather gave {x['allgather']}"
-        assert x["allgather_big"] == [[1 << 20, s % 256, s % 256] for s in range(n)], \
+        assert x["allgather_big"] == [[1 << 20, s % 256, s % 256] for s in range(n)], (
             f"rank {r}: 1 MiB allgather gave {x['allgather_big']}"
+        )
         assert x["broadcast_root"] == root
-        assert x["broadcast"] == {"from": root, "data": list(range(root, root + 4))}, \
+        assert x["broadcast"] == {"from": root, "data": list(range(root, root + 4))}, (
             f"rank {r}: broadcast from root {root} gave {x['broadcast']}"
-        assert x["marker_seen_after_barrier"], \
+        )
+        assert x["marker_seen_after_barrier"], (
             f"rank {r} passed the barrier before rank 0 reached it"
+        )
         # all ranks run on this host: local ranks are the ranks
         assert x["hosts"] == [x["host"]] * n
         assert (x["local_rank"], x["local_world_size"]) == (r, n)
@@ -113,14 +118,21 @@ def test_from_mpi_outside_mpirun_is_one_rank(mpi_launcher, run_cmd, tmp_path):
     assert (x["local_rank"], x["local_world_size"]) == (0, 1)
     assert x["allgather"] == [{"x": 1}] and x["broadcast"] == "b" and x["agree"] == [3]
     assert x["all_ok_error"]["type"] == "PeerError" and x["all_ok_error"]["cause"] == "ValueError"
-    assert x["single"] == {"rank": 0, "world_size": 1, "backend": "single",
-                           "allgather": [5], "broadcast": 6}
+    assert x["single"] == {
+        "rank": 0,
+        "world_size": 1,
+        "backend": "single",
+        "allgather": [5],
+        "broadcast": 6,
+    }
 
 
 def test_from_mpi_detects_a_foreign_launcher(mpi_launcher, run_python):
     """Launched by one MPI's mpirun, mpi4py loading another MPI sees one rank: say so."""
-    probe = run_python("import mpi4py; mpi4py.rc.initialize = False\n"
-                       "from mpi4py import MPI; print(MPI.Get_library_version())")
+    probe = run_python(
+        "import mpi4py; mpi4py.rc.initialize = False\n"
+        "from mpi4py import MPI; print(MPI.Get_library_version())"
+    )
     assert probe.returncode == 0, probe.stderr
     lib = probe.stdout.lower()
     if "mpich" in lib:
@@ -129,10 +141,12 @@ def test_from_mpi_detects_a_foreign_launcher(mpi_launcher, run_python):
         var = "PMI_SIZE"  # what MPICH's hydra would set; Open MPI ignores it
     else:
         pytest.skip(f"unknown MPI library, cannot fake a foreign launcher: {probe.stdout!r}")
-    code = ("from dcpkit.comm import Communicator\n"
-            "from dcpkit.errors import DcpkitError\n"
-            "try:\n    Communicator.from_mpi()\n    print('NO ERROR')\n"
-            "except DcpkitError as e:\n    print('ERROR', e)\n")
+    code = (
+        "from dcpkit.comm import Communicator\n"
+        "from dcpkit.errors import DcpkitError\n"
+        "try:\n    Communicator.from_mpi()\n    print('NO ERROR')\n"
+        "except DcpkitError as e:\n    print('ERROR', e)\n"
+    )
     proc = run_python(code, env={var: "4"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("ERROR"), proc.stdout + proc.stderr
@@ -177,22 +191,42 @@ def test_broadcast_root_out_of_range():
 
 
 def _fake(rank, world_size):
-    return Communicator(rank, world_size, allgather=lambda o: [o] * 2, broadcast=lambda o, r: o,
-                        barrier=lambda: None, backend="test")
+    return Communicator(
+        rank,
+        world_size,
+        allgather=lambda o: [o] * 2,
+        broadcast=lambda o, r: o,
+        barrier=lambda: None,
+        backend="test",
+    )
 
 
 def test_rank_out_of_range():
-    with pytest.raises(InvalidArgument, match=r"^Communicator: rank must lie in \[0, 2\) "
-                       r"\(got 2\)"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"^Communicator: rank must lie in \[0, 2\) "
+        r"\(got 2\)",
+    ):
         _fake(2, 2)
-    with pytest.raises(InvalidArgument, match=r"^Communicator: world_size must be >= 1 "
-                       r"\(got 0\)"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"^Communicator: world_size must be >= 1 "
+        r"\(got 0\)",
+    ):
         _fake(0, 0)
 
 
-@pytest.mark.parametrize("rank,world_size,bad", [(0.5, 2, "rank"), ("0", 2, "rank"),
-                                                 (True, 2, "rank"), (None, 2, "rank"),
-                                                 (0, 2.0, "world_size"), (0, "2", "world_size")])
+@pytest.mark.parametrize(
+    "rank,world_size,bad",
+    [
+        (0.5, 2, "rank"),
+        ("0", 2, "rank"),
+        (True, 2, "rank"),
+        (None, 2, "rank"),
+        (0, 2.0, "world_size"),
+        (0, "2", "world_size"),
+    ],
+)
 def test_rank_and_world_size_types(rank, world_size, bad):
     with pytest.raises(InvalidType, match=rf"^Communicator: {bad} must be an int \(got "):
         _fake(rank, world_size)
@@ -206,27 +240,38 @@ def test_numpy_int_rank_is_accepted():
 @pytest.mark.parametrize("root", ["0", None, True, 0.0, [0]])
 def test_broadcast_root_type(root):
     c = Communicator.single()
-    with pytest.raises(InvalidType, match=r"^Communicator.broadcast: root must be an int "
-                       r"\(got "):
+    with pytest.raises(
+        InvalidType,
+        match=r"^Communicator.broadcast: root must be an int "
+        r"\(got ",
+    ):
         c.broadcast("x", root=root)
 
 
 def test_from_mpi_refuses_a_non_communicator():
     pytest.importorskip("mpi4py")
-    with pytest.raises(InvalidType, match=r"^Communicator.from_mpi: comm must be None or an "
-                       r"mpi4py.MPI.Comm \(got str 'x'\)"):
+    with pytest.raises(
+        InvalidType,
+        match=r"^Communicator.from_mpi: comm must be None or an "
+        r"mpi4py.MPI.Comm \(got str 'x'\)",
+    ):
         Communicator.from_mpi("x")
 
 
 def test_unpicklable_objects_single_rank():
     c = Communicator.single()
     unpicklable = lambda: None  # noqa: E731 - a lambda does not pickle
-    for method, call in (("allgather", lambda: c.allgather(unpicklable)),
-                         ("agree", lambda: c.agree("thing", unpicklable)),
-                         ("broadcast", lambda: c.broadcast(unpicklable)),
-                         ("agree_setup", lambda: c.agree_setup("op", lambda: unpicklable))):
-        with pytest.raises(InvalidType, match=rf"^Communicator.{method}: the object must be "
-                           rf"picklable \(got function: "):
+    for method, call in (
+        ("allgather", lambda: c.allgather(unpicklable)),
+        ("agree", lambda: c.agree("thing", unpicklable)),
+        ("broadcast", lambda: c.broadcast(unpicklable)),
+        ("agree_setup", lambda: c.agree_setup("op", lambda: unpicklable)),
+    ):
+        with pytest.raises(
+            InvalidType,
+            match=rf"^Communicator.{method}: the object must be "
+            rf"picklable \(got function: ",
+        ):
             call()
     c.barrier()  # still usable
     assert c.allgather(1) == [1]
@@ -261,20 +306,26 @@ def test_unpicklable_object_on_one_rank_fails_every_rank():
             got = res[method]
             assert got is not None, f"rank {r}: {method} accepted an unpicklable object"
             if r == 1:
-                assert got[0] == "InvalidType" and f"Communicator.{method}: the object must be " \
-                    "picklable" in got[1], f"rank {r}: {got}"
+                assert (
+                    got[0] == "InvalidType"
+                    and f"Communicator.{method}: the object must be picklable" in got[1]
+                ), f"rank {r}: {got}"
             else:
                 assert got[0] == "PeerError", f"rank {r}: {got}"
-                assert f"Communicator.{method}: pickling the object failed on rank(s) [1]" \
-                    in got[1], got[1]
+                assert (
+                    f"Communicator.{method}: pickling the object failed on rank(s) [1]" in got[1]
+                ), got[1]
                 assert list(got[2]) == [1]
         assert res["after"] == [0, 1, 2]
 
 
 def test_all_ok_refuses_a_non_exception():
     c = Communicator.single()
-    with pytest.raises(InvalidType, match=r"^Communicator.all_ok: error must be an exception or "
-                       r"None \(got str 'string'\)"):
+    with pytest.raises(
+        InvalidType,
+        match=r"^Communicator.all_ok: error must be an exception or "
+        r"None \(got str 'string'\)",
+    ):
         c.all_ok("step", "string")
 
     def body(comm):
@@ -292,6 +343,7 @@ def test_all_ok_refuses_a_non_exception():
 def test_all_ok_failing_rank_raises_peer_error_chained_to_its_own():
     """What the docstring says: PeerError on every rank; on the failing rank its __cause__ is
     the rank's own exception."""
+
     def body(comm):
         own = ValueError("bad value") if comm.rank == 1 else None
         try:
@@ -303,19 +355,105 @@ def test_all_ok_failing_rank_raises_peer_error_chained_to_its_own():
     out = run_group(2, body)
     assert out[1] == ("ok", ("ValueError", {1: "ValueError: bad value"})), out
     assert out[0] == ("ok", (None, {1: "ValueError: bad value"})), out
-    assert "PeerError" in Communicator.all_ok.__doc__ and "from error" in Communicator.all_ok.__doc__
+    doc = Communicator.all_ok.__doc__
+    assert "PeerError" in doc and "from error" in doc
 
 
 def test_closed_communicator_names_the_method():
     c = Communicator.single()
     c.close()
-    for method, call in (("allgather", lambda: c.allgather(1)),
-                         ("agree", lambda: c.agree("x", 1)),
-                         ("agree_setup", lambda: c.agree_setup("op", lambda: 1)),
-                         ("all_ok", lambda: c.all_ok("x", None)),
-                         ("broadcast", lambda: c.broadcast(1)),
-                         ("barrier", lambda: c.barrier()),
-                         ("job_token", lambda: c.job_token())):
-        with pytest.raises(ClosedError, match=rf"^Communicator.{method}: the communicator is "
-                           rf"closed$"):
+    for method, call in (
+        ("allgather", lambda: c.allgather(1)),
+        ("agree", lambda: c.agree("x", 1)),
+        ("agree_setup", lambda: c.agree_setup("op", lambda: 1)),
+        ("all_ok", lambda: c.all_ok("x", None)),
+        ("broadcast", lambda: c.broadcast(1)),
+        ("barrier", lambda: c.barrier()),
+        ("job_token", lambda: c.job_token()),
+    ):
+        with pytest.raises(
+            ClosedError,
+            match=rf"^Communicator.{method}: the communicator is "
+            rf"closed$",
+        ):
             call()
+
+
+# ----------------------------------------------------------------------------- agree: by value
+def _agree_across(values):
+    """Rank r calls agree("x", values[r]); per rank, None or the error's type name."""
+
+    def body(comm):
+        try:
+            comm.agree("x", values[comm.rank])
+        except DcpkitError as e:
+            return type(e).__name__
+        return None
+
+    out = run_group(len(values), body)
+    assert all(status == "ok" for status, _ in out), out
+    return [res for _, res in out]
+
+
+EQUAL_ACROSS_RANKS = [
+    pytest.param([{"a": 1, "b": 2}, {"b": 2, "a": 1}], id="dict key order"),
+    pytest.param([np.int64(3), 3, np.int32(3)], id="numpy and python ints"),
+    pytest.param([3, 3.0, np.float32(3.0)], id="integral float"),
+    pytest.param([0.5, np.float32(0.5), np.float16(0.5)], id="numpy floats"),
+    pytest.param([float("nan"), np.float32("nan"), float("nan")], id="nan"),
+    pytest.param([0.0, -0.0], id="signed zero"),
+    pytest.param([(1, "a", [2.0]), [1, "a", (2,)]], id="list vs tuple elementwise"),
+    pytest.param(
+        [
+            {"t": (np.int64(8), float("nan")), "d": {"x": None}},
+            {"d": {"x": None}, "t": [8, float("nan")]},
+        ],
+        id="nested",
+    ),
+    pytest.param([True, np.bool_(True)], id="numpy bool"),
+    pytest.param([np.dtype("float16"), np.dtype("<f2")], id="dtype"),
+    pytest.param([{1, 2, 3}, frozenset({3, 2, 1})], id="sets"),
+    pytest.param([np.arange(4), np.arange(4)], id="arrays"),
+    pytest.param([np.str_("bf16"), "bf16"], id="numpy str"),
+]
+
+
+@pytest.mark.parametrize("values", EQUAL_ACROSS_RANKS)
+def test_agree_compares_values_not_pickled_bytes(values):
+    assert _agree_across(values) == [None] * len(values)
+
+
+DIFFERENT_ACROSS_RANKS = [
+    pytest.param([3, "3"], id="int vs str"),
+    pytest.param([1, True], id="int vs bool"),
+    pytest.param([0, False], id="zero vs False"),
+    pytest.param(["3", b"3"], id="str vs bytes"),
+    pytest.param([0.1, np.float32(0.1)], id="float32 rounding"),
+    pytest.param([float("nan"), 0.0], id="nan vs number"),
+    pytest.param([float("inf"), float("-inf")], id="infinities"),
+    pytest.param([{"a": 1}, {"a": 1, "b": 2}], id="extra key"),
+    pytest.param([{"a": 1}, {"A": 1}], id="other key"),
+    pytest.param([(1, 2), (2, 1)], id="order of a sequence"),
+    pytest.param([None, 0], id="None vs 0"),
+    pytest.param([np.dtype("float16"), np.dtype("float32")], id="dtypes"),
+    pytest.param([np.arange(4), np.arange(4).astype(np.int32)], id="array dtypes"),
+    pytest.param([2**60 + 1, float(2**60)], id="large int vs nearest float"),
+]
+
+
+@pytest.mark.parametrize("values", DIFFERENT_ACROSS_RANKS)
+def test_agree_keeps_types_that_really_differ_apart(values):
+    assert _agree_across(values) == ["ConfigMismatch"] * len(values)
+
+
+def test_canonical_form_is_deterministic_and_hashable():
+    from dcpkit.comm import canonical
+
+    a = {"z": [1, 2.5, {"k": np.int16(7)}], "a": (None, "s", b"b", float("nan"))}
+    b = {"a": [None, "s", b"b", np.float64("nan")], "z": ((1, np.float32(2.5), {"k": 7}))}
+    assert canonical(a) == canonical(b)
+    assert hash(canonical(a)) == hash(canonical(b))
+    # repeated calls, and a value rebuilt through pickle (what another rank sends), agree
+    import pickle
+
+    assert canonical(pickle.loads(pickle.dumps(a))) == canonical(a)

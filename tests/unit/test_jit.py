@@ -42,6 +42,16 @@ def test_every_variant_compiles_below_sm90(file, arch):
     assert res[file]["cubin_bytes"] > 0
 
 
+def test_unit_tests_compile_each_kernel_once(kernel_compile_memo):
+    """The session's compile memo (tests/unit/conftest.py) serves a repeated compile of the same
+    source and options, and a changed option compiles anew."""
+    first = jit.compile_only(["ceilings.cu"])
+    n = len(kernel_compile_memo)
+    assert jit.compile_only(["ceilings.cu"]) == first
+    assert len(kernel_compile_memo) == n
+    jit.compile_only(["ceilings.cu"], options=["-lineinfo"])
+    assert len(kernel_compile_memo) == n + 1
+
 def test_multimem_helpers_are_guarded_for_sm90():
     """Every multimem instruction in the header sits under an sm_90 guard that traps below."""
     text = (jit.kernels_dir() / "dcpkit_ptx.cuh").read_text()

@@ -3,6 +3,7 @@ ImportError from deep inside. Each case runs in a fresh interpreter in which the
 top-level package is blocked (``sys.modules[name] = None`` makes every import of it fail)."""
 
 import json
+import re
 
 import pytest
 
@@ -37,13 +38,21 @@ def _cuda_extra(run_python):
 
 
 CASES = {
-    "mpi4py": (["mpi4py"], "from dcpkit.comm import Communicator\nCommunicator.from_mpi()",
-               "mpi"),
-    "torch": (["torch"], "from dcpkit.comm import Communicator\nCommunicator.from_torch()",
-              "torch"),
+    "mpi4py": (["mpi4py"], "from dcpkit.comm import Communicator\nCommunicator.from_mpi()", "mpi"),
+    "torch": (
+        ["torch"],
+        "from dcpkit.comm import Communicator\nCommunicator.from_torch()",
+        "torch",
+    ),
     "nvshmem4py": (["nvshmem"], "from dcpkit import _nvshmem\n_nvshmem.load()", "nvshmem"),
-    "cupy": (["cupy"], "from dcpkit import jit\nf = next(iter(jit.VARIANTS))\n"
-                       "jit.get_kernel(f, jit.VARIANTS[f][0])", "CUDA"),
+    "cupy": (
+        ["cupy"],
+        (
+            "from dcpkit import jit\nf = next(iter(jit.VARIANTS))\n"
+            "jit.get_kernel(f, jit.VARIANTS[f][0])"
+        ),
+        "CUDA",
+    ),
     "cuda-bindings (driver)": (["cuda"], "from dcpkit import _cuda\n_cuda.driver()", "CUDA"),
     "cuda-bindings (NVRTC)": (["cuda"], "from dcpkit import jit\njit.compile_only()", "CUDA"),
 }
@@ -73,13 +82,16 @@ def test_cuda_extra_follows_the_installed_wheels(monkeypatch):
             if name in installed:
                 return installed[name]
             raise metadata.PackageNotFoundError(name)
+
         return version
 
-    for installed, want in [({"cupy-cuda13x": "14.2.0"}, "cuda13"),
-                            ({"cupy-cuda12x": "14.2.0", "cuda-bindings": "13.3.1"}, "cuda12"),
-                            ({"cuda-bindings": "13.3.1"}, "cuda13"),
-                            ({"cuda-python": "12.6.0"}, "cuda12"),
-                            ({}, "cuda12")]:
+    for installed, want in [
+        ({"cupy-cuda13x": "14.2.0"}, "cuda13"),
+        ({"cupy-cuda12x": "14.2.0", "cuda-bindings": "13.3.1"}, "cuda12"),
+        ({"cuda-bindings": "13.3.1"}, "cuda13"),
+        ({"cuda-python": "12.6.0"}, "cuda12"),
+        ({}, "cuda12"),
+    ]:
         monkeypatch.setattr(metadata, "version", fake_versions(installed))
         assert _cuda.cuda_extra() == want, installed
 
@@ -99,5 +111,16 @@ sys.exit(dcpkit.cli.main(["info"]))
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "CuPy           not installed" in out or "CuPy           not available" in out, out
-    assert "mpi4py" in out and "no GPU here" in out, out
+    assert "mpi4py" in out, out
+    # a missing extra is named as such, never reported as "no GPU"
+    assert "no GPU here" not in out, out
+    assert re.search(
+        r"^GPUs +not checked \(missing or not importable: CuPy, cuda-bindings; "
+        r"pip install 'dcpkit\[cuda1[23]\]'\)$",
+        out,
+        re.M,
+    ), out
+    assert re.search(r"^CUDA driver +version not read \(missing or not importable: ", out, re.M), (
+        out
+    )
     assert "Traceback" not in proc.stderr

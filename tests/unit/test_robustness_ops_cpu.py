@@ -173,8 +173,8 @@ def test_missing_gpu_on_one_rank_raises_on_every_rank(monkeypatch, nccl_everywhe
         BUILDERS[name](comm)
 
     res = run_group(W, body, timeout_s=10)
-    _assert_one_rank_failed(res, DcpkitError, f"{OP_NAME[name]}: no CUDA GPU is visible "
-                                              "(cudaGetDeviceCount: ", name)
+    _assert_one_rank_failed(res, DcpkitError, f"{OP_NAME[name]}: no CUDA GPU is visible (",
+                            name)
 
 
 class _Unhashable:
@@ -235,8 +235,7 @@ def test_no_gpu_gives_one_clear_error_on_every_rank(nccl_everywhere, name):
     res = run_group(2, builders[name], timeout_s=10)
     for r, (kind, err) in enumerate(res):
         assert kind == "err" and type(err) is DcpkitError, f"{name} rank {r}: {err!r}"
-        assert str(err).startswith(f"{what}: no CUDA GPU is visible (cudaGetDeviceCount: "), \
-            str(err)
+        assert str(err).startswith(f"{what}: no CUDA GPU is visible ("), str(err)
 
 
 def test_require_device_names_the_caller(monkeypatch):
@@ -254,6 +253,7 @@ def test_require_device_names_the_caller(monkeypatch):
 
     import types
 
+    monkeypatch.setattr(dcpkit._cuda, "driver_library_loads", lambda: True)
     for rt, fragment in [(Runtime(0), "x: no CUDA GPU is visible (cudaGetDeviceCount: 0 devices)"),
                          (Runtime(1, "cudaErrorNoDevice: no CUDA-capable device is detected"),
                           "x: no CUDA GPU is visible (cudaGetDeviceCount: cudaErrorNoDevice")]:

@@ -1,0 +1,90 @@
+"""The scripts in examples/ run and pass: ``mpirun -np 2 python examples/<name>.py``.
+
+Run as ONE process (not under mpirun); each test starts its own MPI job::
+
+    python -m pytest tests/gpu/test_examples.py -p no:cacheprovider
+
+With fewer than 2 GPUs the ranks share one (set ``DCPKIT_ALLOW_SHARED_GPU=1``; best under an
+MPS daemon, as ``scripts/gpu_suite.sh`` runs it with ``DCPKIT_SUITE_SHARED_GPU=1
+DCPKIT_SUITE_MPS=1``). Each job must exit 0 and print PASS as its last line on rank 0; the
+multicast-disabling variables are passed on unchanged.
+"""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "mpi" / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+from reliability_cases import (  # noqa: E402 - needs the path set above
+    REPO_ROOT,
+    Job,
+    find_mpirun,
+    job_env,
+    mpi_flavor,
+    mpirun_command,
+)
+
+EXAMPLES = REPO_ROOT / "examples"
+NP = 2
+WAIT_S = 240
+
+
+def _gpu_count():
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: all mean "no GPU"
+        return 0
+
+
+NUM_GPUS = _gpu_count()
+SHARED_GPU = os.environ.get("DCPKIT_ALLOW_SHARED_GPU", "") not in ("", "0")
+pytestmark = pytest.mark.skipif(
+    NUM_GPUS < NP and not (SHARED_GPU and NUM_GPUS >= 1),
+    reason=f"needs {NP} GPUs (have {NUM_GPUS}; DCPKIT_ALLOW_SHARED_GPU=1 lets ranks share GPUs)",
+)
+
+
+@pytest.fixture(scope="module")
+def launcher():
+    launched = [os.environ.get(v, "") for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")]
+    if any(v not in ("", "1") for v in launched):
+        pytest.skip(
+            "tests/gpu launch their own MPI jobs: run pytest as one process, not under mpirun"
+        )
+    exe = find_mpirun()
+    if exe is None:
+        pytest.skip("no mpirun / mpiexec found (set DCPKIT_MPIRUN)")
+    if importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("mpi4py is not installed")
+    return exe, mpi_flavor(exe)
+
+
+def _torch_with_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.timeout(WAIT_S + 60)
+@pytest.mark.parametrize("name", ["cupy_decode_step", "dcpcomm_step", "torch_cuda_graph"])
+def test_example_passes(tmp_path, launcher, name):
+    if name == "torch_cuda_graph" and not _torch_with_cuda():
+        pytest.skip("torch with CUDA is not installed here (pip install 'dcpkit[torch]')")
+    exe, flavor = launcher
+    # The README's command, mpirun -np 2 python examples/<name>.py, with the launcher's flags
+    cmd = mpirun_command(exe, flavor, NP, [str(EXAMPLES / f"{name}.py")])
+    job = Job(cmd, env=job_env(), cwd=REPO_ROOT, log_prefix=tmp_path / name).wait(WAIT_S)
+    out = job.output(6000)
+    assert not job.timed_out, f"{name} did not finish within {WAIT_S} s\n{out}"
+    assert job.returncode == 0, f"{name} exited {job.returncode}\n{out}"
+    lines = [line for line in job.out_path.read_text().splitlines() if line.strip()]
+    assert lines and lines[-1] == "PASS", f"{name}: last line is not PASS\n{out}"
