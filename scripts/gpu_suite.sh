@@ -383,14 +383,14 @@ if [[ $STAGES == *,soak,* ]]; then
 fi
 
 if [[ $STAGES == *,demo,* ]]; then
-    if [ -f "$ROOT/dcpkit/demo.py" ]; then
+    if [ -f "$ROOT/dcpkit/demo.py" ] || [ -d "$ROOT/dcpkit/demo" ]; then
         for n in ${DCPKIT_SUITE_DEMO_NP:-$NPS}; do
             mpicmd "$n" "demo_$n"
             run_stage demo "$n" 180 "$LOGS/demo_$n.log" \
                 "${MPICMD[@]}" "$PY" -m dcpkit demo --json "$WORK/demo_$n.json" ${DEMO_SHARED[@]+"${DEMO_SHARED[@]}"}
         done
     else
-        RESULTS+=("demo|-|skip|0|dcpkit/demo.py not in this checkout")
+        RESULTS+=("demo|-|skip|0|dcpkit.demo not in this checkout")
     fi
 fi
 

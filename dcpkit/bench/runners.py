@@ -178,9 +178,14 @@ class DirectRunner(Runner):
         super().bind(inp, case, refs)
         ctas_for = getattr(self.obj, "ctas_for", None)
         self.ctas = int(ctas_for(int(case["T"]))) if callable(ctas_for) else None
+        # Captured calls write caller storage (out=): a graph of many calls of one ubatch must
+        # not draw on the op's bounded pool of graph outputs, and capture allocates nothing.
+        self.graph_outs = self.check_outputs()
 
     def call(self, outs=None, graph: bool = False):
         u = 1 if graph else 0
+        if outs is None and graph:
+            outs = self.graph_outs
         o = None if outs is None else outs[0]
         kw = self.call_kw
         if self.op == "q_gather":
