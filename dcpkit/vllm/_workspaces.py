@@ -457,8 +457,9 @@ class DirectDCPQGatherWorkspace(_Workspace):
         self._start_op(lambda: QGather(self.comm, max_tokens=T, heads_per_rank=H_r, head_dim=D,
                                        dtype=name, num_ubatches=U))
         try:
-            self.final_query = self._allocate(lambda: torch.zeros((U, T, pad, D), dtype=dt,
-                                                                  device=self.device))
+            # zeroed bytes, viewed as the dtype (no fill kernel needed for float8)
+            self.final_query = self._allocate(lambda: torch.zeros(
+                (U, T, pad, D * dt.itemsize), dtype=torch.uint8, device=self.device).view(dt))
         except BaseException:
             self.close()
             raise

@@ -581,3 +581,29 @@ def test_one_rank_group_takes_the_collective_paths():
     ok = torch.isfinite(lse) & (lse > float("-inf"))
     assert torch.equal(out[ok], o[ok]) and (out[~ok] == 0).all()
     assert torch.equal(merged[ok], lse[ok]) and torch.isneginf(merged[~ok]).all()
+
+
+@pytest.mark.parametrize("combine", ["_combine_a2a", "_combine_ag_rs"])
+def test_example_decode_step_on_cpu_collective_paths(combine):
+    """examples/vllm_api.py's decode step, call for call, on the collective paths over a thread
+    group (CPU tensors): its attention, masks and reference agree with dcpkit's merge."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "vllm_api_example", Path(__file__).resolve().parents[2] / "examples" / "vllm_api.py")
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    cpu = torch.device("cpu")
+
+    def run(c, r):
+        m = cpu_manager(c, num_heads=2, query_head_dim=ex.D_Q, output_head_dim=ex.D_LATENT,
+                        comm_backend="ag_rs", use_pcp=True)
+        m.query_gather, m.combine = m._gather_query, getattr(m, combine)
+        step = ex.make_step(5, c.world_size, r, 2, cpu)
+        return ex.check_step(ex.decode_step(m, step), step)
+
+    for kind, val in on_ranks(run, 2):
+        assert kind == "ok", val
+        ok, err, tol, msg = val
+        assert ok, msg
