@@ -148,12 +148,14 @@ def check_step(result, step):
     return ok, err, tol, msg
 
 
-def kv_gather_step(mgr, seed, world_size, rank, device, max_gathered_tokens=64, toks=13):
-    """vLLM's chunked-context KV gather: workspace ``[M + M // W, 576]``, this rank's chunk in
-    rows ``[0, toks)``, the gathered chunk at row ``M // W``. Returns whether it is bit-exact."""
+def kv_gather_step(mgr, seed, world_size, rank, device, toks=13):
+    """vLLM's chunked-context KV gather: workspace ``[M + M // W, 576]`` with ``M = 16 W``, this
+    rank's chunk in rows ``[0, toks)``, the gathered chunk at row ``M // W``. Returns whether
+    it is bit-exact."""
     import torch
 
-    W, M = world_size, max_gathered_tokens
+    W = world_size
+    M = 16 * W
     workspace = torch.empty(M + M // W, D_Q, dtype=torch.bfloat16, device=device)
     mgr.init_kv_gather(workspace, M)
     chunks = [torch.randn(toks, D_Q, generator=torch.Generator().manual_seed(seed + 1000 + s))
