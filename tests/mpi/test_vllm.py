@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import os
 import socket
 from pathlib import Path
 
@@ -140,7 +141,7 @@ def test_two_ubatches_interleaved(comm, group, tdev, seed):
             if q_all[0].data_ptr() == q_all[1].data_ptr():
                 errors.append("the two ubatches' gathered queries share storage")
             parts = [ex.mla_decode_attention(q, s["kv"], s["valid"]) for q, s in
-                     zip(q_all, steps)]
+                     zip(q_all, steps, strict=True)]
             for u in (1, 0):                 # combines in the other order
                 with dv.ubatch(u):
                     res = m.combine(*parts[u], seq_lens=steps[u]["seq_lens"],
@@ -218,8 +219,11 @@ def test_workspaces_bit_exact(comm, group, tdev, seed, dtype):
     def body(errors):
         pad = W * H_R + 3
         with dv.DirectDCPQGatherWorkspace(group, tdev, 8, H_R, D, dt, 1, pad) as qg:
-            if qg.transport != "unicast":
-                errors.append(f"q gather transport {qg.transport}")
+            # unicast unless the user opted in to multicast (and dcpkit's guard allowed it)
+            allowed = ("unicast", "multicast") if os.environ.get("DCPKIT_MULTICAST", "") \
+                not in ("", "0") else ("unicast",)
+            if qg.transport not in allowed or qg.transport != qg.op.transport:
+                errors.append(f"q gather transport {qg.transport}, expected one of {allowed}")
             qs = [inputs(100 + s, (T, H_R, D)) for s in range(W)]
             out = qg.gather(qs[r])
             if out.stride() != (W * H_R * D, D, 1) or tuple(out.shape) != (T, W * H_R, D):

@@ -21,7 +21,7 @@ import pytest
 
 from _threadgroup import run_group
 from dcpkit.errors import (ClosedError, ConfigMismatch, DcpkitError, InvalidArgument, InvalidType,
-                           MissingDependency, PeerError)
+                           PeerError)
 from dcpkit.reference import (kv_gather_reference, lse_reduce_reference, lse_reduce_tolerance,
                               make_inputs, q_gather_reference)
 
@@ -229,7 +229,7 @@ def test_valid_arguments_without_a_gpu_raise_a_clear_error_on_every_rank():
         pytest.skip("a GPU is visible here: construction would succeed")
     for build in (lambda c: A2A(c, CUDA0, 8, 4, 512), lambda c: QG(c, CUDA0, 8, 4, 576),
                   lambda c: KV(c, CUDA0, 8, 576), lambda c: mgr(c)):
-        res = on_ranks(lambda c, r: build(c))
+        res = on_ranks(lambda c, r, build=build: build(c))
         for r, (kind, e) in enumerate(res):
             assert kind == "err"
             assert isinstance(e, (DcpkitError, PeerError)), f"rank {r}: {type(e)}: {e}"
@@ -309,8 +309,9 @@ LSE_CALL_CASES = [
     ("out strided", lambda ws, o, l: ws.lse_reduce(
         o, l, True, out=torch.zeros(3, 2, 32, dtype=BF16)[..., :16]), InvalidArgument,
      "out must be contiguous"),
-    ("out_lse dtype", lambda ws, o, l: ws.lse_reduce(o, l, True, out_lse=torch.zeros(3, 2).double()),
-     InvalidType, "out_lse dtype must be torch.float32"),
+    ("out_lse dtype", lambda ws, o, l: ws.lse_reduce(
+        o, l, True, out_lse=torch.zeros(3, 2).double()), InvalidType,
+     "out_lse dtype must be torch.float32"),
 ]
 
 
