@@ -99,6 +99,10 @@ class MLADCPManager:
 
     Collective: construction, every call, :meth:`init_kv_gather`, :meth:`close`.
 
+    Stream: every call runs on torch's current stream. The direct paths never block the host
+    and are capture-safe; the collective paths on an NCCL group are capturable; on other
+    backends they copy through the host (synchronising) and refuse a capture.
+
     Raises
     ------
     InvalidArgument, InvalidType, UnsupportedDtype
@@ -481,6 +485,8 @@ class MLADCPManager:
 
         Collective: every rank, same arguments.
 
+        Stream: no device work here (the direct KV gather's setup synchronises its GPU once).
+
         Raises
         ------
         InvalidGeometry
@@ -551,6 +557,8 @@ class MLADCPManager:
         max_gathered_tokens``.
 
         Collective: every rank, same ``T`` and ubatch, in the same order.
+
+        Stream: torch's current stream; the direct path is one dcpkit kernel (capture-safe).
 
         Raises
         ------

@@ -197,6 +197,43 @@ def test_cuda_graph_query_gather_attention_combine(comm, group, tdev, seed):
     run_all_ranks(comm, "CUDA graph of query_gather -> attention -> combine", body)
 
 
+def test_kv_gather_in_cuda_graph(comm, group, tdev, seed):
+    """init_kv_gather / kv_gather in vLLM's workspace layout, the gather captured in a CUDA
+    graph; 5 replays with a fresh local chunk each, bit for bit."""
+    W, r, toks, D = comm.world_size, comm.rank, 5, ex.D_Q
+
+    def chunks(i):
+        return [torch.randn(toks, D, generator=torch.Generator().manual_seed(seed + 300 + 10 * i
+                                                                             + s))
+                .to(BF16).to(tdev) for s in range(W)]
+
+    def body(errors):
+        with manager(group, tdev) as m:
+            M = 8 * W
+            workspace = torch.zeros(M + M // W, D, dtype=BF16, device=tdev)
+            m.init_kv_gather(workspace, M)
+            if m.paths["kv_gather"] != "direct":
+                errors.append(f"kv_gather path {m.paths['kv_gather']}, expected direct")
+            local, gathered = workspace[:toks], workspace[M // W:M // W + toks * W]
+            local.copy_(chunks(0)[r])
+            m.kv_gather(gathered, local)                     # eager warm-up
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                m.kv_gather(gathered, local)
+            for i in range(1, 6):
+                c = chunks(i)
+                local.copy_(c[r])
+                gathered.view(torch.int16).fill_(-1)
+                g.replay()
+                torch.cuda.synchronize()
+                if not torch.equal(gathered.view(torch.int16), torch.cat(c).view(torch.int16)):
+                    errors.append(f"replay {i}: gathered KV differs")
+            del g
+
+    run_all_ranks(comm, "kv_gather in a CUDA graph", body)
+
+
 # ----------------------------------------------------------------------------- workspaces
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_workspaces_bit_exact(comm, group, tdev, seed, dtype):
