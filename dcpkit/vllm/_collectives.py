@@ -141,13 +141,15 @@ class GroupCollectives:
         x = x.contiguous()
         if self.mode == "comm":
             return self.all_gather(x)[:, self.rank].sum(0)          # [W(src), W, ...]
+        # flat tensors: gloo checks output.shape[0] * world_size == input.shape[0]
+        shape, n = x.shape[1:], x[0].numel()
         if self.mode == "device":
-            out = torch.empty(x.shape[1:], dtype=x.dtype, device=self.device)
-            self._dist.reduce_scatter_tensor(out, x, group=self.group)
-            return out
-        host = torch.empty(x.shape[1:], dtype=x.dtype)
-        self._dist.reduce_scatter_tensor(host, x.cpu(), group=self.group)
-        return host.to(self.device)
+            out = torch.empty(n, dtype=x.dtype, device=self.device)
+            self._dist.reduce_scatter_tensor(out, x.view(-1), group=self.group)
+            return out.view(shape)
+        host = torch.empty(n, dtype=x.dtype)
+        self._dist.reduce_scatter_tensor(host, x.view(-1).cpu(), group=self.group)
+        return host.to(self.device).view(shape)
 
     def all_reduce(self, x):
         """The sum over ranks of ``x`` (float32)."""
@@ -167,7 +169,7 @@ def natural_lse(partial_lse, is_lse_base_on_e: bool, seq_lens, query_start_loc):
     """A new float32 natural-log copy of ``partial_lse [T, H]`` with the empty rows (requests
     with ``seq_lens == 0``, padding rows at or past ``query_start_loc[-1]``) set to -inf."""
     torch = require_torch("dcpkit.vllm")
-    lse = partial_lse.to(torch.float32, copy=True)
+    lse = partial_lse.to(torch.float32, copy=True).contiguous()
     if not is_lse_base_on_e:
         lse.mul_(LN2)
     if query_start_loc is None:

@@ -608,3 +608,34 @@ def test_example_decode_step_on_cpu_collective_paths(combine):
         assert kind == "ok", val
         ok, err, tol, msg = val
         assert ok, msg
+
+
+def test_collective_paths_over_a_real_gloo_group(tmp_path, world_size=3):
+    """The host-staged gloo path that ranks sharing a GPU use: the three combines, the query
+    all-gather and the KV all-gather over a gloo group of three real processes (CPU tensors;
+    the thread-group tests above cover two ranks)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import subprocess_env
+
+    worker = Path(__file__).resolve().parent / "mpi_scripts" / "vllm_gloo_worker.py"
+    store = tmp_path / "store"
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), str(world_size), str(store),
+                               str(tmp_path / f"rank{r}.json")], env=subprocess_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world_size)]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"rank {r}: exit {p.returncode}\n{out}\n{err}"
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert res["errors"] == [], f"rank {r}: " + "\n".join(res["errors"])
+        assert set(res["modes"]) == {"host"}, res["modes"]
