@@ -639,3 +639,78 @@ def test_collective_paths_over_a_real_gloo_group(tmp_path, world_size=3):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert res["errors"] == [], f"rank {r}: " + "\n".join(res["errors"])
         assert set(res["modes"]) == {"host"}, res["modes"]
+
+
+class _Recorder:
+    """Stands in for dcpkit.torch.TorchOps: records what a workspace passes to the op."""
+
+    def __init__(self):
+        self.calls = []
+
+    def lse_reduce(self, x, lse, *, seq_lens, query_start_loc, ubatch, out, out_lse):
+        self.calls.append(dict(x=x, lse=lse.clone(), ubatch=ubatch, out=out, out_lse=out_lse,
+                               masks=(seq_lens, query_start_loc)))
+        out.fill_(1.5)
+        if out_lse is not None:
+            out_lse.fill_(2.0)           # a natural-log merged lse
+
+    def q_gather(self, q, *, ubatch, out):
+        self.calls.append(dict(q=q, ubatch=ubatch, out=out))
+        out.copy_(q.repeat(1, out.shape[1] // q.shape[1], 1))
+
+    def kv_gather(self, kv, *, ubatch, out):
+        self.calls.append(dict(kv=kv, ubatch=ubatch, out=out))
+
+
+def test_lse_reduce_passes_out_ubatch_and_converts_base_2():
+    ws = a2a_ws()
+    ws.num_ubatches = 2
+    ws._ops = rec = _Recorder()
+    o, l = lse_args()
+    l.uniform_(-3, 3)
+    sl, qsl = torch.ones(2, dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32)
+    with dv.ubatch(1):
+        out, lse = ws.lse_reduce(o, l, False, sl, qsl, return_lse=True)
+    c = rec.calls[-1]
+    assert c["ubatch"] == 1 and c["out"] is out and c["out_lse"] is lse
+    assert c["masks"][0] is sl and c["masks"][1] is qsl
+    assert torch.allclose(c["lse"], l * math.log(2.0)), "base-2 lse must reach dcpkit as ln"
+    assert torch.allclose(lse, torch.full((3, 2), 2.0 / math.log(2.0))), "merged lse in base 2"
+    assert out.dtype == BF16 and tuple(out.shape) == (3, 2, 16) and (out == 1.5).all()
+    mine = torch.empty(3, 2, 16, dtype=BF16)
+    assert ws.lse_reduce(o, l, True, out=mine) is mine
+    assert rec.calls[-1]["lse"] is not None and torch.equal(rec.calls[-1]["lse"], l)
+    assert rec.calls[-1]["out_lse"] is None
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float8_e4m3fn])
+def test_q_gather_returns_a_view_of_padded_storage_with_vllm_stride(dtype):
+    W, H_r, D, T_max, pad = 2, 2, 16, 4, 6
+    view = None if dtype == BF16 else torch.uint8
+    ws = q_ws(max_num_tokens=T_max, heads_per_rank=H_r, head_dim=D, dtype=dtype,
+              gathered_num_heads=W * H_r, padded_num_heads=pad, _view_dtype=view, num_ubatches=2)
+    ws.final_query = torch.zeros(2, T_max, pad, D * dtype.itemsize, dtype=torch.uint8).view(dtype)
+    ws._ops = rec = _Recorder()
+    q = torch.randn(3, H_r, D).to(dtype)
+    with dv.ubatch(1):
+        out = ws.gather(q)
+    c = rec.calls[-1]
+    assert c["ubatch"] == 1
+    assert c["q"].dtype == (view or dtype) and c["out"].dtype == (view or dtype)
+    assert out.dtype == dtype and tuple(out.shape) == (3, W * H_r, D)
+    assert out.stride() == (W * H_r * D, D, 1), "vLLM's row stride"
+    assert out.data_ptr() == ws.final_query[1].data_ptr(), "a view of the ubatch's storage"
+    assert out.untyped_storage().data_ptr() == ws.final_query.untyped_storage().data_ptr()
+    b = (lambda t: t.view(torch.uint8)) if dtype.itemsize == 1 else (lambda t: t.view(torch.int16))
+    assert torch.equal(b(out[:, :H_r]), b(q)), "the op wrote through the returned view"
+
+
+def test_kv_gather_passes_the_callers_tensor():
+    ws = kv_ws(dtype=torch.float8_e4m3fn, _view_dtype=torch.uint8)
+    ws._ops = rec = _Recorder()
+    dst = torch.zeros(4, 16).to(torch.float8_e4m3fn)
+    src = torch.zeros(2, 16).to(torch.float8_e4m3fn)
+    assert ws.gather(dst, src) is None
+    c = rec.calls[-1]
+    assert c["out"].data_ptr() == dst.data_ptr() and c["out"].dtype == torch.uint8
+    assert c["kv"].data_ptr() == src.data_ptr() and c["ubatch"] == 0
