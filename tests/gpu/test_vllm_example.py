@@ -1,5 +1,6 @@
-"""examples/vllm_api.py end to end: ``mpirun -np N python examples/vllm_api.py`` exits 0 and
-says PASS (N = 2, and 4 where four ranks fit), for both combine backends.
+"""examples/vllm_api.py end to end: ``mpirun -np 2 python examples/vllm_api.py`` exits 0 and
+says PASS, with every rank's line. (Its ``run()`` also runs inside the MPI job of
+tests/mpi/test_vllm.py at every world size; this test checks the script as a user starts it.)
 
 Run as ONE process (not under mpirun)::
 
@@ -67,7 +68,7 @@ def _env():
 
 
 @pytest.mark.timeout(WAIT_S + 60)
-@pytest.mark.parametrize("np_, backend", [(2, "a2a"), (2, "ag_rs"), (4, "a2a")])
+@pytest.mark.parametrize("np_, backend", [(2, "a2a")])
 def test_example_passes(np_, backend):
     torch = pytest.importorskip("torch", reason="torch is not installed here")
     if not torch.cuda.is_available():
