@@ -47,11 +47,17 @@ torch is imported on first use: ``import dcpkit.vllm`` works without it, the con
 raise :class:`~dcpkit.errors.MissingDependency` naming the ``torch`` extra.
 """
 
-from ._common import (BFLOAT16, InvalidGeometry, UbatchOutOfRange, UnsupportedDtype,
-                      current_ubatch, ubatch)
+from ._common import (
+    BFLOAT16,
+    InvalidGeometry,
+    UbatchOutOfRange,
+    UnsupportedDtype,
+    current_ubatch,
+    ubatch,
+)
+from ._gathers import DirectDCPKVGatherWorkspace, DirectDCPQGatherWorkspace
 from ._manager import COMM_BACKENDS, MLADCPManager
-from ._workspaces import (A2A_DTYPES, KV_GATHER_DTYPES, DirectDCPA2AWorkspace,
-                          DirectDCPKVGatherWorkspace, DirectDCPQGatherWorkspace)
+from ._workspaces import A2A_DTYPES, KV_GATHER_DTYPES, DirectDCPA2AWorkspace
 
 __all__ = [
     "DirectDCPA2AWorkspace",

@@ -61,7 +61,7 @@ class GroupCollectives:
             self.mode = "comm"
             self.backend = f"dcpkit {comm.backend}"
         else:
-            import torch.distributed as dist  # noqa: WPS433
+            import torch.distributed as dist
 
             self._dist = dist
             self.group = torch_group
@@ -74,12 +74,16 @@ class GroupCollectives:
 
     def check_not_capturing(self, what: str) -> None:
         """Refuse a host-staged collective inside a CUDA-graph capture."""
-        if self.mode != "device" and self.device.type == "cuda" and \
-                self._torch.cuda.is_current_stream_capturing():
+        if (
+            self.mode != "device"
+            and self.device.type == "cuda"
+            and self._torch.cuda.is_current_stream_capturing()
+        ):
             raise InvalidArgument(
                 f"{what}: the collective path on a {self.backend} group copies through the host "
                 f"and must not run while a CUDA graph captures (got a capturing stream): use a "
-                f"group with NCCL, or the direct path (T <= max_num_tokens)")
+                f"group with NCCL, or the direct path (T <= max_num_tokens)"
+            )
 
     # ------------------------------------------------------------------ helpers
     def _bytes(self, x):
@@ -112,8 +116,9 @@ class GroupCollectives:
     def all_gather_into(self, out, x) -> None:
         """``all_gather_into_tensor(out, x)`` (``out`` contiguous ``[W*T, ...]``)."""
         if self.mode == "device":
-            self._dist.all_gather_into_tensor(self._bytes(out) if out.is_contiguous() else out,
-                                              self._bytes(x), group=self.group)
+            self._dist.all_gather_into_tensor(
+                self._bytes(out) if out.is_contiguous() else out, self._bytes(x), group=self.group
+            )
             return
         out.copy_(self.all_gather(x).view(out.shape))
 
@@ -140,7 +145,7 @@ class GroupCollectives:
         torch = self._torch
         x = x.contiguous()
         if self.mode == "comm":
-            return self.all_gather(x)[:, self.rank].sum(0)          # [W(src), W, ...]
+            return self.all_gather(x)[:, self.rank].sum(0)  # [W(src), W, ...]
         # flat tensors: gloo checks output.shape[0] * world_size == input.shape[0]
         shape, n = x.shape[1:], x[0].numel()
         if self.mode == "device":
@@ -178,8 +183,9 @@ def natural_lse(partial_lse, is_lse_base_on_e: bool, seq_lens, query_start_loc):
     rows = torch.arange(T, device=lse.device, dtype=query_start_loc.dtype)
     empty = rows >= query_start_loc[-1]
     if S > 0:
-        seq = torch.searchsorted(query_start_loc[1:].contiguous(), rows,
-                                 right=True).clamp_max(S - 1)
+        seq = torch.searchsorted(query_start_loc[1:].contiguous(), rows, right=True).clamp_max(
+            S - 1
+        )
         empty = empty | (seq_lens[seq] == 0)
     lse.masked_fill_(empty[:, None], float("-inf"))
     return lse

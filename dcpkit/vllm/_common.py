@@ -11,12 +11,20 @@ import contextvars
 import logging
 import math
 import threading
-from typing import Iterator, Optional, Tuple
+from collections.abc import Iterator
 
 from ..errors import DcpkitError, InvalidArgument, InvalidType, MissingDependency
 
-__all__ = ["UnsupportedDtype", "InvalidGeometry", "UbatchOutOfRange", "ubatch", "current_ubatch",
-           "BFLOAT16", "logger", "log_once"]
+__all__ = [
+    "UnsupportedDtype",
+    "InvalidGeometry",
+    "UbatchOutOfRange",
+    "ubatch",
+    "current_ubatch",
+    "BFLOAT16",
+    "logger",
+    "log_once",
+]
 
 #: The logger every path decision goes to (``logging.getLogger("dcpkit.vllm")``).
 logger = logging.getLogger("dcpkit.vllm")
@@ -68,8 +76,9 @@ def ubatch(index: int) -> Iterator[int]:
         ``index < 0``.
     """
     if isinstance(index, bool) or not _is_int(index):
-        raise InvalidType(f"dcpkit.vllm.ubatch: index must be an int (got "
-                          f"{type(index).__name__} {index!r})")
+        raise InvalidType(
+            f"dcpkit.vllm.ubatch: index must be an int (got {type(index).__name__} {index!r})"
+        )
     if index < 0:
         raise UbatchOutOfRange(f"dcpkit.vllm.ubatch: index must be >= 0 (got {index})")
     token = _UBATCH.set(int(index))
@@ -89,9 +98,11 @@ def check_ubatch(what: str, num_ubatches: int) -> int:
     """The current ubatch, or :class:`UbatchOutOfRange` (vLLM's message: "exceeds ... slots")."""
     u = _UBATCH.get()
     if not 0 <= u < num_ubatches:
-        raise UbatchOutOfRange(f"{what}: ubatch {u} exceeds {num_ubatches} slots "
-                               f"(the current dcpkit.vllm.ubatch must lie in "
-                               f"[0, {num_ubatches}))")
+        raise UbatchOutOfRange(
+            f"{what}: ubatch {u} exceeds {num_ubatches} slots "
+            f"(the current dcpkit.vllm.ubatch must lie in "
+            f"[0, {num_ubatches}))"
+        )
     return u
 
 
@@ -114,7 +125,7 @@ def require_torch(what: str):
     """The torch module, or :class:`~dcpkit.errors.MissingDependency` naming the ``torch``
     extra."""
     try:
-        import torch  # noqa: WPS433 (lazy: torch is optional)
+        import torch
     except ImportError as e:
         raise MissingDependency("torch", "torch", f"{what} needs it: {e}") from None
     return torch
@@ -154,8 +165,9 @@ def resolve_torch_dtype(dtype, what: str, name: str = "dtype"):
     if isinstance(dtype, _DefaultDtype):
         return dtype.resolve()
     if not isinstance(dtype, torch.dtype):
-        raise InvalidType(f"{what}: {name} must be a torch.dtype (got "
-                          f"{type(dtype).__name__} {dtype!r})")
+        raise InvalidType(
+            f"{what}: {name} must be a torch.dtype (got {type(dtype).__name__} {dtype!r})"
+        )
     return dtype
 
 
@@ -169,9 +181,17 @@ def movable_view_dtype(dtype):
     a torch dtype, or None when dcpkit cannot move it. 1-byte float8 types travel as uint8
     views (DLPack has no float8)."""
     torch = require_torch("dcpkit.vllm")
-    names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
-             torch.float64: "float64", torch.int8: "int8", torch.uint8: "uint8",
-             torch.int16: "int16", torch.int32: "int32", torch.int64: "int64"}
+    names = {
+        torch.bfloat16: "bfloat16",
+        torch.float16: "float16",
+        torch.float32: "float32",
+        torch.float64: "float64",
+        torch.int8: "int8",
+        torch.uint8: "uint8",
+        torch.int16: "int16",
+        torch.int32: "int32",
+        torch.int64: "int64",
+    }
     if dtype in names:
         return names[dtype], None
     if str(dtype).startswith("torch.float8_") and dtype.itemsize == 1:
@@ -181,7 +201,7 @@ def movable_view_dtype(dtype):
 
 # ----------------------------------------------------------------------------- values
 def _is_int(x) -> bool:
-    import numbers  # noqa: WPS433
+    import numbers
 
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -189,17 +209,15 @@ def _is_int(x) -> bool:
 def check_int(value, what: str, name: str) -> int:
     """An int (Python or NumPy, not bool), or :class:`InvalidType`."""
     if not _is_int(value):
-        raise InvalidType(f"{what}: {name} must be an int (got {type(value).__name__} "
-                          f"{value!r})")
+        raise InvalidType(f"{what}: {name} must be an int (got {type(value).__name__} {value!r})")
     return int(value)
 
 
 def check_bool(value, what: str, name: str) -> bool:
-    import numpy as np  # noqa: WPS433
+    import numpy as np
 
     if not isinstance(value, (bool, np.bool_)):
-        raise InvalidType(f"{what}: {name} must be a bool (got {type(value).__name__} "
-                          f"{value!r})")
+        raise InvalidType(f"{what}: {name} must be a bool (got {type(value).__name__} {value!r})")
     return bool(value)
 
 
@@ -211,8 +229,10 @@ def resolve_device(device, what: str):
     try:
         dev = torch.device(device)
     except (TypeError, RuntimeError, ValueError):
-        raise InvalidType(f"{what}: device must be a torch.device, a device string or an int "
-                          f"(got {type(device).__name__} {device!r})") from None
+        raise InvalidType(
+            f"{what}: device must be a torch.device, a device string or an int "
+            f"(got {type(device).__name__} {device!r})"
+        ) from None
     if dev.type != "cuda":
         raise InvalidArgument(f"{what}: device must be a CUDA device (got {dev})")
     return dev
@@ -229,7 +249,7 @@ def device_index(dev) -> int:
 NO_TORCH_GROUP = object()
 
 
-def resolve_group(group, what: str) -> Tuple[object, object]:
+def resolve_group(group, what: str) -> tuple[object, object]:
     """``(communicator, torch_group)`` for a ``torch.distributed.ProcessGroup`` or a dcpkit
     :class:`~dcpkit.comm.Communicator`.
 
@@ -243,18 +263,20 @@ def resolve_group(group, what: str) -> Tuple[object, object]:
     InvalidType
         ``group`` is neither.
     """
-    from ..comm import Communicator  # noqa: WPS433
+    from ..comm import Communicator
 
     if isinstance(group, Communicator):
         return group, (group.handle if group.backend == "torch" else NO_TORCH_GROUP)
     try:
-        import torch.distributed as dist  # noqa: WPS433
+        import torch.distributed as dist
     except ImportError:
         dist = None
     if dist is not None and dist.is_available() and isinstance(group, dist.ProcessGroup):
         return Communicator.from_torch(group), group
-    raise InvalidType(f"{what}: group must be a torch.distributed.ProcessGroup or a "
-                      f"dcpkit.Communicator (got {type(group).__name__})")
+    raise InvalidType(
+        f"{what}: group must be a torch.distributed.ProcessGroup or a "
+        f"dcpkit.Communicator (got {type(group).__name__})"
+    )
 
 
 def agree(comm, what: str, check) -> object:
@@ -268,16 +290,25 @@ def agree(comm, what: str, check) -> object:
             return check()
         except DcpkitError:
             raise
-        except Exception as e:  # noqa: BLE001 - shared as a dcpkit error, nobody waits
-            raise InvalidArgument(f"{what}: checking the arguments failed "
-                                  f"({type(e).__name__}: {e})") from e
+        except Exception as e:
+            raise InvalidArgument(
+                f"{what}: checking the arguments failed ({type(e).__name__}: {e})"
+            ) from e
 
     return comm.agree_setup(what, init, "arguments")
 
 
 # ----------------------------------------------------------------------------- tensors
-def check_tensor(t, what: str, name: str, *, device, dtypes=None, ndim: Optional[int] = None,
-                 contiguous: bool = False):
+def check_tensor(
+    t,
+    what: str,
+    name: str,
+    *,
+    device,
+    dtypes=None,
+    ndim: int | None = None,
+    contiguous: bool = False,
+):
     """The call-time checks of a tensor argument, before anything is launched: a
     ``torch.Tensor`` on ``device``, of one of ``dtypes``, with ``ndim`` dims, contiguous when
     asked. Messages name the argument."""
@@ -285,17 +316,21 @@ def check_tensor(t, what: str, name: str, *, device, dtypes=None, ndim: Optional
     if not isinstance(t, torch.Tensor):
         raise InvalidType(f"{what}: {name} must be a torch.Tensor (got {type(t).__name__})")
     if t.device != device:
-        raise InvalidArgument(f"{what}: {name} device must be the workspace's {device} "
-                              f"(got {t.device})")
+        raise InvalidArgument(
+            f"{what}: {name} device must be the workspace's {device} (got {t.device})"
+        )
     if dtypes is not None and t.dtype not in dtypes:
         want = ", ".join(str(d) for d in dtypes)
         raise InvalidType(f"{what}: {name} dtype must be {want} (got {t.dtype})")
     if ndim is not None and t.dim() != ndim:
-        raise InvalidArgument(f"{what}: {name} must have {ndim} dimensions (got shape "
-                              f"{tuple(t.shape)})")
+        raise InvalidArgument(
+            f"{what}: {name} must have {ndim} dimensions (got shape {tuple(t.shape)})"
+        )
     if contiguous and not t.is_contiguous():
-        raise InvalidArgument(f"{what}: {name} must be contiguous (got shape {tuple(t.shape)}, "
-                              f"strides {tuple(t.stride())}; use .contiguous())")
+        raise InvalidArgument(
+            f"{what}: {name} must be contiguous (got shape {tuple(t.shape)}, "
+            f"strides {tuple(t.stride())}; use .contiguous())"
+        )
     return t
 
 
@@ -306,18 +341,21 @@ def check_masks(what: str, seq_lens, query_start_loc, device) -> bool:
     if seq_lens is None and query_start_loc is None:
         return False
     if seq_lens is None or query_start_loc is None:
-        raise InvalidArgument(f"{what}: seq_lens and query_start_loc must be provided together "
-                              f"(got seq_lens={'None' if seq_lens is None else 'a tensor'}, "
-                              f"query_start_loc="
-                              f"{'None' if query_start_loc is None else 'a tensor'})")
+        raise InvalidArgument(
+            f"{what}: seq_lens and query_start_loc must be provided together "
+            f"(got seq_lens={'None' if seq_lens is None else 'a tensor'}, "
+            f"query_start_loc="
+            f"{'None' if query_start_loc is None else 'a tensor'})"
+        )
     torch = require_torch(what)
     for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
-        check_tensor(t, what, name, device=device, dtypes=(torch.int32,), ndim=1,
-                     contiguous=True)
+        check_tensor(t, what, name, device=device, dtypes=(torch.int32,), ndim=1, contiguous=True)
     if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
-        raise InvalidArgument(f"{what}: query_start_loc must contain one boundary per sequence: "
-                              f"its length must be len(seq_lens) + 1 = {seq_lens.shape[0] + 1} "
-                              f"(got {query_start_loc.shape[0]})")
+        raise InvalidArgument(
+            f"{what}: query_start_loc must contain one boundary per sequence: "
+            f"its length must be len(seq_lens) + 1 = {seq_lens.shape[0] + 1} "
+            f"(got {query_start_loc.shape[0]})"
+        )
     return True
 
 

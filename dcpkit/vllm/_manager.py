@@ -3,15 +3,25 @@ with the vLLM config turned into explicit keywords."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional
-
 from ..errors import ClosedError, InvalidArgument, InvalidType
-from ._collectives import GroupCollectives, merge_weights, natural_lse, to_base, weighted
-from ._common import (UnsupportedDtype, agree, check_bool, check_int, check_masks, check_tensor,
-                      device_index, log_once, movable_view_dtype, require_torch, resolve_device,
-                      resolve_group, resolve_torch_dtype)
-from ._workspaces import (A2A_DTYPES, KV_GATHER_DTYPES, DirectDCPA2AWorkspace,
-                          DirectDCPKVGatherWorkspace, DirectDCPQGatherWorkspace, _on_device)
+from ._collectives import GroupCollectives
+from ._common import (
+    UnsupportedDtype,
+    agree,
+    check_bool,
+    check_int,
+    check_tensor,
+    device_index,
+    log_once,
+    movable_view_dtype,
+    require_torch,
+    resolve_device,
+    resolve_group,
+    resolve_torch_dtype,
+)
+from ._gathers import DirectDCPKVGatherWorkspace, DirectDCPQGatherWorkspace
+from ._paths import CollectivePaths
+from ._workspaces import A2A_DTYPES, KV_GATHER_DTYPES, DirectDCPA2AWorkspace
 
 __all__ = ["MLADCPManager", "COMM_BACKENDS"]
 
@@ -25,7 +35,7 @@ def _name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-class MLADCPManager:
+class MLADCPManager(CollectivePaths):
     """Select and own the DCP collectives of an MLA attention layer: the output combine, the
     query gather and the chunked-context KV gather.
 
@@ -100,8 +110,10 @@ class MLADCPManager:
     Collective: construction, every call, :meth:`init_kv_gather`, :meth:`close`.
 
     Stream: every call runs on torch's current stream. The direct paths never block the host
-    and are capture-safe; the collective paths on an NCCL group are capturable; on other
-    backends they copy through the host (synchronising) and refuse a capture.
+    and are capture-safe once each workspace has made one eager call (dcpkit refuses to capture
+    a workspace's first call: warm up before ``torch.cuda.graph``, as torch recommends); the
+    collective paths on an NCCL group are capturable; on other backends they copy through the
+    host (synchronising) and refuse a capture.
 
     Raises
     ------
@@ -113,17 +125,30 @@ class MLADCPManager:
         Another rank rejected its arguments; the ranks passed different ones.
     """
 
-    def __init__(self, group, device, num_heads: int, query_head_dim: int,
-                 output_head_dim: int, query_dtype, output_dtype,
-                 padded_num_heads: Optional[int], is_lse_base_on_e: bool, use_pcp: bool, *,
-                 max_num_tokens: int, num_ubatches: int = 1, comm_backend: str = "a2a") -> None:
+    def __init__(
+        self,
+        group,
+        device,
+        num_heads: int,
+        query_head_dim: int,
+        output_head_dim: int,
+        query_dtype,
+        output_dtype,
+        padded_num_heads: int | None,
+        is_lse_base_on_e: bool,
+        use_pcp: bool,
+        *,
+        max_num_tokens: int,
+        num_ubatches: int = 1,
+        comm_backend: str = "a2a",
+    ) -> None:
         self._closed = True
         self._a2a = self._qg = self._kv = None
         torch = self._torch = require_torch(_WHAT)
         comm, tgroup = resolve_group(group, _WHAT)
         W = comm.world_size
         one_host = not comm.spans_hosts
-        holder: Dict = {}
+        holder: dict = {}
 
         def check():
             dev = resolve_device(device, _WHAT)
@@ -131,32 +156,57 @@ class MLADCPManager:
             Dq = check_int(query_head_dim, _WHAT, "query_head_dim")
             Dv = check_int(output_head_dim, _WHAT, "output_head_dim")
             T = check_int(max_num_tokens, _WHAT, "max_num_tokens")
-            for name, v in (("num_heads", H_r), ("query_head_dim", Dq),
-                            ("output_head_dim", Dv), ("max_num_tokens", T)):
+            for name, v in (
+                ("num_heads", H_r),
+                ("query_head_dim", Dq),
+                ("output_head_dim", Dv),
+                ("max_num_tokens", T),
+            ):
                 if v < 1:
                     raise InvalidArgument(f"{_WHAT}: {name} must be >= 1 (got {v})")
             qdt = resolve_torch_dtype(query_dtype, _WHAT, "query_dtype")
             odt = resolve_torch_dtype(output_dtype, _WHAT, "output_dtype")
             if odt not in (torch.float16, torch.bfloat16, torch.float32):
-                raise UnsupportedDtype(f"{_WHAT}: output_dtype must be one of [torch.float16, "
-                                       f"torch.bfloat16, torch.float32] (got {odt})")
-            pad = None if padded_num_heads is None else check_int(
-                padded_num_heads, _WHAT, "padded_num_heads")
+                raise UnsupportedDtype(
+                    f"{_WHAT}: output_dtype must be one of [torch.float16, "
+                    f"torch.bfloat16, torch.float32] (got {odt})"
+                )
+            pad = (
+                None
+                if padded_num_heads is None
+                else check_int(padded_num_heads, _WHAT, "padded_num_heads")
+            )
             if pad is not None and pad < W * H_r:
-                raise InvalidArgument(f"{_WHAT}: padded_num_heads must be >= world_size * "
-                                      f"num_heads = {W * H_r} (got {pad})")
+                raise InvalidArgument(
+                    f"{_WHAT}: padded_num_heads must be >= world_size * "
+                    f"num_heads = {W * H_r} (got {pad})"
+                )
             base_e = check_bool(is_lse_base_on_e, _WHAT, "is_lse_base_on_e")
             pcp = check_bool(use_pcp, _WHAT, "use_pcp")
             U = max(check_int(num_ubatches, _WHAT, "num_ubatches"), 1)
             if comm_backend not in COMM_BACKENDS:
-                raise InvalidArgument(f"{_WHAT}: comm_backend must be one of "
-                                      f"{list(COMM_BACKENDS)} (got {comm_backend!r})")
+                raise InvalidArgument(
+                    f"{_WHAT}: comm_backend must be one of "
+                    f"{list(COMM_BACKENDS)} (got {comm_backend!r})"
+                )
             holder["device"] = torch.device("cuda", device_index(dev))
-            return (H_r, Dq, Dv, _name(qdt), _name(odt), pad, base_e, pcp, T, U, comm_backend,
-                    qdt, odt)
+            return (
+                H_r,
+                Dq,
+                Dv,
+                _name(qdt),
+                _name(odt),
+                pad,
+                base_e,
+                pcp,
+                T,
+                U,
+                comm_backend,
+                qdt,
+                odt,
+            )
 
-        (H_r, Dq, Dv, _, _, pad, base_e, pcp, T, U, backend, qdt, odt) = agree(comm, _WHAT,
-                                                                              check)
+        (H_r, Dq, Dv, _, _, pad, base_e, pcp, T, U, backend, qdt, odt) = agree(comm, _WHAT, check)
         self.group, self.comm, self.world_size, self.rank = group, comm, W, comm.rank
         self.device = holder["device"]
         self.num_heads, self.query_head_dim, self.output_head_dim = H_r, Dq, Dv
@@ -165,9 +215,9 @@ class MLADCPManager:
         self.max_num_tokens, self.num_ubatches = T, U
         self.comm_backend = backend
         self.use_a2a = backend == "a2a"
-        self.paths: Dict[str, Optional[str]] = {"kv_gather": None}
-        self.reasons: Dict[str, str] = {"kv_gather": "init_kv_gather not called yet"}
-        self.counters: Dict[str, int] = {}
+        self.paths: dict[str, str | None] = {"kv_gather": None}
+        self.reasons: dict[str, str] = {"kv_gather": "init_kv_gather not called yet"}
+        self.counters: dict[str, int] = {}
         self._coll = GroupCollectives(comm, tgroup, self.device)
         try:
             self._init_combine(W, one_host)
@@ -176,18 +226,22 @@ class MLADCPManager:
             self.close()
             raise
         self._closed = False
-        log_once(f"{_WHAT}: combine: {self.paths['combine']} ({self.reasons['combine']}); "
-                 f"query_gather: {self.paths['query_gather']} "
-                 f"({self.reasons['query_gather']})")
+        log_once(
+            f"{_WHAT}: combine: {self.paths['combine']} ({self.reasons['combine']}); "
+            f"query_gather: {self.paths['query_gather']} "
+            f"({self.reasons['query_gather']})"
+        )
 
     # ------------------------------------------------------------------ selection
     def _init_combine(self, W: int, one_host: bool) -> None:
         odt, Dv = self.output_dtype, self.output_head_dim
         if not self.use_a2a:
             path = "ag-ar" if self.use_pcp else "ag-rs"
-            why = (f"comm_backend='ag_rs' with use_pcp={self.use_pcp}: all-gather of the lse, "
-                   f"{'all-reduce' if self.use_pcp else 'reduce-scatter'} of the weighted "
-                   f"partial outputs on the {self._coll.backend} group")
+            why = (
+                f"comm_backend='ag_rs' with use_pcp={self.use_pcp}: all-gather of the lse, "
+                f"{'all-reduce' if self.use_pcp else 'reduce-scatter'} of the weighted "
+                f"partial outputs on the {self._coll.backend} group"
+            )
             self.combine = self._combine_ag_ar if self.use_pcp else self._combine_ag_rs
         else:
             bad = self._direct_refusal(W, one_host)
@@ -196,17 +250,28 @@ class MLADCPManager:
             if bad is None and (Dv * odt.itemsize) % 16:
                 bad = f"output_head_dim * itemsize = {Dv * odt.itemsize} is not a multiple of 16"
             if bad is None:
-                self._a2a = DirectDCPA2AWorkspace(self.comm, self.device, self.max_num_tokens,
-                                                  self.num_heads, Dv, odt, self.num_ubatches)
+                self._a2a = DirectDCPA2AWorkspace(
+                    self.comm,
+                    self.device,
+                    self.max_num_tokens,
+                    self.num_heads,
+                    Dv,
+                    odt,
+                    self.num_ubatches,
+                )
                 path = "direct-a2a"
-                why = (f"comm_backend='a2a', one host, {W} ranks: dcpkit LseReduce "
-                       f"({self._a2a.transport}); T > max_num_tokens={self.max_num_tokens} "
-                       f"takes the all-to-all on the {self._coll.backend} group")
+                why = (
+                    f"comm_backend='a2a', one host, {W} ranks: dcpkit LseReduce "
+                    f"({self._a2a.transport}); T > max_num_tokens={self.max_num_tokens} "
+                    f"takes the all-to-all on the {self._coll.backend} group"
+                )
                 self.combine = self._combine_direct
             else:
                 path = "a2a"
-                why = (f"comm_backend='a2a' but the direct A2A cannot serve ({bad}): "
-                       f"all-to-all on the {self._coll.backend} group plus dcpkit's merge")
+                why = (
+                    f"comm_backend='a2a' but the direct A2A cannot serve ({bad}): "
+                    f"all-to-all on the {self._coll.backend} group plus dcpkit's merge"
+                )
                 self.combine = self._combine_a2a
             self._warm_merge()
         self.paths["combine"], self.reasons["combine"] = path, why
@@ -224,21 +289,32 @@ class MLADCPManager:
         if bad is None and ((H_r * Dq * qdt.itemsize) % 16 or (storage * Dq * qdt.itemsize) % 16):
             bad = "query rows are not multiples of 16 bytes"
         if bad is None:
-            self._qg = DirectDCPQGatherWorkspace(self.comm, self.device, self.max_num_tokens,
-                                                 H_r, Dq, qdt, self.num_ubatches,
-                                                 self.padded_num_heads)
+            self._qg = DirectDCPQGatherWorkspace(
+                self.comm,
+                self.device,
+                self.max_num_tokens,
+                H_r,
+                Dq,
+                qdt,
+                self.num_ubatches,
+                self.padded_num_heads,
+            )
             path = "direct"
-            why = (f"one host, {W} ranks: dcpkit QGather ({self._qg.transport}); "
-                   f"T > max_num_tokens={self.max_num_tokens} takes the all-gather")
+            why = (
+                f"one host, {W} ranks: dcpkit QGather ({self._qg.transport}); "
+                f"T > max_num_tokens={self.max_num_tokens} takes the all-gather"
+            )
             self.query_gather = self._query_gather_direct
         else:
             path = "all-gather"
-            why = (f"the direct q-gather cannot serve ({bad}): all-gather on the "
-                   f"{self._coll.backend} group")
+            why = (
+                f"the direct q-gather cannot serve ({bad}): all-gather on the "
+                f"{self._coll.backend} group"
+            )
             self.query_gather = self._gather_query
         self.paths["query_gather"], self.reasons["query_gather"] = path, why
 
-    def _direct_refusal(self, W: int, one_host: bool) -> Optional[str]:
+    def _direct_refusal(self, W: int, one_host: bool) -> str | None:
         if W < 2:
             return f"world_size {W} < 2"
         if not one_host:
@@ -248,15 +324,17 @@ class MLADCPManager:
     def _warm_merge(self) -> None:
         """Load dcpkit's merge kernel now, so that no compile or module load can fall inside a
         CUDA-graph capture of the all-to-all fallback."""
-        if _name(self.output_dtype) not in ("float16", "bfloat16", "float32") or \
-                (self.output_head_dim * self.output_dtype.itemsize) % 16:
+        if (
+            _name(self.output_dtype) not in ("float16", "bfloat16", "float32")
+            or (self.output_head_dim * self.output_dtype.itemsize) % 16
+        ):
             return
         torch = self._torch
-        src = torch.zeros((1, 1, 1, self.output_head_dim), dtype=self.output_dtype,
-                          device=self.device)
+        src = torch.zeros(
+            (1, 1, 1, self.output_head_dim), dtype=self.output_dtype, device=self.device
+        )
         lse = torch.zeros((1, 1, 1), dtype=torch.float32, device=self.device)
-        out = torch.empty((1, 1, self.output_head_dim), dtype=self.output_dtype,
-                          device=self.device)
+        out = torch.empty((1, 1, self.output_head_dim), dtype=self.output_dtype, device=self.device)
         self._lse_combine(src, lse, out, None)
 
     def _count(self, key: str) -> None:
@@ -267,201 +345,63 @@ class MLADCPManager:
             raise ClosedError(f"{what}: the manager is closed")
 
     # ------------------------------------------------------------------ combine
-    def _check_combine(self, what, partial_output, partial_lse, seq_lens, query_start_loc,
-                       heads_out, return_lse, out, out_lse):
-        """The call checks every combine path shares; returns ``(T, H)``."""
-        torch = self._torch
-        self._check_open(what)
-        check_bool(return_lse, what, "return_lse")
-        check_tensor(partial_output, what, "partial_output", device=self.device,
-                     dtypes=(self.output_dtype,), ndim=3)
-        T, H, D = partial_output.shape
-        if D != self.output_head_dim:
-            raise InvalidArgument(f"{what}: partial_output head_dim must be output_head_dim "
-                                  f"{self.output_head_dim} (got {D})")
-        check_tensor(partial_lse, what, "partial_lse", device=self.device,
-                     dtypes=(torch.float32, torch.float16, torch.bfloat16), ndim=2)
-        if tuple(partial_lse.shape) != (T, H):
-            raise InvalidArgument(f"{what}: partial_lse shape must be [{T}, {H}] (got "
-                                  f"{list(partial_lse.shape)})")
-        check_masks(what, seq_lens, query_start_loc, self.device)
-        h = heads_out(H)
-        if out is not None:
-            check_tensor(out, what, "out", device=self.device, dtypes=(self.output_dtype,),
-                         contiguous=True)
-            if tuple(out.shape) != (T, h, D):
-                raise InvalidArgument(f"{what}: out shape must be [{T}, {h}, {D}] (got "
-                                      f"{list(out.shape)})")
-        if out_lse is not None:
-            check_tensor(out_lse, what, "out_lse", device=self.device, dtypes=(torch.float32,),
-                         contiguous=True)
-            if tuple(out_lse.shape) != (T, h):
-                raise InvalidArgument(f"{what}: out_lse shape must be [{T}, {h}] (got "
-                                      f"{list(out_lse.shape)})")
-        return T, H
-
-    def _a2a_heads(self, what):
-        want = self.world_size * self.num_heads
-
-        def heads(H):
-            if H != want:
-                raise InvalidArgument(f"{what}: partial_output heads must be world_size * "
-                                      f"num_heads = {want} (got {H})")
-            return self.num_heads
-        return heads
-
-    def _combine_direct(self, partial_output, partial_lse, *, seq_lens=None,
-                        query_start_loc=None, return_lse=False, out=None, out_lse=None):
+    def _combine_direct(
+        self,
+        partial_output,
+        partial_lse,
+        *,
+        seq_lens=None,
+        query_start_loc=None,
+        return_lse=False,
+        out=None,
+        out_lse=None,
+    ):
         """The direct A2A combine; calls with ``T > max_num_tokens`` take the all-to-all."""
         self._check_open("MLADCPManager.combine")
-        if getattr(partial_output, "ndim", 0) >= 1 and \
-                partial_output.shape[0] > self.max_num_tokens:
-            log_once(f"{_WHAT}.combine: calls with T > max_num_tokens={self.max_num_tokens} "
-                     f"use the all-to-all on the {self._coll.backend} group")
-            return self._combine_a2a(partial_output, partial_lse, seq_lens=seq_lens,
-                                     query_start_loc=query_start_loc, return_lse=return_lse,
-                                     out=out, out_lse=out_lse)
-        res = self._a2a.lse_reduce(partial_output, partial_lse, self.is_lse_base_on_e,
-                                   seq_lens, query_start_loc, return_lse=return_lse, out=out,
-                                   out_lse=out_lse)
+        if (
+            getattr(partial_output, "ndim", 0) >= 1
+            and partial_output.shape[0] > self.max_num_tokens
+        ):
+            log_once(
+                f"{_WHAT}.combine: calls with T > max_num_tokens={self.max_num_tokens} "
+                f"use the all-to-all on the {self._coll.backend} group"
+            )
+            return self._combine_a2a(
+                partial_output,
+                partial_lse,
+                seq_lens=seq_lens,
+                query_start_loc=query_start_loc,
+                return_lse=return_lse,
+                out=out,
+                out_lse=out_lse,
+            )
+        res = self._a2a.lse_reduce(
+            partial_output,
+            partial_lse,
+            self.is_lse_base_on_e,
+            seq_lens,
+            query_start_loc,
+            return_lse=return_lse,
+            out=out,
+            out_lse=out_lse,
+        )
         self._count("combine:direct-a2a")
         return res
-
-    def _combine_a2a(self, partial_output, partial_lse, *, seq_lens=None, query_start_loc=None,
-                     return_lse=False, out=None, out_lse=None):
-        """All-to-all of the owned head slices and lses on the group, then dcpkit's merge."""
-        what = "MLADCPManager.combine"
-        T, _ = self._check_combine(what, partial_output, partial_lse, seq_lens,
-                                   query_start_loc, self._a2a_heads(what), return_lse, out,
-                                   out_lse)
-        self._coll.check_not_capturing(what)
-        torch, W, H_r, D = self._torch, self.world_size, self.num_heads, self.output_head_dim
-        lse = natural_lse(partial_lse, self.is_lse_base_on_e, seq_lens, query_start_loc)
-        send_out = partial_output.reshape(T, W, H_r, D).transpose(0, 1).contiguous()
-        send_lse = lse.view(T, W, H_r).transpose(0, 1).contiguous()
-        recv_out = self._coll.all_to_all(send_out)
-        recv_lse = self._coll.all_to_all(send_lse)
-        if out is None:
-            out = torch.empty((T, H_r, D), dtype=self.output_dtype, device=self.device)
-        if return_lse and out_lse is None:
-            out_lse = torch.empty((T, H_r), dtype=torch.float32, device=self.device)
-        if T:
-            self._merge(recv_out, recv_lse, out, out_lse)
-            if out_lse is not None and not self.is_lse_base_on_e:
-                out_lse.copy_(to_base(out_lse, False))
-        self._count("combine:a2a")
-        return (out, out_lse) if return_lse else out
-
-    def _merge(self, src_out, src_lse, out, out_lse) -> None:
-        """dcpkit's merge of ``src_out [W, T, h, D]`` with ``src_lse [W, T, h]`` (natural log)
-        into ``out`` (and ``out_lse``): the merge kernel where it serves, else the same merge
-        in torch."""
-        odt = self.output_dtype
-        if self.device.type == "cuda" and _name(odt) in ("float16", "bfloat16", "float32") \
-                and (src_out.shape[-1] * odt.itemsize) % 16 == 0 and src_out.shape[0] <= 64:
-            self._lse_combine(src_out, src_lse, out, out_lse)
-            return
-        w, merged = merge_weights(src_lse)
-        out.copy_(weighted(w[..., None], src_out).sum(0))
-        if out_lse is not None:
-            out_lse.copy_(merged)
-
-    def _lse_combine(self, src_out, src_lse, out, out_lse) -> None:
-        from ..ops import lse_combine  # noqa: WPS433
-        from ..torch import cupy_stream, to_cupy  # noqa: WPS433
-
-        idx = self.device.index
-        with _on_device(idx):
-            lse_combine(to_cupy(src_out.contiguous(), name="src_out"),
-                        to_cupy(src_lse.contiguous(), name="src_lse"),
-                        to_cupy(out, name="out"),
-                        None if out_lse is None else to_cupy(out_lse, name="out_lse"),
-                        stream=cupy_stream(idx))
-
-    def _combine_ag(self, what, partial_output, partial_lse, seq_lens, query_start_loc,
-                    return_lse, out, out_lse, scatter: bool):
-        W, r = self.world_size, self.rank
-
-        def heads(H):
-            if scatter and H % W:
-                raise InvalidArgument(f"{what}: partial_output heads must be a multiple of "
-                                      f"world_size {W} (got {H})")
-            return H // W if scatter else H
-
-        T, H = self._check_combine(what, partial_output, partial_lse, seq_lens,
-                                   query_start_loc, heads, return_lse, out, out_lse)
-        self._coll.check_not_capturing(what)
-        torch, D = self._torch, self.output_head_dim
-        lse = natural_lse(partial_lse, self.is_lse_base_on_e, seq_lens, query_start_loc)
-        lses = self._coll.all_gather(lse)                         # [W, T, H]
-        w, merged = merge_weights(lses)
-        mine = weighted(w[r][..., None], partial_output)          # [T, H, D] fp32
-        if scatter:
-            h = H // W
-            res = self._coll.reduce_scatter(mine.view(T, W, h, D).transpose(0, 1))
-            merged = merged[:, r * h:(r + 1) * h]
-        else:
-            h = H
-            res = self._coll.all_reduce(mine)
-        if out is None:
-            out = torch.empty((T, h, D), dtype=self.output_dtype, device=self.device)
-        out.copy_(res)
-        if out_lse is not None:
-            out_lse.copy_(to_base(merged, self.is_lse_base_on_e))
-        elif return_lse:
-            out_lse = to_base(merged, self.is_lse_base_on_e).contiguous()
-        self._count(f"combine:{'ag-rs' if scatter else 'ag-ar'}")
-        return (out, out_lse) if return_lse else out
-
-    def _combine_ag_rs(self, partial_output, partial_lse, *, seq_lens=None,
-                       query_start_loc=None, return_lse=False, out=None, out_lse=None):
-        """All-gather of the lse, reduce-scatter of the weighted partials: ``[T, H, D]`` ->
-        ``[T, H / world_size, D]``."""
-        return self._combine_ag("MLADCPManager.combine", partial_output, partial_lse, seq_lens,
-                                query_start_loc, return_lse, out, out_lse, scatter=True)
-
-    def _combine_ag_ar(self, partial_output, partial_lse, *, seq_lens=None,
-                       query_start_loc=None, return_lse=False, out=None, out_lse=None):
-        """All-gather of the lse, all-reduce of the weighted partials: ``[T, H, D]`` ->
-        ``[T, H, D]``."""
-        return self._combine_ag("MLADCPManager.combine", partial_output, partial_lse, seq_lens,
-                                query_start_loc, return_lse, out, out_lse, scatter=False)
 
     # ------------------------------------------------------------------ query gather
     def _query_gather_direct(self, local_query):
         """The direct q-gather; calls with ``T > max_num_tokens`` take the all-gather."""
         self._check_open("MLADCPManager.query_gather")
         if getattr(local_query, "ndim", 0) >= 1 and local_query.shape[0] > self.max_num_tokens:
-            log_once(f"{_WHAT}.query_gather: calls with T > max_num_tokens="
-                     f"{self.max_num_tokens} use the all-gather on the {self._coll.backend} "
-                     f"group")
+            log_once(
+                f"{_WHAT}.query_gather: calls with T > max_num_tokens="
+                f"{self.max_num_tokens} use the all-gather on the {self._coll.backend} "
+                f"group"
+            )
             return self._gather_query(local_query)
         res = self._qg.gather(local_query)
         self._count("query_gather:direct")
         return res
-
-    def _gather_query(self, local_query):
-        """All-gather of the query heads on the group into new storage of ``padded_num_heads``
-        heads per token (vLLM's ``reserve_query_head_storage``): ``[T, H_r, D_q]`` ->
-        ``[T, world_size * H_r, D_q]`` with strides ``(W*H_r*D_q, D_q, 1)``."""
-        what = "MLADCPManager.query_gather"
-        self._check_open(what)
-        torch, W, H_r, D = self._torch, self.world_size, self.num_heads, self.query_head_dim
-        check_tensor(local_query, what, "local_query", device=self.device,
-                     dtypes=(self.query_dtype,), ndim=3)
-        if tuple(local_query.shape[1:]) != (H_r, D):
-            raise InvalidArgument(f"{what}: local_query shape must be [T, {H_r}, {D}] (got "
-                                  f"{list(local_query.shape)})")
-        self._coll.check_not_capturing(what)
-        T, H = local_query.shape[0], W * H_r
-        storage = H if self.padded_num_heads is None else self.padded_num_heads
-        flat = torch.empty(max(T * storage * D, 1), dtype=self.query_dtype, device=self.device)
-        out = torch.as_strided(flat, (T, H, D), (H * D, D, 1))
-        if T:
-            every = self._coll.all_gather(local_query)            # [W, T, H_r, D]
-            out.view(T, W, H_r, D).copy_(every.transpose(0, 1))
-        self._count("query_gather:all-gather")
-        return out
 
     # ------------------------------------------------------------------ kv gather
     def init_kv_gather(self, workspace, max_gathered_tokens: int) -> None:
@@ -494,7 +434,7 @@ class MLADCPManager:
         InvalidArgument, InvalidType
             ``workspace`` is not a tensor on this manager's GPU.
         """
-        from ._common import InvalidGeometry  # noqa: WPS433
+        from ._common import InvalidGeometry
 
         what = "MLADCPManager.init_kv_gather"
         self._check_open(what)
@@ -505,25 +445,34 @@ class MLADCPManager:
             if M <= 0:
                 raise InvalidGeometry(f"{what}: max_gathered_tokens must be > 0 (got {M})")
             if M % W:
-                raise InvalidGeometry(f"{what}: max_gathered_tokens must be a multiple of "
-                                      f"world_size {W} (got {M})")
+                raise InvalidGeometry(
+                    f"{what}: max_gathered_tokens must be a multiple of world_size {W} (got {M})"
+                )
             if not isinstance(workspace, self._torch.Tensor):
-                raise InvalidType(f"{what}: workspace must be a torch.Tensor (got "
-                                  f"{type(workspace).__name__})")
+                raise InvalidType(
+                    f"{what}: workspace must be a torch.Tensor (got {type(workspace).__name__})"
+                )
             if workspace.dim() != 2:
-                raise InvalidGeometry(f"{what}: workspace must be 2-D [rows, D_kv] (got shape "
-                                      f"{list(workspace.shape)})")
+                raise InvalidGeometry(
+                    f"{what}: workspace must be 2-D [rows, D_kv] (got shape "
+                    f"{list(workspace.shape)})"
+                )
             if not workspace.is_contiguous():
-                raise InvalidGeometry(f"{what}: workspace must be contiguous (got strides "
-                                      f"{tuple(workspace.stride())})")
+                raise InvalidGeometry(
+                    f"{what}: workspace must be contiguous (got strides "
+                    f"{tuple(workspace.stride())})"
+                )
             rows = M + M // W
             if workspace.shape[0] != rows:
-                raise InvalidGeometry(f"{what}: workspace rows must be max_gathered_tokens + "
-                                      f"max_gathered_tokens // world_size = {rows} (got "
-                                      f"{workspace.shape[0]})")
+                raise InvalidGeometry(
+                    f"{what}: workspace rows must be max_gathered_tokens + "
+                    f"max_gathered_tokens // world_size = {rows} (got "
+                    f"{workspace.shape[0]})"
+                )
             if workspace.shape[1] <= 0:
-                raise InvalidGeometry(f"{what}: workspace width must be > 0 (got "
-                                      f"{workspace.shape[1]})")
+                raise InvalidGeometry(
+                    f"{what}: workspace width must be > 0 (got {workspace.shape[1]})"
+                )
             check_tensor(workspace, what, "workspace", device=self.device)
             return M, int(workspace.shape[1]), _name(workspace.dtype)
 
@@ -538,14 +487,19 @@ class MLADCPManager:
         if bad is None and (D * dt.itemsize) % 16:
             bad = f"rows of {D * dt.itemsize} bytes are not a multiple of 16"
         if bad is None:
-            self._kv = DirectDCPKVGatherWorkspace(self.comm, self.device, M, D, dt,
-                                                  self.num_ubatches)
-            path, why = "direct", (f"one host, {W} ranks: dcpkit KVGather "
-                                   f"({self._kv.transport})")
+            self._kv = DirectDCPKVGatherWorkspace(
+                self.comm, self.device, M, D, dt, self.num_ubatches
+            )
+            path, why = "direct", (f"one host, {W} ranks: dcpkit KVGather ({self._kv.transport})")
         else:
-            path, why = "all-gather", (f"the direct KV gather cannot serve ({bad}): "
-                                       f"all_gather_into_tensor on the {self._coll.backend} "
-                                       f"group")
+            path, why = (
+                "all-gather",
+                (
+                    f"the direct KV gather cannot serve ({bad}): "
+                    f"all_gather_into_tensor on the {self._coll.backend} "
+                    f"group"
+                ),
+            )
         self._kv_max, self._kv_dim, self._kv_dtype = M, D, dt
         self.paths["kv_gather"], self.reasons["kv_gather"] = path, why
         log_once(f"{_WHAT}: kv_gather: {path} ({why})")
@@ -572,22 +526,34 @@ class MLADCPManager:
         self._check_open(what)
         path = self.paths["kv_gather"]
         if path is None:
-            raise InvalidArgument(f"{what}: init_kv_gather must be called first (got no KV "
-                                  f"gather set up)")
+            raise InvalidArgument(
+                f"{what}: init_kv_gather must be called first (got no KV gather set up)"
+            )
         if path == "direct":
             self._kv.gather(gathered_kv, local_kv)
         else:
             W, D = self.world_size, self._kv_dim
             for name, t in (("local_kv", local_kv), ("gathered_kv", gathered_kv)):
-                check_tensor(t, what, name, device=self.device, dtypes=(self._kv_dtype,),
-                             ndim=2, contiguous=True)
+                check_tensor(
+                    t,
+                    what,
+                    name,
+                    device=self.device,
+                    dtypes=(self._kv_dtype,),
+                    ndim=2,
+                    contiguous=True,
+                )
             T = local_kv.shape[0]
-            if local_kv.shape[1] != D or tuple(gathered_kv.shape) != (W * T, D) or \
-                    W * T > self._kv_max:
+            if (
+                local_kv.shape[1] != D
+                or tuple(gathered_kv.shape) != (W * T, D)
+                or W * T > self._kv_max
+            ):
                 raise InvalidArgument(
                     f"{what}: local_kv [T, {D}] and gathered_kv [world_size*T, {D}] with "
                     f"world_size*T <= {self._kv_max} (got {list(local_kv.shape)} and "
-                    f"{list(gathered_kv.shape)})")
+                    f"{list(gathered_kv.shape)})"
+                )
             self._coll.check_not_capturing(what)
             self._coll.all_gather_into(gathered_kv, local_kv)
         self._count(f"kv_gather:{path}")
@@ -595,10 +561,17 @@ class MLADCPManager:
 
     # ------------------------------------------------------------------ teardown
     @property
-    def workspaces(self) -> Dict[str, object]:
+    def workspaces(self) -> dict[str, object]:
         """The direct workspaces in use (``"combine"``, ``"query_gather"``, ``"kv_gather"``)."""
-        return {k: v for k, v in (("combine", self._a2a), ("query_gather", self._qg),
-                                  ("kv_gather", self._kv)) if v is not None}
+        return {
+            k: v
+            for k, v in (
+                ("combine", self._a2a),
+                ("query_gather", self._qg),
+                ("kv_gather", self._kv),
+            )
+            if v is not None
+        }
 
     def close(self) -> None:
         """Close the direct workspaces (collective, idempotent)."""
@@ -608,7 +581,7 @@ class MLADCPManager:
                 ws.close()
         self._a2a = self._qg = self._kv = None
 
-    def __enter__(self) -> "MLADCPManager":
+    def __enter__(self) -> MLADCPManager:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -24,16 +24,18 @@ import pytest
 
 from _dcp_checks import run_all_ranks
 
-torch = pytest.importorskip("torch", reason="torch is not installed here "
-                            "(pip install 'dcpkit[torch]')")
+torch = pytest.importorskip(
+    "torch", reason="torch is not installed here (pip install 'dcpkit[torch]')"
+)
 cupy = pytest.importorskip("cupy")
 
 import dcpkit.vllm as dv  # noqa: E402
 from dcpkit.errors import InvalidArgument, InvalidType  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("vllm_api_example", REPO / "examples" /
-                                               "vllm_api.py")
+_spec = importlib.util.spec_from_file_location(
+    "vllm_api_example", REPO / "examples" / "vllm_api.py"
+)
 ex = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ex)
 
@@ -63,8 +65,13 @@ def group(comm, tdev):
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
     port = comm.broadcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
-                            world_size=comm.world_size, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=comm.rank,
+        world_size=comm.world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )
     yield dist.group.WORLD
     dist.destroy_process_group()
 
@@ -72,9 +79,20 @@ def group(comm, tdev):
 def manager(group, dev, **kw):
     args = dict(padded_num_heads=None, is_lse_base_on_e=True, use_pcp=False)
     args.update({k: kw.pop(k) for k in list(kw) if k in args})
-    return dv.MLADCPManager(group, dev, H_R, ex.D_Q, ex.D_LATENT, BF16, BF16,
-                            args["padded_num_heads"], args["is_lse_base_on_e"], args["use_pcp"],
-                            max_num_tokens=kw.pop("max_num_tokens", 16), **kw)
+    return dv.MLADCPManager(
+        group,
+        dev,
+        H_R,
+        ex.D_Q,
+        ex.D_LATENT,
+        BF16,
+        BF16,
+        args["padded_num_heads"],
+        args["is_lse_base_on_e"],
+        args["use_pcp"],
+        max_num_tokens=kw.pop("max_num_tokens", 16),
+        **kw,
+    )
 
 
 def _check(errors, where, result, step):
@@ -84,13 +102,15 @@ def _check(errors, where, result, step):
 
 
 # ----------------------------------------------------------------------------- decode step
-@pytest.mark.parametrize("backend, max_num_tokens, want", [
-    ("a2a", 16, ("direct-a2a", "direct", "combine:direct-a2a")),
-    ("a2a", 4, ("direct-a2a", "direct", "combine:a2a")),      # T = 6 > 4: the all-to-all
-    ("ag_rs", 16, ("ag-rs", "direct", "combine:ag-rs")),
-])
-def test_decode_step_matches_full_attention(comm, group, tdev, seed, backend, max_num_tokens,
-                                            want):
+@pytest.mark.parametrize(
+    "backend, max_num_tokens, want",
+    [
+        ("a2a", 16, ("direct-a2a", "direct", "combine:direct-a2a")),
+        ("a2a", 4, ("direct-a2a", "direct", "combine:a2a")),  # T = 6 > 4: the all-to-all
+        ("ag_rs", 16, ("ag-rs", "direct", "combine:ag-rs")),
+    ],
+)
+def test_decode_step_matches_full_attention(comm, group, tdev, seed, backend, max_num_tokens, want):
     def body(errors):
         with manager(group, tdev, comm_backend=backend, max_num_tokens=max_num_tokens) as m:
             got = (m.paths["combine"], m.paths["query_gather"])
@@ -98,8 +118,12 @@ def test_decode_step_matches_full_attention(comm, group, tdev, seed, backend, ma
                 errors.append(f"paths {got}, expected {want[:2]}")
             for k in range(3):
                 step = ex.make_step(seed + k, comm.world_size, comm.rank, H_R, tdev)
-                _check(errors, f"{backend} T_max={max_num_tokens} step {k}",
-                       ex.decode_step(m, step), step)
+                _check(
+                    errors,
+                    f"{backend} T_max={max_num_tokens} step {k}",
+                    ex.decode_step(m, step),
+                    step,
+                )
             if m.counters.get(want[2]) != 3:
                 errors.append(f"counters {m.counters}, expected 3 calls of {want[2]}")
 
@@ -109,13 +133,19 @@ def test_decode_step_matches_full_attention(comm, group, tdev, seed, backend, ma
 def test_decode_step_base2_lse_and_returned_lse(comm, group, tdev, seed):
     """Attention returning a base-2 lse: the combine converts, and return_lse gives the merged
     lse in base 2: log2 of the softmax denominator over the whole KV."""
+
     def body(errors):
         with manager(group, tdev, is_lse_base_on_e=False) as m:
             step = ex.make_step(seed + 7, comm.world_size, comm.rank, H_R, tdev)
             q_all = m.query_gather(step["q"])
             out, lse = ex.mla_decode_attention(q_all, step["kv"], step["valid"])
-            res, merged = m.combine(out, lse / ex.math.log(2.0), seq_lens=step["seq_lens"],
-                                    query_start_loc=step["query_start_loc"], return_lse=True)
+            res, merged = m.combine(
+                out,
+                lse / ex.math.log(2.0),
+                seq_lens=step["seq_lens"],
+                query_start_loc=step["query_start_loc"],
+                return_lse=True,
+            )
             _check(errors, "base-2 combine", res, step)
             B = step["num_tokens"]
             want = step["reference_lse"] / ex.math.log(2.0)
@@ -132,20 +162,26 @@ def test_decode_step_base2_lse_and_returned_lse(comm, group, tdev, seed):
 def test_two_ubatches_interleaved(comm, group, tdev, seed):
     def body(errors):
         with manager(group, tdev, num_ubatches=2) as m:
-            steps = [ex.make_step(seed + 20 + u, comm.world_size, comm.rank, H_R, tdev)
-                     for u in range(2)]
+            steps = [
+                ex.make_step(seed + 20 + u, comm.world_size, comm.rank, H_R, tdev) for u in range(2)
+            ]
             q_all = []
-            for u in range(2):               # both gathers first: two live views
+            for u in range(2):  # both gathers first: two live views
                 with dv.ubatch(u):
                     q_all.append(m.query_gather(steps[u]["q"]))
             if q_all[0].data_ptr() == q_all[1].data_ptr():
                 errors.append("the two ubatches' gathered queries share storage")
-            parts = [ex.mla_decode_attention(q, s["kv"], s["valid"]) for q, s in
-                     zip(q_all, steps, strict=True)]
-            for u in (1, 0):                 # combines in the other order
+            parts = [
+                ex.mla_decode_attention(q, s["kv"], s["valid"])
+                for q, s in zip(q_all, steps, strict=True)
+            ]
+            for u in (1, 0):  # combines in the other order
                 with dv.ubatch(u):
-                    res = m.combine(*parts[u], seq_lens=steps[u]["seq_lens"],
-                                    query_start_loc=steps[u]["query_start_loc"])
+                    res = m.combine(
+                        *parts[u],
+                        seq_lens=steps[u]["seq_lens"],
+                        query_start_loc=steps[u]["query_start_loc"],
+                    )
                 _check(errors, f"ubatch {u}", res, steps[u])
             try:
                 with dv.ubatch(2):
@@ -165,15 +201,17 @@ def test_two_ubatches_interleaved(comm, group, tdev, seed):
 def test_cuda_graph_query_gather_attention_combine(comm, group, tdev, seed):
     """query_gather -> attention -> combine captured in one torch CUDA graph; 10 replays with
     fresh queries, KV and masks copied into the captured inputs, each checked."""
+
     def body(errors):
         with manager(group, tdev) as m:
             step = ex.make_step(seed + 40, comm.world_size, comm.rank, H_R, tdev)
-            static = {k: step[k].clone() for k in ("q", "kv", "valid", "seq_lens",
-                                                   "query_start_loc")}
+            static = {
+                k: step[k].clone() for k in ("q", "kv", "valid", "seq_lens", "query_start_loc")
+            }
             static["num_tokens"] = step["num_tokens"]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):    # warm-up, as torch recommends
+            with torch.cuda.stream(side):  # warm-up, as torch recommends
                 for _ in range(2):
                     ex.decode_step(m, static)
             torch.cuda.current_stream().wait_stream(side)
@@ -188,7 +226,7 @@ def test_cuda_graph_query_gather_attention_combine(comm, group, tdev, seed):
                 fresh = ex.make_step(seed + 41 + i, comm.world_size, comm.rank, H_R, tdev)
                 for k in ("q", "kv", "valid", "seq_lens", "query_start_loc"):
                     static[k].copy_(fresh[k])
-                result.view(torch.int16).fill_(-1)          # NaN: stale data cannot pass
+                result.view(torch.int16).fill_(-1)  # NaN: stale data cannot pass
                 g.replay()
                 torch.cuda.synchronize()
                 _check(errors, f"replay {i}", result, fresh)
@@ -203,9 +241,12 @@ def test_kv_gather_in_cuda_graph(comm, group, tdev, seed):
     W, r, toks, D = comm.world_size, comm.rank, 5, ex.D_Q
 
     def chunks(i):
-        return [torch.randn(toks, D, generator=torch.Generator().manual_seed(seed + 300 + 10 * i
-                                                                             + s))
-                .to(BF16).to(tdev) for s in range(W)]
+        return [
+            torch.randn(toks, D, generator=torch.Generator().manual_seed(seed + 300 + 10 * i + s))
+            .to(BF16)
+            .to(tdev)
+            for s in range(W)
+        ]
 
     def body(errors):
         with manager(group, tdev) as m:
@@ -214,9 +255,9 @@ def test_kv_gather_in_cuda_graph(comm, group, tdev, seed):
             m.init_kv_gather(workspace, M)
             if m.paths["kv_gather"] != "direct":
                 errors.append(f"kv_gather path {m.paths['kv_gather']}, expected direct")
-            local, gathered = workspace[:toks], workspace[M // W:M // W + toks * W]
+            local, gathered = workspace[:toks], workspace[M // W : M // W + toks * W]
             local.copy_(chunks(0)[r])
-            m.kv_gather(gathered, local)                     # eager warm-up
+            m.kv_gather(gathered, local)  # eager warm-up
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
@@ -247,7 +288,7 @@ def test_workspaces_bit_exact(comm, group, tdev, seed, dtype):
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed + s))
         return x.to(dt).to(tdev)
 
-    def bits(x):    # bit patterns (torch.cat and comparisons of float8 go through these)
+    def bits(x):  # bit patterns (torch.cat and comparisons of float8 go through these)
         return x.view(torch.int16 if x.element_size() == 2 else torch.uint8)
 
     def poison(x):  # all bits set: NaN in every float dtype
@@ -257,8 +298,11 @@ def test_workspaces_bit_exact(comm, group, tdev, seed, dtype):
         pad = W * H_R + 3
         with dv.DirectDCPQGatherWorkspace(group, tdev, 8, H_R, D, dt, 1, pad) as qg:
             # unicast unless the user opted in to multicast (and dcpkit's guard allowed it)
-            allowed = ("unicast", "multicast") if os.environ.get("DCPKIT_MULTICAST", "") \
-                not in ("", "0") else ("unicast",)
+            allowed = (
+                ("unicast", "multicast")
+                if os.environ.get("DCPKIT_MULTICAST", "") not in ("", "0")
+                else ("unicast",)
+            )
             if qg.transport not in allowed or qg.transport != qg.op.transport:
                 errors.append(f"q gather transport {qg.transport}, expected one of {allowed}")
             qs = [inputs(100 + s, (T, H_R, D)) for s in range(W)]
@@ -286,15 +330,29 @@ def test_bad_tensors_raise_before_launch(comm, group, tdev, seed):
         with manager(group, tdev) as m:
             step = ex.make_step(seed + 60, comm.world_size, comm.rank, H_R, tdev)
             cases = [
-                ("cpu query", lambda: m.query_gather(step["q"].cpu()), InvalidArgument,
-                 f"local_query device must be the workspace's {tdev} (got cpu)"),
-                ("float query", lambda: m.query_gather(step["q"].float()), InvalidType,
-                 "local_query dtype must be torch.bfloat16"),
-                ("int64 seq_lens", lambda: m.combine(
-                    torch.zeros(6, comm.world_size * H_R, 512, dtype=BF16, device=tdev),
-                    torch.zeros(6, comm.world_size * H_R, device=tdev),
-                    seq_lens=step["seq_lens"].long(), query_start_loc=step["query_start_loc"]),
-                 InvalidType, "seq_lens dtype must be torch.int32"),
+                (
+                    "cpu query",
+                    lambda: m.query_gather(step["q"].cpu()),
+                    InvalidArgument,
+                    f"local_query device must be the workspace's {tdev} (got cpu)",
+                ),
+                (
+                    "float query",
+                    lambda: m.query_gather(step["q"].float()),
+                    InvalidType,
+                    "local_query dtype must be torch.bfloat16",
+                ),
+                (
+                    "int64 seq_lens",
+                    lambda: m.combine(
+                        torch.zeros(6, comm.world_size * H_R, 512, dtype=BF16, device=tdev),
+                        torch.zeros(6, comm.world_size * H_R, device=tdev),
+                        seq_lens=step["seq_lens"].long(),
+                        query_start_loc=step["query_start_loc"],
+                    ),
+                    InvalidType,
+                    "seq_lens dtype must be torch.int32",
+                ),
             ]
             for what, call, exc, text in cases:
                 try:
@@ -313,5 +371,6 @@ def test_example_run(comm, group, tdev, seed):
     lines = []
     ok = ex.run(comm, group, tdev, seed=seed, out=lines.append)
     oks = comm.allgather(ok)
-    assert all(oks), f"example run failed on ranks {[i for i, v in enumerate(oks) if not v]}: " \
-                     f"{lines}"
+    assert all(oks), (
+        f"example run failed on ranks {[i for i, v in enumerate(oks) if not v]}: {lines}"
+    )

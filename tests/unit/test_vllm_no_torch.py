@@ -66,8 +66,30 @@ def test_ubatch_context():
 
 
 def test_error_classes_are_value_errors_and_dcpkit_errors():
-    for cls, base in ((dv.UnsupportedDtype, InvalidType), (dv.InvalidGeometry, InvalidArgument),
-                      (dv.UbatchOutOfRange, InvalidArgument)):
+    for cls, base in (
+        (dv.UnsupportedDtype, InvalidType),
+        (dv.InvalidGeometry, InvalidArgument),
+        (dv.UbatchOutOfRange, InvalidArgument),
+    ):
         assert issubclass(cls, ValueError) and issubclass(cls, base)
         assert issubclass(cls, DcpkitError)
     assert issubclass(dv.UnsupportedDtype, TypeError)
+
+
+def test_example_without_a_gpu_says_so_and_exits_2(repo_root, mpi_launcher, run_cmd):
+    """``mpirun -np 2 python examples/vllm_api.py`` without a GPU (or without torch): exit 2 on
+    every rank and one line from rank 0 saying why, never a traceback or a PASS."""
+    import sys
+
+    from dcpkit import info
+
+    example = repo_root / "examples" / "vllm_api.py"
+    if not example.is_file():
+        pytest.skip(f"no {example} (tests run from an installed copy without the checkout)")
+    if info.collect()["gpu_count"] > 0:
+        pytest.skip("this machine has a GPU: tests/gpu/test_vllm_example.py runs the example")
+    proc = run_cmd(mpi_launcher.command(2, sys.executable, str(example)), timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("vllm_api: "), proc.stdout
+    assert "PASS" not in proc.stdout and "Traceback" not in proc.stderr, proc.stderr

@@ -17,8 +17,11 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="torch is not installed here "
-                            "(pip install 'dcpkit[torch]'): the defaults are torch dtypes")
+torch = pytest.importorskip(
+    "torch",
+    reason="torch is not installed here "
+    "(pip install 'dcpkit[torch]'): the defaults are torch dtypes",
+)
 
 import dcpkit.vllm as dv  # noqa: E402
 
@@ -28,29 +31,57 @@ REQUIRED = inspect.Parameter.empty
 #: vLLM's signatures: (class, method) -> [(name, default source or REQUIRED)], without self.
 VLLM = {
     ("DirectDCPA2AWorkspace", "__init__"): [
-        ("group", REQUIRED), ("device", REQUIRED), ("max_num_tokens", REQUIRED),
-        ("heads_per_rank", REQUIRED), ("head_dim", REQUIRED), ("dtype", "torch.bfloat16"),
-        ("num_ubatches", "1")],
+        ("group", REQUIRED),
+        ("device", REQUIRED),
+        ("max_num_tokens", REQUIRED),
+        ("heads_per_rank", REQUIRED),
+        ("head_dim", REQUIRED),
+        ("dtype", "torch.bfloat16"),
+        ("num_ubatches", "1"),
+    ],
     ("DirectDCPA2AWorkspace", "lse_reduce"): [
-        ("partial_output", REQUIRED), ("partial_lse", REQUIRED), ("is_lse_base_on_e", REQUIRED),
-        ("seq_lens", "None"), ("query_start_loc", "None")],
+        ("partial_output", REQUIRED),
+        ("partial_lse", REQUIRED),
+        ("is_lse_base_on_e", REQUIRED),
+        ("seq_lens", "None"),
+        ("query_start_loc", "None"),
+    ],
     ("DirectDCPQGatherWorkspace", "__init__"): [
-        ("group", REQUIRED), ("device", REQUIRED), ("max_num_tokens", REQUIRED),
-        ("heads_per_rank", REQUIRED), ("head_dim", REQUIRED), ("dtype", "torch.bfloat16"),
-        ("num_ubatches", "1"), ("padded_num_heads", "None")],
+        ("group", REQUIRED),
+        ("device", REQUIRED),
+        ("max_num_tokens", REQUIRED),
+        ("heads_per_rank", REQUIRED),
+        ("head_dim", REQUIRED),
+        ("dtype", "torch.bfloat16"),
+        ("num_ubatches", "1"),
+        ("padded_num_heads", "None"),
+    ],
     ("DirectDCPQGatherWorkspace", "gather"): [("local_query", REQUIRED)],
     ("DirectDCPKVGatherWorkspace", "__init__"): [
-        ("group", REQUIRED), ("device", REQUIRED), ("max_gathered_tokens", REQUIRED),
-        ("token_dim", REQUIRED), ("dtype", "torch.bfloat16"), ("num_ubatches", "1")],
-    ("DirectDCPKVGatherWorkspace", "gather"): [("gathered_kv", REQUIRED),
-                                               ("local_kv", REQUIRED)],
+        ("group", REQUIRED),
+        ("device", REQUIRED),
+        ("max_gathered_tokens", REQUIRED),
+        ("token_dim", REQUIRED),
+        ("dtype", "torch.bfloat16"),
+        ("num_ubatches", "1"),
+    ],
+    ("DirectDCPKVGatherWorkspace", "gather"): [("gathered_kv", REQUIRED), ("local_kv", REQUIRED)],
     ("MLADCPManager", "__init__"): [
-        ("vllm_config", REQUIRED), ("device", REQUIRED), ("num_heads", REQUIRED),
-        ("query_head_dim", REQUIRED), ("output_head_dim", REQUIRED), ("query_dtype", REQUIRED),
-        ("output_dtype", REQUIRED), ("padded_num_heads", REQUIRED),
-        ("is_lse_base_on_e", REQUIRED), ("use_pcp", REQUIRED)],
-    ("MLADCPManager", "init_kv_gather"): [("workspace", REQUIRED),
-                                          ("max_gathered_tokens", REQUIRED)],
+        ("vllm_config", REQUIRED),
+        ("device", REQUIRED),
+        ("num_heads", REQUIRED),
+        ("query_head_dim", REQUIRED),
+        ("output_head_dim", REQUIRED),
+        ("query_dtype", REQUIRED),
+        ("output_dtype", REQUIRED),
+        ("padded_num_heads", REQUIRED),
+        ("is_lse_base_on_e", REQUIRED),
+        ("use_pcp", REQUIRED),
+    ],
+    ("MLADCPManager", "init_kv_gather"): [
+        ("workspace", REQUIRED),
+        ("max_gathered_tokens", REQUIRED),
+    ],
     ("MLADCPManager", "kv_gather"): [("gathered_kv", REQUIRED), ("local_kv", REQUIRED)],
 }
 
@@ -59,13 +90,16 @@ RENAMED = {("MLADCPManager", "__init__"): {"vllm_config": "group"}}
 MANAGER_KEYWORDS = [("max_num_tokens", REQUIRED), ("num_ubatches", 1), ("comm_backend", "a2a")]
 #: Keyword-only parameters dcpkit adds after vLLM's (absent from vLLM).
 EXTRA_KEYWORDS = {
-    ("DirectDCPA2AWorkspace", "lse_reduce"): [("return_lse", False), ("out", None),
-                                              ("out_lse", None)],
+    ("DirectDCPA2AWorkspace", "lse_reduce"): [
+        ("return_lse", False),
+        ("out", None),
+        ("out_lse", None),
+    ],
 }
 
 
 def _default(src):
-    return REQUIRED if src is REQUIRED else eval(src, {"torch": torch})  # noqa: S307
+    return REQUIRED if src is REQUIRED else eval(src, {"torch": torch})
 
 
 def _params(cls_name, method):
@@ -81,7 +115,7 @@ def test_positional_parameters_match_vllm(key):
     want = [(rename.get(n, n), _default(d)) for n, d in VLLM[key]]
     got = [p for p in _params(*key) if p.kind == P]
     assert [p.name for p in got] == [n for n, _ in want], key
-    for p, (name, default) in zip(got, want):
+    for p, (name, default) in zip(got, want, strict=True):
         if default is REQUIRED:
             assert p.default is REQUIRED, f"{key} {name}: expected no default, got {p.default!r}"
         else:
@@ -91,8 +125,7 @@ def test_positional_parameters_match_vllm(key):
 
 @pytest.mark.parametrize("key", sorted(VLLM), ids=lambda k: ".".join(k))
 def test_only_documented_keyword_parameters_are_added(key):
-    want = MANAGER_KEYWORDS if key == ("MLADCPManager", "__init__") else \
-        EXTRA_KEYWORDS.get(key, [])
+    want = MANAGER_KEYWORDS if key == ("MLADCPManager", "__init__") else EXTRA_KEYWORDS.get(key, [])
     got = [(p.name, p.default) for p in _params(*key) if p.kind == K]
     assert got == want, key
     assert not [p for p in _params(*key) if p.kind not in (P, K)], "no *args / **kwargs"
@@ -110,8 +143,10 @@ def test_dtype_default_is_torch_bfloat16_without_importing_torch_at_import():
 def _reference_source():
     path = os.environ.get("DCPKIT_VLLM_REFERENCE")
     if not path:
-        pytest.skip("DCPKIT_VLLM_REFERENCE is not set: the stated table is not checked against "
-                    "a copy of vLLM's module source")
+        pytest.skip(
+            "DCPKIT_VLLM_REFERENCE is not set: the stated table is not checked against "
+            "a copy of vLLM's module source"
+        )
     text = Path(path).read_text()
     start = text.find("class ")
     if start < 0:
@@ -127,9 +162,10 @@ def test_stated_table_matches_the_reference():
         for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
             a = fn.args
             names = [x.arg for x in a.args][1:]
-            defaults = [REQUIRED] * (len(names) - len(a.defaults)) + \
-                [ast.unparse(d) for d in a.defaults]
-            found[(cls.name, fn.name)] = list(zip(names, defaults))
+            defaults = [REQUIRED] * (len(names) - len(a.defaults)) + [
+                ast.unparse(d) for d in a.defaults
+            ]
+            found[(cls.name, fn.name)] = list(zip(names, defaults, strict=True))
     for key, want in VLLM.items():
         assert key in found, f"{key} not in the reference"
         assert found[key] == want, f"{key}: reference {found[key]} != stated {want}"
