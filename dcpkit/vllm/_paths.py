@@ -1,0 +1,310 @@
+"""The collective paths of :class:`~dcpkit.vllm.MLADCPManager` (a mixin of it): the
+all-to-all, all-gather + reduce-scatter and all-gather + all-reduce combines and the query
+all-gather, on :class:`~dcpkit.vllm._collectives.GroupCollectives` plus dcpkit's merge.
+
+They read the manager's geometry (``world_size``, ``rank``, ``num_heads``, ``output_head_dim``,
+``output_dtype``, ``query_head_dim``, ``query_dtype``, ``padded_num_heads``,
+``is_lse_base_on_e``, ``device``) and its ``_coll``; see :mod:`dcpkit.vllm._collectives` for how
+the data travels and the merge.
+"""
+
+from __future__ import annotations
+
+from ..errors import InvalidArgument
+from ._collectives import merge_weights, natural_lse, to_base, weighted
+from ._common import check_bool, check_masks, check_tensor
+from ._workspaces import _on_device
+
+__all__ = ["CollectivePaths"]
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class CollectivePaths:
+    """The combine and query-gather paths that run on the group's collectives."""
+
+    def _check_combine(
+        self,
+        what,
+        partial_output,
+        partial_lse,
+        seq_lens,
+        query_start_loc,
+        heads_out,
+        return_lse,
+        out,
+        out_lse,
+    ):
+        """The call checks every combine path shares; returns ``(T, H)``."""
+        torch = self._torch
+        self._check_open(what)
+        check_bool(return_lse, what, "return_lse")
+        check_tensor(
+            partial_output,
+            what,
+            "partial_output",
+            device=self.device,
+            dtypes=(self.output_dtype,),
+            ndim=3,
+        )
+        T, H, D = partial_output.shape
+        if D != self.output_head_dim:
+            raise InvalidArgument(
+                f"{what}: partial_output head_dim must be output_head_dim "
+                f"{self.output_head_dim} (got {D})"
+            )
+        check_tensor(
+            partial_lse,
+            what,
+            "partial_lse",
+            device=self.device,
+            dtypes=(torch.float32, torch.float16, torch.bfloat16),
+            ndim=2,
+        )
+        if tuple(partial_lse.shape) != (T, H):
+            raise InvalidArgument(
+                f"{what}: partial_lse shape must be [{T}, {H}] (got {list(partial_lse.shape)})"
+            )
+        check_masks(what, seq_lens, query_start_loc, self.device)
+        h = heads_out(H)
+        if out is not None:
+            check_tensor(
+                out, what, "out", device=self.device, dtypes=(self.output_dtype,), contiguous=True
+            )
+            if tuple(out.shape) != (T, h, D):
+                raise InvalidArgument(
+                    f"{what}: out shape must be [{T}, {h}, {D}] (got {list(out.shape)})"
+                )
+        if out_lse is not None:
+            check_tensor(
+                out_lse,
+                what,
+                "out_lse",
+                device=self.device,
+                dtypes=(torch.float32,),
+                contiguous=True,
+            )
+            if tuple(out_lse.shape) != (T, h):
+                raise InvalidArgument(
+                    f"{what}: out_lse shape must be [{T}, {h}] (got {list(out_lse.shape)})"
+                )
+        return T, H
+
+    def _a2a_heads(self, what):
+        want = self.world_size * self.num_heads
+
+        def heads(H):
+            if H != want:
+                raise InvalidArgument(
+                    f"{what}: partial_output heads must be world_size * "
+                    f"num_heads = {want} (got {H})"
+                )
+            return self.num_heads
+
+        return heads
+
+    def _combine_a2a(
+        self,
+        partial_output,
+        partial_lse,
+        *,
+        seq_lens=None,
+        query_start_loc=None,
+        return_lse=False,
+        out=None,
+        out_lse=None,
+    ):
+        """All-to-all of the owned head slices and lses on the group, then dcpkit's merge."""
+        what = "MLADCPManager.combine"
+        T, _ = self._check_combine(
+            what,
+            partial_output,
+            partial_lse,
+            seq_lens,
+            query_start_loc,
+            self._a2a_heads(what),
+            return_lse,
+            out,
+            out_lse,
+        )
+        self._coll.check_not_capturing(what)
+        torch, W, H_r, D = self._torch, self.world_size, self.num_heads, self.output_head_dim
+        lse = natural_lse(partial_lse, self.is_lse_base_on_e, seq_lens, query_start_loc)
+        send_out = partial_output.reshape(T, W, H_r, D).transpose(0, 1).contiguous()
+        send_lse = lse.view(T, W, H_r).transpose(0, 1).contiguous()
+        recv_out = self._coll.all_to_all(send_out)
+        recv_lse = self._coll.all_to_all(send_lse)
+        if out is None:
+            out = torch.empty((T, H_r, D), dtype=self.output_dtype, device=self.device)
+        if return_lse and out_lse is None:
+            out_lse = torch.empty((T, H_r), dtype=torch.float32, device=self.device)
+        if T:
+            self._merge(recv_out, recv_lse, out, out_lse)
+            if out_lse is not None and not self.is_lse_base_on_e:
+                out_lse.copy_(to_base(out_lse, False))
+        self._count("combine:a2a")
+        return (out, out_lse) if return_lse else out
+
+    def _merge(self, src_out, src_lse, out, out_lse) -> None:
+        """dcpkit's merge of ``src_out [W, T, h, D]`` with ``src_lse [W, T, h]`` (natural log)
+        into ``out`` (and ``out_lse``): the merge kernel where it serves, else the same merge
+        in torch."""
+        odt = self.output_dtype
+        if (
+            self.device.type == "cuda"
+            and _name(odt) in ("float16", "bfloat16", "float32")
+            and (src_out.shape[-1] * odt.itemsize) % 16 == 0
+            and src_out.shape[0] <= 64
+        ):
+            self._lse_combine(src_out, src_lse, out, out_lse)
+            return
+        w, merged = merge_weights(src_lse)
+        out.copy_(weighted(w[..., None], src_out).sum(0))
+        if out_lse is not None:
+            out_lse.copy_(merged)
+
+    def _lse_combine(self, src_out, src_lse, out, out_lse) -> None:
+        from ..ops import lse_combine
+        from ..torch import cupy_stream, to_cupy
+
+        idx = self.device.index
+        with _on_device(idx):
+            lse_combine(
+                to_cupy(src_out.contiguous(), name="src_out"),
+                to_cupy(src_lse.contiguous(), name="src_lse"),
+                to_cupy(out, name="out"),
+                None if out_lse is None else to_cupy(out_lse, name="out_lse"),
+                stream=cupy_stream(idx),
+            )
+
+    def _combine_ag(
+        self,
+        what,
+        partial_output,
+        partial_lse,
+        seq_lens,
+        query_start_loc,
+        return_lse,
+        out,
+        out_lse,
+        scatter: bool,
+    ):
+        W, r = self.world_size, self.rank
+
+        def heads(H):
+            if scatter and H % W:
+                raise InvalidArgument(
+                    f"{what}: partial_output heads must be a multiple of world_size {W} (got {H})"
+                )
+            return H // W if scatter else H
+
+        T, H = self._check_combine(
+            what,
+            partial_output,
+            partial_lse,
+            seq_lens,
+            query_start_loc,
+            heads,
+            return_lse,
+            out,
+            out_lse,
+        )
+        self._coll.check_not_capturing(what)
+        torch, D = self._torch, self.output_head_dim
+        lse = natural_lse(partial_lse, self.is_lse_base_on_e, seq_lens, query_start_loc)
+        lses = self._coll.all_gather(lse)  # [W, T, H]
+        w, merged = merge_weights(lses)
+        mine = weighted(w[r][..., None], partial_output)  # [T, H, D] fp32
+        if scatter:
+            h = H // W
+            res = self._coll.reduce_scatter(mine.view(T, W, h, D).transpose(0, 1))
+            merged = merged[:, r * h : (r + 1) * h]
+        else:
+            h = H
+            res = self._coll.all_reduce(mine)
+        if out is None:
+            out = torch.empty((T, h, D), dtype=self.output_dtype, device=self.device)
+        out.copy_(res)
+        if out_lse is not None:
+            out_lse.copy_(to_base(merged, self.is_lse_base_on_e))
+        elif return_lse:
+            out_lse = to_base(merged, self.is_lse_base_on_e).contiguous()
+        self._count(f"combine:{'ag-rs' if scatter else 'ag-ar'}")
+        return (out, out_lse) if return_lse else out
+
+    def _combine_ag_rs(
+        self,
+        partial_output,
+        partial_lse,
+        *,
+        seq_lens=None,
+        query_start_loc=None,
+        return_lse=False,
+        out=None,
+        out_lse=None,
+    ):
+        """All-gather of the lse, reduce-scatter of the weighted partials: ``[T, H, D]`` ->
+        ``[T, H / world_size, D]``."""
+        return self._combine_ag(
+            "MLADCPManager.combine",
+            partial_output,
+            partial_lse,
+            seq_lens,
+            query_start_loc,
+            return_lse,
+            out,
+            out_lse,
+            scatter=True,
+        )
+
+    def _combine_ag_ar(
+        self,
+        partial_output,
+        partial_lse,
+        *,
+        seq_lens=None,
+        query_start_loc=None,
+        return_lse=False,
+        out=None,
+        out_lse=None,
+    ):
+        """All-gather of the lse, all-reduce of the weighted partials: ``[T, H, D]`` ->
+        ``[T, H, D]``."""
+        return self._combine_ag(
+            "MLADCPManager.combine",
+            partial_output,
+            partial_lse,
+            seq_lens,
+            query_start_loc,
+            return_lse,
+            out,
+            out_lse,
+            scatter=False,
+        )
+
+    def _gather_query(self, local_query):
+        """All-gather of the query heads on the group into new storage of ``padded_num_heads``
+        heads per token (vLLM's ``reserve_query_head_storage``): ``[T, H_r, D_q]`` ->
+        ``[T, world_size * H_r, D_q]`` with strides ``(W*H_r*D_q, D_q, 1)``."""
+        what = "MLADCPManager.query_gather"
+        self._check_open(what)
+        torch, W, H_r, D = self._torch, self.world_size, self.num_heads, self.query_head_dim
+        check_tensor(
+            local_query, what, "local_query", device=self.device, dtypes=(self.query_dtype,), ndim=3
+        )
+        if tuple(local_query.shape[1:]) != (H_r, D):
+            raise InvalidArgument(
+                f"{what}: local_query shape must be [T, {H_r}, {D}] (got {list(local_query.shape)})"
+            )
+        self._coll.check_not_capturing(what)
+        T, H = local_query.shape[0], W * H_r
+        storage = H if self.padded_num_heads is None else self.padded_num_heads
+        flat = torch.empty(max(T * storage * D, 1), dtype=self.query_dtype, device=self.device)
+        out = torch.as_strided(flat, (T, H, D), (H * D, D, 1))
+        if T:
+            every = self._coll.all_gather(local_query)  # [W, T, H_r, D]
+            out.view(T, W, H_r, D).copy_(every.transpose(0, 1))
+        self._count("query_gather:all-gather")
+        return out
