@@ -75,9 +75,9 @@ def _torch_with_cuda() -> bool:
 
 
 @pytest.mark.timeout(WAIT_S + 60)
-@pytest.mark.parametrize("name", ["cupy_decode_step", "dcpcomm_step", "torch_cuda_graph"])
+@pytest.mark.parametrize("name", ["cupy_decode_step", "dcpcomm_step", "torch_cuda_graph", "vllm_api"])
 def test_example_passes(tmp_path, launcher, name):
-    if name == "torch_cuda_graph" and not _torch_with_cuda():
+    if name in ("torch_cuda_graph", "vllm_api") and not _torch_with_cuda():
         pytest.skip("torch with CUDA is not installed here (pip install 'dcpkit[torch]')")
     exe, flavor = launcher
     # The README's command, mpirun -np 2 python examples/<name>.py, with the launcher's flags

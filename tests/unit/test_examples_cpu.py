@@ -10,7 +10,7 @@ import pytest
 
 from dcpkit import info
 
-NAMES = ["cupy_decode_step", "dcpcomm_step", "torch_cuda_graph"]
+NAMES = ["cupy_decode_step", "dcpcomm_step", "torch_cuda_graph", "vllm_api"]
 
 
 @pytest.fixture(scope="module")

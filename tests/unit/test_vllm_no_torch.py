@@ -87,7 +87,7 @@ def test_example_without_a_gpu_says_so_and_exits_2(repo_root, mpi_launcher, run_
     if not example.is_file():
         pytest.skip(f"no {example} (tests run from an installed copy without the checkout)")
     if info.collect()["gpu_count"] > 0:
-        pytest.skip("this machine has a GPU: tests/gpu/test_vllm_example.py runs the example")
+        pytest.skip("this machine has a GPU: tests/gpu/test_examples.py runs the example")
     proc = run_cmd(mpi_launcher.command(2, sys.executable, str(example)), timeout=120)
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
