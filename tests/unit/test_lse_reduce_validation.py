@@ -481,3 +481,13 @@ def test_kernels_compile_for_sm90():
         pytest.skip(f"NVRTC not available here: {e}")
     res = jit.compile_only(["lse_reduce.cu"])
     assert res["lse_reduce.cu"]["variants"] == 12 and res["lse_reduce.cu"]["cubin_bytes"] > 0
+
+
+def test_lse_combine_is_public_in_dcpkit_ops():
+    """The merge alone is part of dcpkit.ops' public surface (dcpkit.vllm's all-to-all path and
+    the NVSHMEM peer rows of the benchmark import it from there)."""
+    import dcpkit.ops
+    from dcpkit.ops.lse_reduce import lse_combine
+
+    assert "lse_combine" in dcpkit.ops.__all__
+    assert dcpkit.ops.lse_combine is lse_combine
