@@ -26,7 +26,7 @@ import logging
 import os
 
 from .errors import InvalidArgument, MissingDependency
-from .multicast import _guard_env_or_raise, kill_switches_set
+from .multicast import guard_env_or_raise, kill_switches_set
 
 __all__ = ["load", "available", "init_collective", "allocate", "free", "local_ptr", "peer_ptr",
            "multicast_ptr", "finalize", "is_initialized"]
@@ -206,7 +206,7 @@ def peer_ptr(buf, pe: int) -> int:
 
 def multicast_ptr(buf) -> int:
     """``nvshmemx_mc_ptr(TEAM_WORLD, buf)``; refuses first if a disabling variable is set."""
-    _guard_env_or_raise("SymmetricHeap(nvshmem) multicast")
+    guard_env_or_raise("SymmetricHeap(nvshmem) multicast")
     nv = load()
     mbuf = nv.get_multicast_buffer(nv.Teams.TEAM_WORLD, buf)
     ptr = int(mbuf.handle)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import dcpkit._nvshmem as nvs
+import dcpkit._setup as setup
 import dcpkit.symmetric as sym
 from dcpkit.errors import ClosedError, ConfigMismatch, InvalidArgument, PeerError
 from dcpkit.multicast import kill_switches_set
@@ -54,9 +55,9 @@ def _finalize_nvshmem_at_the_end(comm):
 
 @pytest.fixture(autouse=True)
 def _no_fault_point():
-    sym._FAULT_POINT = None
+    setup.FAULT_POINT = None
     yield
-    sym._FAULT_POINT = None
+    setup.FAULT_POINT = None
 
 
 def _assert_all(comm, errors, what):
@@ -169,7 +170,7 @@ def test_fault_injection_unwinds_everywhere(comm, point):
     comm.barrier()
     mem0, fds0 = free_bytes(), open_fds()
     if comm.rank == faulty:
-        sym._FAULT_POINT = point
+        setup.FAULT_POINT = point
     t0 = time.perf_counter()
     try:
         heap = SymmetricHeap(comm, 8 << 20, timeout_s=20)
@@ -179,7 +180,7 @@ def test_fault_injection_unwinds_everywhere(comm, point):
         heap.close()
         err = None
     finally:
-        sym._FAULT_POINT = None
+        setup.FAULT_POINT = None
     elapsed = time.perf_counter() - t0
     comm.barrier()
     if comm.rank == faulty:
