@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from . import _cuda
 from .comm import Communicator
 from .errors import InvalidArgument, InvalidType
 
@@ -22,7 +23,7 @@ __all__ = [
     "resolve_dtype", "float_dtypes", "lse_dtypes", "cxx_type", "resolve_float_dtype",
     "resolve_bytes_dtype", "check_int", "check_positive_int", "check_bool", "check_real",
     "check_lse_base", "check_timeout_ms", "default_timeout_ms", "check_multicast",
-    "check_comm",
+    "check_comm", "check_ubatch", "resolve_stream",
 ]
 
 #: The floating dtypes the direct lse_reduce kernels and the NCCL merge kernels are built for
@@ -237,3 +238,21 @@ def check_comm(comm, op: str):
         raise InvalidType(f"{op}: comm must be a dcpkit.Communicator "
                           f"(got {type(comm).__name__})")
     return comm
+
+
+def check_ubatch(ubatch, num_ubatches: int, op: str) -> int:
+    """A ``ubatch=`` call argument: an int in ``[0, num_ubatches)``."""
+    if isinstance(ubatch, bool) or not isinstance(ubatch, (int, np.integer)):
+        raise InvalidType(f"{op}: ubatch must be an int (got {ubatch!r})")
+    if not 0 <= ubatch < num_ubatches:
+        raise InvalidArgument(f"{op}: ubatch must lie in [0, {num_ubatches}) (got {ubatch})")
+    return int(ubatch)
+
+
+def resolve_stream(stream, op: str):
+    """``stream``, or the current CuPy stream for None; :class:`InvalidType` unless a CuPy
+    stream (``cupy.cuda.Stream`` / ``ExternalStream``)."""
+    if stream is None:
+        cupy = _cuda.require_cupy()
+        return cupy.cuda.get_current_stream()
+    return _cuda.check_stream(stream, op)

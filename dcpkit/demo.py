@@ -506,9 +506,9 @@ def _build_exchanges(comm, *, model: Model, batch: int, dtype, policy: str,
 
             extra: Dict[str, Any] = {}
         else:
-            from .fallback import NcclGroup  # noqa: WPS433
-            from .fallback import NcclLseReduce as LseReduce  # noqa: WPS433
-            from .fallback import NcclQGather as QGather  # noqa: WPS433
+            from .nccl import NcclGroup  # noqa: WPS433
+            from .nccl import NcclLseReduce as LseReduce  # noqa: WPS433
+            from .nccl import NcclQGather as QGather  # noqa: WPS433
 
             made.append(NcclGroup(comm))
             extra = {"nccl_group": made[-1]}

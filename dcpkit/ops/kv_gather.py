@@ -284,3 +284,68 @@ class KVGather(GatherWorkspace):
                 f"{op}: {name} must be C-contiguous with strides ({self.row_bytes}, {isz}) "
                 f"bytes (got strides {tuple(info.strides)}; use cupy.ascontiguousarray)")
         check_align(info.ptr, 16, op, f"{name} data pointer")
+
+    # ------------------------------------------------------------------ what the op accepts
+    @classmethod
+    def check_arguments(cls, world_size: int, **constructor_keywords) -> Tuple:
+        """Check constructor keywords as the constructor does, without a GPU or a collective.
+
+        Naive equivalent: ``KVGather(comm, **constructor_keywords)`` up to its first collective,
+        on a group of ``world_size`` ranks.
+
+        Parameters
+        ----------
+        world_size : int
+            Size of the group the op would be built for (>= 1).
+        **constructor_keywords
+            The constructor's keywords. ``heap`` is not checked here (that needs the group).
+
+        Returns
+        -------
+        tuple
+            What every rank must agree on, as the constructor agrees on it.
+
+        Raises
+        ------
+        InvalidArgument, InvalidType
+            As the constructor, with the same messages.
+        """
+        from .._checks import check_int, check_multicast  # noqa: WPS433 (appended method)
+
+        op = cls.op_name
+        keywords = dict(constructor_keywords)
+        keywords.pop("heap", None)
+        if "multicast" in keywords:
+            check_multicast(keywords.pop("multicast"), op)
+        W = check_int(world_size, op, "world_size", minimum=1)
+        probe = cls.__new__(cls)  # holds nothing: never set up, never warns
+        probe._closed = True
+        return tuple(probe._check_arguments(W, **keywords))
+
+    def accepts_layout(self, *, kv=None, out=None) -> bool:
+        """Whether a call reads (or writes) these arrays in place: their strides and alignment
+        are ones the kernel takes. Arrays of another rank or shape are not judged here (True):
+        the call itself rejects them. Each argument is an array or an
+        :class:`~dcpkit._arrays.ArrayInfo`; None is not judged.
+
+        Raises
+        ------
+        InvalidType
+            An argument is not a GPU array.
+        """
+        from .._arrays import ArrayInfo, array_info  # noqa: WPS433 (appended method)
+
+        def info(x, name):
+            return x if isinstance(x, ArrayInfo) else array_info(x, self.op_name, name)
+
+        for name, x in (("kv", kv), ("out", out)):
+            if x is None:
+                continue
+            i = info(x, name)
+            if len(i.shape) != 2 or i.shape[0] == 0 or i.shape[1] != self.row_dim:
+                continue
+            try:
+                self._check_contiguous(i, name)
+            except InvalidArgument:
+                return False
+        return True

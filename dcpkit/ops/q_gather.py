@@ -304,3 +304,68 @@ class QGather(GatherWorkspace):
             raise InvalidArgument(f"{op}: {name} token stride must be >= {row} bytes and a "
                                   f"multiple of 16 bytes (got {info.strides[0]} bytes)")
         check_align(info.ptr, 16, op, f"{name} data pointer")
+
+    # ------------------------------------------------------------------ what the op accepts
+    @classmethod
+    def check_arguments(cls, world_size: int, **constructor_keywords) -> Tuple:
+        """Check constructor keywords as the constructor does, without a GPU or a collective.
+
+        Naive equivalent: ``QGather(comm, **constructor_keywords)`` up to its first collective,
+        on a group of ``world_size`` ranks.
+
+        Parameters
+        ----------
+        world_size : int
+            Size of the group the op would be built for (>= 1).
+        **constructor_keywords
+            The constructor's keywords. ``heap`` is not checked here (that needs the group).
+
+        Returns
+        -------
+        tuple
+            What every rank must agree on, as the constructor agrees on it.
+
+        Raises
+        ------
+        InvalidArgument, InvalidType
+            As the constructor, with the same messages.
+        """
+        from .._checks import check_int, check_multicast  # noqa: WPS433 (appended method)
+
+        op = cls.op_name
+        keywords = dict(constructor_keywords)
+        keywords.pop("heap", None)
+        if "multicast" in keywords:
+            check_multicast(keywords.pop("multicast"), op)
+        W = check_int(world_size, op, "world_size", minimum=1)
+        probe = cls.__new__(cls)  # holds nothing: never set up, never warns
+        probe._closed = True
+        return tuple(probe._check_arguments(W, **keywords))
+
+    def accepts_layout(self, *, q=None, out=None) -> bool:
+        """Whether a call reads (or writes) these arrays in place: their strides and alignment
+        are ones the kernel takes. Arrays of another rank or shape are not judged here (True):
+        the call itself rejects them. Each argument is an array or an
+        :class:`~dcpkit._arrays.ArrayInfo`; None is not judged.
+
+        Raises
+        ------
+        InvalidType
+            An argument is not a GPU array.
+        """
+        from .._arrays import ArrayInfo, array_info  # noqa: WPS433 (appended method)
+
+        def info(x, name):
+            return x if isinstance(x, ArrayInfo) else array_info(x, self.op_name, name)
+
+        for name, x, heads in (("q", q, self.heads_per_rank), ("out", out, self.num_heads)):
+            if x is None:
+                continue
+            i = info(x, name)
+            if len(i.shape) != 3 or i.shape[0] == 0:
+                continue
+            try:
+                self._check_rows(i, name, heads)
+            except InvalidArgument:
+                return False
+        return True
