@@ -8,33 +8,68 @@ import os
 import platform
 import sys
 import traceback
+import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..errors import DcpkitError, MissingDependency
-from .steps import EXIT_CANNOT_RUN, EXIT_FAIL, EXIT_PASS, Say
-from .model import (PRESETS)
-from .environment import (environment_problem, gpu_count)
-from .runner import run
+from .._checks import INT32_MAX, MAX_TIMEOUT_MS
+from ..errors import DcpkitError
+from . import environment
+from .model import PRESETS
 from .report import format_report
+from .runner import run
+from .steps import EXIT_CANNOT_RUN, EXIT_FAIL, EXIT_PASS, Say
+
+__all__ = ["main", "parse_args", "parser", "integer", "milliseconds", "json_problem"]
 
 
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {v})")
-    return v
+def integer(minimum: int, maximum: Optional[int] = None):
+    """An argparse ``type=`` for a decimal integer in ``[minimum, maximum]``, with a readable
+    message (``must be an integer >= 1 (got '1e20')``)."""
+    bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds} (got {text!r})") \
+                from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds} (got {value})")
+        return value
+
+    return parse
 
 
-def _nonnegative_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (got {v})")
-    return v
+def milliseconds(text: str) -> float:
+    """An argparse ``type=`` for a wait deadline: a number of milliseconds in (0, 3600000]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= MAX_TIMEOUT_MS:  # NaN and inf fail too
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds in "
+                                         f"(0, {MAX_TIMEOUT_MS}] (got {text!r})")
+    return value
+
+
+def json_problem(path: Optional[str]) -> Optional[str]:
+    """Why the report cannot be written to ``path`` (None when it can, or without --json)."""
+    if path is None:
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"--json {path!r} must name a file (got a folder)"
+    if not os.path.isdir(folder):
+        return f"--json folder {folder!r} must exist (got a missing folder)"
+    if not os.access(folder, os.W_OK):
+        return f"--json folder {folder!r} must be writable (got a read-only folder)"
+    return None
 
 
 def parser() -> argparse.ArgumentParser:
+    """The demo's argument parser; every numeric argument is validated when parsed."""
     p = argparse.ArgumentParser(
         prog="python -m dcpkit demo",
         description="One MLA decode attention layer with decode context parallelism "
@@ -46,18 +81,23 @@ def parser() -> argparse.ArgumentParser:
                    help="geometry preset: deepseek-v3 = 128 query heads, kimi-k2 = 64; both with "
                         "a latent KV row of 576 (512 latent + 64 rope) and values of 512 "
                         "(default: deepseek-v3)")
-    p.add_argument("--batch", type=_positive_int, default=8,
+    p.add_argument("--batch", type=integer(1, INT32_MAX), default=8,
                    help="sequences decoded together, one query token each (default: 8)")
-    p.add_argument("--context", type=_positive_int, default=16384,
+    p.add_argument("--context", type=integer(1, INT32_MAX), default=16384,
                    help="context tokens of the longest sequence; the others are shorter "
                         "(default: 16384)")
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
                    help="dtype of queries, KV and outputs (default: bfloat16)")
-    p.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default: 0)")
-    p.add_argument("--iters", type=_nonnegative_int, default=200,
+    p.add_argument("--seed", type=integer(0), default=0,
+                   help="random seed of the inputs, >= 0 (default: 0)")
+    p.add_argument("--iters", type=integer(0), default=200,
                    help="timed repeats per measurement; 0 skips the timings (default: 200)")
     p.add_argument("--json", metavar="PATH", default=None,
-                   help="also write the report as JSON to PATH (written by rank 0)")
+                   help="also write the report as JSON to PATH (written by rank 0; its folder "
+                        "must exist)")
+    p.add_argument("--timeout-ms", type=milliseconds, default=None,
+                   help="deadline of every wait of the direct ops, in (0, 3600000] ms (default: "
+                        "DCPKIT_TIMEOUT_MS or 5000)")
     p.add_argument("--allow-shared-gpu", action="store_true",
                    help="let several ranks share one GPU (functional checks on a machine with "
                         "fewer GPUs than ranks; the ranks' kernels then time-slice the GPU, so "
@@ -134,14 +174,25 @@ def main(argv: Optional[Sequence[str]] = None, *, comm=None) -> int:
         try:
             from ..comm import Communicator  # noqa: WPS433
 
-            comm = Communicator.from_mpi()
-        except MissingDependency as e:
+            with warnings.catch_warnings():
+                # mpi4py's own multi-line warning of the launcher mismatch that from_mpi names
+                # in one line below
+                warnings.filterwarnings("ignore", "suspicious MPI execution environment")
+                comm = Communicator.from_mpi()
+        except DcpkitError as e:  # no mpi4py / MPI, or a launcher of another MPI library
             print(f"dcpkit demo: {e}", file=sys.stderr, flush=True)
             return EXIT_CANNOT_RUN
     say = Say(comm.rank)
 
+    # ---------------------------------------------------------------- --json, before the run
+    json_error = comm.broadcast(json_problem(args.json) if comm.rank == 0 else None, root=0)
+    if json_error is not None:
+        if comm.rank == 0:
+            print(f"dcpkit demo: {json_error}", file=sys.stderr, flush=True)
+        return EXIT_CANNOT_RUN
+
     # ---------------------------------------------------------------- environment, agreed
-    problems = comm.allgather(environment_problem(comm, args, model))
+    problems = comm.allgather(environment.environment_problem(comm, args, model))
     if any(problems):
         if comm.rank == 0:
             seen: Dict[str, List[int]] = {}
@@ -163,7 +214,7 @@ def main(argv: Optional[Sequence[str]] = None, *, comm=None) -> int:
 
     import cupy  # noqa: WPS433
 
-    cupy.cuda.Device(comm.local_rank % gpu_count()[0]).use()
+    cupy.cuda.Device(comm.local_rank % environment.gpu_count()[0]).use()
     say(f"{comm.world_size} ranks; model {model.name} (H = {model.num_heads}, D_qk = "
         f"{model.qk_dim}, D_v = {model.v_dim}), {args.dtype}, batch {args.batch}, context up to "
         f"{args.context}" + (", torch tensors" if args.torch else ""))

@@ -5,10 +5,22 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-
+from .. import _cuda
+from ..errors import MissingDependency
+from .model import Model
 from .steps import short_error
-from .model import (Model)
 from .torch_side import torch_problem
+
+
+def missing_extra() -> Optional[str]:
+    """The optional package the demo needs and lacks (CuPy, cuda-bindings), named with the extra
+    that brings it; None when both are there."""
+    try:
+        _cuda.require_cupy()
+        _cuda.driver()
+    except MissingDependency as e:
+        return str(e)
+    return None
 
 
 def gpu_count() -> Tuple[int, str]:
@@ -72,18 +84,22 @@ def environment_error(*, num_gpus: int, gpu_error: str, world_size: int, local_w
 
 
 def environment_problem(comm, args, model: Model) -> Optional[str]:
-    """Why the demo cannot run on this rank, or ``None``. Collective (one allgather), so
+    """Why the demo cannot run on this rank, or ``None``: a missing package first (named with
+    its extra, never reported as "no GPU"), then the GPUs. Collective (one allgather), so
     that every rank counts the GPUs its host's ranks would use: rank ``r`` takes visible GPU
     ``local_rank % visible``; ranks of one host that land on the same GPU (by PCI bus id) mean
     more ranks than GPUs, also when each rank sees a different subset of the GPUs."""
-    num_gpus, gpu_error = gpu_count()
+    missing = missing_extra()
+    num_gpus, gpu_error = (0, "") if missing else gpu_count()
     bus = None
     if num_gpus:
         try:
             bus = pci_bus_id(comm.local_rank % num_gpus)
         except Exception as e:  # noqa: BLE001 - reported as "no usable GPU"
             num_gpus, gpu_error = 0, short_error(e)
-    seen = comm.allgather((comm.host, bus))
+    seen = comm.allgather((comm.host, bus))  # every rank, also one that misses a package
+    if missing is not None:
+        return missing
     host_gpus = len({b for h, b in seen if h == comm.host and b is not None})
     if getattr(args, "allow_shared_gpu", False) and host_gpus:
         host_gpus = max(host_gpus, comm.local_world_size)

@@ -68,17 +68,19 @@ class OpSet:
 
 
 def build_exchanges(comm, *, model: Model, batch: int, dtype, policy: str,
-                     with_kv: bool) -> Exchanges:
+                    with_kv: bool, timeout_ms: Optional[float] = None) -> Exchanges:
     """Collective: the decode exchanges of ``policy`` (``"auto"``, ``"direct"``, ``"nccl"``):
     a DCPComm, or the direct / NCCL ops where ``dcpkit.manager`` cannot be imported."""
     H, D_qk, D_v = model.num_heads, model.qk_dim, model.v_dim
+    deadline = {} if timeout_ms is None else {"timeout_ms": timeout_ms}
     try:
         from ..manager import DCPComm  # noqa: WPS433
     except ImportError:
         DCPComm = None
     if DCPComm is not None:
         dcp = DCPComm(comm, max_tokens=batch, num_heads=H, q_head_dim=D_qk, v_head_dim=D_v,
-                      kv_row_dim=D_qk if with_kv else None, dtype=dtype, policy=policy)
+                      kv_row_dim=D_qk if with_kv else None, dtype=dtype, policy=policy,
+                      **deadline)
         return Exchanges(policy, dcp, lambda: str(dcp.last_path), [dcp], dcp.describe())
     H_r = H // comm.world_size
     made: List[Any] = []
@@ -95,9 +97,9 @@ def build_exchanges(comm, *, model: Model, batch: int, dtype, policy: str,
             made.append(NcclGroup(comm))
             extra = {"nccl_group": made[-1]}
         made.append(QGather(comm, max_tokens=batch, heads_per_rank=H_r, head_dim=D_qk,
-                            dtype=dtype, **extra))
+                            dtype=dtype, **extra, **deadline))
         made.append(LseReduce(comm, max_tokens=batch, num_heads=H, head_dim=D_v, dtype=dtype,
-                              **extra))
+                              **extra, **deadline))
     except BaseException:
         for r in reversed(made):
             r.close()
@@ -105,7 +107,7 @@ def build_exchanges(comm, *, model: Model, batch: int, dtype, policy: str,
     qg, lr = made[-2], made[-1]
     path = "nccl" if extra else f"direct-{getattr(qg, 'transport', 'unicast')}"
     return Exchanges(policy, OpSet(q_gather=qg, lse_reduce=lr), lambda: path, made,
-                      f"{path} ops (dcpkit.manager not available)")
+                     f"{path} ops (dcpkit.manager not available)")
 
 
 def nccl_unavailable(decode: Exchanges) -> Optional[str]:
@@ -119,7 +121,7 @@ def nccl_unavailable(decode: Exchanges) -> Optional[str]:
 
 
 def build_kv_exchange(comm, decode: Exchanges, *, rows: int, model: Model,
-                       dtype) -> Exchanges:
+                      dtype, timeout_ms: Optional[float] = None) -> Exchanges:
     """Collective: the kv_gather that collects every rank's KV shard for the check.
 
     The decode DCPComm is sized for decode (``max_tokens`` = batch), so a shard of ``rows``
@@ -131,10 +133,11 @@ def build_kv_exchange(comm, decode: Exchanges, *, rows: int, model: Model,
     reason = (getattr(target, "direct_reason", None) or {}).get("kv_gather")
     if reason is not None:
         return Exchanges("auto", target, decode._path_of, [],
-                          f"DCPComm kv_gather (no direct path: {reason})", base=decode)
+                         f"DCPComm kv_gather (no direct path: {reason})", base=decode)
     from ..ops import KVGather  # noqa: WPS433
 
-    kg = KVGather(comm, max_tokens=rows, row_dim=model.qk_dim, dtype=dtype)
+    deadline = {} if timeout_ms is None else {"timeout_ms": timeout_ms}
+    kg = KVGather(comm, max_tokens=rows, row_dim=model.qk_dim, dtype=dtype, **deadline)
     path = f"direct-{getattr(kg, 'transport', 'unicast')}"
     return Exchanges("direct", OpSet(kv_gather=kg), lambda: path, [kg],
-                      f"KVGather(max_tokens={rows}, row_dim={model.qk_dim})")
+                     f"KVGather(max_tokens={rows}, row_dim={model.qk_dim})")

@@ -13,7 +13,7 @@ from .steps import PREFIX, Say, step
 from .model import (PRESETS, Q_STD, Model, checksums, deinterleave,
                     make_host_inputs)
 from .numerics import (local_stats,
-                        to_float32, verdict)
+                       to_float32, verdict)
 from .exchanges import Exchanges, build_exchanges, build_kv_exchange, nccl_unavailable
 from .cupy_side import CupySide
 from .torch_side import TorchSide
@@ -58,13 +58,14 @@ def run(args: argparse.Namespace, comm, say: "Say") -> Dict[str, Any]:
     import cupy  # noqa: WPS433
 
     model = PRESETS[args.model]
+    deadline = getattr(args, "timeout_ms", None)
     W, rank = comm.world_size, comm.rank
     H_r = model.num_heads // W
     side = step(comm, "demo: importing torch and dcpkit.torch",
-                 TorchSide) if args.torch else CupySide()
+                TorchSide) if args.torch else CupySide()
     with say.timed(f"building inputs (from --seed {args.seed} and the rank)"):
         host = step(comm, "demo: building inputs",
-                     lambda: make_host_inputs(args, model, rank, W))
+                    lambda: make_host_inputs(args, model, rank, W))
     dt, T_local, lengths = host["dtype"], host["T_local"], host["lengths"]
     say(f"context lengths {', '.join(str(int(x)) for x in lengths)} tokens; {T_local} KV rows "
         f"per sequence per rank")
@@ -95,11 +96,12 @@ def run(args: argparse.Namespace, comm, say: "Say") -> Dict[str, Any]:
         with say.timed("building the ops (NVRTC compiles the kernels on the first run, CuPy "
                        "caches them on disk)"):
             base = step(comm, "demo: building the ops", lambda: build_exchanges(
-                comm, model=model, batch=args.batch, dtype=dt, policy="auto", with_kv=True))
+                comm, model=model, batch=args.batch, dtype=dt, policy="auto", with_kv=True,
+                timeout_ms=deadline))
             owned.append(base)
             kv_base = step(comm, "demo: building the kv_gather of the check",
-                            lambda: build_kv_exchange(comm, base, rows=T_local, model=model,
-                                                       dtype=dt))
+                           lambda: build_kv_exchange(comm, base, rows=T_local, model=model,
+                                                     dtype=dt, timeout_ms=deadline))
             owned.append(kv_base)
             ex = step(comm, "demo: torch front end", lambda: side.wrap(base))
             if ex is not base:
@@ -171,6 +173,6 @@ def run(args: argparse.Namespace, comm, say: "Say") -> Dict[str, Any]:
                   "q_full_shape": (args.batch, model.num_heads, model.qk_dim),
                   "out_shape": (args.batch, H_r, model.v_dim)}
         report["timing"] = run_timings(comm, args, model, side, inputs, say,
-                                        report["nccl_unavailable_reason"])
+                                       report["nccl_unavailable_reason"])
         report["timing_notes"] = TIMING_NOTES
     return report

@@ -54,7 +54,7 @@ def agreed_loop(comm, what: str, body: Callable[[], float], iters: int) -> List[
 
 
 def timed(comm, what: str, tm, stream, run_once: Callable[[], Any], iters: int,
-           warmups: int, per: int) -> Dict[str, float]:
+          warmups: int, per: int) -> Dict[str, float]:
     """Repeats of ``run_once`` on ``stream``, events around each, the GPU idle before each
     (so an eager time includes the host's launch cost, as an eager framework pays it).
     Microseconds per call (``per`` calls per repeat), median of the max over ranks."""
@@ -79,7 +79,7 @@ def timed(comm, what: str, tm, stream, run_once: Callable[[], Any], iters: int,
 
 
 def time_path(comm, ex: Exchanges, side, inputs: Dict[str, Any], iters: int,
-               say: "Say") -> Dict[str, Any]:
+              say: "Say") -> Dict[str, Any]:
     """Collective: q_gather, lse_reduce and a layer (both) on one path, eager and in a CUDA
     graph of :data:`GRAPH_LAYERS` calls. Every repeat is agreed across ranks."""
     q, out_partial, lse_partial = inputs["q"], inputs["out_partial"], inputs["lse_partial"]
@@ -89,7 +89,7 @@ def time_path(comm, ex: Exchanges, side, inputs: Dict[str, Any], iters: int,
                 side.empty(inputs["out_shape"], out_partial))
 
     tm, stream, q_out, o_out = step(comm, f"demo: timing the {ex.label} path: buffers",
-                                     buffers)
+                                    buffers)
 
     def qg(out=None):
         return ex.q_gather(q) if out is None else ex.q_gather(q, out=out)
@@ -109,7 +109,7 @@ def time_path(comm, ex: Exchanges, side, inputs: Dict[str, Any], iters: int,
     result: Dict[str, Any] = {"eager": {}, "graph": {}}
     for name, (eager_fn, _) in steps.items():
         result["eager"][name] = timed(comm, f"{tag}, eager {name}", tm, stream, eager_fn,
-                                       iters, warmups=3, per=1)
+                                      iters, warmups=3, per=1)
     result["paths"] = {op: ex.paths.get(op, "?") for op in ("q_gather", "lse_reduce")}
     for name, (_, graph_fn) in steps.items():
         err: Optional[BaseException] = None
@@ -127,7 +127,7 @@ def time_path(comm, ex: Exchanges, side, inputs: Dict[str, Any], iters: int,
                 f"{result['graph'][name]['error']}")
             continue
         result["graph"][name] = timed(comm, f"{tag}, graph {name}", tm, stream,
-                                       lambda g=graph: tm.replay(g, stream), iters, warmups=2,
+                                      lambda g=graph: tm.replay(g, stream), iters, warmups=2,
                                        per=GRAPH_LAYERS)
     stream.synchronize()
     step(comm, f"{tag}: synchronize", ex.synchronize)
@@ -135,7 +135,7 @@ def time_path(comm, ex: Exchanges, side, inputs: Dict[str, Any], iters: int,
 
 
 def run_timings(comm, args, model: Model, side, inputs: Dict[str, Any],
-                 say: "Say", nccl_unavailable: Optional[str] = None) -> Dict[str, Any]:
+                say: "Say", nccl_unavailable: Optional[str] = None) -> Dict[str, Any]:
     """Collective: the direct and the NCCL paths, each built for the purpose, then closed.
     ``nccl_unavailable`` (equal on every rank): why the NCCL path cannot run; its timings are
     then skipped (``{"skipped": ...}``)."""
@@ -150,7 +150,7 @@ def run_timings(comm, args, model: Model, side, inputs: Dict[str, Any],
             try:
                 base = step(comm, f"demo: building the {policy} ops", lambda: build_exchanges(
                     comm, model=model, batch=args.batch, dtype=inputs["dtype"], policy=policy,
-                    with_kv=False))
+                    with_kv=False, timeout_ms=getattr(args, "timeout_ms", None)))
             except DcpkitError as e:
                 timing[policy] = {"error": short_error(e)}
                 say(f"  {policy} path unavailable: {short_error(e)}")

@@ -55,7 +55,7 @@ class TorchSide:
             target = TorchOps(ex.target)
             owned = [target]
         return Exchanges(ex.label, target, ex._path_of, owned,
-                          ex.description + "\n(torch tensors through dcpkit.torch.TorchOps)",
+                         ex.description + "\n(torch tensors through dcpkit.torch.TorchOps)",
                           base=ex)
 
     def decode(self, ex: Exchanges, q, kv, local_lens: np.ndarray, model: Model, dtype):

@@ -131,6 +131,9 @@ class FakeComm:
             return [(self.host, f"bus{r % self.gpus}") for r in range(self.world_size)]
         return [obj] * self.world_size
 
+    def broadcast(self, obj, root=0):
+        return obj
+
 
 @pytest.fixture
 def two_gpus(monkeypatch):
@@ -712,3 +715,79 @@ def test_torch_side_math_on_cpu():
     full = torch.arange(24.0).reshape(6, 4)
     gathered = torch.cat([full[0::2], full[1::2]])          # 2 ranks, rank-major
     assert torch.equal(demo.deinterleave(gathered, 2, 6), full)
+
+
+# ----------------------------------------------------------------------------- first-hour checks
+@pytest.mark.parametrize("argv,message", [
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0 (got -1)"),
+    (["--context", "1e20"], "argument --context: must be an integer in [1, 2147483647] "
+                            "(got '1e20')"),
+    (["--context", "2147483648"], "argument --context: must be an integer in [1, 2147483647] "
+                                  "(got 2147483648)"),
+    (["--batch", "x"], "argument --batch: must be an integer in [1, 2147483647] (got 'x')"),
+    (["--iters", "2.5"], "argument --iters: must be an integer >= 0 (got '2.5')"),
+    (["--timeout-ms", "-1"], "argument --timeout-ms: must be a number of milliseconds in "
+                             "(0, 3600000] (got '-1')"),
+    (["--timeout-ms", "nan"], "argument --timeout-ms: must be a number of milliseconds in "
+                              "(0, 3600000] (got 'nan')"),
+    (["--timeout-ms", "inf"], "argument --timeout-ms: must be a number of milliseconds in "
+                              "(0, 3600000] (got 'inf')"),
+])
+def test_numeric_arguments_are_validated_when_parsed_with_a_readable_message(argv, message,
+                                                                              capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "invalid" not in err, err
+    assert demo.main(argv, comm=Communicator.single()) == 2
+
+
+def test_timeout_ms_is_parsed_as_milliseconds():
+    assert demo.parse_args(["--timeout-ms", "250"]).timeout_ms == 250.0
+    assert demo.parse_args([]).timeout_ms is None
+
+
+def test_json_into_a_missing_folder_is_refused_before_the_run(tmp_path, capsys):
+    path = tmp_path / "missing" / "report.json"
+    assert demo.main(["--json", str(path)], comm=Communicator.single()) == 2
+    err = capsys.readouterr().err
+    assert f"--json folder '{path.parent}' must exist" in err, err
+    assert "no CUDA GPU" not in err          # refused before the environment checks
+    assert demo.main(["--json", str(tmp_path)], comm=Communicator.single()) == 2
+    assert "must name a file (got a folder)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("var", ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"])
+def test_launcher_mismatch_is_one_line_and_exit_2(var, run_python):
+    pytest.importorskip("mpi4py")
+    res = run_python(["-m", "dcpkit", "demo", "--iters", "0"], env={var: "2"})
+    assert res.returncode == 2, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith(f"dcpkit demo: Communicator.from_mpi: the launcher started 2 "
+                               f"processes ({var}=2)"), lines[0]
+
+
+def test_missing_cupy_is_reported_as_the_missing_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "cupy", None)          # import cupy -> ImportError
+    assert demo.main(["--iters", "0"], comm=Communicator.single()) == 2
+    err = capsys.readouterr().err
+    assert "dcpkit demo: cupy is not installed: install it with `pip install 'dcpkit[cuda1" \
+        in err, err
+    assert "no CUDA GPU" not in err
+
+
+def test_missing_cuda_bindings_is_reported_as_the_missing_extra(monkeypatch, capsys):
+    import dcpkit._cuda
+    from dcpkit.errors import MissingDependency
+
+    def no_bindings():
+        raise MissingDependency("cuda-bindings (cuda-python)", "cuda12", "No module named 'cuda'")
+
+    monkeypatch.setattr(dcpkit._cuda, "driver", no_bindings)
+    assert demo.main(["--iters", "0"], comm=Communicator.single()) == 2
+    err = capsys.readouterr().err
+    assert "cuda-bindings (cuda-python) is not installed: install it with `pip install " \
+        "'dcpkit[cuda12]'`" in err, err
+    assert "no CUDA GPU" not in err
