@@ -97,13 +97,14 @@ def share_outcome(comm, what: str, err: Optional[BaseException], *extra) -> List
     return [tuple(v[1:]) for v in every]
 
 
-def collective_step(comm, what: str, fn: Callable[[], Any], *extra,
-                    on_failure: Optional[Callable[[], None]] = None) -> Any:
-    """Run ``fn()`` on this rank, then :func:`share_outcome`; returns ``fn()``'s result.
+def collective_step(comm, what: str, fn: Callable[[], Any], *,
+                    on_failure: Optional[Callable[[], None]] = None, gather: bool = False) -> Any:
+    """Run ``fn()`` on this rank, then :func:`share_outcome`; returns ``fn()``'s result, or with
+    ``gather=True`` every rank's result (a list indexed by rank: the result must pickle).
 
     ``on_failure`` (if given) runs on every rank when any rank failed, before the error is
     raised (the clean-up of what this rank set up so far; its own errors are logged, never
-    raised over the step's error). With ``extra``, returns ``(result, every rank's extra)``.
+    raised over the step's error).
 
     Collective: one allgather, every rank.
     """
@@ -114,7 +115,7 @@ def collective_step(comm, what: str, fn: Callable[[], Any], *extra,
     except Exception as e:  # noqa: BLE001 - shared with every rank, then re-raised
         err = e
     try:
-        every = share_outcome(comm, what, err, *extra)
+        every = share_outcome(comm, what, err, *((result,) if gather else ()))
     except BaseException:
         if on_failure is not None:
             try:
@@ -122,7 +123,7 @@ def collective_step(comm, what: str, fn: Callable[[], Any], *extra,
             except Exception as e:  # noqa: BLE001 - the step's error is what matters
                 log.warning("%s: clean-up after a failed step failed: %s", what, error_text(e))
         raise
-    return (result, every) if extra else result
+    return [v for (v,) in every] if gather else result
 
 
 def run_undo(undo: Undo, what: str) -> List[BaseException]:

@@ -453,32 +453,29 @@ class DCPComm(Resource):
         import cupy  # noqa: WPS433
 
         rt = cupy.cuda.runtime
-        err: Optional[BaseException] = None
-        bus = None
-        try:
-            bus = rt.deviceGetPCIBusId(self.device)
-        except Exception as e:  # noqa: BLE001 - shared below
-            err = e
-        buses = [b for (b,) in share_outcome(self.comm, "DCPComm: reading the PCI bus id of "
-                                                        "the GPU", err, bus)]
-        missing: List[Tuple[int, int]] = []
-        err = None
-        try:
-            if not self.comm.spans_hosts:
-                for s, b in enumerate(buses):
-                    if s == self.rank or b == bus:
-                        continue
-                    try:
-                        peer = rt.deviceGetByPCIBusId(b)
-                    except rt.CUDARuntimeError:
-                        continue  # not visible to this process: the heap setup tests that pair
-                    if not rt.deviceCanAccessPeer(self.device, peer):
-                        missing.append((min(self.rank, s), max(self.rank, s)))
-        except Exception as e:  # noqa: BLE001 - shared below
-            err = e
-        every = share_outcome(self.comm, "DCPComm: peer access check", err, missing)
+        buses = collective_step(self.comm, "DCPComm: reading the PCI bus id of the GPU",
+                                lambda: rt.deviceGetPCIBusId(self.device), gather=True)
+        bus = buses[self.rank]
+
+        def peer_access() -> List[Tuple[int, int]]:
+            missing: List[Tuple[int, int]] = []
+            if self.comm.spans_hosts:
+                return missing
+            for s, b in enumerate(buses):
+                if s == self.rank or b == bus:
+                    continue
+                try:
+                    peer = rt.deviceGetByPCIBusId(b)
+                except rt.CUDARuntimeError:
+                    continue  # not visible to this process: the heap setup tests that pair
+                if not rt.deviceCanAccessPeer(self.device, peer):
+                    missing.append((min(self.rank, s), max(self.rank, s)))
+            return missing
+
+        every = collective_step(self.comm, "DCPComm: peer access check", peer_access,
+                                gather=True)
         return topology_blocker(hosts=self.comm.hosts,
-                                p2p_missing=[p for (lst,) in every for p in lst])
+                                p2p_missing=[p for lst in every for p in lst])
 
     def _build_heap(self, nbytes: int):
         """The one symmetric heap the direct ops share (collective)."""

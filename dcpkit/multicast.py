@@ -45,7 +45,7 @@ from typing import Callable, List, Mapping, Optional, Tuple, Union
 from . import _cuda
 from ._checks import check_comm
 from ._lifecycle import Resource
-from ._setup import Transaction, run_undo, share_outcome
+from ._setup import Transaction, collective_step, run_undo
 from .errors import InvalidArgument, InvalidType, MulticastDisabled, PeerError
 
 __all__ = [
@@ -323,8 +323,7 @@ class MulticastObject(Resource):
         rank, world = comm.rank, comm.world_size
 
         # 1. The guard, before any driver call, on every rank.
-        err: Optional[BaseException] = None
-        try:
+        def guard_and_arguments():
             guard_env_or_raise("MulticastObject", rank)
             for name, value in (("heap_nbytes", heap_nbytes), ("device", device)):
                 if isinstance(value, bool) or not isinstance(value, int):
@@ -341,10 +340,10 @@ class MulticastObject(Resource):
             if mem_handle is None:
                 raise InvalidArgument("MulticastObject: mem_handle must be the heap's physical "
                                       "allocation handle (got None)")
-        except Exception as e:  # noqa: BLE001 - shared with every rank below
-            err = e
+
         try:
-            share_outcome(comm, "MulticastObject: multicast guard and arguments", err)
+            collective_step(comm, "MulticastObject: multicast guard and arguments",
+                            guard_and_arguments)
         except PeerError as pe:
             # A peer is forbidden: refuse here too with the same error type, still before any
             # driver call.

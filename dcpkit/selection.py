@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ._arrays import dtype_name
 from ._checks import FLOAT_DTYPE_NAMES, float_dtypes, resolve_dtype
 from .errors import InvalidArgument, PeerError
+from .nccl.base import PATH_NCCL
 
 __all__ = [
     "select_path", "direct_call_blocker", "direct_geometry_blocker", "topology_blocker",
@@ -32,7 +33,6 @@ POLICIES = ("auto", "direct", "nccl")
 OPS = ("q_gather", "lse_reduce", "kv_gather")
 PATH_DIRECT_UNICAST = "direct-unicast"
 PATH_DIRECT_MULTICAST = "direct-multicast"
-PATH_NCCL = "nccl"
 PATHS = (PATH_DIRECT_UNICAST, PATH_DIRECT_MULTICAST, PATH_NCCL)
 
 

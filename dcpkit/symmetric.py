@@ -49,7 +49,7 @@ import numpy as np
 from . import _cuda, _fdpass
 from ._checks import check_comm, check_int, check_multicast, check_real
 from ._lifecycle import Resource
-from ._setup import Transaction, run_undo, share_outcome
+from ._setup import Transaction, collective_step, run_undo
 from .errors import ClosedError, ConfigMismatch, CudaError, DcpkitError, InvalidArgument, InvalidType
 from .multicast import MulticastObject, agree_multicast, multicast_decision, multicast_granularity
 
@@ -254,12 +254,8 @@ class SymmetricHeap(Resource):
         self.backend = backend
 
         # 1. Arguments: no GPU, no driver. Shared so that no rank waits for a rank that raised.
-        err: Optional[BaseException] = None
-        try:
-            _check_args(comm, nbytes, device, backend, handle_type, multicast, timeout_s)
-        except Exception as e:  # noqa: BLE001 - shared below
-            err = e
-        share_outcome(comm, "SymmetricHeap: argument check", err)
+        collective_step(comm, "SymmetricHeap: argument check", lambda: _check_args(
+            comm, nbytes, device, backend, handle_type, multicast, timeout_s))
 
         # 2. Settings that must match: one allgather, ConfigMismatch on every rank.
         mine = {"nbytes": int(nbytes), "backend": backend, "handle_type": handle_type,
@@ -272,13 +268,8 @@ class SymmetricHeap(Resource):
         tag = f"heap{everyone[0]['counter']}"
 
         # 3. The device (CUDA runtime queries only).
-        err = None
-        dev = -1
-        try:
-            dev = _check_device(device, int(nbytes))
-        except Exception as e:  # noqa: BLE001 - shared below
-            err = e
-        share_outcome(comm, "SymmetricHeap: device check", err)
+        dev = collective_step(comm, "SymmetricHeap: device check",
+                              lambda: _check_device(device, int(nbytes)))
         self.device = dev
 
         # 4. Multicast: guard on every rank, then all ranks agree (NOTE [dcpkit multicast guard]).

@@ -14,11 +14,13 @@ from .._setup import collective_step, debug_enabled, guarded
 from .._strided import copy_arrays, load_copy_kernels
 from ..comm import Communicator
 from ..errors import ClosedError, InvalidArgument, InvalidType
-from ..selection import PATH_NCCL
 from ..symmetric import MAX_NBYTES, SymmetricHeap
 from .group import NcclGroup, nccl_module
 
 __all__ = ["NcclOp", "PATH_NCCL", "check_heap_type"]
+
+#: Name of the path every NCCL op records (``DCPComm.last_path``).
+PATH_NCCL = "nccl"
 
 
 def check_heap_type(heap, op: str) -> None:
