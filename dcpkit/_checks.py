@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from . import _cuda
+from ._arrays import ArrayInfo, array_info, check_device, check_dtype
 from .comm import Communicator
 from .errors import InvalidArgument, InvalidType
 
@@ -23,7 +24,8 @@ __all__ = [
     "resolve_dtype", "float_dtypes", "lse_dtypes", "cxx_type", "resolve_float_dtype",
     "resolve_bytes_dtype", "check_int", "check_positive_int", "check_bool", "check_real",
     "check_lse_base", "check_timeout_ms", "default_timeout_ms", "check_multicast",
-    "check_comm", "check_ubatch", "resolve_stream",
+    "check_comm", "check_ubatch", "resolve_stream", "check_constructor_keywords",
+    "described", "check_masks",
 ]
 
 #: The floating dtypes the direct lse_reduce kernels and the NCCL merge kernels are built for
@@ -256,3 +258,70 @@ def resolve_stream(stream, op: str):
         cupy = _cuda.require_cupy()
         return cupy.cuda.get_current_stream()
     return _cuda.check_stream(stream, op)
+
+
+def check_constructor_keywords(cls, world_size, keywords: dict, heap_type=None) -> Tuple:
+    """What an op class's public ``check_arguments`` runs: its constructor's checks of
+    ``keywords`` for a group of ``world_size`` ranks, without a GPU or a collective.
+
+    ``heap`` is type-checked against ``heap_type`` when given (else left to the constructor,
+    which checks it against the group), ``multicast`` checked, ``nccl_group`` left to the
+    constructor; the rest goes to ``cls._check_arguments(world_size, **rest)`` on an instance
+    that holds nothing (never set up, never closed). Returns what every rank must agree on.
+    """
+    op = cls.op_name
+    rest = dict(keywords)
+    heap = rest.pop("heap", None)
+    if heap_type is not None and heap is not None and not isinstance(heap, heap_type):
+        raise InvalidType(f"{op}: heap must be None or a dcpkit.{heap_type.__name__} (got "
+                          f"{type(heap).__name__})")
+    check_multicast(rest.pop("multicast", None), op)
+    rest.pop("nccl_group", None)
+    W = check_int(world_size, op, "world_size", minimum=1)
+    probe = cls.__new__(cls)
+    probe._closed = True
+    return tuple(probe._check_arguments(W, **rest))
+
+
+def described(op: str, **arrays):
+    """``(name, ArrayInfo)`` of every array given (not None), in order: an :class:`ArrayInfo` is
+    taken as it is, anything else described by :func:`~dcpkit._arrays.array_info` (which
+    raises :class:`InvalidType` for a host array)."""
+    for name, x in arrays.items():
+        if x is not None:
+            yield name, (x if isinstance(x, ArrayInfo) else array_info(x, op, name))
+
+
+def _index_array(x, op: str, name: str, dims: str, device: int) -> ArrayInfo:
+    info = array_info(x, op, name)
+    check_dtype(info, (np.int32,), op, name)
+    if len(info.shape) != 1:
+        raise InvalidArgument(f"{op}: {name} must have 1 dimension [{dims}] "
+                              f"(got shape {info.shape})")
+    if info.shape[0] > 1 and info.strides[0] != 4:
+        raise InvalidArgument(f"{op}: {name} must be contiguous (got stride "
+                              f"{info.strides[0]} bytes)")
+    check_device(info, device, op, name)
+    return info
+
+
+def check_masks(op: str, seq_lens, query_start_loc, device: int) -> Tuple[int, int, int]:
+    """The masks of an lse_reduce call: ``query_start_loc [S+1]`` and ``seq_lens [S]`` (which
+    needs ``query_start_loc``), each int32, 1-D, contiguous, on ``device``. Returns ``(S,
+    query_start_loc pointer, seq_lens pointer)``, 0 for an array not given."""
+    if query_start_loc is None:
+        if seq_lens is not None:
+            raise InvalidArgument(f"{op}: seq_lens requires query_start_loc (got "
+                                  f"query_start_loc=None)")
+        return 0, 0, 0
+    qi = _index_array(query_start_loc, op, "query_start_loc", "S+1", device)
+    if qi.shape[0] < 1:
+        raise InvalidArgument(f"{op}: query_start_loc length must be >= 1 for [S+1] (got 0)")
+    S = qi.shape[0] - 1
+    if seq_lens is None:
+        return S, qi.ptr, 0
+    si = _index_array(seq_lens, op, "seq_lens", "S", device)
+    if si.shape[0] != S:
+        raise InvalidArgument(f"{op}: seq_lens length must be len(query_start_loc) - 1 = {S} "
+                              f"(got {si.shape[0]})")
+    return S, qi.ptr, si.ptr

@@ -564,58 +564,39 @@ class DCPComm(Resource):
             ``policy="direct"`` and the direct op cannot serve the call; bad arguments (from
             the op that serves the call).
         """
-        op = "q_gather"
-        self._check_open(op)
-        qi = array_info(q, f"DCPComm.{op}", "q")
-        check_ndim(qi, 3, "T, H_r, D", f"DCPComm.{op}", "q")
-        path = self.path_for(op, qi.shape[0])
-        if path == PATH_NCCL:
-            res = self.nccl_ops[op](q, ubatch=ubatch, out=out, stream=stream)
-        else:
-            stream = self._stream(stream)
-            direct = self.direct_ops[op]
-            q = self._normalised(q, qi, direct.accepts_layout(q=qi), "q", op, stream)
-            if out is not None and not direct.accepts_layout(
-                    out=array_info(out, f"DCPComm.{op}", "out")):
-                res = direct(q, ubatch=ubatch, stream=stream)
-                self._copy_out(out, res, stream)
-                res = out
-            else:
-                res = direct(q, ubatch=ubatch, out=out, stream=stream)
-        self._record(op, path)
-        return res
+        return self._gather("q_gather", q, "q", (3, "T, H_r, D"), ubatch, out, stream)
 
     def kv_gather(self, kv, *, ubatch: int = 0, out=None, stream=None):
         """``kv [T, D_kv]`` on every rank -> ``[world_size*T, D_kv]``: see
         :class:`~dcpkit.ops.KVGather` (same arguments, same result, same output lifetime).
-
-        Collective: every rank, same ``T`` and ubatch. Stream: on ``stream``.
-
-        Raises
-        ------
-        InvalidArgument
-            ``kv_row_dim`` was not given; ``policy="direct"`` and the direct op cannot serve
-            the call; bad arguments.
+        Collective, stream and errors as :meth:`q_gather`; also :class:`InvalidArgument` when
+        ``kv_row_dim`` was not given at construction.
         """
-        op = "kv_gather"
+        self._check_open("kv_gather")
+        self._check_built("kv_gather")
+        return self._gather("kv_gather", kv, "kv", (2, "T, D_kv"), ubatch, out, stream)
+
+    def _gather(self, op: str, x, name: str, dims: Tuple[int, str], ubatch, out, stream):
+        """One gather call (``q_gather`` or ``kv_gather``) on the path :meth:`path_for` picks;
+        an input or ``out=`` the direct op cannot take in place is copied (module docstring)."""
         self._check_open(op)
-        self._check_built(op)
-        ki = array_info(kv, f"DCPComm.{op}", "kv")
-        check_ndim(ki, 2, "T, D_kv", f"DCPComm.{op}", "kv")
-        path = self.path_for(op, ki.shape[0])
+        info = array_info(x, f"DCPComm.{op}", name)
+        check_ndim(info, dims[0], dims[1], f"DCPComm.{op}", name)
+        path = self.path_for(op, info.shape[0])
         if path == PATH_NCCL:
-            res = self.nccl_ops[op](kv, ubatch=ubatch, out=out, stream=stream)
+            res = self.nccl_ops[op](x, ubatch=ubatch, out=out, stream=stream)
         else:
             stream = self._stream(stream)
             direct = self.direct_ops[op]
-            kv = self._normalised(kv, ki, direct.accepts_layout(kv=ki), "kv", op, stream)
+            x = self._normalised(x, info, direct.accepts_layout(**{name: info}), name, op,
+                                 stream)
             if out is not None and not direct.accepts_layout(
                     out=array_info(out, f"DCPComm.{op}", "out")):
-                res = direct(kv, ubatch=ubatch, stream=stream)
+                res = direct(x, ubatch=ubatch, stream=stream)
                 self._copy_out(out, res, stream)
                 res = out
             else:
-                res = direct(kv, ubatch=ubatch, out=out, stream=stream)
+                res = direct(x, ubatch=ubatch, out=out, stream=stream)
         self._record(op, path)
         return res
 

@@ -117,12 +117,7 @@ def kv_gather_reference(kvs: Sequence[np.ndarray]) -> np.ndarray:
     """``all_gather_into_tensor(kv)``: ``kvs[s]`` is rank ``s``'s ``kv [T, D_kv]``; returns
     ``[world_size*T, D_kv]`` with rows ``[s*T, (s+1)*T)`` from rank ``s``.
 
-    Raises
-    ------
-    InvalidArgument
-        ``kvs`` is empty, or its arrays are not 2-D of one shape.
-    InvalidType
-        ``kvs`` is not a sequence, or its arrays differ in dtype.
+    Raises as :func:`q_gather_reference`, for 2-D arrays.
     """
     arrs = _arrays(kvs, "kv_gather_reference", "kvs")
     _same_layout(arrs, "kv_gather_reference", "kvs", 2, "T, D_kv")

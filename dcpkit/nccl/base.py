@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 from .. import _cuda
-from .._arrays import ArrayInfo, array_info
-from .._checks import (INT32_MAX, check_comm, check_multicast, check_positive_int,
-                       check_timeout_ms, check_ubatch, resolve_stream)
+from .._arrays import ArrayInfo, array_info, check_device, check_dtype, check_shape
+from .._checks import (INT32_MAX, check_comm, check_constructor_keywords, check_multicast,
+                       check_positive_int, check_timeout_ms, check_ubatch, resolve_stream)
 from .._lifecycle import Resource
 from .._setup import collective_step, debug_enabled, guarded
 from .._strided import copy_arrays, load_copy_kernels
@@ -106,13 +106,7 @@ class NcclOp(Resource):
         InvalidArgument, InvalidType
             As the constructor, with the same messages.
         """
-        op = cls.op_name
-        keywords = dict(constructor_keywords)
-        check_heap_type(keywords.pop("heap", None), op)
-        check_multicast(keywords.pop("multicast", None), op)
-        keywords.pop("nccl_group", None)
-        W = check_positive_int(world_size, op, "world_size")
-        return cls._check_geometry(W, **keywords)[0]
+        return check_constructor_keywords(cls, world_size, constructor_keywords, SymmetricHeap)
 
     def _check_arguments(self, world_size: int, **geometry_keywords) -> Tuple:
         """:meth:`_check_geometry`, setting the checked geometry on this op; returns what every
@@ -254,6 +248,18 @@ class NcclOp(Resource):
 
     def _info(self, arr, name: str) -> ArrayInfo:
         return array_info(arr, self.op_name, name)
+
+    def _checked(self, arr, name: str, shape: Tuple, dims: str, dtypes=None, *,
+                 dtype_first: bool = False) -> ArrayInfo:
+        """``arr`` described and checked: ``shape`` (None: any extent), a dtype of ``dtypes``
+        (default: the op's), on the op's GPU; the shape or (``dtype_first``) the dtype first."""
+        op, info = self.op_name, self._info(arr, name)
+        if dtype_first:
+            check_dtype(info, dtypes or (self.dtype,), op, name)
+        check_shape(info, shape, dims, op, name)
+        check_dtype(info, dtypes or (self.dtype,), op, name)
+        check_device(info, self.device, op, name)
+        return info
 
     def synchronize(self, stream=None) -> None:
         """Wait for ``stream`` (default: the current CuPy stream), then raise if NCCL reported

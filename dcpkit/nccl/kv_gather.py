@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from .._arrays import check_device, check_dtype, check_shape
 from .._checks import COPY_ITEMSIZES, check_positive_int, resolve_bytes_dtype
 from .._strided import c_contiguous
 from ..comm import Communicator
@@ -26,25 +25,20 @@ class NcclKVGather(NcclOp):
 
     Parameters
     ----------
-    comm : Communicator
-    max_tokens : int
-        ``T_max``: buffers are sized for it. Larger ``T`` works eagerly (allocates per call).
+    comm, max_tokens, num_ubatches, nccl_group
+        As :class:`NcclQGather`.
     row_dim : int
         ``D_kv``.
     dtype : dtype or str
         Any dtype of 1, 2, 4, 8 or 16 bytes.
-    num_ubatches : int
     algorithm, timeout_ms, heap, multicast
         Accepted for signature compatibility with :class:`~dcpkit.ops.KVGather` (``algorithm``
         must still be ``"push"`` or ``"pull"``); unused.
-    nccl_group : NcclGroup, optional
 
     Attributes
     ----------
-    path : str
-        ``"nccl"``.
-    algorithm : str
-        ``"all_gather"``.
+    path, algorithm : str
+        ``"nccl"``, ``"all_gather"``.
     launches_per_call : int
         1 (plus a copy for a strided ``kv`` or ``out``).
 
@@ -136,20 +130,12 @@ class NcclKVGather(NcclOp):
         return self._call(kv, ubatch, out, stream)
 
     def _call(self, kv, ubatch, out, stream):
-        op = self.op_name
         u = self.check_ubatch(ubatch)
         W, Dk = self.world_size, self.row_dim
-        ki = self._info(kv, "kv")
-        check_shape(ki, (None, Dk), "T, D_kv", op, "kv")
-        check_dtype(ki, (self.dtype,), op, "kv")
-        check_device(ki, self.device, op, "kv")
+        ki = self._checked(kv, "kv", (None, Dk), "T, D_kv")
         T = ki.shape[0]
-        oi = None
-        if out is not None:
-            oi = self._info(out, "out")
-            check_shape(oi, (W * T, Dk), "world_size*T, D_kv", op, "out")
-            check_dtype(oi, (self.dtype,), op, "out")
-            check_device(oi, self.device, op, "out")
+        oi = None if out is None else self._checked(out, "out", (W * T, Dk),
+                                                    "world_size*T, D_kv")
         stream = self.get_stream(stream)
         if T == 0:
             return out if out is not None else self._view(self._outs[u][0], (0, Dk), self.dtype)

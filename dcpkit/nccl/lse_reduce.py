@@ -9,9 +9,9 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import numpy as np
 
 from .. import _cuda, jit
-from .._arrays import ArrayInfo, check_device, check_dtype, check_shape
-from .._checks import (INT32_MAX, check_bool, check_lse_base, check_positive_int, cxx_type,
-                       float_dtypes, lse_dtypes, resolve_float_dtype)
+from .._arrays import ArrayInfo
+from .._checks import (INT32_MAX, check_bool, check_lse_base, check_masks, check_positive_int,
+                       cxx_type, float_dtypes, lse_dtypes, resolve_float_dtype)
 from .._strided import KERNEL_FILE, THREADS, c_contiguous, grid, heads_to_owner_plan, launch_copy
 from ..comm import Communicator
 from ..errors import InvalidArgument
@@ -100,16 +100,14 @@ class NcclLseReduce(NcclOp):
 
     Parameters
     ----------
-    comm : Communicator
-    max_tokens : int
-        ``T_max``: buffers are sized for it. Larger ``T`` works eagerly (allocates per call).
+    comm, max_tokens, num_ubatches, nccl_group
+        As :class:`~dcpkit.nccl.NcclQGather`.
     num_heads : int
         ``H``, a multiple of ``world_size``.
     head_dim : int
         ``D_v``. With ``algorithm="all_to_all"`` ``D_v * itemsize`` must be a multiple of 16.
     dtype : str or dtype
         bfloat16, float16 or float32: dtype of ``out_partial`` and of the result.
-    num_ubatches : int
     lse_base : float
         ``math.e`` (default) or ``2``: base of ``lse_partial``.
     return_lse : bool
@@ -118,7 +116,6 @@ class NcclLseReduce(NcclOp):
         Accepted for signature compatibility with :class:`~dcpkit.ops.LseReduce`; unused.
     algorithm : str
         ``"all_to_all"`` (default), ``"allgather_reduce_scatter"`` or ``"allgather_all_reduce"``.
-    nccl_group : NcclGroup, optional
 
     Attributes
     ----------
@@ -281,67 +278,28 @@ class NcclLseReduce(NcclOp):
         return self._call(out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out,
                           out_lse, stream)
 
-    def _index_array(self, x, name: str, dims: str) -> ArrayInfo:
-        op = self.op_name
-        info = self._info(x, name)
-        check_dtype(info, (np.int32,), op, name)
-        if len(info.shape) != 1:
-            raise InvalidArgument(f"{op}: {name} must have 1 dimension [{dims}] "
-                                  f"(got shape {info.shape})")
-        if info.shape[0] > 1 and info.strides[0] != 4:
-            raise InvalidArgument(f"{op}: {name} must be contiguous (got stride "
-                                  f"{info.strides[0]} bytes)")
-        check_device(info, self.device, op, name)
-        return info
-
     def _call(self, out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out, out_lse,
               stream):
         op = self.op_name
         u = self.check_ubatch(ubatch)
         H, D, Ho = self.num_heads, self.head_dim, self.out_heads
         dt, isz = self.dtype, self.dtype.itemsize
-        x = self._info(out_partial, "out_partial")
-        check_dtype(x, (dt,), op, "out_partial")
-        check_shape(x, (None, H, D), "T, H, D_v", op, "out_partial")
-        check_device(x, self.device, op, "out_partial")
+        x = self._checked(out_partial, "out_partial", (None, H, D), "T, H, D_v",
+                          dtype_first=True)
         T = x.shape[0]
-        li = self._info(lse_partial, "lse_partial")
-        check_dtype(li, lse_dtypes(), op, "lse_partial")
-        check_shape(li, (T, H), "T, H", op, "lse_partial")
-        check_device(li, self.device, op, "lse_partial")
+        li = self._checked(lse_partial, "lse_partial", (T, H), "T, H", lse_dtypes(),
+                           dtype_first=True)
         for name, info in (("out_partial", x), ("lse_partial", li)):
             if any(s % info.itemsize for s in info.strides):
                 raise InvalidArgument(f"{op}: {name} strides must be multiples of its itemsize "
                                       f"{info.itemsize} bytes (got {info.strides})")
-        qsl_ptr = seq_ptr = 0
-        S = 0
-        if query_start_loc is None:
-            if seq_lens is not None:
-                raise InvalidArgument(f"{op}: seq_lens requires query_start_loc (got "
-                                      f"query_start_loc=None)")
-        else:
-            qi = self._index_array(query_start_loc, "query_start_loc", "S+1")
-            if qi.shape[0] < 1:
-                raise InvalidArgument(f"{op}: query_start_loc length must be >= 1 for [S+1] "
-                                      f"(got 0)")
-            S, qsl_ptr = qi.shape[0] - 1, qi.ptr
-            if seq_lens is not None:
-                si = self._index_array(seq_lens, "seq_lens", "S")
-                if si.shape[0] != S:
-                    raise InvalidArgument(f"{op}: seq_lens length must be "
-                                          f"len(query_start_loc) - 1 = {S} (got {si.shape[0]})")
-                seq_ptr = si.ptr
+        S, qsl_ptr, seq_ptr = check_masks(op, seq_lens, query_start_loc, self.device)
         oi = oli = None
         if out is not None:
-            oi = self._info(out, "out")
-            check_dtype(oi, (dt,), op, "out")
-            check_shape(oi, (T, Ho, D), "T, H_out, D_v", op, "out")
-            check_device(oi, self.device, op, "out")
+            oi = self._checked(out, "out", (T, Ho, D), "T, H_out, D_v", dtype_first=True)
         if out_lse is not None:
-            oli = self._info(out_lse, "out_lse")
-            check_dtype(oli, (np.float32,), op, "out_lse")
-            check_shape(oli, (T, Ho), "T, H_out", op, "out_lse")
-            check_device(oli, self.device, op, "out_lse")
+            oli = self._checked(out_lse, "out_lse", (T, Ho), "T, H_out", (np.float32,),
+                                dtype_first=True)
         want_lse = self.return_lse or out_lse is not None
         stream = self.get_stream(stream)
         if T == 0:
@@ -400,11 +358,14 @@ class NcclLseReduce(NcclOp):
                 np.int32(S), np.int32(T), np.int32(H), np.int32(H_r), self._scale)
         self._k.mask[li.dtype](grid(T * H), (THREADS,), args, shared_mem=0, stream=stream)
 
+    def _shape(self) -> Tuple[int, int, int, int, int]:
+        """``(W, H, D_v, H_r, rank)``."""
+        return (self.world_size, self.num_heads, self.head_dim, self.heads_per_rank, self.rank)
+
     def _all_to_all(self, u: int, T: int, x: ArrayInfo, lse_args, dst: ArrayInfo,
                     ldst: Optional[ArrayInfo], stream) -> None:
-        W, H, D, H_r, r = (self.world_size, self.num_heads, self.head_dim, self.heads_per_rank,
-                           self.rank)
-        dt, isz = self.dtype, self.dtype.itemsize
+        W, H, D, H_r, r = self._shape()
+        isz = self.dtype.itemsize
         nccl, mod, sp = self._nccl, self._nccl_mod, stream.ptr
         blk = T * H_r * D * isz       # one owner's payload
         lblk = T * H_r * 4            # one owner's lse
@@ -441,15 +402,14 @@ class NcclLseReduce(NcclOp):
                     nccl.recv(rl + s * lblk, T * H_r, mod.NCCL_FLOAT32, s, sp)
             finally:
                 mod.groupEnd()
-        src_out = self._view(recv_out, (W, T, H_r, D), dt)
+        src_out = self._view(recv_out, (W, T, H_r, D), self.dtype)
         src_lse = self._view(recv_lse, (W, T, H_r), _F32)
         self._combine(src_out, src_lse, dst.obj, None if ldst is None else ldst.obj,
                       stream=stream)
 
     def _all_gather_lse(self, u: int, T: int, x: ArrayInfo, lse_args, dst: ArrayInfo,
                         ldst: Optional[ArrayInfo], stream) -> None:
-        W, H, D, H_r, r = (self.world_size, self.num_heads, self.head_dim, self.heads_per_rank,
-                           self.rank)
+        W, H, D, H_r, r = self._shape()
         dt, isz = self.dtype, self.dtype.itemsize
         nccl, mod, sp = self._nccl, self._nccl_mod, stream.ptr
         all_reduce = self.algorithm == "allgather_all_reduce"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from .._arrays import check_device, check_dtype, check_shape
 from .._checks import COPY_ITEMSIZES, check_positive_int, resolve_bytes_dtype
 from .._strided import c_contiguous, launch_copy, owner_to_heads_plan
 from ..comm import Communicator
@@ -100,7 +99,8 @@ class NcclQGather(NcclOp):
 
     @classmethod
     def _check_geometry(cls, world_size: int, *, max_tokens, heads_per_rank, head_dim, dtype,
-                        num_ubatches=1, padded_num_heads=None, timeout_ms=None) -> Tuple[Tuple, dict]:
+                        num_ubatches=1, padded_num_heads=None,
+                        timeout_ms=None) -> Tuple[Tuple, dict]:
         """Every check of the geometry keywords that needs no GPU and no collective; returns
         ``(agreed, geometry)``: the values every rank must agree on, and the checked geometry by
         attribute name."""
@@ -172,17 +172,9 @@ class NcclQGather(NcclOp):
             raise InvalidArgument(f"{op}: return_padded must be False when out= is given "
                                   f"(got return_padded=True)")
         H_r, D, H, isz = self.heads_per_rank, self.head_dim, self.num_heads, self.dtype.itemsize
-        qi = self._info(q, "q")
-        check_shape(qi, (None, H_r, D), "T, H_r, D", op, "q")
-        check_dtype(qi, (self.dtype,), op, "q")
-        check_device(qi, self.device, op, "q")
+        qi = self._checked(q, "q", (None, H_r, D), "T, H_r, D")
         T = qi.shape[0]
-        oi = None
-        if out is not None:
-            oi = self._info(out, "out")
-            check_shape(oi, (T, H, D), "T, H, D", op, "out")
-            check_dtype(oi, (self.dtype,), op, "out")
-            check_device(oi, self.device, op, "out")
+        oi = None if out is None else self._checked(out, "out", (T, H, D), "T, H, D")
         stream = self.get_stream(stream)
         if T == 0:
             if out is not None:

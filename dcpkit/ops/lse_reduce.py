@@ -579,80 +579,48 @@ class LseReduce(OpWorkspace):
     # ------------------------------------------------------------------ what the op accepts
     @classmethod
     def check_arguments(cls, world_size: int, **constructor_keywords) -> Tuple:
-        """Check constructor keywords as the constructor does, without a GPU or a collective.
+        """Validate ``LseReduce`` constructor keywords for ``world_size`` ranks as the
+        constructor would, before any GPU work or collective.
 
-        Naive equivalent: ``LseReduce(comm, **constructor_keywords)`` up to its first collective,
-        on a group of ``world_size`` ranks.
-
-        Parameters
-        ----------
-        world_size : int
-            Size of the group the op would be built for (>= 1).
-        **constructor_keywords
-            The constructor's keywords. ``heap`` is not checked here (that needs the group).
-
-        Returns
-        -------
-        tuple
-            What every rank must agree on, as the constructor agrees on it.
-
-        Raises
-        ------
-        InvalidArgument, InvalidType
-            As the constructor, with the same messages.
+        Returns what every rank must agree on (the last value: the symmetric bytes of the
+        workspace); raises :class:`InvalidArgument` / :class:`InvalidType` as the constructor
+        does, with the same messages. ``heap`` is left to the constructor (it needs the group).
+        See :func:`dcpkit._checks.check_constructor_keywords`.
         """
-        from .._checks import check_int, check_multicast  # noqa: WPS433 (appended method)
+        from .._checks import check_constructor_keywords  # noqa: WPS433 (appended method)
 
-        op = cls.op_name
-        keywords = dict(constructor_keywords)
-        keywords.pop("heap", None)
-        if "multicast" in keywords:
-            check_multicast(keywords.pop("multicast"), op)
-        W = check_int(world_size, op, "world_size", minimum=1)
-        probe = cls.__new__(cls)  # holds nothing: never set up, never warns
-        probe._closed = True
-        return tuple(probe._check_arguments(W, **keywords))
+        return check_constructor_keywords(cls, world_size, constructor_keywords)
 
-    def accepts_layout(self, *, out_partial=None, lse_partial=None, out=None, out_lse=None) -> bool:
-        """Whether a call reads (or writes) these arrays in place: their strides and alignment
-        are ones the kernel takes. Arrays of another rank or shape are not judged here (True):
-        the call itself rejects them. Each argument is an array or an
-        :class:`~dcpkit._arrays.ArrayInfo`; None is not judged.
-
-        Raises
-        ------
-        InvalidType
-            An argument is not a GPU array.
-        """
-        from .._arrays import ArrayInfo, array_info  # noqa: WPS433 (appended method)
-
-        def info(x, name):
-            return x if isinstance(x, ArrayInfo) else array_info(x, self.op_name, name)
-
-        def aligned(i, align):
-            return _c_contiguous(i) and i.ptr % align == 0
+    def accepts_layout(self, *, out_partial=None, lse_partial=None, out=None,
+                       out_lse=None) -> bool:
+        """Whether this op takes the given arrays (or ``ArrayInfo``) without a copy by the
+        caller: ``out_partial`` rows 16-byte aligned (or an innermost stride the op copies
+        itself), ``lse_partial`` aligned to its itemsize, ``out`` / ``out_lse`` C-contiguous and
+        16- / 4-byte aligned; no negative strides. A host array raises ``InvalidType``."""
+        from .._checks import described  # noqa: WPS433 (appended method)
 
         def nonneg(i):
             return all(s >= 0 for n, s in zip(i.shape, i.strides) if n > 1)
 
-        if out_partial is not None:
-            x = info(out_partial, "out_partial")
-            if len(x.shape) == 3 and not nonneg(x):
-                return False
-            if len(x.shape) == 3 and not (x.shape[2] > 1 and x.strides[2] != x.itemsize):
-                s_tok = x.strides[0] if x.shape[0] > 1 else 0     # else: the op copies it
-                s_head = x.strides[1] if x.shape[1] > 1 else 0
-                if x.ptr % 16 or s_tok % 16 or s_head % 16:
+        for name, i in described(self.op_name, out_partial=out_partial,
+                                 lse_partial=lse_partial, out=out, out_lse=out_lse):
+            if name == "out_partial" and len(i.shape) == 3:
+                if not nonneg(i):
                     return False
-        if lse_partial is not None:
-            li = info(lse_partial, "lse_partial")
-            if not nonneg(li) or li.ptr % li.itemsize or any(
-                    s % li.itemsize for n, s in zip(li.shape, li.strides) if n > 1):
-                return False
-        if out is not None and not aligned(info(out, "out"), 16):
-            return False
-        if out_lse is not None and not aligned(info(out_lse, "out_lse"), 4):
-            return False
+                if i.shape[2] > 1 and i.strides[2] != i.itemsize:
+                    continue                      # the op copies it to a contiguous array
+                s_tok = i.strides[0] if i.shape[0] > 1 else 0
+                s_head = i.strides[1] if i.shape[1] > 1 else 0
+                if i.ptr % 16 or s_tok % 16 or s_head % 16:
+                    return False
+            elif name == "lse_partial":
+                li = i.itemsize
+                if not nonneg(i) or i.ptr % li or any(
+                        s % li for n, s in zip(i.shape, i.strides) if n > 1):
+                    return False
+            elif name in ("out", "out_lse"):
+                if not _c_contiguous(i) or i.ptr % (16 if name == "out" else 4):
+                    return False
         return True
 
 # ----------------------------------------------------------------------------- local merge

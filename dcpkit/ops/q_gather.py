@@ -308,64 +308,30 @@ class QGather(GatherWorkspace):
     # ------------------------------------------------------------------ what the op accepts
     @classmethod
     def check_arguments(cls, world_size: int, **constructor_keywords) -> Tuple:
-        """Check constructor keywords as the constructor does, without a GPU or a collective.
+        """``QGather(comm, **constructor_keywords)``'s checks for ``world_size`` ranks, without a
+        GPU or a collective.
 
-        Naive equivalent: ``QGather(comm, **constructor_keywords)`` up to its first collective,
-        on a group of ``world_size`` ranks.
-
-        Parameters
-        ----------
-        world_size : int
-            Size of the group the op would be built for (>= 1).
-        **constructor_keywords
-            The constructor's keywords. ``heap`` is not checked here (that needs the group).
-
-        Returns
-        -------
-        tuple
-            What every rank must agree on, as the constructor agrees on it.
-
-        Raises
-        ------
-        InvalidArgument, InvalidType
-            As the constructor, with the same messages.
+        Returns what every rank must agree on (the last value: the symmetric bytes of the
+        workspace); raises :class:`InvalidArgument` / :class:`InvalidType` as the constructor
+        does, with the same messages. ``heap`` is left to the constructor (it needs the group).
+        See :func:`dcpkit._checks.check_constructor_keywords`.
         """
-        from .._checks import check_int, check_multicast  # noqa: WPS433 (appended method)
+        from .._checks import check_constructor_keywords  # noqa: WPS433 (appended method)
 
-        op = cls.op_name
-        keywords = dict(constructor_keywords)
-        keywords.pop("heap", None)
-        if "multicast" in keywords:
-            check_multicast(keywords.pop("multicast"), op)
-        W = check_int(world_size, op, "world_size", minimum=1)
-        probe = cls.__new__(cls)  # holds nothing: never set up, never warns
-        probe._closed = True
-        return tuple(probe._check_arguments(W, **keywords))
+        return check_constructor_keywords(cls, world_size, constructor_keywords)
 
     def accepts_layout(self, *, q=None, out=None) -> bool:
-        """Whether a call reads (or writes) these arrays in place: their strides and alignment
-        are ones the kernel takes. Arrays of another rank or shape are not judged here (True):
-        the call itself rejects them. Each argument is an array or an
-        :class:`~dcpkit._arrays.ArrayInfo`; None is not judged.
+        """True when a call takes ``q`` and ``out`` (arrays or ``ArrayInfo``) in place: head
+        stride ``D`` elements, token stride a multiple of 16 bytes, 16-byte aligned data.
+        Shapes the call rejects anyway count as True; ``InvalidType`` for a host array."""
+        from .._checks import described  # noqa: WPS433 (appended method)
 
-        Raises
-        ------
-        InvalidType
-            An argument is not a GPU array.
-        """
-        from .._arrays import ArrayInfo, array_info  # noqa: WPS433 (appended method)
-
-        def info(x, name):
-            return x if isinstance(x, ArrayInfo) else array_info(x, self.op_name, name)
-
-        for name, x, heads in (("q", q, self.heads_per_rank), ("out", out, self.num_heads)):
-            if x is None:
-                continue
-            i = info(x, name)
+        heads = {"q": self.heads_per_rank, "out": self.num_heads}
+        for name, i in described(self.op_name, q=q, out=out):
             if len(i.shape) != 3 or i.shape[0] == 0:
                 continue
             try:
-                self._check_rows(i, name, heads)
+                self._check_rows(i, name, heads[name])
             except InvalidArgument:
                 return False
         return True
