@@ -253,23 +253,27 @@ class DCPComm(Resource):
         # here, on every rank, instead of sending every call to another path. The direct ops'
         # symmetric regions (the last value each agrees on) size the one heap they share.
         self._region_bytes: Dict[str, int] = {}
+        self._nccl_checked: Dict[str, object] = {}
         for o in self.ops:
             if self.policy != "nccl" and direct_geometry_blocker(
                     o, dtype=self.dtype, row_bytes=self._row_bytes(o), world_size=W) is None:
-                agreed = self._check_op_arguments(o, *self._direct_spec(o), "direct")
+                cls, kwargs = self._direct_spec(o)
+                agreed = self._check_op_arguments(o, cls.check_arguments, kwargs, "direct")
                 self._region_bytes[o] = int(agreed[-1])
-            if self.policy != "direct":
-                self._check_op_arguments(o, *self._nccl_spec(o), "NCCL")
+            if self.policy != "direct":  # checked once here, built from it (no second exchange)
+                cls, kwargs = self._nccl_spec(o)
+                self._nccl_checked[o] = self._check_op_arguments(o, cls.prepare, kwargs, "NCCL")
         self.device = self._current_device()  # CuPy and a visible GPU
         return (self.max_tokens, self.num_heads, self.q_head_dim, self.v_head_dim,
                 self.kv_row_dim, str(self.dtype), self.num_ubatches, self.lse_base,
                 self.nccl_lse_algorithm, self.nccl_max_tokens, self.return_lse, self.timeout_ms)
 
-    def _check_op_arguments(self, op: str, cls, kwargs: dict, which: str) -> Tuple:
-        """``cls.check_arguments`` (no GPU, no collective) on the keywords DCPComm gives the
-        op; returns what the op's ranks agree on. An error names DCPComm and the op."""
+    def _check_op_arguments(self, op: str, check, kwargs: dict, which: str):
+        """``check(world_size, **kwargs)`` (an op class's ``check_arguments`` or ``prepare``: no
+        GPU, no collective) on the keywords DCPComm gives the op; returns its result. An error
+        names DCPComm and the op."""
         try:
-            return cls.check_arguments(self.world_size, **kwargs)
+            return check(self.world_size, **kwargs)
         except (InvalidArgument, InvalidType) as e:
             msg = str(e)
             if msg.startswith(f"{op}: "):
@@ -493,8 +497,8 @@ class DCPComm(Resource):
         return NcclGroup(self.comm)
 
     def _build_nccl(self, op: str, group):
-        cls, kwargs = self._nccl_spec(op)
-        return cls(self.comm, nccl_group=group, **kwargs)
+        cls, _ = self._nccl_spec(op)
+        return cls.from_checked(self.comm, self._nccl_checked[op], group)
 
     def _load_copy_kernel(self) -> None:
         """Load the strided-copy kernel now (layout normalisation must not compile later)."""

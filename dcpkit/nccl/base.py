@@ -3,7 +3,7 @@ bookkeeping and the lifetime (see :mod:`dcpkit.nccl` for what each op runs)."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 from .. import _cuda
 from .._arrays import ArrayInfo, array_info, check_device, check_dtype, check_shape
@@ -17,10 +17,18 @@ from ..errors import ClosedError, InvalidArgument, InvalidType
 from ..symmetric import MAX_NBYTES, SymmetricHeap
 from .group import NcclGroup, nccl_module
 
-__all__ = ["NcclOp", "PATH_NCCL", "check_heap_type"]
+__all__ = ["NcclOp", "CheckedArguments", "PATH_NCCL", "check_heap_type"]
 
 #: Name of the path every NCCL op records (``DCPComm.last_path``).
 PATH_NCCL = "nccl"
+
+
+class CheckedArguments(NamedTuple):
+    """Constructor keywords of an NCCL op, checked (:meth:`NcclOp.prepare`)."""
+
+    cls: type            # the op class
+    agreed: Tuple        # what every rank must agree on
+    geometry: dict       # the checked values, by attribute name
 
 
 def check_heap_type(heap, op: str) -> None:
@@ -107,6 +115,52 @@ class NcclOp(Resource):
             As the constructor, with the same messages.
         """
         return check_constructor_keywords(cls, world_size, constructor_keywords, SymmetricHeap)
+
+    @classmethod
+    def prepare(cls, world_size: int, **constructor_keywords) -> "CheckedArguments":
+        """:meth:`check_arguments`, keeping the checked geometry for :meth:`from_checked`.
+
+        For an owner that agrees on its own arguments once for several ops (DCPComm): it checks
+        every op's keywords inside its one agreed exchange, then builds each op from what was
+        checked, without a second check or a second exchange.
+        """
+        agreed = cls.check_arguments(world_size, **constructor_keywords)
+        keywords = {k: v for k, v in constructor_keywords.items()
+                    if k not in ("heap", "multicast", "nccl_group")}
+        return CheckedArguments(cls, agreed, cls._check_geometry(int(world_size), **keywords)[1])
+
+    @classmethod
+    def from_checked(cls, comm: Communicator, checked: "CheckedArguments",
+                     nccl_group: NcclGroup) -> "NcclOp":
+        """Build the op from :meth:`prepare`'s result on every rank of ``comm``, sharing the
+        open ``nccl_group``. The caller guarantees what the constructor's exchange would have
+        established: equal ``checked`` on every rank (agreed), and ``nccl_group`` an open group
+        of ``comm`` on this rank's GPU (so NCCL and a GPU are there on every rank).
+
+        Collective: the buffers, the warm-up and the closing barrier, as the constructor.
+
+        Raises
+        ------
+        InvalidType
+            ``checked`` was prepared for another class, or ``nccl_group`` is not an NcclGroup.
+        InvalidArgument
+            ``checked`` was prepared for another world size.
+        """
+        if not isinstance(checked, CheckedArguments) or checked.cls is not cls:
+            raise InvalidType(f"{cls.op_name}: checked must come from {cls.__name__}.prepare "
+                              f"(got {type(checked).__name__})")
+        if not isinstance(nccl_group, NcclGroup):
+            raise InvalidType(f"{cls.op_name}: nccl_group must be a dcpkit.nccl.NcclGroup "
+                              f"(got {type(nccl_group).__name__})")
+        check_comm(comm, cls.op_name)
+        if checked.geometry["world_size"] != comm.world_size:
+            raise InvalidArgument(f"{cls.op_name}: checked world_size must be comm's "
+                                  f"{comm.world_size} (got {checked.geometry['world_size']})")
+        self = cls.__new__(cls)
+        vars(self).update(checked.geometry)
+        self.comm, self.rank = comm, comm.rank
+        self._build(nccl_group)
+        return self
 
     def _check_arguments(self, world_size: int, **geometry_keywords) -> Tuple:
         """:meth:`_check_geometry`, setting the checked geometry on this op; returns what every

@@ -63,6 +63,10 @@ class NcclKVGather(NcclOp):
             algorithm=algorithm, timeout_ms=timeout_ms),
             "max_tokens, row_dim, dtype, num_ubatches", nccl_group, heap=heap,
             multicast=multicast)
+        self._build(nccl_group)
+
+    def _build(self, nccl_group: Optional[NcclGroup]) -> None:
+        """The NCCL group, kernels, buffers and warm-up of a checked geometry (collective)."""
         self._setup_nccl(nccl_group)
         self.row_bytes = self.row_dim * self.dtype.itemsize
         T, W, U = self.max_tokens, self.world_size, self.num_ubatches

@@ -149,6 +149,10 @@ class NcclLseReduce(NcclOp):
             timeout_ms=timeout_ms, algorithm=algorithm),
             "max_tokens, num_heads, head_dim, dtype, lse_base, return_lse, algorithm, "
             "num_ubatches", nccl_group, heap=heap)
+        self._build(nccl_group)
+
+    def _build(self, nccl_group: Optional[NcclGroup]) -> None:
+        """The NCCL group, kernels, buffers and warm-up of a checked geometry (collective)."""
         self._setup_nccl(nccl_group)
         W, T, U = self.world_size, self.max_tokens, self.num_ubatches
         H, D = self.num_heads, self.head_dim
@@ -162,7 +166,7 @@ class NcclLseReduce(NcclOp):
 
         def build():
             if self.algorithm == "all_to_all":
-                from .ops.lse_reduce import lse_combine  # noqa: WPS433 (the direct op's merge)
+                from ..ops.lse_reduce import lse_combine  # noqa: WPS433 (the direct op's merge)
 
                 self._combine = lse_combine
                 self._send_out = [self._alloc(T * H * D * isz) for _ in range(U)]

@@ -82,6 +82,10 @@ class NcclQGather(NcclOp):
             timeout_ms=timeout_ms), "max_tokens, heads_per_rank, head_dim, dtype, "
                                     "padded_num_heads, num_ubatches", nccl_group, heap=heap,
             multicast=multicast)
+        self._build(nccl_group)
+
+    def _build(self, nccl_group: Optional[NcclGroup]) -> None:
+        """The NCCL group, kernels, buffers and warm-up of a checked geometry (collective)."""
         self._setup_nccl(nccl_group)
         isz = self.dtype.itemsize
         self.row_bytes = self.heads_per_rank * self.head_dim * isz

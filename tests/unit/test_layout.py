@@ -84,6 +84,25 @@ def _layer(module: str) -> int:
     return best[0]
 
 
+def test_every_relative_import_names_a_module_of_the_package():
+    """A lazy ``from .x import y`` inside a function fails only when it runs (on a GPU, say):
+    every relative import must resolve to a module of dcpkit, or to a name of one."""
+    mods = _modules()
+    known = set(mods)
+    bad = []
+    for m, path in mods.items():
+        package = m if path.name == "__init__.py" else m.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+                if target not in known:
+                    bad.append(f"{m}:{node.lineno}: from {'.' * node.level}{node.module or ''} "
+                               f"-> {target}")
+    assert not bad, "\n".join(bad)
+
+
 def test_no_import_cycle():
     graph = _graph()
     # a package imports its own submodules (it re-exports them): not a cycle of the layout

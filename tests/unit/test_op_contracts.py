@@ -166,3 +166,50 @@ def test_a_failed_heap_leaves_auto_on_nccl_with_the_reason():
         assert "symmetric heap of the direct ops" in dcp.direct_reason[op]
         assert "CUDA_ERROR_OUT_OF_MEMORY" in dcp.direct_reason[op]
     dcp.close()
+
+
+# ----------------------------------------------------------------------------- prepare / from_checked
+def test_an_nccl_op_built_from_checked_arguments_makes_no_second_check_or_exchange(monkeypatch):
+    from dcpkit.nccl import NcclGroup
+    from dcpkit.nccl.base import CheckedArguments
+
+    kw = dict(max_tokens=8, heads_per_rank=2, head_dim=64, dtype="float16")
+    checked = NcclQGather.prepare(1, **kw)
+    assert isinstance(checked, CheckedArguments) and checked.cls is NcclQGather
+    assert checked.agreed == NcclQGather.check_arguments(1, **kw)
+    assert checked.geometry["num_heads"] == 2 and checked.geometry["max_tokens"] == 8
+    with pytest.raises(InvalidArgument, match="^q_gather: max_tokens must be >= 1"):
+        NcclQGather.prepare(2, **dict(kw, max_tokens=0))
+
+    exchanges = []
+    comm = Communicator(0, 1, allgather=lambda o: exchanges.append(o) or [o],
+                        broadcast=lambda o, root: o, barrier=lambda: None, backend="fake")
+    exchanges.clear()                          # the Communicator's own host exchange
+    built = []
+    monkeypatch.setattr(NcclQGather, "_build", lambda self, group: built.append(
+        (group, self.max_tokens, self.num_heads, self.dtype)))
+    group = NcclGroup.__new__(NcclGroup)
+    op = NcclQGather.from_checked(comm, checked, group)
+    assert built == [(group, 8, 2, np.dtype(np.float16))] and exchanges == []
+    assert op.comm is comm and op.world_size == 1
+    with pytest.raises(InvalidType, match=r"checked must come from NcclKVGather.prepare"):
+        NcclKVGather.from_checked(comm, checked, group)
+    with pytest.raises(InvalidType, match=r"nccl_group must be a dcpkit.nccl.NcclGroup"):
+        NcclQGather.from_checked(comm, checked, None)
+    with pytest.raises(InvalidArgument, match=r"checked world_size must be comm's 1 \(got 2\)"):
+        NcclQGather.from_checked(comm, NcclQGather.prepare(2, **kw), group)
+
+
+def test_dcpcomm_checks_each_nccl_op_once_and_builds_it_from_that_check():
+    seen = []
+
+    class Spy(FakeDCPComm):
+        def _build_nccl(self, op, group):
+            seen.append((op, self._nccl_checked[op].cls.op_name,
+                         self._nccl_checked[op].geometry["max_tokens"]))
+            return super()._build_nccl(op, group)
+
+    dcp = Spy(fake_comm(), nccl_max_tokens=32, **GEOM)
+    assert sorted(seen) == [("kv_gather", "kv_gather", 32), ("lse_reduce", "lse_reduce", 32),
+                            ("q_gather", "q_gather", 32)]
+    dcp.close()
