@@ -25,12 +25,13 @@ Backends.
   together (``fabric_refusal`` records why).
 * ``"nvshmem"``: the same interface over nvshmem4py (:mod:`dcpkit._nvshmem`).
 
-Setup is a transaction (:class:`dcpkit._setup.Transaction`): every step registers its undo, and after every
-step all ranks check that every rank succeeded (:func:`dcpkit._setup.share_outcome`). A failure anywhere
-unwinds everything everywhere, in reverse, and every rank raises: the failing rank its own
-error, the others :class:`~dcpkit.errors.PeerError` naming it. Arguments are checked before any
-driver call. Allocation and release are collective and explicit; garbage collection never frees
-a heap (it only warns).
+Setup is a transaction (:class:`dcpkit._setup.Transaction`): every step registers its undo,
+and after every step all ranks check that every rank succeeded
+(:func:`dcpkit._setup.share_outcome`). A failure anywhere unwinds everything everywhere, in
+reverse, and every rank raises: the failing rank its own error, the others
+:class:`~dcpkit.errors.PeerError` naming it. Arguments are checked before any driver call.
+Allocation and release are collective and explicit; garbage collection never frees a heap (it
+only warns).
 
 Multicast (``mc_ptr``) is used only as NOTE [dcpkit multicast guard] in
 :mod:`dcpkit.multicast` allows; otherwise ``mc_ptr`` is 0 and ``multicast_reason`` says why.
@@ -50,7 +51,8 @@ from . import _cuda, _fdpass
 from ._checks import check_comm, check_int, check_multicast, check_real
 from ._lifecycle import Resource
 from ._setup import Transaction, collective_step, run_undo
-from .errors import ClosedError, ConfigMismatch, CudaError, DcpkitError, InvalidArgument, InvalidType
+from .errors import (ClosedError, ConfigMismatch, CudaError, DcpkitError, InvalidArgument,
+                     InvalidType)
 from .multicast import MulticastObject, agree_multicast, multicast_decision, multicast_granularity
 
 __all__ = ["SymmetricHeap", "BACKENDS", "HANDLE_TYPES", "MAX_NBYTES"]
@@ -96,7 +98,8 @@ def _check_args(comm, nbytes, device, backend, handle_type, multicast, timeout_s
                               f"hosts (dcpkit maps peers with nvshmem_ptr, which needs one "
                               f"NVLink-connected host)")
     check_multicast(multicast, op)
-    if not 0 < check_real(timeout_s, op, "timeout_s", "a real number of seconds") <= 3600:  # NaN fails too
+    seconds = check_real(timeout_s, op, "timeout_s", "a real number of seconds")
+    if not 0 < seconds <= 3600:  # NaN fails too
         raise InvalidArgument(f"{op}: timeout_s must lie in (0, 3600] seconds (got {timeout_s!r})")
     # Dependencies last (argument errors first), still before any driver call: a missing
     # package on one rank raises there and PeerError on the others.

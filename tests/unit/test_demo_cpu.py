@@ -1,4 +1,4 @@
-"""CPU tests of ``python -m dcpkit demo`` (the package dcpkit/demo/): arguments and presets, the data
+"""CPU tests of ``python -m dcpkit demo`` (dcpkit/demo/): arguments and presets, the data
 layout (interleaved KV shards, de-interleaving the kv_gather result), the attention and rounding
 helpers on tiny NumPy inputs, the whole DCP decomposition simulated on the CPU, the verdict and
 the report, and the error paths on a machine without GPUs (in-process and under ``mpiexec``).

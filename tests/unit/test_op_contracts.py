@@ -60,7 +60,7 @@ def test_check_arguments_checks_multicast():
             cls.check_arguments(2, max_tokens=8, dtype="float16", multicast="x", **kw)
 
 
-# ----------------------------------------------------------------------------- NCCL heap=, multicast=
+# ----------------------------------------------------------------------------- NCCL heap=
 @pytest.mark.parametrize("build", [
     lambda c, **k: NcclQGather(c, max_tokens=4, heads_per_rank=2, head_dim=8, dtype="float16",
                                **k),
@@ -168,7 +168,7 @@ def test_a_failed_heap_leaves_auto_on_nccl_with_the_reason():
     dcp.close()
 
 
-# ----------------------------------------------------------------------------- prepare / from_checked
+# ----------------------------------------------------------------------------- from_checked
 def test_an_nccl_op_built_from_checked_arguments_makes_no_second_check_or_exchange(monkeypatch):
     from dcpkit.nccl import NcclGroup
     from dcpkit.nccl.base import CheckedArguments
