@@ -562,80 +562,17 @@ class SymmetricHeap(Resource):
 
     # ------------------------------------------------------------------ nvshmem backend
     def _setup_nvshmem(self, nbytes: int, use_mc: bool) -> None:
-        import cupy  # noqa: WPS433
-
         from . import _nvshmem  # noqa: WPS433
 
-        comm, rank, world, device = self.comm, self.rank, self.world_size, self.device
-        size = _round_up(nbytes, 512)
-        tx = Transaction(comm, "SymmetricHeap(nvshmem)")
-        box: dict = {}
-        try:
-            with cupy.cuda.Device(device):
-                cupy.cuda.runtime.free(0)
-                _nvshmem.init_collective(tx, comm, device, use_mc)
-
-                def alloc_step():
-                    box["buf"] = _nvshmem.allocate(size)
-
-                try:
-                    tx.step("nvshmem_alloc", alloc_step)
-                except BaseException:
-                    # nvshmem_free is collective: free only if every rank holds its buffer.
-                    try:
-                        held = comm.allgather("buf" in box)
-                        if all(held):
-                            _nvshmem.free(box["buf"])
-                        elif "buf" in box:
-                            log.warning("dcpkit SymmetricHeap rank %d: an NVSHMEM buffer of %d "
-                                        "bytes stays allocated: ranks %s failed to allocate "
-                                        "theirs, so no collective free is possible", rank, size,
-                                        [r for r, h in enumerate(held) if not h])
-                    except Exception as e:  # noqa: BLE001 - the original error matters more
-                        log.warning("dcpkit SymmetricHeap rank %d: freeing the NVSHMEM buffer "
-                                    "after a failed setup failed: %s", rank, e)
-                    raise
-                buf = box["buf"]
-                # Every rank allocated: the collective free is safe from here on.
-                tx.add_undo("nvshmem free", functools.partial(_nvshmem.free, buf))
-                local = _nvshmem.local_ptr(buf)
-
-                def peers_step():
-                    box["peers"] = [local if p == rank else _nvshmem.peer_ptr(buf, p)
-                                    for p in range(world)]
-
-                tx.step("nvshmem_peers", peers_step)
-
-                mc_ptr, mc_err = 0, None
-                if use_mc:
-                    try:
-                        mc_ptr = _nvshmem.multicast_ptr(buf)
-                    except Exception as e:  # noqa: BLE001 - multicast is optional
-                        mc_err = f"{type(e).__name__}: {e}"
-                    errs = comm.allgather(mc_err)
-                    failed = [r for r, m in enumerate(errs) if m]
-                    if failed:
-                        mc_ptr = 0
-                        self.multicast_reason = (
-                            f"multicast setup failed, using unicast: rank(s) {failed}: "
-                            + "; ".join(str(errs[r]) for r in failed))
-                        log.warning("dcpkit SymmetricHeap rank %d: %s", rank,
-                                    self.multicast_reason)
-
-                def zero_step():
-                    cupy.cuda.runtime.memset(local, 0, size)
-                    cupy.cuda.runtime.deviceSynchronize()
-
-                tx.step("zero", zero_step)
-        except BaseException:
-            tx.rollback()
-            raise
+        got = _nvshmem.setup_heap(self.comm, self.device, nbytes, use_mc)  # collective
+        if got.multicast_reason is not None:
+            self.multicast_reason = got.multicast_reason
         self.handle_type = "nvshmem"
-        self.nbytes = size
-        self.peer_ptrs = box["peers"]
-        self.local_ptr = local
-        self.mc_ptr = mc_ptr
-        self._undo = tx.commit()
+        self.nbytes = got.nbytes
+        self.peer_ptrs = got.peer_ptrs
+        self.local_ptr = got.local_ptr
+        self.mc_ptr = got.mc_ptr
+        self._undo = got.undo
 
     # ------------------------------------------------------------------ local use
     @property
