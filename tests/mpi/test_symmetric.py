@@ -4,8 +4,8 @@ Run with N = 2 and 4::
 
     mpirun -np N python -m pytest tests/mpi/test_symmetric.py -p no:cacheprovider -s
 
-The nvshmem tests need nvshmem4py (``pip install --no-deps .whl/nvshmem4py_cu13-*.whl`` on the
-GPU machine); without it they are skipped with that reason. Multicast is never created here:
+The nvshmem tests need nvshmem4py (the ``nvshmem`` extra on CUDA 12, ``nvshmem-cu13`` on
+CUDA 13); without it they are skipped with that reason. Multicast is never created here:
 every test runs with ``DCPKIT_DISABLE_MULTICAST=1`` added to the environment (the machine's own
 disabling variables stay as they are), and multicast tests only check that it stays off.
 
@@ -31,8 +31,7 @@ from _heap_checks import agree, free_bytes, open_fds, pattern_errors, run_checke
 NVSHMEM_SKIP = pytest.mark.skipif(
     not nvs.available(),
     reason="nvshmem4py is not importable here: install the 'nvshmem' extra (CUDA 12) or "
-           "'nvshmem-cu13' (CUDA 13), or on the GPU machine "
-           "`pip install --no-deps .whl/nvshmem4py_cu13-*.whl`")
+           "'nvshmem-cu13' (CUDA 13)")
 
 CYCLES = 200
 CYCLE_BYTES = 64 << 20
