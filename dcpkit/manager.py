@@ -669,6 +669,8 @@ class DCPComm(Resource):
             f"dtype={dtype_name(self.dtype)} num_ubatches={self.num_ubatches} "
             f"lse_base={'e' if self.lse_base == math.e else 2}",
             f"  topology: {getattr(self, 'topology_reason', None) or 'one NVLink domain'}",
+            "  heap: " + (f"one SymmetricHeap of {self.heap.nbytes} bytes shared by the direct ops"
+                          if self.heap is not None else "none (no direct op)"),
             "  nccl: " + (f"available (nccl_max_tokens={self.nccl_max_tokens}, lse_reduce "
                             f"algorithm {self.nccl_lse_algorithm!r})"
                             if self.nccl_reason is None else f"unavailable: {self.nccl_reason}"),

@@ -575,7 +575,6 @@ class LseReduce(OpWorkspace):
         self._fn[plan.lse.dtype](self._grids[T], _BLOCK, args, shared_mem=0, stream=stream)
         return res if lse_res is None else (res, lse_res)
 
-
     # ------------------------------------------------------------------ what the op accepts
     @classmethod
     def check_arguments(cls, world_size: int, **constructor_keywords) -> Tuple:
@@ -622,6 +621,7 @@ class LseReduce(OpWorkspace):
                 if not _c_contiguous(i) or i.ptr % (16 if name == "out" else 4):
                     return False
         return True
+
 
 # ----------------------------------------------------------------------------- local merge
 class _CombinePlan(NamedTuple):

@@ -142,6 +142,7 @@ def test_dcpcomm_builds_one_heap_for_its_three_direct_ops():
                for cls, kw in (dcp._direct_spec(op) for op in ("q_gather", "lse_reduce",
                                                                "kv_gather"))]
     assert dcp.heap_nbytes == sum(-(-r // 256) * 256 for r in regions)
+    assert "heap: one SymmetricHeap" in dcp.describe()
     heap = dcp.heap
     dcp.close()
     assert heap.closed and dcp.heap is None

@@ -207,7 +207,9 @@ class FakeDCPComm(DCPComm):
 
     def _build_heap(self, nbytes):
         self.heap_nbytes = nbytes
-        return FakeOp("heap", "direct")
+        heap = FakeOp("heap", "direct")
+        heap.nbytes = nbytes
+        return heap
 
     def _build_direct(self, op):
         if self.direct_error is not None:
