@@ -7,8 +7,8 @@ from typing import List, NamedTuple, Optional, Tuple
 
 from .. import _cuda
 from .._arrays import ArrayInfo, array_info, check_device, check_dtype, check_shape
-from .._checks import (INT32_MAX, check_comm, check_constructor_keywords, check_multicast,
-                       check_positive_int, check_timeout_ms, check_ubatch, resolve_stream)
+from .._checks import (INT32_MAX, check_comm, check_multicast, check_positive_int,
+                       check_timeout_ms, check_ubatch, resolve_stream)
 from .._lifecycle import Resource
 from .._setup import collective_step, debug_enabled, guarded
 from .._strided import copy_arrays, load_copy_kernels
@@ -114,7 +114,7 @@ class NcclOp(Resource):
         InvalidArgument, InvalidType
             As the constructor, with the same messages.
         """
-        return check_constructor_keywords(cls, world_size, constructor_keywords, SymmetricHeap)
+        return cls.prepare(world_size, **constructor_keywords).agreed
 
     @classmethod
     def prepare(cls, world_size: int, **constructor_keywords) -> "CheckedArguments":
@@ -124,10 +124,13 @@ class NcclOp(Resource):
         every op's keywords inside its one agreed exchange, then builds each op from what was
         checked, without a second check or a second exchange.
         """
-        agreed = cls.check_arguments(world_size, **constructor_keywords)
-        keywords = {k: v for k, v in constructor_keywords.items()
-                    if k not in ("heap", "multicast", "nccl_group")}
-        return CheckedArguments(cls, agreed, cls._check_geometry(int(world_size), **keywords)[1])
+        op = cls.op_name
+        keywords = dict(constructor_keywords)
+        check_heap_type(keywords.pop("heap", None), op)
+        check_multicast(keywords.pop("multicast", None), op)
+        keywords.pop("nccl_group", None)  # checked by the constructor, against the group
+        W = check_positive_int(world_size, op, "world_size")
+        return CheckedArguments(cls, *cls._check_geometry(W, **keywords))
 
     @classmethod
     def from_checked(cls, comm: Communicator, checked: "CheckedArguments",
