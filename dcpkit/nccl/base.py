@@ -50,7 +50,10 @@ class NcclOp(Resource):
     """
 
     op_name = "op"
-    _unclosed_hint = "call close() on every rank"
+
+    @property
+    def _resource_name(self) -> str:  # the name in the unclosed-resource warning
+        return f"{self.op_name} (nccl)"
     path = PATH_NCCL
     algorithm = ""
     multicast = False
