@@ -290,8 +290,10 @@ class DCPComm(Resource):
             return QGather, dict(heads_per_rank=self.heads_per_rank, head_dim=self.q_head_dim,
                                  **common)
         if op == "lse_reduce":
+            # return_lse as asked: a merged lse nobody reads would take a graph output buffer
+            # of the op's bounded pool for every call captured with out= alone.
             return LseReduce, dict(num_heads=self.num_heads, head_dim=self.v_head_dim,
-                                   lse_base=self.lse_base, return_lse=True, **common)
+                                   lse_base=self.lse_base, return_lse=self.return_lse, **common)
         return KVGather, dict(row_dim=self.kv_row_dim, **common)
 
     def _nccl_spec(self, op: str):
@@ -645,9 +647,13 @@ class DCPComm(Resource):
                 out=array_info(out, name, "out"))
             l_fix = out_lse is not None and not direct.accepts_layout(
                 out_lse=array_info(out_lse, name, "out_lse"))
-            res, lse = direct(out_partial, lse_partial, stream=stream,
-                                           out=None if o_fix else out,
-                                           out_lse=None if l_fix else out_lse, **kw)
+            lse_tmp = None
+            if l_fix and not self.return_lse:  # the op needs an out_lse it can write
+                lse_tmp = self._normalised(out_lse, array_info(out_lse, name, "out_lse"), False,
+                                           "out_lse", op, stream)
+            r = direct(out_partial, lse_partial, stream=stream, out=None if o_fix else out,
+                       out_lse=lse_tmp if l_fix else out_lse, **kw)
+            res, lse = r if want_lse else (r, None)
             if o_fix:
                 self._copy_out(out, res, stream)
                 res = out

@@ -16,18 +16,18 @@ from ._common import (
 )
 from ._workspaces import (
     KV_GATHER_DTYPES,
-    _dtype_in,
-    _positive,
-    _rows_aligned,
-    _ubatches,
-    _Workspace,
+    dtype_in,
+    positive,
+    rows_aligned,
+    check_ubatches,
+    Workspace,
 )
 
 __all__ = ["DirectDCPQGatherWorkspace", "DirectDCPKVGatherWorkspace"]
 
 
 # ----------------------------------------------------------------------------- q gather
-class DirectDCPQGatherWorkspace(_Workspace):
+class DirectDCPQGatherWorkspace(Workspace):
     """The DCP query gather: every rank gets the query heads of all ranks, one direct kernel per
     call (:class:`dcpkit.ops.QGather`), into a persistent buffer.
 
@@ -92,11 +92,11 @@ class DirectDCPQGatherWorkspace(_Workspace):
         what = self._what
 
         def check(W: int):
-            U = _ubatches(what, num_ubatches)
+            U = check_ubatches(what, num_ubatches)
             T = check_int(max_num_tokens, what, "max_num_tokens")
             H_r = check_int(heads_per_rank, what, "heads_per_rank")
             D = check_int(head_dim, what, "head_dim")
-            _positive(what, T=T, H=H_r, D=D)
+            positive(what, T=T, H=H_r, D=D)
             dt = resolve_torch_dtype(dtype, what)
             if movable_view_dtype(dt) is None:
                 raise UnsupportedDtype(
@@ -214,7 +214,7 @@ class DirectDCPQGatherWorkspace(_Workspace):
                 f"{self.max_num_tokens} (got {T})"
             )
         if T:
-            _rows_aligned(what, "local_query", local_query, H_r)
+            rows_aligned(what, "local_query", local_query, H_r)
         output = self._torch.as_strided(self.final_query[u], (T, H, D), (H * D, D, 1))
         if T:
             vd = self._view_dtype
@@ -224,7 +224,7 @@ class DirectDCPQGatherWorkspace(_Workspace):
 
 
 # ----------------------------------------------------------------------------- kv gather
-class DirectDCPKVGatherWorkspace(_Workspace):
+class DirectDCPKVGatherWorkspace(Workspace):
     """The chunked-context KV gather: every rank gets every rank's KV rows, rank-major, written
     into the caller's tensor; one direct kernel per call (:class:`dcpkit.ops.KVGather`).
 
@@ -281,11 +281,11 @@ class DirectDCPKVGatherWorkspace(_Workspace):
 
         def check(W: int):
             dt = resolve_torch_dtype(dtype, what)
-            _dtype_in(what, dt, KV_GATHER_DTYPES)
-            U = _ubatches(what, num_ubatches)
+            dtype_in(what, dt, KV_GATHER_DTYPES)
+            U = check_ubatches(what, num_ubatches)
             T = check_int(max_gathered_tokens, what, "max_gathered_tokens")
             D = check_int(token_dim, what, "token_dim")
-            _positive(what, T=T, D=D)
+            positive(what, T=T, D=D)
             if (D * dt.itemsize) % 16:
                 raise InvalidGeometry(
                     f"{what}: KV rows must be 16-byte aligned: token_dim * "

@@ -13,7 +13,7 @@ from __future__ import annotations
 from ..errors import InvalidArgument
 from ._collectives import merge_weights, natural_lse, to_base, weighted
 from ._common import check_bool, check_masks, check_tensor
-from ._workspaces import _on_device
+from ._workspaces import on_device
 
 __all__ = ["CollectivePaths"]
 
@@ -170,7 +170,7 @@ class CollectivePaths:
         from ..torch import cupy_stream, to_cupy
 
         idx = self.device.index
-        with _on_device(idx):
+        with on_device(idx):
             lse_combine(
                 to_cupy(src_out.contiguous(), name="src_out"),
                 to_cupy(src_lse.contiguous(), name="src_lse"),

@@ -40,7 +40,7 @@ KV_GATHER_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
 
 
 @contextlib.contextmanager
-def _on_device(index: int):
+def on_device(index: int):
     """CuPy's current device set to ``index`` for a dcpkit constructor (which builds on the
     current device). Where CuPy or the device is missing, nothing is set: the constructor then
     raises its own clear error, on every rank."""
@@ -59,14 +59,14 @@ def _on_device(index: int):
             dev.__exit__(None, None, None)
 
 
-def _positive(what: str, **dims) -> None:
+def positive(what: str, **dims) -> None:
     bad = {k: v for k, v in dims.items() if v < 1}
     if bad:
         got = ", ".join(f"{k}={v}" for k, v in dims.items())
         raise InvalidGeometry(f"{what}: dimensions must be positive (got {got})")
 
 
-def _ubatches(what: str, num_ubatches) -> int:
+def check_ubatches(what: str, num_ubatches) -> int:
     u = check_int(num_ubatches, what, "num_ubatches")
     if u < 1:
         raise InvalidGeometry(
@@ -75,13 +75,13 @@ def _ubatches(what: str, num_ubatches) -> int:
     return u
 
 
-def _dtype_in(what: str, dtype, names) -> None:
+def dtype_in(what: str, dtype, names) -> None:
     if str(dtype).replace("torch.", "") not in names:
         want = ", ".join(f"torch.{n}" for n in names)
         raise UnsupportedDtype(f"{what}: dtype must be one of [{want}] (got {dtype})")
 
 
-def _rows_aligned(what: str, name: str, t, heads: int) -> None:
+def rows_aligned(what: str, name: str, t, heads: int) -> None:
     """Elements contiguous, head stride = head_dim, pointer and strides multiples of 16 bytes
     (what the direct kernels read in place)."""
     isz = t.element_size()
@@ -104,7 +104,7 @@ def _rows_aligned(what: str, name: str, t, heads: int) -> None:
         )
 
 
-class _Workspace:
+class Workspace:
     """What the three share: the group, the device, ubatch slots, one dcpkit op, ``close()``."""
 
     _what = "workspace"
@@ -149,7 +149,7 @@ class _Workspace:
         """Build the dcpkit op on this workspace's GPU (collective) and its torch front end."""
         from ..torch import TorchOps
 
-        with _on_device(self.device.index):
+        with on_device(self.device.index):
             self._op = build()
         self._ops = TorchOps(self._op)
         self._closed = False
@@ -188,7 +188,7 @@ class _Workspace:
 
 
 # ----------------------------------------------------------------------------- A2A combine
-class DirectDCPA2AWorkspace(_Workspace):
+class DirectDCPA2AWorkspace(Workspace):
     """The DCP output combine: all-to-all of partial attention plus the exact LSE merge, one
     direct kernel per call (:class:`dcpkit.ops.LseReduce`).
 
@@ -262,12 +262,12 @@ class DirectDCPA2AWorkspace(_Workspace):
 
         def check(W: int):
             dt = resolve_torch_dtype(dtype, what)
-            _dtype_in(what, dt, A2A_DTYPES)
-            U = _ubatches(what, num_ubatches)
+            dtype_in(what, dt, A2A_DTYPES)
+            U = check_ubatches(what, num_ubatches)
             T = check_int(max_num_tokens, what, "max_num_tokens")
             H_r = check_int(heads_per_rank, what, "heads_per_rank")
             D = check_int(head_dim, what, "head_dim")
-            _positive(what, T=T, H=H_r, D=D)
+            positive(what, T=T, H=H_r, D=D)
             if (D * dt.itemsize) % 16:
                 raise InvalidGeometry(
                     f"{what}: head_dim * itemsize must be a multiple of 16 "
@@ -378,7 +378,7 @@ class DirectDCPA2AWorkspace(_Workspace):
                 f"{self.max_num_tokens} (got {T})"
             )
         if T:
-            _rows_aligned(what, "partial_output", partial_output, H)
+            rows_aligned(what, "partial_output", partial_output, H)
         check_tensor(
             partial_lse,
             what,

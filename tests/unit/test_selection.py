@@ -138,10 +138,11 @@ class FakeStream:
 class FakeOp:
     """Stands in for a direct or NCCL op: records every call, returns a marker."""
 
-    def __init__(self, name, kind, transport="unicast"):
+    def __init__(self, name, kind, transport="unicast", return_lse=True):
         self.op_name = name
         self.kind = kind
         self.transport = transport
+        self.return_lse = return_lse  # lse_reduce: like the real ops, a pair only when asked
         self.calls = []
         self.closed = False
         self.device = 0
@@ -152,6 +153,8 @@ class FakeOp:
         res = out if out is not None else ("result", self.kind, self.op_name)
         if self.op_name == "lse_reduce":
             lse = kw.get("out_lse")
+            if lse is None and not self.return_lse:
+                return res
             return res, (lse if lse is not None else ("lse", self.kind))
         return res
 
@@ -214,7 +217,7 @@ class FakeDCPComm(DCPComm):
     def _build_direct(self, op):
         if self.direct_error is not None:
             raise self.direct_error
-        return FakeOp(op, "direct", self.transport)
+        return FakeOp(op, "direct", self.transport, return_lse=self.return_lse)
 
     def _build_nccl_group(self):
         if self.nccl_error is not None:
@@ -862,3 +865,13 @@ def test_world_size_past_the_direct_merge_goes_to_nccl():
     assert dcp.direct_reason["lse_reduce"].startswith("world_size must be <= 64")
     assert dcp.direct_reason["q_gather"] is None
     dcp.close()
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_direct_lse_reduce_is_built_with_return_lse_as_asked(return_lse):
+    """A merged lse nobody asked for would take a graph output buffer of the direct op's
+    bounded pool for every call captured with out= alone (the demo's graph of 20 layers ran
+    out of them): DCPComm builds the direct op with the caller's return_lse."""
+    dcp = FakeDCPComm(fake_comm(), return_lse=return_lse, **GEOM)
+    _, kw = dcp._direct_spec("lse_reduce")
+    assert kw["return_lse"] is return_lse
