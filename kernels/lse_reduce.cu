@@ -34,7 +34,8 @@ namespace lse_detail {
 constexpr int kThreads = 256;                 // block size of both kernels (host: THREADS)
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxSources = 64;               // world_size limit of the merge (host checks)
-constexpr int kSendBatch = 4;                 // 16-byte vectors per lane in flight when sending
+constexpr int kSendRows = 4;                  // rows of one warp in flight when sending
+constexpr int kSendBatch = 2;                 // 16-byte vectors per lane and row per send step
 constexpr int kItemsPerWarp = 4;              // merge items (t, h) of one warp in flight
 constexpr int kSrcBatch = 2;                  // sources per merge step (loads in flight per
                                               // lane: kItemsPerWarp * kSrcBatch)
@@ -57,20 +58,46 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Whether token row t is empty on this rank: padding (t >= query_start_loc[S]) or a row of a
-// request whose local KV length is 0. Without query_start_loc nothing is masked; without seq_lens
-// only padding is. The request of t is the last r with query_start_loc[r] <= t (rows before
-// query_start_loc[0] belong to no request), as in reference._valid_rows.
-__device__ __forceinline__ bool row_masked(int t, const int* seq_lens, const int* qsl, int S) {
-  if (qsl == nullptr) return false;
-  if (t >= qsl[S]) return true;
-  if (seq_lens == nullptr) return false;
-  int lo = 0, hi = S;  // first index in [0, S] with qsl[index] > t (qsl[S] > t)
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (qsl[mid] > t) hi = mid; else lo = mid + 1;
+// Whether token rows t[0..R) are empty on this rank: padding (t >= query_start_loc[S]) or a row
+// of a request whose local KV length is 0. Without query_start_loc nothing is masked; without
+// seq_lens only padding is. The request of t is the last r with query_start_loc[r] <= t (rows
+// before query_start_loc[0] belong to no request), as in reference._valid_rows: the search finds
+// the first index in [0, S] with query_start_loc[index] > t (query_start_loc[S] > t). It is
+// branchless with a trip count that depends on S only, so the loads of the R searches of a warp
+// are in flight together (ceil(log2(S + 1)) + 1 dependent rounds for all R rows, not per row).
+template <int R>
+__device__ __forceinline__ void rows_masked(const int (&t)[R], const int* seq_lens,
+                                            const int* qsl, int S, bool (&masked)[R]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) masked[r] = false;
+  if (qsl == nullptr) return;
+  const int end = __ldg(qsl + S);
+  int base[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) base[r] = 0;
+  if (seq_lens != nullptr) {
+    // upper bound of t in qsl[0 .. S] (S + 1 sorted entries)
+    for (int n = S + 1; n > 1;) {
+      const int half = n >> 1;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (__ldg(qsl + base[r] + half) <= t[r]) base[r] += half;
+      }
+      n -= half;
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (__ldg(qsl + base[r]) <= t[r]) base[r] += 1;
+    }
   }
-  return lo > 0 && seq_lens[lo - 1] == 0;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (t[r] >= end) {
+      masked[r] = true;
+    } else if (seq_lens != nullptr) {
+      masked[r] = base[r] > 0 && __ldg(seq_lens + base[r] - 1) == 0;
+    }
+  }
 }
 
 // The merge, shared by both kernels. Items (t, h) in [0, T*H_r) go in groups of kItemsPerWarp
@@ -246,47 +273,69 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
                                   query_start_loc != nullptr, seq_lens != nullptr);
 
   // 1. Send. Row i -> destination d (ranks start on different destinations), token t, head h.
+  // A warp takes kSendRows of its rows (i, i + nwarps, ...) at once: their first payload
+  // loads, destination pointers, lse values and masks are all issued before the first store.
   const int rows = dead ? 0 : W * T * H_r;
-  for (int i = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x >> 5);
-       i < rows; i += nwarps) {
-    const int d = (rank + 1 + i % W) % W;
-    const int j = i / W;
-    const int t = j / H_r;
-    const int h = j - t * H_r;
-    const long long hg = static_cast<long long>(d) * H_r + h;
-    const char* in_row = reinterpret_cast<const char*>(
-        out_partial + static_cast<long long>(t) * in_tok_stride + hg * in_head_stride);
-    // The first loads are issued before the lse is known (the row is valid memory either way).
-    uint4 r[kSendBatch];
+  for (int i0 = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x >> 5);
+       i0 < rows; i0 += nwarps * kSendRows) {
+    const char* in_row[kSendRows];
+    char* base[kSendRows];
+    int t[kSendRows];
+    u64 srow[kSendRows];
+    float l[kSendRows];
+    uint4 r[kSendRows][kSendBatch];
 #pragma unroll
-    for (int u = 0; u < kSendBatch; ++u) {
-      const int v = lane + u * 32;
-      if (v < nvec) r[u] = ld16_nc(in_row + static_cast<u64>(v) * 16);
+    for (int q = 0; q < kSendRows; ++q) {
+      const int i = i0 + q * nwarps;
+      const int ii = i < rows ? i : i0;  // past the end: a copy of row i0, never stored
+      const int d = (rank + 1 + ii % W) % W;
+      const int j = ii / W;
+      t[q] = j / H_r;
+      const int h = j - t[q] * H_r;
+      const long long hg = static_cast<long long>(d) * H_r + h;
+      in_row[q] = reinterpret_cast<const char*>(
+          out_partial + static_cast<long long>(t[q]) * in_tok_stride + hg * in_head_stride);
+      // The first loads are issued before the lse is known (the row is valid memory either way).
+#pragma unroll
+      for (int u = 0; u < kSendBatch; ++u) {
+        const int v = lane + u * 32;
+        if (v < nvec) r[q][u] = ld16_nc(in_row[q] + static_cast<u64>(v) * 16);
+      }
+      base[q] = reinterpret_cast<char*>(__ldg(peer_data + d)) + slot_off;
+      srow[q] = (static_cast<u64>(rank) * T_max + t[q]) * H_r + h;
+      l[q] = to_float(lse_partial[static_cast<long long>(t[q]) * lse_tok_stride +
+                                  hg * lse_head_stride]) * lse_scale;
     }
-    float l = to_float(lse_partial[static_cast<long long>(t) * lse_tok_stride +
-                                   hg * lse_head_stride]) * lse_scale;
-    l = sanitize_lse(l);
-    if (row_masked(t, seq_lens, query_start_loc, num_requests)) l = neg_inf();
-    char* base = reinterpret_cast<char*>(peer_data[d]) + slot_off;
-    const u64 srow = (static_cast<u64>(rank) * T_max + t) * H_r + h;
-    if (l != neg_inf()) {
-      char* dst = base + srow * row_bytes;
-      for (int v0 = lane;;) {
+    bool masked[kSendRows];
+    rows_masked<kSendRows>(t, seq_lens, query_start_loc, num_requests, masked);
+#pragma unroll
+    for (int q = 0; q < kSendRows; ++q) {
+      if (i0 + q * nwarps >= rows) break;  // warp-uniform
+      const float lq = masked[q] ? neg_inf() : sanitize_lse(l[q]);
+      if (lq != neg_inf()) {
+        char* dst = base[q] + srow[q] * row_bytes;
 #pragma unroll
         for (int u = 0; u < kSendBatch; ++u) {
-          const int v = v0 + u * 32;
-          if (v < nvec) st16(dst + static_cast<u64>(v) * 16, r[u]);
+          const int v = lane + u * 32;
+          if (v < nvec) st16(dst + static_cast<u64>(v) * 16, r[q][u]);
         }
-        v0 += 32 * kSendBatch;
-        if (v0 >= nvec) break;
+        // Rows longer than kSendBatch vectors per lane: the rest, kSendBatch vectors at a time.
+        for (int v0 = lane + 32 * kSendBatch; v0 < nvec; v0 += 32 * kSendBatch) {
+          uint4 x[kSendBatch];
 #pragma unroll
-        for (int u = 0; u < kSendBatch; ++u) {
-          const int v = v0 + u * 32;
-          if (v < nvec) r[u] = ld16_nc(in_row + static_cast<u64>(v) * 16);
+          for (int u = 0; u < kSendBatch; ++u) {
+            const int v = v0 + u * 32;
+            if (v < nvec) x[u] = ld16_nc(in_row[q] + static_cast<u64>(v) * 16);
+          }
+#pragma unroll
+          for (int u = 0; u < kSendBatch; ++u) {
+            const int v = v0 + u * 32;
+            if (v < nvec) st16(dst + static_cast<u64>(v) * 16, x[u]);
+          }
         }
       }
+      if (lane == 0) reinterpret_cast<float*>(base[q] + lse_offset)[srow[q]] = lq;
     }
-    if (lane == 0) reinterpret_cast<float*>(base + lse_offset)[srow] = l;
   }
 
   // 2. Arrive, elect, publish (NOTE [dcpkit epoch signalling], steps 2 and 4).
