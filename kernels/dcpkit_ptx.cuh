@@ -543,6 +543,25 @@ __device__ __forceinline__ u32 claim_work(const Proto& p, int slot) {
   __syncthreads();
   return s_claim;
 }
+// The same claim in two halves, so that the atomic's round trip overlaps the work of the unit in
+// hand: claim_issue (thread 0 takes the next unit; its value is not waited for yet), then, after
+// the unit in hand, claim_publish hands that value to the whole CTA. A CTA processes every unit it
+// claims (the loop runs while the claim is < the unit count), so no unit is lost.
+//   for (u32 c = claim_work(p, slot); c < units;) {
+//     const u32 next = claim_issue(p, slot);
+//     ... unit c ...
+//     c = claim_publish(next);
+//   }
+__device__ __forceinline__ u32 claim_issue(const Proto& p, int slot) {
+  return threadIdx.x == 0 ? atomicAdd(p.work + slot, 1u) : 0u;
+}
+__device__ __forceinline__ u32 claim_publish(u32 mine) {
+  __shared__ u32 s_next;
+  __syncthreads();  // every thread has read the previous claim
+  if (threadIdx.x == 0) s_next = mine;
+  __syncthreads();
+  return s_next;
+}
 
 // 0xFF bytes over `rows` rows of `row_vecs` 16-byte vectors (row stride `stride` bytes), shared
 // by CTAs [0, ncta) of which this is `cta`: the poison pattern (NaN in every float dtype).

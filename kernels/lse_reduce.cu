@@ -356,11 +356,12 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   // The combine, in units of kUnitItems items claimed from the call's work counter.
   const char* own = reinterpret_cast<const char*>(peer_data[rank]) + slot_off;
   const int units = (T * H_r + kUnitItems - 1) / kUnitItems;
-  for (int c = static_cast<int>(claim_work(P, slot)); c < units;
-       c = static_cast<int>(claim_work(P, slot))) {
+  for (int c = static_cast<int>(claim_work(P, slot)); c < units;) {
+    const u32 next = claim_issue(P, slot);  // in flight while unit c is combined
     combine_rows<OUT_T>(own, static_cast<u64>(T_max) * H_r * row_bytes,
                         reinterpret_cast<const float*>(own + lse_offset),
                         static_cast<u64>(T_max) * H_r, W, T, H_r, D_v, out, out_lse, c, units);
+    c = static_cast<int>(claim_publish(next));
   }
 }
 
