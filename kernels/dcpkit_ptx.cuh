@@ -495,8 +495,10 @@ __device__ __forceinline__ int arrive_and_publish(const Proto& p, u64 e, int slo
       if (TR == Transport::Multicast) {
         multimem_st_relaxed_sys_u64(p.mc_sig + slot * p.world + p.rank, word);
       } else {
-        for (int j = 1; j <= p.world; ++j) {  // peers first, this rank last
-          const int d = (p.rank + j) % p.world;
+        // Peers first (rank + 1, rank + 2, ... wrapping), this rank last; no division.
+        int d = p.rank;
+        for (int j = 1; j <= p.world; ++j) {
+          d = (d + 1 == p.world) ? 0 : d + 1;
           u64* dst = reinterpret_cast<u64*>(p.peer_sig[d]) + slot * p.world + p.rank;
           st_relaxed_sys_u64(dst, word);
         }
