@@ -468,6 +468,8 @@ __device__ __forceinline__ bool wait_all_sources(const Proto& p, int slot, u32 e
 // exit without waiting). K = min(gridDim.x, k_waiters), k_waiters >= 1; the elected CTA is
 // waiter K - 1. `published` (meaningful in the elected CTA only): false when the elected CTA
 // found the workspace poisoned and stored no signal.
+// Destinations whose signal address arrive_and_publish reads before the arrival.
+constexpr int kSigPrefetch = 8;
 template <Transport TR>
 __device__ __forceinline__ int arrive_and_publish(const Proto& p, u64 e, int slot, u32 fp,
                                                   u32 k_waiters, bool& published) {
@@ -477,6 +479,21 @@ __device__ __forceinline__ int arrive_and_publish(const Proto& p, u64 e, int slo
   if (threadIdx.x == 0) {
     const u32 n = gridDim.x;
     const u32 k = k_waiters < n ? k_waiters : n;
+    // The signal addresses of the first kSigPrefetch destinations (peers first, this rank last),
+    // read from the constant peer table before the arrival so that their latency overlaps the
+    // atom's round trip instead of following the fence (plain loads of a table no one writes
+    // during the call: no ordering is involved). Every CTA's thread 0 reads them; only the
+    // elected one uses them.
+    u64 sig_pre[kSigPrefetch];
+    int d_pre = p.rank;
+#pragma unroll
+    for (int j = 0; j < kSigPrefetch; ++j) {
+      sig_pre[j] = 0ull;
+      if (TR == Transport::Unicast && j < p.world) {
+        d_pre = (d_pre + 1 == p.world) ? 0 : d_pre + 1;
+        sig_pre[j] = p.peer_sig[d_pre];
+      }
+    }
     const u32 prev = atom_add_acq_rel_gpu(p.arrive, 1u);
     s_published = 0;
     if (prev == n - 1u) {
@@ -495,9 +512,17 @@ __device__ __forceinline__ int arrive_and_publish(const Proto& p, u64 e, int slo
       if (TR == Transport::Multicast) {
         multimem_st_relaxed_sys_u64(p.mc_sig + slot * p.world + p.rank, word);
       } else {
-        // Peers first (rank + 1, rank + 2, ... wrapping), this rank last; no division.
-        int d = p.rank;
-        for (int j = 1; j <= p.world; ++j) {
+        // Peers first (rank + 1, rank + 2, ... wrapping), this rank last; no division. The
+        // first kSigPrefetch addresses were read before the arrival.
+#pragma unroll
+        for (int j = 0; j < kSigPrefetch; ++j) {
+          if (j < p.world) {
+            st_relaxed_sys_u64(reinterpret_cast<u64*>(sig_pre[j]) + slot * p.world + p.rank,
+                               word);
+          }
+        }
+        int d = d_pre;
+        for (int j = kSigPrefetch; j < p.world; ++j) {
           d = (d + 1 == p.world) ? 0 : d + 1;
           u64* dst = reinterpret_cast<u64*>(p.peer_sig[d]) + slot * p.world + p.rank;
           st_relaxed_sys_u64(dst, word);
