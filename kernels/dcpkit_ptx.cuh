@@ -468,6 +468,8 @@ __device__ __forceinline__ bool wait_all_sources(const Proto& p, int slot, u32 e
 // exit without waiting). K = min(gridDim.x, k_waiters), k_waiters >= 1; the elected CTA is
 // waiter K - 1. `published` (meaningful in the elected CTA only): false when the elected CTA
 // found the workspace poisoned and stored no signal.
+// Destinations whose signal address arrive_and_publish reads before the arrival.
+constexpr int kSigPrefetch = 8;
 template <Transport TR>
 __device__ __forceinline__ int arrive_and_publish(const Proto& p, u64 e, int slot, u32 fp,
                                                   u32 k_waiters, bool& published) {
@@ -477,6 +479,21 @@ __device__ __forceinline__ int arrive_and_publish(const Proto& p, u64 e, int slo
   if (threadIdx.x == 0) {
     const u32 n = gridDim.x;
     const u32 k = k_waiters < n ? k_waiters : n;
+    // The signal addresses of the first kSigPrefetch destinations (peers first, this rank last),
+    // read from the constant peer table before the arrival so that their latency overlaps the
+    // atom's round trip instead of following the fence (plain loads of a table no one writes
+    // during the call: no ordering is involved). Every CTA's thread 0 reads them; only the
+    // elected one uses them.
+    u64 sig_pre[kSigPrefetch];
+    int d_pre = p.rank;
+#pragma unroll
+    for (int j = 0; j < kSigPrefetch; ++j) {
+      sig_pre[j] = 0ull;
+      if (TR == Transport::Unicast && j < p.world) {
+        d_pre = (d_pre + 1 == p.world) ? 0 : d_pre + 1;
+        sig_pre[j] = p.peer_sig[d_pre];
+      }
+    }
     const u32 prev = atom_add_acq_rel_gpu(p.arrive, 1u);
     s_published = 0;
     if (prev == n - 1u) {
@@ -495,8 +512,18 @@ __device__ __forceinline__ int arrive_and_publish(const Proto& p, u64 e, int slo
       if (TR == Transport::Multicast) {
         multimem_st_relaxed_sys_u64(p.mc_sig + slot * p.world + p.rank, word);
       } else {
-        for (int j = 1; j <= p.world; ++j) {  // peers first, this rank last
-          const int d = (p.rank + j) % p.world;
+        // Peers first (rank + 1, rank + 2, ... wrapping), this rank last; no division. The
+        // first kSigPrefetch addresses were read before the arrival.
+#pragma unroll
+        for (int j = 0; j < kSigPrefetch; ++j) {
+          if (j < p.world) {
+            st_relaxed_sys_u64(reinterpret_cast<u64*>(sig_pre[j]) + slot * p.world + p.rank,
+                               word);
+          }
+        }
+        int d = d_pre;
+        for (int j = kSigPrefetch; j < p.world; ++j) {
+          d = (d + 1 == p.world) ? 0 : d + 1;
           u64* dst = reinterpret_cast<u64*>(p.peer_sig[d]) + slot * p.world + p.rank;
           st_relaxed_sys_u64(dst, word);
         }
@@ -542,6 +569,25 @@ __device__ __forceinline__ u32 claim_work(const Proto& p, int slot) {
   if (threadIdx.x == 0) s_claim = atomicAdd(p.work + slot, 1u);
   __syncthreads();
   return s_claim;
+}
+// The same claim in two halves, so that the atomic's round trip overlaps the work of the unit in
+// hand: claim_issue (thread 0 takes the next unit; its value is not waited for yet), then, after
+// the unit in hand, claim_publish hands that value to the whole CTA. A CTA processes every unit it
+// claims (the loop runs while the claim is < the unit count), so no unit is lost.
+//   for (u32 c = claim_work(p, slot); c < units;) {
+//     const u32 next = claim_issue(p, slot);
+//     ... unit c ...
+//     c = claim_publish(next);
+//   }
+__device__ __forceinline__ u32 claim_issue(const Proto& p, int slot) {
+  return threadIdx.x == 0 ? atomicAdd(p.work + slot, 1u) : 0u;
+}
+__device__ __forceinline__ u32 claim_publish(u32 mine) {
+  __shared__ u32 s_next;
+  __syncthreads();  // every thread has read the previous claim
+  if (threadIdx.x == 0) s_next = mine;
+  __syncthreads();
+  return s_next;
 }
 
 // 0xFF bytes over `rows` rows of `row_vecs` 16-byte vectors (row stride `stride` bytes), shared

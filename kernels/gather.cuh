@@ -191,7 +191,8 @@ __device__ __forceinline__ void gather_collect(const Proto& P, const u64* peer_d
   const u32 per_unit = blockDim.x * static_cast<u32>(kGatherUnroll);
   const u32 units_per_src = (n + per_unit - 1u) / per_unit;
   const u32 units = units_per_src * (W - 1u);
-  for (u32 c = claim_work(P, slot); c < units; c = claim_work(P, slot)) {
+  for (u32 c = claim_work(P, slot); c < units;) {
+    const u32 next = claim_issue(P, slot);  // in flight while unit c is copied
     const u32 j = c % (W - 1u);          // which other source
     const u32 part = c / (W - 1u);       // which pass over its part
     const u32 s = (static_cast<u32>(P.rank) + 1u + j) % W;
@@ -200,6 +201,7 @@ __device__ __forceinline__ void gather_collect(const Proto& P, const u64* peer_d
                        + s * part_bytes;
     gather_copy<false>(from, g.slot_stride, dst + s * part_bytes, dst_stride, nullptr, 0,
                        g.rows, g.row_vecs, part, units_per_src);
+    c = claim_publish(next);
   }
 }
 
