@@ -11,22 +11,9 @@ works on any machine.
 
 __version__ = "0.1.0"
 
-# Errors are listed by name (not imported) so that ``import dcpkit`` stays free of work; a unit
-# test checks this list against dcpkit.errors.__all__.
-_ERRORS = (
-    "DcpkitError",
-    "InvalidArgument",
-    "InvalidType",
-    "MissingDependency",
-    "CudaError",
-    "CompileError",
-    "CollectiveTimeout",
-    "ConfigMismatch",
-    "PeerError",
-    "ClosedError",
-    "MulticastDisabled",
-    "FdExchangeError",
-)
+# The error classes come from their one module (a few class definitions, no dependency); every
+# other public name is imported on first use.
+from .errors import __all__ as _ERRORS  # noqa: E402
 
 __all__ = [
     "__version__",

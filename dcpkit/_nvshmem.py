@@ -22,14 +22,17 @@ initialisation; a heap larger than what is left fails in ``nvshmem_malloc``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
+from ._setup import Transaction
 from .errors import InvalidArgument, MissingDependency
-from .multicast import _guard_env_or_raise, kill_switches_set
+from .multicast import guard_env_or_raise, kill_switches_set
 
 __all__ = ["load", "available", "init_collective", "allocate", "free", "local_ptr", "peer_ptr",
-           "multicast_ptr", "finalize", "is_initialized"]
+           "multicast_ptr", "finalize", "is_initialized", "setup_heap", "NvshmemHeap"]
 
 log = logging.getLogger("dcpkit")
 
@@ -206,7 +209,7 @@ def peer_ptr(buf, pe: int) -> int:
 
 def multicast_ptr(buf) -> int:
     """``nvshmemx_mc_ptr(TEAM_WORLD, buf)``; refuses first if a disabling variable is set."""
-    _guard_env_or_raise("SymmetricHeap(nvshmem) multicast")
+    guard_env_or_raise("SymmetricHeap(nvshmem) multicast")
     nv = load()
     mbuf = nv.get_multicast_buffer(nv.Teams.TEAM_WORLD, buf)
     ptr = int(mbuf.handle)
@@ -233,3 +236,95 @@ def finalize(comm=None) -> bool:
     load().finalize()
     _STATE.update(initialized=False, rank=None, world_size=None, device=None)
     return True
+
+
+class NvshmemHeap(NamedTuple):
+    """What :func:`setup_heap` made on this rank."""
+
+    nbytes: int                        # 512-rounded size of each rank's buffer
+    peer_ptrs: List[int]               # every rank's buffer, as this process addresses it
+    local_ptr: int
+    mc_ptr: int                        # 0 without multicast
+    multicast_reason: Optional[str]    # why multicast fell back to unicast (None: it did not)
+    undo: List[Tuple[str, Callable[[], object]]]
+
+
+def _round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def setup_heap(comm, device: int, nbytes: int, use_mc: bool) -> NvshmemHeap:
+    """The NVSHMEM side of ``SymmetricHeap(backend="nvshmem")``: initialise NVSHMEM (once), then
+    one ``nvshmem_malloc`` of ``nbytes`` (rounded up to 512), its peer pointers and, where
+    ``use_mc``, its multicast pointer; zeroed. A transaction (:class:`dcpkit._setup.Transaction`):
+    a failure on any rank unwinds on every rank and raises on every rank.
+
+    Collective: every rank of ``comm``.
+    """
+    import cupy  # noqa: WPS433
+
+    rank, world = comm.rank, comm.world_size
+    reason = None
+    size = _round_up(nbytes, 512)
+    tx = Transaction(comm, "SymmetricHeap(nvshmem)")
+    box: dict = {}
+    try:
+        with cupy.cuda.Device(device):
+            cupy.cuda.runtime.free(0)
+            init_collective(tx, comm, device, use_mc)
+
+            def alloc_step():
+                box["buf"] = allocate(size)
+
+            try:
+                tx.step("nvshmem_alloc", alloc_step)
+            except BaseException:
+                # nvshmem_free is collective: free only if every rank holds its buffer.
+                try:
+                    held = comm.allgather("buf" in box)
+                    if all(held):
+                        free(box["buf"])
+                    elif "buf" in box:
+                        log.warning("dcpkit SymmetricHeap rank %d: an NVSHMEM buffer of %d "
+                                    "bytes stays allocated: ranks %s failed to allocate "
+                                    "theirs, so no collective free is possible", rank, size,
+                                    [r for r, h in enumerate(held) if not h])
+                except Exception as e:  # noqa: BLE001 - the original error matters more
+                    log.warning("dcpkit SymmetricHeap rank %d: freeing the NVSHMEM buffer "
+                                "after a failed setup failed: %s", rank, e)
+                raise
+            buf = box["buf"]
+            # Every rank allocated: the collective free is safe from here on.
+            tx.add_undo("nvshmem free", functools.partial(free, buf))
+            local = local_ptr(buf)
+
+            def peers_step():
+                box["peers"] = [local if p == rank else peer_ptr(buf, p)
+                                for p in range(world)]
+
+            tx.step("nvshmem_peers", peers_step)
+
+            mc_ptr, mc_err = 0, None
+            if use_mc:
+                try:
+                    mc_ptr = multicast_ptr(buf)
+                except Exception as e:  # noqa: BLE001 - multicast is optional
+                    mc_err = f"{type(e).__name__}: {e}"
+                errs = comm.allgather(mc_err)
+                failed = [r for r, m in enumerate(errs) if m]
+                if failed:
+                    mc_ptr = 0
+                    reason = (
+                        f"multicast setup failed, using unicast: rank(s) {failed}: "
+                        + "; ".join(str(errs[r]) for r in failed))
+                    log.warning("dcpkit SymmetricHeap rank %d: %s", rank, reason)
+
+            def zero_step():
+                cupy.cuda.runtime.memset(local, 0, size)
+                cupy.cuda.runtime.deviceSynchronize()
+
+            tx.step("zero", zero_step)
+    except BaseException:
+        tx.rollback()
+        raise
+    return NvshmemHeap(size, box["peers"], local, mc_ptr, reason, tx.commit())

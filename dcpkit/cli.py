@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 from typing import List, Optional
 
-from .errors import MissingDependency
+from .errors import DcpkitError, MissingDependency
 
 __all__ = ["main"]
 
@@ -41,8 +42,10 @@ def _usage() -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     """Run one subcommand; returns its exit status.
 
-    Returns 2 when the subcommand's module is not part of this installation or an optional
-    dependency it needs is missing (the message names the extra to install).
+    Returns 2 when the subcommand's module is not part of this installation, an optional
+    dependency it needs is missing (the message names the extra to install), or the
+    subcommand stops on a dcpkit error it did not handle itself (a launcher of another MPI
+    library, say): one line ``dcpkit <command>: <error>`` on stderr, no traceback.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-V", "--version"):
@@ -70,8 +73,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"dcpkit {command}: {e}", file=sys.stderr)
         return 2
     try:
-        rc = mod.main(args)
-    except MissingDependency as e:
+        with warnings.catch_warnings():
+            # mpi4py's multi-line warning of a launcher of another MPI library: the
+            # Communicator names that mismatch in one line (and stops) where it matters
+            warnings.filterwarnings("ignore", "suspicious MPI execution environment")
+            rc = mod.main(args)
+    except DcpkitError as e:  # MissingDependency included
         print(f"dcpkit {command}: {e}", file=sys.stderr)
         return 2
     return int(rc or 0)

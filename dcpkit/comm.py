@@ -23,6 +23,7 @@ import socket
 import sys
 from typing import Any, Callable, List, Optional, Tuple
 
+from ._lifecycle import Resource
 from .errors import (ClosedError, ConfigMismatch, DcpkitError, InvalidArgument, InvalidType,
                      MissingDependency, PeerError)
 
@@ -183,7 +184,7 @@ def _pickle_problem(obj) -> Optional[str]:
     return None
 
 
-class Communicator:
+class Communicator(Resource):
     """A host-side process group: rank, world size, and collectives over Python objects.
 
     Attributes
@@ -492,14 +493,13 @@ class Communicator:
 
     def close(self) -> None:
         """Drop the references to the underlying group (idempotent; no collective work)."""
-        self._closed = True
+        super().close()
+
+    def _close(self) -> None:
         self._allgather = self._broadcast = self._barrier = None  # type: ignore[assignment]
 
-    def __enter__(self) -> "Communicator":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _left_open(self) -> bool:
+        return False  # holds no resource of its own: dropping it open is fine
 
     def __repr__(self) -> str:
         return (f"Communicator(backend={self.backend!r}, rank={self.rank}, "

@@ -47,18 +47,27 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from . import _cuda
 from ._arrays import ArrayInfo, array_info, check_ndim, dtype_name
+from ._checks import (INT32_MAX, check_bool, check_comm, check_lse_base, check_positive_int,
+                      check_timeout_ms, resolve_dtype, resolve_stream)
+from ._lifecycle import Resource
+from ._setup import collective_step, error_text, guarded, share_outcome
+from ._strided import copy_arrays, load_copy_kernels, strided_copy
 from .comm import Communicator
 from .errors import ClosedError, ConfigMismatch, InvalidArgument, InvalidType, PeerError
-from .fallback import LSE_ALGORITHMS, PATH_NCCL
-from .ops._workspace import (check_bool, check_positive_int, check_timeout_ms, guarded,
-                             share_outcome)
-from .reference import check_lse_base, resolve_dtype
+from .nccl import LSE_ALGORITHMS
+from .selection import (DIRECT_LSE_DTYPES, OPS, PATH_DIRECT_MULTICAST, PATH_DIRECT_UNICAST,
+                        PATH_NCCL, PATHS, POLICIES, direct_call_blocker,
+                        direct_geometry_blocker, failure_reason, select_path,
+                        shared_gpu_blocker, topology_blocker)
+
+#: Alignment of each direct op's region in the shared heap (the ops' own reservation rule).
+_ALIGN = 256
 
 __all__ = [
     "DCPComm", "select_path", "direct_call_blocker", "direct_geometry_blocker",
@@ -66,223 +75,8 @@ __all__ = [
     "PATH_DIRECT_MULTICAST", "PATH_NCCL", "DIRECT_LSE_DTYPES",
 ]
 
-POLICIES = ("auto", "direct", "nccl")
-OPS = ("q_gather", "lse_reduce", "kv_gather")
-PATH_DIRECT_UNICAST = "direct-unicast"
-PATH_DIRECT_MULTICAST = "direct-multicast"
-PATHS = (PATH_DIRECT_UNICAST, PATH_DIRECT_MULTICAST, PATH_NCCL)
-_INT32_MAX = 2**31 - 1
-
-
-def _direct_float_dtypes() -> Tuple[np.dtype, ...]:
-    return (resolve_dtype("bfloat16"), np.dtype(np.float16), np.dtype(np.float32))
-
-
-#: Names of the output and lse dtypes the direct lse_reduce kernel is built for.
-DIRECT_LSE_DTYPES = ("bfloat16", "float16", "float32")
-
-
-# ----------------------------------------------------------------------------- selection
-def topology_blocker(*, hosts: Sequence[str],
-                     p2p_missing: Sequence[Tuple[int, int]] = ()) -> Optional[str]:
-    """Why the group is not one NVLink domain (None when it is).
-
-    Parameters
-    ----------
-    hosts : sequence of str
-        Host identity of every rank (``Communicator.hosts``).
-    p2p_missing : sequence of (int, int)
-        Rank pairs whose GPUs report no peer access.
-    """
-    distinct = sorted(set(hosts))
-    if len(distinct) > 1:
-        per_host = {h: [r for r, x in enumerate(hosts) if x == h] for h in distinct}
-        detail = "; ".join(f"ranks {v}" for v in per_host.values())
-        return (f"the group spans {len(distinct)} hosts ({detail}): the direct ops need every "
-                f"rank in one NVLink domain")
-    if p2p_missing:
-        pairs = ", ".join(f"{a}-{b}" for a, b in sorted(set(map(tuple, p2p_missing))))
-        return f"no GPU peer access between ranks {pairs}"
-    return None
-
-
-def shared_gpu_blocker(*, hosts: Sequence[str],
-                       bus_ids: Sequence[Optional[str]]) -> Optional[str]:
-    """Why NCCL cannot run this group: ranks of one host on one GPU (None when every rank has
-    a GPU of its own). NCCL compares the same two things (host and PCI bus id) in
-    ``ncclCommInitRank`` and refuses duplicates with ``ncclInvalidUsage``.
-
-    Parameters
-    ----------
-    hosts : sequence of str
-        Host identity of every rank (``Communicator.hosts``).
-    bus_ids : sequence of str or None
-        PCI bus id of every rank's GPU (``cudaDeviceGetPCIBusId``); None where unknown (never
-        counted as shared).
-    """
-    ranks_of: Dict[Tuple[str, str], List[int]] = {}
-    for r, (h, b) in enumerate(zip(hosts, bus_ids)):
-        if b is not None:
-            ranks_of.setdefault((h, str(b)), []).append(r)
-    shared = [(ranks, b) for (_, b), ranks in ranks_of.items() if len(ranks) > 1]
-    if not shared:
-        return None
-    detail = "; ".join(f"ranks {ranks} share GPU {b}" for ranks, b in shared)
-    return f"NCCL needs one GPU per rank: {detail}"
-
-
-def direct_geometry_blocker(op: str, *, dtype, row_bytes: int,
-                            world_size: Optional[int] = None) -> Optional[str]:
-    """Why the direct op cannot be built for this geometry (None when it can).
-
-    ``row_bytes`` is what the direct kernel moves with 16-byte stores: ``H_r * D * itemsize``
-    for ``q_gather``, ``D_kv * itemsize`` for ``kv_gather``, ``D_v * itemsize`` for
-    ``lse_reduce``. ``world_size`` (optional) is checked against the sources the direct
-    ``lse_reduce`` merge handles.
-    """
-    from .ops.lse_reduce import MAX_WORLD_SIZE  # noqa: WPS433
-
-    dt = resolve_dtype(dtype)
-    if op == "lse_reduce" and dt not in _direct_float_dtypes():
-        return (f"dtype must be one of [{', '.join(DIRECT_LSE_DTYPES)}] for the direct kernel "
-                f"(got {dtype_name(dt)})")
-    if op == "lse_reduce" and world_size is not None and world_size > MAX_WORLD_SIZE:
-        return (f"world_size must be <= {MAX_WORLD_SIZE} for the direct kernel's merge "
-                f"(got {world_size})")
-    if row_bytes % 16:
-        what = {"q_gather": "heads_per_rank * q_head_dim * itemsize",
-                "kv_gather": "kv_row_dim * itemsize",
-                "lse_reduce": "v_head_dim * itemsize"}.get(op, "row bytes")
-        return (f"{what} must be a multiple of 16 bytes for the direct kernel's 16-byte stores "
-                f"(got {row_bytes})")
-    return None
-
-
-def direct_call_blocker(op: str, *, tokens: int, max_tokens: int,
-                        lse_dtype=None) -> Optional[str]:
-    """Why the direct op cannot serve this call (None when it can). Depends only on values
-    equal on every rank."""
-    if tokens > max_tokens:
-        return (f"T must be <= max_tokens {max_tokens}, the direct op's capacity "
-                f"(got {tokens})")
-    if op == "lse_reduce" and lse_dtype is not None:
-        try:
-            dt = resolve_dtype(lse_dtype)
-        except (TypeError, ValueError):
-            dt = None
-        if dt not in _direct_float_dtypes():
-            return (f"lse_partial dtype must be one of [{', '.join(DIRECT_LSE_DTYPES)}] for "
-                    f"the direct kernel (got {dtype_name(lse_dtype)})")
-    return None
-
-
-def select_path(op: str, policy: str, *, direct_path: Optional[str],
-                direct_blocker: Optional[str], nccl_blocker: Optional[str]) -> str:
-    """The path that serves one call: ``direct_path`` or ``"nccl"``.
-
-    Parameters
-    ----------
-    op : str
-        Name used in error messages (``"DCPComm.q_gather"``).
-    policy : str
-        ``"auto"``, ``"direct"`` or ``"nccl"``.
-    direct_path : str or None
-        ``"direct-unicast"`` / ``"direct-multicast"``: the direct op's path; None when there is
-        no direct op (then ``direct_blocker`` says why).
-    direct_blocker : str or None
-        Why the direct op cannot serve this call (setup or call reason); None when it can.
-    nccl_blocker : str or None
-        Why the NCCL op is unavailable; None when it is available.
-
-    Raises
-    ------
-    InvalidArgument
-        ``policy="direct"`` and the direct op cannot serve the call; ``policy="nccl"`` (or
-        ``"auto"`` with no direct path) and NCCL is unavailable; an unknown policy.
-    """
-    if policy not in POLICIES:
-        raise InvalidArgument(f"{op}: policy must be one of {list(POLICIES)} (got {policy!r})")
-    if direct_path is None and direct_blocker is None:
-        direct_blocker = "no direct op was built"
-    if policy == "direct":
-        if direct_blocker is not None:
-            raise InvalidArgument(f"{op}: policy 'direct' cannot serve this call: "
-                                  f"{direct_blocker} (policy='auto' falls back to NCCL)")
-        return direct_path
-    if policy == "auto" and direct_blocker is None:
-        return direct_path
-    if nccl_blocker is not None:
-        why = "" if policy == "nccl" else f"the direct op cannot ({direct_blocker}) and "
-        raise InvalidArgument(f"{op}: no path can serve this call: {why}NCCL is unavailable "
-                              f"({nccl_blocker})")
-    return PATH_NCCL
-
-
-def _err_text(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-def _failure_reason(what: str, failed: Dict[int, str], world_size: int) -> str:
-    """One line naming what failed where: the ranks' own errors (a PeerError only echoes
-    them), one message when every failing rank reported the same."""
-    own = {r: m for r, m in failed.items() if not m.startswith("PeerError:")} or failed
-    texts = set(own.values())
-    if len(texts) == 1:
-        where = ("every rank" if len(own) == world_size
-                 else f"rank(s) {sorted(own)}")
-        return f"{what} failed on {where}: {texts.pop()}"
-    return str(PeerError(what, own))
-
-
-# ----------------------------------------------------------------------------- layouts
-def _c_contiguous(info: ArrayInfo) -> bool:
-    want = info.itemsize
-    for n, s in zip(reversed(info.shape), reversed(info.strides)):
-        if n != 1 and s != want:
-            return False
-        want *= n
-    return True
-
-
-def _q_rows_ok(info: ArrayInfo) -> bool:
-    """The direct q_gather reads/writes it in place: elements and heads contiguous, token
-    stride >= one token and a multiple of 16, 16-byte aligned."""
-    T, heads, D = info.shape
-    isz = info.itemsize
-    if D > 1 and info.strides[2] != isz:
-        return False
-    if heads > 1 and info.strides[1] != D * isz:
-        return False
-    if T > 1 and (info.strides[0] < heads * D * isz or info.strides[0] % 16):
-        return False
-    return info.ptr % 16 == 0
-
-
-def _aligned_contiguous(info: ArrayInfo, align: int) -> bool:
-    return _c_contiguous(info) and info.ptr % align == 0
-
-
-def _out_partial_ok(info: ArrayInfo) -> bool:
-    """The direct lse_reduce reads it in place (or copies it itself for a strided innermost
-    dimension): non-negative strides, rows 16-byte aligned."""
-    T, H, D = info.shape
-    if any(s < 0 for n, s in zip(info.shape, info.strides) if n > 1):
-        return False
-    if D > 1 and info.strides[2] != info.itemsize:
-        return True  # the op copies it (documented slow path)
-    s_tok = info.strides[0] if T > 1 else 0
-    s_head = info.strides[1] if H > 1 else 0
-    return info.ptr % 16 == 0 and s_tok % 16 == 0 and s_head % 16 == 0
-
-
-def _lse_partial_ok(info: ArrayInfo) -> bool:
-    li = info.itemsize
-    return info.ptr % li == 0 and all(s >= 0 and s % li == 0
-                                      for n, s in zip(info.shape, info.strides) if n > 1)
-
-
 # ----------------------------------------------------------------------------- manager
-class DCPComm:
+class DCPComm(Resource):
     """The three DCP exchanges of one geometry, each served by its direct op or its NCCL op.
 
     Naive equivalent::
@@ -373,32 +167,25 @@ class DCPComm:
     failing) of one path leave the other path serving the calls; wrong arguments always raise.
     """
 
+    _resource_name = "DCPComm"
+
     def __init__(self, comm: Communicator, *, max_tokens: int, num_heads: int,
                  q_head_dim: int, v_head_dim: int, kv_row_dim: Optional[int] = None, dtype,
                  num_ubatches: int = 1, lse_base: float = math.e, policy: str = "auto",
                  nccl_lse_algorithm: str = "all_to_all", timeout_ms: Optional[float] = None,
                  nccl_max_tokens: Optional[int] = None, return_lse: bool = False):
-        self._closed = True
         self.direct_ops: Dict[str, object] = {op: None for op in OPS}
         self.nccl_ops: Dict[str, object] = {op: None for op in OPS}
         self.nccl_group = None
-        if not isinstance(comm, Communicator):
-            raise InvalidType(f"DCPComm: comm must be a dcpkit.Communicator "
-                              f"(got {type(comm).__name__})")
-        self.comm = comm
+        self.heap = None
+        self.comm = check_comm(comm, "DCPComm")
         self.rank, self.world_size = comm.rank, comm.world_size
         # 1. the policy: the first collective, before anything touches a GPU
         err = None
         if policy not in POLICIES:
             err = InvalidArgument(f"DCPComm: policy must be one of {list(POLICIES)} "
                                   f"(got {policy!r})")
-        every = comm.allgather((None if err is None else str(err), policy))
-        if err is not None:
-            raise err
-        failed = {r: m for r, (m, _) in enumerate(every) if m is not None}
-        if failed:
-            raise PeerError("DCPComm: policy", failed)
-        policies = [p for _, p in every]
+        policies = [p for (p,) in share_outcome(comm, "DCPComm: policy", err, policy)]
         if any(p != policy for p in policies):
             raise ConfigMismatch("DCPComm: policy", policies)
         self.policy = policy
@@ -435,7 +222,7 @@ class DCPComm:
         will check it, then CuPy and the GPU; returns the geometry tuple."""
         op = "DCPComm"
         W = self.world_size
-        self.max_tokens = check_positive_int(max_tokens, op, "max_tokens")
+        self.max_tokens = check_positive_int(max_tokens, op, "max_tokens", maximum=INT32_MAX)
         self.num_heads = check_positive_int(num_heads, op, "num_heads")
         if self.num_heads % W:
             raise InvalidArgument(f"{op}: num_heads must be a multiple of world_size {W} "
@@ -458,34 +245,35 @@ class DCPComm:
                                   f"(got {nccl_lse_algorithm!r})")
         self.nccl_lse_algorithm = nccl_lse_algorithm
         self.nccl_max_tokens = self.max_tokens if nccl_max_tokens is None else \
-            check_positive_int(nccl_max_tokens, op, "nccl_max_tokens")
-        for name, v in (("max_tokens", self.max_tokens),
-                        ("nccl_max_tokens", self.nccl_max_tokens)):
-            if v > _INT32_MAX:  # T is an int parameter of every kernel
-                raise InvalidArgument(f"{op}: {name} must be <= 2**31 - 1 (got {v})")
+            check_positive_int(nccl_max_tokens, op, "nccl_max_tokens", maximum=INT32_MAX)
         self.return_lse = check_bool(return_lse, op, "return_lse")
         self.timeout_ms = check_timeout_ms(timeout_ms, op)
         self.ops = tuple(o for o in OPS if o != "kv_gather" or self.kv_row_dim is not None)
         # The ops' own limits (sizes, dtypes), with DCPComm's arguments: a user error raises
-        # here, on every rank, instead of sending every call to another path.
+        # here, on every rank, instead of sending every call to another path. The direct ops'
+        # symmetric regions (the last value each agrees on) size the one heap they share.
+        self._region_bytes: Dict[str, int] = {}
+        self._nccl_checked: Dict[str, object] = {}
         for o in self.ops:
             if self.policy != "nccl" and direct_geometry_blocker(
                     o, dtype=self.dtype, row_bytes=self._row_bytes(o), world_size=W) is None:
-                self._check_op_arguments(o, *self._direct_spec(o), "direct")
-            if self.policy != "direct":
-                self._check_op_arguments(o, *self._nccl_spec(o), "NCCL")
+                cls, kwargs = self._direct_spec(o)
+                agreed = self._check_op_arguments(o, cls.check_arguments, kwargs, "direct")
+                self._region_bytes[o] = int(agreed[-1])
+            if self.policy != "direct":  # checked once here, built from it (no second exchange)
+                cls, kwargs = self._nccl_spec(o)
+                self._nccl_checked[o] = self._check_op_arguments(o, cls.prepare, kwargs, "NCCL")
         self.device = self._current_device()  # CuPy and a visible GPU
         return (self.max_tokens, self.num_heads, self.q_head_dim, self.v_head_dim,
                 self.kv_row_dim, str(self.dtype), self.num_ubatches, self.lse_base,
                 self.nccl_lse_algorithm, self.nccl_max_tokens, self.return_lse, self.timeout_ms)
 
-    def _check_op_arguments(self, op: str, cls, kwargs: dict, which: str) -> None:
-        """Run the pure argument checks of ``cls`` (no GPU, no collective) on DCPComm's
-        arguments; an error names DCPComm and the op."""
-        probe = cls.__new__(cls)
-        probe._closed = True  # never built: nothing to release, no warning
+    def _check_op_arguments(self, op: str, check, kwargs: dict, which: str):
+        """``check(world_size, **kwargs)`` (an op class's ``check_arguments`` or ``prepare``: no
+        GPU, no collective) on the keywords DCPComm gives the op; returns its result. An error
+        names DCPComm and the op."""
         try:
-            probe._check_arguments(self.world_size, **kwargs)
+            return check(self.world_size, **kwargs)
         except (InvalidArgument, InvalidType) as e:
             msg = str(e)
             if msg.startswith(f"{op}: "):
@@ -497,7 +285,7 @@ class DCPComm:
         from .ops import KVGather, LseReduce, QGather  # noqa: WPS433
 
         common = dict(max_tokens=self.max_tokens, dtype=self.dtype,
-                      num_ubatches=self.num_ubatches, timeout_ms=self.timeout_ms)
+                      num_ubatches=self.num_ubatches, timeout_ms=self.timeout_ms, heap=self.heap)
         if op == "q_gather":
             return QGather, dict(heads_per_rank=self.heads_per_rank, head_dim=self.q_head_dim,
                                  **common)
@@ -509,7 +297,7 @@ class DCPComm:
     def _nccl_spec(self, op: str):
         """The NCCL op class of ``op`` and the constructor keywords DCPComm gives it (without
         ``nccl_group``)."""
-        from .fallback import NcclKVGather, NcclLseReduce, NcclQGather  # noqa: WPS433
+        from .nccl import NcclKVGather, NcclLseReduce, NcclQGather  # noqa: WPS433
 
         common = dict(max_tokens=self.nccl_max_tokens, dtype=self.dtype,
                       num_ubatches=self.num_ubatches)
@@ -531,6 +319,13 @@ class DCPComm:
     def _build(self) -> None:
         """Topology, direct ops, NCCL group and ops (collective; consistent on every rank)."""
         self.topology_reason = self._probe_topology()
+        # the one symmetric heap of the direct ops, sized for every op that will be built
+        heap_reason = None
+        if self.policy != "nccl" and self.topology_reason is None and self._region_bytes:
+            nbytes = sum(-(-n // _ALIGN) * _ALIGN for n in self._region_bytes.values())
+            heap_reason = self._agreed_build("the symmetric heap of the direct ops",
+                                             lambda: setattr(self, "heap",
+                                                             self._build_heap(nbytes)))
         # direct ops
         for op in self.ops:
             reason = None
@@ -541,9 +336,10 @@ class DCPComm:
             else:
                 reason = direct_geometry_blocker(op, dtype=self.dtype,
                                                  row_bytes=self._row_bytes(op),
-                                                 world_size=self.world_size)
+                                                 world_size=self.world_size) or heap_reason
             if reason is None:
-                reason = self._build_direct_agreed(op)
+                reason = self._agreed_build(f"the direct {op} op", lambda op=op: (
+                    self.direct_ops.__setitem__(op, self._build_direct(op))), "the direct op")
             if reason is not None and self.policy == "direct":
                 raise InvalidArgument(f"DCPComm: policy 'direct' cannot serve {op}: {reason}")
             self.direct_reason[op] = reason
@@ -559,38 +355,39 @@ class DCPComm:
             if self.nccl_reason is not None and self.rank == 0:
                 warnings.warn(f"DCPComm: NCCL is unavailable, the direct ops serve every call "
                               f"they can: {self.nccl_reason}", RuntimeWarning, stacklevel=3)
-        err = None
-        try:
-            self._load_copy_kernel()
-        except Exception as e:  # noqa: BLE001 - shared below (also the closing barrier)
-            err = e
-        share_outcome(self.comm, "DCPComm: loading the copy kernel", err)
+        collective_step(self.comm, "DCPComm: loading the copy kernel",  # also the barrier
+                        self._load_copy_kernel)
 
-    def _build_direct_agreed(self, op: str) -> Optional[str]:
-        """Build the direct op; returns None, or why it failed (equal on every rank).
+    def _agreed_build(self, what: str, build, reason: Optional[str] = None, *,
+                      strict: str = "direct", on_failure=None) -> Optional[str]:
+        """Run ``build()`` on every rank; returns None, or why it failed (equal on every rank).
 
-        The op's constructor fails on every rank or on none. A user error on any rank
+        The build fails on every rank or on none. A user error on any rank
         (:class:`InvalidArgument` / :class:`InvalidType`: the arguments are wrong) raises on
-        every rank, as does any failure with ``policy="direct"``; an environment failure
+        every rank, as does any failure under the ``strict`` policy; an environment failure
         (CUDA, compile, memory, a missing package, a peer's such failure) becomes the reason
-        with ``policy="auto"`` (the NCCL op serves the calls)."""
+        with ``policy="auto"`` (the NCCL op serves the calls). ``what`` names the build in a
+        PeerError, ``reason`` (default ``what``) in the reason returned; ``on_failure`` runs on
+        every rank before anything is raised or returned after a failure."""
         err: Optional[BaseException] = None
         try:
-            self.direct_ops[op] = self._build_direct(op)
+            build()
         except Exception as e:  # noqa: BLE001 - classified and agreed below
             err = e
         user = isinstance(err, (InvalidArgument, InvalidType))
-        every = self.comm.allgather(None if err is None else (user, _err_text(err)))
+        every = self.comm.allgather(None if err is None else (user, error_text(err)))
         failed = {r: v for r, v in enumerate(every) if v is not None}
         if not failed:
             return None
-        if err is not None and (self.policy == "direct" or any(u for u, _ in failed.values())):
+        if on_failure is not None:
+            on_failure()
+        if err is not None and (self.policy == strict or any(u for u, _ in failed.values())):
             raise err
-        if self.policy == "direct" or any(u for u, _ in failed.values()):
-            raise PeerError(f"DCPComm: building the direct {op} op",
+        if self.policy == strict or any(u for u, _ in failed.values()):
+            raise PeerError(f"DCPComm: building {what}",
                             {r: m for r, (_, m) in failed.items()})
-        return _failure_reason("building the direct op",
-                               {r: m for r, (_, m) in failed.items()}, self.world_size)
+        return failure_reason(f"building {reason or what}",
+                              {r: m for r, (_, m) in failed.items()}, self.world_size)
 
     def _build_nccl_all(self) -> Optional[str]:
         """The NCCL group and ops (collective). Returns why NCCL is unavailable (None when
@@ -607,7 +404,7 @@ class DCPComm:
             bus = self._pci_bus_id()
         except Exception as e:  # noqa: BLE001 - agreed below
             err = e
-        every = self.comm.allgather((None if err is None else _err_text(err), bus))
+        every = self.comm.allgather((None if err is None else error_text(err), bus))
         failed = {r: m for r, (m, _) in enumerate(every) if m is not None}
         if failed:
             reason = str(PeerError("reading the PCI bus id of the GPU", failed))
@@ -620,26 +417,14 @@ class DCPComm:
                 raise InvalidArgument(f"DCPComm: policy 'nccl' cannot be served: NCCL is "
                                       f"unavailable ({reason})")
             return reason
-        # 2. the group and the ops; the outcome agreed
-        err = None
-        try:
+        # 2. the group and the ops; the outcome agreed (NcclError, torch, MissingDependency)
+        def build():
             self.nccl_group = self._build_nccl_group()
             for op in self.ops:
                 self.nccl_ops[op] = self._build_nccl(op, self.nccl_group)
-        except Exception as e:  # noqa: BLE001 - NcclError, torch, MissingDependency: agreed
-            err = e
-        user = isinstance(err, (InvalidArgument, InvalidType))
-        every = self.comm.allgather(None if err is None else (user, _err_text(err)))
-        failed = {r: v[1] for r, v in enumerate(every) if v is not None}
-        if not failed:
-            return None
-        self._close_nccl()
-        # policy 'nccl', or a user error (wrong arguments, never an environment failure)
-        if self.policy == "nccl" or any(v[0] for v in every if v is not None):
-            if err is not None:
-                raise err
-            raise PeerError("DCPComm: building the NCCL group and ops", failed)
-        return _failure_reason("building the NCCL group and ops", failed, self.world_size)
+
+        return self._agreed_build("the NCCL group and ops", build, strict="nccl",
+                                  on_failure=self._close_nccl)
 
     def _close_nccl(self) -> None:
         """Close the NCCL ops and group built so far on this rank (after a failed build, which
@@ -672,51 +457,52 @@ class DCPComm:
         import cupy  # noqa: WPS433
 
         rt = cupy.cuda.runtime
-        err: Optional[BaseException] = None
-        bus = None
-        try:
-            bus = rt.deviceGetPCIBusId(self.device)
-        except Exception as e:  # noqa: BLE001 - shared below
-            err = e
-        buses = [b for (b,) in share_outcome(self.comm, "DCPComm: reading the PCI bus id of "
-                                                        "the GPU", err, bus)]
-        missing: List[Tuple[int, int]] = []
-        err = None
-        try:
-            if not self.comm.spans_hosts:
-                for s, b in enumerate(buses):
-                    if s == self.rank or b == bus:
-                        continue
-                    try:
-                        peer = rt.deviceGetByPCIBusId(b)
-                    except rt.CUDARuntimeError:
-                        continue  # not visible to this process: the heap setup tests that pair
-                    if not rt.deviceCanAccessPeer(self.device, peer):
-                        missing.append((min(self.rank, s), max(self.rank, s)))
-        except Exception as e:  # noqa: BLE001 - shared below
-            err = e
-        every = share_outcome(self.comm, "DCPComm: peer access check", err, missing)
+        buses = collective_step(self.comm, "DCPComm: reading the PCI bus id of the GPU",
+                                lambda: rt.deviceGetPCIBusId(self.device), gather=True)
+        bus = buses[self.rank]
+
+        def peer_access() -> List[Tuple[int, int]]:
+            missing: List[Tuple[int, int]] = []
+            if self.comm.spans_hosts:
+                return missing
+            for s, b in enumerate(buses):
+                if s == self.rank or b == bus:
+                    continue
+                try:
+                    peer = rt.deviceGetByPCIBusId(b)
+                except rt.CUDARuntimeError:
+                    continue  # not visible to this process: the heap setup tests that pair
+                if not rt.deviceCanAccessPeer(self.device, peer):
+                    missing.append((min(self.rank, s), max(self.rank, s)))
+            return missing
+
+        every = collective_step(self.comm, "DCPComm: peer access check", peer_access,
+                                gather=True)
         return topology_blocker(hosts=self.comm.hosts,
-                                p2p_missing=[p for (lst,) in every for p in lst])
+                                p2p_missing=[p for lst in every for p in lst])
+
+    def _build_heap(self, nbytes: int):
+        """The one symmetric heap the direct ops share (collective)."""
+        from .symmetric import SymmetricHeap  # noqa: WPS433
+
+        return SymmetricHeap(self.comm, nbytes)
 
     def _build_direct(self, op: str):
         cls, kwargs = self._direct_spec(op)
         return cls(self.comm, **kwargs)
 
     def _build_nccl_group(self):
-        from .fallback import NcclGroup  # noqa: WPS433
+        from .nccl import NcclGroup  # noqa: WPS433
 
         return NcclGroup(self.comm)
 
     def _build_nccl(self, op: str, group):
-        cls, kwargs = self._nccl_spec(op)
-        return cls(self.comm, nccl_group=group, **kwargs)
+        cls, _ = self._nccl_spec(op)
+        return cls.from_checked(self.comm, self._nccl_checked[op], group)
 
     def _load_copy_kernel(self) -> None:
         """Load the strided-copy kernel now (layout normalisation must not compile later)."""
-        from .fallback import _kernels  # noqa: WPS433
-
-        _kernels(self.device)
+        load_copy_kernels(self.device)
 
     # ------------------------------------------------------------------ per call
     def _check_open(self, what: str) -> None:
@@ -746,13 +532,7 @@ class DCPComm:
     def _stream(self, stream):
         """``stream``, or the current CuPy stream for None; :class:`InvalidType` unless a CuPy
         stream."""
-        if stream is None:
-            import cupy  # noqa: WPS433
-
-            return cupy.cuda.get_current_stream()
-        if isinstance(stream, _cuda._STREAM_TYPES or _cuda.stream_types()):
-            return stream
-        return _cuda.check_stream(stream, "DCPComm")  # raises InvalidType
+        return resolve_stream(stream, "DCPComm")
 
     def _normalised(self, arr, info: ArrayInfo, ok: bool, name: str, op: str, stream):
         """``arr`` itself when the direct kernel reads its layout, else a C-contiguous copy
@@ -766,18 +546,14 @@ class DCPComm:
                 f"offset {info.ptr % 16}): the copy that fixes it would allocate")
         import cupy  # noqa: WPS433
 
-        from .fallback import _copy_infos  # noqa: WPS433
-
         with cupy.cuda.Device(self.device), stream:
             nbytes = int(np.prod(info.shape)) * info.itemsize
             fresh = cupy.empty(max(nbytes, 16), dtype=cupy.uint8)[:nbytes]
             c = fresh.view(info.dtype).reshape(info.shape)
-        _copy_infos(array_info(c, f"DCPComm.{op}", name), info, stream)
+        copy_arrays(array_info(c, f"DCPComm.{op}", name), info, stream)
         return c
 
     def _copy_out(self, dst, src, stream) -> None:
-        from .fallback import strided_copy  # noqa: WPS433
-
         strided_copy(dst, src, stream)
 
     def q_gather(self, q, *, ubatch: int = 0, out=None, stream=None):
@@ -792,57 +568,39 @@ class DCPComm:
             ``policy="direct"`` and the direct op cannot serve the call; bad arguments (from
             the op that serves the call).
         """
-        op = "q_gather"
-        self._check_open(op)
-        qi = array_info(q, f"DCPComm.{op}", "q")
-        check_ndim(qi, 3, "T, H_r, D", f"DCPComm.{op}", "q")
-        path = self.path_for(op, qi.shape[0])
-        if path == PATH_NCCL:
-            res = self.nccl_ops[op](q, ubatch=ubatch, out=out, stream=stream)
-        else:
-            stream = self._stream(stream)
-            q = self._normalised(q, qi, _q_rows_ok(qi), "q", op, stream)
-            direct = self.direct_ops[op]
-            if out is not None and not _q_rows_ok(array_info(out, f"DCPComm.{op}", "out")):
-                res = direct(q, ubatch=ubatch, stream=stream)
-                self._copy_out(out, res, stream)
-                res = out
-            else:
-                res = direct(q, ubatch=ubatch, out=out, stream=stream)
-        self._record(op, path)
-        return res
+        return self._gather("q_gather", q, "q", (3, "T, H_r, D"), ubatch, out, stream)
 
     def kv_gather(self, kv, *, ubatch: int = 0, out=None, stream=None):
         """``kv [T, D_kv]`` on every rank -> ``[world_size*T, D_kv]``: see
         :class:`~dcpkit.ops.KVGather` (same arguments, same result, same output lifetime).
-
-        Collective: every rank, same ``T`` and ubatch. Stream: on ``stream``.
-
-        Raises
-        ------
-        InvalidArgument
-            ``kv_row_dim`` was not given; ``policy="direct"`` and the direct op cannot serve
-            the call; bad arguments.
+        Collective, stream and errors as :meth:`q_gather`; also :class:`InvalidArgument` when
+        ``kv_row_dim`` was not given at construction.
         """
-        op = "kv_gather"
+        self._check_open("kv_gather")
+        self._check_built("kv_gather")
+        return self._gather("kv_gather", kv, "kv", (2, "T, D_kv"), ubatch, out, stream)
+
+    def _gather(self, op: str, x, name: str, dims: Tuple[int, str], ubatch, out, stream):
+        """One gather call (``q_gather`` or ``kv_gather``) on the path :meth:`path_for` picks;
+        an input or ``out=`` the direct op cannot take in place is copied (module docstring)."""
         self._check_open(op)
-        self._check_built(op)
-        ki = array_info(kv, f"DCPComm.{op}", "kv")
-        check_ndim(ki, 2, "T, D_kv", f"DCPComm.{op}", "kv")
-        path = self.path_for(op, ki.shape[0])
+        info = array_info(x, f"DCPComm.{op}", name)
+        check_ndim(info, dims[0], dims[1], f"DCPComm.{op}", name)
+        path = self.path_for(op, info.shape[0])
         if path == PATH_NCCL:
-            res = self.nccl_ops[op](kv, ubatch=ubatch, out=out, stream=stream)
+            res = self.nccl_ops[op](x, ubatch=ubatch, out=out, stream=stream)
         else:
             stream = self._stream(stream)
-            kv = self._normalised(kv, ki, _aligned_contiguous(ki, 16), "kv", op, stream)
             direct = self.direct_ops[op]
-            if out is not None and not _aligned_contiguous(
-                    array_info(out, f"DCPComm.{op}", "out"), 16):
-                res = direct(kv, ubatch=ubatch, stream=stream)
+            x = self._normalised(x, info, direct.accepts_layout(**{name: info}), name, op,
+                                 stream)
+            if out is not None and not direct.accepts_layout(
+                    out=array_info(out, f"DCPComm.{op}", "out")):
+                res = direct(x, ubatch=ubatch, stream=stream)
                 self._copy_out(out, res, stream)
                 res = out
             else:
-                res = direct(kv, ubatch=ubatch, out=out, stream=stream)
+                res = direct(x, ubatch=ubatch, out=out, stream=stream)
         self._record(op, path)
         return res
 
@@ -878,14 +636,16 @@ class DCPComm:
                                          stream=stream, **kw)
         else:
             stream = self._stream(stream)
-            out_partial = self._normalised(out_partial, x, _out_partial_ok(x), "out_partial",
-                                           op, stream)
-            lse_partial = self._normalised(lse_partial, li, _lse_partial_ok(li), "lse_partial",
-                                           op, stream)
-            o_fix = out is not None and not _aligned_contiguous(array_info(out, name, "out"), 16)
-            l_fix = out_lse is not None and not _aligned_contiguous(
-                array_info(out_lse, name, "out_lse"), 4)
-            res, lse = self.direct_ops[op](out_partial, lse_partial, stream=stream,
+            direct = self.direct_ops[op]
+            out_partial = self._normalised(out_partial, x, direct.accepts_layout(out_partial=x),
+                                           "out_partial", op, stream)
+            lse_partial = self._normalised(lse_partial, li, direct.accepts_layout(lse_partial=li),
+                                           "lse_partial", op, stream)
+            o_fix = out is not None and not direct.accepts_layout(
+                out=array_info(out, name, "out"))
+            l_fix = out_lse is not None and not direct.accepts_layout(
+                out_lse=array_info(out_lse, name, "out_lse"))
+            res, lse = direct(out_partial, lse_partial, stream=stream,
                                            out=None if o_fix else out,
                                            out_lse=None if l_fix else out_lse, **kw)
             if o_fix:
@@ -909,6 +669,8 @@ class DCPComm:
             f"dtype={dtype_name(self.dtype)} num_ubatches={self.num_ubatches} "
             f"lse_base={'e' if self.lse_base == math.e else 2}",
             f"  topology: {getattr(self, 'topology_reason', None) or 'one NVLink domain'}",
+            "  heap: " + (f"one SymmetricHeap of {self.heap.nbytes} bytes shared by the direct ops"
+                          if self.heap is not None else "none (no direct op)"),
             "  nccl: " + (f"available (nccl_max_tokens={self.nccl_max_tokens}, lse_reduce "
                             f"algorithm {self.nccl_lse_algorithm!r})"
                             if self.nccl_reason is None else f"unavailable: {self.nccl_reason}"),
@@ -948,14 +710,10 @@ class DCPComm:
         if self.nccl_group is not None:
             self.nccl_group.check_async_error()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def _close_all(self) -> None:
         first = None
-        objs = [self.direct_ops.get(op) for op in OPS] + [self.nccl_ops.get(op) for op in OPS] \
-            + [self.nccl_group]
+        objs = [self.direct_ops.get(op) for op in OPS] + [self.heap] \
+            + [self.nccl_ops.get(op) for op in OPS] + [self.nccl_group]
         for o in objs:
             if o is None:
                 continue
@@ -966,18 +724,14 @@ class DCPComm:
         self.direct_ops = {op: None for op in OPS}
         self.nccl_ops = {op: None for op in OPS}
         self.nccl_group = None
+        self.heap = None
         if first is not None:
             raise first
 
     def close(self) -> None:
-        """Close every op and the NCCL group (collective, idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
+        """Close every op, the heap of the direct ops and the NCCL group (collective,
+        idempotent)."""
+        super().close()
+
+    def _close(self) -> None:
         self._close_all()
-
-    def __enter__(self) -> "DCPComm":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

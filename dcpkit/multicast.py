@@ -43,6 +43,9 @@ import os
 from typing import Callable, List, Mapping, Optional, Tuple, Union
 
 from . import _cuda
+from ._checks import check_comm
+from ._lifecycle import Resource
+from ._setup import Transaction, collective_step, run_undo
 from .errors import InvalidArgument, InvalidType, MulticastDisabled, PeerError
 
 __all__ = [
@@ -52,6 +55,7 @@ __all__ = [
     "multicast_decision",
     "agree_multicast",
     "multicast_granularity",
+    "guard_env_or_raise",
     "MulticastObject",
 ]
 
@@ -197,8 +201,10 @@ def agree_multicast(comm, local_decision) -> Tuple[bool, str]:
     return False, f"multicast off: rank(s) {refused} do not allow it ({detail})"
 
 
-def _guard_env_or_raise(what: str, rank: Optional[int] = None) -> None:
-    """Rule 2 from ``os.environ``; raise MulticastDisabled if any disabling variable is set."""
+def guard_env_or_raise(what: str, rank: Optional[int] = None) -> None:
+    """Rule 2 of NOTE [dcpkit multicast guard], read from ``os.environ``: raise
+    :class:`~dcpkit.errors.MulticastDisabled` (before any driver call) if any disabling
+    variable is set."""
     killed = kill_switches_set(os.environ)
     if killed:
         names = ", ".join(f"{n}={v!r}" for n, v in killed)
@@ -241,14 +247,14 @@ def multicast_granularity(world_size: int, device: int, handle_type: str = "posi
     CudaError
         The driver refused the query.
     """
-    _guard_env_or_raise("multicast_granularity")
+    guard_env_or_raise("multicast_granularity")
     drv = _cuda.driver()
     prop = _mc_prop(drv, world_size, size, handle_type)
     flag = drv.CUmulticastGranularity_flags.CU_MULTICAST_GRANULARITY_MINIMUM
     return int(_cuda.check(drv.cuMulticastGetGranularity(prop, flag), "cuMulticastGetGranularity"))
 
 
-class MulticastObject:
+class MulticastObject(Resource):
     """One multicast address bound to every rank's copy of a symmetric heap.
 
     Naive equivalent: none in plain CUDA; with it, ``multimem.st [mc_ptr + off], v`` behaves as
@@ -307,24 +313,18 @@ class MulticastObject:
         A step failed on this rank (every rank unwound).
     """
 
+    _resource_name = "MulticastObject"
+
     def __init__(self, comm, heap_nbytes: int, device: int, *, mem_handle,
                  handle_type: str = "posix_fd", timeout_s: float = 60.0):
-        from .comm import Communicator  # noqa: WPS433
-        from .symmetric import _collective_check, _Transaction  # noqa: WPS433 (no import cycle)
-
-        self._closed = True
         self._undo: List = []
         self.mc_ptr = 0
-        if not isinstance(comm, Communicator):
-            raise InvalidType(f"MulticastObject: comm must be a dcpkit.Communicator "
-                              f"(got {type(comm).__name__})")
-        self.comm = comm
+        self.comm = check_comm(comm, "MulticastObject")
         rank, world = comm.rank, comm.world_size
 
         # 1. The guard, before any driver call, on every rank.
-        err: Optional[BaseException] = None
-        try:
-            _guard_env_or_raise("MulticastObject", rank)
+        def guard_and_arguments():
+            guard_env_or_raise("MulticastObject", rank)
             for name, value in (("heap_nbytes", heap_nbytes), ("device", device)):
                 if isinstance(value, bool) or not isinstance(value, int):
                     raise InvalidType(f"MulticastObject: {name} must be an int "
@@ -340,10 +340,10 @@ class MulticastObject:
             if mem_handle is None:
                 raise InvalidArgument("MulticastObject: mem_handle must be the heap's physical "
                                       "allocation handle (got None)")
-        except Exception as e:  # noqa: BLE001 - shared with every rank below
-            err = e
+
         try:
-            _collective_check(comm, "MulticastObject: multicast guard and arguments", err)
+            collective_step(comm, "MulticastObject: multicast guard and arguments",
+                            guard_and_arguments)
         except PeerError as pe:
             # A peer is forbidden: refuse here too with the same error type, still before any
             # driver call.
@@ -358,7 +358,7 @@ class MulticastObject:
         self.nbytes = int(heap_nbytes)
         self.handle_type = handle_type
         hkind = _handle_type_enum(drv, handle_type)
-        tx = _Transaction(comm, "MulticastObject")
+        tx = Transaction(comm, "MulticastObject")
         box = {}
 
         try:
@@ -394,7 +394,7 @@ class MulticastObject:
 
                 def create_step():
                     if rank == 0:
-                        _guard_env_or_raise("MulticastObject", rank)  # last look before creation
+                        guard_env_or_raise("MulticastObject", rank)  # last look before creation
                         h = _cuda.check(drv.cuMulticastCreate(prop), "cuMulticastCreate")
                         box["handle"] = h
                         tx.add_undo("cuMemRelease(multicast)", lambda: _cuda.check(
@@ -486,23 +486,19 @@ class MulticastObject:
         self._undo = tx.commit()
         self._closed = False
 
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close` (or when construction failed)."""
-        return self._closed
-
     def _release_local(self) -> None:
-        """Undo setup on this rank only, in reverse (no collective; the caller synchronised)."""
+        """Undo setup on this rank only, in reverse (no collective; the caller synchronised):
+        the undo a heap registers for its multicast object."""
         if self._closed:
             return
         self._closed = True
+        self._undo_local()
+
+    def _undo_local(self) -> None:
         import cupy  # noqa: WPS433
 
-        from .symmetric import _run_undo  # noqa: WPS433
-
         with cupy.cuda.Device(self.device):
-            errors = _run_undo(self._undo, "MulticastObject.close")
-        self._undo = []
+            errors = run_undo(self._undo, "MulticastObject.close")
         self.mc_ptr = 0
         if errors:
             raise errors[0]
@@ -515,30 +511,15 @@ class MulticastObject:
 
         Stream: synchronises the device.
         """
-        if self._closed:
-            return
+        super().close()
+
+    def _close(self) -> None:
         import cupy  # noqa: WPS433
 
         with cupy.cuda.Device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
         self.comm.barrier()
-        self._release_local()
-
-    def __enter__(self) -> "MulticastObject":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):  # never collective work here: warn only
-        if getattr(self, "_closed", True) is False:
-            try:
-                import warnings  # noqa: WPS433
-
-                warnings.warn("dcpkit MulticastObject was not closed; call close() on every rank",
-                              ResourceWarning, stacklevel=1)
-            except Exception:  # noqa: BLE001 - interpreter shutdown
-                pass
+        self._undo_local()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"mc_ptr=0x{self.mc_ptr:x}"

@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ._checks import check_int, check_real
+from ._checks import check_lse_base, resolve_dtype  # noqa: F401 - re-exported from here
 from .errors import InvalidArgument, InvalidType
 
 __all__ = [
@@ -22,61 +24,6 @@ __all__ = [
 ]
 
 _OP_SEEDS = {"q_gather": 1, "kv_gather": 2, "lse_reduce": 3}
-
-# Short and case-insensitive names of dtypes (looked up lowercased; anything else goes to
-# np.dtype unchanged, so that NumPy's case-sensitive codes keep their meaning: 'B' is uint8,
-# 'F' complex64, 'U4' a 4-character string).
-_DTYPE_ALIASES = {
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "half": "float16", "float16": "float16",
-    "fp32": "float32", "float": "float32", "float32": "float32",
-    "fp64": "float64", "float64": "float64",
-    "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2",
-}
-
-
-def _type_name(x) -> str:
-    return type(x).__name__
-
-
-def resolve_dtype(dtype, *, op: str = "resolve_dtype", name: str = "dtype") -> np.dtype:
-    """A NumPy dtype from a dtype, a type or a name.
-
-    Names are looked up case-insensitively among the aliases ``bf16``/``bfloat16`` (ml_dtypes'
-    bfloat16), ``fp16``/``half``/``float16``, ``fp32``/``float``/``float32`` (note: ``float``
-    is float32 here), ``fp64``/``float64``, ``fp8``/``e4m3`` (ml_dtypes' float8_e4m3fn),
-    ``e5m2`` and every ``float8_*`` type of ml_dtypes. Any other string goes to ``np.dtype``
-    as written, so NumPy's case-sensitive codes keep their meaning (``"B"`` is uint8, ``"b"``
-    int8, ``"F"`` complex64, ``"U4"`` a string type).
-
-    Raises
-    ------
-    InvalidType
-        ``dtype`` is None, or not a dtype NumPy (or ml_dtypes) knows. ``op`` and ``name`` name
-        the caller and argument in the message.
-    """
-    if dtype is None:
-        raise InvalidType(f"{op}: {name} must be a NumPy dtype or dtype name such as "
-                          f"'bfloat16' (got None)")
-    if isinstance(dtype, str):
-        key = dtype.strip().lower()
-        key = _DTYPE_ALIASES.get(key, key if key.startswith("float8_") else None)
-        if key is not None:
-            if key in ("bfloat16",) or key.startswith("float8_"):
-                import ml_dtypes  # noqa: WPS433
-
-                t = getattr(ml_dtypes, key, None)
-                if t is None:
-                    raise InvalidType(f"{op}: {name} must be a dtype ml_dtypes "
-                                      f"{ml_dtypes.__version__} knows (got {dtype!r})")
-                return np.dtype(t)
-            return np.dtype(key)
-    try:
-        return np.dtype(dtype)
-    except (TypeError, ValueError) as e:
-        raise InvalidType(f"{op}: {name} must be a NumPy dtype or dtype name such as "
-                          f"'bfloat16' (got {dtype!r}: {e})") from None
-
 
 def _is_ml_dtype(dt: np.dtype) -> bool:
     return getattr(dt.type, "__module__", "").startswith("ml_dtypes")
@@ -111,41 +58,12 @@ def random_array(rng: np.random.Generator, shape: Sequence[int], dtype) -> np.nd
 
 
 # ----------------------------------------------------------------------------- argument checks
-def _int(value, op: str, name: str, minimum: Optional[int] = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidType(f"{op}: {name} must be an int (got {_type_name(value)} {value!r})")
-    v = int(value)
-    if minimum is not None and v < minimum:
-        raise InvalidArgument(f"{op}: {name} must be >= {minimum} (got {v})")
-    return v
-
-
-def _real(value, op: str, name: str) -> float:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
-                                                                      np.floating)):
-        raise InvalidType(f"{op}: {name} must be a real number (got {_type_name(value)} "
-                          f"{value!r})")
-    return float(value)
-
-
-def check_lse_base(value, op: str) -> float:
-    """``value`` as the float base of an lse argument: ``math.e`` or ``2.0``.
-
-    Raises
-    ------
-    InvalidType
-        ``value`` is not a real number (bools and strings included).
-    InvalidArgument
-        ``value`` is a number other than e or 2.
-    """
-    b = _real(value, op, "lse_base")
-    if b != math.e and b != 2.0:
-        raise InvalidArgument(f"{op}: lse_base must be math.e or 2 (got {value!r})")
-    return b
+def _type_name(x) -> str:
+    return type(x).__name__
 
 
 def _fraction(value, op: str, name: str) -> float:
-    f = _real(value, op, name)
+    f = check_real(value, op, name)
     if not 0.0 <= f <= 1.0:  # NaN fails too
         raise InvalidArgument(f"{op}: {name} must lie in [0, 1] (got {value!r})")
     return f
@@ -199,12 +117,7 @@ def kv_gather_reference(kvs: Sequence[np.ndarray]) -> np.ndarray:
     """``all_gather_into_tensor(kv)``: ``kvs[s]`` is rank ``s``'s ``kv [T, D_kv]``; returns
     ``[world_size*T, D_kv]`` with rows ``[s*T, (s+1)*T)`` from rank ``s``.
 
-    Raises
-    ------
-    InvalidArgument
-        ``kvs`` is empty, or its arrays are not 2-D of one shape.
-    InvalidType
-        ``kvs`` is not a sequence, or its arrays differ in dtype.
+    Raises as :func:`q_gather_reference`, for 2-D arrays.
     """
     arrs = _arrays(kvs, "kv_gather_reference", "kvs")
     _same_layout(arrs, "kv_gather_reference", "kvs", 2, "T, D_kv")
@@ -418,27 +331,27 @@ def make_inputs(rank: int, world_size: int, seed: int, *, op: str, **geometry) -
     if missing:
         raise InvalidArgument(f"{fn}: op={op!r} needs the keyword arguments {list(required)} "
                               f"(missing {missing})")
-    W = _int(world_size, fn, "world_size", 1)
-    r = _int(rank, fn, "rank", 0)
+    W = check_int(world_size, fn, "world_size", minimum=1)
+    r = check_int(rank, fn, "rank", minimum=0)
     if r >= W:
         raise InvalidArgument(f"{fn}: rank must lie in [0, {W}) (got {r})")
-    seed = _int(seed, fn, "seed", 0)
-    T = _int(geometry["tokens"], fn, "tokens", 0)
+    seed = check_int(seed, fn, "seed", minimum=0)
+    T = check_int(geometry["tokens"], fn, "tokens", minimum=0)
     rng = _rng(seed, r, op)
     dtype = resolve_dtype(geometry.get("dtype", "bfloat16"), op=fn)
     if op == "q_gather":
-        H = _int(geometry["num_heads"], fn, "num_heads", 1)
-        D = _int(geometry["head_dim"], fn, "head_dim", 1)
+        H = check_int(geometry["num_heads"], fn, "num_heads", minimum=1)
+        D = check_int(geometry["head_dim"], fn, "head_dim", minimum=1)
         if H % W:
             raise InvalidArgument(f"{fn}: num_heads must be a multiple of world_size {W} "
                                   f"(got {H})")
         return {"q": _random(rng, (T, H // W, D), dtype, fn, "dtype")}
     if op == "kv_gather":
-        D = _int(geometry["row_dim"], fn, "row_dim", 1)
+        D = check_int(geometry["row_dim"], fn, "row_dim", minimum=1)
         return {"kv": _random(rng, (T, D), dtype, fn, "dtype")}
     # lse_reduce
-    H = _int(geometry["num_heads"], fn, "num_heads", 1)
-    D = _int(geometry["head_dim"], fn, "head_dim", 1)
+    H = check_int(geometry["num_heads"], fn, "num_heads", minimum=1)
+    D = check_int(geometry["head_dim"], fn, "head_dim", minimum=1)
     lse_dtype = resolve_dtype(geometry.get("lse_dtype", "float32"), op=fn, name="lse_dtype")
     for name, dt in (("dtype", dtype), ("lse_dtype", lse_dtype)):
         if not _is_float(dt):
@@ -448,7 +361,7 @@ def make_inputs(rank: int, world_size: int, seed: int, *, op: str, **geometry) -
     empty_fraction = _fraction(geometry.get("empty_fraction", 0.05), fn, "empty_fraction")
     nonfinite_fraction = _fraction(geometry.get("nonfinite_fraction", 0.01), fn,
                                    "nonfinite_fraction")
-    S = _int(geometry.get("num_requests", 0), fn, "num_requests", 0)
+    S = check_int(geometry.get("num_requests", 0), fn, "num_requests", minimum=0)
     out = rng.standard_normal((T, H, D), dtype=np.float32)
     lse = rng.normal(4.0, 2.0, size=(T, H)).astype(np.float64)
     if base != math.e:

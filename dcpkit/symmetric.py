@@ -25,12 +25,13 @@ Backends.
   together (``fabric_refusal`` records why).
 * ``"nvshmem"``: the same interface over nvshmem4py (:mod:`dcpkit._nvshmem`).
 
-Setup is a transaction (:class:`_Transaction`): every step registers its undo, and after every
-step all ranks check that every rank succeeded (``Communicator.all_ok``). A failure anywhere
-unwinds everything everywhere, in reverse, and every rank raises: the failing rank its own
-error, the others :class:`~dcpkit.errors.PeerError` naming it. Arguments are checked before any
-driver call. Allocation and release are collective and explicit; garbage collection never frees
-a heap (it only warns).
+Setup is a transaction (:class:`dcpkit._setup.Transaction`): every step registers its undo,
+and after every step all ranks check that every rank succeeded
+(:func:`dcpkit._setup.share_outcome`). A failure anywhere unwinds everything everywhere, in
+reverse, and every rank raises: the failing rank its own error, the others
+:class:`~dcpkit.errors.PeerError` naming it. Arguments are checked before any driver call.
+Allocation and release are collective and explicit; garbage collection never frees a heap (it
+only warns).
 
 Multicast (``mc_ptr``) is used only as NOTE [dcpkit multicast guard] in
 :mod:`dcpkit.multicast` allows; otherwise ``mc_ptr`` is 0 and ``multicast_reason`` says why.
@@ -41,18 +42,18 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import numbers
 import os
-import warnings
 from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
 from . import _cuda, _fdpass
-from .comm import Communicator
+from ._checks import check_comm, check_int, check_multicast, check_real
+from ._lifecycle import Resource
+from ._setup import Transaction, collective_step, run_undo
 from .errors import (ClosedError, ConfigMismatch, CudaError, DcpkitError, InvalidArgument,
-                     InvalidType, PeerError)
-from .multicast import agree_multicast, multicast_decision, multicast_granularity
+                     InvalidType)
+from .multicast import MulticastObject, agree_multicast, multicast_decision, multicast_granularity
 
 __all__ = ["SymmetricHeap", "BACKENDS", "HANDLE_TYPES", "MAX_NBYTES"]
 
@@ -64,107 +65,10 @@ HANDLE_TYPES = ("auto", "posix_fd", "fabric")
 #: Largest ``nbytes`` accepted (1 TiB): anything above is a unit mistake.
 MAX_NBYTES = 1 << 40
 
-#: Fault injection for tests: when this equals ``"after_<step>"`` (for example
-#: ``"after_create"``, ``"after_export"``, ``"after_exchange"``, ``"after_map"``), the setup step
-#: ``<step>`` raises ``RuntimeError("injected fault at after_<step> ...")`` on this rank right
-#: after it succeeded. Steps of the cumem backend: context, p2p_check, granularity,
-#: fabric_create, create, export, exchange, import, reserve, map, access, zero; multicast
-#: objects add mc_device ... mc_map; the nvshmem backend: nvshmem_state, nvshmem_method,
-#: nvshmem_uid, nvshmem_init, nvshmem_alloc, nvshmem_peers, zero.
-_FAULT_POINT: Optional[str] = None
-
 _HEAP_COUNTER = iter(range(1 << 62))
 
 
-# ---------------------------------------------------------------------------- transaction
-def _add_note(err: BaseException, note: str) -> None:
-    if hasattr(err, "add_note"):
-        err.add_note(note)
-
-
-def _collective_check(comm, what: str, err: Optional[BaseException]) -> None:
-    """All ranks share whether ``err`` happened; if it did anywhere, every rank raises.
-
-    The failing rank raises its own exception (with a note naming every failing rank); the
-    others raise :class:`PeerError`.
-    """
-    try:
-        comm.all_ok(what, err)
-    except PeerError as pe:
-        if err is None:
-            raise
-        if len(pe.failed) > 1:
-            _add_note(err, str(pe))
-        raise err.with_traceback(err.__traceback__) from None
-
-
-def _run_undo(undo: List[Tuple[str, Callable[[], object]]], what: str) -> List[BaseException]:
-    """Run undo actions in reverse order; keep going past failures, return them."""
-    errors: List[BaseException] = []
-    for name, fn in reversed(undo):
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - undo must go on; report at the end
-            log.warning("%s: undo step %s failed: %s: %s", what, name, type(e).__name__, e)
-            errors.append(e)
-    undo.clear()
-    return errors
-
-
-class _Transaction:
-    """Collective setup with undo (the cuda.core style): see the module docstring.
-
-    ``step(name, fn)`` runs ``fn`` on this rank, then every rank checks that every rank
-    succeeded; on failure everything registered so far is undone (reverse order) and the error
-    is raised on every rank. ``commit()`` hands the undo list to the new resource.
-    """
-
-    def __init__(self, comm, what: str):
-        self.comm = comm
-        self.what = what
-        self._undo: List[Tuple[str, Callable[[], object]]] = []
-
-    def add_undo(self, name: str, fn: Callable[[], object]) -> None:
-        self._undo.append((name, fn))
-
-    def undo_last(self) -> None:
-        """Run and drop the most recent undo action now (a resource given up on purpose)."""
-        name, fn = self._undo.pop()
-        _run_undo([(name, fn)], self.what)
-
-    def step(self, name: str, fn: Callable[[], object]):
-        err: Optional[BaseException] = None
-        result = None
-        try:
-            result = fn()
-            if _FAULT_POINT == f"after_{name}":
-                raise RuntimeError(f"injected fault at after_{name} (rank {self.comm.rank})")
-        except Exception as e:  # noqa: BLE001 - shared with every rank, then re-raised
-            err = e
-        try:
-            _collective_check(self.comm, f"{self.what}: setup step {name!r}", err)
-        except BaseException:
-            self.rollback()
-            raise
-        return result
-
-    def rollback(self) -> None:
-        _run_undo(self._undo, f"{self.what}: unwinding setup")
-
-    def commit(self) -> List[Tuple[str, Callable[[], object]]]:
-        undo, self._undo = self._undo, []
-        return undo
-
-
 # ---------------------------------------------------------------------------- argument checks
-def _check_int(value, op: str, name: str, *, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidType(f"{op}: {name} must be an int (got {type(value).__name__} {value!r})")
-    if value < minimum:
-        raise InvalidArgument(f"{op}: {name} must be >= {minimum} (got {value})")
-    return int(value)
-
-
 def _check_args(comm, nbytes, device, backend, handle_type, multicast, timeout_s):
     """Checks that need no GPU and no driver (run first, on every rank)."""
     op = "SymmetricHeap"
@@ -174,7 +78,7 @@ def _check_args(comm, nbytes, device, backend, handle_type, multicast, timeout_s
     if not 1 <= nbytes <= MAX_NBYTES:
         raise InvalidArgument(f"{op}: nbytes must lie in [1, 2**40] bytes (got {nbytes})")
     if device is not None:
-        _check_int(device, op, "device index", minimum=0)
+        check_int(device, op, "device index", minimum=0)
     if not isinstance(backend, str):
         raise InvalidType(f"{op}: backend must be a str (got {type(backend).__name__})")
     if backend not in BACKENDS:
@@ -193,12 +97,9 @@ def _check_args(comm, nbytes, device, backend, handle_type, multicast, timeout_s
         raise InvalidArgument(f"{op}: backend 'nvshmem' must not be used when the group spans "
                               f"hosts (dcpkit maps peers with nvshmem_ptr, which needs one "
                               f"NVLink-connected host)")
-    if multicast is not None and not isinstance(multicast, bool):
-        raise InvalidType(f"{op}: multicast must be True, False or None (got {multicast!r})")
-    if isinstance(timeout_s, (bool, np.bool_)) or not isinstance(timeout_s, numbers.Real):
-        raise InvalidType(f"{op}: timeout_s must be a real number of seconds "
-                          f"(got {type(timeout_s).__name__} {timeout_s!r})")
-    if not 0 < float(timeout_s) <= 3600:  # NaN fails too
+    check_multicast(multicast, op)
+    seconds = check_real(timeout_s, op, "timeout_s", "a real number of seconds")
+    if not 0 < seconds <= 3600:  # NaN fails too
         raise InvalidArgument(f"{op}: timeout_s must lie in (0, 3600] seconds (got {timeout_s!r})")
     # Dependencies last (argument errors first), still before any driver call: a missing
     # package on one rank raises there and PeerError on the others.
@@ -244,7 +145,7 @@ def _alloc_prop(drv, device: int, kind):
 
 
 # ---------------------------------------------------------------------------- the heap
-class SymmetricHeap:
+class SymmetricHeap(Resource):
     """One allocation of ``nbytes`` on every rank, with every peer's copy mapped here.
 
     Naive equivalent: ``bufs = [cupy.zeros(nbytes, uint8) on rank r for r in ranks]`` where
@@ -335,9 +236,11 @@ class SymmetricHeap:
     because containers deny ``pidfd_getfd``.
     """
 
+    _resource_name = "SymmetricHeap"
+    _unclosed_hint = "call close() on every rank (its GPU memory is returned at process exit)"
+
     def __init__(self, comm, nbytes, *, device=None, backend="cumem", handle_type="auto",
                  multicast=None, timeout_s=60.0):
-        self._closed = True
         self._undo: List[Tuple[str, Callable[[], object]]] = []
         self._next = 0
         self.nbytes = 0
@@ -348,21 +251,14 @@ class SymmetricHeap:
         self.fabric_refusal: Optional[str] = None
         self.handle_type = ""
         self._mc = None
-        if not isinstance(comm, Communicator):
-            raise InvalidType(f"SymmetricHeap: comm must be a dcpkit.Communicator "
-                              f"(got {type(comm).__name__})")
-        self.comm = comm
+        self.comm = check_comm(comm, "SymmetricHeap")
         self._rank = comm.rank
         self._world_size = comm.world_size
         self.backend = backend
 
         # 1. Arguments: no GPU, no driver. Shared so that no rank waits for a rank that raised.
-        err: Optional[BaseException] = None
-        try:
-            _check_args(comm, nbytes, device, backend, handle_type, multicast, timeout_s)
-        except Exception as e:  # noqa: BLE001 - shared below
-            err = e
-        _collective_check(comm, "SymmetricHeap: argument check", err)
+        collective_step(comm, "SymmetricHeap: argument check", lambda: _check_args(
+            comm, nbytes, device, backend, handle_type, multicast, timeout_s))
 
         # 2. Settings that must match: one allgather, ConfigMismatch on every rank.
         mine = {"nbytes": int(nbytes), "backend": backend, "handle_type": handle_type,
@@ -375,13 +271,8 @@ class SymmetricHeap:
         tag = f"heap{everyone[0]['counter']}"
 
         # 3. The device (CUDA runtime queries only).
-        err = None
-        dev = -1
-        try:
-            dev = _check_device(device, int(nbytes))
-        except Exception as e:  # noqa: BLE001 - shared below
-            err = e
-        _collective_check(comm, "SymmetricHeap: device check", err)
+        dev = collective_step(comm, "SymmetricHeap: device check",
+                              lambda: _check_device(device, int(nbytes)))
         self.device = dev
 
         # 4. Multicast: guard on every rank, then all ranks agree (NOTE [dcpkit multicast guard]).
@@ -410,7 +301,7 @@ class SymmetricHeap:
         fd_kind = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         fabric_kind = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC
         want_fabric = handle_type == "fabric" or (handle_type == "auto" and comm.spans_hosts)
-        tx = _Transaction(comm, "SymmetricHeap")
+        tx = Transaction(comm, "SymmetricHeap")
         box: dict = {}
 
         def release(h, who):
@@ -654,12 +545,10 @@ class SymmetricHeap:
         self.local_ptr = self.peer_ptrs[rank]
         self._undo = tx.commit()
 
-    def _attach_multicast(self, tx: _Transaction, size: int, mem_handle, handle_type: str,
+    def _attach_multicast(self, tx: Transaction, size: int, mem_handle, handle_type: str,
                           timeout_s: float) -> None:
         """Bind a MulticastObject to this heap; on failure (on any rank) every rank goes on
         with unicast."""
-        from .multicast import MulticastObject  # noqa: WPS433
-
         try:
             mc = MulticastObject(self.comm, size, self.device, mem_handle=mem_handle,
                                  handle_type=handle_type, timeout_s=timeout_s)
@@ -673,87 +562,19 @@ class SymmetricHeap:
 
     # ------------------------------------------------------------------ nvshmem backend
     def _setup_nvshmem(self, nbytes: int, use_mc: bool) -> None:
-        import cupy  # noqa: WPS433
-
         from . import _nvshmem  # noqa: WPS433
 
-        comm, rank, world, device = self.comm, self.rank, self.world_size, self.device
-        size = _round_up(nbytes, 512)
-        tx = _Transaction(comm, "SymmetricHeap(nvshmem)")
-        box: dict = {}
-        try:
-            with cupy.cuda.Device(device):
-                cupy.cuda.runtime.free(0)
-                _nvshmem.init_collective(tx, comm, device, use_mc)
-
-                def alloc_step():
-                    box["buf"] = _nvshmem.allocate(size)
-
-                try:
-                    tx.step("nvshmem_alloc", alloc_step)
-                except BaseException:
-                    # nvshmem_free is collective: free only if every rank holds its buffer.
-                    try:
-                        held = comm.allgather("buf" in box)
-                        if all(held):
-                            _nvshmem.free(box["buf"])
-                        elif "buf" in box:
-                            log.warning("dcpkit SymmetricHeap rank %d: an NVSHMEM buffer of %d "
-                                        "bytes stays allocated: ranks %s failed to allocate "
-                                        "theirs, so no collective free is possible", rank, size,
-                                        [r for r, h in enumerate(held) if not h])
-                    except Exception as e:  # noqa: BLE001 - the original error matters more
-                        log.warning("dcpkit SymmetricHeap rank %d: freeing the NVSHMEM buffer "
-                                    "after a failed setup failed: %s", rank, e)
-                    raise
-                buf = box["buf"]
-                # Every rank allocated: the collective free is safe from here on.
-                tx.add_undo("nvshmem free", functools.partial(_nvshmem.free, buf))
-                local = _nvshmem.local_ptr(buf)
-
-                def peers_step():
-                    box["peers"] = [local if p == rank else _nvshmem.peer_ptr(buf, p)
-                                    for p in range(world)]
-
-                tx.step("nvshmem_peers", peers_step)
-
-                mc_ptr, mc_err = 0, None
-                if use_mc:
-                    try:
-                        mc_ptr = _nvshmem.multicast_ptr(buf)
-                    except Exception as e:  # noqa: BLE001 - multicast is optional
-                        mc_err = f"{type(e).__name__}: {e}"
-                    errs = comm.allgather(mc_err)
-                    failed = [r for r, m in enumerate(errs) if m]
-                    if failed:
-                        mc_ptr = 0
-                        self.multicast_reason = (
-                            f"multicast setup failed, using unicast: rank(s) {failed}: "
-                            + "; ".join(str(errs[r]) for r in failed))
-                        log.warning("dcpkit SymmetricHeap rank %d: %s", rank,
-                                    self.multicast_reason)
-
-                def zero_step():
-                    cupy.cuda.runtime.memset(local, 0, size)
-                    cupy.cuda.runtime.deviceSynchronize()
-
-                tx.step("zero", zero_step)
-        except BaseException:
-            tx.rollback()
-            raise
+        got = _nvshmem.setup_heap(self.comm, self.device, nbytes, use_mc)  # collective
+        if got.multicast_reason is not None:
+            self.multicast_reason = got.multicast_reason
         self.handle_type = "nvshmem"
-        self.nbytes = size
-        self.peer_ptrs = box["peers"]
-        self.local_ptr = local
-        self.mc_ptr = mc_ptr
-        self._undo = tx.commit()
+        self.nbytes = got.nbytes
+        self.peer_ptrs = got.peer_ptrs
+        self.local_ptr = got.local_ptr
+        self.mc_ptr = got.mc_ptr
+        self._undo = got.undo
 
     # ------------------------------------------------------------------ local use
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed
-
     @property
     def rank(self) -> int:
         """This process's rank in the heap's group (read-only)."""
@@ -799,11 +620,11 @@ class SymmetricHeap:
         """
         op = "SymmetricHeap.view"
         self._check_open(op)
-        off = _check_int(offset, op, "offset", minimum=0)
+        off = check_int(offset, op, "offset", minimum=0)
         if rank is None:
             r = self.rank
         else:
-            r = _check_int(rank, op, "rank", minimum=0)
+            r = check_int(rank, op, "rank", minimum=0)
             if r >= self.world_size:
                 raise InvalidArgument(f"{op}: rank must lie in [0, {self.world_size}) (got {r})")
         try:
@@ -816,7 +637,7 @@ class SymmetricHeap:
             shape = (shape,)
         if not isinstance(shape, (tuple, list)):
             raise InvalidType(f"{op}: shape must be an int or a tuple of ints (got {shape!r})")
-        shape = tuple(_check_int(s, op, "shape entry", minimum=0) for s in shape)
+        shape = tuple(check_int(s, op, "shape entry", minimum=0) for s in shape)
         size = math.prod(shape) * dt.itemsize  # exact Python ints: no overflow
         if off % dt.itemsize:
             raise InvalidArgument(f"{op}: offset must be a multiple of the itemsize of {dt} "
@@ -860,8 +681,8 @@ class SymmetricHeap:
         """
         op = "SymmetricHeap.reserve"
         self._check_open(op)
-        n = _check_int(nbytes, op, "nbytes", minimum=1)
-        a = _check_int(align, op, "align", minimum=1)
+        n = check_int(nbytes, op, "nbytes", minimum=1)
+        a = check_int(align, op, "align", minimum=1)
         if a & (a - 1):
             raise InvalidArgument(f"{op}: align must be a power of two (got {a})")
         off = _round_up(self._next, a)
@@ -877,7 +698,7 @@ class SymmetricHeap:
         return self._next
 
     # ------------------------------------------------------------------ teardown
-    def close(self) -> None:
+    def close(self) -> None:  # the docstring of the collective close; Resource.close runs it
         """Release the heap on every rank (collective, idempotent).
 
         Synchronises the device, waits for every rank, then undoes setup in reverse: multicast
@@ -892,9 +713,9 @@ class SymmetricHeap:
         ------
         The first error met (the rest of the teardown still runs).
         """
-        if self._closed:
-            return
-        self._closed = True
+        super().close()
+
+    def _close(self) -> None:
         import cupy  # noqa: WPS433
 
         errors: List[BaseException] = []
@@ -907,7 +728,7 @@ class SymmetricHeap:
                 self.comm.barrier()
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
-            errors += _run_undo(self._undo, "SymmetricHeap.close")
+            errors += run_undo(self._undo, "SymmetricHeap.close")
         self._mc = None
         self.local_ptr = 0
         self.peer_ptrs = []
@@ -919,20 +740,8 @@ class SymmetricHeap:
         if errors:
             raise errors[0]
 
-    def __enter__(self) -> "SymmetricHeap":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):  # never collective work here: warn only
-        if getattr(self, "_closed", True) is False and getattr(self, "comm", None) is not None:
-            try:
-                warnings.warn("dcpkit SymmetricHeap was not closed; call close() on every rank "
-                              "(its GPU memory is returned at process exit)", ResourceWarning,
-                              stacklevel=1)
-            except Exception:  # noqa: BLE001 - interpreter shutdown
-                pass
+    def _left_open(self) -> bool:
+        return super()._left_open() and getattr(self, "comm", None) is not None
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else (f"nbytes={self.nbytes}, "

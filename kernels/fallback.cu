@@ -1,4 +1,5 @@
-// fallback.cu: the local kernels of the NCCL versions of the three ops (dcpkit/fallback.py).
+// fallback.cu: the local kernels of the NCCL versions of the three ops (dcpkit/nccl/) and the
+// strided copy (dcpkit/_strided.py).
 //
 // The exchanges themselves are NCCL calls; these kernels only move data between the layouts
 // NCCL needs (contiguous per-peer blocks) and the layouts of the op arguments, and compute the
@@ -9,14 +10,12 @@
 //   * fallback_cast_kernel<O>          fp32 -> output dtype, strided destination
 // None of them waits on a peer: they are ordinary grid-stride kernels, any grid size works.
 #include "dcpkit_ptx.cuh"
+#include "lse_rows.cuh"
 
 namespace dcpkit {
 
 // float64 lse_partial is accepted by the NCCL path only (the direct kernels take 16/32-bit).
 __device__ __forceinline__ float to_float(double x) { return static_cast<float>(x); }
-
-__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
-__device__ __forceinline__ float neg_inf() { return __int_as_float(static_cast<int>(0xff800000u)); }
 
 // ----------------------------------------------------------------------------- copy
 // dst[i0, i1, i2, i3] = src[i0, i1, i2, i3] over the box [n0, n1, n2, n3]. Strides are in
@@ -42,20 +41,7 @@ __global__ void fallback_copy_kernel(E* __restrict__ dst, const E* __restrict__ 
 }
 
 // ----------------------------------------------------------------------------- lse mask
-// True when row t is empty on this rank: at or past query_start_loc[S] (padding, empty on every
-// rank), or inside a request whose local KV length seq_lens[i] is 0. Rows before
-// query_start_loc[0] belong to no request. query_start_loc is non-decreasing.
-__device__ __forceinline__ bool row_masked(int t, const int* __restrict__ qsl,
-                                           const int* __restrict__ seq_lens, int num_requests) {
-  if (t >= qsl[num_requests]) return true;
-  if (seq_lens == nullptr || num_requests == 0 || t < qsl[0]) return false;
-  int lo = 0, hi = num_requests;  // invariant: qsl[lo] <= t < qsl[hi]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    if (qsl[mid] <= t) lo = mid; else hi = mid;
-  }
-  return seq_lens[lo] == 0;
-}
+// row_masked(t, query_start_loc, seq_lens, S): kernels/lse_rows.cuh.
 
 // dst[s*dst_ss + t*dst_st + j] = lse of row t, head h = s*H_r + j: converted to float32, times
 // `scale` (ln(lse_base)), NaN and +inf replaced by -inf (an empty or invalid shard), masked rows
@@ -77,7 +63,7 @@ __global__ void fallback_lse_mask_kernel(float* __restrict__ dst, long long dst_
     float v = to_float(lse[t * lse_st + h * lse_sh]);
     if (!(v < pos_inf())) v = neg_inf();  // NaN and +inf
     v *= scale;                            // -inf stays -inf (scale > 0)
-    if (qsl != nullptr && row_masked(t, qsl, seq_lens, num_requests)) v = neg_inf();
+    if (row_masked(t, qsl, seq_lens, num_requests)) v = neg_inf();
     const int s = h / H_r;
     const int j = h - s * H_r;
     dst[s * dst_ss + t * dst_st + j] = v;

@@ -328,3 +328,32 @@ class KVGather(GatherWorkspace):
                 f"{op}: {name} must be C-contiguous with strides ({self.row_bytes}, {isz}) "
                 f"bytes (got strides {tuple(info.strides)}; use cupy.ascontiguousarray)")
         check_align(info.ptr, 16, op, f"{name} data pointer")
+
+    # ------------------------------------------------------------------ what the op accepts
+    @classmethod
+    def check_arguments(cls, world_size: int, **constructor_keywords) -> Tuple:
+        """The argument checks of ``KVGather(comm, **constructor_keywords)`` on a group of
+        ``world_size`` ranks, needing no GPU and no collective.
+
+        Returns what every rank must agree on (the last value: the symmetric bytes of the
+        workspace); raises :class:`InvalidArgument` / :class:`InvalidType` as the constructor
+        does, with the same messages. ``heap`` is left to the constructor (it needs the group).
+        See :func:`dcpkit._checks.check_constructor_keywords`.
+        """
+        from .._checks import check_constructor_keywords  # noqa: WPS433 (appended method)
+
+        return check_constructor_keywords(cls, world_size, constructor_keywords)
+
+    def accepts_layout(self, *, kv=None, out=None) -> bool:
+        """Whether ``kv`` and ``out`` (arrays or ``ArrayInfo``) are rows this op reads and
+        writes without a copy: C-contiguous and 16-byte aligned. An array of a shape the call
+        refuses is not judged (True); a host array raises ``InvalidType``."""
+        from .._checks import described  # noqa: WPS433 (appended method)
+
+        for name, i in described(self.op_name, kv=kv, out=out):
+            if len(i.shape) == 2 and i.shape[0] > 0 and i.shape[1] == self.row_dim:
+                try:
+                    self._check_contiguous(i, name)
+                except InvalidArgument:
+                    return False
+        return True

@@ -689,6 +689,53 @@ class LseReduce(OpWorkspace):
         self._run(plan.lse_key, plan.grid, params, stream)
         return res if lse_res is None else (res, lse_res)
 
+    # ------------------------------------------------------------------ what the op accepts
+    @classmethod
+    def check_arguments(cls, world_size: int, **constructor_keywords) -> Tuple:
+        """Validate ``LseReduce`` constructor keywords for ``world_size`` ranks as the
+        constructor would, before any GPU work or collective.
+
+        Returns what every rank must agree on (the last value: the symmetric bytes of the
+        workspace); raises :class:`InvalidArgument` / :class:`InvalidType` as the constructor
+        does, with the same messages. ``heap`` is left to the constructor (it needs the group).
+        See :func:`dcpkit._checks.check_constructor_keywords`.
+        """
+        from .._checks import check_constructor_keywords  # noqa: WPS433 (appended method)
+
+        return check_constructor_keywords(cls, world_size, constructor_keywords)
+
+    def accepts_layout(self, *, out_partial=None, lse_partial=None, out=None,
+                       out_lse=None) -> bool:
+        """Whether this op takes the given arrays (or ``ArrayInfo``) without a copy by the
+        caller: ``out_partial`` rows 16-byte aligned (or an innermost stride the op copies
+        itself), ``lse_partial`` aligned to its itemsize, ``out`` / ``out_lse`` C-contiguous and
+        16- / 4-byte aligned; no negative strides. A host array raises ``InvalidType``."""
+        from .._checks import described  # noqa: WPS433 (appended method)
+
+        def nonneg(i):
+            return all(s >= 0 for n, s in zip(i.shape, i.strides) if n > 1)
+
+        for name, i in described(self.op_name, out_partial=out_partial,
+                                 lse_partial=lse_partial, out=out, out_lse=out_lse):
+            if name == "out_partial" and len(i.shape) == 3:
+                if not nonneg(i):
+                    return False
+                if i.shape[2] > 1 and i.strides[2] != i.itemsize:
+                    continue                      # the op copies it to a contiguous array
+                s_tok = i.strides[0] if i.shape[0] > 1 else 0
+                s_head = i.strides[1] if i.shape[1] > 1 else 0
+                if i.ptr % 16 or s_tok % 16 or s_head % 16:
+                    return False
+            elif name == "lse_partial":
+                li = i.itemsize
+                if not nonneg(i) or i.ptr % li or any(
+                        s % li for n, s in zip(i.shape, i.strides) if n > 1):
+                    return False
+            elif name in ("out", "out_lse"):
+                if not _c_contiguous(i) or i.ptr % (16 if name == "out" else 4):
+                    return False
+        return True
+
 
 # ----------------------------------------------------------------------------- local merge
 class _CombinePlan(NamedTuple):

@@ -352,3 +352,34 @@ class QGather(GatherWorkspace):
             raise InvalidArgument(f"{op}: {name} token stride must be >= {row} bytes and a "
                                   f"multiple of 16 bytes (got {info.strides[0]} bytes)")
         check_align(info.ptr, 16, op, f"{name} data pointer")
+
+    # ------------------------------------------------------------------ what the op accepts
+    @classmethod
+    def check_arguments(cls, world_size: int, **constructor_keywords) -> Tuple:
+        """``QGather(comm, **constructor_keywords)``'s checks for ``world_size`` ranks, without a
+        GPU or a collective.
+
+        Returns what every rank must agree on (the last value: the symmetric bytes of the
+        workspace); raises :class:`InvalidArgument` / :class:`InvalidType` as the constructor
+        does, with the same messages. ``heap`` is left to the constructor (it needs the group).
+        See :func:`dcpkit._checks.check_constructor_keywords`.
+        """
+        from .._checks import check_constructor_keywords  # noqa: WPS433 (appended method)
+
+        return check_constructor_keywords(cls, world_size, constructor_keywords)
+
+    def accepts_layout(self, *, q=None, out=None) -> bool:
+        """True when a call takes ``q`` and ``out`` (arrays or ``ArrayInfo``) in place: head
+        stride ``D`` elements, token stride a multiple of 16 bytes, 16-byte aligned data.
+        Shapes the call rejects anyway count as True; ``InvalidType`` for a host array."""
+        from .._checks import described  # noqa: WPS433 (appended method)
+
+        heads = {"q": self.heads_per_rank, "out": self.num_heads}
+        for name, i in described(self.op_name, q=q, out=out):
+            if len(i.shape) != 3 or i.shape[0] == 0:
+                continue
+            try:
+                self._check_rows(i, name, heads[name])
+            except InvalidArgument:
+                return False
+        return True

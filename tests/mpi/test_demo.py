@@ -1,4 +1,4 @@
-"""``python -m dcpkit demo`` end to end on GPUs, at a small size (dcpkit/demo.py).
+"""``python -m dcpkit demo`` end to end on GPUs, at a small size (dcpkit/demo/).
 
     mpirun -np N python -m pytest tests/mpi/test_demo.py -p no:cacheprovider     # N = 2 or 4
 
@@ -129,7 +129,8 @@ def test_demo_kimi_k2_float16(comm, seed, tmp_path, nccl_expected):
     """The other preset and dtype, odd batch and context, no timings."""
     _skip_unless_heads_split(comm, (64,))
     rcs, report = _run(comm, tmp_path, seed, "--model", "kimi-k2", "--dtype", "float16",
-                       "--batch", "3", "--context", "101", "--iters", "0")
+                       "--batch", "3", "--context", "101", "--iters", "0",
+                       "--timeout-ms", "20000")
     ok, msg = all_ranks_ok(comm, report is not None, "reading the JSON report")
     assert ok, msg + "; " + _describe(rcs, report)
     why = _describe(rcs, report)

@@ -316,3 +316,48 @@ def test_per_rank_layouts_do_not_change_the_path(comm, seed, dcp_auto):
         _path_everywhere(comm, dcp_auto, "direct-", "lse_reduce with per-rank layouts", errors)
 
     run_all_ranks(comm, "per-rank layouts", body)
+
+
+def test_the_three_direct_ops_share_one_heap_in_disjoint_regions(comm, seed):
+    """One SymmetricHeap per DCPComm: every direct op reserves its region in it (no two
+    regions overlap), calls on all three still equal the reference, and closing DCPComm closes
+    the heap (the ops never own it)."""
+    H = 8 * comm.world_size
+    H_r = H // comm.world_size
+    dcp = DCPComm(comm, **_geometry(comm))
+    heap = dcp.heap
+
+    def body(errors):
+        if any(dcp.direct_reason[op] is not None for op in dcp.ops):
+            errors.append(f"no direct path on this machine: {dcp.describe()}")
+            return
+        if heap is None or heap.closed:
+            errors.append(f"DCPComm.heap is {heap!r}")
+            return
+        spans = []
+        for op in dcp.ops:
+            o = dcp.direct_ops[op]
+            if o.heap is not heap or o._owns_heap:
+                errors.append(f"{op}: its heap is {o.heap!r}, not DCPComm's {heap!r}")
+            spans.append((o._base, o._base + o._region, op))
+        spans.sort()
+        for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:]):
+            if b0 < a1:
+                errors.append(f"regions overlap: {a} [{a0}, {a1}) and {b} [{b0}, {b1})")
+        if spans[-1][1] > heap.nbytes:
+            errors.append(f"{spans[-1][2]} ends at {spans[-1][1]} past the heap's {heap.nbytes}")
+        r = comm.rank
+        cq = QCase(comm, sub_seed(seed, 7, 1), T=5, H_r=H_r, D=DQ, dtype=DTYPE)
+        ck = KVCase(comm, sub_seed(seed, 7, 2), T=5, D=DKV, dtype=DTYPE)
+        cl = LseCase(comm, sub_seed(seed, 7, 3), T=5, H=H, D=DV, dtype=DTYPE)
+        errors.append(cq.check(r, dcp.q_gather(to_gpu(cq.q)), "(shared heap)"))
+        errors.append(ck.check(r, dcp.kv_gather(to_gpu(ck.kv)), "(shared heap)"))
+        x, lse, kw = cl.gpu_args()
+        errors.append(cl.check(r, dcp.lse_reduce(x, lse, **kw), where="shared heap"))
+        dcp.synchronize()
+
+    try:
+        run_all_ranks(comm, "one heap for the three direct ops", body)
+    finally:
+        dcp.close()
+    assert heap is None or heap.closed, "closing DCPComm must close its heap"

@@ -4,8 +4,8 @@ Run with N = 2 and 4::
 
     mpirun -np N python -m pytest tests/mpi/test_symmetric.py -p no:cacheprovider -s
 
-The nvshmem tests need nvshmem4py (``pip install --no-deps .whl/nvshmem4py_cu13-*.whl`` on the
-GPU machine); without it they are skipped with that reason. Multicast is never created here:
+The nvshmem tests need nvshmem4py (the ``nvshmem`` extra on CUDA 12, ``nvshmem-cu13`` on
+CUDA 13); without it they are skipped with that reason. Multicast is never created here:
 every test runs with ``DCPKIT_DISABLE_MULTICAST=1`` added to the environment (the machine's own
 disabling variables stay as they are), and multicast tests only check that it stays off.
 
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import dcpkit._nvshmem as nvs
+import dcpkit._setup as setup
 import dcpkit.symmetric as sym
 from dcpkit.errors import ClosedError, ConfigMismatch, InvalidArgument, PeerError
 from dcpkit.multicast import kill_switches_set
@@ -30,8 +31,7 @@ from _heap_checks import agree, free_bytes, open_fds, pattern_errors, run_checke
 NVSHMEM_SKIP = pytest.mark.skipif(
     not nvs.available(),
     reason="nvshmem4py is not importable here: install the 'nvshmem' extra (CUDA 12) or "
-           "'nvshmem-cu13' (CUDA 13), or on the GPU machine "
-           "`pip install --no-deps .whl/nvshmem4py_cu13-*.whl`")
+           "'nvshmem-cu13' (CUDA 13)")
 
 CYCLES = 200
 CYCLE_BYTES = 64 << 20
@@ -54,9 +54,9 @@ def _finalize_nvshmem_at_the_end(comm):
 
 @pytest.fixture(autouse=True)
 def _no_fault_point():
-    sym._FAULT_POINT = None
+    setup.FAULT_POINT = None
     yield
-    sym._FAULT_POINT = None
+    setup.FAULT_POINT = None
 
 
 def _assert_all(comm, errors, what):
@@ -169,7 +169,7 @@ def test_fault_injection_unwinds_everywhere(comm, point):
     comm.barrier()
     mem0, fds0 = free_bytes(), open_fds()
     if comm.rank == faulty:
-        sym._FAULT_POINT = point
+        setup.FAULT_POINT = point
     t0 = time.perf_counter()
     try:
         heap = SymmetricHeap(comm, 8 << 20, timeout_s=20)
@@ -179,7 +179,7 @@ def test_fault_injection_unwinds_everywhere(comm, point):
         heap.close()
         err = None
     finally:
-        sym._FAULT_POINT = None
+        setup.FAULT_POINT = None
     elapsed = time.perf_counter() - t0
     comm.barrier()
     if comm.rank == faulty:

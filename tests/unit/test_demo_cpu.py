@@ -1,4 +1,4 @@
-"""CPU tests of ``python -m dcpkit demo`` (dcpkit/demo.py): arguments and presets, the data
+"""CPU tests of ``python -m dcpkit demo`` (dcpkit/demo/): arguments and presets, the data
 layout (interleaved KV shards, de-interleaving the kv_gather result), the attention and rounding
 helpers on tiny NumPy inputs, the whole DCP decomposition simulated on the CPU, the verdict and
 the report, and the error paths on a machine without GPUs (in-process and under ``mpiexec``).
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from dcpkit import demo
+from dcpkit.demo import environment, model, numerics, report, steps, torch_side
 from dcpkit.comm import Communicator
 from dcpkit.errors import InvalidArgument
 from dcpkit.reference import kv_gather_reference, lse_reduce_reference, resolve_dtype
@@ -85,7 +86,7 @@ def test_environment_errors():
 
 def test_no_gpu_in_process(capsys, monkeypatch):
     """On a machine without GPUs the demo says so and exits 2 (this CPU machine has none)."""
-    monkeypatch.setattr(demo, "_gpu_count", lambda: (0, "CUDARuntimeError: no CUDA driver"))
+    monkeypatch.setattr(environment, "gpu_count", lambda: (0, "CUDARuntimeError: no CUDA driver"))
     rc = demo.main(["--batch", "2", "--context", "64"], comm=Communicator.single())
     assert rc == 2
     err = capsys.readouterr().err
@@ -105,14 +106,14 @@ def test_no_driver_is_named_not_a_version_mismatch(monkeypatch, capsys):
 
     monkeypatch.setattr(cupy.cuda, "runtime", Runtime())
     monkeypatch.setattr(info, "no_driver_reason", lambda probe=None: "no CUDA driver found (x)")
-    assert demo._gpu_count() == (0, "no CUDA driver found (x)")
+    assert environment.gpu_count() == (0, "no CUDA driver found (x)")
     rc = demo.main(["--batch", "2", "--context", "64"], comm=Communicator.single())
     err = capsys.readouterr().err
     assert rc == 2 and "no CUDA GPU is visible on this host: no CUDA driver found" in err, err
     assert "InsufficientDriver" not in err
     # a driver that is there: CuPy's own message stays
     monkeypatch.setattr(info, "no_driver_reason", lambda probe=None: None)
-    n, why = demo._gpu_count()
+    n, why = environment.gpu_count()
     assert n == 0 and why.startswith("RuntimeError: cudaErrorInsufficientDriver"), why
 
 
@@ -130,11 +131,14 @@ class FakeComm:
             return [(self.host, f"bus{r % self.gpus}") for r in range(self.world_size)]
         return [obj] * self.world_size
 
+    def broadcast(self, obj, root=0):
+        return obj
+
 
 @pytest.fixture
 def two_gpus(monkeypatch):
-    monkeypatch.setattr(demo, "_gpu_count", lambda: (2, ""))
-    monkeypatch.setattr(demo, "_pci_bus_id", lambda device: f"bus{device}")
+    monkeypatch.setattr(environment, "gpu_count", lambda: (2, ""))
+    monkeypatch.setattr(environment, "pci_bus_id", lambda device: f"bus{device}")
 
 
 def test_too_many_ranks_for_the_gpus(capsys, two_gpus):
@@ -150,8 +154,8 @@ def test_ranks_sharing_one_gpu_are_refused(capsys, two_gpus):
 
 
 def test_heads_must_divide_by_world_size(capsys, monkeypatch):
-    monkeypatch.setattr(demo, "_gpu_count", lambda: (8, ""))
-    monkeypatch.setattr(demo, "_pci_bus_id", lambda device: f"bus{device}")
+    monkeypatch.setattr(environment, "gpu_count", lambda: (8, ""))
+    monkeypatch.setattr(environment, "pci_bus_id", lambda device: f"bus{device}")
     assert demo.main(["--model", "kimi-k2"], comm=FakeComm(6, 8)) == 2
     assert "num_heads 64 must be divisible by world_size 6" in capsys.readouterr().err
 
@@ -269,13 +273,13 @@ def test_checksums_see_every_bit():
     rng = np.random.default_rng(3)
     a = demo.from_float32(rng.standard_normal((16, 8)).astype(np.float32), "bfloat16")
     b = a.copy()
-    assert demo._checksums(np, [a]) == demo._checksums(np, [b])
+    assert model.checksums(np, [a]) == model.checksums(np, [b])
     b.view(np.uint16)[3, 5] ^= 1
-    assert demo._checksums(np, [a]) != demo._checksums(np, [b])
+    assert model.checksums(np, [a]) != model.checksums(np, [b])
     c = a.copy()
     c.view(np.uint16)[[0, 1], 0] = a.view(np.uint16)[[1, 0], 0]     # two words swapped
     if a.view(np.uint16)[0, 0] != a.view(np.uint16)[1, 0]:
-        assert demo._checksums(np, [a]) != demo._checksums(np, [c])
+        assert model.checksums(np, [a]) != model.checksums(np, [c])
 
 
 # ----------------------------------------------------------------------------- the whole step
@@ -288,7 +292,7 @@ def _args(**kw):
 
 def test_host_inputs_are_per_rank_and_reproducible():
     args, m, W = _args(), demo.PRESETS["kimi-k2"], 4
-    x0, x0b, x1 = (demo._make_host_inputs(args, m, r, W) for r in (0, 0, 1))
+    x0, x0b, x1 = (model.make_host_inputs(args, m, r, W) for r in (0, 0, 1))
     assert x0["q"].shape == (3, 16, 576) and x0["q"].dtype == resolve_dtype("bfloat16")
     assert x0["kv"].shape == (3, x0["T_local"], 576) and x0["T_local"] == 10
     np.testing.assert_array_equal(x0["q"].view(np.uint16), x0b["q"].view(np.uint16))
@@ -311,7 +315,7 @@ def test_dcp_decomposition_on_the_cpu(W, dtype):
     reference, equals attention over the whole KV within the demo's tolerance; the empty
     shards' NaN outputs are never read."""
     args, m = _args(dtype=dtype), demo.PRESETS["kimi-k2"]
-    xs = [demo._make_host_inputs(args, m, r, W) for r in range(W)]
+    xs = [model.make_host_inputs(args, m, r, W) for r in range(W)]
     dt = resolve_dtype(dtype)
     B, H, H_r = args.batch, m.num_heads, m.num_heads // W
     q_full = demo.to_float32(xs[0]["q_all"])                              # [B, H, D]
@@ -337,7 +341,7 @@ def test_dcp_decomposition_on_the_cpu(W, dtype):
             ref[b] = demo.attention(demo.to_float32(x["q"][b]), full, m.softmax_scale,
                                     m.v_dim)[0]
             v_max = max(v_max, float(np.abs(full[:, :m.v_dim]).max()))
-        s = demo._local_stats(got[:, r * H_r:(r + 1) * H_r], ref, r, H_r)
+        s = numerics.local_stats(got[:, r * H_r:(r + 1) * H_r], ref, r, H_r)
         s.update(q_gather_exact=True, kv_gather_exact=True, v_max=v_max)
         stats.append(s)
     v = demo.verdict(stats, dt)
@@ -403,9 +407,9 @@ def test_format_report():
 
 
 def test_speedup_text():
-    assert demo._speedup({"median_us": 5.0}, {"median_us": 20.0}) == "4.0x"
-    assert demo._speedup(None, {"median_us": 20.0}) == "n/a"
-    assert demo._speedup({"error": "x"}, {"median_us": 1.0}) == "n/a"
+    assert report._speedup({"median_us": 5.0}, {"median_us": 20.0}) == "4.0x"
+    assert report._speedup(None, {"median_us": 20.0}) == "n/a"
+    assert report._speedup({"error": "x"}, {"median_us": 1.0}) == "n/a"
     assert math.isclose(demo.PRESETS["deepseek-v3"].softmax_scale, 576 ** -0.5)
 
 
@@ -587,7 +591,7 @@ def _simulate(monkeypatch, W, argv, bug=None, nccl_reason=None):
             cp.cuda.Device(r).use()
             comm = group.communicator(r)
             args = demo.parse_args(argv)
-            results[r] = demo.run(args, comm, demo._Say(r))
+            results[r] = demo.run(args, comm, steps.Say(r))
         except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
             errors.append((r, e))
             group.barrier.abort()
@@ -680,10 +684,10 @@ def test_torch_side_math_on_cpu():
     """The --torch side's upload, partial attention (with an identity exchange: one rank) and
     SDPA reference agree with the NumPy helpers (torch on the CPU: no GPU needed)."""
     torch = pytest.importorskip("torch")
-    side = object.__new__(demo._TorchSide)
+    side = object.__new__(torch_side.TorchSide)
     side.torch, side.device, side.dcp_torch = torch, torch.device("cpu"), None
     m = demo.PRESETS["kimi-k2"]
-    x = demo._make_host_inputs(_args(batch=3, context=11), m, 0, 1)
+    x = model.make_host_inputs(_args(batch=3, context=11), m, 0, 1)
     dt = x["dtype"]
     q, kv = side.upload(x["q"]), side.upload(x["kv"])
     assert q.dtype == torch.bfloat16 and q.shape == (3, 64, 576)
@@ -711,3 +715,79 @@ def test_torch_side_math_on_cpu():
     full = torch.arange(24.0).reshape(6, 4)
     gathered = torch.cat([full[0::2], full[1::2]])          # 2 ranks, rank-major
     assert torch.equal(demo.deinterleave(gathered, 2, 6), full)
+
+
+# ----------------------------------------------------------------------------- first-hour checks
+@pytest.mark.parametrize("argv,message", [
+    (["--seed", "-1"], "argument --seed: must be an integer >= 0 (got -1)"),
+    (["--context", "1e20"], "argument --context: must be an integer in [1, 2147483647] "
+                            "(got '1e20')"),
+    (["--context", "2147483648"], "argument --context: must be an integer in [1, 2147483647] "
+                                  "(got 2147483648)"),
+    (["--batch", "x"], "argument --batch: must be an integer in [1, 2147483647] (got 'x')"),
+    (["--iters", "2.5"], "argument --iters: must be an integer >= 0 (got '2.5')"),
+    (["--timeout-ms", "-1"], "argument --timeout-ms: must be a number of milliseconds in "
+                             "(0, 3600000] (got '-1')"),
+    (["--timeout-ms", "nan"], "argument --timeout-ms: must be a number of milliseconds in "
+                              "(0, 3600000] (got 'nan')"),
+    (["--timeout-ms", "inf"], "argument --timeout-ms: must be a number of milliseconds in "
+                              "(0, 3600000] (got 'inf')"),
+])
+def test_numeric_arguments_are_validated_when_parsed_with_a_readable_message(argv, message,
+                                                                              capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "invalid" not in err, err
+    assert demo.main(argv, comm=Communicator.single()) == 2
+
+
+def test_timeout_ms_is_parsed_as_milliseconds():
+    assert demo.parse_args(["--timeout-ms", "250"]).timeout_ms == 250.0
+    assert demo.parse_args([]).timeout_ms is None
+
+
+def test_json_into_a_missing_folder_is_refused_before_the_run(tmp_path, capsys):
+    path = tmp_path / "missing" / "report.json"
+    assert demo.main(["--json", str(path)], comm=Communicator.single()) == 2
+    err = capsys.readouterr().err
+    assert f"--json folder '{path.parent}' must exist" in err, err
+    assert "no CUDA GPU" not in err          # refused before the environment checks
+    assert demo.main(["--json", str(tmp_path)], comm=Communicator.single()) == 2
+    assert "must name a file (got a folder)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("var", ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"])
+def test_launcher_mismatch_is_one_line_and_exit_2(var, run_python):
+    pytest.importorskip("mpi4py")
+    res = run_python(["-m", "dcpkit", "demo", "--iters", "0"], env={var: "2"})
+    assert res.returncode == 2, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith(f"dcpkit demo: Communicator.from_mpi: the launcher started 2 "
+                               f"processes ({var}=2)"), lines[0]
+
+
+def test_missing_cupy_is_reported_as_the_missing_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "cupy", None)          # import cupy -> ImportError
+    assert demo.main(["--iters", "0"], comm=Communicator.single()) == 2
+    err = capsys.readouterr().err
+    assert "dcpkit demo: cupy is not installed: install it with `pip install 'dcpkit[cuda1" \
+        in err, err
+    assert "no CUDA GPU" not in err
+
+
+def test_missing_cuda_bindings_is_reported_as_the_missing_extra(monkeypatch, capsys):
+    import dcpkit._cuda
+    from dcpkit.errors import MissingDependency
+
+    def no_bindings():
+        raise MissingDependency("cuda-bindings (cuda-python)", "cuda12", "No module named 'cuda'")
+
+    monkeypatch.setattr(dcpkit._cuda, "driver", no_bindings)
+    assert demo.main(["--iters", "0"], comm=Communicator.single()) == 2
+    err = capsys.readouterr().err
+    assert "cuda-bindings (cuda-python) is not installed: install it with `pip install " \
+        "'dcpkit[cuda12]'`" in err, err
+    assert "no CUDA GPU" not in err

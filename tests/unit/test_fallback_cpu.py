@@ -109,20 +109,39 @@ def test_lse_pack_plan_is_owner_slices(W, T, H_r, D):
 
 # ----------------------------------------------------------------------------- lse math
 def row_masked(t, qsl, seq_lens):
-    """fallback.cu row_masked, line by line."""
+    """kernels/lse_rows.cuh row_masked, line by line (called with a query_start_loc)."""
     S = len(qsl) - 1
     if t >= qsl[S]:
         return True
-    if seq_lens is None or S == 0 or t < qsl[0]:
+    if seq_lens is None:
         return False
-    lo, hi = 0, S
-    while hi - lo > 1:
+    lo, hi = 0, S                     # first index in [0, S] with qsl[index] > t
+    while lo < hi:
         mid = (lo + hi) >> 1
-        if qsl[mid] <= t:
-            lo = mid
-        else:
+        if qsl[mid] > t:
             hi = mid
-    return seq_lens[lo] == 0
+        else:
+            lo = mid + 1
+    return lo > 0 and seq_lens[lo - 1] == 0
+
+
+def test_row_masked_matches_its_definition_on_every_small_case():
+    """The header's binary search against the definition: padding at or past qsl[S], else the
+    row of request i (qsl[i] <= t < qsl[i+1]) is empty when seq_lens[i] == 0; rows before
+    qsl[0] belong to no request."""
+    rng = np.random.default_rng(5)
+    cases = 0
+    for S in range(0, 5):
+        for _ in range(40):
+            qsl = np.sort(rng.integers(0, 8, size=S + 1))
+            seq = rng.integers(0, 2, size=S)
+            for t in range(0, 10):
+                inside = [i for i in range(S) if qsl[i] <= t < qsl[i + 1]]
+                want_seq = t >= qsl[S] or (bool(inside) and seq[inside[-1]] == 0)
+                assert row_masked(t, qsl, seq) == want_seq, (t, qsl, seq)
+                assert row_masked(t, qsl, None) == (t >= qsl[S])
+                cases += 1
+    assert cases == 5 * 40 * 10
 
 
 def mask_kernel(lse, scale, qsl, seq_lens, dst, off, ss, st, H_r):

@@ -17,6 +17,7 @@ import pytest
 
 import dcpkit._cuda
 import dcpkit._nvshmem as nvs
+import dcpkit._setup as setup
 import dcpkit.symmetric as sym
 from dcpkit.errors import InvalidArgument, PeerError
 from dcpkit.symmetric import SymmetricHeap
@@ -173,7 +174,7 @@ def fake_nv(monkeypatch):
     monkeypatch.setattr(nvs, "os", _EnvOs())
     monkeypatch.setattr(dcpkit._cuda, "driver", lambda: _NoDriver())
     yield nv, cupy
-    monkeypatch.setattr(sym, "_FAULT_POINT", None)
+    monkeypatch.setattr(setup, "FAULT_POINT", None)
 
 
 def _device_body(fn):
@@ -236,7 +237,7 @@ class _OnRank(str):
 @pytest.mark.parametrize("step", ["nvshmem_init", "nvshmem_alloc", "nvshmem_peers", "zero"])
 def test_fault_in_nvshmem_setup_unwinds_every_rank(fake_nv, monkeypatch, step):
     nv, _ = fake_nv
-    monkeypatch.setattr(sym, "_FAULT_POINT", _OnRank(f"after_{step}", 2))
+    monkeypatch.setattr(setup, "FAULT_POINT", _OnRank(f"after_{step}", 2))
 
     def fn(comm):
         _OnRank.tls.rank = comm.rank

@@ -89,7 +89,7 @@ def gpu_everywhere(monkeypatch):
 
 @pytest.fixture
 def nccl_everywhere(monkeypatch):
-    import dcpkit.fallback as fb
+    import dcpkit.nccl.base as fb
 
     monkeypatch.setattr(fb, "nccl_module", lambda: object())
 
@@ -570,7 +570,7 @@ def test_timeout_accepts_any_real_number_and_names_the_variable(monkeypatch):
 def test_float32_timeout_is_accepted_by_every_op(gpu_everywhere, nccl_everywhere, name,
                                                  monkeypatch):
     """np.float32 passes the argument checks; construction then goes on to the GPU part."""
-    import dcpkit.fallback as fb
+    import dcpkit.nccl.base as fb
     import dcpkit.ops._workspace as wsmod
 
     seen = []
@@ -580,7 +580,7 @@ def test_float32_timeout_is_accepted_by_every_op(gpu_everywhere, nccl_everywhere
         raise RuntimeError("stop before any GPU work")
 
     monkeypatch.setattr(wsmod.OpWorkspace, "_init_region", stop)
-    monkeypatch.setattr(fb._NcclOp, "_setup_nccl", stop)
+    monkeypatch.setattr(fb.NcclOp, "_setup_nccl", stop)
     with pytest.raises(RuntimeError, match="stop before any GPU work"):
         BUILDERS[name](Communicator.single(), timeout_ms=np.float32(250))
     assert seen == [250.0]

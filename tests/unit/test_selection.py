@@ -161,6 +161,12 @@ class FakeOp:
     def synchronize(self, stream=None):
         pass
 
+    def accepts_layout(self, **arrays):
+        """The fake's layout rule: 16-byte aligned data pointers, and token strides of 3-D
+        arrays."""
+        return all(a.ptr % 16 == 0 and (len(a.shape) < 3 or a.shape[0] <= 1
+                                        or a.strides[0] % 16 == 0) for a in arrays.values())
+
 
 def fake_comm(world_size=2, rank=0, *, peer_policy=None, peer_host=None):
     """A Communicator whose peers echo this rank's objects, except the policy (peer_policy)
@@ -198,6 +204,12 @@ class FakeDCPComm(DCPComm):
 
     def _probe_topology(self):
         return topology_blocker(hosts=self.comm.hosts)
+
+    def _build_heap(self, nbytes):
+        self.heap_nbytes = nbytes
+        heap = FakeOp("heap", "direct")
+        heap.nbytes = nbytes
+        return heap
 
     def _build_direct(self, op):
         if self.direct_error is not None:
@@ -254,8 +266,8 @@ def test_auto_direct_at_capacity_nccl_past_it():
     assert "q_gather: direct direct-unicast (T <= 8); nccl" in text
     assert "direct-unicast=1, nccl=1" in text
     built = [o for o in list(dcp.direct_ops.values()) + list(dcp.nccl_ops.values())
-             + [dcp.nccl_group] if o is not None]
-    assert len(built) == 7                      # 3 direct, 3 NCCL ops, the NCCL group
+             + [dcp.nccl_group, dcp.heap] if o is not None]
+    assert len(built) == 8          # 3 direct, 3 NCCL ops, the NCCL group, the one heap
     dcp.close()
     assert all(o.closed for o in built)
     assert dcp.direct_ops == {"q_gather": None, "lse_reduce": None, "kv_gather": None}

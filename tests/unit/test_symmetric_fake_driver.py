@@ -18,6 +18,7 @@ import pytest
 
 import dcpkit._cuda
 import dcpkit.multicast as mcmod
+import dcpkit._setup as setup
 import dcpkit.symmetric as sym
 from dcpkit.errors import InvalidArgument, PeerError
 from dcpkit.symmetric import SymmetricHeap
@@ -54,7 +55,7 @@ def fake(monkeypatch):
 
     make()
     yield make
-    monkeypatch.setattr(sym, "_FAULT_POINT", None)
+    monkeypatch.setattr(setup, "FAULT_POINT", None)
 
 
 def _fds():
@@ -121,7 +122,7 @@ class _OnRank(str):
 def test_fault_after_every_step_unwinds_every_rank(fake, monkeypatch, step):
     drv = fake()
     fds0 = _fds()
-    monkeypatch.setattr(sym, "_FAULT_POINT", _OnRank(f"after_{step}", 1))
+    monkeypatch.setattr(setup, "FAULT_POINT", _OnRank(f"after_{step}", 1))
 
     def fn(comm):
         _OnRank.tls.rank = comm.rank

@@ -12,6 +12,7 @@ import pytest
 
 import dcpkit._cuda
 import dcpkit._nvshmem
+import dcpkit._setup as setup
 import dcpkit.symmetric as sym
 from dcpkit.comm import Communicator
 from dcpkit.errors import (ClosedError, ConfigMismatch, InvalidArgument, InvalidType,
@@ -210,7 +211,7 @@ def test_transaction_unwinds_every_rank_in_reverse_when_one_rank_fails():
     logs = {r: [] for r in range(3)}
 
     def body(comm):
-        tx = sym._Transaction(comm, "test")
+        tx = setup.Transaction(comm, "test")
         log = logs[comm.rank]
         for step in ("a", "b", "c"):
             def fn(step=step):
@@ -231,7 +232,7 @@ def test_transaction_unwinds_every_rank_in_reverse_when_one_rank_fails():
 
 def test_transaction_keeps_unwinding_past_a_failing_undo():
     done = []
-    tx = sym._Transaction(Communicator.single(), "test")
+    tx = setup.Transaction(Communicator.single(), "test")
     tx.add_undo("first", lambda: done.append("first"))
     tx.add_undo("broken", lambda: 1 / 0)
     tx.add_undo("last", lambda: done.append("last"))
@@ -241,9 +242,9 @@ def test_transaction_keeps_unwinding_past_a_failing_undo():
 
 
 def test_fault_point_injects_after_the_named_step(monkeypatch):
-    monkeypatch.setattr(sym, "_FAULT_POINT", "after_export")
+    monkeypatch.setattr(setup, "FAULT_POINT", "after_export")
     undone = []
-    tx = sym._Transaction(Communicator.single(), "test")
+    tx = setup.Transaction(Communicator.single(), "test")
     tx.step("create", lambda: tx.add_undo("create", lambda: undone.append("create")))
     with pytest.raises(RuntimeError, match="injected fault at after_export"):
         tx.step("export", lambda: tx.add_undo("export", lambda: undone.append("export")))

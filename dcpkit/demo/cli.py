@@ -1,0 +1,259 @@
+"""``python -m dcpkit demo``: the arguments, each validated when parsed, and the entry point."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import traceback
+import warnings
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .._checks import INT32_MAX, MAX_TIMEOUT_MS
+from ..errors import DcpkitError
+from . import environment
+from .model import PRESETS
+from .report import format_report
+from .runner import run
+from .steps import EXIT_CANNOT_RUN, EXIT_FAIL, EXIT_PASS, Say
+
+__all__ = ["main", "parse_args", "parser", "integer", "milliseconds", "json_problem"]
+
+
+def integer(minimum: int, maximum: Optional[int] = None):
+    """An argparse ``type=`` for a decimal integer in ``[minimum, maximum]``, with a readable
+    message (``must be an integer >= 1 (got '1e20')``)."""
+    bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds} (got {text!r})") \
+                from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds} (got {value})")
+        return value
+
+    return parse
+
+
+def milliseconds(text: str) -> float:
+    """An argparse ``type=`` for a wait deadline: a number of milliseconds in (0, 3600000]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= MAX_TIMEOUT_MS:  # NaN and inf fail too
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds in "
+                                         f"(0, {MAX_TIMEOUT_MS}] (got {text!r})")
+    return value
+
+
+def json_problem(path: Optional[str]) -> Optional[str]:
+    """Why the report cannot be written to ``path`` (None when it can, or without --json)."""
+    if path is None:
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"--json {path!r} must name a file (got a folder)"
+    if not os.path.isdir(folder):
+        return f"--json folder {folder!r} must exist (got a missing folder)"
+    if not os.access(folder, os.W_OK):
+        return f"--json folder {folder!r} must be writable (got a read-only folder)"
+    return None
+
+
+def parser() -> argparse.ArgumentParser:
+    """The demo's argument parser; every numeric argument is validated when parsed."""
+    p = argparse.ArgumentParser(
+        prog="python -m dcpkit demo",
+        description="One MLA decode attention layer with decode context parallelism "
+                    "(q_gather -> partial attention -> lse_reduce), checked against a reference "
+                    "over the whole KV and timed against NCCL. Run it as "
+                    "'mpirun -np N python -m dcpkit demo' with N GPUs (N = 2, 4 or 8).",
+    )
+    p.add_argument("--model", choices=sorted(PRESETS), default="deepseek-v3",
+                   help="geometry preset: deepseek-v3 = 128 query heads, kimi-k2 = 64; both with "
+                        "a latent KV row of 576 (512 latent + 64 rope) and values of 512 "
+                        "(default: deepseek-v3)")
+    p.add_argument("--batch", type=integer(1, INT32_MAX), default=8,
+                   help="sequences decoded together, one query token each (default: 8)")
+    p.add_argument("--context", type=integer(1, INT32_MAX), default=16384,
+                   help="context tokens of the longest sequence; the others are shorter "
+                        "(default: 16384)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                   help="dtype of queries, KV and outputs (default: bfloat16)")
+    p.add_argument("--seed", type=integer(0), default=0,
+                   help="random seed of the inputs, >= 0 (default: 0)")
+    p.add_argument("--iters", type=integer(0), default=200,
+                   help="timed repeats per measurement; 0 skips the timings (default: 200)")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="also write the report as JSON to PATH (written by rank 0; its folder "
+                        "must exist)")
+    p.add_argument("--timeout-ms", type=milliseconds, default=None,
+                   help="deadline of every wait of the direct ops, in (0, 3600000] ms (default: "
+                        "DCPKIT_TIMEOUT_MS or 5000)")
+    p.add_argument("--allow-shared-gpu", action="store_true",
+                   help="let several ranks share one GPU (functional checks on a machine with "
+                        "fewer GPUs than ranks; the ranks' kernels then time-slice the GPU, so "
+                        "the timings mean nothing)")
+    p.add_argument("--torch", action="store_true",
+                   help="run the layer with torch tensors through dcpkit.torch and check it "
+                        "against torch.nn.functional.scaled_dot_product_attention")
+    return p
+
+
+def env_rank() -> int:
+    """This process's rank from the launcher's environment, before MPI is initialised."""
+    for k in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "RANK"):
+        v = os.environ.get(k)
+        if v is not None and v.isdigit():
+            return int(v)
+    return 0
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse the demo's arguments. Raises ``SystemExit`` (2 on bad arguments, 0 on --help);
+    ranks other than 0 print nothing."""
+    p = parser()
+    if env_rank() != 0:
+        p.print_help = lambda file=None: None          # type: ignore[method-assign]
+        p.print_usage = lambda file=None: None         # type: ignore[method-assign]
+        p.exit = lambda status=0, message=None: sys.exit(status)  # type: ignore[method-assign]
+    return p.parse_args(None if argv is None else list(argv))
+
+
+def versions() -> Dict[str, Any]:
+    v: Dict[str, Any] = {"python": platform.python_version(), "numpy": np.__version__}
+    try:
+        import cupy  # noqa: WPS433
+
+        v["cupy"] = cupy.__version__
+        v["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+        v["cuda_driver"] = cupy.cuda.runtime.driverGetVersion()
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    try:
+        from .. import __version__  # noqa: WPS433
+
+        v["dcpkit"] = __version__
+    except ImportError:  # pragma: no cover
+        pass
+    return v
+
+
+def main(argv: Optional[Sequence[str]] = None, *, comm=None) -> int:
+    """``python -m dcpkit demo [options]``; returns the exit status (0 PASS, 1 FAIL, 2 the demo
+    could not run). Every rank of the MPI job calls it with the same arguments.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The demo's arguments (default ``sys.argv[1:]``).
+    comm : Communicator, optional
+        The group to run on (default: ``Communicator.from_mpi()``, the ``mpirun`` world).
+
+    Collective
+    ----------
+    Every rank calls it. Errors on any rank are agreed before any later collective, so all
+    ranks return the same status and none is left waiting.
+    """
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0) if not isinstance(e.code, str) else EXIT_CANNOT_RUN
+    model = PRESETS[args.model]
+
+    owns_comm = comm is None
+    if comm is None:
+        try:
+            from ..comm import Communicator  # noqa: WPS433
+
+            with warnings.catch_warnings():
+                # mpi4py's own multi-line warning of the launcher mismatch that from_mpi names
+                # in one line below
+                warnings.filterwarnings("ignore", "suspicious MPI execution environment")
+                comm = Communicator.from_mpi()
+        except DcpkitError as e:  # no mpi4py / MPI, or a launcher of another MPI library
+            print(f"dcpkit demo: {e}", file=sys.stderr, flush=True)
+            return EXIT_CANNOT_RUN
+    say = Say(comm.rank)
+
+    # ---------------------------------------------------------------- --json, before the run
+    json_error = comm.broadcast(json_problem(args.json) if comm.rank == 0 else None, root=0)
+    if json_error is not None:
+        if comm.rank == 0:
+            print(f"dcpkit demo: {json_error}", file=sys.stderr, flush=True)
+        return EXIT_CANNOT_RUN
+
+    # ---------------------------------------------------------------- environment, agreed
+    problems = comm.allgather(environment.environment_problem(comm, args, model))
+    if any(problems):
+        if comm.rank == 0:
+            seen: Dict[str, List[int]] = {}
+            for r, p in enumerate(problems):
+                if p:
+                    seen.setdefault(p, []).append(r)
+            for p, ranks in seen.items():
+                where = "" if len(ranks) == comm.world_size else f" (rank {ranks})"
+                print(f"dcpkit demo: {p}{where}", file=sys.stderr, flush=True)
+        return EXIT_CANNOT_RUN
+    try:
+        # every setting but --json (only rank 0 writes it) must be equal on every rank
+        comm.agree("demo arguments", sorted((k, v) for k, v in vars(args).items()
+                                            if k != "json"))
+    except DcpkitError as e:
+        if comm.rank == 0:
+            print(f"dcpkit demo: {e}", file=sys.stderr, flush=True)
+        return EXIT_CANNOT_RUN
+
+    import cupy  # noqa: WPS433
+
+    cupy.cuda.Device(comm.local_rank % environment.gpu_count()[0]).use()
+    say(f"{comm.world_size} ranks; model {model.name} (H = {model.num_heads}, D_qk = "
+        f"{model.qk_dim}, D_v = {model.v_dim}), {args.dtype}, batch {args.batch}, context up to "
+        f"{args.context}" + (", torch tensors" if args.torch else ""))
+
+    try:
+        report = run(args, comm, say)
+    except DcpkitError as e:
+        cause = e.__cause__
+        if cause is not None and not isinstance(cause, DcpkitError):
+            # a bug, not a refused input: the rank that hit it shows where
+            traceback.print_exception(type(cause), cause, cause.__traceback__)
+        if comm.rank == 0:
+            print(f"dcpkit demo: {e}", file=sys.stderr, flush=True)
+        return EXIT_CANNOT_RUN
+    except Exception:
+        if not owns_comm or comm.world_size == 1:
+            raise
+        # an error outside the agreed steps: the peers may be inside a collective already;
+        # end the whole job rather than leave them waiting
+        traceback.print_exc()
+        print(f"dcpkit demo: rank {comm.rank} failed outside an agreed step; aborting the MPI "
+              "job so that no rank is left waiting", file=sys.stderr, flush=True)
+        comm.handle.Abort(EXIT_CANNOT_RUN)
+        raise
+    report["versions"] = versions()
+    report["argv"] = list(sys.argv[1:] if argv is None else argv)
+    json_error = None
+    if comm.rank == 0:
+        print(format_report(report), flush=True)
+        if args.json:
+            try:
+                with open(args.json, "w") as f:
+                    json.dump(report, f, indent=2, default=str)
+                    f.write("\n")
+                say(f"report written to {args.json}")
+            except OSError as e:
+                json_error = f"could not write {args.json}: {e}"
+                print(f"dcpkit demo: {json_error}", file=sys.stderr, flush=True)
+    # the JSON exists before any rank returns
+    if comm.broadcast(json_error, root=0) is not None:
+        return EXIT_CANNOT_RUN
+    return EXIT_PASS if report["check"]["verdict"] == "PASS" else EXIT_FAIL
