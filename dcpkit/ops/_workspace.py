@@ -66,9 +66,9 @@ from ..errors import (ClosedError, CollectiveTimeout, ConfigMismatch, DcpkitErro
 from . import _protocol
 from ..symmetric import MAX_NBYTES
 
-__all__ = ["OpWorkspace", "PROTO_PARAM_TYPES", "OP_IDS", "OP_NAMES", "default_timeout_ms", "check_timeout_ms",
-           "debug_enabled", "share_outcome", "guarded", "check_heap", "TIMEOUT_RECORD_FIELDS",
-           "MAX_TIMEOUT_MS", "MAX_LIVE_KERNELS", "DEFAULT_GRAPH_OUTPUTS", "check_not_capturing"]
+__all__ = ["OpWorkspace", "PROTO_PARAM_TYPES", "OP_IDS", "OP_NAMES", "default_timeout_ms",
+           "check_timeout_ms", "debug_enabled", "share_outcome", "guarded", "check_heap",
+           "TIMEOUT_RECORD_FIELDS", "MAX_TIMEOUT_MS", "MAX_LIVE_KERNELS", "DEFAULT_GRAPH_OUTPUTS", "check_not_capturing"]
 
 OP_IDS: Dict[str, int] = {"lse_reduce": 1, "q_gather": 2, "kv_gather": 3, "ceilings": 4}
 OP_NAMES: Dict[int, str] = {v: k for k, v in OP_IDS.items()}
@@ -694,6 +694,23 @@ class OpWorkspace:
     def _plan(self, *args):
         """The full validation of a call plus everything its key determines (subclass)."""
         raise NotImplementedError
+
+    def _memo_view(self, ptr: int, shape, dtype, nbytes: int, owner):
+        """A C-contiguous CuPy array over workspace memory at ``ptr`` that keeps ``owner``
+        alive, memoised per (address, shape, dtype): a later call's result over the same memory
+        (by the lifetime rule) is the same object. Forgotten at close."""
+        key = (ptr, shape, dtype)
+        cache = self.__dict__.setdefault("_lse_view_cache", {})
+        v = cache.get(key)
+        if v is None:
+            import cupy  # noqa: WPS433
+
+            mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_id=self.device)
+            v = cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+            if len(cache) > 4096:
+                cache.clear()
+            cache[key] = v
+        return v
 
     def _clear_plans(self) -> None:
         """Forget every plan (at close, and when state that plans derive from changes)."""

@@ -144,9 +144,7 @@ class _Plan(NamedTuple):
 
 
 class _CallPlan(NamedTuple):
-    """A validated call and everything its key determines (see :mod:`dcpkit._plan`). Holds no
-    reference to the caller's arrays: only addresses and flags."""
-
+    """A validated call, all its key determines (:mod:`dcpkit._plan`); no caller's array."""
     T: int
     ubatch: int
     copy_input: bool          # copy out_partial to a contiguous array per call
@@ -628,23 +626,6 @@ class LseReduce(OpWorkspace):
                 cupy.empty((0, self.heads_per_rank), dtype=np.float32)
         return res, lse
 
-    def _view(self, ptr: int, shape, dtype, nbytes: int, owner):
-        """A CuPy array over a workspace output buffer, memoised per (address, shape, dtype):
-        the result of call ``n + 2`` of a ubatch may be the same object as that of call ``n``
-        (the same memory, by the lifetime rule). Forgotten at close."""
-        key = (ptr, shape, dtype)
-        cache = self.__dict__.setdefault("_lse_view_cache", {})
-        v = cache.get(key)
-        if v is not None:
-            return v
-        cupy = self._cupy
-        mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_id=self.device)
-        v = cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
-        if len(cache) > 4096:
-            cache.clear()
-        cache[key] = v
-        return v
-
     def _launch(self, plan: _CallPlan, out_partial, out, out_lse, stream):
         """A validated call (``T > 0``): the input copy if needed, bookkeeping, the per-call
         fields patched, one launch; returns the result."""
@@ -653,9 +634,8 @@ class LseReduce(OpWorkspace):
             stream = cupy.cuda.get_current_stream()
         params = plan.params
         if plan.copy_input:  # documented slow path: innermost stride != itemsize
-            with cupy.cuda.Device(self.device), stream:
-                # bytes only: copy through an unsigned view (no float kernel needed for bf16);
-                # freed after the launch is enqueued, CuPy's pool reuses it in stream order
+            with cupy.cuda.Device(self.device), stream:  # bytes only, through an unsigned
+                # view; freed after the launch is enqueued (CuPy's pool: stream order)
                 src = out_partial if isinstance(out_partial, cupy.ndarray) else \
                     cupy.asarray(out_partial)
                 xc = cupy.ascontiguousarray(src.view(_UINT[self.dtype.itemsize]))
@@ -672,7 +652,8 @@ class LseReduce(OpWorkspace):
             base = self.output_ptr(ub, capturing)
             owner = self._graph_out if capturing else self._eager_out[ub]
             out_ptr = base
-            res = self._view(base, (T, H_r, D), self.dtype, T * H_r * self._row_bytes, owner)
+            res = self._memo_view(base, (T, H_r, D), self.dtype, T * H_r * self._row_bytes,
+                                  owner)
         lse_res = None
         lse_ptr = 0
         if plan.out_lse_ptr:
@@ -683,7 +664,7 @@ class LseReduce(OpWorkspace):
                 base = self.output_ptr(ub, capturing)
             owner = self._graph_out if capturing else self._eager_out[ub]
             lse_ptr = base + self._out_part_bytes
-            lse_res = self._view(lse_ptr, (T, H_r), _F32, T * H_r * 4, owner)
+            lse_res = self._memo_view(lse_ptr, (T, H_r), _F32, T * H_r * 4, owner)
         params[_OUT] = out_ptr
         params[_OUT_LSE] = lse_ptr
         self._run(plan.lse_key, plan.grid, params, stream)

@@ -247,3 +247,37 @@ def test_host_work_does_not_grow_with_calls_or_ubatches():
     _, p = _params(rec)
     assert p[:17] == _proto(qg, 3)
     assert len(qg.__dict__.get("_view_cache", {})) <= 4 * 3
+
+
+def test_dcpcomm_routes_are_memoised_and_never_hide_an_error():
+    """DCPComm's own checks run once per call key (then the op's plan cache serves the call);
+    a bad call after warm-up still raises DCPComm's error, launches nothing."""
+    import warnings
+
+    mod = _mod()
+    stream = mod._cpu_stream()
+    rec = mod.Recorder()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        dcp = mod.build_dcpcomm(mod.build_ops(stream, rec, return_lse=True), stream)
+    q = mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16")
+    xo = mod.array((mod.T, mod.H, mod.D_V), "bfloat16")
+    lse = mod.array((mod.T, mod.H), "float32")
+    o = mod.array((mod.T, mod.H_R, mod.D_V), "bfloat16")
+    for _ in range(5):
+        dcp.q_gather(q)
+        dcp.lse_reduce(xo, lse, out=o)
+    routes = dcp._routes()
+    assert routes.misses == 2 and routes.hits == 8 and rec.count == 10
+    assert dcp.direct_ops["q_gather"]._plans.hits == 4
+    assert dcp.counters["q_gather"][dcp.last_path] == 5
+    n = rec.count
+    with pytest.raises(InvalidArgument, match="DCPComm.q_gather: q"):
+        dcp.q_gather(q.reshape(mod.T, mod.H_R * mod.D_Q))      # same pointer, 2-D
+    with pytest.raises(InvalidArgument, match="no path can serve|max_tokens"):
+        dcp.q_gather(mod.array((mod.T_MAX + 1, mod.H_R, mod.D_Q), "bfloat16"))
+    with pytest.raises(InvalidType, match="stream must be"):
+        dcp.q_gather(q, stream="s")
+    with pytest.raises(InvalidArgument, match="lse_partial dtype must be one of"):
+        dcp.lse_reduce(xo, mod.array((mod.T, mod.H), "int32"), out=o)
+    assert rec.count == n

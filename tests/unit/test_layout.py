@@ -17,12 +17,13 @@ PKG = Path(__file__).resolve().parents[2] / "dcpkit"
 LAYERS: List[Tuple[str, Set[str]]] = [
     ("tools", {"dcpkit", "dcpkit.__main__", "dcpkit.cli", "dcpkit.demo", "dcpkit.bench",
                "dcpkit.info", "dcpkit._report", "dcpkit._stats"}),
-    ("manager", {"dcpkit.manager", "dcpkit.selection", "dcpkit.torch"}),
+    ("manager", {"dcpkit.manager", "dcpkit.selection", "dcpkit.torch", "dcpkit._torch_registry"}),
     ("ops", {"dcpkit.ops", "dcpkit.nccl", "dcpkit.fallback"}),
     ("symmetric / multicast", {"dcpkit.symmetric", "dcpkit.multicast", "dcpkit._nvshmem",
                                "dcpkit._fdpass"}),
     ("jit", {"dcpkit.jit", "dcpkit._strided"}),
     ("comm", {"dcpkit.comm", "dcpkit._setup", "dcpkit._checks", "dcpkit._lifecycle",
+              "dcpkit._plan", "dcpkit._launch",
               "dcpkit._arrays", "dcpkit._cuda", "dcpkit.reference", "dcpkit.errors"}),
 ]
 
