@@ -68,7 +68,8 @@ from ..symmetric import MAX_NBYTES
 
 __all__ = ["OpWorkspace", "PROTO_PARAM_TYPES", "OP_IDS", "OP_NAMES", "default_timeout_ms",
            "check_timeout_ms", "debug_enabled", "share_outcome", "guarded", "check_heap",
-           "TIMEOUT_RECORD_FIELDS", "MAX_TIMEOUT_MS", "MAX_LIVE_KERNELS", "DEFAULT_GRAPH_OUTPUTS", "check_not_capturing"]
+           "TIMEOUT_RECORD_FIELDS", "MAX_TIMEOUT_MS", "MAX_LIVE_KERNELS",
+           "DEFAULT_GRAPH_OUTPUTS", "check_not_capturing"]
 
 OP_IDS: Dict[str, int] = {"lse_reduce": 1, "q_gather": 2, "kv_gather": 3, "ceilings": 4}
 OP_NAMES: Dict[int, str] = {v: k for k, v in OP_IDS.items()}
