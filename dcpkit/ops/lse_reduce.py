@@ -156,7 +156,6 @@ class _CallPlan(NamedTuple):
     grid: int
     params: Optional[KernelParams]
     debug_key: Tuple
-    checked: Optional[_Plan]  # T == 0 only: the validation's result
 
 
 class LseReduce(OpWorkspace):
@@ -485,7 +484,7 @@ class LseReduce(OpWorkspace):
                                                  or _cuda.stream_types()):
             _cuda.check_stream(stream, self.op_name)  # raises InvalidType
         if plan.T == 0:
-            return self._empty_result(plan.checked, out, out_lse)
+            return self._empty_result(plan.want_lse, out, out_lse)
         return self._launch(plan, out_partial, out, out_lse, stream)
 
     def _plan(self, out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out,
@@ -501,7 +500,7 @@ class LseReduce(OpWorkspace):
         debug_key = (T, str(self.dtype), str(v.lse.dtype), ub, v.qsl_ptr != 0, v.seq_ptr != 0)
         if T == 0:
             return _CallPlan(0, ub, False, out_ptr, lse_ptr, v.want_lse, needs_output,
-                             v.lse.dtype, 0, None, debug_key, v)
+                             v.lse.dtype, 0, None, debug_key)
         in_tok, in_head = v.in_tok, v.in_head
         if v.copy_input:  # the contiguous copy made per call
             in_tok, in_head = self.num_heads * self.head_dim, self.head_dim
@@ -510,7 +509,7 @@ class LseReduce(OpWorkspace):
             v.seq_ptr, v.qsl_ptr, v.num_requests, 0, 0, T] + [int(a) for a in self._tail_args]
         params = KernelParams(LSE_REDUCE_PARAM_TYPES, values)
         return _CallPlan(T, ub, v.copy_input, out_ptr, lse_ptr, v.want_lse, needs_output,
-                         v.lse.dtype, self._grids[T][0], params, debug_key, None)
+                         v.lse.dtype, self._grids[T][0], params, debug_key)
 
     def _validate(self, out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out,
                   out_lse) -> _Plan:
@@ -613,14 +612,14 @@ class LseReduce(OpWorkspace):
         return _Plan(T, ub, x, copy_input, in_tok, in_head, lse, l_tok // li, l_head // li,
                      seq_ptr, qsl_ptr, S, o, ol, self.return_lse or ol is not None)
 
-    def _empty_result(self, plan: _Plan, out, out_lse):
+    def _empty_result(self, want_lse: bool, out, out_lse):
         """``T == 0``: ``out`` / ``out_lse`` (the caller's) or empty arrays; nothing launched."""
         cupy = self._cupy
         with cupy.cuda.Device(self.device):
             res = out if out is not None else cupy.empty(
                 (0, self.heads_per_rank, self.head_dim),
                 dtype=_UINT[self.dtype.itemsize]).view(self.dtype)
-            if not plan.want_lse:
+            if not want_lse:
                 return res
             lse = out_lse if out_lse is not None else \
                 cupy.empty((0, self.heads_per_rank), dtype=np.float32)

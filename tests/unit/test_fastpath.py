@@ -281,3 +281,30 @@ def test_dcpcomm_routes_are_memoised_and_never_hide_an_error():
     with pytest.raises(InvalidArgument, match="lse_partial dtype must be one of"):
         dcp.lse_reduce(xo, mod.array((mod.T, mod.H), "int32"), out=o)
     assert rec.count == n
+
+
+def test_plans_hold_no_reference_to_the_callers_arrays():
+    """A cached plan keeps addresses only: a freed array's memory is never kept alive by it,
+    and a call returns the out= it was given (not an earlier call's object)."""
+    import sys
+
+    mod, rec, qg, kg, lr = _setup()
+    q = mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16")
+    qo = mod.array((mod.T, mod.H, mod.D_Q), "bfloat16")
+    kv = mod.array((mod.T, mod.D_Q), "bfloat16")
+    xo = mod.array((mod.T, mod.H, mod.D_V), "bfloat16")
+    lse = mod.array((mod.T, mod.H), "float32")
+    o = mod.array((mod.T, mod.H_R, mod.D_V), "bfloat16")
+    empty = q[:0]                       # T == 0: nothing launched, the plan still cached
+    arrays = (q, qo, kv, xo, lse, o, empty)
+    counts = [sys.getrefcount(a) for a in arrays]
+    for _ in range(3):
+        qg(q)
+        qg(q, out=qo)
+        kg(kv)
+        lr(xo, lse)
+        lr(xo, lse, out=o)
+        qg(empty)
+    assert [sys.getrefcount(a) for a in arrays] == counts
+    twin = o[...]                       # another object, same description: a plan hit
+    assert twin is not o and lr(xo, lse, out=twin) is twin
