@@ -640,7 +640,8 @@ class OpWorkspace:
     @property
     def poisoned(self) -> bool:
         """True once a wait of this workspace timed out or found a peer's call differing (a read
-        of host-mapped memory: no device sync). Then :meth:`check` raises the error."""
+        of host-mapped memory: no device sync), or a launch failed after its call was counted
+        (a host flag). Then :meth:`check` raises the error."""
         return (not self._closed) and (self._rec[0] != 0 or self._launch_failed is not None)
 
     # ------------------------------------------------------------------ fast path
