@@ -70,6 +70,10 @@ def call_key(arrays, scalars=()) -> Optional[tuple]:
             return None
         parts.append(k)
     for s in scalars:
+        t = type(s)
+        if t is int or t is bool or t is str:  # hashable: no need to try
+            parts.append((t, s))
+            continue
         k = scalar_key(s)
         if k is None:
             return None

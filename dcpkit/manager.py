@@ -56,6 +56,7 @@ from ._arrays import ArrayInfo, array_info, check_ndim, dtype_name
 from ._checks import (INT32_MAX, check_bool, check_comm, check_lse_base, check_positive_int,
                       check_timeout_ms, resolve_dtype, resolve_stream)
 from ._lifecycle import Resource
+from ._plan import PlanCache, call_key
 from ._setup import collective_step, error_text, guarded, share_outcome
 from ._strided import copy_arrays, load_copy_kernels, strided_copy
 from .comm import Communicator
@@ -582,22 +583,59 @@ class DCPComm(Resource):
         self._check_built("kv_gather")
         return self._gather("kv_gather", kv, "kv", (2, "T, D_kv"), ubatch, out, stream)
 
+    # Route plans. DCPComm's own checks of a call (array_info, ndim, path_for, the layouts the
+    # direct op takes in place) read only the call's arrays' descriptions and values fixed at
+    # construction, equal on every rank: their outcome is memoised per call key (dcpkit._plan;
+    # a failed check stores nothing, so a bad call raises every time). On a hit the call goes
+    # straight to the op, whose own plan cache validates it.
+    def _routes(self) -> PlanCache:
+        routes = self.__dict__.get("_route_cache")
+        if routes is None:
+            routes = self.__dict__["_route_cache"] = PlanCache(self._route)
+        return routes
+
+    def _route(self, op: str, arrays: Tuple) -> Tuple:
+        """``(path, in_place...)``: the path of the call and, on a direct path, whether the
+        direct op takes each array in place (None arrays: True)."""
+        name = f"DCPComm.{op}"
+        if op == "lse_reduce":
+            names = ("out_partial", "lse_partial", "out", "out_lse")
+            x = array_info(arrays[0], name, "out_partial")
+            check_ndim(x, 3, "T, H, D_v", name, "out_partial")
+            li = array_info(arrays[1], name, "lse_partial")
+            check_ndim(li, 2, "T, H", name, "lse_partial")
+            path = self.path_for(op, x.shape[0], lse_dtype=li.dtype)
+        else:
+            names = ("q" if op == "q_gather" else "kv", "out")
+            dims = (3, "T, H_r, D") if op == "q_gather" else (2, "T, D_kv")
+            x = array_info(arrays[0], name, names[0])
+            check_ndim(x, dims[0], dims[1], name, names[0])
+            path = self.path_for(op, x.shape[0])
+        if path == PATH_NCCL:
+            return (path,)
+        direct = self.direct_ops[op]
+        ok = tuple(a is None or direct.accepts_layout(**{n: array_info(a, name, n)})
+                   for n, a in zip(names, arrays))
+        return (path,) + ok
+
     def _gather(self, op: str, x, name: str, dims: Tuple[int, str], ubatch, out, stream):
         """One gather call (``q_gather`` or ``kv_gather``) on the path :meth:`path_for` picks;
         an input or ``out=`` the direct op cannot take in place is copied (module docstring)."""
         self._check_open(op)
-        info = array_info(x, f"DCPComm.{op}", name)
-        check_ndim(info, dims[0], dims[1], f"DCPComm.{op}", name)
-        path = self.path_for(op, info.shape[0])
+        route = self._routes().lookup(call_key((x, out), (op,)), op, (x, out))
+        path = route[0]
         if path == PATH_NCCL:
             res = self.nccl_ops[op](x, ubatch=ubatch, out=out, stream=stream)
+        elif route[1] and route[2]:  # the direct op takes both in place (its own checks)
+            if stream is not None:
+                stream = self._stream(stream)
+            res = self.direct_ops[op](x, ubatch=ubatch, out=out, stream=stream)
         else:
             stream = self._stream(stream)
             direct = self.direct_ops[op]
-            x = self._normalised(x, info, direct.accepts_layout(**{name: info}), name, op,
+            x = self._normalised(x, array_info(x, f"DCPComm.{op}", name), route[1], name, op,
                                  stream)
-            if out is not None and not direct.accepts_layout(
-                    out=array_info(out, f"DCPComm.{op}", "out")):
+            if not route[2]:
                 res = direct(x, ubatch=ubatch, stream=stream)
                 self._copy_out(out, res, stream)
                 res = out
@@ -625,28 +663,31 @@ class DCPComm(Resource):
         """
         op = "lse_reduce"
         self._check_open(op)
-        name = f"DCPComm.{op}"
-        x = array_info(out_partial, name, "out_partial")
-        check_ndim(x, 3, "T, H, D_v", name, "out_partial")
-        li = array_info(lse_partial, name, "lse_partial")
-        check_ndim(li, 2, "T, H", name, "lse_partial")
-        path = self.path_for(op, x.shape[0], lse_dtype=li.dtype)
+        arrays = (out_partial, lse_partial, out, out_lse)
+        route = self._routes().lookup(call_key(arrays, (op,)), op, arrays)
+        path = route[0]
         want_lse = self.return_lse or out_lse is not None
         kw = dict(seq_lens=seq_lens, query_start_loc=query_start_loc, ubatch=ubatch)
         if path == PATH_NCCL:
             res, lse = self.nccl_ops[op](out_partial, lse_partial, out=out, out_lse=out_lse,
                                          stream=stream, **kw)
+        elif all(route[1:]):  # the direct op takes every array in place (its own checks)
+            if stream is not None:
+                stream = self._stream(stream)
+            r = self.direct_ops[op](out_partial, lse_partial, stream=stream, out=out,
+                                    out_lse=out_lse, **kw)
+            res, lse = r if want_lse else (r, None)
         else:
+            name = f"DCPComm.{op}"
             stream = self._stream(stream)
             direct = self.direct_ops[op]
-            out_partial = self._normalised(out_partial, x, direct.accepts_layout(out_partial=x),
-                                           "out_partial", op, stream)
-            lse_partial = self._normalised(lse_partial, li, direct.accepts_layout(lse_partial=li),
-                                           "lse_partial", op, stream)
-            o_fix = out is not None and not direct.accepts_layout(
-                out=array_info(out, name, "out"))
-            l_fix = out_lse is not None and not direct.accepts_layout(
-                out_lse=array_info(out_lse, name, "out_lse"))
+            out_partial = self._normalised(out_partial, array_info(out_partial, name,
+                                                                   "out_partial"),
+                                           route[1], "out_partial", op, stream)
+            lse_partial = self._normalised(lse_partial, array_info(lse_partial, name,
+                                                                   "lse_partial"),
+                                           route[2], "lse_partial", op, stream)
+            o_fix, l_fix = not route[3], not route[4]
             lse_tmp = None
             if l_fix and not self.return_lse:  # the op needs an out_lse it can write
                 lse_tmp = self._normalised(out_lse, array_info(out_lse, name, "out_lse"), False,

@@ -45,8 +45,7 @@ H, D_Q, D_V = 128, 576, 512
 H_R = H // W
 BASE = 1 << 40
 
-ROWS = ("q_gather view", "q_gather out=", "q_gather view, fast path",
-        "q_gather out=, fast path", "kv_gather view", "kv_gather out=",
+ROWS = ("q_gather view", "q_gather out=", "kv_gather view", "kv_gather out=",
         "lse_reduce view", "lse_reduce out=", "DCPComm.q_gather", "DCPComm.lse_reduce",
         "DCPComm.kv_gather", "TorchOps.q_gather view", "TorchOps.q_gather out=",
         "TorchOps.lse_reduce out=", "torch.ops.dcpkit.q_gather", "torch.ops.dcpkit.lse_reduce")
@@ -58,10 +57,6 @@ class Recorder:
     def __init__(self):
         self.count = 0
         self.last: Tuple = ()
-
-    def gather(self, kernel, grid, args, stream):  # GatherWorkspace._launch(kernel, grid, ...)
-        self.count += 1
-        self.last = ("gather", grid, args, stream)
 
     def function(self, grid, block, args, shared_mem=0, stream=None):  # a cupy Function
         self.count += 1
@@ -118,6 +113,8 @@ def stub_workspace(ws, stream, rec: Recorder, *, rank: int = RANK, world_size: i
     stream."""
     from dcpkit.ops.lse_reduce import _float_dtypes
 
+    from dcpkit._plan import PlanCache
+
     U = ws.num_ubatches
     ws.rank, ws.world_size, ws.device = rank, world_size, 0
     ws._debug = False
@@ -128,33 +125,47 @@ def stub_workspace(ws, stream, rec: Recorder, *, rank: int = RANK, world_size: i
     ws.multicast = False
     ws.transport = "unicast"
     ws.max_ctas = 66
+    ws.waiter_ctas = 8
     ws._base = 0
     ws.heap = types.SimpleNamespace(local_ptr=_buffer(ws._region).data.ptr, mc_ptr=0)
     ws.get_stream = lambda s: stream if s is None else s
     ws._graph_out = _buffer(max(ws._out_bytes, 1) * U)
     ws._eager_out = [_buffer(2 * max(ws._out_bytes, 1)) for _ in range(U)]
-    rp = BASE + 8192
-    ws._proto = [(np.uint64(rp), np.uint64(rp + 8), np.uint64(rp + 16), np.uint64(rp + 24),
-                  np.uint64(rp + 32), np.uint64(rp + 40), np.uint64(0), np.int32(rank),
-                  np.int32(world_size), np.uint64(5 * 10**9), np.uint32(1), np.uint32(u))
-                 for u in range(U)]
-    peer_data = [np.uint64(rp + 4096 + 8 * world_size * u) for u in range(U)]
-    ws.peer_data_ptr = lambda u: peer_data[u]
+    # The local state _init_local_state would allocate, over made-up addresses; the protocol
+    # parameters built by the op's own _make_proto (the kernels' DCPKIT_PROTO_PARAMS).
+    ws._epoch = _buffer(8 * U)
+    ws._ctl = _buffer(4 * (3 * U + 1))
+    ws._peer_sig = _buffer(8 * world_size * U)
+    ws._peer_data = _buffer(8 * world_size * U)
+    ws._rec_ptr = _buffer(64).data.ptr
+    ws._timeout_ns = np.uint64(int(ws.timeout_ms * 1e6))
+    ws._proto = [ws._make_proto(u) for u in range(U)]
+    # The fast path _init_fast_path would set up, every kernel's launcher being ``rec``.
+    ws._plans = PlanCache(ws._plan)
+    ws._launchers = _EveryKernel(rec)
+    ws._get_device = lambda: 0
     if ws.op_name == "lse_reduce":
         T_max, H_r = ws.max_tokens, ws.heads_per_rank
         ws._cupy = _cupy_shim(stream)
         ws._fn = {dt: rec.function for dt in _float_dtypes()}
-        ws._head_args = [ws._proto[u] + (peer_data[u], np.uint64(ws.slot_bytes),
+        ws._head_args = [ws._proto[u] + (ws.peer_data_ptr(u), np.uint64(ws.slot_bytes),
                                          np.uint64(ws._lse_offset), np.int32(T_max))
                          for u in range(U)]
         ws._tail_args = (np.int32(ws.num_heads), np.int32(H_r), np.int32(ws.head_dim))
         ws._grids = [(max(1, min(ws.max_ctas, -(-world_size * t * H_r // 8))),)
                      for t in range(T_max + 1)]
-        ws._int32 = [np.int32(t) for t in range(T_max + 1)]
-    else:
-        ws._kernel = f"{ws.op_name}_kernel"
-        ws._launch = rec.gather
     return ws
+
+
+class _EveryKernel(dict):
+    """The op's launchers, every kernel key giving the same stand-in."""
+
+    def __init__(self, rec):
+        super().__init__()
+        self.rec = rec
+
+    def __missing__(self, key):
+        return self.rec
 
 
 def build_ops(stream, rec: Recorder, *, return_lse: bool = False):
@@ -202,6 +213,9 @@ def build_dcpcomm(ops, stream):
             return None
 
         def _probe_topology(self):
+            return None
+
+        def _build_heap(self, nbytes):
             return None
 
         def _build_direct(self, op):
@@ -281,15 +295,8 @@ def paths(stream, rec: Recorder) -> Dict[str, Tuple[Callable[[], object], int]]:
     xo = array((T, H, D_V), "bfloat16")
     lse = array((T, H), "float32")
     o = array((T, H_R, D_V), "bfloat16")
-    from dcpkit._fastpath import FastQGather
-
-    fast = FastQGather(qg)
-    fast._launcher = rec            # the launch, stubbed
-    fast._current_device = lambda: 0
     qp, kp, xp = q.data.ptr, kv.data.ptr, xo.data.ptr
     res = {
-        "q_gather view, fast path": (lambda: fast(q), qp),
-        "q_gather out=, fast path": (lambda: fast(q, out=q_out), qp),
         "q_gather view": (lambda: qg(q), qp),
         "q_gather out=": (lambda: qg(q, out=q_out), qp),
         "kv_gather view": (lambda: kg(kv), kp),

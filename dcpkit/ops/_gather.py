@@ -22,7 +22,7 @@ protocol):
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from .. import _cuda
 from ..errors import InvalidType
 from ._workspace import OpWorkspace, _round_up, launch_config
 
-__all__ = ["GatherWorkspace", "DATA_SLOTS", "THREADS", "resolve_gather_dtype"]
+__all__ = ["GatherWorkspace", "GatherPlan", "DATA_SLOTS", "THREADS", "resolve_gather_dtype"]
 
 #: Data slots per ubatch (kernels/gather.cuh kGatherDataSlots).
 DATA_SLOTS = 3
@@ -53,6 +53,25 @@ def resolve_gather_dtype(dtype, op: str) -> np.dtype:
     if dt.hasobject or dt.itemsize == 0:
         raise InvalidType(f"{op}: dtype must be a fixed-size data type (got {dt})")
     return dt
+
+
+class GatherPlan(NamedTuple):
+    """A validated gather call (see :mod:`dcpkit._plan`): everything its key determines.
+
+    It holds no reference to the caller's arrays (only their addresses): a plan never keeps a
+    freed array's memory alive, and a call returns the ``out`` it was given."""
+
+    T: int
+    ubatch: int
+    out_ptr: int              # the caller's out= (0: none)
+    grid_copy: int            # CTAs when the kernel copies out (out=, capture, after a capture)
+    grid_zero_copy: int       # CTAs when the result is read from the own data slot
+    params: object            # KernelParams, the ``out`` field patched per call
+    out_index: int            # index of the kernel's ``out`` parameter
+    shape: Tuple[int, ...]    # the result view
+    strides: Tuple[int, ...]
+    debug_key: Tuple          # what DCPKIT_DEBUG compares across ranks
+    views: Dict[int, object]  # result views by address (memoised, at most a handful)
 
 
 class GatherWorkspace(OpWorkspace):
@@ -105,6 +124,7 @@ class GatherWorkspace(OpWorkspace):
         try:
             with cupy.cuda.Device(self.device):
                 kernel = jit.get_kernel(file, name_expr, self._kernel_options())
+                self._init_fast_path({0: kernel.kernel})  # the loaded Function of this device
         except Exception as e:  # noqa: BLE001 - shared with every rank below
             err = e
         try:
@@ -133,22 +153,52 @@ class GatherWorkspace(OpWorkspace):
         ptr = self.output_ptr(ubatch, capturing)
         return ptr, ptr
 
+    def _gather_call(self, plan: GatherPlan, out, stream):
+        """A validated call (``T > 0``): bookkeeping, the ``out`` field patched, one launch, the
+        result (``out`` itself, or a memoised view of workspace memory)."""
+        if stream is None:
+            stream = self.get_stream(None)
+        kout, result = self._destination(plan.ubatch, stream,
+                                         plan.debug_key if self._debug else (), plan.out_ptr)
+        params = plan.params
+        params[plan.out_index] = kout
+        self._run(0, plan.grid_copy if kout else plan.grid_zero_copy, params, stream)
+        if out is not None:
+            return out
+        v = plan.views.get(result)
+        if v is None:
+            v = plan.views[result] = self._view(result, plan.shape, plan.strides)
+        return v
+
+    def _empty_call(self, plan: GatherPlan, out):
+        """``T == 0``: nothing launched or counted; ``out`` or an empty view."""
+        if out is not None:
+            return out
+        return self._view(self.data_slot_ptr(plan.ubatch, 0), plan.shape, plan.strides)
+
+    def _gather_plan(self, T: int, ubatch: int, out_info, tail: Tuple, types: Tuple[str, ...],
+                     out_index: int, shape, strides, *, mc_arg: bool = True) -> GatherPlan:
+        """The plan of a validated call: the kernel parameters are :meth:`_head_args` (without
+        the multicast address when not ``mc_arg``) then ``tail``, packed once; the ``out``
+        field at ``out_index`` is patched per call."""
+        from .._launch import KernelParams  # noqa: WPS433
+
+        params, grids = None, (0, 0)
+        if T > 0:  # T == 0 launches nothing
+            head = self._head_args(ubatch)
+            if not mc_arg:
+                head = head[:-1]
+            params = KernelParams(types, [int(v) for v in head + tail])
+            grids = (self._grid(self._vectors(T, True)), self._grid(self._vectors(T, False)))
+        return GatherPlan(T, ubatch, out_info.ptr if out_info is not None else 0, *grids,
+                          params, out_index, shape, strides, (T, str(self.dtype), ubatch), {})
+
     def _check_stream(self, stream) -> None:
         """Raise InvalidType unless ``stream`` is None or a CuPy stream (one isinstance on the
         hot path)."""
         if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES
                                                  or _cuda.stream_types()):
             _cuda.check_stream(stream, self.op_name)  # raises InvalidType
-
-    def _start(self, T: int, ubatch: int, stream, out_info) -> Tuple[object, int, int]:
-        """The call bookkeeping shared by both gathers, after validation (T > 0). Returns
-        ``(stream, kernel_out, result_ptr)`` (see :meth:`_destination`)."""
-        if stream is None:
-            stream = self.get_stream(None)
-        kout, result = self._destination(ubatch, stream,
-                                         (T, str(self.dtype), ubatch) if self._debug else (),
-                                         out_info.ptr if out_info is not None else 0)
-        return stream, kout, result
 
     def _head_args(self, ubatch: int) -> Tuple:
         """Protocol parameters + (peer_data, data_slot_bytes, mc_data) of ``ubatch``: constant
@@ -175,24 +225,6 @@ class GatherWorkspace(OpWorkspace):
 
     def _grid(self, vectors: int) -> int:
         return launch_config(vectors, max(1, int(self.vectors_per_cta)), self.max_ctas)
-
-    def _launch(self, kernel, grid: int, args: Tuple, stream) -> None:
-        """Launch on ``stream`` straight through the driver function (no device or stream
-        context switch on the hot path; one only when another device is current)."""
-        import cupy  # noqa: WPS433
-
-        fn = self._fn_cache.get(id(kernel)) if hasattr(self, "_fn_cache") else None
-        if fn is None:
-            with cupy.cuda.Device(self.device):
-                fn = kernel.kernel  # cupy.cuda.function.Function of this device
-            if not hasattr(self, "_fn_cache"):
-                self._fn_cache = {}
-            self._fn_cache[id(kernel)] = fn
-        if cupy.cuda.runtime.getDevice() == self.device:
-            fn((grid,), (THREADS,), args, shared_mem=0, stream=stream)
-        else:
-            with cupy.cuda.Device(self.device):
-                fn((grid,), (THREADS,), args, shared_mem=0, stream=stream)
 
     def _view(self, ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...]):
         """A CuPy array over workspace memory at ``ptr`` (no copy). It keeps the workspace object

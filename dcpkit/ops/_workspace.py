@@ -58,15 +58,18 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from .. import _cuda
+from .._launch import Launcher
+from .._plan import PlanCache
 from ..comm import Communicator
 from ..errors import (ClosedError, CollectiveTimeout, ConfigMismatch, DcpkitError,
                       InvalidArgument, InvalidType, PeerError)
 from . import _protocol
 from ..symmetric import MAX_NBYTES
 
-__all__ = ["OpWorkspace", "OP_IDS", "OP_NAMES", "default_timeout_ms", "check_timeout_ms",
-           "debug_enabled", "share_outcome", "guarded", "check_heap", "TIMEOUT_RECORD_FIELDS",
-           "MAX_TIMEOUT_MS", "MAX_LIVE_KERNELS", "DEFAULT_GRAPH_OUTPUTS", "check_not_capturing"]
+__all__ = ["OpWorkspace", "PROTO_PARAM_TYPES", "OP_IDS", "OP_NAMES", "default_timeout_ms",
+           "check_timeout_ms", "debug_enabled", "share_outcome", "guarded", "check_heap",
+           "TIMEOUT_RECORD_FIELDS", "MAX_TIMEOUT_MS", "MAX_LIVE_KERNELS",
+           "DEFAULT_GRAPH_OUTPUTS", "check_not_capturing"]
 
 OP_IDS: Dict[str, int] = {"lse_reduce": 1, "q_gather": 2, "kv_gather": 3, "ceilings": 4}
 OP_NAMES: Dict[int, str] = {v: k for k, v in OP_IDS.items()}
@@ -81,6 +84,13 @@ DEFAULT_GRAPH_OUTPUTS = 4
 MAX_TIMEOUT_MS = 3_600_000
 
 _ALIGN = 256
+
+#: Kernel parameter types of DCPKIT_PROTO_PARAMS (kernels/dcpkit_ptx.cuh), in order: epoch,
+#: arrive, abort, record, signals, peer_sig, mc_sig, rank, world, timeout_ns, op, ubatch,
+#: fp_base, waiters, num_ubatches, sig_ustride, work. Every kernel takes them first; the ops'
+#: ``*_PARAM_TYPES`` start with this tuple (checked against the PTX in the unit tests).
+PROTO_PARAM_TYPES = ("u64", "u64", "u64", "u64", "u64", "u64", "u64", "i32", "i32", "u64",
+                     "u32", "u32", "u32", "u32", "u32", "u32", "u64")
 
 
 def _round_up(x: int, a: int = _ALIGN) -> int:
@@ -494,6 +504,13 @@ class OpWorkspace:
             raise ClosedError(f"{self.op_name}: the workspace is closed")
         if self._rec[0] != 0:
             self._raise_failure()
+        if self._launch_failed is not None:
+            self._raise_launch_failure()
+
+    def _raise_launch_failure(self) -> None:
+        raise DcpkitError(f"{self.op_name}: the workspace is unusable: a kernel launch failed "
+                          f"after the call was counted ({self._launch_failed}); close it on "
+                          f"every rank and build a new one")
 
     def check(self) -> None:
         """Raise the failure that poisoned the workspace, if any: :class:`CollectiveTimeout` or
@@ -623,8 +640,86 @@ class OpWorkspace:
     @property
     def poisoned(self) -> bool:
         """True once a wait of this workspace timed out or found a peer's call differing (a read
-        of host-mapped memory: no device sync). Then :meth:`check` raises the error."""
-        return (not self._closed) and self._rec[0] != 0
+        of host-mapped memory: no device sync), or a launch failed after its call was counted
+        (a host flag). Then :meth:`check` raises the error."""
+        return (not self._closed) and (self._rec[0] != 0 or self._launch_failed is not None)
+
+    # ------------------------------------------------------------------ fast path
+    #: Set when a launch raised after the call was counted (see :meth:`_run`).
+    _launch_failed: Optional[str] = None
+
+    def _init_fast_path(self, functions: Dict[Any, Any], backend: str = "ctypes") -> None:
+        """The call-plan cache (:mod:`dcpkit._plan`, built by the subclass's ``_plan``) and one
+        :class:`~dcpkit._launch.Launcher` per loaded kernel (``functions``: key -> the loaded
+        ``cupy.cuda.function.Function``; the subclass picks the key per plan)."""
+        import cupy  # noqa: WPS433
+
+        self._plans = PlanCache(self._plan)
+        self._launchers = {k: Launcher(fn, self.THREADS, backend=backend)
+                           for k, fn in functions.items()}
+        self._functions = dict(functions)
+        self._get_device = cupy.cuda.runtime.getDevice
+
+    def __getattr__(self, name: str):
+        # Only for attributes not set yet: the plan cache of a workspace whose setup did not
+        # run _init_fast_path (built with ``__new__`` in CPU tests) is made on first use.
+        if name == "_plans":
+            plans = self.__dict__["_plans"] = PlanCache(self._plan)
+            return plans
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _set_launch_backend(self, backend: str) -> None:
+        """Test and benchmark hook: launch through ``backend`` ("ctypes" or "bindings")."""
+        self._launchers = {k: Launcher(fn, self.THREADS, backend=backend)
+                           for k, fn in self._functions.items()}
+
+    def _run(self, kernel_key, grid: int, params, stream) -> None:
+        """Launch kernel ``kernel_key`` with the packed ``params`` on ``stream`` (a device
+        switch only when another device is current).
+
+        The call was counted before (:meth:`begin_call` advanced the host shadow of the epoch);
+        a launch that raises leaves the shadow one ahead of the device, so the workspace is
+        marked unusable on the host: every later call (and :meth:`check`) raises, and
+        :attr:`poisoned` is True. No later call can read a slot the device did not write."""
+        try:
+            if self._get_device() == self.device:
+                self._launchers[kernel_key].launch(grid, params, stream.ptr)
+            else:
+                import cupy  # noqa: WPS433
+
+                with cupy.cuda.Device(self.device):
+                    self._launchers[kernel_key].launch(grid, params, stream.ptr)
+        except BaseException as e:
+            self._launch_failed = f"{type(e).__name__}: {e}"
+            raise
+
+    def _plan(self, *args):
+        """The full validation of a call plus everything its key determines (subclass)."""
+        raise NotImplementedError
+
+    def _memo_view(self, ptr: int, shape, dtype, nbytes: int, owner):
+        """A C-contiguous CuPy array over workspace memory at ``ptr`` that keeps ``owner``
+        alive, memoised per (address, shape, dtype): a later call's result over the same memory
+        (by the lifetime rule) is the same object. Forgotten at close."""
+        key = (ptr, shape, dtype)
+        cache = self.__dict__.setdefault("_lse_view_cache", {})
+        v = cache.get(key)
+        if v is None:
+            import cupy  # noqa: WPS433
+
+            mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_id=self.device)
+            v = cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+            if len(cache) > 4096:
+                cache.clear()
+            cache[key] = v
+        return v
+
+    def _clear_plans(self) -> None:
+        """Forget every plan (at close, and when state that plans derive from changes)."""
+        plans = self.__dict__.get("_plans")
+        if plans is not None:
+            plans.clear()
+        self.__dict__.pop("_lse_view_cache", None)
 
     # ------------------------------------------------------------------ test hooks
     def _set_epoch(self, value: int) -> None:
@@ -644,6 +739,7 @@ class OpWorkspace:
                     if e >= 0:
                         sig[e & 1, :] = e & 0xFFFFFFFF
                 self._calls[u] = value
+            self._clear_plans()
             cupy.cuda.runtime.deviceSynchronize()
             self.comm.barrier()
 
@@ -660,6 +756,7 @@ class OpWorkspace:
 
         self._closed = True
         self.__dict__.pop("_view_cache", None)  # views over memory about to be freed
+        self._clear_plans()
         errors: List[BaseException] = []
         with cupy.cuda.Device(self.device):
             try:

@@ -17,15 +17,22 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-import numpy as np
 
 from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
+from .._plan import call_key
 from ..comm import Communicator
 from ..errors import InvalidArgument
-from ._gather import MAX_VECTORS, GatherWorkspace, resolve_gather_dtype
-from ._workspace import check_positive_int
+from ._gather import MAX_VECTORS, GatherPlan, GatherWorkspace, resolve_gather_dtype
+from ._workspace import PROTO_PARAM_TYPES, check_positive_int
 
-__all__ = ["KVGather", "ALGORITHMS"]
+__all__ = ["KVGather", "ALGORITHMS", "KV_GATHER_PUSH_PARAM_TYPES", "KV_GATHER_PULL_PARAM_TYPES"]
+
+#: Parameters of ``kv_gather_push_kernel`` (kernels/kv_gather.cu), both transports:
+#: DCPKIT_PROTO_PARAMS, then peer_data, slot_bytes, mc_data, kv, block_vecs, tokens, out.
+KV_GATHER_PUSH_PARAM_TYPES = PROTO_PARAM_TYPES + ("u64", "u64", "u64", "u64", "u32", "u32",
+                                                  "u64")
+#: Parameters of ``kv_gather_pull_kernel``: as the push kernel's, without mc_data.
+KV_GATHER_PULL_PARAM_TYPES = PROTO_PARAM_TYPES + ("u64", "u64", "u64", "u32", "u32", "u64")
 
 #: The kv_gather algorithms: ``"push"`` (stores into every peer's slot) and ``"pull"`` (loads
 #: from every peer's slot).
@@ -246,28 +253,27 @@ class KVGather(GatherWorkspace):
             The workspace's first call is being captured, or every graph output buffer is
             taken and ``out`` is None while capturing.
         """
+        self.check_open()  # closed or poisoned: every call, cached plan or not
+        plan = self._plans.lookup(call_key((kv, out), (ubatch,)), kv, ubatch, out)
+        if stream is not None:
+            self._check_stream(stream)
+        if plan.T == 0:
+            return self._empty_call(plan, out)
+        return self._gather_call(plan, out, stream)
+
+    def _plan(self, kv, ubatch, out) -> GatherPlan:
+        """The full validation of a call (:meth:`_validate`: every check, every message), then
+        everything its key determines: grids and the packed kernel parameters."""
         T, ubatch, ki, oi = self._validate(kv, ubatch, out)
-        self._check_stream(stream)
+        shape = (self.world_size * T, self.row_dim)
+        strides = (self.row_bytes, self.dtype.itemsize)
         if T == 0:
-            if out is not None:
-                return out
-            return self._result_view(self.data_slot_ptr(ubatch, 0), 0)
-        stream, kout, result = self._start(T, ubatch, stream, oi)
-        W = self.world_size
-        block_vecs = T * self.row_bytes // 16
-        # 8-byte parameters as Python ints (CuPy passes them as 8-byte integers), 4-byte ones
-        # as NumPy scalars.
-        head = self._head_args(ubatch)  # protocol, peer_data, data_slot_bytes, mc_data
-        tail = (ki.ptr, np.uint32(block_vecs), np.uint32(T), int(kout))
-        grid = self._grid(self._vectors(T, bool(kout)))
-        if self.algorithm == "pull":
-            args = head[:-1] + tail  # the pull kernel takes no multicast address
-        else:
-            args = head + tail
-        self._launch(self._kernel, grid, args, stream)
-        if out is not None:
-            return out
-        return self._result_view(result, T)
+            return self._gather_plan(0, ubatch, oi, (), (), 0, shape, strides)
+        tail = (ki.ptr, T * self.row_bytes // 16, T, 0)
+        pull = self.algorithm == "pull"
+        types = KV_GATHER_PULL_PARAM_TYPES if pull else KV_GATHER_PUSH_PARAM_TYPES
+        return self._gather_plan(T, ubatch, oi, tail, types, len(types) - 1, shape, strides,
+                                 mc_arg=not pull)  # the pull kernel takes no multicast address
 
     def _vectors(self, T: int, copy_out: bool) -> int:
         block_vecs = T * self.row_bytes // 16

@@ -39,10 +39,23 @@ from .._arrays import ArrayInfo, array_info, check_device, check_dtype, check_nd
 from .._arrays import dtype_name
 from ..comm import Communicator
 from ..errors import InvalidArgument, InvalidType
+from .._launch import KernelParams
+from .._plan import call_key
 from ..reference import check_lse_base, resolve_dtype
-from ._workspace import OpWorkspace, _round_up, check_bool, check_positive_int, launch_config
+from ._workspace import (PROTO_PARAM_TYPES, OpWorkspace, _round_up, check_bool,
+                         check_positive_int, launch_config)
 
-__all__ = ["LseReduce", "lse_combine"]
+__all__ = ["LseReduce", "lse_combine", "LSE_REDUCE_PARAM_TYPES"]
+
+#: Parameters of ``lse_reduce_kernel`` (kernels/lse_reduce.cu), every dtype variant:
+#: DCPKIT_PROTO_PARAMS, then peer_data, slot_bytes, lse_offset, T_max, out_partial,
+#: in_tok_stride, in_head_stride, lse_partial, lse_tok_stride, lse_head_stride, lse_scale,
+#: seq_lens, query_start_loc, num_requests, out, out_lse, T, H, H_r, D_v.
+LSE_REDUCE_PARAM_TYPES = PROTO_PARAM_TYPES + (
+    "u64", "u64", "u64", "i32", "u64", "i64", "i64", "u64", "i64", "i64", "f32", "u64", "u64",
+    "i32", "u64", "u64", "i32", "i32", "i32", "i32")
+_P = len(PROTO_PARAM_TYPES)
+_IN, _OUT, _OUT_LSE = _P + 4, _P + 14, _P + 15   # fields patched per call
 
 #: Threads per CTA of both kernels (``lse_detail::kThreads`` in the kernel).
 THREADS = 256
@@ -128,6 +141,21 @@ class _Plan(NamedTuple):
     out: Optional[ArrayInfo]
     out_lse: Optional[ArrayInfo]
     want_lse: bool
+
+
+class _CallPlan(NamedTuple):
+    """A validated call, all its key determines (:mod:`dcpkit._plan`); no caller's array."""
+    T: int
+    ubatch: int
+    copy_input: bool          # copy out_partial to a contiguous array per call
+    out_ptr: int              # the caller's out= (0: none)
+    out_lse_ptr: int          # the caller's out_lse= (0: none)
+    want_lse: bool
+    needs_output: bool        # a workspace output buffer is used
+    lse_key: object           # the lse dtype: which kernel
+    grid: int
+    params: Optional[KernelParams]
+    debug_key: Tuple
 
 
 class LseReduce(OpWorkspace):
@@ -355,6 +383,7 @@ class LseReduce(OpWorkspace):
                 raw = jit.get_kernel(_FILE, _reduce_variant(self.dtype, lse_dt),
                                      self._kernel_options())
                 self._fn[lse_dt] = raw.kernel  # the loaded cupy.cuda.function.Function
+            self._init_fast_path(self._fn)
         W, H_r = self.world_size, self.heads_per_rank
         # DCPKIT_PROTO_PARAMS, peer_data, slot_bytes, lse_offset, T_max (per ubatch).
         self._head_args = [
@@ -366,7 +395,6 @@ class LseReduce(OpWorkspace):
         self._tail_args = (np.int32(self.num_heads), np.int32(H_r), np.int32(self.head_dim))
         self._grids = [(launch_config(W * T * H_r, WARPS_PER_CTA, self.max_ctas),)
                        for T in range(self.max_tokens + 1)]
-        self._int32 = [np.int32(T) for T in range(self.max_tokens + 1)]
 
     def ctas_for(self, T: int) -> int:
         """The grid (CTA count, :attr:`THREADS` threads each) of a call with ``T`` tokens; the
@@ -447,14 +475,41 @@ class LseReduce(OpWorkspace):
         Every check runs before anything is launched or counted: after a rejected call the
         workspace is unchanged and usable.
         """
-        plan = self._validate(out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out,
-                              out_lse)
+        self.check_open()  # closed or poisoned: every call, cached plan or not
+        plan = self._plans.lookup(
+            call_key((out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse),
+                     (ubatch,)),
+            out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out, out_lse)
         if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES
                                                  or _cuda.stream_types()):
             _cuda.check_stream(stream, self.op_name)  # raises InvalidType
         if plan.T == 0:
-            return self._empty_result(plan)
-        return self._launch(plan, stream)
+            return self._empty_result(plan.want_lse, out, out_lse)
+        return self._launch(plan, out_partial, out, out_lse, stream)
+
+    def _plan(self, out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out,
+              out_lse) -> _CallPlan:
+        """The full validation of a call (:meth:`_validate`: every check, every message), then
+        everything its key determines: the grid and the packed kernel parameters."""
+        v = self._validate(out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out,
+                           out_lse)
+        T, ub = v.T, v.ubatch
+        out_ptr = v.out.ptr if v.out is not None else 0
+        lse_ptr = v.out_lse.ptr if v.out_lse is not None else 0
+        needs_output = v.out is None or (v.want_lse and v.out_lse is None)
+        debug_key = (T, str(self.dtype), str(v.lse.dtype), ub, v.qsl_ptr != 0, v.seq_ptr != 0)
+        if T == 0:
+            return _CallPlan(0, ub, False, out_ptr, lse_ptr, v.want_lse, needs_output,
+                             v.lse.dtype, 0, None, debug_key)
+        in_tok, in_head = v.in_tok, v.in_head
+        if v.copy_input:  # the contiguous copy made per call
+            in_tok, in_head = self.num_heads * self.head_dim, self.head_dim
+        values = [int(a) for a in self._head_args[ub]] + [
+            v.x.ptr, in_tok, in_head, v.lse.ptr, v.lse_tok, v.lse_head, float(self._lse_scale),
+            v.seq_ptr, v.qsl_ptr, v.num_requests, 0, 0, T] + [int(a) for a in self._tail_args]
+        params = KernelParams(LSE_REDUCE_PARAM_TYPES, values)
+        return _CallPlan(T, ub, v.copy_input, out_ptr, lse_ptr, v.want_lse, needs_output,
+                         v.lse.dtype, self._grids[T][0], params, debug_key)
 
     def _validate(self, out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out,
                   out_lse) -> _Plan:
@@ -557,72 +612,61 @@ class LseReduce(OpWorkspace):
         return _Plan(T, ub, x, copy_input, in_tok, in_head, lse, l_tok // li, l_head // li,
                      seq_ptr, qsl_ptr, S, o, ol, self.return_lse or ol is not None)
 
-    def _empty_result(self, plan: _Plan):
+    def _empty_result(self, want_lse: bool, out, out_lse):
+        """``T == 0``: ``out`` / ``out_lse`` (the caller's) or empty arrays; nothing launched."""
         cupy = self._cupy
         with cupy.cuda.Device(self.device):
-            res = plan.out.obj if plan.out is not None else cupy.empty(
+            res = out if out is not None else cupy.empty(
                 (0, self.heads_per_rank, self.head_dim),
                 dtype=_UINT[self.dtype.itemsize]).view(self.dtype)
-            if not plan.want_lse:
+            if not want_lse:
                 return res
-            lse = plan.out_lse.obj if plan.out_lse is not None else \
+            lse = out_lse if out_lse is not None else \
                 cupy.empty((0, self.heads_per_rank), dtype=np.float32)
         return res, lse
 
-    def _view(self, ptr: int, shape, dtype, nbytes: int, owner):
-        cupy = self._cupy
-        mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_id=self.device)
-        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
-
-    def _launch(self, plan: _Plan, stream):
+    def _launch(self, plan: _CallPlan, out_partial, out, out_lse, stream):
+        """A validated call (``T > 0``): the input copy if needed, bookkeeping, the per-call
+        fields patched, one launch; returns the result."""
         cupy = self._cupy
         if stream is None:
             stream = cupy.cuda.get_current_stream()
-        T, ub, x = plan.T, plan.ubatch, plan.x
-        in_ptr, in_tok, in_head = x.ptr, plan.in_tok, plan.in_head
+        params = plan.params
         if plan.copy_input:  # documented slow path: innermost stride != itemsize
-            with cupy.cuda.Device(self.device), stream:
-                # bytes only: copy through an unsigned view (no float kernel needed for bf16);
-                # freed after the launch is enqueued, CuPy's pool reuses it in stream order
-                src = x.obj if isinstance(x.obj, cupy.ndarray) else cupy.asarray(x.obj)
-                xc = cupy.ascontiguousarray(src.view(_UINT[x.itemsize]))
-            in_ptr = xc.data.ptr
-            in_tok, in_head = self.num_heads * self.head_dim, self.head_dim
-        key = ((T, str(self.dtype), str(plan.lse.dtype), ub, plan.qsl_ptr != 0,
-                plan.seq_ptr != 0) if self._debug else ())
+            with cupy.cuda.Device(self.device), stream:  # bytes only, through an unsigned
+                # view; freed after the launch is enqueued (CuPy's pool: stream order)
+                src = out_partial if isinstance(out_partial, cupy.ndarray) else \
+                    cupy.asarray(out_partial)
+                xc = cupy.ascontiguousarray(src.view(_UINT[self.dtype.itemsize]))
+            params[_IN] = xc.data.ptr
+        T, ub = plan.T, plan.ubatch
         _parity, capturing, _exact = self.begin_call(
-            ub, stream, key,
-            needs_output=plan.out is None or (plan.want_lse and plan.out_lse is None))
+            ub, stream, plan.debug_key if self._debug else (), needs_output=plan.needs_output)
         H_r, D = self.heads_per_rank, self.head_dim
         base = None  # workspace output buffer of this call, taken only when needed
-        if plan.out is not None:
-            res = plan.out.obj
-            out_ptr = plan.out.ptr
+        if plan.out_ptr:
+            res = out
+            out_ptr = plan.out_ptr
         else:
             base = self.output_ptr(ub, capturing)
             owner = self._graph_out if capturing else self._eager_out[ub]
             out_ptr = base
-            res = self._view(base, (T, H_r, D), self.dtype, T * H_r * self._row_bytes, owner)
+            res = self._memo_view(base, (T, H_r, D), self.dtype, T * H_r * self._row_bytes,
+                                  owner)
         lse_res = None
         lse_ptr = 0
-        if plan.out_lse is not None:
-            lse_res = plan.out_lse.obj
-            lse_ptr = plan.out_lse.ptr
+        if plan.out_lse_ptr:
+            lse_res = out_lse
+            lse_ptr = plan.out_lse_ptr
         elif plan.want_lse:
             if base is None:  # out= given, merged lse into the workspace buffer
                 base = self.output_ptr(ub, capturing)
             owner = self._graph_out if capturing else self._eager_out[ub]
             lse_ptr = base + self._out_part_bytes
-            lse_res = self._view(lse_ptr, (T, H_r), _F32, T * H_r * 4, owner)
-        # Pointers and long long strides go as Python ints (CuPy passes them as 8-byte
-        # integers); int and float parameters need explicit 4-byte NumPy scalars.
-        S = plan.num_requests
-        args = self._head_args[ub] + (
-            in_ptr, in_tok, in_head, plan.lse.ptr, plan.lse_tok, plan.lse_head, self._lse_scale,
-            plan.seq_ptr, plan.qsl_ptr, self._int32[S] if S <= self.max_tokens else np.int32(S),
-            out_ptr, lse_ptr, self._int32[T],
-        ) + self._tail_args
-        self._fn[plan.lse.dtype](self._grids[T], _BLOCK, args, shared_mem=0, stream=stream)
+            lse_res = self._memo_view(lse_ptr, (T, H_r), _F32, T * H_r * 4, owner)
+        params[_OUT] = out_ptr
+        params[_OUT_LSE] = lse_ptr
+        self._run(plan.lse_key, plan.grid, params, stream)
         return res if lse_res is None else (res, lse_res)
 
     # ------------------------------------------------------------------ what the op accepts

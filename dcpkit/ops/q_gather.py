@@ -17,15 +17,22 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-import numpy as np
 
 from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
+from .._plan import call_key
 from ..comm import Communicator
 from ..errors import InvalidArgument
-from ._gather import MAX_VECTORS, GatherWorkspace, resolve_gather_dtype
-from ._workspace import check_bool, check_positive_int
+from ._gather import MAX_VECTORS, GatherPlan, GatherWorkspace, resolve_gather_dtype
+from ._workspace import PROTO_PARAM_TYPES, check_bool, check_positive_int
 
-__all__ = ["QGather"]
+__all__ = ["QGather", "Q_GATHER_PARAM_TYPES"]
+
+#: Parameters of ``q_gather_kernel`` (kernels/q_gather.cu), both transports: DCPKIT_PROTO_PARAMS,
+#: then peer_data, slot_bytes, mc_data, q, q_token_stride, row_vecs, slot_token_stride, tokens,
+#: out, out_token_stride.
+Q_GATHER_PARAM_TYPES = PROTO_PARAM_TYPES + (
+    "u64", "u64", "u64", "u64", "i64", "u32", "i64", "u32", "u64", "i64")
+_OUT = len(PROTO_PARAM_TYPES) + 8   # index of ``out`` (patched per call)
 
 
 class QGather(GatherWorkspace):
@@ -259,32 +266,33 @@ class QGather(GatherWorkspace):
             The workspace's first call is being captured, or every graph output buffer is
             taken and ``out`` is None while capturing.
         """
+        self.check_open()  # closed or poisoned: every call, cached plan or not
+        plan = self._plans.lookup(call_key((q, out), (ubatch, return_padded)), q, ubatch, out,
+                                  return_padded)
+        if stream is not None:
+            self._check_stream(stream)
+        if plan.T == 0:
+            return self._empty_call(plan, out)
+        return self._gather_call(plan, out, stream)
+
+    def _plan(self, q, ubatch, out, return_padded) -> GatherPlan:
+        """The full validation of a call (:meth:`_validate`: every check, every message), then
+        everything its key determines: grids, strides, the packed kernel parameters."""
         T, ubatch, qi, oi = self._validate(q, ubatch, out, return_padded)
-        self._check_stream(stream)
+        isz = self.dtype.itemsize
+        heads = self.padded_num_heads if return_padded else self.num_heads
+        shape = (T, heads, self.head_dim)
+        strides = (self.slot_token_bytes, self.head_dim * isz, isz)
         if T == 0:
-            if out is not None:
-                return out
-            return self._result_view(self.data_slot_ptr(ubatch, 0), 0, return_padded)
-        stream, kout, result = self._start(T, ubatch, stream, oi)
-        W = self.world_size
-        full_row = self.num_heads * self.head_dim * self.dtype.itemsize
+            return self._gather_plan(0, ubatch, oi, (), (), _OUT, shape, strides)
+        full_row = self.num_heads * self.head_dim * isz
         q_stride = qi.strides[0] if T > 1 else self.row_bytes
         if oi is not None:
             out_stride = oi.strides[0] if T > 1 else full_row
         else:
             out_stride = self.slot_token_bytes
-        row_vecs = self.row_bytes // 16
-        grid = self._grid(self._vectors(T, bool(kout)))
-        # 8-byte parameters as Python ints (CuPy passes them as 8-byte integers), 4-byte ones
-        # as NumPy scalars.
-        args = self._head_args(ubatch) + (
-            qi.ptr, int(q_stride), np.uint32(row_vecs), int(self.slot_token_bytes),
-            np.uint32(T), int(kout), int(out_stride),
-        )
-        self._launch(self._kernel, grid, args, stream)
-        if out is not None:
-            return out
-        return self._result_view(result, T, return_padded)
+        tail = (qi.ptr, q_stride, self.row_bytes // 16, self.slot_token_bytes, T, 0, out_stride)
+        return self._gather_plan(T, ubatch, oi, tail, Q_GATHER_PARAM_TYPES, _OUT, shape, strides)
 
     def _vectors(self, T: int, copy_out: bool) -> int:
         return T * (self.row_bytes // 16) * (self.world_size if copy_out else 1)

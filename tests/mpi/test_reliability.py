@@ -580,9 +580,29 @@ def _bad_input_rows(comm, q, k, l, heap, dq, dk, dl, T):
     return rows
 
 
-def test_bad_input_table(comm, seed, monkeypatch):
+def _warm_up(cases, seed: int, T: int) -> None:
+    """Good calls of every op (view and out= forms, three each, collective): they fill the
+    ops' plan caches with their arrays' descriptions."""
+    import cupy
+
+    for i, c in enumerate(cases.values()):
+        dev, _ = c.prepare(seed + 100 + i, T)
+        for _ in range(3):
+            c.call(dev)
+            c.call(dev, out=c.poisoned_out(T))
+        c.op.synchronize()
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+@pytest.mark.parametrize("warm", ["cold", "same arrays", "reused addresses"])
+def test_bad_input_table(comm, seed, monkeypatch, warm):
     """Every bad call raises its error class (and message fragment) before anything is
-    launched or counted; the workspace gives the right result on the next good call."""
+    launched or counted; the workspace gives the right result on the next good call.
+
+    Cold (no call before the table), after warm-up calls with the very arrays the table then
+    uses, and after warm-up calls whose arrays were freed before the table's were allocated
+    (CuPy's pool hands the freed addresses out again): a warm plan cache never hides an
+    error."""
     import cupy
 
     from dcpkit.symmetric import SymmetricHeap
@@ -594,10 +614,20 @@ def test_bad_input_table(comm, seed, monkeypatch):
     l = OpCase("lse_reduce", comm, max_tokens=16, num_requests=3)
     heap = SymmetricHeap(comm, 1 << 20)
     cases = {"q": q, "k": k, "l": l}
+    if warm == "reused addresses":
+        _warm_up(cases, seed, T)   # its arrays are freed on return
     prepared = {n: c.prepare(seed + i, T) for i, (n, c) in enumerate(cases.items())}
+    if warm == "same arrays":
+        for n, c in cases.items():
+            for _ in range(3):
+                c.call(prepared[n][0])
+                c.call(prepared[n][0], out=c.poisoned_out(T))
+            c.op.synchronize()
+    cold_caches = [n for n, c in cases.items() if warm != "cold" and not c.op._plans.hits]
     rows = _bad_input_rows(comm, q, k, l, heap, prepared["q"][0], prepared["k"][0],
                            prepared["l"][0], T)
-    msgs = []
+    msgs = [f"warm-up ({warm}) did not hit the plan cache of {cold_caches}"] if cold_caches \
+        else []
     n_rows = len(rows)
     for rid, case, thunk, exc, frag in rows:
         before = {n: list(c.op._calls) for n, c in cases.items()}

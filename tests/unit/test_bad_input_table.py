@@ -421,6 +421,7 @@ def test_bad_call_after_warm_up_raises_before_launch(kind, change, bad, exc, fra
         for call in warm:
             call(ws)
     assert rec.count == 3 * len(warm), "the warm-up calls did not launch"
+    assert ws._plans.hits >= 2 * len(warm), "the warm-up calls did not fill the plan cache"
     if change is not None:
         ws = change(ws)
     calls, launches = list(ws._calls), rec.count
@@ -430,38 +431,4 @@ def test_bad_call_after_warm_up_raises_before_launch(kind, change, bad, exc, fra
     assert ws._calls == calls and rec.count == launches, "the rejected call counted or launched"
     if change is None:
         warm[0](ws)          # still usable
-        assert rec.count == launches + 1
-
-
-Q_ROWS = [r for r in ROWS if r[1] == "q"]
-
-
-@pytest.mark.parametrize("mode", ["same arrays", "reused addresses"])
-@pytest.mark.parametrize("kind,change,bad,exc,fragment", [r[1:] for r in Q_ROWS],
-                         ids=[r[0] for r in Q_ROWS])
-def test_bad_call_through_a_warm_plan_cache_raises_before_launch(kind, change, bad, exc,
-                                                                 fragment, mode):
-    """The q_gather rows through dcpkit._fastpath.FastQGather (plan cache + packed-parameter
-    launch): after warm-up calls filled the cache, every bad call still raises, launches
-    nothing and counts nothing."""
-    from dcpkit._fastpath import FastQGather
-
-    ws, rec = make_callable(kind)
-    fast = FastQGather(ws)
-    fast._launcher = rec             # the recorder stands in for the launch
-    fast._current_device = lambda: DEV
-    warm = _warm_up_calls(kind, bad, mode)
-    for _ in range(3):
-        for call in warm:
-            call(fast)
-    assert rec.count == 3 * len(warm) and fast.cache.hits >= 2 * len(warm)
-    if change is not None:
-        ws = change(ws)
-    calls, launches = list(ws._calls), rec.count
-    with pytest.raises(exc) as info:
-        bad(fast)
-    assert fragment in str(info.value), f"{str(info.value)!r} lacks {fragment!r}"
-    assert ws._calls == calls and rec.count == launches, "the rejected call counted or launched"
-    if change is None:
-        warm[0](fast)
         assert rec.count == launches + 1

@@ -1,7 +1,9 @@
-"""dcpkit._fastpath on CPU: the q_gather plan's parameter list matches the kernel NVRTC builds
-(width and float-ness of every parameter, read from the PTX), and a fast call packs exactly the
-values the op's own launch passes, raises exactly what the op raises (also after warm-up and at
-a reused address), and keeps the op's bookkeeping. The launch is recorded, not run."""
+"""The ops' host fast path on CPU (plan cache + packed-parameter launch, dcpkit._plan and
+dcpkit._launch): every kernel variant's parameter list matches the type list its op packs (width
+and float-ness of every parameter, read from the PTX NVRTC emits); a call packs the values the
+kernel must get; a warm plan never hides an error, a poisoned or failed workspace raises at the
+next call; a new layout under the same pointer gets a new plan. The launch is recorded, not
+run."""
 
 from __future__ import annotations
 
@@ -12,98 +14,297 @@ import numpy as np
 import pytest
 
 from dcpkit import jit
-from dcpkit._fastpath import Q_GATHER_PARAM_TYPES, FastQGather
 from dcpkit._launch import check_params_match
-from dcpkit.errors import CollectiveTimeout, InvalidArgument, InvalidType
-from dcpkit.ops._workspace import OP_IDS
+from dcpkit.errors import CollectiveTimeout, CudaError, DcpkitError, InvalidArgument, InvalidType
+from dcpkit.ops._workspace import OP_IDS, PROTO_PARAM_TYPES
+from dcpkit.ops.kv_gather import KV_GATHER_PULL_PARAM_TYPES, KV_GATHER_PUSH_PARAM_TYPES
+from dcpkit.ops.lse_reduce import LSE_REDUCE_PARAM_TYPES
+from dcpkit.ops.q_gather import Q_GATHER_PARAM_TYPES
 
 cupy = pytest.importorskip("cupy")
 _SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "host_path_cpu.py")
 
+#: Every variant an op launches through its plan -> the type list the op packs for it.
+_LAUNCHED = {
+    "q_gather.cu": {v: Q_GATHER_PARAM_TYPES for v in jit.VARIANTS["q_gather.cu"]},
+    "kv_gather.cu": {v: KV_GATHER_PULL_PARAM_TYPES if "pull" in v else KV_GATHER_PUSH_PARAM_TYPES
+                     for v in jit.VARIANTS["kv_gather.cu"]},
+    "lse_reduce.cu": {v: LSE_REDUCE_PARAM_TYPES for v in jit.VARIANTS["lse_reduce.cu"]
+                      if "lse_reduce_kernel" in v},
+}
 
-def _ptx(file: str, expr: str):
+
+def _ptx(file: str, exprs):
+    """The PTX of ``file`` with every name expression in ``exprs``; their lowered names."""
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
     err, prog = nvrtc.nvrtcCreateProgram(jit.source(file).encode(), file.encode(), 0, [], [])
-    nvrtc.nvrtcAddNameExpression(prog, expr.encode())
+    for e in exprs:
+        nvrtc.nvrtcAddNameExpression(prog, e.encode())
     opts = [o.encode() for o in list(jit.DEFAULT_OPTIONS) + ["-arch=compute_90"]]
     (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     if int(res) != 0:
         pytest.skip(f"NVRTC cannot compile {file} here ({res})")
-    _, name = nvrtc.nvrtcGetLoweredName(prog, expr.encode())
+    names = {}
+    for e in exprs:
+        _, name = nvrtc.nvrtcGetLoweredName(prog, e.encode())
+        names[e] = name.decode() if isinstance(name, bytes) else name
     _, n = nvrtc.nvrtcGetPTXSize(prog)
     buf = b" " * n
     nvrtc.nvrtcGetPTX(prog, buf)
-    return buf.decode().rstrip("\0 "), name.decode() if isinstance(name, bytes) else name
+    return buf.decode().rstrip("\0 "), names
 
 
-@pytest.mark.parametrize("tr", ["Unicast", "Multicast"])
-def test_plan_parameters_match_the_kernel(tr):
-    ptx, entry = _ptx("q_gather.cu", f"dcpkit::q_gather_kernel<dcpkit::Transport::{tr}>")
-    check_params_match(Q_GATHER_PARAM_TYPES, ptx, entry, "q_gather")
+@pytest.mark.parametrize("file", sorted(_LAUNCHED))
+def test_plan_parameters_match_every_kernel_variant(file):
+    variants = _LAUNCHED[file]
+    assert variants, file
+    ptx, names = _ptx(file, list(variants))
+    for expr, types in variants.items():
+        assert types[:len(PROTO_PARAM_TYPES)] == PROTO_PARAM_TYPES
+        check_params_match(types, ptx, names[expr], expr)
 
 
-class Launches:
-    def __init__(self):
-        self.calls = []
-
-    def launch(self, grid, params, stream_ptr):
-        self.calls.append((grid, [params[i] for i in range(len(params))], stream_ptr))
-
-
-def _setup():
+def _mod():
     spec = importlib.util.spec_from_file_location("host_path_cpu", _SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def _setup():
+    mod = _mod()
     stream = mod._cpu_stream()
     rec = mod.Recorder()
-    qg = mod.build_ops(stream, rec)[0]
-    fast = FastQGather(qg)
-    fast._launcher = Launches()
-    fast._current_device = lambda: 0
-    return mod, qg, fast, rec
+    return (mod, rec) + tuple(mod.build_ops(stream, rec))
 
 
-def _as_ints(args):
-    return [int(a) for a in args]
+def _params(rec):
+    kind, grid, params, _ = rec.last
+    assert kind == "launcher"
+    return grid, [params[i] for i in range(len(params))]
 
 
-def test_fast_calls_launch_what_the_op_launches():
-    mod, qg, fast, rec = _setup()
+def _proto(ws, u):
+    return [int(v) for v in ws._make_proto(u)]
+
+
+def test_q_gather_calls_pack_what_the_kernel_takes():
+    mod, rec, qg, _, _ = _setup()
     q = mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16")
     out = mod.array((mod.T, mod.H, mod.D_Q), "bfloat16")
-    for kw in ({}, {"out": out}, {}, {"return_padded": True}):
-        calls = list(qg._calls)
-        ref = qg(q, **kw)
-        _, grid, args, _ = rec.last
-        qg._calls = calls               # the fast call repeats the same call
-        res = fast(q, **kw)
-        fgrid, fargs, sptr = fast._launcher.calls[-1]
-        assert fgrid == grid and fargs == _as_ints(args) and sptr == 0, kw
-        assert res is ref or (kw.get("out") is not None and res is out)
-    assert fast.cache.misses == 3 and fast.cache.hits == 1   # view, out=, padded
+    row_vecs = mod.H_R * mod.D_Q * 2 // 16
+    views = []
+    for kw in ({}, {"out": out}, {}, {"return_padded": True}, {"out": out}):
+        res = qg(q, **kw)
+        grid, p = _params(rec)
+        assert p[:17] == _proto(qg, 0)
+        assert p[17:20] == [int(qg.peer_data_ptr(0)), qg.data_slot_bytes, 0]
+        assert p[20:25] == [q.data.ptr, qg.row_bytes, row_vecs, qg.slot_token_bytes, mod.T]
+        if "out" in kw:
+            assert res is out and p[25] == out.data.ptr and p[26] == mod.H * mod.D_Q * 2
+            assert grid == qg.ctas_for(mod.T, copy_out=True)
+        else:   # zero copy: the result is the own data slot of this call
+            assert p[25] == 0 and grid == qg.ctas_for(mod.T)
+            slot = qg.data_slot_ptr(0, qg._calls[0] % 3)
+            assert res.data.ptr == slot and res.shape[1] == (qg.padded_num_heads if kw
+                                                              else qg.num_heads)
+            views.append(res)
+    assert qg._plans.misses == 3 and qg._plans.hits == 2       # view, out=, padded
+    assert rec.count == 5 and qg._calls == [5]
 
 
-def test_fast_calls_raise_what_the_op_raises():
-    mod, qg, fast, rec = _setup()
+def test_kv_gather_and_lse_reduce_calls_pack_what_the_kernel_takes():
+    mod, rec, _, kg, lr = _setup()
+    kv = mod.array((mod.T, mod.D_Q), "bfloat16")
+    kv_out = mod.array((mod.W * mod.T, mod.D_Q), "bfloat16")
+    for kw in ({}, {"out": kv_out}, {}):
+        res = kg(kv, **kw)
+        _, p = _params(rec)
+        assert len(p) == len(KV_GATHER_PUSH_PARAM_TYPES) and p[:17] == _proto(kg, 0)
+        assert p[20:23] == [kv.data.ptr, mod.T * mod.D_Q * 2 // 16, mod.T]
+        assert p[23] == (kv_out.data.ptr if kw else 0)
+        assert (res is kv_out) if kw else res.shape == (mod.W * mod.T, mod.D_Q)
+    xo = mod.array((mod.T, mod.H, mod.D_V), "bfloat16")
+    lse = mod.array((mod.T, mod.H), "float32")
+    o = mod.array((mod.T, mod.H_R, mod.D_V), "bfloat16")
+    results = []
+    for kw in ({}, {"out": o}, {}, {}):
+        res = lr(xo, lse, **kw)
+        _, p = _params(rec)
+        assert len(p) == len(LSE_REDUCE_PARAM_TYPES) and p[:17] == _proto(lr, 0)
+        assert p[21] == xo.data.ptr and p[24] == lse.data.ptr and p[30] == 0  # no requests
+        assert p[31] == res.data.ptr and p[32] == 0 and p[33:] == [mod.T, mod.H, mod.H_R,
+                                                                    mod.D_V]
+        if kw:
+            assert res is o
+        else:
+            results.append(res)
+    # calls 1, 3, 4: two eager output buffers alternate per call; a view is memoised
+    assert results[0] is results[1] and results[2].data.ptr != results[0].data.ptr
+    assert kg._plans.hits == 1 and lr._plans.hits == 2
+
+
+def test_a_new_layout_under_the_same_pointer_gets_a_new_plan():
+    mod, rec, qg, _, _ = _setup()
+    q = mod.array((2, mod.H_R, mod.D_Q), "bfloat16")
+    qg(q)
+    n = rec.count
+    mem = cupy.cuda.UnownedMemory(q.data.ptr, 1 << 22, None, 0)
+    row = mod.H_R * mod.D_Q * 2
+    padded = cupy.ndarray((2, mod.H_R, mod.D_Q), q.dtype, cupy.cuda.MemoryPointer(mem, 0),
+                          strides=(row + 16, mod.D_Q * 2, 2))
+    qg(padded)                          # same pointer, other token stride: validated, packed
+    _, p = _params(rec)
+    assert p[20] == q.data.ptr and p[21] == row + 16 and qg._plans.misses == 2
+    bad = cupy.ndarray((2, mod.H_R, mod.D_Q), q.dtype, cupy.cuda.MemoryPointer(mem, 0),
+                       strides=(row + 8, mod.D_Q * 2, 2))
+    with pytest.raises(InvalidArgument, match="token stride"):
+        qg(bad)                         # same pointer and shape, a stride the check rejects
+    assert rec.count == n + 1 and len(qg._plans) == 2
+
+
+def test_warm_plans_never_hide_an_error():
+    mod, rec, qg, _, lr = _setup()
     q = mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16")
     for _ in range(3):
-        fast(q)
-    n, calls = len(fast._launcher.calls), list(qg._calls)
+        qg(q)
+    n, calls = rec.count, list(qg._calls)
     mem = cupy.cuda.UnownedMemory(q.data.ptr, 1 << 22, None, 0)
     same_ptr = cupy.ndarray((mod.T, mod.H_R, mod.D_Q), np.float32,
                             cupy.cuda.MemoryPointer(mem, 0))
     with pytest.raises(InvalidType, match="q dtype must be"):
-        fast(same_ptr)
-    padded = cupy.ndarray((2, mod.H_R, mod.D_Q), q.dtype, cupy.cuda.MemoryPointer(mem, 0),
-                          strides=(mod.H_R * mod.D_Q * 2 + 8, mod.D_Q * 2, 2))
-    with pytest.raises(InvalidArgument, match="token stride"):
-        fast(padded)
+        qg(same_ptr)
     with pytest.raises(InvalidType, match="ubatch must be an int"):
-        fast(q, ubatch=False)
+        qg(q, ubatch=False)             # False == 0, but not the same key
+    with pytest.raises(InvalidType, match="return_padded must be a bool"):
+        qg(q, return_padded=0)
     with pytest.raises(InvalidType, match="stream must be"):
-        fast(q, stream="s")
-    assert len(fast._launcher.calls) == n and qg._calls == calls
+        qg(q, stream="s")               # checked after the plan, on every call
+    assert rec.count == n and qg._calls == calls
     qg._rec[:] = [2, OP_IDS["q_gather"], 0, 1, 7, 5, 0, 0]
+    assert qg.poisoned
     with pytest.raises(CollectiveTimeout, match="waiting for peer 1"):
-        fast(q)                          # poisoned after warm-up: raises at the next call
-    assert len(fast._launcher.calls) == n
+        qg(q)                           # poisoned after warm-up: raises at the next call
+    assert rec.count == n and qg._calls == calls
+    qg._closed = True
+    with pytest.raises(DcpkitError, match="closed"):
+        qg(q)
+    xo = mod.array((mod.T, mod.H, mod.D_V), "bfloat16")
+    lse = mod.array((mod.T, mod.H), "float32")
+    lr(xo, lse)
+    with pytest.raises(InvalidArgument, match="seq_lens requires query_start_loc"):
+        lr(xo, lse, seq_lens=mod.array((3,), "int32"))
+
+
+class _Failing:
+    def launch(self, grid, params, stream_ptr):
+        raise CudaError("cuLaunchKernel", "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES")
+
+
+@pytest.mark.parametrize("which", ["q", "kv", "lse"])
+def test_a_launch_that_raises_leaves_the_workspace_unusable(which):
+    """The call was counted before the launch (the epoch's host shadow advanced): after a
+    failed launch every later call raises, and ``poisoned`` tells it without a device sync."""
+    mod, rec, qg, kg, lr = _setup()
+    ws, args = {
+        "q": (qg, (mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16"),)),
+        "kv": (kg, (mod.array((mod.T, mod.D_Q), "bfloat16"),)),
+        "lse": (lr, (mod.array((mod.T, mod.H, mod.D_V), "bfloat16"),
+                     mod.array((mod.T, mod.H), "float32"))),
+    }[which]
+    ws(*args)
+    good = ws._launchers
+    ws._launchers = mod._EveryKernel(_Failing())
+    with pytest.raises(CudaError, match="CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"):
+        ws(*args)
+    assert ws.poisoned
+    ws._launchers = good
+    n = rec.count
+    for _ in range(2):
+        with pytest.raises(DcpkitError, match="unusable: a kernel launch failed"):
+            ws(*args)
+    with pytest.raises(DcpkitError, match="unusable"):
+        ws.check()
+    assert rec.count == n
+
+
+def test_host_work_does_not_grow_with_calls_or_ubatches():
+    """One plan per distinct call, whatever the number of calls; a ubatch is its own key."""
+    mod = _mod()
+    stream = mod._cpu_stream()
+    rec = mod.Recorder()
+    from dcpkit.ops.q_gather import QGather
+
+    qg = QGather.__new__(QGather)
+    qg._check_arguments(mod.W, max_tokens=mod.T_MAX, heads_per_rank=mod.H_R, head_dim=mod.D_Q,
+                        dtype="bfloat16", num_ubatches=4, timeout_ms=5000.0)
+    mod.stub_workspace(qg, stream, rec)
+    q = mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16")
+    for _ in range(50):
+        for u in range(4):
+            qg(q, ubatch=u)
+    assert len(qg._plans) == 4 and qg._plans.misses == 4 and qg._calls == [50] * 4
+    _, p = _params(rec)
+    assert p[:17] == _proto(qg, 3)
+    assert len(qg.__dict__.get("_view_cache", {})) <= 4 * 3
+
+
+def test_dcpcomm_routes_are_memoised_and_never_hide_an_error():
+    """DCPComm's own checks run once per call key (then the op's plan cache serves the call);
+    a bad call after warm-up still raises DCPComm's error, launches nothing."""
+    import warnings
+
+    mod = _mod()
+    stream = mod._cpu_stream()
+    rec = mod.Recorder()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        dcp = mod.build_dcpcomm(mod.build_ops(stream, rec, return_lse=True), stream)
+    q = mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16")
+    xo = mod.array((mod.T, mod.H, mod.D_V), "bfloat16")
+    lse = mod.array((mod.T, mod.H), "float32")
+    o = mod.array((mod.T, mod.H_R, mod.D_V), "bfloat16")
+    for _ in range(5):
+        dcp.q_gather(q)
+        dcp.lse_reduce(xo, lse, out=o)
+    routes = dcp._routes()
+    assert routes.misses == 2 and routes.hits == 8 and rec.count == 10
+    assert dcp.direct_ops["q_gather"]._plans.hits == 4
+    assert dcp.counters["q_gather"][dcp.last_path] == 5
+    n = rec.count
+    with pytest.raises(InvalidArgument, match="DCPComm.q_gather: q"):
+        dcp.q_gather(q.reshape(mod.T, mod.H_R * mod.D_Q))      # same pointer, 2-D
+    with pytest.raises(InvalidArgument, match="no path can serve|max_tokens"):
+        dcp.q_gather(mod.array((mod.T_MAX + 1, mod.H_R, mod.D_Q), "bfloat16"))
+    with pytest.raises(InvalidType, match="stream must be"):
+        dcp.q_gather(q, stream="s")
+    with pytest.raises(InvalidArgument, match="lse_partial dtype must be one of"):
+        dcp.lse_reduce(xo, mod.array((mod.T, mod.H), "int32"), out=o)
+    assert rec.count == n
+
+
+def test_plans_hold_no_reference_to_the_callers_arrays():
+    """A cached plan keeps addresses only: a freed array's memory is never kept alive by it,
+    and a call returns the out= it was given (not an earlier call's object)."""
+    import sys
+
+    mod, rec, qg, kg, lr = _setup()
+    q = mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16")
+    qo = mod.array((mod.T, mod.H, mod.D_Q), "bfloat16")
+    kv = mod.array((mod.T, mod.D_Q), "bfloat16")
+    xo = mod.array((mod.T, mod.H, mod.D_V), "bfloat16")
+    lse = mod.array((mod.T, mod.H), "float32")
+    o = mod.array((mod.T, mod.H_R, mod.D_V), "bfloat16")
+    empty = q[:0]                       # T == 0: nothing launched, the plan still cached
+    arrays = (q, qo, kv, xo, lse, o, empty)
+    counts = [sys.getrefcount(a) for a in arrays]
+    for _ in range(3):
+        qg(q)
+        qg(q, out=qo)
+        kg(kv)
+        lr(xo, lse)
+        lr(xo, lse, out=o)
+        qg(empty)
+    assert [sys.getrefcount(a) for a in arrays] == counts
+    twin = o[...]                       # another object, same description: a plan hit
+    assert twin is not o and lr(xo, lse, out=twin) is twin

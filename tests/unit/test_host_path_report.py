@@ -7,10 +7,12 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import numpy as np
 import pytest
 
 pytest.importorskip("cupy")
+from dcpkit.ops.kv_gather import KV_GATHER_PUSH_PARAM_TYPES  # noqa: E402
+from dcpkit.ops.lse_reduce import LSE_REDUCE_PARAM_TYPES  # noqa: E402
+from dcpkit.ops.q_gather import Q_GATHER_PARAM_TYPES  # noqa: E402
 _SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "host_path_cpu.py")
 
 
@@ -34,21 +36,19 @@ def test_every_row_is_reported_and_every_call_launched_with_its_arguments(capsys
         assert r["calls"] == 30 and r["launches"] == 30, (name, r["launches"])
         assert r["median_us"] > 0 and r["p90_us"] >= r["median_us"], name
         kind, grid, args, _stream = r["last_launch"]
-        if kind == "launcher":     # a KernelParams buffer
-            args = [args[i] for i in range(len(args))]
-        flat = [int(a) for a in args]
-        assert r["input_ptr"] in flat, f"{name}: the launch lacks the input pointer"
+        assert kind == "launcher", name          # every path: the op's packed-parameter launch
+        args = [args[i] for i in range(len(args))]
+        assert r["input_ptr"] in args, f"{name}: the launch lacks the input pointer"
         T = mod.T
         if "lse_reduce" in name:
-            assert kind == "function" and int(args[-4]) == T, name   # ..., T, H, H_r, D_v
-            assert int(args[-3]) == mod.H and int(args[-1]) == mod.D_V, name
-        elif "fast path" in name:
-            assert kind == "launcher", name
-            assert int(args[19]) == T, name          # tokens
+            assert len(args) == len(LSE_REDUCE_PARAM_TYPES), name
+            assert args[-4:] == [T, mod.H, mod.H_R, mod.D_V], name   # T, H, H_r, D_v
+        elif "kv_gather" in name:
+            assert len(args) == len(KV_GATHER_PUSH_PARAM_TYPES), name
+            assert args[-2] == T and args[-3] == T * mod.D_Q * 2 // 16, name  # tokens, vectors
         else:
-            assert kind == "gather", name
-            assert any(isinstance(a, np.uint32) and int(a) in (T, T * mod.D_Q * 2 // 16)
-                       for a in args), name
+            assert len(args) == len(Q_GATHER_PARAM_TYPES), name
+            assert args[-3] == T and args[-5] == mod.H_R * mod.D_Q * 2 // 16, name
     text = mod.table(rows)
     for name in rows:
         assert name in text

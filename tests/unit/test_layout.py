@@ -19,13 +19,13 @@ LAYERS: List[Tuple[str, Set[str]]] = [
                "dcpkit.info", "dcpkit._report", "dcpkit._stats"}),
     ("manager", {"dcpkit.manager", "dcpkit.selection", "dcpkit.torch", "dcpkit._torch_registry",
                  "dcpkit.vllm"}),
-    ("ops", {"dcpkit.ops", "dcpkit.nccl", "dcpkit.fallback", "dcpkit._fastpath"}),
+    ("ops", {"dcpkit.ops", "dcpkit.nccl", "dcpkit.fallback"}),
     ("symmetric / multicast", {"dcpkit.symmetric", "dcpkit.multicast", "dcpkit._nvshmem",
                                "dcpkit._fdpass"}),
-    ("jit", {"dcpkit.jit", "dcpkit._strided", "dcpkit._launch"}),
+    ("jit", {"dcpkit.jit", "dcpkit._strided"}),
     ("comm", {"dcpkit.comm", "dcpkit._setup", "dcpkit._checks", "dcpkit._lifecycle",
-              "dcpkit._arrays", "dcpkit._cuda", "dcpkit.reference", "dcpkit.errors",
-              "dcpkit._plan"}),
+              "dcpkit._plan", "dcpkit._launch",
+              "dcpkit._arrays", "dcpkit._cuda", "dcpkit.reference", "dcpkit.errors"}),
 ]
 
 

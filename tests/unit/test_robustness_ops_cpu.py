@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -433,6 +434,10 @@ def _direct_state(ws, world_size=2, num_ubatches=2):
     ws._calls = [0] * num_ubatches
     ws._captured = [False] * num_ubatches
     ws._kernel = None
+    # what the setup gives a call plan to pack (made-up values; nothing is launched here)
+    ws._proto = [(0,) * 17] * num_ubatches
+    ws._peer_data = types.SimpleNamespace(data=types.SimpleNamespace(ptr=1 << 30))
+    ws.multicast, ws.max_ctas = False, 8
     return ws
 
 
@@ -455,6 +460,8 @@ def _lse():
     ws._init_geometry(2, max_tokens=8, num_heads=4, head_dim=64, dtype="float16",
                       lse_base=math.e, return_lse=False)
     _direct_state(ws)
+    ws._head_args = [(0,) * 21] * ws.num_ubatches
+    ws._tail_args, ws._grids = (4, 2, 64), [(1,)] * 9
     return ws, (FakeArray((4, 4, 64)), FakeArray((4, 4), np.float32))
 
 
