@@ -27,6 +27,7 @@
 // [W][T][H_r]); the NCCL fallback runs it after its all_to_all. Both kernels share combine_rows.
 
 #include "dcpkit_ptx.cuh"
+#include "lse_rows.cuh"
 
 namespace dcpkit {
 namespace lse_detail {
@@ -40,9 +41,6 @@ constexpr int kItemsPerWarp = 4;              // merge items (t, h) of one warp 
 constexpr int kSrcBatch = 2;                  // sources per merge step (loads in flight per
                                               // lane: kItemsPerWarp * kSrcBatch)
 constexpr int kUnitItems = kWarps * kItemsPerWarp;  // items of one claimed unit of the combine
-
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
 
 // NaN and +inf mean an empty or invalid shard: both become -inf.
 __device__ __forceinline__ float sanitize_lse(float l) { return (l < pos_inf()) ? l : neg_inf(); }
@@ -58,47 +56,7 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Whether token rows t[0..R) are empty on this rank: padding (t >= query_start_loc[S]) or a row
-// of a request whose local KV length is 0. Without query_start_loc nothing is masked; without
-// seq_lens only padding is. The request of t is the last r with query_start_loc[r] <= t (rows
-// before query_start_loc[0] belong to no request), as in reference._valid_rows: the search finds
-// the first index in [0, S] with query_start_loc[index] > t (query_start_loc[S] > t). It is
-// branchless with a trip count that depends on S only, so the loads of the R searches of a warp
-// are in flight together (ceil(log2(S + 1)) + 1 dependent rounds for all R rows, not per row).
-template <int R>
-__device__ __forceinline__ void rows_masked(const int (&t)[R], const int* seq_lens,
-                                            const int* qsl, int S, bool (&masked)[R]) {
-#pragma unroll
-  for (int r = 0; r < R; ++r) masked[r] = false;
-  if (qsl == nullptr) return;
-  const int end = __ldg(qsl + S);
-  int base[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) base[r] = 0;
-  if (seq_lens != nullptr) {
-    // upper bound of t in qsl[0 .. S] (S + 1 sorted entries)
-    for (int n = S + 1; n > 1;) {
-      const int half = n >> 1;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (__ldg(qsl + base[r] + half) <= t[r]) base[r] += half;
-      }
-      n -= half;
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (__ldg(qsl + base[r]) <= t[r]) base[r] += 1;
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    if (t[r] >= end) {
-      masked[r] = true;
-    } else if (seq_lens != nullptr) {
-      masked[r] = base[r] > 0 && __ldg(seq_lens + base[r] - 1) == 0;
-    }
-  }
-}
+// rows_masked(t, query_start_loc, seq_lens, S, masked) and the infinities: kernels/lse_rows.cuh.
 
 // The merge, shared by both kernels. Items (t, h) in [0, T*H_r) go in groups of kItemsPerWarp
 // consecutive items to the warps of CTAs [0, ncta) (this one is `cta`), grid-stride: warp g of
@@ -307,7 +265,7 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
                                   hg * lse_head_stride]) * lse_scale;
     }
     bool masked[kSendRows];
-    rows_masked<kSendRows>(t, seq_lens, query_start_loc, num_requests, masked);
+    rows_masked<kSendRows>(t, query_start_loc, seq_lens, num_requests, masked);
 #pragma unroll
     for (int q = 0; q < kSendRows; ++q) {
       if (i0 + q * nwarps >= rows) break;  // warp-uniform

@@ -109,20 +109,25 @@ def test_lse_pack_plan_is_owner_slices(W, T, H_r, D):
 
 # ----------------------------------------------------------------------------- lse math
 def row_masked(t, qsl, seq_lens):
-    """kernels/lse_rows.cuh row_masked, line by line (called with a query_start_loc)."""
+    """kernels/lse_rows.cuh rows_masked for one row, line by line (called with a
+    query_start_loc): the branchless upper-bound search."""
     S = len(qsl) - 1
-    if t >= qsl[S]:
+    end = qsl[S]
+    base = 0
+    if seq_lens is not None:
+        n = S + 1
+        while n > 1:
+            half = n >> 1
+            if qsl[base + half] <= t:
+                base += half
+            n -= half
+        if qsl[base] <= t:
+            base += 1
+    if t >= end:
         return True
     if seq_lens is None:
         return False
-    lo, hi = 0, S                     # first index in [0, S] with qsl[index] > t
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if qsl[mid] > t:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo > 0 and seq_lens[lo - 1] == 0
+    return base > 0 and seq_lens[base - 1] == 0
 
 
 def test_row_masked_matches_its_definition_on_every_small_case():
