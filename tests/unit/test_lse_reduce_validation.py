@@ -491,3 +491,18 @@ def test_lse_combine_is_public_in_dcpkit_ops():
 
     assert "lse_combine" in dcpkit.ops.__all__
     assert dcpkit.ops.lse_combine is lse_combine
+
+
+def test_host_constants_match_the_kernel():
+    """THREADS and ITEMS_PER_WARP size the grids; the kernel's lse_detail constants are what the
+    CTAs of a grid cover."""
+    import re
+    from pathlib import Path
+
+    from dcpkit import jit
+    from dcpkit.ops import lse_reduce as lr
+
+    src = (Path(jit.kernels_dir()) / "lse_reduce.cu").read_text()
+    consts = dict(re.findall(r"constexpr int (k\w+) = (\d+);", src))
+    assert int(consts["kThreads"]) == lr.THREADS
+    assert int(consts["kItemsPerWarp"]) == lr.ITEMS_PER_WARP
