@@ -227,7 +227,10 @@ def resolve_device(device, what: str):
     checks)."""
     torch = require_torch(what)
     try:
-        dev = torch.device(device)
+        if isinstance(device, int) and not isinstance(device, bool):
+            dev = torch.device("cuda", device)  # an int is a CUDA ordinal, as in vLLM
+        else:
+            dev = torch.device(device)
     except (TypeError, RuntimeError, ValueError):
         raise InvalidType(
             f"{what}: device must be a torch.device, a device string or an int "
@@ -238,10 +241,25 @@ def resolve_device(device, what: str):
     return dev
 
 
-def device_index(dev) -> int:
+def require_torch_cuda(torch, what: str) -> None:
+    """Raise :class:`DcpkitError` when torch cannot reach a CUDA GPU (a CPU build of torch, no
+    driver, no device), before any torch CUDA call fails with its own error."""
+    if torch.version.cuda is None:
+        raise DcpkitError(f"{what}: torch {torch.__version__} is a CPU build (no CUDA): install a "
+                          f"CUDA build of torch matching the cuda12 / cuda13 extra")
+    if not torch.cuda.is_available():
+        raise DcpkitError(f"{what}: torch sees no CUDA GPU (torch {torch.__version__}, CUDA "
+                          f"{torch.version.cuda}): dcpkit.vllm needs an NVIDIA GPU and its driver")
+
+
+def device_index(dev, what: str = "dcpkit.vllm") -> int:
+    """The CUDA ordinal of ``dev`` (the current device when it names none). Raises
+    :class:`DcpkitError` when torch cannot reach a CUDA GPU: call it after the argument checks."""
+    torch = require_torch(what)
+    require_torch_cuda(torch, what)
     if dev.index is not None:
         return int(dev.index)
-    return int(require_torch("dcpkit.vllm").cuda.current_device())
+    return int(torch.cuda.current_device())
 
 
 # ----------------------------------------------------------------------------- group

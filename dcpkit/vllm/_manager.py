@@ -189,7 +189,7 @@ class MLADCPManager(CollectivePaths):
                     f"{_WHAT}: comm_backend must be one of "
                     f"{list(COMM_BACKENDS)} (got {comm_backend!r})"
                 )
-            holder["device"] = torch.device("cuda", device_index(dev))
+            holder["device"] = torch.device("cuda", device_index(dev, _WHAT))
             return (
                 H_r,
                 Dq,

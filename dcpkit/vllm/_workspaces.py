@@ -126,7 +126,7 @@ class Workspace:
         def checked():
             dev = resolve_device(device, self._what)
             values = check(comm.world_size)
-            holder["device"] = self._torch.device("cuda", device_index(dev))
+            holder["device"] = self._torch.device("cuda", device_index(dev, self._what))
             return values
 
         values = agree(comm, self._what, checked)

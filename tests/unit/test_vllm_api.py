@@ -47,6 +47,16 @@ CUDA0 = torch.device("cuda", 0)
 BF16 = torch.bfloat16
 
 
+@pytest.fixture(autouse=True)
+def _torch_cuda_not_required(monkeypatch):
+    """These tests run the argument checks and the collective paths over CPU tensors, with
+    whatever torch build is installed: the check that torch reaches a CUDA GPU (which comes
+    after every argument check) is tested on its own in test_vllm_cpu_torch.py."""
+    import dcpkit.vllm._common as common
+
+    monkeypatch.setattr(common, "require_torch_cuda", lambda torch, what: None)
+
+
 def _have_gpu() -> bool:
     try:
         import cupy
