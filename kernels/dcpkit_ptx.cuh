@@ -81,9 +81,12 @@
 // visibly poisoned: in the call whose wait failed, and in every later kernel of the workspace
 // (eager or graph replay), the elected CTA fills the call's whole result with 0xFF bytes (NaN in
 // every float dtype, merged lse NaN). A CTA that finds the workspace poisoned at its start stores
-// nothing but still arrives, and the elected CTA of a poisoned workspace stores no signal: so the
-// elected CTA is always the last of the kernel to store, and no stale or partial data is left
-// in the result. The host raises CollectiveTimeout / ConfigMismatch at the next call,
+// nothing but still arrives (its arrival says so), and the elected CTA stores no signal when any
+// CTA of its kernel stored nothing: so the elected CTA is always the last of the kernel to
+// store, no signal ever announces partial data, and no stale or partial data is left in the
+// result. A call whose CTAs all stored their payload signals even if a waiter of the same call
+// poisoned the workspace meanwhile (a mismatch it saw): the peers then see the fingerprint and
+// report the mismatch themselves instead of timing out. The host raises CollectiveTimeout / ConfigMismatch at the next call,
 // synchronize() or check().
 //
 // Target architectures: everything but the multicast stores needs sm_70 (Volta) or newer:
@@ -466,13 +469,20 @@ __device__ __forceinline__ bool wait_all_sources(const Proto& p, int slot, u32 e
 // nothing: every CTA arrives, so that the elected one comes after all of them). Returns this
 // CTA's waiter index in [0, K) if it is one of the last K CTAs to arrive, else -1 (the CTA must
 // exit without waiting). K = min(gridDim.x, k_waiters), k_waiters >= 1; the elected CTA is
-// waiter K - 1. `published` (meaningful in the elected CTA only): false when the elected CTA
-// found the workspace poisoned and stored no signal.
+// waiter K - 1. `skipped`: this CTA stored nothing (it found the workspace poisoned when it
+// started). The elected CTA publishes only when no CTA of the kernel skipped: a CTA that starts
+// after a waiter of this very call recorded a mismatch stores nothing, and a signal then would
+// announce partial data; with every payload stored, the signal goes out even though the
+// workspace was poisoned meanwhile, so that the peers see the fingerprint and report the
+// mismatch too (instead of timing out). Arrivals add 1, plus kSkipArrival for a CTA that
+// skipped (grids stay below kSkipArrival CTAs). `published` (meaningful in the elected CTA
+// only): false when the elected CTA stored no signal.
 // Destinations whose signal address arrive_and_publish reads before the arrival.
 constexpr int kSigPrefetch = 8;
+constexpr u32 kSkipArrival = 1u << 16;
 template <Transport TR>
 __device__ __forceinline__ int arrive_and_publish(const Proto& p, u64 e, int slot, u32 fp,
-                                                  u32 k_waiters, bool& published) {
+                                                  u32 k_waiters, bool skipped, bool& published) {
   __shared__ int s_waiter;
   __shared__ int s_published;
   __syncthreads();  // every thread's payload stores are ordered before thread 0's release
@@ -494,14 +504,16 @@ __device__ __forceinline__ int arrive_and_publish(const Proto& p, u64 e, int slo
         sig_pre[j] = p.peer_sig[d_pre];
       }
     }
-    const u32 prev = atom_add_acq_rel_gpu(p.arrive, 1u);
+    const u32 prev_word = atom_add_acq_rel_gpu(p.arrive, skipped ? 1u + kSkipArrival : 1u);
+    const u32 prev = prev_word & (kSkipArrival - 1u);   // CTAs arrived before this one
+    const bool any_skipped = skipped || prev_word >= kSkipArrival;
     s_published = 0;
     if (prev == n - 1u) {
       // The work counter of the next call (parity e + 1): the call before this one, its last
       // user, retired before this kernel started.
       reinterpret_cast<volatile u32*>(p.work)[(e + 1ull) & 1ull] = 0u;
     }
-    if (prev == n - 1u && aborted(p)) {  // elected in a poisoned workspace: no signal
+    if (prev == n - 1u && any_skipped) {  // elected, some CTA stored nothing: no signal
       *reinterpret_cast<volatile u32*>(p.arrive) = 0u;
     } else if (prev == n - 1u) {  // elected: every CTA of this kernel has arrived
       s_published = 1;

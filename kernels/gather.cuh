@@ -248,7 +248,7 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
   if (!dead) gather_push<TR>(P, peer_data, mc_data, slot_off, src, g, out);
   const u32 k = out == nullptr ? 1u : P.waiters;
   bool published;
-  const int w = arrive_and_publish<TR>(P, e, sig_slot, fp, k, published);
+  const int w = arrive_and_publish<TR>(P, e, sig_slot, fp, k, dead, published);
   if (w < 0) {  // not a waiter: help with the copy-out if every source is there soon
     if (out == nullptr || dead || !try_all_sources(P, sig_slot, e32, fp)) return;
     gather_collect<false>(P, peer_data, slot_off, g, out, g.out_stride, sig_slot);
@@ -299,7 +299,8 @@ __device__ __forceinline__ void gather_pull_call(const Proto& P, const u64* peer
                       blockIdx.x, gridDim.x);
   }
   bool published;
-  const int w = arrive_and_publish<Transport::Unicast>(P, e, sig_slot, fp, P.waiters, published);
+  const int w = arrive_and_publish<Transport::Unicast>(P, e, sig_slot, fp, P.waiters, dead,
+                                                    published);
   if (w < 0) {  // not a waiter: help with the loads if every source is there soon
     if (dead || !try_all_sources(P, sig_slot, e32, fp)) return;
     gather_collect<true>(P, peer_data, slot_off, g, result, result_stride, sig_slot);

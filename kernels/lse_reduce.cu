@@ -298,7 +298,8 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
 
   // 2. Arrive, elect, publish (NOTE [dcpkit epoch signalling], steps 2 and 4).
   bool published;
-  const int w = arrive_and_publish<Transport::Unicast>(P, e, slot, fp, P.waiters, published);
+  const int w = arrive_and_publish<Transport::Unicast>(P, e, slot, fp, P.waiters, dead,
+                                                    published);
   if (w < 0) {  // not a waiter: help with the combine if every source is there soon
     if (dead || !try_all_sources(P, slot, e32, fp)) return;
   } else {

@@ -60,8 +60,7 @@ _IN, _OUT, _OUT_LSE = _P + 4, _P + 14, _P + 15   # fields patched per call
 #: Threads per CTA of both kernels (``lse_detail::kThreads`` in the kernel).
 THREADS = 256
 WARPS_PER_CTA = THREADS // 32
-#: Merge items (t, h) one warp keeps in flight (``lse_detail::kItemsPerWarp``).
-ITEMS_PER_WARP = 4
+ITEMS_PER_WARP = 4  #: merge items (t, h) one warp keeps in flight (lse_detail::kItemsPerWarp)
 #: Largest world_size the merge handles (``lse_detail::kMaxSources``).
 MAX_WORLD_SIZE = 64
 

@@ -20,6 +20,7 @@ import os
 import pytest
 
 from dcpkit import demo
+from dcpkit.demo.torch_side import torch_problem
 
 
 def all_ranks_ok(comm, ok, what):
@@ -146,7 +147,7 @@ def test_demo_torch(comm, seed, tmp_path, nccl_expected):
     """``--torch``: the same layer with torch tensors, checked against
     ``scaled_dot_product_attention``."""
     _skip_unless_heads_split(comm, (128,))
-    missing = demo._torch_problem()
+    missing = torch_problem()
     if all(p is not None for p in comm.allgather(missing)):
         pytest.skip(missing)
     rcs, report = _run(comm, tmp_path, seed, "--torch", "--batch", "2", "--context", "256",

@@ -27,6 +27,11 @@ def main():
         import torch.distributed as dist
 
         import dcpkit.vllm as dv
+        import dcpkit.vllm._common as vllm_common
+
+        # The collective paths run over CPU tensors here, with whatever torch build is
+        # installed: skip the check that torch reaches a CUDA GPU (tested on its own).
+        vllm_common.require_torch_cuda = lambda torch, what: None
         from dcpkit.reference import (
             kv_gather_reference,
             lse_reduce_reference,
