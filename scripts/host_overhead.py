@@ -121,6 +121,10 @@ def _gpu_name(cupy, dev: int) -> str:
 
 
 def _commit() -> str:
+    """DCPKIT_COMMIT (set by scripts/gpu_suite.sh, where the checkout may carry no git
+    history), else ``git rev-parse``."""
+    if os.environ.get("DCPKIT_COMMIT"):
+        return os.environ["DCPKIT_COMMIT"][:12]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
@@ -161,7 +165,7 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
     ]
     for backend in ("ctypes", "bindings"):
         try:
-            ln = Launcher(empty_args, 32, backend=backend)
+            ln = Launcher(empty_args.kernel, 32, backend=backend)  # the loaded Function
             ln.launch(1, params, sptr)
             rows.append((f"empty kernel, 19 params (Launcher {backend})", "info",
                          lambda ln=ln: ln.launch(1, params, sptr)))

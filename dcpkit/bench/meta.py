@@ -18,6 +18,10 @@ __all__ = ["git_commit", "driver_version", "pkg_version", "first_version", "comm
            "collect_meta"]
 
 def git_commit() -> Tuple[str, Optional[bool]]:
+    """``(commit, dirty)``: ``DCPKIT_COMMIT`` when set (scripts/gpu_suite.sh sets it: a copy of
+    the checkout on another machine may carry a stale git state), else ``git rev-parse``."""
+    if os.environ.get("DCPKIT_COMMIT"):
+        return os.environ["DCPKIT_COMMIT"], None
     root = Path(__file__).resolve().parents[2]
     try:
         r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
