@@ -14,7 +14,7 @@
 //   3. combine  the last K CTAs to arrive (K = min(grid, waiter_ctas)) wait for all sources
 //               (its own rank included: that signal says every CTA of this kernel finished its
 //               stores); the other CTAs help if every signal is there within kHelpNs, else exit.
-//               They claim units of kUnitItems items (t, h) from the call's work counter:
+//               They claim units of kWarps items (t, h) from the call's work counter:
 //               out = sum_s w_s * payload_s in fp32, rounded once; merged lse = m + log(sum).
 // See NOTE [dcpkit epoch signalling] in dcpkit_ptx.cuh for why slots can be reused without a
 // barrier, and for the co-residency rule that bounds the waiting CTAs.
@@ -35,12 +35,9 @@ namespace lse_detail {
 constexpr int kThreads = 256;                 // block size of both kernels (host: THREADS)
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxSources = 64;               // world_size limit of the merge (host checks)
-constexpr int kSendRows = 4;                  // rows of one warp in flight when sending
-constexpr int kSendBatch = 2;                 // 16-byte vectors per lane and row per send step
-constexpr int kItemsPerWarp = 4;              // merge items (t, h) of one warp in flight
-constexpr int kSrcBatch = 2;                  // sources per merge step (loads in flight per
-                                              // lane: kItemsPerWarp * kSrcBatch)
-constexpr int kUnitItems = kWarps * kItemsPerWarp;  // items of one claimed unit of the combine
+constexpr int kSendBatch = 4;                 // 16-byte vectors per lane in flight when sending
+constexpr int kVecPerLane = 2;                // 16-byte vectors per lane per merge step
+constexpr int kSrcBatch = 4;                  // sources per merge step (loads in flight: 8)
 
 // NaN and +inf mean an empty or invalid shard: both become -inf.
 __device__ __forceinline__ float sanitize_lse(float l) { return (l < pos_inf()) ? l : neg_inf(); }
@@ -56,122 +53,124 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// rows_masked(t, query_start_loc, seq_lens, S, masked) and the infinities: kernels/lse_rows.cuh.
+// row_masked(t, query_start_loc, seq_lens, S) and the infinities: kernels/lse_rows.cuh.
 
-// The merge, shared by both kernels. Items (t, h) in [0, T*H_r) go in groups of kItemsPerWarp
-// consecutive items to the warps of CTAs [0, ncta) (this one is `cta`), grid-stride: warp g of
-// them takes the groups g, g + ncta * kWarps, ...
+// The merge, shared by both kernels. The warps of CTAs [0, ncta) (this one is `cta`) stride over
+// items (t, h) in [0, T*H_r).
 //   payload : source 0, item 0 of [W][T_cap][H_r][D_v] OUT_T (src_stride_bytes between sources)
 //   lse     : source 0, item 0 of [W][T_cap][H_r] float (src_lse_stride elements between sources)
 //   out     : [T][H_r][D_v] contiguous, 16-byte aligned rows; out_lse: [T][H_r] or null.
 // Source lse values are sanitised again here (the local kernel gets them straight from NCCL).
 // A source with weight 0 is never read: its payload may hold anything, NaN included.
-// Latency: a group costs one round of lse loads (every source of every item of the group at
-// once), the warp reductions of its items interleaved, then ceil(D_v * size / 512) x
-// ceil(W / kSrcBatch) rounds of payload loads, each with the loads of every item of the group in
-// flight (a source's weight comes from a shuffle, so nothing waits on shared memory). Per item the
-// arithmetic is the one of the naive merge, in the same order (max, exp, sum, weights, fma over
-// the sources in source order, one rounding).
 template <typename OUT_T>
 __device__ __forceinline__ void combine_rows(const char* payload, u64 src_stride_bytes,
                                              const float* lse, u64 src_lse_stride, int W, int T,
                                              int H_r, int D_v, OUT_T* out, float* out_lse,
                                              int cta, int ncta) {
   constexpr int E = vec_elems<OUT_T>::value;
-  constexpr int R = kItemsPerWarp;
-  static_assert(kMaxSources <= 64, "a lane holds the lse of two sources at most");
+  __shared__ float s_p[kWarps][kMaxSources];    // lse, then exp(l - m), per source
+  __shared__ float s_w[kWarps][kMaxSources];    // weights of the sources that are read
+  __shared__ int s_src[kWarps][kMaxSources];    // ... and their source index
   const int lane = static_cast<int>(threadIdx.x & 31u);
   const int wib = static_cast<int>(threadIdx.x >> 5);
   const int nwarps = ncta * kWarps;
   const int items = T * H_r;
   const u64 row_bytes = static_cast<u64>(D_v) * sizeof(OUT_T);
   const int nvec = static_cast<int>(row_bytes / 16);
+  float* p = s_p[wib];
+  float* wv = s_w[wib];
+  int* src = s_src[wib];
 
-  // Warp-uniform loop: every lane runs every iteration (the shuffles need the whole warp).
-  for (int g0 = (cta * kWarps + wib) * R; g0 < items; g0 += nwarps * R) {
-    // 1. The lse of every source of the R items (lane holds sources lane and lane + 32; W <= 64).
-    float l0[R], l1[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int item = g0 + r;
-      l0[r] = neg_inf();
-      l1[r] = neg_inf();
-      if (item < items) {
-        if (lane < W) {
-          l0[r] = sanitize_lse(ld_cg_f32(lse + static_cast<u64>(lane) * src_lse_stride + item));
-        }
-        if (lane + 32 < W) {
-          l1[r] = sanitize_lse(
-              ld_cg_f32(lse + static_cast<u64>(lane + 32) * src_lse_stride + item));
-        }
+  for (int item = cta * kWarps + wib; item < items; item += nwarps) {
+    char* orow = reinterpret_cast<char*>(out) + static_cast<u64>(item) * row_bytes;
+    // Max over sources (lane s holds sources s, s + 32, ...).
+    float m = neg_inf();
+    for (int b = 0; b < W; b += 32) {
+      const int s = b + lane;
+      if (s < W) {
+        const float l = sanitize_lse(ld_cg_f32(lse + static_cast<u64>(s) * src_lse_stride + item));
+        p[s] = l;
+        m = fmaxf(m, l);
       }
     }
-    // 2. Max, exp, sum, weights (w0 / w1: weights of sources lane / lane + 32; all 0 for an
-    // item whose every source is empty, or past the end).
-    float w0[R], w1[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float m = warp_max(fmaxf(l0[r], l1[r]));
-      const bool empty = m == neg_inf();
-      const float x0 = empty ? 0.f : expf(l0[r] - m);  // exp(-inf) = 0 for empty sources
-      const float x1 = empty ? 0.f : expf(l1[r] - m);
-      const float sum = warp_sum(x0 + x1);  // >= 1 unless empty: the max term is exp(0)
-      w0[r] = empty ? 0.f : x0 / sum;
-      w1[r] = empty ? 0.f : x1 / sum;
-      if (out_lse != nullptr && lane == 0 && g0 + r < items) {
-        out_lse[g0 + r] = empty ? neg_inf() : m + logf(sum);
+    m = warp_max(m);
+    if (m == neg_inf()) {  // every source empty: output 0, merged lse -inf, nothing read
+      uint4 z;
+      z.x = z.y = z.z = z.w = 0u;
+      for (int v = lane; v < nvec; v += 32) st16(orow + static_cast<u64>(v) * 16, z);
+      if (out_lse != nullptr && lane == 0) out_lse[item] = neg_inf();
+      __syncwarp();
+      continue;
+    }
+    float sum = 0.f;
+    for (int b = 0; b < W; b += 32) {
+      const int s = b + lane;
+      if (s < W) {
+        const float x = expf(p[s] - m);  // exp(-inf) = 0 for empty sources
+        p[s] = x;
+        sum += x;
       }
     }
-    // 3. Payload: out = sum over sources of w_s * payload_s in fp32, rounded once (an empty item
-    // reads nothing and stores zeros).
-    const char* prow = payload + static_cast<u64>(g0) * row_bytes;
-    char* orow = reinterpret_cast<char*>(out) + static_cast<u64>(g0) * row_bytes;
-    for (int v0 = 0; v0 < nvec; v0 += 32) {
-      const int v = v0 + lane;
-      float acc[R][E];
+    sum = warp_sum(sum);  // >= 1: the max term is exp(0)
+    // Weights; compact the sources with w > 0 (in source order) into wv / src.
+    int n = 0;
+    for (int b = 0; b < W; b += 32) {
+      const int s = b + lane;
+      const float w = (s < W) ? p[s] / sum : 0.f;
+      const bool keep = w > 0.f;
+      const u32 bal = __ballot_sync(0xffffffffu, keep);
+      if (keep) {
+        const int pos = n + __popc(bal & ((1u << lane) - 1u));
+        wv[pos] = w;
+        src[pos] = s;
+      }
+      n += __popc(bal);
+    }
+    __syncwarp();
+    if (out_lse != nullptr && lane == 0) out_lse[item] = m + logf(sum);
+
+    const char* prow = payload + static_cast<u64>(item) * row_bytes;
+    for (int v0 = lane; v0 < nvec; v0 += 32 * kVecPerLane) {
+      float acc[kVecPerLane][E];
 #pragma unroll
-      for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kVecPerLane; ++c)
 #pragma unroll
-        for (int q = 0; q < E; ++q) acc[r][q] = 0.f;
-      for (int k0 = 0; k0 < W; k0 += kSrcBatch) {
-        uint4 x[R][kSrcBatch];
-        float wk[R][kSrcBatch];
-        // Issue every load of the batch (every item, every source) before using any of them.
+        for (int k = 0; k < E; ++k) acc[c][k] = 0.f;
+      for (int k0 = 0; k0 < n; k0 += kSrcBatch) {
+        uint4 r[kSrcBatch][kVecPerLane];
+        // Issue every load of the batch before using any of them.
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
+        for (int k = 0; k < kSrcBatch; ++k) {
+          const bool ks = k0 + k < n;
+          const char* sp = prow + (ks ? static_cast<u64>(src[k0 + k]) * src_stride_bytes : 0ull);
 #pragma unroll
-          for (int k = 0; k < kSrcBatch; ++k) {
-            const int s = k0 + k;  // warp-uniform
-            const float ws = __shfl_sync(0xffffffffu, s < 32 ? w0[r] : w1[r], s & 31);
-            wk[r][k] = s < W ? ws : 0.f;
-            x[r][k].x = x[r][k].y = x[r][k].z = x[r][k].w = 0u;
-            if (wk[r][k] > 0.f && v < nvec) {
-              x[r][k] = ld16(prow + static_cast<u64>(s) * src_stride_bytes +
-                             static_cast<u64>(r) * row_bytes + static_cast<u64>(v) * 16);
-            }
+          for (int c = 0; c < kVecPerLane; ++c) {
+            const int v = v0 + c * 32;
+            r[k][c].x = r[k][c].y = r[k][c].z = r[k][c].w = 0u;
+            if (ks && v < nvec) r[k][c] = ld16(sp + static_cast<u64>(v) * 16);
           }
         }
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
+        for (int k = 0; k < kSrcBatch; ++k) {
+          if (k0 + k < n) {
+            const float w = wv[k0 + k];
 #pragma unroll
-          for (int k = 0; k < kSrcBatch; ++k) {
-            if (wk[r][k] > 0.f) {
+            for (int c = 0; c < kVecPerLane; ++c) {
               float f[E];
-              unpack16<OUT_T>(x[r][k], f);
+              unpack16<OUT_T>(r[k][c], f);
 #pragma unroll
-              for (int q = 0; q < E; ++q) acc[r][q] = fmaf(wk[r][k], f[q], acc[r][q]);
+              for (int q = 0; q < E; ++q) acc[c][q] = fmaf(w, f[q], acc[c][q]);
             }
           }
         }
       }
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (g0 + r < items && v < nvec) {
-          st16(orow + static_cast<u64>(r) * row_bytes + static_cast<u64>(v) * 16,
-               pack16<OUT_T>(acc[r]));  // one rounding
-        }
+      for (int c = 0; c < kVecPerLane; ++c) {
+        const int v = v0 + c * 32;
+        if (v < nvec) st16(orow + static_cast<u64>(v) * 16, pack16<OUT_T>(acc[c]));  // one rounding
       }
     }
+    __syncwarp();  // wv / src are rewritten by the next item
   }
 }
 
@@ -231,69 +230,47 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
                                   query_start_loc != nullptr, seq_lens != nullptr);
 
   // 1. Send. Row i -> destination d (ranks start on different destinations), token t, head h.
-  // A warp takes kSendRows of its rows (i, i + nwarps, ...) at once: their first payload
-  // loads, destination pointers, lse values and masks are all issued before the first store.
   const int rows = dead ? 0 : W * T * H_r;
-  for (int i0 = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x >> 5);
-       i0 < rows; i0 += nwarps * kSendRows) {
-    const char* in_row[kSendRows];
-    char* base[kSendRows];
-    int t[kSendRows];
-    u64 srow[kSendRows];
-    float l[kSendRows];
-    uint4 r[kSendRows][kSendBatch];
+  for (int i = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x >> 5);
+       i < rows; i += nwarps) {
+    const int d = (rank + 1 + i % W) % W;
+    const int j = i / W;
+    const int t = j / H_r;
+    const int h = j - t * H_r;
+    const long long hg = static_cast<long long>(d) * H_r + h;
+    const char* in_row = reinterpret_cast<const char*>(
+        out_partial + static_cast<long long>(t) * in_tok_stride + hg * in_head_stride);
+    // The first loads are issued before the lse is known (the row is valid memory either way).
+    uint4 r[kSendBatch];
 #pragma unroll
-    for (int q = 0; q < kSendRows; ++q) {
-      const int i = i0 + q * nwarps;
-      const int ii = i < rows ? i : i0;  // past the end: a copy of row i0, never stored
-      const int d = (rank + 1 + ii % W) % W;
-      const int j = ii / W;
-      t[q] = j / H_r;
-      const int h = j - t[q] * H_r;
-      const long long hg = static_cast<long long>(d) * H_r + h;
-      in_row[q] = reinterpret_cast<const char*>(
-          out_partial + static_cast<long long>(t[q]) * in_tok_stride + hg * in_head_stride);
-      // The first loads are issued before the lse is known (the row is valid memory either way).
-#pragma unroll
-      for (int u = 0; u < kSendBatch; ++u) {
-        const int v = lane + u * 32;
-        if (v < nvec) r[q][u] = ld16_nc(in_row[q] + static_cast<u64>(v) * 16);
-      }
-      base[q] = reinterpret_cast<char*>(__ldg(peer_data + d)) + slot_off;
-      srow[q] = (static_cast<u64>(rank) * T_max + t[q]) * H_r + h;
-      l[q] = to_float(lse_partial[static_cast<long long>(t[q]) * lse_tok_stride +
-                                  hg * lse_head_stride]) * lse_scale;
+    for (int u = 0; u < kSendBatch; ++u) {
+      const int v = lane + u * 32;
+      if (v < nvec) r[u] = ld16_nc(in_row + static_cast<u64>(v) * 16);
     }
-    bool masked[kSendRows];
-    rows_masked<kSendRows>(t, query_start_loc, seq_lens, num_requests, masked);
-#pragma unroll
-    for (int q = 0; q < kSendRows; ++q) {
-      if (i0 + q * nwarps >= rows) break;  // warp-uniform
-      const float lq = masked[q] ? neg_inf() : sanitize_lse(l[q]);
-      if (lq != neg_inf()) {
-        char* dst = base[q] + srow[q] * row_bytes;
+    float l = to_float(lse_partial[static_cast<long long>(t) * lse_tok_stride +
+                                   hg * lse_head_stride]) * lse_scale;
+    l = sanitize_lse(l);
+    if (row_masked(t, query_start_loc, seq_lens, num_requests)) l = neg_inf();
+    char* base = reinterpret_cast<char*>(peer_data[d]) + slot_off;
+    const u64 srow = (static_cast<u64>(rank) * T_max + t) * H_r + h;
+    if (l != neg_inf()) {
+      char* dst = base + srow * row_bytes;
+      for (int v0 = lane;;) {
 #pragma unroll
         for (int u = 0; u < kSendBatch; ++u) {
-          const int v = lane + u * 32;
-          if (v < nvec) st16(dst + static_cast<u64>(v) * 16, r[q][u]);
+          const int v = v0 + u * 32;
+          if (v < nvec) st16(dst + static_cast<u64>(v) * 16, r[u]);
         }
-        // Rows longer than kSendBatch vectors per lane: the rest, kSendBatch vectors at a time.
-        for (int v0 = lane + 32 * kSendBatch; v0 < nvec; v0 += 32 * kSendBatch) {
-          uint4 x[kSendBatch];
+        v0 += 32 * kSendBatch;
+        if (v0 >= nvec) break;
 #pragma unroll
-          for (int u = 0; u < kSendBatch; ++u) {
-            const int v = v0 + u * 32;
-            if (v < nvec) x[u] = ld16_nc(in_row[q] + static_cast<u64>(v) * 16);
-          }
-#pragma unroll
-          for (int u = 0; u < kSendBatch; ++u) {
-            const int v = v0 + u * 32;
-            if (v < nvec) st16(dst + static_cast<u64>(v) * 16, x[u]);
-          }
+        for (int u = 0; u < kSendBatch; ++u) {
+          const int v = v0 + u * 32;
+          if (v < nvec) r[u] = ld16_nc(in_row + static_cast<u64>(v) * 16);
         }
       }
-      if (lane == 0) reinterpret_cast<float*>(base[q] + lse_offset)[srow[q]] = lq;
     }
+    if (lane == 0) reinterpret_cast<float*>(base + lse_offset)[srow] = l;
   }
 
   // 2. Arrive, elect, publish (NOTE [dcpkit epoch signalling], steps 2 and 4).
@@ -312,15 +289,14 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
       return;
     }
   }
-  // The combine, in units of kUnitItems items claimed from the call's work counter.
+  // The combine, in units of kWarps items claimed from the call's work counter.
   const char* own = reinterpret_cast<const char*>(peer_data[rank]) + slot_off;
-  const int units = (T * H_r + kUnitItems - 1) / kUnitItems;
-  for (int c = static_cast<int>(claim_work(P, slot)); c < units;) {
-    const u32 next = claim_issue(P, slot);  // in flight while unit c is combined
+  const int units = (T * H_r + kWarps - 1) / kWarps;
+  for (int c = static_cast<int>(claim_work(P, slot)); c < units;
+       c = static_cast<int>(claim_work(P, slot))) {
     combine_rows<OUT_T>(own, static_cast<u64>(T_max) * H_r * row_bytes,
                         reinterpret_cast<const float*>(own + lse_offset),
                         static_cast<u64>(T_max) * H_r, W, T, H_r, D_v, out, out_lse, c, units);
-    c = static_cast<int>(claim_publish(next));
   }
 }
 

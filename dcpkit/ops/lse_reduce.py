@@ -60,7 +60,6 @@ _IN, _OUT, _OUT_LSE = _P + 4, _P + 14, _P + 15   # fields patched per call
 #: Threads per CTA of both kernels (``lse_detail::kThreads`` in the kernel).
 THREADS = 256
 WARPS_PER_CTA = THREADS // 32
-ITEMS_PER_WARP = 4  #: merge items (t, h) one warp keeps in flight (lse_detail::kItemsPerWarp)
 #: Largest world_size the merge handles (``lse_detail::kMaxSources``).
 MAX_WORLD_SIZE = 64
 
@@ -834,7 +833,7 @@ def lse_combine(src_out, src_lse, out, out_lse=None, stream=None):
         _cuda.require_device("lse_combine", dev)
         with cupy.cuda.Device(dev):
             fn = _COMBINE_FNS[key] = jit.get_kernel(_FILE, _combine_variant(key[1])).kernel
-    grid = (launch_config(plan.T * plan.H_r, WARPS_PER_CTA * ITEMS_PER_WARP, 1 << 16),)
+    grid = (launch_config(plan.T * plan.H_r, WARPS_PER_CTA, 1 << 16),)
     args = (plan.src_out.ptr, plan.src_lse.ptr, plan.out.ptr,   # pointers: 8-byte ints
             0 if plan.out_lse is None else plan.out_lse.ptr, np.int32(plan.W),
             np.int32(plan.T), np.int32(plan.H_r), np.int32(plan.D))

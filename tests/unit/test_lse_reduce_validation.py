@@ -494,8 +494,8 @@ def test_lse_combine_is_public_in_dcpkit_ops():
 
 
 def test_host_constants_match_the_kernel():
-    """THREADS and ITEMS_PER_WARP size the grids; the kernel's lse_detail constants are what the
-    CTAs of a grid cover."""
+    """THREADS sizes the grids (one merge item per warp); the kernel's lse_detail constants are
+    what the CTAs of a grid cover."""
     import re
     from pathlib import Path
 
@@ -505,4 +505,4 @@ def test_host_constants_match_the_kernel():
     src = (Path(jit.kernels_dir()) / "lse_reduce.cu").read_text()
     consts = dict(re.findall(r"constexpr int (k\w+) = (\d+);", src))
     assert int(consts["kThreads"]) == lr.THREADS
-    assert int(consts["kItemsPerWarp"]) == lr.ITEMS_PER_WARP
+    assert "constexpr int kWarps = kThreads / 32;" in src and lr.WARPS_PER_CTA == lr.THREADS // 32
