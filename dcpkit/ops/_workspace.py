@@ -50,8 +50,6 @@ without synchronising. A replay-only loop detects it like this::
 
 from __future__ import annotations
 
-import numbers
-import os
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -62,8 +60,11 @@ from .._launch import Launcher
 from .._plan import PlanCache
 from ..comm import Communicator
 from ..errors import (ClosedError, CollectiveTimeout, ConfigMismatch, DcpkitError,
-                      InvalidArgument, InvalidType, PeerError)
+                      InvalidArgument, InvalidType)
 from . import _protocol
+from .._checks import (MAX_TIMEOUT_MS, check_bool, check_positive_int, check_timeout_ms,
+                       default_timeout_ms)
+from .._setup import debug_enabled, guarded, share_outcome
 from ..symmetric import MAX_NBYTES
 
 __all__ = ["OpWorkspace", "PROTO_PARAM_TYPES", "OP_IDS", "OP_NAMES", "default_timeout_ms",
@@ -80,8 +81,6 @@ TIMEOUT_RECORD_FIELDS = _protocol.RECORD_FIELDS[:8]
 MAX_LIVE_KERNELS = 8
 #: Graph output buffers of a workspace when the constructor is given none.
 DEFAULT_GRAPH_OUTPUTS = 4
-#: Largest wait deadline accepted, in milliseconds (one hour).
-MAX_TIMEOUT_MS = 3_600_000
 
 _ALIGN = 256
 
@@ -97,53 +96,12 @@ def _round_up(x: int, a: int = _ALIGN) -> int:
     return (x + a - 1) // a * a
 
 
-def default_timeout_ms(op: str = "dcpkit") -> float:
-    """The wait deadline used when an op is built without ``timeout_ms``: ``DCPKIT_TIMEOUT_MS``
-    or 5000 ms.
-
-    Raises
-    ------
-    InvalidArgument
-        ``DCPKIT_TIMEOUT_MS`` is set but is not a number of milliseconds in (0, 3600000].
-    """
-    v = os.environ.get("DCPKIT_TIMEOUT_MS", "")
-    if not v:
-        return 5000.0
-    try:
-        t = float(v)
-    except ValueError:
-        t = float("nan")
-    if not 0 < t <= MAX_TIMEOUT_MS:  # NaN fails too
-        raise InvalidArgument(f"{op}: DCPKIT_TIMEOUT_MS must be a number of milliseconds in "
-                              f"(0, {MAX_TIMEOUT_MS}] (got {v!r})")
-    return t
 
 
-def check_timeout_ms(value, op: str) -> float:
-    """Validate a ``timeout_ms`` argument (None: :func:`default_timeout_ms`); returns it as a
-    float. Any real number type is accepted (``int``, ``float``, ``numpy.float32``, ...)."""
-    if value is None:
-        return default_timeout_ms(op)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise InvalidType(f"{op}: timeout_ms must be a real number of milliseconds (got "
-                          f"{type(value).__name__} {value!r})")
-    t = float(value)
-    if not 0 < t <= MAX_TIMEOUT_MS:  # NaN fails too
-        raise InvalidArgument(f"{op}: timeout_ms must lie in (0, {MAX_TIMEOUT_MS}] milliseconds "
-                              f"(got {value!r})")
-    return t
 
 
-def debug_enabled() -> bool:
-    """True when ``DCPKIT_DEBUG`` is set to anything but ``""`` or ``"0"``."""
-    return os.environ.get("DCPKIT_DEBUG", "") not in ("", "0")
 
 
-def check_bool(value, op: str, name: str) -> bool:
-    """``value`` as a bool (Python or NumPy bool only); :class:`InvalidType` otherwise."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise InvalidType(f"{op}: {name} must be a bool (got {value!r})")
-    return bool(value)
 
 
 def check_not_capturing(stream, op: str, what: str) -> None:
@@ -170,42 +128,10 @@ def _current_stream(cupy, device: int):
         return None
 
 
-def check_positive_int(value, op: str, name: str, *, minimum: int = 1) -> int:
-    """Validate an integer constructor argument (bools are rejected)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidType(f"{op}: {name} must be an int (got {type(value).__name__} {value!r})")
-    if value < minimum:
-        raise InvalidArgument(f"{op}: {name} must be >= {minimum} (got {value})")
-    return int(value)
 
 
-def guarded(op: str, init: Callable[[], Any]) -> Callable[[], Any]:
-    """``init`` for :meth:`Communicator.agree_setup`, which shares only dcpkit errors
-    (:class:`~dcpkit.errors.DcpkitError`): any other exception of a check (a ``TypeError``
-    from an odd argument value) becomes :class:`InvalidArgument`, so that it is shared too and
-    no rank is left waiting."""
-    def checked():
-        try:
-            return init()
-        except DcpkitError:
-            raise
-        except Exception as e:  # noqa: BLE001 - turned into a shared error
-            raise InvalidArgument(f"{op}: checking the constructor arguments failed "
-                                  f"({type(e).__name__}: {e})") from e
-    return checked
 
 
-def share_outcome(comm: Communicator, what: str, err: Optional[BaseException], *extra):
-    """One collective step: every rank shares whether its step failed (plus ``extra``, a value
-    every rank wants from every other). If any rank failed, every rank raises: the failing rank
-    its own error, the others :class:`PeerError` naming it. Returns every rank's ``extra``."""
-    every = comm.allgather((None if err is None else f"{type(err).__name__}: {err}",) + extra)
-    if err is not None:
-        raise err
-    failed = {r: v[0] for r, v in enumerate(every) if v[0] is not None}
-    if failed:
-        raise PeerError(what, failed)
-    return [v[1:] for v in every]
 
 
 def check_heap(heap, comm: Communicator, op: str, nbytes: int) -> None:
