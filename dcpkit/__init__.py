@@ -13,9 +13,9 @@ __version__ = "0.1.0"
 
 # The error classes come from their one module (a few class definitions, no dependency); every
 # other public name is imported on first use.
-from .errors import __all__ as _ERRORS  # noqa: E402
+from .errors import __all__ as _ERRORS
 
-__all__ = [
+__all__ = [  # noqa: PLE0604 - _ERRORS holds the names of dcpkit.errors.__all__
     "__version__",
     "Communicator",
     "SymmetricHeap",
@@ -35,7 +35,7 @@ _LAZY = {
     "QGather": "dcpkit.ops",
     "KVGather": "dcpkit.ops",
     "DCPComm": "dcpkit.manager",
-    **{name: "dcpkit.errors" for name in _ERRORS},
+    **dict.fromkeys(_ERRORS, "dcpkit.errors"),
 }
 
 
@@ -43,7 +43,7 @@ def __getattr__(name):
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'dcpkit' has no attribute {name!r}")
-    import importlib  # noqa: WPS433 - local, so that dir(dcpkit) does not list it
+    import importlib
 
     return getattr(importlib.import_module(mod), name)
 

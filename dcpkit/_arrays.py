@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import operator
-from typing import Iterable, NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -27,8 +28,8 @@ __all__ = [
 class ArrayInfo(NamedTuple):
     """What the checks and kernels need to know of an array."""
 
-    shape: Tuple[int, ...]
-    strides: Tuple[int, ...]   # in bytes
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]   # in bytes
     dtype: np.dtype
     ptr: int                   # device address of element [0, ..., 0]
     device: int                # CUDA device ordinal
@@ -89,7 +90,7 @@ def array_info(x, op: str, name: str) -> ArrayInfo:
 _CUPY_CLASSES: set = set()
 
 
-def array_key(x) -> Optional[tuple]:
+def array_key(x) -> tuple | None:
     """A hashable key that determines :func:`array_info` of ``x`` (everything but ``obj``), or
     None where that cannot be read cheaply and exactly.
 
@@ -130,7 +131,7 @@ def _freeze(v):
     return (t, v)
 
 
-def _int_tuple(v) -> Optional[Tuple[int, ...]]:
+def _int_tuple(v) -> tuple[int, ...] | None:
     """``v`` as a tuple of ints (Python or NumPy ints, never bools), or None if it is not one."""
     if not isinstance(v, (tuple, list)):
         return None
@@ -145,7 +146,7 @@ def _int_tuple(v) -> Optional[Tuple[int, ...]]:
     return tuple(out)
 
 
-def _parse_cai(cai, op: str, name: str) -> Tuple[Tuple[int, ...], Tuple[int, ...], np.dtype, int]:
+def _parse_cai(cai, op: str, name: str) -> tuple[tuple[int, ...], tuple[int, ...], np.dtype, int]:
     """(shape, strides in bytes, dtype, pointer) of a ``__cuda_array_interface__`` dict, every
     field checked (version 2 and 3 of the protocol)."""
     what = f"{op}: {name} __cuda_array_interface__"
@@ -210,7 +211,7 @@ def _parse_cai(cai, op: str, name: str) -> Tuple[Tuple[int, ...], Tuple[int, ...
 
 
 def _device_of_pointer(ptr: int, op: str = "array_info", name: str = "array") -> int:
-    import cupy  # noqa: WPS433
+    import cupy
 
     try:
         attrs = cupy.cuda.runtime.pointerGetAttributes(ptr)
@@ -240,7 +241,7 @@ def check_ndim(info: ArrayInfo, ndim: int, dims: str, op: str, name: str) -> Non
                               f"(got shape {info.shape})")
 
 
-def check_shape(info: ArrayInfo, expected: Sequence[Optional[int]], dims: str, op: str,
+def check_shape(info: ArrayInfo, expected: Sequence[int | None], dims: str, op: str,
                 name: str) -> None:
     """Raise :class:`InvalidArgument` unless ``info.shape`` matches ``expected`` (None = any)."""
     check_ndim(info, len(expected), dims, op, name)
@@ -297,8 +298,8 @@ class DLPackInfo(NamedTuple):
     ptr: int
     device_type: int
     device_id: int
-    shape: Tuple[int, ...]
-    strides: Optional[Tuple[int, ...]]
+    shape: tuple[int, ...]
+    strides: tuple[int, ...] | None
     dtype_code: int
     dtype_bits: int
     dtype_lanes: int

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import Optional, Tuple
 
 import numpy as np
 
@@ -80,7 +79,7 @@ def resolve_dtype(dtype, *, op: str = "resolve_dtype", name: str = "dtype") -> n
         key = _DTYPE_ALIASES.get(key, key if key.startswith("float8_") else None)
         if key is not None:
             if key == "bfloat16" or key.startswith("float8_"):
-                import ml_dtypes  # noqa: WPS433
+                import ml_dtypes
 
                 t = getattr(ml_dtypes, key, None)
                 if t is None:
@@ -95,12 +94,12 @@ def resolve_dtype(dtype, *, op: str = "resolve_dtype", name: str = "dtype") -> n
                           f"'bfloat16' (got {dtype!r}: {e})") from None
 
 
-def float_dtypes() -> Tuple[np.dtype, ...]:
+def float_dtypes() -> tuple[np.dtype, ...]:
     """bfloat16, float16, float32 as NumPy dtypes (:data:`FLOAT_DTYPE_NAMES`)."""
     return tuple(resolve_dtype(n) for n in FLOAT_DTYPE_NAMES)
 
 
-def lse_dtypes() -> Tuple[np.dtype, ...]:
+def lse_dtypes() -> tuple[np.dtype, ...]:
     """The ``lse_partial`` dtypes of the NCCL lse_reduce (:data:`LSE_DTYPE_NAMES`)."""
     return tuple(resolve_dtype(n) for n in LSE_DTYPE_NAMES)
 
@@ -123,7 +122,7 @@ def resolve_float_dtype(dtype, op: str, name: str = "dtype") -> np.dtype:
     return dt
 
 
-def resolve_bytes_dtype(dtype, op: str, itemsizes: Optional[Tuple[int, ...]] = None) -> np.dtype:
+def resolve_bytes_dtype(dtype, op: str, itemsizes: tuple[int, ...] | None = None) -> np.dtype:
     """``dtype`` for a kernel that moves bytes: any fixed-size, non-object dtype, with an
     itemsize among ``itemsizes`` when given."""
     try:
@@ -141,8 +140,8 @@ def resolve_bytes_dtype(dtype, op: str, itemsizes: Optional[Tuple[int, ...]] = N
 
 
 # ----------------------------------------------------------------------------- numbers
-def check_int(value, op: str, name: str, *, minimum: Optional[int] = 0,
-              maximum: Optional[int] = None) -> int:
+def check_int(value, op: str, name: str, *, minimum: int | None = 0,
+              maximum: int | None = None) -> int:
     """``value`` as an int (Python or NumPy integer, never a bool) in ``[minimum, maximum]``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidType(f"{op}: {name} must be an int (got {type(value).__name__} {value!r})")
@@ -156,7 +155,7 @@ def check_int(value, op: str, name: str, *, minimum: Optional[int] = 0,
 
 
 def check_positive_int(value, op: str, name: str, *, minimum: int = 1,
-                       maximum: Optional[int] = None) -> int:
+                       maximum: int | None = None) -> int:
     """An integer size argument, ``>= minimum`` (1 by default)."""
     return check_int(value, op, name, minimum=minimum, maximum=maximum)
 
@@ -227,7 +226,7 @@ def check_timeout_ms(value, op: str) -> float:
 
 
 # ----------------------------------------------------------------------------- objects
-def check_multicast(value, op: str) -> Optional[bool]:
+def check_multicast(value, op: str) -> bool | None:
     """A ``multicast=`` argument: True, False or None."""
     if value is not None and not isinstance(value, bool):
         raise InvalidType(f"{op}: multicast must be True, False or None (got {value!r})")
@@ -260,7 +259,7 @@ def resolve_stream(stream, op: str):
     return _cuda.check_stream(stream, op)
 
 
-def check_constructor_keywords(cls, world_size, keywords: dict, heap_type=None) -> Tuple:
+def check_constructor_keywords(cls, world_size, keywords: dict, heap_type=None) -> tuple:
     """What an op class's public ``check_arguments`` runs: its constructor's checks of
     ``keywords`` for a group of ``world_size`` ranks, without a GPU or a collective.
 
@@ -305,7 +304,7 @@ def _index_array(x, op: str, name: str, dims: str, device: int) -> ArrayInfo:
     return info
 
 
-def check_masks(op: str, seq_lens, query_start_loc, device: int) -> Tuple[int, int, int]:
+def check_masks(op: str, seq_lens, query_start_loc, device: int) -> tuple[int, int, int]:
     """The masks of an lse_reduce call: ``query_start_loc [S+1]`` and ``seq_lens [S]`` (which
     needs ``query_start_loc``), each int32, 1-D, contiguous, on ``device``. Returns ``(S,
     query_start_loc pointer, seq_lens pointer)``, 0 for an array not given."""

@@ -33,7 +33,7 @@ import os
 import socket
 import struct
 import time
-from typing import Iterable, List, Optional
+from collections.abc import Iterable
 
 from .errors import FdExchangeError, InvalidArgument
 
@@ -100,7 +100,7 @@ def _connect(name: bytes, deadline: float, what: str) -> socket.socket:
 def _recv_header_and_fd(conn: socket.socket, deadline: float):
     """Receive one header plus the descriptor attached to it; returns (header bytes, fds)."""
     data = b""
-    fds: List[int] = []
+    fds: list[int] = []
     while len(data) < _HEADER.size:
         rem = _remaining(deadline)
         if rem <= 0:
@@ -121,9 +121,9 @@ def _peer_uid(conn: socket.socket) -> int:
     return uid
 
 
-def exchange_fds(token: str, tag: str, rank: int, world_size: int, fd: Optional[int], *,
-                 senders: Optional[Iterable[int]] = None,
-                 timeout_s: float = 60.0) -> List[Optional[int]]:
+def exchange_fds(token: str, tag: str, rank: int, world_size: int, fd: int | None, *,
+                 senders: Iterable[int] | None = None,
+                 timeout_s: float = 60.0) -> list[int | None]:
     """Send this rank's descriptor to every peer and receive every sender's descriptor.
 
     Naive equivalent: ``received = allgather(fd)`` where each entry is a new descriptor of the
@@ -234,18 +234,18 @@ def exchange_fds(token: str, tag: str, rank: int, world_size: int, fd: Optional[
             listener.settimeout(rem)
             try:
                 conn, _ = listener.accept()
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 raise FdExchangeError(f"{where}: no descriptor from peer rank(s) {missing} "
                                       f"within {timeout_s:g} s") from None
             with conn:
-                fds: List[int] = []
+                fds: list[int] = []
                 try:
                     if _peer_uid(conn) != uid:
                         raise FdExchangeError(f"{where}: rejected a connection from another user "
                                               f"(uid {_peer_uid(conn)}, ours {uid})")
                     try:
                         data, fds = _recv_header_and_fd(conn, deadline)
-                    except (socket.timeout, TimeoutError):
+                    except TimeoutError:
                         raise FdExchangeError(f"{where}: a peer connected but sent no descriptor "
                                               f"within {timeout_s:g} s") from None
                     if len(data) != _HEADER.size:
@@ -273,7 +273,7 @@ def exchange_fds(token: str, tag: str, rank: int, world_size: int, fd: Optional[
             s.settimeout(max(_remaining(deadline), 1e-3))
             try:
                 ack = s.recv(1)
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 raise FdExchangeError(f"{where}: peer rank {peer} did not acknowledge the "
                                       f"descriptor within {timeout_s:g} s") from None
             except OSError as e:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import re
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from .errors import CudaError, InvalidArgument
 
@@ -42,7 +42,7 @@ _PTX_TYPES = {"u64": "u64", "s64": "i64", "b64": "u64", "u32": "u32", "s32": "i3
 _KIND = {"u64": "b64", "i64": "b64", "u32": "b32", "i32": "b32", "f32": "f32"}
 
 
-def param_layout(types: Sequence[str]) -> Tuple[List[int], int]:
+def param_layout(types: Sequence[str]) -> tuple[list[int], int]:
     """Byte offsets of the parameters and the total size, as CUDA's ABI lays out a kernel
     parameter list: each parameter at the next multiple of its size; the total rounded up to
     the largest alignment.
@@ -86,9 +86,9 @@ class KernelParams:
         The packed values (``size`` bytes, 8-byte aligned).
     """
 
-    __slots__ = ("types", "offsets", "size", "buffer", "_fields", "_ptrs", "address")
+    __slots__ = ("_fields", "_ptrs", "address", "buffer", "offsets", "size", "types")
 
-    def __init__(self, types: Sequence[str], values: Optional[Sequence] = None):
+    def __init__(self, types: Sequence[str], values: Sequence | None = None):
         self.types = tuple(types)
         self.offsets, self.size = param_layout(self.types)
         # c_uint64 elements: the buffer itself is 8-byte aligned
@@ -124,7 +124,7 @@ class KernelParams:
         """The packed bytes (for tests)."""
         return ctypes.string_at(ctypes.addressof(self.buffer), self.size)
 
-    def pointers(self) -> List[int]:
+    def pointers(self) -> list[int]:
         """The ``void*`` array's entries (for tests)."""
         return [int(p) for p in self._ptrs[:len(self.types)]]
 
@@ -178,7 +178,7 @@ class Launcher:
     The current CUDA context must be the function's (the op's device is current).
     """
 
-    __slots__ = ("function", "block", "shared_mem", "backend", "_call", "_fn_obj", "_streams")
+    __slots__ = ("_call", "_fn_obj", "_streams", "backend", "block", "function", "shared_mem")
 
     def __init__(self, function, block: int, shared_mem: int = 0, backend: str = "ctypes"):
         self.function = int(getattr(function, "ptr", function))
@@ -193,7 +193,7 @@ class Launcher:
             self._call = _libcuda()[0]
             self._fn_obj = None
         else:
-            from . import _cuda  # noqa: WPS433
+            from . import _cuda
 
             drv = _cuda.driver()
             self._call = drv.cuLaunchKernel
@@ -216,7 +216,7 @@ class Launcher:
             return
         s = self._streams.get(stream_ptr)
         if s is None:
-            from . import _cuda  # noqa: WPS433
+            from . import _cuda
 
             s = self._streams[stream_ptr] = _cuda.driver().CUstream(stream_ptr)
         (res,) = self._call(self._fn_obj, grid, 1, 1, self.block, 1, 1, self.shared_mem, s,
@@ -229,7 +229,7 @@ _ENTRY = re.compile(r"\.entry\s+(\S+)\s*\((.*?)\)", re.S)
 _PARAM = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?\.(\w+)\s+\S+?(\[\d+\])?\s*(?:,|$)")
 
 
-def ptx_param_types(ptx: str, entry: Optional[str] = None) -> List[str]:
+def ptx_param_types(ptx: str, entry: str | None = None) -> list[str]:
     """The parameter types of a kernel entry in PTX, as :class:`KernelParams` names them.
 
     Parameters
@@ -266,7 +266,7 @@ def ptx_param_types(ptx: str, entry: Optional[str] = None) -> List[str]:
     return out
 
 
-def check_params_match(types: Sequence[str], ptx: str, entry: Optional[str] = None,
+def check_params_match(types: Sequence[str], ptx: str, entry: str | None = None,
                        what: str = "kernel") -> None:
     """Raise :class:`InvalidArgument` unless ``types`` (a plan's parameter list) has the
     kernel's parameter count and, parameter by parameter, its width and float-ness as the PTX

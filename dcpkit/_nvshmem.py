@@ -25,7 +25,8 @@ import ctypes
 import functools
 import logging
 import os
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from typing import NamedTuple
+from collections.abc import Callable
 
 from ._setup import Transaction
 from .errors import InvalidArgument, MissingDependency
@@ -51,7 +52,7 @@ def load():
     global _NV
     if _NV is None:
         try:
-            import nvshmem.core as nvcore  # noqa: WPS433 (optional dependency)
+            import nvshmem.core as nvcore
         except Exception as e:  # noqa: BLE001 - ImportError, or a broken install
             raise MissingDependency(
                 "nvshmem4py", "nvshmem",
@@ -75,7 +76,7 @@ def is_initialized() -> bool:
 
 
 def _uid_nbytes() -> int:
-    import nvshmem.bindings as bindings  # noqa: WPS433
+    import nvshmem.bindings as bindings
 
     return int(bindings.uniqueid_dtype.itemsize)
 
@@ -139,7 +140,7 @@ def init_collective(tx, comm, device: int, allow_multicast: bool) -> None:
                                   f"Communicator (got backend {comm.backend!r})")
 
     tx.step("nvshmem_method", method_step)
-    from cuda.core import Device  # noqa: WPS433 (a dependency of nvshmem4py)
+    from cuda.core import Device
 
     if method == "uid":
         box = {}
@@ -242,11 +243,11 @@ class NvshmemHeap(NamedTuple):
     """What :func:`setup_heap` made on this rank."""
 
     nbytes: int                        # 512-rounded size of each rank's buffer
-    peer_ptrs: List[int]               # every rank's buffer, as this process addresses it
+    peer_ptrs: list[int]               # every rank's buffer, as this process addresses it
     local_ptr: int
     mc_ptr: int                        # 0 without multicast
-    multicast_reason: Optional[str]    # why multicast fell back to unicast (None: it did not)
-    undo: List[Tuple[str, Callable[[], object]]]
+    multicast_reason: str | None    # why multicast fell back to unicast (None: it did not)
+    undo: list[tuple[str, Callable[[], object]]]
 
 
 def _round_up(x: int, a: int) -> int:
@@ -261,7 +262,7 @@ def setup_heap(comm, device: int, nbytes: int, use_mc: bool) -> NvshmemHeap:
 
     Collective: every rank of ``comm``.
     """
-    import cupy  # noqa: WPS433
+    import cupy
 
     rank, world = comm.rank, comm.world_size
     reason = None

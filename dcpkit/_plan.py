@@ -28,7 +28,8 @@ closed or poisoned, whether the stream is capturing, the debug-mode agreement.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Hashable, Optional
+from typing import Any
+from collections.abc import Callable, Hashable
 
 from ._arrays import array_key
 
@@ -48,7 +49,7 @@ def scalar_key(value) -> Hashable:
     return (type(value), value)
 
 
-def call_key(arrays, scalars=()) -> Optional[tuple]:
+def call_key(arrays, scalars=()) -> tuple | None:
     """The plan-cache key of a call: one part per array argument (``None`` for an absent
     optional one) and one per scalar argument, in a fixed order; ``None`` when some part cannot
     be keyed (the call is then validated in full, never cached).
@@ -99,18 +100,18 @@ class PlanCache:
         Counts of lookups served from the cache and of full validations.
     """
 
-    __slots__ = ("_build", "_plans", "max_entries", "hits", "misses")
+    __slots__ = ("_build", "_plans", "hits", "max_entries", "misses")
 
     def __init__(self, build: Callable[..., Any], max_entries: int = 256):
         if max_entries < 1:
             raise ValueError("PlanCache: max_entries must be >= 1")
         self._build = build
-        self._plans: Dict[Hashable, Any] = {}
+        self._plans: dict[Hashable, Any] = {}
         self.max_entries = int(max_entries)
         self.hits = 0
         self.misses = 0
 
-    def lookup(self, key: Optional[Hashable], *args):
+    def lookup(self, key: Hashable | None, *args):
         """The plan of the call keyed ``key`` (built from ``args`` on a miss; ``key=None``:
         always built, never stored)."""
         if key is not None:

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any
+from collections.abc import Callable
 
 from .errors import DcpkitError, InvalidArgument, PeerError
 
@@ -42,9 +43,9 @@ log = logging.getLogger("dcpkit")
 #: granularity, fabric_create, create, export, exchange, import, reserve, map, access, zero;
 #: multicast objects add mc_device ... mc_map; the nvshmem heap: nvshmem_state, nvshmem_method,
 #: nvshmem_uid, nvshmem_init, nvshmem_alloc, nvshmem_peers, zero.
-FAULT_POINT: Optional[Any] = None
+FAULT_POINT: Any | None = None
 
-Undo = List[Tuple[str, Callable[[], object]]]
+Undo = list[tuple[str, Callable[[], object]]]
 
 
 def error_text(err: BaseException) -> str:
@@ -57,7 +58,7 @@ def debug_enabled() -> bool:
     return os.environ.get("DCPKIT_DEBUG", "") not in ("", "0")
 
 
-def share_outcome(comm, what: str, err: Optional[BaseException], *extra) -> List[Tuple]:
+def share_outcome(comm, what: str, err: BaseException | None, *extra) -> list[tuple]:
     """One collective step: every rank shares whether its step failed (plus ``extra``, values
     every rank wants from every other).
 
@@ -98,7 +99,7 @@ def share_outcome(comm, what: str, err: Optional[BaseException], *extra) -> List
 
 
 def collective_step(comm, what: str, fn: Callable[[], Any], *,
-                    on_failure: Optional[Callable[[], None]] = None, gather: bool = False) -> Any:
+                    on_failure: Callable[[], None] | None = None, gather: bool = False) -> Any:
     """Run ``fn()`` on this rank, then :func:`share_outcome`; returns ``fn()``'s result, or with
     ``gather=True`` every rank's result (a list indexed by rank: the result must pickle).
 
@@ -108,7 +109,7 @@ def collective_step(comm, what: str, fn: Callable[[], Any], *,
 
     Collective: one allgather, every rank.
     """
-    err: Optional[BaseException] = None
+    err: BaseException | None = None
     result = None
     try:
         result = fn()
@@ -126,10 +127,10 @@ def collective_step(comm, what: str, fn: Callable[[], Any], *,
     return [v for (v,) in every] if gather else result
 
 
-def run_undo(undo: Undo, what: str) -> List[BaseException]:
+def run_undo(undo: Undo, what: str) -> list[BaseException]:
     """Run undo actions in reverse order; keep going past failures, return them (empties
     ``undo``)."""
-    errors: List[BaseException] = []
+    errors: list[BaseException] = []
     for name, fn in reversed(undo):
         try:
             fn()
@@ -196,7 +197,7 @@ def guarded(op: str, init: Callable[[], Any]) -> Callable[[], Any]:
             return init()
         except DcpkitError:
             raise
-        except Exception as e:  # noqa: BLE001 - turned into a shared error
+        except Exception as e:
             raise InvalidArgument(f"{op}: checking the constructor arguments failed "
                                   f"({type(e).__name__}: {e})") from e
     return checked

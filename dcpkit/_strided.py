@@ -9,7 +9,8 @@ kernel is ``fallback_copy_kernel`` of ``kernels/fallback.cu``, instantiated for 
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Sequence, Tuple
+from typing import NamedTuple
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -44,7 +45,7 @@ def c_contiguous(info: ArrayInfo) -> bool:
     return True
 
 
-def grid(n: int, per_cta: int = THREADS) -> Tuple[int]:
+def grid(n: int, per_cta: int = THREADS) -> tuple[int]:
     """The grid of a kernel of ``kernels/fallback.cu`` over ``n`` items (grid-stride loops)."""
     return (max(1, min(_MAX_CTAS, -(-int(n) // per_cta))),)
 
@@ -53,9 +54,9 @@ class CopyPlan(NamedTuple):
     """A 4-D copy in units of ``elem_bytes`` (1, 2, 4, 8 or 16)."""
 
     elem_bytes: int
-    shape: Tuple[int, int, int, int]
-    dst_strides: Tuple[int, int, int, int]   # in elements of elem_bytes
-    src_strides: Tuple[int, int, int, int]
+    shape: tuple[int, int, int, int]
+    dst_strides: tuple[int, int, int, int]   # in elements of elem_bytes
+    src_strides: tuple[int, int, int, int]
 
 
 def copy_plan(shape: Sequence[int], dst_strides: Sequence[int], src_strides: Sequence[int],
@@ -118,10 +119,10 @@ def heads_to_owner_plan(W: int, T: int, H_r: int, D: int, itemsize: int,
                      (H_r * sh, st, sh, sd), isz, dst_ptr, x_ptr)
 
 
-_COPY_KERNELS: Dict[int, Dict[int, object]] = {}
+_COPY_KERNELS: dict[int, dict[int, object]] = {}
 
 
-def load_copy_kernels(device: int) -> Dict[int, object]:
+def load_copy_kernels(device: int) -> dict[int, object]:
     """The copy kernels on ``device``, by element size (compiled once per process by
     :mod:`dcpkit.jit`, cached on disk by CuPy). Load them before a capture: the copy itself
     allocates nothing.

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Dict, Optional
+from typing import Any
 
 #: handle -> weak reference to a live TorchOps (each adds itself and removes itself at close).
-REGISTRY: Dict[int, Any] = {}
+REGISTRY: dict[int, Any] = {}
 NEXT_HANDLE = itertools.count(1)
 LOCK = threading.Lock()
 #: op name -> torch.ops.dcpkit.<name>, once registered; and the torch.library.Library that
 #: holds the definitions (kept alive for the life of the process).
-state: Dict[str, Optional[Any]] = {"custom_ops": None, "library": None,
+state: dict[str, Any | None] = {"custom_ops": None, "library": None,
                                    "increment_version": None}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
-from typing import List, Optional
 
 from .errors import DcpkitError, MissingDependency
 
@@ -39,7 +38,7 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns its exit status.
 
     Returns 2 when the subcommand's module is not part of this installation, an optional
@@ -49,7 +48,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-V", "--version"):
-        from . import __version__  # noqa: WPS433
+        from . import __version__
 
         print(f"dcpkit {__version__}")
         return 0

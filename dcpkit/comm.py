@@ -21,7 +21,8 @@ import os
 import pickle
 import socket
 import sys
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any
+from collections.abc import Callable
 
 from ._lifecycle import Resource
 from .errors import (ClosedError, ConfigMismatch, DcpkitError, InvalidArgument, InvalidType,
@@ -50,7 +51,7 @@ def host_identity() -> str:
 _LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
-def launcher_world_size(env) -> Optional[Tuple[str, int]]:
+def launcher_world_size(env) -> tuple[str, int] | None:
     """``(variable, n)`` when an MPI launcher in ``env`` says it started ``n > 1`` processes."""
     for var in _LAUNCHER_SIZE_VARS:
         try:
@@ -175,7 +176,7 @@ class _Unpicklable:
         self.message = message
 
 
-def _pickle_problem(obj) -> Optional[str]:
+def _pickle_problem(obj) -> str | None:
     """None when ``obj`` pickles, else the error as ``"Type: message"``."""
     try:
         pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -207,7 +208,7 @@ class Communicator(Resource):
     All methods are collective: every rank of the group calls them in the same order.
     """
 
-    def __init__(self, rank: int, world_size: int, *, allgather: Callable[[Any], List[Any]],
+    def __init__(self, rank: int, world_size: int, *, allgather: Callable[[Any], list[Any]],
                  broadcast: Callable[[Any, int], Any], barrier: Callable[[], None],
                  backend: str, handle: Any = None):
         for name, v in (("rank", rank), ("world_size", world_size)):
@@ -235,7 +236,7 @@ class Communicator(Resource):
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def from_mpi(cls, comm=None) -> "Communicator":
+    def from_mpi(cls, comm=None) -> Communicator:
         """A Communicator over an mpi4py communicator (default ``MPI.COMM_WORLD``).
 
         Outside ``mpirun`` MPI starts as a singleton: the group has one rank.
@@ -252,7 +253,7 @@ class Communicator(Resource):
             the one of the ``mpirun`` used.
         """
         try:
-            from mpi4py import MPI  # noqa: WPS433 (lazy: MPI is optional)
+            from mpi4py import MPI
         except ImportError as e:  # pragma: no cover - exercised by a subprocess test
             raise MissingDependency("mpi4py", "mpi", str(e)) from None
         except RuntimeError as e:  # mpi4py present but no MPI library found
@@ -272,7 +273,7 @@ class Communicator(Resource):
         )
 
     @classmethod
-    def from_torch(cls, group=None) -> "Communicator":
+    def from_torch(cls, group=None) -> Communicator:
         """A Communicator over a ``torch.distributed`` process group (default: the world).
 
         ``torch.distributed`` must be initialised. With the NCCL backend the current CUDA
@@ -286,7 +287,7 @@ class Communicator(Resource):
             ``torch.distributed`` is not initialised.
         """
         try:
-            import torch.distributed as dist  # noqa: WPS433 (lazy: torch is optional)
+            import torch.distributed as dist
         except ImportError as e:
             raise MissingDependency("torch", "torch", str(e)) from None
         if not dist.is_available() or not dist.is_initialized():
@@ -311,7 +312,7 @@ class Communicator(Resource):
                    barrier=lambda: dist.barrier(group=group), backend="torch", handle=group)
 
     @classmethod
-    def single(cls) -> "Communicator":
+    def single(cls) -> Communicator:
         """A group of one rank (no MPI, no torch): every collective is local."""
         return cls(0, 1, allgather=lambda obj: [obj],
                    broadcast=lambda obj, root: obj, barrier=lambda: None, backend="single")
@@ -321,7 +322,7 @@ class Communicator(Resource):
         if self._closed:
             raise ClosedError(f"Communicator.{what}: the communicator is closed")
 
-    def _gather(self, method: str, obj: Any, shown: Any = None) -> List[Any]:
+    def _gather(self, method: str, obj: Any, shown: Any = None) -> list[Any]:
         """allgather on behalf of ``method``: an object that does not pickle on some rank makes
         every rank raise (that rank InvalidType, the others PeerError), nobody waits. ``shown``
         is what the message names (default ``obj``)."""
@@ -337,7 +338,7 @@ class Communicator(Resource):
             raise PeerError(f"Communicator.{method}: pickling the object", bad)
         return values
 
-    def allgather(self, obj: Any) -> List[Any]:
+    def allgather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, as a list indexed by rank.
 
         Raises
@@ -438,7 +439,7 @@ class Communicator(Resource):
         error, every other rank raises :class:`PeerError` naming it; values that differ raise
         :class:`ConfigMismatch` on every rank naming the ranks. Returns the value.
         """
-        err: Optional[DcpkitError] = None
+        err: DcpkitError | None = None
         value = None
         try:
             value = init()
@@ -456,7 +457,7 @@ class Communicator(Resource):
             raise ConfigMismatch(f"{what}: {geometry}", [v for _, v in every])
         return value
 
-    def all_ok(self, what: str, error: Optional[BaseException]) -> None:
+    def all_ok(self, what: str, error: BaseException | None) -> None:
         """One step of a collective transaction: share whether this rank's step failed.
 
         Every rank calls this after a step, passing the exception it caught (or ``None``).

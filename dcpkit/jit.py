@@ -27,7 +27,7 @@ import itertools
 import re
 import threading
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from collections.abc import Iterable, Sequence
 
 from .errors import CompileError, InvalidArgument, InvalidType, MissingDependency
 
@@ -35,7 +35,7 @@ __all__ = ["kernels_dir", "VARIANTS", "source", "get_kernel", "compile_only", "D
            "nvrtc_version", "nvrtc_archs"]
 
 #: NVRTC options used for every dcpkit kernel (CuPy adds ``-arch`` for the current device).
-DEFAULT_OPTIONS: Tuple[str, ...] = ("-std=c++17",)
+DEFAULT_OPTIONS: tuple[str, ...] = ("-std=c++17",)
 
 # C++ names of the element types the kernels are instantiated for.
 _FLOAT_TYPES = ("dcpkit::bf16_t", "dcpkit::fp16_t", "float")
@@ -44,19 +44,19 @@ _TRANSPORTS = ("dcpkit::Transport::Unicast", "dcpkit::Transport::Multicast")
 _COPY_ELEMENTS = ("unsigned char", "unsigned short", "unsigned int", "uint2", "uint4")
 
 
-def _lse_reduce_variants() -> List[str]:
+def _lse_reduce_variants() -> list[str]:
     out = [f"dcpkit::lse_reduce_kernel<{out_t}, {lse_t}>"
            for out_t, lse_t in itertools.product(_FLOAT_TYPES, _FLOAT_TYPES)]
     out += [f"dcpkit::lse_combine_kernel<{out_t}>" for out_t in _FLOAT_TYPES]
     return out
 
 
-def _gather_variants(name: str) -> List[str]:
+def _gather_variants(name: str) -> list[str]:
     return [f"dcpkit::{name}<{t}>" for t in _TRANSPORTS]
 
 
 #: kernel file -> every template variant (NVRTC name expression) dcpkit may launch from it.
-VARIANTS: Dict[str, List[str]] = {
+VARIANTS: dict[str, list[str]] = {
     "lse_reduce.cu": _lse_reduce_variants(),
     "q_gather.cu": _gather_variants("q_gather_kernel"),
     "kv_gather.cu": _gather_variants("kv_gather_push_kernel")
@@ -97,7 +97,7 @@ def source(file: str) -> str:
     root = kernels_dir()
     seen = set()
 
-    def expand(name: str) -> Optional[str]:
+    def expand(name: str) -> str | None:
         if name in seen:
             return None
         seen.add(name)
@@ -106,7 +106,7 @@ def source(file: str) -> str:
             raise FileNotFoundError(f"dcpkit: kernels/{name} does not exist")
         text = path.read_text()
 
-        def splice(m: "re.Match[str]") -> str:
+        def splice(m: re.Match[str]) -> str:
             inner = expand(m.group(1))
             if inner is None:  # already spliced above: keep the line count
                 return f"// kernels/{m.group(1)} is spliced in above"
@@ -118,7 +118,7 @@ def source(file: str) -> str:
     return expand(file) or ""
 
 
-_MODULES: Dict[tuple, object] = {}
+_MODULES: dict[tuple, object] = {}
 _LOCK = threading.Lock()
 
 
@@ -137,7 +137,7 @@ def _check_file(file, op: str) -> str:
     return file
 
 
-def _files_arg(files, op: str) -> List[str]:
+def _files_arg(files, op: str) -> list[str]:
     """``files`` of :func:`compile_only` as a list: None = every file, a str = one file."""
     if files is None:
         return list(VARIANTS)
@@ -151,7 +151,7 @@ def _files_arg(files, op: str) -> List[str]:
     return [_check_file(f, op) for f in items]
 
 
-def _options_arg(options, op: str) -> Tuple[str, ...]:
+def _options_arg(options, op: str) -> tuple[str, ...]:
     """Extra NVRTC options as a tuple of str: None = none, a str = one option."""
     if options is None:
         return ()
@@ -174,7 +174,7 @@ def _options_arg(options, op: str) -> Tuple[str, ...]:
 
 def _cupy():
     try:
-        import cupy  # noqa: WPS433
+        import cupy
     except ImportError as e:
         from ._cuda import cuda_extra
 
@@ -215,7 +215,7 @@ def get_kernel(file: str, name_expr: str, options: Sequence[str] = ()):
                               f"one of jit.VARIANTS[{file!r}] (got {name_expr!r})")
     opts = tuple(DEFAULT_OPTIONS) + _options_arg(options, op)
     cupy = _cupy()
-    from ._cuda import require_device  # noqa: WPS433
+    from ._cuda import require_device
 
     require_device("jit.get_kernel")
     dev = cupy.cuda.runtime.getDevice()
@@ -238,10 +238,10 @@ def get_kernel(file: str, name_expr: str, options: Sequence[str] = ()):
 
 def _nvrtc():
     try:
-        from cuda.bindings import nvrtc  # noqa: WPS433
+        from cuda.bindings import nvrtc
     except ImportError:
         try:
-            from cuda import nvrtc  # noqa: WPS433
+            from cuda import nvrtc
         except ImportError as e:
             from ._cuda import cuda_extra
 
@@ -249,7 +249,7 @@ def _nvrtc():
     return nvrtc
 
 
-def nvrtc_version() -> Optional[Tuple[int, int]]:
+def nvrtc_version() -> tuple[int, int] | None:
     """The NVRTC library version as ``(major, minor)``, or None when NVRTC cannot be loaded."""
     try:
         nvrtc = _nvrtc()
@@ -261,7 +261,7 @@ def nvrtc_version() -> Optional[Tuple[int, int]]:
         return None
 
 
-def nvrtc_archs() -> Optional[List[int]]:
+def nvrtc_archs() -> list[int] | None:
     """The ``sm_XY`` targets the loaded NVRTC can compile for, as ints ``XY`` (e.g. ``[75, 80,
     86, 89, 90, ...]``), or None when NVRTC cannot be loaded or cannot tell."""
     try:
@@ -282,7 +282,7 @@ _NVRTC_ARCH_NOTE = re.compile(r"^nvrtc: warning: Architectures prior to .* are d
                               re.M)
 
 
-def _compile_one(nvrtc, file: str, exprs: Iterable[str], opts: List[str]) -> Dict[str, int]:
+def _compile_one(nvrtc, file: str, exprs: Iterable[str], opts: list[str]) -> dict[str, int]:
     code = source(file).encode()
     err, prog = nvrtc.nvrtcCreateProgram(code, file.encode(), 0, [], [])
     if int(err) != 0:
@@ -316,8 +316,8 @@ def _compile_one(nvrtc, file: str, exprs: Iterable[str], opts: List[str]) -> Dic
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def compile_only(files: Optional[Sequence[str]] = None, arch: str = "sm_90",
-                 options: Sequence[str] = ()) -> Dict[str, Dict[str, int]]:
+def compile_only(files: Sequence[str] | None = None, arch: str = "sm_90",
+                 options: Sequence[str] = ()) -> dict[str, dict[str, int]]:
     """Compile kernel files and all their template variants with NVRTC, without a GPU.
 
     Parameters

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -171,12 +170,12 @@ class DCPComm(Resource):
     _resource_name = "DCPComm"
 
     def __init__(self, comm: Communicator, *, max_tokens: int, num_heads: int,
-                 q_head_dim: int, v_head_dim: int, kv_row_dim: Optional[int] = None, dtype,
+                 q_head_dim: int, v_head_dim: int, kv_row_dim: int | None = None, dtype,
                  num_ubatches: int = 1, lse_base: float = math.e, policy: str = "auto",
-                 nccl_lse_algorithm: str = "all_to_all", timeout_ms: Optional[float] = None,
-                 nccl_max_tokens: Optional[int] = None, return_lse: bool = False):
-        self.direct_ops: Dict[str, object] = {op: None for op in OPS}
-        self.nccl_ops: Dict[str, object] = {op: None for op in OPS}
+                 nccl_lse_algorithm: str = "all_to_all", timeout_ms: float | None = None,
+                 nccl_max_tokens: int | None = None, return_lse: bool = False):
+        self.direct_ops: dict[str, object] = dict.fromkeys(OPS)
+        self.nccl_ops: dict[str, object] = dict.fromkeys(OPS)
         self.nccl_group = None
         self.heap = None
         self.comm = check_comm(comm, "DCPComm")
@@ -202,12 +201,12 @@ class DCPComm(Resource):
             "geometry (max_tokens, num_heads, q_head_dim, v_head_dim, kv_row_dim, dtype, "
             "num_ubatches, lse_base, nccl_lse_algorithm, nccl_max_tokens, return_lse, "
             "timeout_ms)")
-        self.last_path: Optional[str] = None
-        self.counters: Dict[str, Dict[str, int]] = {
-            op: {p: 0 for p in PATHS} for op in self.ops}
-        self.direct_reason: Dict[str, Optional[str]] = {op: None for op in OPS}
-        self.nccl_reason: Optional[str] = None
-        self._direct_path: Dict[str, Optional[str]] = {op: None for op in OPS}
+        self.last_path: str | None = None
+        self.counters: dict[str, dict[str, int]] = {
+            op: dict.fromkeys(PATHS, 0) for op in self.ops}
+        self.direct_reason: dict[str, str | None] = dict.fromkeys(OPS)
+        self.nccl_reason: str | None = None
+        self._direct_path: dict[str, str | None] = dict.fromkeys(OPS)
         try:
             self._build()
         except BaseException:
@@ -218,7 +217,7 @@ class DCPComm(Resource):
     # ------------------------------------------------------------------ construction
     def _init_geometry(self, max_tokens, num_heads, q_head_dim, v_head_dim, kv_row_dim, dtype,
                        num_ubatches, lse_base, nccl_lse_algorithm, nccl_max_tokens,
-                       return_lse, timeout_ms) -> Tuple:
+                       return_lse, timeout_ms) -> tuple:
         """Check every argument (no collective), also as each op that the policy may build
         will check it, then CuPy and the GPU; returns the geometry tuple."""
         op = "DCPComm"
@@ -253,8 +252,8 @@ class DCPComm(Resource):
         # The ops' own limits (sizes, dtypes), with DCPComm's arguments: a user error raises
         # here, on every rank, instead of sending every call to another path. The direct ops'
         # symmetric regions (the last value each agrees on) size the one heap they share.
-        self._region_bytes: Dict[str, int] = {}
-        self._nccl_checked: Dict[str, object] = {}
+        self._region_bytes: dict[str, int] = {}
+        self._nccl_checked: dict[str, object] = {}
         for o in self.ops:
             if self.policy != "nccl" and direct_geometry_blocker(
                     o, dtype=self.dtype, row_bytes=self._row_bytes(o), world_size=W) is None:
@@ -283,7 +282,7 @@ class DCPComm(Resource):
 
     def _direct_spec(self, op: str):
         """The direct op class of ``op`` and the constructor keywords DCPComm gives it."""
-        from .ops import KVGather, LseReduce, QGather  # noqa: WPS433
+        from .ops import KVGather, LseReduce, QGather
 
         common = dict(max_tokens=self.max_tokens, dtype=self.dtype,
                       num_ubatches=self.num_ubatches, timeout_ms=self.timeout_ms, heap=self.heap)
@@ -300,7 +299,7 @@ class DCPComm(Resource):
     def _nccl_spec(self, op: str):
         """The NCCL op class of ``op`` and the constructor keywords DCPComm gives it (without
         ``nccl_group``)."""
-        from .nccl import NcclKVGather, NcclLseReduce, NcclQGather  # noqa: WPS433
+        from .nccl import NcclKVGather, NcclLseReduce, NcclQGather
 
         common = dict(max_tokens=self.nccl_max_tokens, dtype=self.dtype,
                       num_ubatches=self.num_ubatches)
@@ -361,8 +360,8 @@ class DCPComm(Resource):
         collective_step(self.comm, "DCPComm: loading the copy kernel",  # also the barrier
                         self._load_copy_kernel)
 
-    def _agreed_build(self, what: str, build, reason: Optional[str] = None, *,
-                      strict: str = "direct", on_failure=None) -> Optional[str]:
+    def _agreed_build(self, what: str, build, reason: str | None = None, *,
+                      strict: str = "direct", on_failure=None) -> str | None:
         """Run ``build()`` on every rank; returns None, or why it failed (equal on every rank).
 
         The build fails on every rank or on none. A user error on any rank
@@ -372,7 +371,7 @@ class DCPComm(Resource):
         with ``policy="auto"`` (the NCCL op serves the calls). ``what`` names the build in a
         PeerError, ``reason`` (default ``what``) in the reason returned; ``on_failure`` runs on
         every rank before anything is raised or returned after a failure."""
-        err: Optional[BaseException] = None
+        err: BaseException | None = None
         try:
             build()
         except Exception as e:  # noqa: BLE001 - classified and agreed below
@@ -392,7 +391,7 @@ class DCPComm(Resource):
         return failure_reason(f"building {reason or what}",
                               {r: m for r, (_, m) in failed.items()}, self.world_size)
 
-    def _build_nccl_all(self) -> Optional[str]:
+    def _build_nccl_all(self) -> str | None:
         """The NCCL group and ops (collective). Returns why NCCL is unavailable (None when
         built), equal on every rank; with ``policy="nccl"`` raises instead, on every rank.
 
@@ -401,7 +400,7 @@ class DCPComm(Resource):
         preconditions (one allgather: every rank's GPU and whether reading it failed), and
         enter NCCL only when every rank can; then they agree on the outcome (one allgather)."""
         # 1. preconditions, agreed before any rank calls NCCL
-        err: Optional[BaseException] = None
+        err: BaseException | None = None
         bus = None
         try:
             bus = self._pci_bus_id()
@@ -438,7 +437,7 @@ class DCPComm(Resource):
                     o.close()
                 except Exception:  # noqa: BLE001 - the build error is what matters
                     pass
-        self.nccl_ops = {op: None for op in OPS}
+        self.nccl_ops = dict.fromkeys(OPS)
         self.nccl_group = None
 
     # Hooks (a CPU test subclass replaces them with fakes).
@@ -448,24 +447,24 @@ class DCPComm(Resource):
         _cuda.require_cupy()
         return _cuda.require_device("DCPComm")
 
-    def _pci_bus_id(self) -> Optional[str]:
+    def _pci_bus_id(self) -> str | None:
         """The PCI bus id of this rank's GPU (None where unknown)."""
-        import cupy  # noqa: WPS433
+        import cupy
 
         return str(cupy.cuda.runtime.deviceGetPCIBusId(self.device))
 
-    def _probe_topology(self) -> Optional[str]:
+    def _probe_topology(self) -> str | None:
         """Why the group is not one NVLink domain (None when it is); equal on every rank. A
         runtime failure on any rank raises on every rank (two agreed steps)."""
-        import cupy  # noqa: WPS433
+        import cupy
 
         rt = cupy.cuda.runtime
         buses = collective_step(self.comm, "DCPComm: reading the PCI bus id of the GPU",
                                 lambda: rt.deviceGetPCIBusId(self.device), gather=True)
         bus = buses[self.rank]
 
-        def peer_access() -> List[Tuple[int, int]]:
-            missing: List[Tuple[int, int]] = []
+        def peer_access() -> list[tuple[int, int]]:
+            missing: list[tuple[int, int]] = []
             if self.comm.spans_hosts:
                 return missing
             for s, b in enumerate(buses):
@@ -486,7 +485,7 @@ class DCPComm(Resource):
 
     def _build_heap(self, nbytes: int):
         """The one symmetric heap the direct ops share (collective)."""
-        from .symmetric import SymmetricHeap  # noqa: WPS433
+        from .symmetric import SymmetricHeap
 
         return SymmetricHeap(self.comm, nbytes)
 
@@ -495,7 +494,7 @@ class DCPComm(Resource):
         return cls(self.comm, **kwargs)
 
     def _build_nccl_group(self):
-        from .nccl import NcclGroup  # noqa: WPS433
+        from .nccl import NcclGroup
 
         return NcclGroup(self.comm)
 
@@ -547,7 +546,7 @@ class DCPComm(Resource):
                 f"DCPComm.{op}: {name} layout must be C-contiguous and 16-byte aligned while a "
                 f"CUDA graph is being captured (got strides {info.strides} bytes, pointer "
                 f"offset {info.ptr % 16}): the copy that fixes it would allocate")
-        import cupy  # noqa: WPS433
+        import cupy
 
         with cupy.cuda.Device(self.device), stream:
             nbytes = int(np.prod(info.shape)) * info.itemsize
@@ -594,7 +593,7 @@ class DCPComm(Resource):
             routes = self.__dict__["_route_cache"] = PlanCache(self._route)
         return routes
 
-    def _route(self, op: str, arrays: Tuple) -> Tuple:
+    def _route(self, op: str, arrays: tuple) -> tuple:
         """``(path, in_place...)``: the path of the call and, on a direct path, whether the
         direct op takes each array in place (None arrays: True)."""
         name = f"DCPComm.{op}"
@@ -618,7 +617,7 @@ class DCPComm(Resource):
                    for n, a in zip(names, arrays))
         return (path,) + ok
 
-    def _gather(self, op: str, x, name: str, dims: Tuple[int, str], ubatch, out, stream):
+    def _gather(self, op: str, x, name: str, dims: tuple[int, str], ubatch, out, stream):
         """One gather call (``q_gather`` or ``kv_gather``) on the path :meth:`path_for` picks;
         an input or ``out=`` the direct op cannot take in place is copied (module docstring)."""
         self._check_open(op)
@@ -768,8 +767,8 @@ class DCPComm(Resource):
                 o.close()
             except BaseException as e:  # noqa: BLE001 - close everything, then raise the first
                 first = first or e
-        self.direct_ops = {op: None for op in OPS}
-        self.nccl_ops = {op: None for op in OPS}
+        self.direct_ops = dict.fromkeys(OPS)
+        self.nccl_ops = dict.fromkeys(OPS)
         self.nccl_group = None
         self.heap = None
         if first is not None:

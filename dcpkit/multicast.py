@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, List, Mapping, Optional, Tuple, Union
+from collections.abc import Callable, Mapping
 
 from . import _cuda
 from ._checks import check_comm
@@ -67,7 +67,7 @@ OPT_IN_VARIABLE = "DCPKIT_MULTICAST"
 #: Variables that forbid multicast, with the sense of each: ``"enable"`` variables forbid it
 #: unless they hold an enabling spelling, ``"disable"`` variables forbid it unless they hold a
 #: not-disabling spelling (NOTE [dcpkit multicast guard]).
-KILL_SWITCHES: Tuple[Tuple[str, str], ...] = (
+KILL_SWITCHES: tuple[tuple[str, str], ...] = (
     ("NCCL_NVLS_ENABLE", "enable"),
     ("NVSHMEM_DISABLE_NVLS", "disable"),
     ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "disable"),
@@ -78,7 +78,7 @@ _TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f"})
 
 
-def _parse_bool(value: str) -> Optional[bool]:
+def _parse_bool(value: str) -> bool | None:
     """True / False for a recognised spelling (words above or an integer), None otherwise."""
     v = value.strip().lower()
     if v in _TRUE_WORDS:
@@ -96,7 +96,7 @@ def _is_set(env: Mapping[str, str], name: str) -> bool:
     return value is not None and value.strip() != ""
 
 
-def kill_switches_set(env: Mapping[str, str]) -> List[Tuple[str, str]]:
+def kill_switches_set(env: Mapping[str, str]) -> list[tuple[str, str]]:
     """The disabling variables that forbid multicast in ``env``, as ``(name, value)`` pairs.
 
     Empty when multicast is not forbidden by any variable. See NOTE [dcpkit multicast guard].
@@ -113,8 +113,8 @@ def kill_switches_set(env: Mapping[str, str]) -> List[Tuple[str, str]]:
     return found
 
 
-def multicast_decision(opt_in: Optional[bool], env: Mapping[str, str],
-                       device_supported: Union[bool, Callable[[], bool]]) -> Tuple[bool, str]:
+def multicast_decision(opt_in: bool | None, env: Mapping[str, str],
+                       device_supported: bool | Callable[[], bool]) -> tuple[bool, str]:
     """Whether this rank may use multicast, and why (rules 1 to 3 of the guard).
 
     Naive equivalent::
@@ -171,7 +171,7 @@ def multicast_decision(opt_in: Optional[bool], env: Mapping[str, str],
                   f"multicast")
 
 
-def agree_multicast(comm, local_decision) -> Tuple[bool, str]:
+def agree_multicast(comm, local_decision) -> tuple[bool, str]:
     """Rule 4 of the guard: multicast only if every rank allows it.
 
     Parameters
@@ -201,7 +201,7 @@ def agree_multicast(comm, local_decision) -> Tuple[bool, str]:
     return False, f"multicast off: rank(s) {refused} do not allow it ({detail})"
 
 
-def guard_env_or_raise(what: str, rank: Optional[int] = None) -> None:
+def guard_env_or_raise(what: str, rank: int | None = None) -> None:
     """Rule 2 of NOTE [dcpkit multicast guard], read from ``os.environ``: raise
     :class:`~dcpkit.errors.MulticastDisabled` (before any driver call) if any disabling
     variable is set."""
@@ -317,7 +317,7 @@ class MulticastObject(Resource):
 
     def __init__(self, comm, heap_nbytes: int, device: int, *, mem_handle,
                  handle_type: str = "posix_fd", timeout_s: float = 60.0):
-        self._undo: List = []
+        self._undo: list = []
         self.mc_ptr = 0
         self.comm = check_comm(comm, "MulticastObject")
         rank, world = comm.rank, comm.world_size
@@ -351,7 +351,7 @@ class MulticastObject(Resource):
                 raise MulticastDisabled(f"MulticastObject: refused on every rank: {pe}") from pe
             raise
 
-        import cupy  # noqa: WPS433
+        import cupy
 
         drv = _cuda.driver()
         self.device = int(device)
@@ -419,7 +419,7 @@ class MulticastObject(Resource):
 
                 if handle_type == "posix_fd":
                     def exchange_step():
-                        from . import _fdpass  # noqa: WPS433
+                        from . import _fdpass
 
                         got = _fdpass.exchange_fds(token, "mc", rank, world, box.get("fd"),
                                                    senders=[0], timeout_s=timeout_s)
@@ -495,7 +495,7 @@ class MulticastObject(Resource):
         self._undo_local()
 
     def _undo_local(self) -> None:
-        import cupy  # noqa: WPS433
+        import cupy
 
         with cupy.cuda.Device(self.device):
             errors = run_undo(self._undo, "MulticastObject.close")
@@ -514,7 +514,7 @@ class MulticastObject(Resource):
         super().close()
 
     def _close(self) -> None:
-        import cupy  # noqa: WPS433
+        import cupy
 
         with cupy.cuda.Device(self.device):
             cupy.cuda.runtime.deviceSynchronize()

@@ -10,12 +10,12 @@ checked with a tolerance stated by the caller (:func:`lse_reduce_tolerance`).
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
 
 from ._checks import check_int, check_real
-from ._checks import check_lse_base, resolve_dtype  # noqa: F401 - re-exported from here
+from ._checks import check_lse_base, resolve_dtype
 from .errors import InvalidArgument, InvalidType
 
 __all__ = [
@@ -69,7 +69,7 @@ def _fraction(value, op: str, name: str) -> float:
     return f
 
 
-def _arrays(seq, op: str, name: str) -> List[np.ndarray]:
+def _arrays(seq, op: str, name: str) -> list[np.ndarray]:
     """A non-empty sequence of host arrays (one per rank) as a list of ndarrays."""
     if seq is None or isinstance(seq, (str, bytes)) or not hasattr(seq, "__len__"):
         raise InvalidType(f"{op}: {name} must be a sequence of arrays, one per rank "
@@ -81,7 +81,7 @@ def _arrays(seq, op: str, name: str) -> List[np.ndarray]:
     return arrs
 
 
-def _same_layout(arrs: List[np.ndarray], op: str, name: str, ndim: int, dims: str) -> None:
+def _same_layout(arrs: list[np.ndarray], op: str, name: str, ndim: int, dims: str) -> None:
     """Every array has ``ndim`` dimensions, and the shape and dtype of ``arrs[0]``."""
     a0 = arrs[0]
     if a0.ndim != ndim:
@@ -124,7 +124,7 @@ def kv_gather_reference(kvs: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate(arrs, axis=0)
 
 
-def _valid_rows(T: int, seq_lens: Optional[np.ndarray], qsl: Optional[np.ndarray]) -> np.ndarray:
+def _valid_rows(T: int, seq_lens: np.ndarray | None, qsl: np.ndarray | None) -> np.ndarray:
     """Rows [T] that are not masked: not padding, not a request whose local KV length is 0."""
     valid = np.ones(T, dtype=bool)
     if qsl is None:
@@ -160,9 +160,9 @@ def _index_array(x, op: str, name: str, dims: str, monotonic: bool = True) -> np
 
 def lse_reduce_reference(out_partials: Sequence[np.ndarray], lse_partials: Sequence[np.ndarray],
                          *, lse_base: float = math.e,
-                         seq_lens: Optional[Sequence[np.ndarray]] = None,
-                         query_start_loc: Optional[np.ndarray] = None
-                         ) -> Tuple[np.ndarray, np.ndarray]:
+                         seq_lens: Sequence[np.ndarray] | None = None,
+                         query_start_loc: np.ndarray | None = None
+                         ) -> tuple[np.ndarray, np.ndarray]:
     """The exact LSE-weighted merge of every rank's partial attention, in float64.
 
     Parameters
@@ -225,7 +225,7 @@ def lse_reduce_reference(out_partials: Sequence[np.ndarray], lse_partials: Seque
         raise InvalidArgument(f"{op}: seq_lens needs query_start_loc (got query_start_loc=None)")
     qsl = None if query_start_loc is None else _index_array(query_start_loc, op,
                                                             "query_start_loc", "S+1")
-    sls: List[Optional[np.ndarray]] = [None] * W
+    sls: list[np.ndarray | None] = [None] * W
     if seq_lens is not None:
         S = len(qsl) - 1
         if isinstance(seq_lens, (str, bytes)) or not hasattr(seq_lens, "__len__"):
@@ -289,7 +289,7 @@ _GEOMETRY = {
 }
 
 
-def make_inputs(rank: int, world_size: int, seed: int, *, op: str, **geometry) -> Dict:
+def make_inputs(rank: int, world_size: int, seed: int, *, op: str, **geometry) -> dict:
     """Rank ``rank``'s inputs for ``op``, reproducible from ``(seed, rank)`` alone.
 
     ``op="q_gather"``: ``tokens`` (T), ``num_heads`` (H), ``head_dim`` (D), ``dtype``

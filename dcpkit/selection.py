@@ -16,7 +16,7 @@ otherwise the NCCL op serves it, if NCCL can run the group (:func:`shared_gpu_bl
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from ._arrays import dtype_name
 from ._checks import FLOAT_DTYPE_NAMES, float_dtypes, resolve_dtype
@@ -42,7 +42,7 @@ DIRECT_LSE_DTYPES = FLOAT_DTYPE_NAMES
 
 # ----------------------------------------------------------------------------- selection
 def topology_blocker(*, hosts: Sequence[str],
-                     p2p_missing: Sequence[Tuple[int, int]] = ()) -> Optional[str]:
+                     p2p_missing: Sequence[tuple[int, int]] = ()) -> str | None:
     """Why the group is not one NVLink domain (None when it is).
 
     Parameters
@@ -65,7 +65,7 @@ def topology_blocker(*, hosts: Sequence[str],
 
 
 def shared_gpu_blocker(*, hosts: Sequence[str],
-                       bus_ids: Sequence[Optional[str]]) -> Optional[str]:
+                       bus_ids: Sequence[str | None]) -> str | None:
     """Why NCCL cannot run this group: ranks of one host on one GPU (None when every rank has
     a GPU of its own). NCCL compares the same two things (host and PCI bus id) in
     ``ncclCommInitRank`` and refuses duplicates with ``ncclInvalidUsage``.
@@ -78,7 +78,7 @@ def shared_gpu_blocker(*, hosts: Sequence[str],
         PCI bus id of every rank's GPU (``cudaDeviceGetPCIBusId``); None where unknown (never
         counted as shared).
     """
-    ranks_of: Dict[Tuple[str, str], List[int]] = {}
+    ranks_of: dict[tuple[str, str], list[int]] = {}
     for r, (h, b) in enumerate(zip(hosts, bus_ids)):
         if b is not None:
             ranks_of.setdefault((h, str(b)), []).append(r)
@@ -90,7 +90,7 @@ def shared_gpu_blocker(*, hosts: Sequence[str],
 
 
 def direct_geometry_blocker(op: str, *, dtype, row_bytes: int,
-                            world_size: Optional[int] = None) -> Optional[str]:
+                            world_size: int | None = None) -> str | None:
     """Why the direct op cannot be built for this geometry (None when it can).
 
     ``row_bytes`` is what the direct kernel moves with 16-byte stores: ``H_r * D * itemsize``
@@ -98,7 +98,7 @@ def direct_geometry_blocker(op: str, *, dtype, row_bytes: int,
     ``lse_reduce``. ``world_size`` (optional) is checked against the sources the direct
     ``lse_reduce`` merge handles.
     """
-    from .ops.lse_reduce import MAX_WORLD_SIZE  # noqa: WPS433
+    from .ops.lse_reduce import MAX_WORLD_SIZE
 
     dt = resolve_dtype(dtype)
     if op == "lse_reduce" and dt not in float_dtypes():
@@ -117,7 +117,7 @@ def direct_geometry_blocker(op: str, *, dtype, row_bytes: int,
 
 
 def direct_call_blocker(op: str, *, tokens: int, max_tokens: int,
-                        lse_dtype=None) -> Optional[str]:
+                        lse_dtype=None) -> str | None:
     """Why the direct op cannot serve this call (None when it can). Depends only on values
     equal on every rank."""
     if tokens > max_tokens:
@@ -134,8 +134,8 @@ def direct_call_blocker(op: str, *, tokens: int, max_tokens: int,
     return None
 
 
-def select_path(op: str, policy: str, *, direct_path: Optional[str],
-                direct_blocker: Optional[str], nccl_blocker: Optional[str]) -> str:
+def select_path(op: str, policy: str, *, direct_path: str | None,
+                direct_blocker: str | None, nccl_blocker: str | None) -> str:
     """The path that serves one call: ``direct_path`` or ``"nccl"``.
 
     Parameters
@@ -176,7 +176,7 @@ def select_path(op: str, policy: str, *, direct_path: Optional[str],
     return PATH_NCCL
 
 
-def failure_reason(what: str, failed: Dict[int, str], world_size: int) -> str:
+def failure_reason(what: str, failed: dict[int, str], world_size: int) -> str:
     """One line naming what failed where: the ranks' own errors (a PeerError only echoes
     them), one message when every failing rank reported the same."""
     own = {r: m for r, m in failed.items() if not m.startswith("PeerError:")} or failed

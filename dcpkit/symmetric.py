@@ -43,7 +43,7 @@ import functools
 import logging
 import math
 import os
-from typing import Callable, List, Optional, Tuple
+from collections.abc import Callable
 
 import numpy as np
 
@@ -105,7 +105,7 @@ def _check_args(comm, nbytes, device, backend, handle_type, multicast, timeout_s
     # package on one rank raises there and PeerError on the others.
     _cuda.require_cupy()  # MissingDependency naming the extra
     if backend == "nvshmem":
-        from . import _nvshmem  # noqa: WPS433
+        from . import _nvshmem
 
         _nvshmem.load()  # MissingDependency naming the extra
     else:
@@ -241,14 +241,14 @@ class SymmetricHeap(Resource):
 
     def __init__(self, comm, nbytes, *, device=None, backend="cumem", handle_type="auto",
                  multicast=None, timeout_s=60.0):
-        self._undo: List[Tuple[str, Callable[[], object]]] = []
+        self._undo: list[tuple[str, Callable[[], object]]] = []
         self._next = 0
         self.nbytes = 0
         self.local_ptr = 0
-        self.peer_ptrs: List[int] = []
+        self.peer_ptrs: list[int] = []
         self.mc_ptr = 0
         self.multicast_reason = ""
-        self.fabric_refusal: Optional[str] = None
+        self.fabric_refusal: str | None = None
         self.handle_type = ""
         self._mc = None
         self.comm = check_comm(comm, "SymmetricHeap")
@@ -293,7 +293,7 @@ class SymmetricHeap(Resource):
     # ------------------------------------------------------------------ cumem backend
     def _setup_cumem(self, nbytes: int, handle_type: str, use_mc: bool, timeout_s: float,
                      tag: str) -> None:
-        import cupy  # noqa: WPS433
+        import cupy
 
         comm, rank, world, device = self.comm, self.rank, self.world_size, self.device
         drv = _cuda.driver()
@@ -562,7 +562,7 @@ class SymmetricHeap(Resource):
 
     # ------------------------------------------------------------------ nvshmem backend
     def _setup_nvshmem(self, nbytes: int, use_mc: bool) -> None:
-        from . import _nvshmem  # noqa: WPS433
+        from . import _nvshmem
 
         got = _nvshmem.setup_heap(self.comm, self.device, nbytes, use_mc)  # collective
         if got.multicast_reason is not None:
@@ -645,7 +645,7 @@ class SymmetricHeap(Resource):
         if off + size > self.nbytes:
             raise InvalidArgument(f"{op}: offset + view bytes must be <= nbytes {self.nbytes} "
                                   f"(got {off} + {size} = {off + size})")
-        import cupy  # noqa: WPS433
+        import cupy
 
         mem = cupy.cuda.UnownedMemory(self.peer_ptrs[r] + off, size, self, self.device)
         try:
@@ -716,9 +716,9 @@ class SymmetricHeap(Resource):
         super().close()
 
     def _close(self) -> None:
-        import cupy  # noqa: WPS433
+        import cupy
 
-        errors: List[BaseException] = []
+        errors: list[BaseException] = []
         with cupy.cuda.Device(self.device):
             try:
                 cupy.cuda.runtime.deviceSynchronize()
@@ -753,7 +753,7 @@ class SymmetricHeap(Resource):
 
     # ------------------------------------------------------------------ test hook
     @classmethod
-    def _unbacked(cls, nbytes: int, world_size: int = 1, rank: int = 0) -> "SymmetricHeap":
+    def _unbacked(cls, nbytes: int, world_size: int = 1, rank: int = 0) -> SymmetricHeap:
         """An open heap object with no memory behind it, for testing :meth:`view` and
         :meth:`reserve` argument checks on machines without a GPU. Never pass its views to a
         kernel, and do not call :meth:`close` on it (set ``_closed`` instead)."""

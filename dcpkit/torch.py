@@ -54,7 +54,7 @@ dcpkit op it used is closed.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 from . import _torch_registry as _reg
 from ._arrays import array_key
@@ -67,7 +67,7 @@ __all__ = ["to_cupy", "from_cupy", "cupy_stream", "TorchOps", "register_custom_o
 def _torch():
     """The torch module, or MissingDependency naming the ``torch`` extra."""
     try:
-        import torch  # noqa: WPS433 (absolute: the real torch, not this module)
+        import torch
     except ImportError as e:
         raise MissingDependency("torch", "torch", str(e)) from None
     return torch
@@ -75,15 +75,15 @@ def _torch():
 
 def _cupy():
     try:
-        import cupy  # noqa: WPS433
+        import cupy
     except ImportError as e:
-        from ._cuda import cuda_extra  # noqa: WPS433
+        from ._cuda import cuda_extra
 
         raise MissingDependency("cupy", cuda_extra(), str(e)) from None
     return cupy
 
 
-def supported_dtypes() -> Tuple:
+def supported_dtypes() -> tuple:
     """The torch dtypes that cross into CuPy: float16, bfloat16, float32, float64 and the
     integer types (float8 tensors: pass ``t.view(torch.uint8)``)."""
     torch = _torch()
@@ -96,7 +96,7 @@ def _type_name(x) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def _check_tensor(t, name: str, device: Optional[int]) -> None:
+def _check_tensor(t, name: str, device: int | None) -> None:
     torch = _torch()
     if not isinstance(t, torch.Tensor):
         raise InvalidType(f"dcpkit.torch: {name} must be a torch.Tensor (got {_type_name(t)})")
@@ -112,7 +112,7 @@ def _check_tensor(t, name: str, device: Optional[int]) -> None:
                           f"pass float8 tensors as t.view(torch.uint8)")
 
 
-def to_cupy(t, *, name: str = "tensor", device: Optional[int] = None):
+def to_cupy(t, *, name: str = "tensor", device: int | None = None):
     """A CuPy array sharing ``t``'s memory (DLPack, no copy; bfloat16 included).
 
     Parameters
@@ -144,7 +144,7 @@ def to_cupy(t, *, name: str = "tensor", device: Optional[int] = None):
     _check_tensor(t, name, device)
     a = _cupy().from_dlpack(t.detach())
     if a.size and a.data.ptr != t.data_ptr():  # a consumer that ignored DLPack's byte_offset
-        from .errors import DcpkitError  # noqa: WPS433
+        from .errors import DcpkitError
 
         raise DcpkitError(f"dcpkit.torch: {name} data pointer must survive the DLPack import "
                           f"(got {a.data.ptr:#x} for data_ptr() {t.data_ptr():#x}: the "
@@ -177,14 +177,14 @@ class _StreamHandle:
         return (0, self.ptr)
 
 
-def cupy_stream(device: Optional[int] = None):
+def cupy_stream(device: int | None = None):
     """torch's current stream on ``device`` (default: torch's current device) as a CuPy
     stream object (no new stream is created; the handle is shared)."""
     torch = _torch()
     return _wrap_stream(torch.cuda.current_stream(device).cuda_stream, device)
 
 
-def _wrap_stream(ptr: int, device: Optional[int]):
+def _wrap_stream(ptr: int, device: int | None):
     """A CuPy stream object over the stream handle ``ptr`` (no new stream)."""
     cupy = _cupy()
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
@@ -230,19 +230,19 @@ class TensorConverter:
         :func:`to_cupy`).
     """
 
-    __slots__ = ("device", "max_entries", "_arrays", "_check", "_np", "hits", "misses")
+    __slots__ = ("_arrays", "_check", "_np", "device", "hits", "max_entries", "misses")
 
-    def __init__(self, device: Optional[int] = None, max_entries: int = 256, check=None):
+    def __init__(self, device: int | None = None, max_entries: int = 256, check=None):
         self.device = device
         self.max_entries = int(max_entries)
-        self._arrays: Dict[tuple, Any] = {}
+        self._arrays: dict[tuple, Any] = {}
         self._check = check or _check_tensor
         self._np = None
         self.hits = self.misses = 0
 
     def _dtype(self, t):
         if self._np is None:
-            from .reference import resolve_dtype  # noqa: WPS433
+            from .reference import resolve_dtype
 
             self._np = {d: resolve_dtype(str(d).replace("torch.", ""))
                         for d in supported_dtypes()}
@@ -284,7 +284,7 @@ _NEXT_HANDLE = _reg.NEXT_HANDLE
 _LOCK = _reg.LOCK
 
 
-def _lookup(handle: int, op: str) -> "TorchOps":
+def _lookup(handle: int, op: str) -> TorchOps:
     ref = _REGISTRY.get(int(handle))
     obj = ref() if ref is not None else None
     if obj is None or obj.closed:
@@ -346,7 +346,7 @@ _SCHEMAS = {
 }
 
 
-def register_custom_ops() -> Dict[str, Any]:
+def register_custom_ops() -> dict[str, Any]:
     """Register ``dcpkit::q_gather``, ``dcpkit::kv_gather`` and ``dcpkit::lse_reduce`` with
     ``torch.library.custom_op`` (once per process; :class:`TorchOps` calls it).
 
@@ -427,8 +427,8 @@ class TorchOps:
         self.device = int(target.device)
         self._custom_ops = register_custom_ops()
         self._conv = TensorConverter(self.device)
-        self._streams: Dict[int, Any] = {}       # stream handle -> CuPy stream object
-        self._results: Dict[tuple, Any] = {}     # result description -> torch tensor
+        self._streams: dict[int, Any] = {}       # stream handle -> CuPy stream object
+        self._results: dict[tuple, Any] = {}     # result description -> torch tensor
         self._raw_stream = _raw_stream_fn()
         self._closed = True
         with _LOCK:
@@ -450,7 +450,7 @@ class TorchOps:
         with _LOCK:
             _REGISTRY.pop(self.handle, None)
 
-    def __enter__(self) -> "TorchOps":
+    def __enter__(self) -> TorchOps:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -491,7 +491,7 @@ class TorchOps:
             self._results[key] = t
         return t.detach()
 
-    def _invoke(self, op: str, args, kwargs: Dict[str, Any]):
+    def _invoke(self, op: str, args, kwargs: dict[str, Any]):
         """Run ``op`` on torch's current stream with every tensor described as a CuPy array;
         convert the result back (returning the caller's tensors where they were the
         destinations)."""

@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     if have_torch:
         tsync = torch.cuda.current_stream(dev).synchronize
 
-        def sync():  # noqa: F811 - both streams (TorchOps runs on torch's)
+        def sync():
             cupy.cuda.get_current_stream().synchronize()
             tsync()
     results = {}

@@ -33,11 +33,11 @@ import pstats
 import sys
 import time
 import types
-from typing import Callable, Dict, List, Tuple
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 #: The DCP decode geometry of the GPU benchmark (H = 128, D_q = 576, D_v = 512, bf16), at W=2.
 W, RANK, T_MAX, T = 2, 0, 8, 1
@@ -56,7 +56,7 @@ class Recorder:
 
     def __init__(self):
         self.count = 0
-        self.last: Tuple = ()
+        self.last: tuple = ()
 
     def function(self, grid, block, args, shared_mem=0, stream=None):  # a cupy Function
         self.count += 1
@@ -147,7 +147,7 @@ def stub_workspace(ws, stream, rec: Recorder, *, rank: int = RANK, world_size: i
     if ws.op_name == "lse_reduce":
         T_max, H_r = ws.max_tokens, ws.heads_per_rank
         ws._cupy = _cupy_shim(stream)
-        ws._fn = {dt: rec.function for dt in _float_dtypes()}
+        ws._fn = dict.fromkeys(_float_dtypes(), rec.function)
         ws._head_args = [ws._proto[u] + (ws.peer_data_ptr(u), np.uint64(ws.slot_bytes),
                                          np.uint64(ws._lse_offset), np.int32(T_max))
                          for u in range(U)]
@@ -283,7 +283,7 @@ def torch_on_cpu(stream):
             setattr(dt, n, v)
 
 
-def paths(stream, rec: Recorder) -> Dict[str, Tuple[Callable[[], object], int]]:
+def paths(stream, rec: Recorder) -> dict[str, tuple[Callable[[], object], int]]:
     """Row name -> (a zero-argument call of that path, which launches once; the data pointer
     of its first input, which the launch must receive)."""
     qg, kg, lr = build_ops(stream, rec)
@@ -350,11 +350,11 @@ def measure(fn: Callable[[], object], calls: int, clock: str = "thread") -> np.n
     return out / 1e3
 
 
-def run(calls: int = 20000, *, profile_calls: int = 0, clock: str = "thread") -> Dict[str, dict]:
+def run(calls: int = 20000, *, profile_calls: int = 0, clock: str = "thread") -> dict[str, dict]:
     """Every row: ``{"median_us", "p90_us", "calls", "launches", "last_launch", "input_ptr"[,
     "profile"]}``. ``launches`` is how many times the stubbed launch ran during the timed calls;
     ``last_launch`` is ``(kind, grid, kernel arguments, stream)`` of the last one."""
-    rows: Dict[str, dict] = {}
+    rows: dict[str, dict] = {}
     rec = Recorder()
     stream = _cpu_stream()
     with torch_on_cpu(stream):
@@ -382,7 +382,7 @@ def run(calls: int = 20000, *, profile_calls: int = 0, clock: str = "thread") ->
     return rows
 
 
-def table(rows: Dict[str, dict]) -> str:
+def table(rows: dict[str, dict]) -> str:
     lines = [f"{'path (CPU, launch stubbed)':32s} {'median us':>10s} {'p90 us':>10s} "
              f"{'calls':>8s}"]
     for name, r in rows.items():
@@ -390,7 +390,7 @@ def table(rows: Dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: List[str] = None) -> int:
+def main(argv: list[str] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=20000)
     ap.add_argument("--profile", default=None, help="write cProfile tables of every row here")

@@ -13,7 +13,8 @@ import math
 import os
 import re
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from .common import ALL_MODES, ALL_OPS, ALL_PATHS, GEOMETRY, KiB, MiB
 
@@ -33,7 +34,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
 class BenchParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line on stderr (exit status 2), no usage block."""
 
-    def error(self, message: str):  # noqa: D401 - argparse's hook
+    def error(self, message: str):
         sys.stderr.write(f"{self.prog}: {message} (see {self.prog} --help)\n")
         sys.exit(2)
 
@@ -107,8 +108,8 @@ def _positive_float(hi: float, unit: str) -> Callable[[str], float]:
     return parse
 
 
-def _csv(allowed: Sequence[str]) -> Callable[[str], List[str]]:
-    def parse(text: str) -> List[str]:
+def _csv(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
         items = [t.strip() for t in text.split(",") if t.strip()]
         bad = [t for t in items if t not in allowed]
         if bad or not items:
@@ -119,7 +120,7 @@ def _csv(allowed: Sequence[str]) -> Callable[[str], List[str]]:
     return parse
 
 
-def _int_list(text: str) -> List[int]:
+def _int_list(text: str) -> list[int]:
     try:
         v = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
@@ -192,7 +193,7 @@ def build_parser() -> BenchParser:
     return p
 
 
-def _out_file_problem(path: str) -> Optional[str]:
+def _out_file_problem(path: str) -> str | None:
     if os.path.isdir(path):
         return "is a directory"
     d = os.path.dirname(os.path.abspath(path))
@@ -227,7 +228,7 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
                      f"{min_bytes})")
 
 
-def resolve_config(args: argparse.Namespace) -> Dict[str, Any]:
+def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
     """Every setting of a run, defaults filled in (``--quick`` shrinks them).
 
     Raises

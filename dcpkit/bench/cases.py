@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -12,7 +12,7 @@ from .stats import geometry_bytes
 __all__ = ["cases_for", "host_inputs"]
 
 
-def cases_for(op: str, cfg: Dict[str, Any], world_size: int) -> List[Dict[str, Any]]:
+def cases_for(op: str, cfg: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
     """The cases (sizes) of ``op``: a geometry each, with its byte counts."""
     g = cfg["geometry"]
     base = {"H": g["H"], "D": g["D"], "D_v": g["D_v"], "D_kv": g["D_kv"], "itemsize": 2}
@@ -39,8 +39,8 @@ def cases_for(op: str, cfg: Dict[str, Any], world_size: int) -> List[Dict[str, A
     return out
 
 
-def host_inputs(op: str, geom: Dict[str, Any], rank: int, world_size: int, seed: int,
-                finite: bool) -> Tuple[Dict[str, np.ndarray], List[Tuple[str, np.ndarray, Any]]]:
+def host_inputs(op: str, geom: dict[str, Any], rank: int, world_size: int, seed: int,
+                finite: bool) -> tuple[dict[str, np.ndarray], list[tuple[str, np.ndarray, Any]]]:
     """This rank's inputs of one case and the references of its outputs, on the host.
 
     Every rank rebuilds every peer's input from ``(seed, peer)`` (:func:`make_inputs`) and keeps
@@ -49,7 +49,7 @@ def host_inputs(op: str, geom: Dict[str, Any], rank: int, world_size: int, seed:
     References: ``("bits", uint view)`` for data movement, ``("close", float32, tol)`` for the
     merge.
     """
-    from .. import reference as ref  # noqa: WPS433
+    from .. import reference as ref
 
     W, T = world_size, int(geom["T"])
     dt = ref.resolve_dtype(geom.get("dtype", "bfloat16"))

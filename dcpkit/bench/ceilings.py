@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any
 
 from .common import StageFailed
 from .report import fmt_bytes
@@ -14,10 +14,10 @@ from .stats import max_over_ranks, median
 __all__ = ["measure_ceilings"]
 
 
-def measure_ceilings(ctx: Ctx) -> Dict[str, Any]:
+def measure_ceilings(ctx: Ctx) -> dict[str, Any]:
     """One-way latency, egress bandwidth and launch costs, measured now (see module doc)."""
     cfg, dev, W = ctx.cfg, ctx.dev, ctx.world
-    c: Dict[str, Any] = {"errors": []}
+    c: dict[str, Any] = {"errors": []}
     R = int(cfg["round_trips"])
     try:
         per = stage(ctx, "ceilings: ping-pong",

@@ -9,7 +9,8 @@ import os
 import shlex
 import sys
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
+from collections.abc import Sequence
 
 from ..errors import DcpkitError, MissingDependency
 from . import markdown
@@ -61,7 +62,7 @@ def render_command(args: argparse.Namespace) -> str:
 
 
 def _load(paths: Sequence[str], out_dir: str, what: str = ""
-          ) -> Tuple[List[Dict[str, Any]], Dict[Any, str]]:
+          ) -> tuple[list[dict[str, Any]], dict[Any, str]]:
     results, plots = [], {}
     for path in paths:
         try:
@@ -140,7 +141,7 @@ def render_md_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``dcpkit bench`` (``python -m dcpkit bench`` / ``python -m dcpkit.bench``); returns the
     exit status: 0 all correct, 1 errors or wrong results, 2 usage (every usage error is one
     line on stderr, before any MPI or GPU work)."""
@@ -154,7 +155,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = resolve_config(args)
     except argparse.ArgumentTypeError as e:
         parser.error(str(e))
-    from ..comm import Communicator  # noqa: WPS433
+    from ..comm import Communicator
 
     try:
         with warnings.catch_warnings():
@@ -176,7 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as e:  # noqa: BLE001 - no CuPy, no driver, no GPU: say so, no traceback
         # Without libcuda CuPy says cudaErrorInsufficientDriver (a version mismatch): name the
         # real cause with dcpkit info's driver probe.
-        from ..info import no_driver_reason  # noqa: WPS433
+        from ..info import no_driver_reason
 
         why = no_driver_reason() or f"{type(e).__name__}: {e}"
         print(f"dcpkit bench: rank {comm.rank}: no usable GPU ({why}); the benchmark needs a GPU "

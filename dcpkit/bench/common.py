@@ -4,7 +4,7 @@ the JSON schema, the errors of a run, and small text helpers."""
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +50,7 @@ class StageFailed(DcpkitError):
     errors : dict rank -> message
     """
 
-    def __init__(self, what: str, errors: Dict[int, str]):
+    def __init__(self, what: str, errors: dict[int, str]):
         self.what = what
         self.errors = dict(errors)
         detail = "; ".join(f"rank {r}: {short(m)}" for r, m in sorted(self.errors.items()))

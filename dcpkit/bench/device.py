@@ -8,7 +8,8 @@ import contextlib
 import math
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class DeviceBase:
         d = self.xp.empty(tuple(shape), dtype=uint_dtype(dt.itemsize))
         return d if dt == np.dtype(uint_dtype(dt.itemsize)) else d.view(dt)
 
-    def pci_bus_id(self) -> Optional[str]:
+    def pci_bus_id(self) -> str | None:
         """The PCI bus id of this rank's GPU; None where unknown (then it is never counted as
         shared with another rank's)."""
         return None
@@ -68,7 +69,7 @@ class DeviceBase:
     def sync_null(self) -> None:
         """Wait for work issued on the current stream (no-op for host arrays)."""
 
-    def compare(self, outs, refs) -> Dict[str, Any]:
+    def compare(self, outs, refs) -> dict[str, Any]:
         """Compare op outputs with references.
 
         ``refs`` holds ``("bits", ref_uint_view, None)`` (bit-exact) or ``("close", ref_f32,
@@ -125,8 +126,8 @@ class CupyDevice(DeviceBase):
     the ping-pong.
     """
 
-    def __init__(self, comm, cfg: Dict[str, Any]):
-        import cupy  # noqa: WPS433
+    def __init__(self, comm, cfg: dict[str, Any]):
+        import cupy
 
         self.cupy = cupy
         self.xp = cupy
@@ -140,8 +141,8 @@ class CupyDevice(DeviceBase):
         self.timeout_ns = int(cfg["timeout_ms"] * 1e6)
         self.hang_s = float(cfg["hang_s"])
         self.sm_count = cupy.cuda.runtime.getDeviceProperties(self.device)["multiProcessorCount"]
-        self._streams: List[Any] = []
-        self._owners: List[Any] = []
+        self._streams: list[Any] = []
+        self._owners: list[Any] = []
         self._ev_b = cupy.cuda.Event(disable_timing=True)
         self._ev0 = cupy.cuda.Event()
         self._ev1 = cupy.cuda.Event()
@@ -154,7 +155,7 @@ class CupyDevice(DeviceBase):
         self.stream = self.new_stream()
 
     # ------------------------------------------------------------------ facts
-    def describe(self) -> Dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         cupy = self.cupy
         props = cupy.cuda.runtime.getDeviceProperties(self.device)
         name = props["name"]
@@ -167,7 +168,7 @@ class CupyDevice(DeviceBase):
                "cuda_driver_api": f"{dv // 1000}.{(dv % 1000) // 10}",
                "driver": driver_version()}
         try:
-            from cupy.cuda import nccl  # noqa: WPS433
+            from cupy.cuda import nccl
 
             v = nccl.get_version()
             out["nccl"] = f"{v // 10000}.{(v % 10000) // 100}.{v % 100}" if v >= 10000 else \
@@ -176,7 +177,7 @@ class CupyDevice(DeviceBase):
             out["nccl"] = None
         return out
 
-    def pci_bus_id(self) -> Optional[str]:
+    def pci_bus_id(self) -> str | None:
         return str(self.cupy.cuda.runtime.deviceGetPCIBusId(self.device))
 
     # ------------------------------------------------------------------ streams and waits
@@ -225,8 +226,8 @@ class CupyDevice(DeviceBase):
     # ------------------------------------------------------------------ setup and barrier
     def setup(self) -> None:
         """Collective (run inside a stage): compile the ceilings kernels, build the sync heap."""
-        from .. import jit  # noqa: WPS433
-        from ..symmetric import SymmetricHeap  # noqa: WPS433
+        from .. import jit
+        from ..symmetric import SymmetricHeap
 
         cupy = self.cupy
         # the loaded functions (what the ops launch too: the launch cost measured is theirs)
@@ -234,7 +235,7 @@ class CupyDevice(DeviceBase):
         self._k_egress = jit.get_kernel("ceilings.cu", "dcpkit::egress_kernel").kernel
         self._k_bar = jit.get_kernel("ceilings.cu", "dcpkit::barrier_kernel").kernel
         if not self._status_ptr:
-            import ctypes  # noqa: WPS433
+            import ctypes
 
             flags = cupy.cuda.runtime.hostAllocMapped | cupy.cuda.runtime.hostAllocPortable
             self._status_ptr = cupy.cuda.runtime.hostAlloc(64, flags)
@@ -316,7 +317,7 @@ class CupyDevice(DeviceBase):
         return (lambda: graph.launch(stream=stream)), last
 
     # ------------------------------------------------------------------ ceilings
-    def pingpong(self, round_trips: int, repeats: int) -> Optional[List[Dict[str, float]]]:
+    def pingpong(self, round_trips: int, repeats: int) -> list[dict[str, float]] | None:
         """Ranks 0 and 1 bounce a signal ``round_trips`` times per launch, ``repeats`` timed
         launches after one warm-up launch. Returns, on ranks 0 and 1, per launch the event time
         (µs) and the in-kernel %globaltimer time of the round trips after the first ``warm``."""
@@ -357,7 +358,7 @@ class CupyDevice(DeviceBase):
     def egress_setup(self, slice_bytes: int) -> None:
         """Collective: a heap of ``world_size`` slices; this rank's source filled with a
         pattern."""
-        from ..symmetric import SymmetricHeap  # noqa: WPS433
+        from ..symmetric import SymmetricHeap
 
         cupy = self.cupy
         heap = SymmetricHeap(self.comm, self.world * slice_bytes, multicast=False)
@@ -376,7 +377,7 @@ class CupyDevice(DeviceBase):
         self._k_egress((grid,), (block,), (src, dst, np.int32(self.rank), np.int32(self.world),
                                            np.uint64(nvec)), stream=stream)
 
-    def egress_run(self, samples: int) -> List[float]:
+    def egress_run(self, samples: int) -> list[float]:
         """Time ``samples`` egress launches (after two warm-up launches); µs each."""
         s = self.stream
         nvec = self._egress["slice"] // 16
@@ -408,7 +409,7 @@ class CupyDevice(DeviceBase):
             e["heap"].close()
         self.free_memory()
 
-    def launch_costs(self, samples: int) -> Dict[str, float]:
+    def launch_costs(self, samples: int) -> dict[str, float]:
         """Median cost of an empty kernel: per eager launch (200 back to back) and per kernel in
         a graph of 20 (10 replays). Local: no cross-rank work besides the barrier."""
         s = self.stream

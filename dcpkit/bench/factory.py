@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 from .floor import FloorRunner
 from .peers import NvshmemRunner
@@ -19,7 +19,7 @@ FAMILIES = {"direct": DirectRunner, "direct-pull": DirectRunner, "multicast": Di
 
 
 def make_runner(ctx: Ctx, op: str, path: str, max_tokens: int,
-                variant: Optional[str] = None) -> Runner:
+                variant: str | None = None) -> Runner:
     """The runner of ``op`` on ``path`` (the sweep's default factory)."""
     if op == "decode_layer":
         return DecodeRunner(ctx, op, path, max_tokens,
@@ -29,14 +29,14 @@ def make_runner(ctx: Ctx, op: str, path: str, max_tokens: int,
 
 def _multicast_allowed() -> bool:
     try:
-        from ..multicast import multicast_decision  # noqa: WPS433
+        from ..multicast import multicast_decision
 
         return bool(multicast_decision(None, os.environ, lambda: True)[0])
     except Exception:  # noqa: BLE001 - no guard module: never
         return False
 
 
-def local_paths(ctx: Ctx) -> List[str]:
+def local_paths(ctx: Ctx) -> list[str]:
     """The paths this rank can run (agreed across ranks by the caller). nvshmem stays even
     without nvshmem4py: its rows then record why (the peer must be visibly missing)."""
     out = []
@@ -49,7 +49,7 @@ def local_paths(ctx: Ctx) -> List[str]:
     return out
 
 
-def paths_for(op: str, paths: Sequence[str]) -> List[str]:
+def paths_for(op: str, paths: Sequence[str]) -> list[str]:
     """The paths that apply to ``op`` (pull is a kv_gather algorithm; lse_reduce has no
     multicast variant)."""
     out = []

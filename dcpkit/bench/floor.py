@@ -13,7 +13,7 @@ completed; a timed-out wait counts as wrong).
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +30,7 @@ def _grid(total: int, per_cta: int, max_ctas: int) -> int:
     return max(1, min(int(max_ctas), -(-int(total) // max(1, int(per_cta)))))
 
 
-def estimate_ctas(op: str, geom: Dict[str, Any], world_size: int, max_ctas: int,
+def estimate_ctas(op: str, geom: dict[str, Any], world_size: int, max_ctas: int,
                   op_obj: Any = None) -> int:
     """The CTAs of one launch of ``op`` at ``geom["T"]``: ``op_obj.ctas_for(T)`` where the op
     has it, else the ops' own grid rules (gathers: one CTA per ``vectors_per_cta`` 16-byte
@@ -48,7 +48,7 @@ def estimate_ctas(op: str, geom: Dict[str, Any], world_size: int, max_ctas: int,
         return _grid(T * int(geom["D_kv"]) * itemsize // 16, per, max_ctas)
     if op == "lse_reduce":
         try:
-            from ..ops.lse_reduce import WARPS_PER_CTA as warps  # noqa: WPS433
+            from ..ops.lse_reduce import WARPS_PER_CTA as warps
         except ImportError:  # pragma: no cover - the op's module always defines it
             warps = 8
         return _grid(W * T * (int(geom["H"]) // W), warps, max_ctas)
@@ -68,8 +68,8 @@ class FloorRunner(Runner):
     family = "floor"
 
     def build(self) -> None:
-        from .. import jit  # noqa: WPS433
-        from ..symmetric import SymmetricHeap  # noqa: WPS433
+        from .. import jit
+        from ..symmetric import SymmetricHeap
 
         ctx, dev, W = self.ctx, self.dev, self.ctx.world
         xp = dev.xp

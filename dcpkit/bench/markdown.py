@@ -13,7 +13,8 @@ Pure Python: CPU tests render synthetic results.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from .report import case_label as _case
 from .report import fmt_bytes, one_line as _one_line, path_label, render_table
@@ -28,7 +29,7 @@ __all__ = ["render_markdown", "analyse_missed", "gpu_label", "before_after"]
 SHARED_LABEL = "ranks share one GPU under MPS; no NVLink"
 
 
-def _f(v: Optional[float], spec: str = ".2f") -> str:
+def _f(v: float | None, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
@@ -108,7 +109,7 @@ def _md_escape(s: Any) -> str:
     return str(s).replace("|", "\\|")
 
 
-def _targets_md(items: Sequence[Mapping[str, Any]]) -> List[str]:
+def _targets_md(items: Sequence[Mapping[str, Any]]) -> list[str]:
     out = ["| target | op | case | path | mode | measured | limit | result |",
            "|---|---|---|---|---|---|---|---|"]
     for it in items:
@@ -138,7 +139,7 @@ def gpu_label(res: Mapping[str, Any]) -> str:
     return "unknown"
 
 
-def _shared(res: Mapping[str, Any]) -> Optional[bool]:
+def _shared(res: Mapping[str, Any]) -> bool | None:
     meta = res.get("meta") or {}
     if meta.get("ranks_share_gpu") is not None:
         return meta["ranks_share_gpu"]
@@ -157,7 +158,7 @@ def _normalize(res: Mapping[str, Any]) -> Mapping[str, Any]:
     return out
 
 
-def _targets_of(res: Mapping[str, Any]) -> List[Dict[str, Any]]:
+def _targets_of(res: Mapping[str, Any]) -> list[dict[str, Any]]:
     items = res.get("targets")
     if items and all("target" in i for i in items):
         return list(items)
@@ -168,7 +169,7 @@ def _key(r: Mapping[str, Any]):
     return case_key(r) + (r["path"], r.get("variant"))
 
 
-def before_after(cur: Mapping[str, Any], base: Mapping[str, Any]) -> List[str]:
+def before_after(cur: Mapping[str, Any], base: Mapping[str, Any]) -> list[str]:
     """A table of the rows present in both runs: median before, after, and after / before."""
     old = {_key(r): r for r in base.get("rows") or []
            if not r.get("error") and r.get("median_us") is not None}
@@ -190,8 +191,8 @@ def before_after(cur: Mapping[str, Any], base: Mapping[str, Any]) -> List[str]:
     return out
 
 
-def render_markdown(results: Sequence[Mapping[str, Any]], *, notes: Optional[str] = None,
-                    plots: Optional[Mapping[int, str]] = None, command: Optional[str] = None,
+def render_markdown(results: Sequence[Mapping[str, Any]], *, notes: str | None = None,
+                    plots: Mapping[int, str] | None = None, command: str | None = None,
                     baselines: Sequence[Mapping[str, Any]] = ()) -> str:
     """BENCHMARKS.md from the JSON of one or more runs (one per world size).
 

@@ -10,14 +10,15 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
 __all__ = ["git_commit", "driver_version", "pkg_version", "first_version", "command_line",
            "collect_meta"]
 
-def git_commit() -> Tuple[str, Optional[bool]]:
+def git_commit() -> tuple[str, bool | None]:
     """``(commit, dirty)``: ``DCPKIT_COMMIT`` when set (scripts/gpu_suite.sh sets it: a copy of
     the checkout on another machine may carry a stale git state), else ``git rev-parse``."""
     if os.environ.get("DCPKIT_COMMIT"):
@@ -35,7 +36,7 @@ def git_commit() -> Tuple[str, Optional[bool]]:
     return os.environ.get("DCPKIT_COMMIT", "unknown"), None
 
 
-def driver_version() -> Optional[str]:
+def driver_version() -> str | None:
     try:
         with open("/proc/driver/nvidia/version") as f:
             m = re.search(r"Kernel Module\s+(?:for\s+\S+\s+)?([\d.]+)", f.read())
@@ -53,16 +54,16 @@ def driver_version() -> Optional[str]:
     return None
 
 
-def pkg_version(name: str) -> Optional[str]:
+def pkg_version(name: str) -> str | None:
     try:
-        from importlib import metadata  # noqa: WPS433
+        from importlib import metadata
 
         return metadata.version(name)
     except Exception:  # noqa: BLE001 - not installed
         return None
 
 
-def first_version(*names: str) -> Optional[str]:
+def first_version(*names: str) -> str | None:
     for n in names:
         v = pkg_version(n)
         if v:
@@ -85,7 +86,7 @@ def command_line(world_size: int, argv: Sequence[str]) -> str:
     return f"mpirun -np {world_size} python -m dcpkit bench " + " ".join(out)
 
 
-def collect_meta(ctx, argv: Sequence[str]) -> Dict[str, Any]:
+def collect_meta(ctx, argv: Sequence[str]) -> dict[str, Any]:
     from .. import __version__
 
     commit, dirty = git_commit()

@@ -20,7 +20,7 @@ supported with limited MPG") unless each rank's share is set: the runner refuses
 from __future__ import annotations
 
 import os
-from typing import Any, Dict
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +29,8 @@ from .runners import Runner
 
 __all__ = ["NvshmemRunner", "mps_share_problem", "finalize_nvshmem"]
 
-_MPS_VARS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+_MPS_VARS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+             "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
 
 
 def mps_share_problem(shared_gpu, world_size: int, env=os.environ):
@@ -44,7 +45,7 @@ def mps_share_problem(shared_gpu, world_size: int, env=os.environ):
 
 def finalize_nvshmem(comm) -> bool:
     """End NVSHMEM if this run started it (collective); False when it was not running."""
-    from .. import _nvshmem  # noqa: WPS433
+    from .. import _nvshmem
 
     if not all(comm.allgather(_nvshmem.is_initialized())):
         return False
@@ -66,13 +67,13 @@ class NvshmemRunner(Runner):
     family = "nvshmem"
 
     def build(self) -> None:
-        from .. import _nvshmem  # noqa: WPS433
+        from .. import _nvshmem
 
         why = mps_share_problem(getattr(self.ctx, "shared_gpu", None), self.ctx.world)
         if why:
             raise DcpkitError(f"nvshmem: {why}")
         self.nv = _nvshmem.load()
-        import nvshmem.bindings as bindings  # noqa: WPS433 - present when nvshmem.core loads
+        import nvshmem.bindings as bindings
 
         self.bindings = bindings
         self.team = self.nv.Teams.TEAM_WORLD
@@ -89,7 +90,7 @@ class NvshmemRunner(Runner):
             raise DcpkitError(f"nvshmem: {dtype}_{name}_on_stream returned {rc}")
 
     def _heap(self, nbytes: int):
-        from ..symmetric import SymmetricHeap  # noqa: WPS433
+        from ..symmetric import SymmetricHeap
 
         T = self.case["T"]
         if self.heap is not None and self.heap_T == T:
@@ -105,12 +106,12 @@ class NvshmemRunner(Runner):
 
     def bind(self, inp, case, refs=None) -> None:
         super().bind(inp, case, refs)
-        from ..reference import resolve_dtype  # noqa: WPS433
+        from ..reference import resolve_dtype
 
         g, W, T = self.geom, self.ctx.world, int(case["T"])
         dt = resolve_dtype(g["dtype"])
         isz = dt.itemsize
-        self.v: Dict[str, Any] = {}
+        self.v: dict[str, Any] = {}
         if self.op in ("q_gather", "kv_gather"):
             row = (g["H"] // W) * g["D"] if self.op == "q_gather" else g["D_kv"]
             n = T * row
@@ -141,7 +142,7 @@ class NvshmemRunner(Runner):
             self.o_in = inp["out_partial"].view(np.uint16).reshape(T, W, Hr, Dv)
             self.l_in = inp["lse_partial"].reshape(T, W, Hr)
             self.out = self.dev.empty((T, Hr, Dv), dt)
-            from ..ops.lse_reduce import lse_combine  # noqa: WPS433
+            from ..ops.lse_reduce import lse_combine
 
             self.lse_combine = lse_combine
             self.no, self.nl = T * Hr * Dv, T * Hr

@@ -8,7 +8,8 @@ results. Everything reads the JSON form of the rows (:meth:`BenchRow.to_json`).
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from .targets import target_summary
 
@@ -20,7 +21,7 @@ _PATH_ORDER = {"direct": 0, "direct-pull": 1, "multicast": 2, "floor": 3, "nvshm
 _OP_ORDER = {"q_gather": 0, "lse_reduce": 1, "kv_gather": 2, "decode_layer": 3}
 
 
-def fmt_bytes(n: Optional[float]) -> str:
+def fmt_bytes(n: float | None) -> str:
     """``4 KiB``, ``36 KiB``, ``1.5 MiB``, ``256 MiB``; ``-`` for None."""
     if n is None:
         return "-"
@@ -32,7 +33,7 @@ def fmt_bytes(n: Optional[float]) -> str:
     return f"{n:.0f} B"
 
 
-def _f(v: Optional[float], spec: str = ".2f") -> str:
+def _f(v: float | None, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
@@ -102,7 +103,7 @@ def _case(item: Mapping[str, Any]) -> str:
     return "-"
 
 
-def _value(item: Mapping[str, Any], v: Optional[float]) -> str:
+def _value(item: Mapping[str, Any], v: float | None) -> str:
     if v is None:
         return "-"
     m = item["metric"]
@@ -119,7 +120,7 @@ def _status(item: Mapping[str, Any]) -> str:
     return {True: "met", False: "MISSED", None: "n/a"}[item["met"]]
 
 
-def render_targets(items: Sequence[Mapping[str, Any]], world_size: Optional[int] = None) -> str:
+def render_targets(items: Sequence[Mapping[str, Any]], world_size: int | None = None) -> str:
     """The targets table (plain text): one line per (target, row), met / MISSED / n/a with the
     measured value and the limit, then the counts."""
     lines = []
@@ -131,7 +132,7 @@ def render_targets(items: Sequence[Mapping[str, Any]], world_size: Optional[int]
         lim = "-" if it["limit"] is None else f"{it['sense']} {_value(it, it['limit'])}"
         note = f"  ({it['note']})" if it.get("note") else ""
         lines.append(f" {it['target']:<26} {it['op']:<12} {_case(it):>13} "
-                     f"{str(it['path'] or '-'):<11} {it['mode']:<5} "
+                     f"{it['path'] or '-'!s:<11} {it['mode']:<5} "
                      f"{_value(it, it['value']):>10} {lim:>12} {_status(it)}{note}")
     s = target_summary(items)
     lines.append(f"# targets: {s['met']} met, {s['missed']} missed, {s['not_measured']} not "
@@ -171,17 +172,17 @@ status_text = _status
 _PLOT_OPS = ("q_gather", "lse_reduce", "kv_gather")
 
 
-def plot_results(result: Mapping[str, Any], path: str, dpi: int = 80) -> Optional[str]:
+def plot_results(result: Mapping[str, Any], path: str, dpi: int = 80) -> str | None:
     """Draw latency vs size and bus bandwidth vs size (one line per path and mode, the floor and
     the egress ceiling dashed), one row of two panels per op, into a PNG at ``path``.
 
     Returns None on success, or the reason no plot was drawn (matplotlib missing, no rows).
     """
     try:
-        import matplotlib  # noqa: WPS433
+        import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: WPS433
+        import matplotlib.pyplot as plt
     except ImportError as e:
         return f"matplotlib is not installed ({e}): no plot drawn"
     rows = [r for r in result.get("rows") or [] if not r.get("error")

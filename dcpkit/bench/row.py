@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any
+from collections.abc import Mapping
 
 __all__ = ["BenchRow", "case_key"]
 
@@ -77,44 +78,44 @@ class BenchRow:
     op: str
     path: str
     mode: str
-    T: Optional[int] = None
-    nominal_bytes: Optional[int] = None
+    T: int | None = None
+    nominal_bytes: int | None = None
     bytes_per_rank: int = 0
     egress_bytes: int = 0
     exchanges: int = 1
-    geometry: Dict[str, Any] = field(default_factory=dict)
-    world_size: Optional[int] = None
-    variant: Optional[str] = None
-    times_us: List[float] = field(default_factory=list)
-    plan: Optional[Dict[str, int]] = None
+    geometry: dict[str, Any] = field(default_factory=dict)
+    world_size: int | None = None
+    variant: str | None = None
+    times_us: list[float] = field(default_factory=list)
+    plan: dict[str, int] | None = None
     wrong: int = 0
-    checks: List[Dict[str, Any]] = field(default_factory=list)
-    error: Optional[str] = None
-    launches_per_call: Optional[int] = None
-    ctas: Optional[int] = None
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    launches_per_call: int | None = None
+    ctas: int | None = None
     # derived
-    median_us: Optional[float] = None
-    p90_us: Optional[float] = None
-    p95_us: Optional[float] = None
-    min_us: Optional[float] = None
-    max_us: Optional[float] = None
-    mean_us: Optional[float] = None
+    median_us: float | None = None
+    p90_us: float | None = None
+    p95_us: float | None = None
+    min_us: float | None = None
+    max_us: float | None = None
+    mean_us: float | None = None
     samples: int = 0
-    algbw_GBps: Optional[float] = None
-    busbw_GBps: Optional[float] = None
-    floor_us: Optional[float] = None
-    x_floor: Optional[float] = None
-    busbw_frac: Optional[float] = None
-    floor_kernel_us: Optional[float] = None
-    x_floor_kernel: Optional[float] = None
-    speedup_vs_nccl: Optional[float] = None
-    baseline_path: Optional[str] = None
-    speedup_vs_peer: Optional[float] = None
-    peer_path: Optional[str] = None
+    algbw_GBps: float | None = None
+    busbw_GBps: float | None = None
+    floor_us: float | None = None
+    x_floor: float | None = None
+    busbw_frac: float | None = None
+    floor_kernel_us: float | None = None
+    x_floor_kernel: float | None = None
+    speedup_vs_nccl: float | None = None
+    baseline_path: str | None = None
+    speedup_vs_peer: float | None = None
+    peer_path: str | None = None
 
     @classmethod
     def for_case(cls, case: Mapping[str, Any], path: str, mode: str, world_size: int,
-                 **kw: Any) -> "BenchRow":
+                 **kw: Any) -> BenchRow:
         """A fresh row of ``case`` (a :func:`~dcpkit.bench.cases.cases_for` item)."""
         return cls(op=case["op"], path=path, mode=mode, T=case["T"],
                    nominal_bytes=case["nominal_bytes"], bytes_per_rank=case["bytes_per_rank"],
@@ -122,16 +123,16 @@ class BenchRow:
                    geometry=dict(case["geom"]), world_size=world_size, **kw)
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "BenchRow":
+    def from_json(cls, d: Mapping[str, Any]) -> BenchRow:
         """A row from its JSON (unknown keys of other versions are dropped)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         """The row as the JSON holds it (a plain dict, copies of the lists)."""
         return dataclasses.asdict(self)
 
-    def copy(self) -> "BenchRow":
+    def copy(self) -> BenchRow:
         return BenchRow.from_json(self.to_json())
 
 

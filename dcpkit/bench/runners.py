@@ -10,7 +10,7 @@ import contextlib
 import datetime
 import inspect
 import socket
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -61,27 +61,27 @@ class Runner:
     family = "base"
 
     def __init__(self, ctx: Ctx, op: str, path: str, max_tokens: int,
-                 variant: Optional[str] = None):
+                 variant: str | None = None):
         self.ctx, self.op, self.path, self.max_tokens = ctx, op, path, int(max_tokens)
         self.variant = variant
-        self.ctas: Optional[int] = None
+        self.ctas: int | None = None
         self.dev = ctx.dev
         self.geom = ctx.cfg["geometry"]
         self.stream = None
-        self.launches_per_call: Optional[int] = None
-        self.inp: Dict[str, Any] = {}
-        self.case: Dict[str, Any] = {}
+        self.launches_per_call: int | None = None
+        self.inp: dict[str, Any] = {}
+        self.case: dict[str, Any] = {}
 
     # the sweep's interface
     def build(self) -> None:
         raise NotImplementedError
 
-    def bind(self, inp: Dict[str, Any], case: Dict[str, Any], refs=None) -> None:
+    def bind(self, inp: dict[str, Any], case: dict[str, Any], refs=None) -> None:
         self.inp, self.case = inp, case
 
-    def out_specs(self) -> List[Tuple[Tuple[int, ...], Any]]:
+    def out_specs(self) -> list[tuple[tuple[int, ...], Any]]:
         g, W, T = self.geom, self.ctx.world, self.case["T"]
-        from ..reference import resolve_dtype  # noqa: WPS433
+        from ..reference import resolve_dtype
 
         dt = resolve_dtype(g["dtype"])
         if self.op == "q_gather":
@@ -130,11 +130,11 @@ class DirectRunner(Runner):
     """
 
     family = "direct"
-    call_kw: Dict[str, Any] = {}
+    call_kw: dict[str, Any] = {}
 
     def build(self) -> None:
-        from ..ops import KVGather, LseReduce, QGather  # noqa: WPS433
-        from ..reference import resolve_dtype  # noqa: WPS433
+        from ..ops import KVGather, LseReduce, QGather
+        from ..reference import resolve_dtype
 
         ctx, g = self.ctx, self.geom
         dt = resolve_dtype(g["dtype"])
@@ -146,7 +146,7 @@ class DirectRunner(Runner):
         if self.variant == "no_self_check":
             if accepts_keyword(cls, "_self_check"):
                 common["_self_check"] = False
-            elif accepts_keyword(getattr(cls, "__call__", None), "_self_check"):
+            elif accepts_keyword(getattr(cls, "__call__", None), "_self_check"):  # noqa: B004
                 self.call_kw = {"_self_check": False}
             else:
                 raise VariantUnavailable(f"{self.op}: the op has no _self_check keyword")
@@ -210,8 +210,8 @@ class NcclRunner(Runner):
     family = "nccl"
 
     def build(self) -> None:
-        from .. import fallback  # noqa: WPS433
-        from ..reference import resolve_dtype  # noqa: WPS433
+        from .. import fallback
+        from ..reference import resolve_dtype
 
         ctx, g = self.ctx, self.geom
         dt = resolve_dtype(g["dtype"])
@@ -270,8 +270,8 @@ class TorchEnv:
     """torch.distributed (NCCL) over the same ranks, started by the harness if needed."""
 
     def __init__(self, ctx: Ctx, port: int, addr: str):
-        import torch  # noqa: WPS433
-        import torch.distributed as dist  # noqa: WPS433
+        import torch
+        import torch.distributed as dist
 
         self.torch, self.dist = torch, dist
         torch.cuda.set_device(ctx.dev.device)
@@ -345,7 +345,7 @@ class TorchRunner(Runner):
             self.o_t = torch.empty(spec[0], dtype=torch.bfloat16, device=dev)
             self.o_cp = self._to_cupy(self.o_t, spec[1])
         else:
-            from ..ops.lse_reduce import lse_combine  # noqa: WPS433
+            from ..ops.lse_reduce import lse_combine
 
             self.lse_combine = lse_combine
             Hr, Dv = g["H"] // W, g["D_v"]

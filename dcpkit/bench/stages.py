@@ -8,7 +8,8 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from .common import SCHEMA, BenchHang, StageFailed, jsonable, short
 from .row import BenchRow
@@ -21,21 +22,21 @@ __all__ = ["Ctx", "stage"]
 class Ctx:
     """What one run carries around: settings, group, device, results so far."""
 
-    def __init__(self, cfg: Dict[str, Any], comm, dev, argv: Sequence[str]):
+    def __init__(self, cfg: dict[str, Any], comm, dev, argv: Sequence[str]):
         self.cfg = cfg
         self.comm = comm
         self.dev = dev
         self.argv = list(argv)
         self.rank = comm.rank
         self.world = comm.world_size
-        self.rows: List[BenchRow] = []
-        self.errors: List[str] = []
-        self.ceilings: Dict[str, Any] = {}
-        self.meta: Dict[str, Any] = {}
+        self.rows: list[BenchRow] = []
+        self.errors: list[str] = []
+        self.ceilings: dict[str, Any] = {}
+        self.meta: dict[str, Any] = {}
         self.torch_env = None
         self.nccl_group = None   # one NCCL communicator shared by the nccl path's ops
         self.peer_env = None     # NVSHMEM, started for the nvshmem path
-        self.op_objects: Dict[str, Any] = {}   # dcpkit's op of each op name (for ctas_for)
+        self.op_objects: dict[str, Any] = {}   # dcpkit's op of each op name (for ctas_for)
         self.shared_gpu = None   # whether ranks share a GPU (None: unknown)
         self.ranks_on_gpu = 1    # ranks on this rank's GPU
         self.t0 = time.monotonic()
@@ -44,7 +45,7 @@ class Ctx:
         if self.rank == 0:
             print(f"[bench {time.monotonic() - self.t0:7.1f}s] {msg}", flush=True)
 
-    def result(self) -> Dict[str, Any]:
+    def result(self) -> dict[str, Any]:
         rows = [r.to_json() for r in annotate([r.copy() for r in self.rows], self.ceilings)]
         return {"schema": SCHEMA, "meta": self.meta, "config": jsonable(self.cfg),
                 "ceilings": self.ceilings, "rows": rows,
@@ -65,7 +66,7 @@ class Ctx:
         os.replace(tmp, path)
 
 
-def stage(ctx: Ctx, what: str, fn: Callable[[], Any]) -> List[Any]:
+def stage(ctx: Ctx, what: str, fn: Callable[[], Any]) -> list[Any]:
     """Run ``fn`` on every rank, wait for the GPU, and agree on the outcome.
 
     Returns every rank's result (a list indexed by rank). Raises :class:`StageFailed` on every

@@ -28,7 +28,8 @@ algbw, busbw
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 from .common import FLOOR_PATH, NCCL_PATHS, PEER_PATHS
 from .row import BenchRow, case_key
@@ -44,11 +45,11 @@ DIRECT_PATHS = ("direct", "direct-pull", "multicast")
 
 
 # ----------------------------------------------------------------------------- statistics
-def _finite(xs: Iterable[Optional[float]]) -> List[float]:
+def _finite(xs: Iterable[float | None]) -> list[float]:
     return [float(x) for x in xs if x is not None and math.isfinite(float(x))]
 
 
-def median(xs: Iterable[Optional[float]]) -> Optional[float]:
+def median(xs: Iterable[float | None]) -> float | None:
     """The median of the finite values (mean of the middle two for an even count); None if
     there are none."""
     v = sorted(_finite(xs))
@@ -59,7 +60,7 @@ def median(xs: Iterable[Optional[float]]) -> Optional[float]:
     return v[mid] if n % 2 else 0.5 * (v[mid - 1] + v[mid])
 
 
-def percentile(xs: Iterable[Optional[float]], q: float) -> Optional[float]:
+def percentile(xs: Iterable[float | None], q: float) -> float | None:
     """The nearest-rank percentile ``q`` (0 < q <= 100) of the finite values: the smallest value
     with at least ``q`` % of the values at or below it. None if there are none."""
     if not (0.0 < q <= 100.0):
@@ -71,7 +72,7 @@ def percentile(xs: Iterable[Optional[float]], q: float) -> Optional[float]:
     return v[k - 1]
 
 
-def summarize(times_us: Sequence[Optional[float]]) -> Dict[str, Optional[float]]:
+def summarize(times_us: Sequence[float | None]) -> dict[str, float | None]:
     """``median_us``, ``p95_us``, ``min_us``, ``max_us``, ``mean_us`` and ``samples`` of the
     iteration times (µs per call)."""
     v = _finite(times_us)
@@ -85,7 +86,7 @@ def summarize(times_us: Sequence[Optional[float]]) -> Dict[str, Optional[float]]
     }
 
 
-def max_over_ranks(per_rank: Sequence[Optional[Sequence[Optional[float]]]]) -> List[float]:
+def max_over_ranks(per_rank: Sequence[Sequence[float | None] | None]) -> list[float]:
     """Iteration times: element ``i`` is the maximum over ranks of each rank's sample ``i``.
 
     ``per_rank[r]`` is rank ``r``'s list of samples, or None for a rank that took no part (the
@@ -116,14 +117,14 @@ def max_over_ranks(per_rank: Sequence[Optional[Sequence[Optional[float]]]]) -> L
 
 
 
-def _summary(v: List[float]) -> Dict[str, Optional[float]]:
+def _summary(v: list[float]) -> dict[str, float | None]:
     out = summarize(v)
     out["p90_us"] = percentile(v, 90.0) if v else None
     return out
 
 
 # ----------------------------------------------------------------------------- bytes and rates
-def geometry_bytes(op: str, geom: Mapping[str, Any], world_size: int) -> Dict[str, int]:
+def geometry_bytes(op: str, geom: Mapping[str, Any], world_size: int) -> dict[str, int]:
     """Bytes of one call of ``op`` with geometry ``geom`` on ``world_size`` ranks.
 
     Returns ``bytes_per_rank`` (what nccl-tests calls the size: the input of all_gather, the send
@@ -155,14 +156,14 @@ def geometry_bytes(op: str, geom: Mapping[str, Any], world_size: int) -> Dict[st
                      f"decode_layer (got {op!r})")
 
 
-def algbw_GBps(bytes_per_rank: float, time_us: Optional[float]) -> Optional[float]:
+def algbw_GBps(bytes_per_rank: float, time_us: float | None) -> float | None:
     """Algorithm bandwidth in GB/s (1e9 bytes/s): bytes per rank / time."""
     if time_us is None or time_us <= 0:
         return None
     return bytes_per_rank / (time_us * 1e3)
 
 
-def busbw_GBps(egress_bytes: float, time_us: Optional[float]) -> Optional[float]:
+def busbw_GBps(egress_bytes: float, time_us: float | None) -> float | None:
     """Bus bandwidth in GB/s: this rank's egress bytes / time (equal to nccl-tests' busbw for
     all_gather and all_to_all, see :func:`nccl_tests_busbw_GBps`)."""
     if time_us is None or time_us <= 0:
@@ -182,8 +183,8 @@ def nccl_tests_busbw_GBps(collective: str, size_bytes: float, world_size: int,
     return size_bytes / (time_us * 1e3) * (W - 1) / W
 
 
-def floor_us(egress_bytes: float, latency_us: Optional[float], egress_GBps: Optional[float],
-             exchanges: int = 1) -> Optional[float]:
+def floor_us(egress_bytes: float, latency_us: float | None, egress_GBps: float | None,
+             exchanges: int = 1) -> float | None:
     """The physical floor of one call: ``exchanges * latency_us + egress_bytes / egress_GBps``
     (µs). None when a ceiling is missing."""
     if latency_us is None or egress_GBps is None or egress_GBps <= 0:
@@ -204,9 +205,9 @@ def floor_bytes_per_peer(op: str, geom: Mapping[str, Any], world_size: int) -> i
     return b["egress_bytes"] // max(1, W - 1)
 
 
-def _best(rows: Sequence[BenchRow], paths: Sequence[str]) -> Dict[Any, BenchRow]:
+def _best(rows: Sequence[BenchRow], paths: Sequence[str]) -> dict[Any, BenchRow]:
     """Per case and mode, the fastest correct row of ``paths`` (the variant-free build)."""
-    best: Dict[Any, BenchRow] = {}
+    best: dict[Any, BenchRow] = {}
     for r in rows:
         if (r.path in paths or any(r.path.startswith(p) for p in paths)) and \
                 r.median_us is not None and not r.error and not r.wrong and r.variant is None:
@@ -216,7 +217,7 @@ def _best(rows: Sequence[BenchRow], paths: Sequence[str]) -> Dict[Any, BenchRow]
     return best
 
 
-def annotate(rows: List[BenchRow], ceilings: Mapping[str, Any]) -> List[BenchRow]:
+def annotate(rows: list[BenchRow], ceilings: Mapping[str, Any]) -> list[BenchRow]:
     """Fill the derived fields of every row in place (and return the rows); see
     :class:`~dcpkit.bench.row.BenchRow` for what each means."""
     lat = ceilings.get("one_way_latency_us") if ceilings else None
@@ -249,6 +250,6 @@ def annotate(rows: List[BenchRow], ceilings: Mapping[str, Any]) -> List[BenchRow
 
 
 def annotate_json(rows: Sequence[Mapping[str, Any]],
-                  ceilings: Mapping[str, Any]) -> List[Dict[str, Any]]:
+                  ceilings: Mapping[str, Any]) -> list[dict[str, Any]]:
     """:func:`annotate` on JSON rows; returns new JSON rows."""
     return [r.to_json() for r in annotate([BenchRow.from_json(d) for d in rows], ceilings)]

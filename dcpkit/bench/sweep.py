@@ -8,7 +8,8 @@ import os
 import socket
 import sys
 import traceback
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -30,7 +31,7 @@ __all__ = ["plan", "run_case", "run_op", "run_bench", "SELF_CHECK_OPS"]
 SELF_CHECK_OPS = ("q_gather", "lse_reduce")
 
 
-def plan(est_us: float, cfg: Dict[str, Any], graph: bool) -> Dict[str, int]:
+def plan(est_us: float, cfg: dict[str, Any], graph: bool) -> dict[str, int]:
     """Calls per sample and samples for a call of about ``est_us`` µs: samples of about
     ``sample_target_us``; exactly ``iters`` samples when ``--iters`` was given, else at most
     ``mode_budget_s`` per mode (at least 5 samples)."""
@@ -52,7 +53,7 @@ def plan(est_us: float, cfg: Dict[str, Any], graph: bool) -> Dict[str, int]:
     return calls
 
 
-def _check_record(stage: str, per_rank: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+def _check_record(stage: str, per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
     errs = [p.get("max_abs_err") for p in per_rank if p.get("max_abs_err") is not None]
     rels = [p.get("rel_err") for p in per_rank if p.get("rel_err") is not None]
     return {"stage": stage, "wrong": int(sum(p["wrong"] for p in per_rank)),
@@ -60,15 +61,15 @@ def _check_record(stage: str, per_rank: Sequence[Dict[str, Any]]) -> Dict[str, A
             "max_abs_err": max(errs) if errs else None, "rel_err": max(rels) if rels else None}
 
 
-def _new_row(ctx: Ctx, case: Dict[str, Any], runner: Runner, mode: str) -> BenchRow:
+def _new_row(ctx: Ctx, case: dict[str, Any], runner: Runner, mode: str) -> BenchRow:
     return BenchRow.for_case(case, runner.path, mode, ctx.world,
                              variant=getattr(runner, "variant", None),
                              launches_per_call=runner.launches_per_call,
                              ctas=getattr(runner, "ctas", None))
 
 
-def run_case(ctx: Ctx, runner: Runner, case: Dict[str, Any], data: Dict[str, Any],
-             modes: Optional[Sequence[str]] = None) -> Tuple[List[BenchRow], bool]:
+def run_case(ctx: Ctx, runner: Runner, case: dict[str, Any], data: dict[str, Any],
+             modes: Sequence[str] | None = None) -> tuple[list[BenchRow], bool]:
     """Check, then time eager and graph, one path on one case. Returns the rows and whether
     the runner must be rebuilt (a stage failed: the op may be poisoned)."""
     dev, cfg = ctx.dev, ctx.cfg
@@ -85,7 +86,7 @@ def run_case(ctx: Ctx, runner: Runner, case: Dict[str, Any], data: Dict[str, Any
     # Every step that can fail on one rank only (binding, allocating, capturing) is a stage of
     # its own, before any step in which the ranks wait for each other: a peer that failed
     # there would leave the others waiting inside NCCL, which has no deadline.
-    box: Dict[str, Any] = {}
+    box: dict[str, Any] = {}
 
     # 1. correctness on poisoned outputs, fresh inputs with edge cases
     def bind_check():
@@ -128,7 +129,7 @@ def run_case(ctx: Ctx, runner: Runner, case: Dict[str, Any], data: Dict[str, Any
         pe = plan(est, cfg, graph=False)
 
         def eager():
-            box: List[Any] = []
+            box: list[Any] = []
             times = [dev.sample(runner.stream, lambda: box.append(runner.calls(pe["calls"])))
                      / pe["calls"] for _ in range(pe["samples"])]
             return {"times": times, "check": dev.compare(box[-1], refs_b)}
@@ -181,7 +182,7 @@ def run_case(ctx: Ctx, runner: Runner, case: Dict[str, Any], data: Dict[str, Any
     return list(rows.values()), False
 
 
-def _prepare_data(ctx: Ctx, op: str, case: Dict[str, Any], seed: int) -> Dict[str, Any]:
+def _prepare_data(ctx: Ctx, op: str, case: dict[str, Any], seed: int) -> dict[str, Any]:
     """Host inputs and references of both input sets, uploaded (inside a stage)."""
     dev = ctx.dev
     data = {}
@@ -239,7 +240,7 @@ def _variant_runner(ctx: Ctx, op: str, paths: Sequence[str], factory, cases, max
     return runner
 
 
-def _error_rows(ctx: Ctx, case, path: str, modes, error: str, variant=None) -> List[BenchRow]:
+def _error_rows(ctx: Ctx, case, path: str, modes, error: str, variant=None) -> list[BenchRow]:
     return [BenchRow.for_case(case, path, m, ctx.world, variant=variant, error=error)
             for m in modes]
 
@@ -257,8 +258,8 @@ def run_op(ctx: Ctx, op: str, paths: Sequence[str], factory, base_seed: int) -> 
         return
     max_tokens = max(c["T"] for c in cases)
     modes = ctx.cfg["modes"]
-    runners: Dict[str, Optional[Runner]] = {}
-    build_err: Dict[str, str] = {}
+    runners: dict[str, Runner | None] = {}
+    build_err: dict[str, str] = {}
     for p in paths_for(op, paths):
         runners[p], err = _build(ctx, factory, op, p, max_tokens)
         if err:
@@ -284,7 +285,7 @@ def run_op(ctx: Ctx, op: str, paths: Sequence[str], factory, base_seed: int) -> 
     try:
         for ci, case in enumerate(cases):
             seed = base_seed + 1000 * ALL_OPS.index(op) + 2 * ci
-            box: Dict[str, Any] = {}
+            box: dict[str, Any] = {}
             try:
                 stage(ctx, f"{op} T={case['T']}: inputs",
                       lambda: box.update(_prepare_data(ctx, op, case, seed)))
@@ -322,7 +323,7 @@ def run_op(ctx: Ctx, op: str, paths: Sequence[str], factory, base_seed: int) -> 
         ctx.dev.free_memory()
 
 
-def _agree_paths(ctx: Ctx) -> List[str]:
+def _agree_paths(ctx: Ctx) -> list[str]:
     per = stage(ctx, "paths", lambda: local_paths(ctx))
     common = [p for p in per[0] if all(p in q for q in per[1:])]
     dropped = sorted(set(ctx.cfg["paths"]) - set(common))
@@ -333,13 +334,13 @@ def _agree_paths(ctx: Ctx) -> List[str]:
     why = _gpu_layout(ctx)
     if why is not None and gated:
         note = f"n/a (NCCL unavailable: {why})"
-        ctx.meta["paths_not_available"] = {p: note for p in gated}
+        ctx.meta["paths_not_available"] = dict.fromkeys(gated, note)
         ctx.log(f"paths not run here: {', '.join(gated)}: {note}")
         common = [p for p in common if p not in gated]
     return common
 
 
-def _gpu_layout(ctx: Ctx) -> Optional[str]:
+def _gpu_layout(ctx: Ctx) -> str | None:
     """Collective (one stage): which ranks share a GPU. Sets ``meta["ranks_share_gpu"]``
     (True, False, or None when a bus id could not be read), ``ctx.shared_gpu`` and
     ``ctx.ranks_on_gpu`` (ranks on this rank's GPU); returns why NCCL cannot start in this group,
@@ -347,7 +348,7 @@ def _gpu_layout(ctx: Ctx) -> Optional[str]:
     ``ncclCommInitRank``), a documented limit of NCCL: the NCCL paths are then n/a, not
     failures. A GPU whose bus id cannot be read counts as unknown (NCCL is then tried, and a
     failure is an error as usual)."""
-    from ..manager import shared_gpu_blocker  # noqa: WPS433
+    from ..manager import shared_gpu_blocker
 
     def mine():
         try:
@@ -372,14 +373,14 @@ def _gpu_layout(ctx: Ctx) -> Optional[str]:
 
 
 def _nccl_group(ctx: Ctx):
-    from ..fallback import NcclGroup  # noqa: WPS433
+    from ..fallback import NcclGroup
 
     return NcclGroup(ctx.comm)
 
 
-def _start_torch(ctx: Ctx) -> Optional[str]:
+def _start_torch(ctx: Ctx) -> str | None:
     """Start torch.distributed (collective) into ``ctx.torch_env``; an error message or None."""
-    box: Dict[str, Any] = {}
+    box: dict[str, Any] = {}
     try:
         port = stage(ctx, "torch: port", lambda: free_port() if ctx.rank == 0 else None)[0]
         addr = "127.0.0.1"
@@ -397,7 +398,7 @@ def _start_torch(ctx: Ctx) -> Optional[str]:
     return None
 
 
-def run_bench(cfg: Dict[str, Any], comm, dev, argv: Sequence[str] = (),
+def run_bench(cfg: dict[str, Any], comm, dev, argv: Sequence[str] = (),
               factory=make_runner) -> int:
     """One benchmark run on an existing group and device (see the module doc).
 
@@ -455,7 +456,7 @@ def _run(ctx: Ctx, factory) -> int:
             ctx.log(f"torch path disabled: {short(err, 300)}")
             paths = [p for p in paths if p != "torch"]
     if "nccl" in paths and factory is make_runner:
-        box: Dict[str, Any] = {}
+        box: dict[str, Any] = {}
         try:
             stage(ctx, "nccl: group", lambda: box.__setitem__("group", _nccl_group(ctx)))
             ctx.nccl_group = box.get("group")

@@ -10,7 +10,8 @@ GPU of its own; on a shared GPU they read "n/a (ranks share a GPU)".
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from .common import KiB, MiB
 from .stats import DIRECT_PATHS
@@ -20,7 +21,7 @@ __all__ = ["Target", "TARGETS", "evaluate_targets", "target_summary", "SHARED_GP
 SHARED_GPU_NOTE = "ranks share a GPU"   # shown as "n/a (ranks share a GPU)"
 
 Rows = Sequence[Mapping[str, Any]]
-Fn = Callable[[Mapping[str, Any], Rows], Optional[float]]
+Fn = Callable[[Mapping[str, Any], Rows], float | None]
 
 
 class Target:
@@ -48,7 +49,7 @@ class Target:
 
     def __init__(self, key: str, text: str, ops: Sequence[str], modes: Sequence[str],
                  select: Callable[[Mapping[str, Any]], bool], metric: str, limit: Fn,
-                 sense: str, value: Optional[Fn] = None, nvlink_only: bool = False,
+                 sense: str, value: Fn | None = None, nvlink_only: bool = False,
                  missing: str = "not measured in this run"):
         self.key, self.text, self.ops, self.modes = key, text, tuple(ops), tuple(modes)
         self.select, self.metric, self.limit, self.sense = select, metric, limit, sense
@@ -108,7 +109,7 @@ _BOTH = ("eager", "graph")
 _G = ("graph",)
 
 #: The targets, in the order of the table.
-TARGETS: List[Target] = [
+TARGETS: list[Target] = [
     Target("small.floor_kernel", "T <= 8, graph: <= 1.1x floor kernel + 0.3 us", _SMALL_OPS, _G,
            lambda r: (r.get("T") or 0) <= 8, "median_us", _field_times("floor_kernel_us", 1.1, 0.3),
            "<=", missing="no floor kernel row in this run"),
@@ -122,7 +123,8 @@ TARGETS: List[Target] = [
            "median_us", _other_mode_median("eager", 1.1), "<=",
            missing="no eager row of this case"),
     Target("self_check.cost", "self-checking signals, T=1 graph: cost within noise of a build "
-           "without them (median <= its median + the larger p90 - median spread)", ("q_gather", "lse_reduce"), _G, lambda r: r.get("T") == 1,
+           "without them (median <= its median + the larger p90 - median spread)",
+           ("q_gather", "lse_reduce"), _G, lambda r: r.get("T") == 1,
            "median_us", _self_check_limit, "<=",
            missing="the op has no _self_check keyword, or no such row"),
     Target("peer.small", "dcpkit vs NVSHMEM, T <= 8: >= 1.5x", _SMALL_OPS + ("decode_layer",),
@@ -151,7 +153,7 @@ TARGETS: List[Target] = [
 ]
 
 
-def _item(t: Target, row: Optional[Mapping[str, Any]], value, limit, met, note) -> Dict[str, Any]:
+def _item(t: Target, row: Mapping[str, Any] | None, value, limit, met, note) -> dict[str, Any]:
     return {"target": t.key, "text": t.text, "op": row["op"] if row else "/".join(t.ops),
             "path": row["path"] if row else None,
             "mode": row["mode"] if row else "/".join(t.modes),
@@ -160,8 +162,8 @@ def _item(t: Target, row: Optional[Mapping[str, Any]], value, limit, met, note) 
             "value": value, "limit": limit, "sense": t.sense, "met": met, "note": note}
 
 
-def evaluate_targets(rows: Rows, shared_gpu: Optional[bool] = None,
-                     targets: Sequence[Target] = TARGETS) -> List[Dict[str, Any]]:
+def evaluate_targets(rows: Rows, shared_gpu: bool | None = None,
+                     targets: Sequence[Target] = TARGETS) -> list[dict[str, Any]]:
     """Evaluate every target on every matching dcpkit row (rows already annotated, as JSON).
 
     Parameters
@@ -177,7 +179,7 @@ def evaluate_targets(rows: Rows, shared_gpu: Optional[bool] = None,
     when it could not be judged) and ``note``. A row with wrong results never meets a target. A
     target that matches no row gives one item with ``met`` None ("not measured").
     """
-    items: List[Dict[str, Any]] = []
+    items: list[dict[str, Any]] = []
     rows = list(rows)
     kv = [r for r in rows if r["op"] == "kv_gather"]
     biggest = max((r.get("nominal_bytes") or 0 for r in kv), default=None)
@@ -195,7 +197,7 @@ def evaluate_targets(rows: Rows, shared_gpu: Optional[bool] = None,
                 items.append(_item(t, r, None, None, None, SHARED_GPU_NOTE))
                 continue
             value, limit = t.value(r, rows), t.limit(r, rows)
-            met: Optional[bool]
+            met: bool | None
             note = ""
             if r.get("error"):
                 met, note = None, f"error: {str(r['error'])[:120]}"
@@ -209,7 +211,7 @@ def evaluate_targets(rows: Rows, shared_gpu: Optional[bool] = None,
     return items
 
 
-def target_summary(items: Sequence[Mapping[str, Any]]) -> Dict[str, int]:
+def target_summary(items: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     """Counts of ``met``, ``missed`` and ``not_measured`` items."""
     return {"met": sum(1 for i in items if i["met"] is True),
             "missed": sum(1 for i in items if i["met"] is False),

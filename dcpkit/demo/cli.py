@@ -9,7 +9,8 @@ import platform
 import sys
 import traceback
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from .steps import EXIT_CANNOT_RUN, EXIT_FAIL, EXIT_PASS, Say
 __all__ = ["main", "parse_args", "parser", "integer", "milliseconds", "json_problem"]
 
 
-def integer(minimum: int, maximum: Optional[int] = None):
+def integer(minimum: int, maximum: int | None = None):
     """An argparse ``type=`` for a decimal integer in ``[minimum, maximum]``, with a readable
     message (``must be an integer >= 1 (got '1e20')``)."""
     bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
@@ -54,7 +55,7 @@ def milliseconds(text: str) -> float:
     return value
 
 
-def json_problem(path: Optional[str]) -> Optional[str]:
+def json_problem(path: str | None) -> str | None:
     """Why the report cannot be written to ``path`` (None when it can, or without --json)."""
     if path is None:
         return None
@@ -117,7 +118,7 @@ def env_rank() -> int:
     return 0
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the demo's arguments. Raises ``SystemExit`` (2 on bad arguments, 0 on --help);
     ranks other than 0 print nothing."""
     p = parser()
@@ -128,10 +129,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(None if argv is None else list(argv))
 
 
-def versions() -> Dict[str, Any]:
-    v: Dict[str, Any] = {"python": platform.python_version(), "numpy": np.__version__}
+def versions() -> dict[str, Any]:
+    v: dict[str, Any] = {"python": platform.python_version(), "numpy": np.__version__}
     try:
-        import cupy  # noqa: WPS433
+        import cupy
 
         v["cupy"] = cupy.__version__
         v["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
@@ -139,7 +140,7 @@ def versions() -> Dict[str, Any]:
     except Exception:  # noqa: BLE001 - informational only
         pass
     try:
-        from .. import __version__  # noqa: WPS433
+        from .. import __version__
 
         v["dcpkit"] = __version__
     except ImportError:  # pragma: no cover
@@ -147,7 +148,7 @@ def versions() -> Dict[str, Any]:
     return v
 
 
-def main(argv: Optional[Sequence[str]] = None, *, comm=None) -> int:
+def main(argv: Sequence[str] | None = None, *, comm=None) -> int:
     """``python -m dcpkit demo [options]``; returns the exit status (0 PASS, 1 FAIL, 2 the demo
     could not run). Every rank of the MPI job calls it with the same arguments.
 
@@ -172,7 +173,7 @@ def main(argv: Optional[Sequence[str]] = None, *, comm=None) -> int:
     owns_comm = comm is None
     if comm is None:
         try:
-            from ..comm import Communicator  # noqa: WPS433
+            from ..comm import Communicator
 
             with warnings.catch_warnings():
                 # mpi4py's own multi-line warning of the launcher mismatch that from_mpi names
@@ -195,7 +196,7 @@ def main(argv: Optional[Sequence[str]] = None, *, comm=None) -> int:
     problems = comm.allgather(environment.environment_problem(comm, args, model))
     if any(problems):
         if comm.rank == 0:
-            seen: Dict[str, List[int]] = {}
+            seen: dict[str, list[int]] = {}
             for r, p in enumerate(problems):
                 if p:
                     seen.setdefault(p, []).append(r)
@@ -212,7 +213,7 @@ def main(argv: Optional[Sequence[str]] = None, *, comm=None) -> int:
             print(f"dcpkit demo: {e}", file=sys.stderr, flush=True)
         return EXIT_CANNOT_RUN
 
-    import cupy  # noqa: WPS433
+    import cupy
 
     cupy.cuda.Device(comm.local_rank % environment.gpu_count()[0]).use()
     say(f"{comm.world_size} ranks; model {model.name} (H = {model.num_heads}, D_qk = "

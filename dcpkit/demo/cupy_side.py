@@ -3,7 +3,8 @@ CuPy's streams, events and graphs for the timings."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -18,7 +19,7 @@ class CupySide:
     name = "cupy"
 
     def __init__(self):
-        import cupy  # noqa: WPS433
+        import cupy
 
         self.cupy = cupy
 
@@ -65,7 +66,7 @@ class CupySide:
     def new_ref(self, shape):
         return self.cupy.empty(shape, dtype=self.cupy.float32)
 
-    def timing(self) -> "CupyTiming":
+    def timing(self) -> CupyTiming:
         return CupyTiming()
 
 
@@ -73,7 +74,7 @@ class CupyTiming:
     """Streams, events and graphs of CuPy."""
 
     def __init__(self):
-        import cupy  # noqa: WPS433
+        import cupy
 
         self.cupy = cupy
 

@@ -3,7 +3,6 @@ that divides the heads."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
 
 from .. import _cuda
 from ..errors import MissingDependency
@@ -12,7 +11,7 @@ from .steps import short_error
 from .torch_side import torch_problem
 
 
-def missing_extra() -> Optional[str]:
+def missing_extra() -> str | None:
     """The optional package the demo needs and lacks (CuPy, cuda-bindings), named with the extra
     that brings it; None when both are there."""
     try:
@@ -23,10 +22,10 @@ def missing_extra() -> Optional[str]:
     return None
 
 
-def gpu_count() -> Tuple[int, str]:
+def gpu_count() -> tuple[int, str]:
     """(GPUs visible to this process, why none when 0)."""
     try:
-        import cupy  # noqa: WPS433
+        import cupy
 
         return int(cupy.cuda.runtime.getDeviceCount()), ""
     except ImportError as e:
@@ -34,7 +33,7 @@ def gpu_count() -> Tuple[int, str]:
     except Exception as e:  # noqa: BLE001 - no driver, no device: both mean "no GPU"
         # Without libcuda CuPy says cudaErrorInsufficientDriver (a version mismatch): name the
         # real cause with dcpkit info's driver probe.
-        from ..info import no_driver_reason  # noqa: WPS433
+        from ..info import no_driver_reason
 
         why = no_driver_reason()
         if why:
@@ -43,7 +42,7 @@ def gpu_count() -> Tuple[int, str]:
 
 
 def pci_bus_id(device: int) -> str:
-    import cupy  # noqa: WPS433
+    import cupy
 
     return str(cupy.cuda.runtime.deviceGetPCIBusId(device))
 
@@ -51,7 +50,7 @@ def pci_bus_id(device: int) -> str:
 def distinct_gpus(comm) -> int:
     """How many GPUs the ranks use (collective); world_size when a GPU cannot be identified."""
     try:
-        import cupy  # noqa: WPS433
+        import cupy
 
         bus = pci_bus_id(cupy.cuda.runtime.getDevice())
     except Exception:  # noqa: BLE001 - only used for the report
@@ -63,7 +62,7 @@ def distinct_gpus(comm) -> int:
 
 
 def environment_error(*, num_gpus: int, gpu_error: str, world_size: int, local_world_size: int,
-                      num_heads: int) -> Optional[str]:
+                      num_heads: int) -> str | None:
     """Why the demo cannot run on this rank, or ``None``. Pure function of its arguments."""
     if num_gpus == 0:
         why = f": {gpu_error}" if gpu_error else ""
@@ -83,7 +82,7 @@ def environment_error(*, num_gpus: int, gpu_error: str, world_size: int, local_w
     return None
 
 
-def environment_problem(comm, args, model: Model) -> Optional[str]:
+def environment_problem(comm, args, model: Model) -> str | None:
     """Why the demo cannot run on this rank, or ``None``: a missing package first (named with
     its extra, never reported as "no GPU"), then the GPUs. Collective (one allgather), so
     that every rank counts the GPUs its host's ranks would use: rank ``r`` takes visible GPU

@@ -3,7 +3,8 @@ served each call."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 
 from .model import (Model)
@@ -20,11 +21,11 @@ class Exchanges:
 
     def __init__(self, label: str, target: Any, path_of: Callable[[], str],
                  owned: Sequence[Any], description: str,
-                 base: Optional["Exchanges"] = None):
+                 base: Exchanges | None = None):
         self.label = label
         self.target = target
         self.description = description
-        self.paths: Dict[str, str] = {}
+        self.paths: dict[str, str] = {}
         self._path_of = path_of
         self._owned = list(owned)
         self._base = base               # the exchanges this one fronts (torch), if any
@@ -68,13 +69,13 @@ class OpSet:
 
 
 def build_exchanges(comm, *, model: Model, batch: int, dtype, policy: str,
-                    with_kv: bool, timeout_ms: Optional[float] = None) -> Exchanges:
+                    with_kv: bool, timeout_ms: float | None = None) -> Exchanges:
     """Collective: the decode exchanges of ``policy`` (``"auto"``, ``"direct"``, ``"nccl"``):
     a DCPComm, or the direct / NCCL ops where ``dcpkit.manager`` cannot be imported."""
     H, D_qk, D_v = model.num_heads, model.qk_dim, model.v_dim
     deadline = {} if timeout_ms is None else {"timeout_ms": timeout_ms}
     try:
-        from ..manager import DCPComm  # noqa: WPS433
+        from ..manager import DCPComm
     except ImportError:
         DCPComm = None
     if DCPComm is not None:
@@ -83,16 +84,16 @@ def build_exchanges(comm, *, model: Model, batch: int, dtype, policy: str,
                       **deadline)
         return Exchanges(policy, dcp, lambda: str(dcp.last_path), [dcp], dcp.describe())
     H_r = H // comm.world_size
-    made: List[Any] = []
+    made: list[Any] = []
     try:
         if policy in ("auto", "direct"):
-            from ..ops import LseReduce, QGather  # noqa: WPS433
+            from ..ops import LseReduce, QGather
 
-            extra: Dict[str, Any] = {}
+            extra: dict[str, Any] = {}
         else:
-            from ..nccl import NcclGroup  # noqa: WPS433
-            from ..nccl import NcclLseReduce as LseReduce  # noqa: WPS433
-            from ..nccl import NcclQGather as QGather  # noqa: WPS433
+            from ..nccl import NcclGroup
+            from ..nccl import NcclLseReduce as LseReduce
+            from ..nccl import NcclQGather as QGather
 
             made.append(NcclGroup(comm))
             extra = {"nccl_group": made[-1]}
@@ -110,7 +111,7 @@ def build_exchanges(comm, *, model: Model, batch: int, dtype, policy: str,
                      f"{path} ops (dcpkit.manager not available)")
 
 
-def nccl_unavailable(decode: Exchanges) -> Optional[str]:
+def nccl_unavailable(decode: Exchanges) -> str | None:
     """Why the NCCL path cannot run, as the ``auto`` DCPComm of ``decode`` agreed at
     construction (equal on every rank); None when it is available or was not tried (the
     ops without dcpkit.manager: the NCCL timings then find out for themselves)."""
@@ -121,7 +122,7 @@ def nccl_unavailable(decode: Exchanges) -> Optional[str]:
 
 
 def build_kv_exchange(comm, decode: Exchanges, *, rows: int, model: Model,
-                      dtype, timeout_ms: Optional[float] = None) -> Exchanges:
+                      dtype, timeout_ms: float | None = None) -> Exchanges:
     """Collective: the kv_gather that collects every rank's KV shard for the check.
 
     The decode DCPComm is sized for decode (``max_tokens`` = batch), so a shard of ``rows``
@@ -134,7 +135,7 @@ def build_kv_exchange(comm, decode: Exchanges, *, rows: int, model: Model,
     if reason is not None:
         return Exchanges("auto", target, decode._path_of, [],
                          f"DCPComm kv_gather (no direct path: {reason})", base=decode)
-    from ..ops import KVGather  # noqa: WPS433
+    from ..ops import KVGather
 
     deadline = {} if timeout_ms is None else {"timeout_ms": timeout_ms}
     kg = KVGather(comm, max_tokens=rows, row_dim=model.qk_dim, dtype=dtype, **deadline)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -56,7 +57,7 @@ class Model:
 
 
 #: --model presets.
-PRESETS: Dict[str, Model] = {
+PRESETS: dict[str, Model] = {
     "deepseek-v3": Model("deepseek-v3", num_heads=128),
     "kimi-k2": Model("kimi-k2", num_heads=64),
 }
@@ -109,7 +110,7 @@ def deinterleave(gathered, world_size: int, length: int):
     return grid.reshape(NT, D)[:length]
 
 
-def make_host_inputs(args, model: Model, rank: int, world_size: int) -> Dict[str, Any]:
+def make_host_inputs(args, model: Model, rank: int, world_size: int) -> dict[str, Any]:
     """This rank's queries ``q [B, H_r, D_qk]`` and KV shard ``kv [B, T_local, D_qk]`` (host
     arrays, from ``--seed`` and the rank), and every rank's queries ``q_all [B, H, D_qk]``
     (for the bit-exact q_gather check)."""
@@ -138,7 +139,7 @@ def make_host_inputs(args, model: Model, rank: int, world_size: int) -> Dict[str
     }
 
 
-def checksums(xp, blocks) -> List[int]:
+def checksums(xp, blocks) -> list[int]:
     """Order-independent 64-bit checksum of each block's bytes (position-weighted sum of the
     16-bit words, wrapping modulo 2^64): equal iff the bits are equal, with overwhelming
     probability."""

@@ -3,7 +3,8 @@ tolerance and the agreed verdict."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -36,7 +37,7 @@ def from_float32(x, dtype, xp=np):
     return x.astype(dt)
 
 
-def attention(q, kv, scale: float, v_dim: int, xp=np) -> Tuple[Any, Any]:
+def attention(q, kv, scale: float, v_dim: int, xp=np) -> tuple[Any, Any]:
     """Attention of ``H`` query heads over one sequence's latent KV, in float32.
 
     Naive equivalent::
@@ -99,7 +100,7 @@ def tolerance(dtype, v_max: float) -> float:
     return 2.0 * unit_roundoff(dtype) * float(v_max) + 1e-3
 
 
-def local_stats(out, ref, rank: int, heads_per_rank: int) -> Dict[str, Any]:
+def local_stats(out, ref, rank: int, heads_per_rank: int) -> dict[str, Any]:
     """Errors of this rank's output ``[B, H_r, D_v]`` against its reference (float32)."""
     xp = array_module(out)
     got = to_float32(out, xp)
@@ -115,12 +116,12 @@ def local_stats(out, ref, rank: int, heads_per_rank: int) -> Dict[str, Any]:
 def array_module(x):
     if isinstance(x, np.ndarray):
         return np
-    import cupy  # noqa: WPS433
+    import cupy
 
     return cupy.get_array_module(x)
 
 
-def verdict(stats: Sequence[Dict[str, Any]], dtype) -> Dict[str, Any]:
+def verdict(stats: Sequence[dict[str, Any]], dtype) -> dict[str, Any]:
     """The agreed check from every rank's statistics (``stats[r]`` from rank ``r``): max abs
     error, max relative error (max abs error / max |reference|), tolerance, PASS/FAIL."""
     W = len(stats)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any
 
 
 from .numerics import (unit_roundoff)
@@ -23,7 +23,7 @@ def _speedup(direct: Any, nccl: Any) -> str:
         return "n/a"
 
 
-def format_report(report: Dict[str, Any]) -> str:
+def format_report(report: dict[str, Any]) -> str:
     """The report as text (what rank 0 prints)."""
     c = report["check"]
     lengths = report["context_lengths"]

@@ -4,7 +4,7 @@ verdict and the timings."""
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, List
+from typing import Any
 
 import numpy as np
 
@@ -22,19 +22,19 @@ from .environment import (distinct_gpus)
 
 
 def gpu_name() -> str:
-    import cupy  # noqa: WPS433
+    import cupy
 
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def gathered_reference(side, kv_ex: Exchanges, q, kv, lengths: np.ndarray, world_size: int,
-               T_local: int, shard_sums: List[List[int]], model: Model):
+               T_local: int, shard_sums: list[list[int]], model: Model):
     """kv_gather of every rank's KV shard, sequence by sequence (rank-major rows), de-interleaved
     to token order; then the reference attention of this rank's heads over the whole KV.
 
     Returns ``(ref [B, H_r, D_v] float32, kv_gather bit-exact (bool), max |V| (float))``."""
-    import cupy  # noqa: WPS433
+    import cupy
 
     B, H_r, D_v = q.shape[0], q.shape[1], model.v_dim
     ref = side.new_ref((B, H_r, D_v))
@@ -52,10 +52,10 @@ def gathered_reference(side, kv_ex: Exchanges, q, kv, lengths: np.ndarray, world
     return ref, bool(exact), v_max
 
 
-def run(args: argparse.Namespace, comm, say: "Say") -> Dict[str, Any]:
+def run(args: argparse.Namespace, comm, say: Say) -> dict[str, Any]:
     """The demo on every rank, after the environment checks; ``args.torch`` selects torch
     tensors. Returns the report, equal on every rank. Collective."""
-    import cupy  # noqa: WPS433
+    import cupy
 
     model = PRESETS[args.model]
     deadline = getattr(args, "timeout_ms", None)
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace, comm, say: "Say") -> Dict[str, Any]:
     dt, T_local, lengths = host["dtype"], host["T_local"], host["lengths"]
     say(f"context lengths {', '.join(str(int(x)) for x in lengths)} tokens; {T_local} KV rows "
         f"per sequence per rank")
-    report: Dict[str, Any] = {
+    report: dict[str, Any] = {
         "demo": "one MLA decode attention layer with decode context parallelism",
         "model": model.name, "num_heads": model.num_heads, "heads_per_rank": H_r,
         "qk_dim": model.qk_dim, "kv_lora_rank": model.kv_lora_rank, "rope_dim": model.rope_dim,
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace, comm, say: "Say") -> Dict[str, Any]:
     q, kv, own_sums, q_all = step(comm, "demo: uploading the inputs", upload)
     shard_sums = comm.allgather(own_sums)                  # [W][B], for the kv_gather check
 
-    owned: List[Exchanges] = []
+    owned: list[Exchanges] = []
     agreed = True          # False: an error not agreed across ranks; closing could hang then
     try:
         with say.timed("building the ops (NVRTC compiles the kernels on the first run, CuPy "

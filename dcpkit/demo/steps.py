@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Optional
+from typing import Any
+from collections.abc import Callable
 
 
 
@@ -38,7 +39,7 @@ class Say:
 def step(comm, what: str, fn: Callable[[], Any]) -> Any:
     """Run one step on every rank and agree on its success (``PeerError`` on every rank when
     any rank failed), so that no rank enters a later collective alone."""
-    err: Optional[BaseException] = None
+    err: BaseException | None = None
     value = None
     try:
         value = fn()

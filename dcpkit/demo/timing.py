@@ -3,7 +3,8 @@ style (max over ranks of every repeat, then the median)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -25,7 +26,7 @@ TIMING_NOTES = (
     "speedup = nccl / direct")
 
 
-def summarize_times(per_rank_us: Sequence[Sequence[float]]) -> Dict[str, float]:
+def summarize_times(per_rank_us: Sequence[Sequence[float]]) -> dict[str, float]:
     """nccl-tests style: the max over ranks of every repeat, then the median (and spread) of
     those maxima, in microseconds."""
     arr = np.asarray(per_rank_us, dtype=np.float64)
@@ -34,14 +35,14 @@ def summarize_times(per_rank_us: Sequence[Sequence[float]]) -> Dict[str, float]:
             "p90_us": float(np.percentile(worst, 90)), "repeats": int(worst.size)}
 
 
-def agreed_loop(comm, what: str, body: Callable[[], float], iters: int) -> List[float]:
+def agreed_loop(comm, what: str, body: Callable[[], float], iters: int) -> list[float]:
     """``iters`` repeats of ``body`` on every rank, returning its values.
 
     Before each repeat the ranks allgather whether they are still healthy: that is the host
     barrier that lines them up, and it stops every rank at the same repeat when one fails
     (then :class:`~dcpkit.errors.PeerError` on every rank), so no rank is left waiting."""
-    values: List[float] = []
-    err: Optional[BaseException] = None
+    values: list[float] = []
+    err: BaseException | None = None
     for _ in range(iters):
         if not all(comm.allgather(err is None)):
             break
@@ -54,7 +55,7 @@ def agreed_loop(comm, what: str, body: Callable[[], float], iters: int) -> List[
 
 
 def timed(comm, what: str, tm, stream, run_once: Callable[[], Any], iters: int,
-          warmups: int, per: int) -> Dict[str, float]:
+          warmups: int, per: int) -> dict[str, float]:
     """Repeats of ``run_once`` on ``stream``, events around each, the GPU idle before each
     (so an eager time includes the host's launch cost, as an eager framework pays it).
     Microseconds per call (``per`` calls per repeat), median of the max over ranks."""
@@ -78,8 +79,8 @@ def timed(comm, what: str, tm, stream, run_once: Callable[[], Any], iters: int,
     return summarize_times(comm.allgather(times))
 
 
-def time_path(comm, ex: Exchanges, side, inputs: Dict[str, Any], iters: int,
-              say: "Say") -> Dict[str, Any]:
+def time_path(comm, ex: Exchanges, side, inputs: dict[str, Any], iters: int,
+              say: Say) -> dict[str, Any]:
     """Collective: q_gather, lse_reduce and a layer (both) on one path, eager and in a CUDA
     graph of :data:`GRAPH_LAYERS` calls. Every repeat is agreed across ranks."""
     q, out_partial, lse_partial = inputs["q"], inputs["out_partial"], inputs["lse_partial"]
@@ -106,13 +107,13 @@ def time_path(comm, ex: Exchanges, side, inputs: Dict[str, Any], iters: int,
         "layer": (lambda: (qg(), lr()), lambda: (qg(q_out), lr(o_out))),
     }
     tag = f"demo: timing the {ex.label} path"
-    result: Dict[str, Any] = {"eager": {}, "graph": {}}
+    result: dict[str, Any] = {"eager": {}, "graph": {}}
     for name, (eager_fn, _) in steps.items():
         result["eager"][name] = timed(comm, f"{tag}, eager {name}", tm, stream, eager_fn,
                                       iters, warmups=3, per=1)
     result["paths"] = {op: ex.paths.get(op, "?") for op in ("q_gather", "lse_reduce")}
     for name, (_, graph_fn) in steps.items():
-        err: Optional[BaseException] = None
+        err: BaseException | None = None
         graph = None
         try:
             graph = tm.capture(graph_fn, GRAPH_LAYERS, stream)
@@ -134,12 +135,12 @@ def time_path(comm, ex: Exchanges, side, inputs: Dict[str, Any], iters: int,
     return result
 
 
-def run_timings(comm, args, model: Model, side, inputs: Dict[str, Any],
-                say: "Say", nccl_unavailable: Optional[str] = None) -> Dict[str, Any]:
+def run_timings(comm, args, model: Model, side, inputs: dict[str, Any],
+                say: Say, nccl_unavailable: str | None = None) -> dict[str, Any]:
     """Collective: the direct and the NCCL paths, each built for the purpose, then closed.
     ``nccl_unavailable`` (equal on every rank): why the NCCL path cannot run; its timings are
     then skipped (``{"skipped": ...}``)."""
-    timing: Dict[str, Any] = {}
+    timing: dict[str, Any] = {}
     for policy in ("direct", "nccl"):
         if policy == "nccl" and nccl_unavailable is not None:
             timing[policy] = {"skipped": f"NCCL unavailable: {nccl_unavailable}"}

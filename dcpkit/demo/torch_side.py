@@ -4,7 +4,8 @@ the partial attention in torch, the reference by ``scaled_dot_product_attention`
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -20,10 +21,10 @@ class TorchSide:
     name = "torch"
 
     def __init__(self):
-        import cupy  # noqa: WPS433
-        import torch  # noqa: WPS433
+        import cupy
+        import torch
 
-        from .. import torch as dcp_torch  # noqa: WPS433
+        from .. import torch as dcp_torch
 
         self.torch = torch
         self.dcp_torch = dcp_torch
@@ -98,7 +99,7 @@ class TorchSide:
         k = full.float()[None, None]                          # [1, 1, L, D_qk]
         v = k[..., :model.v_dim]                              # [1, 1, L, D_v]
         try:
-            from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: WPS433
+            from torch.nn.attention import SDPBackend, sdpa_kernel
 
             ctx = sdpa_kernel(SDPBackend.MATH)
         except ImportError:                                   # older torch: its default
@@ -110,7 +111,7 @@ class TorchSide:
     def new_ref(self, shape):
         return self.torch.empty(shape, dtype=self.torch.float32, device=self.device)
 
-    def timing(self) -> "TorchTiming":
+    def timing(self) -> TorchTiming:
         return TorchTiming(self.torch)
 
 
@@ -144,10 +145,10 @@ class TorchTiming:
             graph.replay()
 
 
-def torch_problem() -> Optional[str]:
+def torch_problem() -> str | None:
     """Why ``--torch`` cannot run here, or ``None``."""
     try:
-        import torch  # noqa: WPS433
+        import torch
     except ImportError as e:
         return (f"--torch needs torch, which is not installed ({e}): install it with "
                 "`pip install 'dcpkit[torch]'`")
@@ -155,7 +156,7 @@ def torch_problem() -> Optional[str]:
         return (f"--torch needs a CUDA build of torch that sees the GPUs (torch "
                 f"{torch.__version__}: torch.cuda.is_available() is False)")
     try:
-        from .. import torch as dcp_torch  # noqa: WPS433
+        from .. import torch as dcp_torch
     except ImportError as e:
         return f"--torch needs dcpkit.torch, which is not available here ({e})"
     if not hasattr(dcp_torch, "TorchOps"):

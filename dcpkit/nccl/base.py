@@ -3,7 +3,7 @@ bookkeeping and the lifetime (see :mod:`dcpkit.nccl` for what each op runs)."""
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 from .. import _cuda
 from .._arrays import ArrayInfo, array_info, check_device, check_dtype, check_shape
@@ -27,7 +27,7 @@ class CheckedArguments(NamedTuple):
     """Constructor keywords of an NCCL op, checked (:meth:`NcclOp.prepare`)."""
 
     cls: type            # the op class
-    agreed: Tuple        # what every rank must agree on
+    agreed: tuple        # what every rank must agree on
     geometry: dict       # the checked values, by attribute name
 
 
@@ -61,7 +61,7 @@ class NcclOp(Resource):
 
     # ------------------------------------------------------------------ construction
     def _agree_geometry(self, comm: Communicator, arguments: dict, what: str,
-                        nccl_group: Optional[NcclGroup], *, heap=None, multicast=None) -> None:
+                        nccl_group: NcclGroup | None, *, heap=None, multicast=None) -> None:
         """Run :meth:`_check_geometry` on ``arguments`` (the geometry keywords), then the
         ``heap`` / ``multicast`` type checks and the CuPy, NCCL, GPU and ``nccl_group`` checks,
         on every rank in one exchange: raise on every rank if any rank failed or if the
@@ -96,7 +96,7 @@ class NcclOp(Resource):
         comm.agree_setup(f"{op} (nccl)", guarded(op, init), f"geometry ({what})")
 
     @classmethod
-    def check_arguments(cls, world_size: int, **constructor_keywords) -> Tuple:
+    def check_arguments(cls, world_size: int, **constructor_keywords) -> tuple:
         """Check constructor keywords as the constructor does, without a GPU or a collective.
 
         Parameters
@@ -120,7 +120,7 @@ class NcclOp(Resource):
         return cls.prepare(world_size, **constructor_keywords).agreed
 
     @classmethod
-    def prepare(cls, world_size: int, **constructor_keywords) -> "CheckedArguments":
+    def prepare(cls, world_size: int, **constructor_keywords) -> CheckedArguments:
         """:meth:`check_arguments`, keeping the checked geometry for :meth:`from_checked`.
 
         For an owner that agrees on its own arguments once for several ops (DCPComm): it checks
@@ -136,8 +136,8 @@ class NcclOp(Resource):
         return CheckedArguments(cls, *cls._check_geometry(W, **keywords))
 
     @classmethod
-    def from_checked(cls, comm: Communicator, checked: "CheckedArguments",
-                     nccl_group: NcclGroup) -> "NcclOp":
+    def from_checked(cls, comm: Communicator, checked: CheckedArguments,
+                     nccl_group: NcclGroup) -> NcclOp:
         """Build the op from :meth:`prepare`'s result on every rank of ``comm``, sharing the
         open ``nccl_group``. The caller guarantees what the constructor's exchange would have
         established: equal ``checked`` on every rank (agreed), and ``nccl_group`` an open group
@@ -168,7 +168,7 @@ class NcclOp(Resource):
         self._build(nccl_group)
         return self
 
-    def _check_arguments(self, world_size: int, **geometry_keywords) -> Tuple:
+    def _check_arguments(self, world_size: int, **geometry_keywords) -> tuple:
         """:meth:`_check_geometry`, setting the checked geometry on this op; returns what every
         rank must agree on."""
         values, geometry = self._check_geometry(world_size, **geometry_keywords)
@@ -200,9 +200,9 @@ class NcclOp(Resource):
                 f"{U} * {per_ubatch} = {U * per_ubatch}): lower {size_arguments} or "
                 f"num_ubatches")
 
-    def _setup_nccl(self, nccl_group: Optional[NcclGroup]) -> None:
+    def _setup_nccl(self, nccl_group: NcclGroup | None) -> None:
         """The NCCL group (shared or own), the device, counters and kernels (collective)."""
-        import cupy  # noqa: WPS433
+        import cupy
 
         self._cupy = cupy
         self._debug = debug_enabled()
@@ -238,7 +238,7 @@ class NcclOp(Resource):
         with cupy.cuda.Device(self.device):
             return cupy.empty(max(int(nbytes), 256), dtype=cupy.uint8)
 
-    def _view(self, buf, shape: Tuple[int, ...], dtype, offset: int = 0):
+    def _view(self, buf, shape: tuple[int, ...], dtype, offset: int = 0):
         """A C-contiguous typed view of ``buf`` (a uint8 CuPy array) at byte ``offset``."""
         return self._cupy.ndarray(tuple(shape), dtype, memptr=buf.data + int(offset))
 
@@ -272,7 +272,7 @@ class NcclOp(Resource):
         stream."""
         return resolve_stream(stream, self.op_name)
 
-    def _begin(self, ubatch: int, T: int, stream, debug_key: Tuple) -> Tuple[int, bool]:
+    def _begin(self, ubatch: int, T: int, stream, debug_key: tuple) -> tuple[int, bool]:
         """Bookkeeping after validation, before the first launch. Returns ``(buffer index,
         capturing)``: 0/1 alternate for eager calls, 2 is the ubatch's graph buffer."""
         if self._debug:
@@ -289,7 +289,7 @@ class NcclOp(Resource):
         self._calls[ubatch] += 1
         return (2 if capturing else self._calls[ubatch] & 1), capturing
 
-    def _scratch(self, per_ubatch: List, ubatch: int, T: int, nbytes: int, stream):
+    def _scratch(self, per_ubatch: list, ubatch: int, T: int, nbytes: int, stream):
         """The preallocated buffer of ``ubatch`` when ``T <= max_tokens``, else a fresh one from
         CuPy's pool on ``stream`` (eager calls only: :meth:`_begin` refused capture)."""
         if T <= self.max_tokens:
@@ -298,7 +298,7 @@ class NcclOp(Resource):
         with cupy.cuda.Device(self.device), stream:
             return cupy.empty(max(int(nbytes), 256), dtype=cupy.uint8)
 
-    def _out_buffer(self, outs: List, ubatch: int, index: int, T: int, nbytes: int, stream):
+    def _out_buffer(self, outs: list, ubatch: int, index: int, T: int, nbytes: int, stream):
         if T <= self.max_tokens:
             return outs[ubatch][index]
         return self._scratch([], ubatch, T, nbytes, stream)
@@ -309,7 +309,7 @@ class NcclOp(Resource):
     def _info(self, arr, name: str) -> ArrayInfo:
         return array_info(arr, self.op_name, name)
 
-    def _checked(self, arr, name: str, shape: Tuple, dims: str, dtypes=None, *,
+    def _checked(self, arr, name: str, shape: tuple, dims: str, dtypes=None, *,
                  dtype_first: bool = False) -> ArrayInfo:
         """``arr`` described and checked: ``shape`` (None: any extent), a dtype of ``dtypes``
         (default: the op's), on the op's GPU; the shape or (``dtype_first``) the dtype first."""

@@ -31,7 +31,7 @@ def nccl_module():
         ``cuda13`` extra (which brings ``nvidia-nccl-cu12`` / ``-cu13``).
     """
     try:
-        from cupy.cuda import nccl  # noqa: WPS433 (lazy: CuPy is optional at import)
+        from cupy.cuda import nccl
     except ImportError as e:
         raise MissingDependency("cupy (cupy.cuda.nccl)", cuda_extra(), str(e)) from None
     if not getattr(nccl, "available", False):
@@ -76,7 +76,7 @@ class NcclGroup(Resource):
             self.device = _cuda.require_device("NcclGroup")
 
         comm.agree_setup("NcclGroup", guarded("NcclGroup", init), "nothing")
-        import cupy  # noqa: WPS433
+        import cupy
 
         nccl = self._nccl_mod
         uid = collective_step(comm, "NcclGroup: ncclGetUniqueId on rank 0",
@@ -108,7 +108,7 @@ class NcclGroup(Resource):
         super().close()
 
     def _close(self) -> None:
-        import cupy  # noqa: WPS433
+        import cupy
 
         with cupy.cuda.Device(self.device):
             cupy.cuda.runtime.deviceSynchronize()

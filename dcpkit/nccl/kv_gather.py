@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
 
 from .._checks import COPY_ITEMSIZES, check_positive_int, resolve_bytes_dtype
 from .._strided import c_contiguous
@@ -56,8 +55,8 @@ class NcclKVGather(NcclOp):
 
     def __init__(self, comm: Communicator, *, max_tokens: int, row_dim: int, dtype,
                  num_ubatches: int = 1, algorithm: str = "push",
-                 timeout_ms: Optional[float] = None, heap=None,
-                 multicast: Optional[bool] = None, nccl_group: Optional[NcclGroup] = None):
+                 timeout_ms: float | None = None, heap=None,
+                 multicast: bool | None = None, nccl_group: NcclGroup | None = None):
         self._agree_geometry(comm, dict(
             max_tokens=max_tokens, row_dim=row_dim, dtype=dtype, num_ubatches=num_ubatches,
             algorithm=algorithm, timeout_ms=timeout_ms),
@@ -65,7 +64,7 @@ class NcclKVGather(NcclOp):
             multicast=multicast)
         self._build(nccl_group)
 
-    def _build(self, nccl_group: Optional[NcclGroup]) -> None:
+    def _build(self, nccl_group: NcclGroup | None) -> None:
         """The NCCL group, kernels, buffers and warm-up of a checked geometry (collective)."""
         self._setup_nccl(nccl_group)
         self.row_bytes = self.row_dim * self.dtype.itemsize
@@ -81,7 +80,7 @@ class NcclKVGather(NcclOp):
 
     @classmethod
     def _check_geometry(cls, world_size: int, *, max_tokens, row_dim, dtype, num_ubatches=1,
-                        algorithm="push", timeout_ms=None) -> Tuple[Tuple, dict]:
+                        algorithm="push", timeout_ms=None) -> tuple[tuple, dict]:
         """Every check of the constructor keywords that needs no GPU and no collective; returns
         ``(agreed, geometry)`` as :meth:`NcclQGather._check_geometry`."""
         op = cls.op_name

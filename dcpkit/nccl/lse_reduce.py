@@ -4,7 +4,7 @@ buffer layouts of those algorithms (:func:`lse_layout`, pure; tested on the CPU)
 from __future__ import annotations
 
 import math
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,12 +56,12 @@ def lse_layout(algorithm: str, rank: int, world_size: int, T: int, H: int, D: in
 class LseKernels(NamedTuple):
     """The loaded lse kernels of ``kernels/fallback.cu`` on one device, by dtype."""
 
-    mask: Dict[np.dtype, object]     # lse -> float32 natural log, masked; by lse dtype
-    weight: Dict[np.dtype, object]   # weights times out_partial (fp32); by output dtype
-    cast: Dict[np.dtype, object]     # fp32 sum -> the output dtype
+    mask: dict[np.dtype, object]     # lse -> float32 natural log, masked; by lse dtype
+    weight: dict[np.dtype, object]   # weights times out_partial (fp32); by output dtype
+    cast: dict[np.dtype, object]     # fp32 sum -> the output dtype
 
 
-_LSE_KERNELS: Dict[int, LseKernels] = {}
+_LSE_KERNELS: dict[int, LseKernels] = {}
 
 
 def load_lse_kernels(device: int) -> LseKernels:
@@ -141,8 +141,8 @@ class NcclLseReduce(NcclOp):
 
     def __init__(self, comm: Communicator, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype, num_ubatches: int = 1, lse_base: float = math.e,
-                 return_lse: bool = False, timeout_ms: Optional[float] = None, heap=None,
-                 algorithm: str = "all_to_all", nccl_group: Optional[NcclGroup] = None):
+                 return_lse: bool = False, timeout_ms: float | None = None, heap=None,
+                 algorithm: str = "all_to_all", nccl_group: NcclGroup | None = None):
         self._agree_geometry(comm, dict(
             max_tokens=max_tokens, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
             num_ubatches=num_ubatches, lse_base=lse_base, return_lse=return_lse,
@@ -151,7 +151,7 @@ class NcclLseReduce(NcclOp):
             "num_ubatches", nccl_group, heap=heap)
         self._build(nccl_group)
 
-    def _build(self, nccl_group: Optional[NcclGroup]) -> None:
+    def _build(self, nccl_group: NcclGroup | None) -> None:
         """The NCCL group, kernels, buffers and warm-up of a checked geometry (collective)."""
         self._setup_nccl(nccl_group)
         W, T, U = self.world_size, self.max_tokens, self.num_ubatches
@@ -166,7 +166,7 @@ class NcclLseReduce(NcclOp):
 
         def build():
             if self.algorithm == "all_to_all":
-                from ..ops.lse_reduce import lse_combine  # noqa: WPS433 (the direct op's merge)
+                from ..ops.lse_reduce import lse_combine
 
                 self._combine = lse_combine
                 self._send_out = [self._alloc(T * H * D * isz) for _ in range(U)]
@@ -187,7 +187,7 @@ class NcclLseReduce(NcclOp):
     @classmethod
     def _check_geometry(cls, world_size: int, *, max_tokens, num_heads, head_dim, dtype,
                         num_ubatches=1, lse_base=math.e, return_lse=False, timeout_ms=None,
-                        algorithm="all_to_all") -> Tuple[Tuple, dict]:
+                        algorithm="all_to_all") -> tuple[tuple, dict]:
         """Every check of the constructor keywords that needs no GPU and no collective; returns
         ``(agreed, geometry)`` as :meth:`NcclQGather._check_geometry`."""
         op = cls.op_name
@@ -362,12 +362,12 @@ class NcclLseReduce(NcclOp):
                 np.int32(S), np.int32(T), np.int32(H), np.int32(H_r), self._scale)
         self._k.mask[li.dtype](grid(T * H), (THREADS,), args, shared_mem=0, stream=stream)
 
-    def _shape(self) -> Tuple[int, int, int, int, int]:
+    def _shape(self) -> tuple[int, int, int, int, int]:
         """``(W, H, D_v, H_r, rank)``."""
         return (self.world_size, self.num_heads, self.head_dim, self.heads_per_rank, self.rank)
 
     def _all_to_all(self, u: int, T: int, x: ArrayInfo, lse_args, dst: ArrayInfo,
-                    ldst: Optional[ArrayInfo], stream) -> None:
+                    ldst: ArrayInfo | None, stream) -> None:
         W, H, D, H_r, r = self._shape()
         isz = self.dtype.itemsize
         nccl, mod, sp = self._nccl, self._nccl_mod, stream.ptr
@@ -412,7 +412,7 @@ class NcclLseReduce(NcclOp):
                       stream=stream)
 
     def _all_gather_lse(self, u: int, T: int, x: ArrayInfo, lse_args, dst: ArrayInfo,
-                        ldst: Optional[ArrayInfo], stream) -> None:
+                        ldst: ArrayInfo | None, stream) -> None:
         W, H, D, H_r, r = self._shape()
         dt, isz = self.dtype, self.dtype.itemsize
         nccl, mod, sp = self._nccl, self._nccl_mod, stream.ptr

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
 
 from .._checks import COPY_ITEMSIZES, check_positive_int, resolve_bytes_dtype
 from .._strided import c_contiguous, launch_copy, owner_to_heads_plan
@@ -73,9 +72,9 @@ class NcclQGather(NcclOp):
 
     def __init__(self, comm: Communicator, *, max_tokens: int, heads_per_rank: int,
                  head_dim: int, dtype, num_ubatches: int = 1,
-                 padded_num_heads: Optional[int] = None, timeout_ms: Optional[float] = None,
-                 heap=None, multicast: Optional[bool] = None,
-                 nccl_group: Optional[NcclGroup] = None):
+                 padded_num_heads: int | None = None, timeout_ms: float | None = None,
+                 heap=None, multicast: bool | None = None,
+                 nccl_group: NcclGroup | None = None):
         self._agree_geometry(comm, dict(
             max_tokens=max_tokens, heads_per_rank=heads_per_rank, head_dim=head_dim,
             dtype=dtype, num_ubatches=num_ubatches, padded_num_heads=padded_num_heads,
@@ -84,7 +83,7 @@ class NcclQGather(NcclOp):
             multicast=multicast)
         self._build(nccl_group)
 
-    def _build(self, nccl_group: Optional[NcclGroup]) -> None:
+    def _build(self, nccl_group: NcclGroup | None) -> None:
         """The NCCL group, kernels, buffers and warm-up of a checked geometry (collective)."""
         self._setup_nccl(nccl_group)
         isz = self.dtype.itemsize
@@ -104,7 +103,7 @@ class NcclQGather(NcclOp):
     @classmethod
     def _check_geometry(cls, world_size: int, *, max_tokens, heads_per_rank, head_dim, dtype,
                         num_ubatches=1, padded_num_heads=None,
-                        timeout_ms=None) -> Tuple[Tuple, dict]:
+                        timeout_ms=None) -> tuple[tuple, dict]:
         """Every check of the geometry keywords that needs no GPU and no collective; returns
         ``(agreed, geometry)``: the values every rank must agree on, and the checked geometry by
         attribute name."""

@@ -22,7 +22,7 @@ protocol):
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -43,7 +43,7 @@ MAX_VECTORS = 2**31 - 1
 def resolve_gather_dtype(dtype, op: str) -> np.dtype:
     """The NumPy dtype of a gather workspace: any fixed-size, non-object dtype (the kernels move
     bytes). Names such as ``"bfloat16"`` and ``"float8_e4m3fn"`` map to ml_dtypes."""
-    from ..reference import resolve_dtype  # noqa: WPS433
+    from ..reference import resolve_dtype
 
     try:
         dt = resolve_dtype(dtype)
@@ -68,10 +68,10 @@ class GatherPlan(NamedTuple):
     grid_zero_copy: int       # CTAs when the result is read from the own data slot
     params: object            # KernelParams, the ``out`` field patched per call
     out_index: int            # index of the kernel's ``out`` parameter
-    shape: Tuple[int, ...]    # the result view
-    strides: Tuple[int, ...]
-    debug_key: Tuple          # what DCPKIT_DEBUG compares across ranks
-    views: Dict[int, object]  # result views by address (memoised, at most a handful)
+    shape: tuple[int, ...]    # the result view
+    strides: tuple[int, ...]
+    debug_key: tuple          # what DCPKIT_DEBUG compares across ranks
+    views: dict[int, object]  # result views by address (memoised, at most a handful)
 
 
 class GatherWorkspace(OpWorkspace):
@@ -103,7 +103,7 @@ class GatherWorkspace(OpWorkspace):
     THREADS = THREADS
 
     def _check_gather_common(self, world_size: int, *, data_slot_bytes: int, out_bytes: int,
-                             num_ubatches, timeout_ms) -> Tuple:
+                             num_ubatches, timeout_ms) -> tuple:
         """:meth:`OpWorkspace._check_common` for a gather: the two base slots hold
         ``DATA_SLOTS`` data slots of ``data_slot_bytes`` (rounded up), back to back."""
         slot = _round_up(max(int(data_slot_bytes), 16))
@@ -115,11 +115,11 @@ class GatherWorkspace(OpWorkspace):
     def _compile(self, file: str, name_expr: str):
         """Compile (or fetch) the kernel on every rank; a failure anywhere closes the workspace
         and raises on every rank."""
-        import cupy  # noqa: WPS433
+        import cupy
 
-        from .. import jit  # noqa: WPS433
+        from .. import jit
 
-        err: Optional[BaseException] = None
+        err: BaseException | None = None
         kernel = None
         try:
             with cupy.cuda.Device(self.device):
@@ -140,7 +140,7 @@ class GatherWorkspace(OpWorkspace):
         copy."""
         return self.local_slot_ptr(ubatch, 0) + index * self.data_slot_bytes
 
-    def _destination(self, ubatch: int, stream, debug_key: Tuple, out_ptr: int) -> Tuple[int, int]:
+    def _destination(self, ubatch: int, stream, debug_key: tuple, out_ptr: int) -> tuple[int, int]:
         """Call bookkeeping (advances the host shadow of the epoch). Returns ``(kernel_out,
         result_ptr)``: the ``out`` pointer the kernel gets (0 = zero copy) and the address of the
         result (``out_ptr`` when the caller gave ``out=``)."""
@@ -176,12 +176,12 @@ class GatherWorkspace(OpWorkspace):
             return out
         return self._view(self.data_slot_ptr(plan.ubatch, 0), plan.shape, plan.strides)
 
-    def _gather_plan(self, T: int, ubatch: int, out_info, tail: Tuple, types: Tuple[str, ...],
+    def _gather_plan(self, T: int, ubatch: int, out_info, tail: tuple, types: tuple[str, ...],
                      out_index: int, shape, strides, *, mc_arg: bool = True) -> GatherPlan:
         """The plan of a validated call: the kernel parameters are :meth:`_head_args` (without
         the multicast address when not ``mc_arg``) then ``tail``, packed once; the ``out``
         field at ``out_index`` is patched per call."""
-        from .._launch import KernelParams  # noqa: WPS433
+        from .._launch import KernelParams
 
         params, grids = None, (0, 0)
         if T > 0:  # T == 0 launches nothing
@@ -200,7 +200,7 @@ class GatherWorkspace(OpWorkspace):
                                                  or _cuda.stream_types()):
             _cuda.check_stream(stream, self.op_name)  # raises InvalidType
 
-    def _head_args(self, ubatch: int) -> Tuple:
+    def _head_args(self, ubatch: int) -> tuple:
         """Protocol parameters + (peer_data, data_slot_bytes, mc_data) of ``ubatch``: constant
         for the workspace's life, built once (pointers as Python ints: CuPy passes them as
         8-byte integers)."""
@@ -226,14 +226,14 @@ class GatherWorkspace(OpWorkspace):
     def _grid(self, vectors: int) -> int:
         return launch_config(vectors, max(1, int(self.vectors_per_cta)), self.max_ctas)
 
-    def _view(self, ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...]):
+    def _view(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...]):
         """A CuPy array over workspace memory at ``ptr`` (no copy). It keeps the workspace object
         alive, but not its memory: a view is invalid after :meth:`close`.
 
         Views are memoised per (address, shape, strides): the result of call ``n + 3`` of a
         ubatch may be the same Python object as that of call ``n`` (the same memory, by the
         lifetime rule), which keeps object creation off the hot path."""
-        import cupy  # noqa: WPS433
+        import cupy
 
         key = (ptr, shape, strides)
         cache = self.__dict__.setdefault("_view_cache", {})

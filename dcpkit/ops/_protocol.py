@@ -31,7 +31,7 @@ naming the ranks and values it saw (``T=2 on rank 0, T=6 on ranks 1-3``).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -41,19 +41,19 @@ __all__ = ["FP_FIELDS", "DTYPE_CODES", "LSE_CODES", "REC_TIMEOUT", "REC_MISMATCH
            "describe_mismatch", "rank_ranges"]
 
 #: field -> (shift, bits), mirroring the DCPKIT_FP_* macros of kernels/dcpkit_ptx.cuh.
-FP_FIELDS: Dict[str, tuple] = {
+FP_FIELDS: dict[str, tuple] = {
     "op": (0, 3), "ubatch": (3, 4), "dtype": (7, 4), "lse": (11, 2), "qsl": (13, 1),
     "seq": (14, 1), "T": (15, 17),
 }
 #: Fingerprint codes of the data dtypes (names as ``str(numpy dtype)``); 15 = any other.
-DTYPE_CODES: Dict[str, int] = {
+DTYPE_CODES: dict[str, int] = {
     "bfloat16": 1, "float16": 2, "float32": 3, "float64": 4, "int8": 5, "uint8": 6,
     "int16": 7, "uint16": 8, "int32": 9, "uint32": 10, "int64": 11, "uint64": 12,
     "float8_e4m3fn": 13, "float8_e5m2": 14,
 }
 OTHER_DTYPE = 15
 #: Fingerprint codes of the lse_partial dtypes (kernels/lse_reduce.cu lse_code).
-LSE_CODES: Dict[str, int] = {"bfloat16": 1, "float16": 2, "float32": 3}
+LSE_CODES: dict[str, int] = {"bfloat16": 1, "float16": 2, "float32": 3}
 
 REC_TIMEOUT = 0
 REC_MISMATCH = 1
@@ -105,7 +105,7 @@ def signal_word(epoch: int, fp: int) -> int:
     return ((int(fp) & 0xFFFFFFFF) << 32) | (int(epoch) & 0xFFFFFFFF)
 
 
-def decode_fingerprint(fp: int) -> Dict[str, object]:
+def decode_fingerprint(fp: int) -> dict[str, object]:
     """Fingerprint -> ``{"op", "ubatch", "dtype", "lse", "qsl", "seq", "T"}`` with names for the
     codes (``T`` and ``ubatch`` are the values modulo their field width)."""
     raw = {f: (int(fp) >> s) & ((1 << b) - 1) for f, (s, b) in FP_FIELDS.items()}
@@ -129,7 +129,7 @@ _ORDER = ("T", "lse", "qsl", "seq", "ubatch", "dtype", "op")
 def rank_ranges(ranks: Sequence[int]) -> str:
     """``[0]`` -> ``"rank 0"``, ``[1, 2, 3, 5]`` -> ``"ranks 1-3, 5"``."""
     rs = sorted(set(int(r) for r in ranks))
-    parts: List[str] = []
+    parts: list[str] = []
     i = 0
     while i < len(rs):
         j = i
@@ -146,7 +146,7 @@ def _value(field: str, v) -> str:
     return str(v)
 
 
-def describe_mismatch(fps: Sequence[Optional[int]]):
+def describe_mismatch(fps: Sequence[int | None]):
     """From the fingerprint seen for each rank (None: not seen), the summary of the fields that
     differ (``"T=2 on rank 0, T=6 on ranks 1-3"``) and one description per rank.
 
@@ -155,7 +155,7 @@ def describe_mismatch(fps: Sequence[Optional[int]]):
     fields = [f for f in _ORDER if len({str(d[f]) for d in dec.values()}) > 1]
     groups = []
     for f in fields:
-        by_value: Dict[str, List[int]] = {}
+        by_value: dict[str, list[int]] = {}
         for r, d in dec.items():
             by_value.setdefault(_value(f, d[f]), []).append(r)
         groups.append(", ".join(f"{_LABELS[f]}={v} on {rank_ranges(rs)}"

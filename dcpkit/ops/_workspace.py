@@ -51,7 +51,8 @@ without synchronising. A replay-only loop detects it like this::
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -72,8 +73,8 @@ __all__ = ["OpWorkspace", "PROTO_PARAM_TYPES", "OP_IDS", "OP_NAMES", "default_ti
            "TIMEOUT_RECORD_FIELDS", "MAX_TIMEOUT_MS", "MAX_LIVE_KERNELS",
            "DEFAULT_GRAPH_OUTPUTS", "check_not_capturing"]
 
-OP_IDS: Dict[str, int] = {"lse_reduce": 1, "q_gather": 2, "kv_gather": 3, "ceilings": 4}
-OP_NAMES: Dict[int, str] = {v: k for k, v in OP_IDS.items()}
+OP_IDS: dict[str, int] = {"lse_reduce": 1, "q_gather": 2, "kv_gather": 3, "ceilings": 4}
+OP_NAMES: dict[int, str] = {v: k for k, v in OP_IDS.items()}
 #: The first eight words of the failure record (the whole layout: _protocol.RECORD_FIELDS).
 TIMEOUT_RECORD_FIELDS = _protocol.RECORD_FIELDS[:8]
 #: dcpkit kernels of one rank that may be in flight at once without deadlock (NOTE [dcpkit
@@ -137,7 +138,7 @@ def _current_stream(cupy, device: int):
 def check_heap(heap, comm: Communicator, op: str, nbytes: int) -> None:
     """Checks of a ``heap=`` argument (no collective): an open :class:`SymmetricHeap` of this
     very group (same world_size, same rank) with ``nbytes`` free after its last reservation."""
-    from ..symmetric import SymmetricHeap  # noqa: WPS433
+    from ..symmetric import SymmetricHeap
 
     if not isinstance(heap, SymmetricHeap):
         raise InvalidType(f"{op}: heap must be a dcpkit.SymmetricHeap (got "
@@ -174,7 +175,7 @@ class OpWorkspace:
 
     # ------------------------------------------------------------------ construction
     def _check_common(self, world_size: int, *, slot_bytes: int, out_bytes: int, num_ubatches,
-                      timeout_ms) -> Tuple:
+                      timeout_ms) -> tuple:
         """The checks every direct op shares, no GPU, no collective: ``num_ubatches``,
         ``timeout_ms`` (or ``DCPKIT_TIMEOUT_MS``) and the size of the symmetric region. Sets the
         layout; returns ``(num_ubatches, timeout_ms, region bytes)``."""
@@ -206,12 +207,12 @@ class OpWorkspace:
                                  check_positive_int(waiter_ctas, op, "waiter_ctas"))
         self._self_check = check_bool(self_check, op, "_self_check")
 
-    def _kernel_options(self) -> Tuple[str, ...]:
+    def _kernel_options(self) -> tuple[str, ...]:
         """NVRTC options of the op's kernels: the benchmark-only variant without the
         fingerprint comparison when built with ``_self_check=False``."""
         return () if getattr(self, "_self_check", True) else ("-DDCPKIT_SELF_CHECK=0",)
 
-    def _setup(self, comm: Communicator, check_arguments: Callable[[int], Tuple], what: str, *,
+    def _setup(self, comm: Communicator, check_arguments: Callable[[int], tuple], what: str, *,
                heap=None, multicast=None) -> None:
         """Agree on the arguments, then build the symmetric region, the local state and the
         timeout record (collective).
@@ -272,7 +273,7 @@ class OpWorkspace:
     def _init_region(self, heap, multicast) -> None:
         """The heap (own or reserved in ``heap``), then the local state; a failure anywhere
         releases this workspace's part on every rank and raises on every rank."""
-        from ..symmetric import SymmetricHeap  # noqa: WPS433
+        from ..symmetric import SymmetricHeap
 
         comm, op = self.comm, self.op_name
         self._owns_heap = heap is None
@@ -323,9 +324,9 @@ class OpWorkspace:
     def _init_local_state(self) -> str:
         """Epochs, counters, peer tables, the timeout record, output buffers (this rank only).
         Returns the PCI bus id of the GPU."""
-        import ctypes  # noqa: WPS433
+        import ctypes
 
-        import cupy  # noqa: WPS433
+        import cupy
 
         heap, U = self.heap, self.num_ubatches
         with cupy.cuda.Device(self.device):
@@ -346,7 +347,7 @@ class OpWorkspace:
             n_graph = getattr(self, "graph_outputs", DEFAULT_GRAPH_OUTPUTS)
             self._graph_out = cupy.empty(max(self._out_bytes * n_graph, 1), dtype=cupy.uint8)
             self._graph_next = 0
-            self._eager_out: List[Optional[object]] = [None] * U
+            self._eager_out: list[object | None] = [None] * U
             props = cupy.cuda.runtime.getDeviceProperties(self.device)
             self.sm_count = props["multiProcessorCount"]
             return cupy.cuda.runtime.deviceGetPCIBusId(self.device)
@@ -356,7 +357,7 @@ class OpWorkspace:
         self._rec = np.zeros(_protocol.RECORD_WORDS, dtype=np.uint32)
         if getattr(self, "_rec_ptr", 0):
             try:
-                import cupy  # noqa: WPS433
+                import cupy
 
                 cupy.cuda.runtime.freeHost(self._rec_ptr)
             finally:
@@ -365,7 +366,7 @@ class OpWorkspace:
         self._graph_out = None
         self._eager_out = [None] * getattr(self, "num_ubatches", 0)
 
-    def _make_proto(self, u: int) -> Tuple:
+    def _make_proto(self, u: int) -> tuple:
         mc = 0
         if self.multicast:
             mc = self.heap.mc_ptr + self._base + u * self._ubatch_stride
@@ -389,7 +390,7 @@ class OpWorkspace:
     def _finish_setup(self) -> None:
         """Warm-up barrier: no rank may wait inside a kernel while a peer still compiles. A
         device error on any rank closes the workspace and raises on every rank."""
-        import cupy  # noqa: WPS433
+        import cupy
 
         err = None
         try:
@@ -404,7 +405,7 @@ class OpWorkspace:
             raise
 
     # ------------------------------------------------------------------ per call
-    def proto_args(self, ubatch: int) -> Tuple:
+    def proto_args(self, ubatch: int) -> tuple:
         """The protocol parameters (DCPKIT_PROTO_PARAMS) of ``ubatch``, in kernel order."""
         return self._proto[ubatch]
 
@@ -469,15 +470,15 @@ class OpWorkspace:
             ``stream`` is not a CuPy stream (``cupy.cuda.Stream`` / ``ExternalStream``).
         """
         if stream is None:
-            import cupy  # noqa: WPS433
+            import cupy
 
             return cupy.cuda.get_current_stream()
         if isinstance(stream, _cuda._STREAM_TYPES or _cuda.stream_types()):
             return stream
         return _cuda.check_stream(stream, self.op_name)  # raises InvalidType
 
-    def begin_call(self, ubatch: int, stream, debug_key: Tuple, *,
-                   needs_output: bool = False) -> Tuple[int, bool, bool]:
+    def begin_call(self, ubatch: int, stream, debug_key: tuple, *,
+                   needs_output: bool = False) -> tuple[int, bool, bool]:
         """Bookkeeping at the start of a call, after validation and before the launch.
 
         Returns ``(parity, capturing, exact)``: the parity the device will use if the host shadow
@@ -511,7 +512,7 @@ class OpWorkspace:
         """Device address of the workspace output buffer for this call (``out=None``): a graph
         output buffer of its own while capturing (taken for good), else one of the two eager
         buffers of the ubatch."""
-        import cupy  # noqa: WPS433
+        import cupy
 
         if capturing:
             k = self._graph_next
@@ -572,13 +573,13 @@ class OpWorkspace:
 
     # ------------------------------------------------------------------ fast path
     #: Set when a launch raised after the call was counted (see :meth:`_run`).
-    _launch_failed: Optional[str] = None
+    _launch_failed: str | None = None
 
-    def _init_fast_path(self, functions: Dict[Any, Any], backend: str = "ctypes") -> None:
+    def _init_fast_path(self, functions: dict[Any, Any], backend: str = "ctypes") -> None:
         """The call-plan cache (:mod:`dcpkit._plan`, built by the subclass's ``_plan``) and one
         :class:`~dcpkit._launch.Launcher` per loaded kernel (``functions``: key -> the loaded
         ``cupy.cuda.function.Function``; the subclass picks the key per plan)."""
-        import cupy  # noqa: WPS433
+        import cupy
 
         self._plans = PlanCache(self._plan)
         self._launchers = {k: Launcher(fn, self.THREADS, backend=backend)
@@ -611,7 +612,7 @@ class OpWorkspace:
             if self._get_device() == self.device:
                 self._launchers[kernel_key].launch(grid, params, stream.ptr)
             else:
-                import cupy  # noqa: WPS433
+                import cupy
 
                 with cupy.cuda.Device(self.device):
                     self._launchers[kernel_key].launch(grid, params, stream.ptr)
@@ -631,7 +632,7 @@ class OpWorkspace:
         cache = self.__dict__.setdefault("_lse_view_cache", {})
         v = cache.get(key)
         if v is None:
-            import cupy  # noqa: WPS433
+            import cupy
 
             mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_id=self.device)
             v = cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
@@ -651,7 +652,7 @@ class OpWorkspace:
     def _set_epoch(self, value: int) -> None:
         """Collective test hook: make every ubatch continue from epoch ``value`` (to test the
         32-bit wrap of signals). Signals are set to what the last two calls would have left."""
-        import cupy  # noqa: WPS433
+        import cupy
 
         self.check_open()
         with cupy.cuda.Device(self.device):
@@ -678,12 +679,12 @@ class OpWorkspace:
         """
         if getattr(self, "_closed", True):
             return
-        import cupy  # noqa: WPS433
+        import cupy
 
         self._closed = True
         self.__dict__.pop("_view_cache", None)  # views over memory about to be freed
         self._clear_plans()
-        errors: List[BaseException] = []
+        errors: list[BaseException] = []
         with cupy.cuda.Device(self.device):
             try:
                 cupy.cuda.runtime.deviceSynchronize()

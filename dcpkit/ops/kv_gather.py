@@ -15,7 +15,6 @@ Kernel: ``kernels/kv_gather.cu`` (device code in ``kernels/gather.cuh``); refere
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
 
 
 from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
@@ -145,9 +144,9 @@ class KVGather(GatherWorkspace):
 
     def __init__(self, comm: Communicator, *, max_tokens: int, row_dim: int, dtype,
                  num_ubatches: int = 1, algorithm: str = "push",
-                 timeout_ms: Optional[float] = None, heap=None,
-                 multicast: Optional[bool] = None, graph_outputs: Optional[int] = None,
-                 waiter_ctas: Optional[int] = None, _self_check: bool = True):
+                 timeout_ms: float | None = None, heap=None,
+                 multicast: bool | None = None, graph_outputs: int | None = None,
+                 waiter_ctas: int | None = None, _self_check: bool = True):
         self._closed = True  # until the setup completes
         # One exchange: arguments, CuPy, the GPU or room in the heap, equal geometries.
         self._setup(comm, lambda W: self._check_arguments(
@@ -167,7 +166,7 @@ class KVGather(GatherWorkspace):
 
     def _check_arguments(self, world_size: int, *, max_tokens, row_dim, dtype, num_ubatches=1,
                          algorithm="push", timeout_ms=None, graph_outputs=None,
-                         waiter_ctas=None, self_check=True) -> Tuple:
+                         waiter_ctas=None, self_check=True) -> tuple:
         """Every check of the constructor arguments that needs no GPU and no collective (the
         constructor's keywords); returns what every rank must agree on."""
         self._check_protocol_options(graph_outputs=graph_outputs, waiter_ctas=waiter_ctas,
@@ -178,7 +177,7 @@ class KVGather(GatherWorkspace):
             world_size, data_slot_bytes=nbytes, out_bytes=nbytes, num_ubatches=num_ubatches,
             timeout_ms=timeout_ms)
 
-    def _init_geometry(self, world_size: int, max_tokens, row_dim, dtype, algorithm) -> Tuple:
+    def _init_geometry(self, world_size: int, max_tokens, row_dim, dtype, algorithm) -> tuple:
         """Check and record the geometry (no GPU, no collective); returns it."""
         op = self.op_name
         self.world_size = int(world_size)
@@ -286,7 +285,7 @@ class KVGather(GatherWorkspace):
                           (self.row_bytes, self.dtype.itemsize))
 
     # ------------------------------------------------------------------ validation
-    def _validate(self, kv, ubatch, out) -> Tuple[int, int, ArrayInfo, Optional[ArrayInfo]]:
+    def _validate(self, kv, ubatch, out) -> tuple[int, int, ArrayInfo, ArrayInfo | None]:
         """Every check of a call, before anything is launched or counted (no GPU needed).
         Returns ``(T, ubatch, kv_info, out_info or None)``."""
         op = self.op_name
@@ -331,7 +330,7 @@ class KVGather(GatherWorkspace):
 
     # ------------------------------------------------------------------ what the op accepts
     @classmethod
-    def check_arguments(cls, world_size: int, **constructor_keywords) -> Tuple:
+    def check_arguments(cls, world_size: int, **constructor_keywords) -> tuple:
         """The argument checks of ``KVGather(comm, **constructor_keywords)`` on a group of
         ``world_size`` ranks, needing no GPU and no collective.
 
@@ -340,7 +339,7 @@ class KVGather(GatherWorkspace):
         does, with the same messages. ``heap`` is left to the constructor (it needs the group).
         See :func:`dcpkit._checks.check_constructor_keywords`.
         """
-        from .._checks import check_constructor_keywords  # noqa: WPS433 (appended method)
+        from .._checks import check_constructor_keywords
 
         return check_constructor_keywords(cls, world_size, constructor_keywords)
 
@@ -348,7 +347,7 @@ class KVGather(GatherWorkspace):
         """Whether ``kv`` and ``out`` (arrays or ``ArrayInfo``) are rows this op reads and
         writes without a copy: C-contiguous and 16-byte aligned. An array of a shape the call
         refuses is not judged (True); a host array raises ``InvalidType``."""
-        from .._checks import described  # noqa: WPS433 (appended method)
+        from .._checks import described
 
         for name, i in described(self.op_name, kv=kv, out=out):
             if len(i.shape) == 2 and i.shape[0] > 0 and i.shape[1] == self.row_dim:

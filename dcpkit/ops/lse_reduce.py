@@ -30,7 +30,7 @@ and needs, for those heads, the merge of every rank's partial. Usage, on every r
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -71,7 +71,7 @@ _I32 = np.dtype(np.int32)
 _UINT = {2: np.uint16, 4: np.uint32}  # byte containers of the float dtypes (copies, empties)
 
 
-def _float_dtypes() -> Tuple[np.dtype, np.dtype, np.dtype]:
+def _float_dtypes() -> tuple[np.dtype, np.dtype, np.dtype]:
     """bfloat16, float16, float32: the output and lse dtypes the kernels are built for."""
     return (resolve_dtype("bfloat16"), np.dtype(np.float16), _F32)
 
@@ -138,8 +138,8 @@ class _Plan(NamedTuple):
     seq_ptr: int
     qsl_ptr: int
     num_requests: int
-    out: Optional[ArrayInfo]
-    out_lse: Optional[ArrayInfo]
+    out: ArrayInfo | None
+    out_lse: ArrayInfo | None
     want_lse: bool
 
 
@@ -154,8 +154,8 @@ class _CallPlan(NamedTuple):
     needs_output: bool        # a workspace output buffer is used
     lse_key: object           # the lse dtype: which kernel
     grid: int
-    params: Optional[KernelParams]
-    debug_key: Tuple
+    params: KernelParams | None
+    debug_key: tuple
 
 
 class LseReduce(OpWorkspace):
@@ -279,8 +279,8 @@ class LseReduce(OpWorkspace):
 
     def __init__(self, comm: Communicator, *, max_tokens: int, num_heads: int, head_dim: int,
                  dtype, num_ubatches: int = 1, lse_base: float = math.e, return_lse: bool = False,
-                 timeout_ms: Optional[float] = None, heap=None,
-                 graph_outputs: Optional[int] = None, waiter_ctas: Optional[int] = None,
+                 timeout_ms: float | None = None, heap=None,
+                 graph_outputs: int | None = None, waiter_ctas: int | None = None,
                  _self_check: bool = True):
         op = self.op_name
         self._closed = True
@@ -307,7 +307,7 @@ class LseReduce(OpWorkspace):
     def _check_arguments(self, world_size: int, *, max_tokens, num_heads, head_dim, dtype,
                          num_ubatches=1, lse_base=math.e, return_lse=False,
                          timeout_ms=None, graph_outputs=None, waiter_ctas=None,
-                         self_check=True) -> Tuple:
+                         self_check=True) -> tuple:
         """Every check of the constructor arguments that needs no GPU and no collective (the
         constructor's keywords); returns what every rank must agree on."""
         self._check_protocol_options(graph_outputs=graph_outputs, waiter_ctas=waiter_ctas,
@@ -374,7 +374,7 @@ class LseReduce(OpWorkspace):
     def _load_kernels(self) -> None:
         """Compile (one NVRTC run for the file, cached) and load the kernel of every lse dtype,
         and prebuild the constant kernel arguments."""
-        import cupy  # noqa: WPS433
+        import cupy
 
         self._cupy = cupy
         self._fn = {}
@@ -671,7 +671,7 @@ class LseReduce(OpWorkspace):
 
     # ------------------------------------------------------------------ what the op accepts
     @classmethod
-    def check_arguments(cls, world_size: int, **constructor_keywords) -> Tuple:
+    def check_arguments(cls, world_size: int, **constructor_keywords) -> tuple:
         """Validate ``LseReduce`` constructor keywords for ``world_size`` ranks as the
         constructor would, before any GPU work or collective.
 
@@ -680,7 +680,7 @@ class LseReduce(OpWorkspace):
         does, with the same messages. ``heap`` is left to the constructor (it needs the group).
         See :func:`dcpkit._checks.check_constructor_keywords`.
         """
-        from .._checks import check_constructor_keywords  # noqa: WPS433 (appended method)
+        from .._checks import check_constructor_keywords
 
         return check_constructor_keywords(cls, world_size, constructor_keywords)
 
@@ -690,7 +690,7 @@ class LseReduce(OpWorkspace):
         caller: ``out_partial`` rows 16-byte aligned (or an innermost stride the op copies
         itself), ``lse_partial`` aligned to its itemsize, ``out`` / ``out_lse`` C-contiguous and
         16- / 4-byte aligned; no negative strides. A host array raises ``InvalidType``."""
-        from .._checks import described  # noqa: WPS433 (appended method)
+        from .._checks import described
 
         def nonneg(i):
             return all(s >= 0 for n, s in zip(i.shape, i.strides) if n > 1)
@@ -726,7 +726,7 @@ class _CombinePlan(NamedTuple):
     src_out: ArrayInfo
     src_lse: ArrayInfo
     out: ArrayInfo
-    out_lse: Optional[ArrayInfo]
+    out_lse: ArrayInfo | None
 
 
 def _check_same_gpu(info: ArrayInfo, src_out: ArrayInfo, name: str) -> None:

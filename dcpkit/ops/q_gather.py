@@ -15,7 +15,6 @@ Kernel: ``kernels/q_gather.cu`` (device code in ``kernels/gather.cuh``); referen
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
 
 
 from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
@@ -141,9 +140,9 @@ class QGather(GatherWorkspace):
 
     def __init__(self, comm: Communicator, *, max_tokens: int, heads_per_rank: int,
                  head_dim: int, dtype, num_ubatches: int = 1,
-                 padded_num_heads: Optional[int] = None, timeout_ms: Optional[float] = None,
-                 heap=None, multicast: Optional[bool] = None,
-                 graph_outputs: Optional[int] = None, waiter_ctas: Optional[int] = None,
+                 padded_num_heads: int | None = None, timeout_ms: float | None = None,
+                 heap=None, multicast: bool | None = None,
+                 graph_outputs: int | None = None, waiter_ctas: int | None = None,
                  _self_check: bool = True):
         self._closed = True  # until the setup completes
         # One exchange: arguments, CuPy, the GPU or room in the heap, equal geometries.
@@ -162,7 +161,7 @@ class QGather(GatherWorkspace):
 
     def _check_arguments(self, world_size: int, *, max_tokens, heads_per_rank, head_dim, dtype,
                          num_ubatches=1, padded_num_heads=None, timeout_ms=None,
-                         graph_outputs=None, waiter_ctas=None, self_check=True) -> Tuple:
+                         graph_outputs=None, waiter_ctas=None, self_check=True) -> tuple:
         """Every check of the constructor arguments that needs no GPU and no collective (the
         constructor's keywords); returns what every rank must agree on."""
         self._check_protocol_options(graph_outputs=graph_outputs, waiter_ctas=waiter_ctas,
@@ -175,7 +174,7 @@ class QGather(GatherWorkspace):
             timeout_ms=timeout_ms)
 
     def _init_geometry(self, world_size: int, max_tokens, heads_per_rank, head_dim, dtype,
-                       padded_num_heads) -> Tuple:
+                       padded_num_heads) -> tuple:
         """Check and record the geometry (no GPU, no collective); returns it."""
         op = self.op_name
         self.world_size = int(world_size)
@@ -304,8 +303,8 @@ class QGather(GatherWorkspace):
                           (self.slot_token_bytes, self.head_dim * isz, isz))
 
     # ------------------------------------------------------------------ validation
-    def _validate(self, q, ubatch, out, return_padded) -> Tuple[int, int, ArrayInfo,
-                                                                 Optional[ArrayInfo]]:
+    def _validate(self, q, ubatch, out, return_padded) -> tuple[int, int, ArrayInfo,
+                                                                 ArrayInfo | None]:
         """Every check of a call, before anything is launched or counted (no GPU needed).
         Returns ``(T, ubatch, q_info, out_info or None)``."""
         op = self.op_name
@@ -355,7 +354,7 @@ class QGather(GatherWorkspace):
 
     # ------------------------------------------------------------------ what the op accepts
     @classmethod
-    def check_arguments(cls, world_size: int, **constructor_keywords) -> Tuple:
+    def check_arguments(cls, world_size: int, **constructor_keywords) -> tuple:
         """``QGather(comm, **constructor_keywords)``'s checks for ``world_size`` ranks, without a
         GPU or a collective.
 
@@ -364,7 +363,7 @@ class QGather(GatherWorkspace):
         does, with the same messages. ``heap`` is left to the constructor (it needs the group).
         See :func:`dcpkit._checks.check_constructor_keywords`.
         """
-        from .._checks import check_constructor_keywords  # noqa: WPS433 (appended method)
+        from .._checks import check_constructor_keywords
 
         return check_constructor_keywords(cls, world_size, constructor_keywords)
 
@@ -372,7 +371,7 @@ class QGather(GatherWorkspace):
         """True when a call takes ``q`` and ``out`` (arrays or ``ArrayInfo``) in place: head
         stride ``D`` elements, token stride a multiple of 16 bytes, 16-byte aligned data.
         Shapes the call rejects anyway count as True; ``InvalidType`` for a host array."""
-        from .._checks import described  # noqa: WPS433 (appended method)
+        from .._checks import described
 
         heads = {"q": self.heads_per_rank, "out": self.num_heads}
         for name, i in described(self.op_name, q=q, out=out):

@@ -8,7 +8,7 @@ failing rank with its first problems (rank, case, first mismatching index).
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional
+from collections.abc import Callable
 
 import numpy as np
 
@@ -19,10 +19,10 @@ MAX_REPORTED = 6
 LSE_ATOL = 1e-4   # merged lse (fp32) against float64, relative to max(1, |lse|)
 
 
-def run_all_ranks(comm, what: str, body: Callable[[List[str]], None]) -> None:
+def run_all_ranks(comm, what: str, body: Callable[[list[str]], None]) -> None:
     """Run ``body(errors)`` on every rank (an exception becomes an error), then agree and
     assert. Every rank reaches the agreement even if its body raised."""
-    errors: List[str] = []
+    errors: list[str] = []
     try:
         body(errors)
     except Exception as e:  # noqa: BLE001 - reported together with the other ranks below
@@ -157,7 +157,7 @@ class LseCase:
                 kw["seq_lens"] = to_gpu(self.seq_lens)
         return to_gpu(self.out_partial), to_gpu(self.lse_partial), kw
 
-    def check_host(self, rank, got, got_lse: Optional[np.ndarray] = None, where="") -> str:
+    def check_host(self, rank, got, got_lse: np.ndarray | None = None, where="") -> str:
         what = f"rank {rank}, {self.what}{', ' + where if where else ''}"
         got = np.asarray(got).astype(np.float64)
         if got.shape != self.ref_out.shape:

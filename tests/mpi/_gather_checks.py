@@ -7,7 +7,7 @@ failing rank and its first problems.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from collections.abc import Callable
 
 import numpy as np
 
@@ -23,12 +23,12 @@ extern "C" __global__ void dcpkit_test_spin(unsigned long long ns) {
 _SPIN = None
 
 
-def run_collective(comm, what: str, body: Callable[[List[str]], None]) -> None:
+def run_collective(comm, what: str, body: Callable[[list[str]], None]) -> None:
     """Run ``body(errors)`` on every rank (an exception becomes an error), then agree and assert.
 
     Every rank reaches the agreement even when its body raised, so no rank is left waiting in a
     collective of this test."""
-    errors: List[str] = []
+    errors: list[str] = []
     try:
         body(errors)
     except Exception as e:  # noqa: BLE001 - reported with the other ranks' results below
@@ -64,7 +64,7 @@ def to_host(x) -> np.ndarray:
     return cupy.asnumpy(bits(x)).view(x.dtype)
 
 
-def byte_mismatch(got, want, what: str) -> Optional[str]:
+def byte_mismatch(got, want, what: str) -> str | None:
     """None when ``got`` and ``want`` are equal byte for byte, else where they first differ."""
     got = np.asarray(got)
     want = np.asarray(want)
@@ -84,7 +84,7 @@ def byte_mismatch(got, want, what: str) -> Optional[str]:
             f"want 0x{w[i][::-1].tobytes().hex()}")
 
 
-def all_poison(x, what: str) -> Optional[str]:
+def all_poison(x, what: str) -> str | None:
     """None when every byte of ``x`` (device array) is still 0xFF."""
     h = to_host(x)
     b = np.ascontiguousarray(h).view(np.uint8)

@@ -8,7 +8,7 @@ Checks return messages instead of asserting, so every rank finishes its collecti
 from __future__ import annotations
 
 import os
-from typing import Callable, List
+from collections.abc import Callable
 
 import numpy as np
 
@@ -45,7 +45,7 @@ def _first_mismatch(got: np.ndarray, want: np.ndarray) -> str:
             f"expected 0x{int(want[i]):08x}")
 
 
-def pattern_errors(comm, heap, seed: int, max_words: int = 1 << 16) -> List[str]:
+def pattern_errors(comm, heap, seed: int, max_words: int = 1 << 16) -> list[str]:
     """Every rank writes ``pattern(seed, me, p)`` into region ``me`` of every rank ``p``'s copy
     through ``heap.view(..., rank=p)`` (a kernel storing through the peer mapping), then, after a
     device synchronisation and a barrier, checks region ``s`` of every copy ``p`` (its own
@@ -57,7 +57,7 @@ def pattern_errors(comm, heap, seed: int, max_words: int = 1 << 16) -> List[str]
     k = _kernels()
     W, me = comm.world_size, comm.rank
     n = min(heap.nbytes // 4 // W, max_words)
-    errors: List[str] = []
+    errors: list[str] = []
     try:
         own_all = heap.view(0, (heap.nbytes // 4,), np.uint32)
         nz = int(cupy.count_nonzero(own_all))
@@ -94,7 +94,7 @@ def pattern_errors(comm, heap, seed: int, max_words: int = 1 << 16) -> List[str]
     return errors
 
 
-def agree(comm, errors: List[str]):
+def agree(comm, errors: list[str]):
     """(ok, message) equal on every rank: ok only if no rank reported errors."""
     short = errors[:MAX_REPORTED] + ([f"... {len(errors) - MAX_REPORTED} more"]
                                      if len(errors) > MAX_REPORTED else [])
@@ -104,9 +104,9 @@ def agree(comm, errors: List[str]):
     return (not bad), msg
 
 
-def run_checked(comm, body: Callable[[List[str]], None]) -> List[str]:
+def run_checked(comm, body: Callable[[list[str]], None]) -> list[str]:
     """``body(errors)`` with an exception turned into an error message."""
-    errors: List[str] = []
+    errors: list[str] = []
     try:
         body(errors)
     except Exception as e:  # noqa: BLE001

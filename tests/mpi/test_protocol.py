@@ -29,9 +29,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
-from reliability_cases import OpCase, gather_failures, to_host  # noqa: E402
+from reliability_cases import OpCase, gather_failures, to_host
 
-from dcpkit.errors import CollectiveTimeout, ConfigMismatch, DcpkitError  # noqa: E402
+from dcpkit.errors import CollectiveTimeout, ConfigMismatch, DcpkitError
 
 FAULT_TIMEOUT_MS = 300.0
 #: Bounds that only rule out a hang (not performance bounds).

@@ -233,7 +233,7 @@ def test_q_gather_view_lifetime(comm, seed):
     """A view of call n consumed on the stream after call n+1 (while rank 0's stream is held back
     by a 20 ms spin, so the peers run ahead into call n+2) is intact; call n+3 reuses its
     storage (the rule 'consume before call n+2 is issued' is tight)."""
-    W, r = comm.world_size, comm.rank
+    r = comm.rank
     T = 17
 
     def body(errors):
@@ -302,7 +302,7 @@ def test_q_gather_timeout_names_silent_peer(comm, seed):
 
     from dcpkit.errors import CollectiveTimeout
 
-    W, r = comm.world_size, comm.rank
+    r = comm.rank
 
     def body(errors):
         with QGather(comm, max_tokens=8, heads_per_rank=H_R, head_dim=D, dtype="float16",

@@ -43,10 +43,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-from reliability_cases import (OPS, HEAD_DIM, H_R, ROW_DIM, HEAD_DIM_V, OpCase,  # noqa: E402
+from reliability_cases import (OPS, HEAD_DIM, H_R, ROW_DIM, HEAD_DIM_V, OpCase,
                                context_usable, gather_failures)
 
-from dcpkit.errors import (ClosedError, CollectiveTimeout, ConfigMismatch,  # noqa: E402
+from dcpkit.errors import (ClosedError, CollectiveTimeout, ConfigMismatch,
                            InvalidArgument, InvalidType)
 
 #: (op, kv_gather algorithm) of every direct op variant.

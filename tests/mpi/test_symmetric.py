@@ -21,7 +21,6 @@ import pytest
 
 import dcpkit._nvshmem as nvs
 import dcpkit._setup as setup
-import dcpkit.symmetric as sym
 from dcpkit.errors import ClosedError, ConfigMismatch, InvalidArgument, PeerError
 from dcpkit.multicast import kill_switches_set
 from dcpkit.symmetric import SymmetricHeap

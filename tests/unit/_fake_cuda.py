@@ -18,7 +18,6 @@ import itertools
 import os
 import threading
 import types
-from typing import Dict, Optional
 
 from cuda.bindings import driver as _real
 
@@ -79,7 +78,7 @@ class FakeCupy:
             self._tls.stack = []
         return self._tls.stack
 
-    def current(self) -> Optional[int]:
+    def current(self) -> int | None:
         s = self._stack()
         return s[-1] if s else None
 
@@ -100,7 +99,7 @@ class FakeDriver:
     devices that refuse; ``p2p(a, b)`` says whether device a can access device b."""
 
     def __init__(self, cupy: FakeCupy, *, fabric="not_permitted", p2p=None, mc_supported=1,
-                 fail: Optional[Dict] = None):
+                 fail: dict | None = None):
         self._cupy = cupy
         self._lock = threading.RLock()
         self._ids = itertools.count(1)

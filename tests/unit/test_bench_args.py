@@ -3,7 +3,6 @@ benchmark cannot honour refused when the arguments are parsed (one line, exit st
 any MPI or GPU work), the launcher mismatch, the recorded command, cases and host inputs."""
 
 import os
-import sys
 
 import numpy as np
 import pytest

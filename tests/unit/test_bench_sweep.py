@@ -13,7 +13,6 @@ import time
 
 import ml_dtypes
 import numpy as np
-import pytest
 
 from dcpkit import bench
 from dcpkit.bench import report as _report, sweep

@@ -136,11 +136,11 @@ def test_row_masked_matches_its_definition_on_every_small_case():
     qsl[0] belong to no request."""
     rng = np.random.default_rng(5)
     cases = 0
-    for S in range(0, 5):
+    for S in range(5):
         for _ in range(40):
             qsl = np.sort(rng.integers(0, 8, size=S + 1))
             seq = rng.integers(0, 2, size=S)
-            for t in range(0, 10):
+            for t in range(10):
                 inside = [i for i in range(S) if qsl[i] <= t < qsl[i + 1]]
                 want_seq = t >= qsl[S] or (bool(inside) and seq[inside[-1]] == 0)
                 assert row_masked(t, qsl, seq) == want_seq, (t, qsl, seq)

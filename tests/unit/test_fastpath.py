@@ -26,7 +26,7 @@ _SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "host_p
 
 #: Every variant an op launches through its plan -> the type list the op packs for it.
 _LAUNCHED = {
-    "q_gather.cu": {v: Q_GATHER_PARAM_TYPES for v in jit.VARIANTS["q_gather.cu"]},
+    "q_gather.cu": dict.fromkeys(jit.VARIANTS["q_gather.cu"], Q_GATHER_PARAM_TYPES),
     "kv_gather.cu": {v: KV_GATHER_PULL_PARAM_TYPES if "pull" in v else KV_GATHER_PUSH_PARAM_TYPES
                      for v in jit.VARIANTS["kv_gather.cu"]},
     "lse_reduce.cu": {v: LSE_REDUCE_PARAM_TYPES for v in jit.VARIANTS["lse_reduce.cu"]

@@ -10,9 +10,9 @@ import os
 import pytest
 
 pytest.importorskip("cupy")
-from dcpkit.ops.kv_gather import KV_GATHER_PUSH_PARAM_TYPES  # noqa: E402
-from dcpkit.ops.lse_reduce import LSE_REDUCE_PARAM_TYPES  # noqa: E402
-from dcpkit.ops.q_gather import Q_GATHER_PARAM_TYPES  # noqa: E402
+from dcpkit.ops.kv_gather import KV_GATHER_PUSH_PARAM_TYPES
+from dcpkit.ops.lse_reduce import LSE_REDUCE_PARAM_TYPES
+from dcpkit.ops.q_gather import Q_GATHER_PARAM_TYPES
 _SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "host_path_cpu.py")
 
 

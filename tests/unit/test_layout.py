@@ -7,14 +7,13 @@ from __future__ import annotations
 import ast
 import importlib
 from pathlib import Path
-from typing import Dict, List, Set, Tuple
 
 import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "dcpkit"
 
 #: Layers from the top down; a module may import its own layer and the ones below.
-LAYERS: List[Tuple[str, Set[str]]] = [
+LAYERS: list[tuple[str, set[str]]] = [
     ("tools", {"dcpkit", "dcpkit.__main__", "dcpkit.cli", "dcpkit.demo", "dcpkit.bench",
                "dcpkit.info", "dcpkit._report", "dcpkit._stats"}),
     ("manager", {"dcpkit.manager", "dcpkit.selection", "dcpkit.torch", "dcpkit._torch_registry",
@@ -37,11 +36,11 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _modules() -> Dict[str, Path]:
+def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
 
 
-def _imports(name: str, path: Path, known: Set[str]) -> List[Tuple[str, List[str]]]:
+def _imports(name: str, path: Path, known: set[str]) -> list[tuple[str, list[str]]]:
     """(module imported, names taken) for every import in the file, at any depth (a lazy
     import inside a function counts too), resolved to dcpkit modules."""
     tree = ast.parse(path.read_text())
@@ -69,7 +68,7 @@ def _imports(name: str, path: Path, known: Set[str]) -> List[Tuple[str, List[str
     return out
 
 
-def _graph() -> Dict[str, Set[str]]:
+def _graph() -> dict[str, set[str]]:
     mods = _modules()
     known = set(mods)
     return {m: {t for t, _ in _imports(m, p, known) if t != m} for m, p in mods.items()}
@@ -109,8 +108,8 @@ def test_no_import_cycle():
     graph = _graph()
     # a package imports its own submodules (it re-exports them): not a cycle of the layout
     edges = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in graph.items()}
-    state: Dict[str, int] = {}
-    stack: List[str] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
     cycles = []
 
     def visit(m):

@@ -18,7 +18,6 @@ import pytest
 import dcpkit._cuda
 import dcpkit._nvshmem as nvs
 import dcpkit._setup as setup
-import dcpkit.symmetric as sym
 from dcpkit.errors import InvalidArgument, PeerError
 from dcpkit.symmetric import SymmetricHeap
 

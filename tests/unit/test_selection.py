@@ -502,7 +502,7 @@ class GroupDCPComm(FakeDCPComm):
             raise NcclError("NCCL_ERROR_INVALID_USAGE: invalid usage")
         if failed:
             raise PeerError("NcclGroup: ncclCommInitRank",
-                            {r: "NcclError: NCCL_ERROR_INVALID_USAGE" for r in failed})
+                            dict.fromkeys(failed, "NcclError: NCCL_ERROR_INVALID_USAGE"))
         return FakeOp("group", "nccl")
 
     def _build_nccl(self, op, group):

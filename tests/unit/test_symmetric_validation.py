@@ -13,7 +13,6 @@ import pytest
 import dcpkit._cuda
 import dcpkit._nvshmem
 import dcpkit._setup as setup
-import dcpkit.symmetric as sym
 from dcpkit.comm import Communicator
 from dcpkit.errors import (ClosedError, ConfigMismatch, InvalidArgument, InvalidType,
                            MissingDependency, PeerError)

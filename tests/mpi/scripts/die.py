@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reliability_cases import OpCase, context_usable, set_device, write_line  # noqa: E402
+from reliability_cases import OpCase, context_usable, set_device, write_line
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reliability_cases import OPS, OpCase, set_device, write_line  # noqa: E402
+from reliability_cases import OPS, OpCase, set_device, write_line
 
 
 def main() -> int:

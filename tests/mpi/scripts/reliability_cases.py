@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -76,7 +76,7 @@ def poison(arr, stream=None) -> None:
         arr.data.memset_async(0xFF, arr.nbytes, stream)
 
 
-def first_mismatch(bad: np.ndarray) -> Optional[tuple]:
+def first_mismatch(bad: np.ndarray) -> tuple | None:
     idx = np.argwhere(bad)
     return None if idx.size == 0 else tuple(int(i) for i in idx[0])
 
@@ -97,7 +97,7 @@ class OpCase:
     """
 
     def __init__(self, name: str, comm, *, max_tokens: int = 16, dtype="bfloat16",
-                 num_ubatches: int = 1, timeout_ms: Optional[float] = None, heap=None,
+                 num_ubatches: int = 1, timeout_ms: float | None = None, heap=None,
                  algorithm: str = "push", num_requests: int = 0, **op_kwargs):
         from dcpkit.ops import KVGather, LseReduce, QGather
 
@@ -125,7 +125,7 @@ class OpCase:
                                timeout_ms=timeout_ms, heap=heap, **op_kwargs)
 
     # ------------------------------------------------------------------ inputs
-    def host_inputs(self, seed: int, T: int, rank: Optional[int] = None) -> Dict:
+    def host_inputs(self, seed: int, T: int, rank: int | None = None) -> dict:
         """Rank ``rank``'s (default: this rank's) host inputs for ``T`` tokens."""
         r = self.rank if rank is None else rank
         if self.name == "lse_reduce":
@@ -138,14 +138,14 @@ class OpCase:
         return make_inputs(r, self.W, seed, op="kv_gather", tokens=T, row_dim=ROW_DIM,
                            dtype=self.dtype)
 
-    def all_host_inputs(self, seed: int, T: int) -> List[Dict]:
+    def all_host_inputs(self, seed: int, T: int) -> list[dict]:
         return [self.host_inputs(seed, T, r) for r in range(self.W)]
 
-    def upload(self, host: Dict) -> Dict:
+    def upload(self, host: dict) -> dict:
         """Device copies of one rank's inputs (``None`` stays ``None``)."""
         return {k: (None if v is None else to_device(v)) for k, v in host.items()}
 
-    def expected(self, all_host: Sequence[Dict]) -> np.ndarray:
+    def expected(self, all_host: Sequence[dict]) -> np.ndarray:
         """This rank's reference result (host array; float64 for lse_reduce)."""
         if self.name == "q_gather":
             return q_gather_reference([h["q"] for h in all_host])
@@ -180,7 +180,7 @@ class OpCase:
         poison(out, stream)
         return out
 
-    def call(self, dev: Dict, *, ubatch: int = 0, out=None, stream=None):
+    def call(self, dev: dict, *, ubatch: int = 0, out=None, stream=None):
         """One collective call of the op on ``dev`` (from :meth:`upload`)."""
         if self.name == "lse_reduce":
             return self.op(dev["out_partial"], dev["lse_partial"], seq_lens=dev.get("seq_lens"),
@@ -191,7 +191,7 @@ class OpCase:
         return self.op(dev["kv"], ubatch=ubatch, out=out, stream=stream)
 
     # ------------------------------------------------------------------ checks
-    def check(self, got, expected: np.ndarray, what: str = "", *, xor: int = 0) -> Optional[str]:
+    def check(self, got, expected: np.ndarray, what: str = "", *, xor: int = 0) -> str | None:
         """``None`` when ``got`` (GPU or host array) matches ``expected``, else a message.
 
         ``xor``: the gathers' inputs were XOR-ed with this value (raw bits); so is the result.
@@ -223,7 +223,7 @@ class OpCase:
                 f"expected {expected[idx]!r}")
 
 
-def gather_failures(comm, msg: Optional[str]) -> List[str]:
+def gather_failures(comm, msg: str | None) -> list[str]:
     """Collective: every rank's failure message (``None`` = ok), as ``"rank r: msg"`` lines."""
     msgs = comm.allgather(msg)
     return [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
@@ -238,7 +238,7 @@ def set_device(comm, offset: int = 0) -> int:
     return dev
 
 
-def context_usable() -> Optional[str]:
+def context_usable() -> str | None:
     """Allocate and run unrelated kernels on the current GPU; ``None`` when they work."""
     import cupy
 
@@ -269,7 +269,7 @@ _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_", "MPI_LOCAL")
 _KEEP_PREFIXES = ("OMPI_MCA_", "OMPI_ALLOW_RUN_AS_ROOT")
 
 
-def find_mpirun() -> Optional[str]:
+def find_mpirun() -> str | None:
     """The MPI launcher for this Python's mpi4py: ``DCPKIT_MPIRUN``, else ``mpirun`` /
     ``mpiexec`` next to the interpreter, else on ``PATH``."""
     env = os.environ.get("DCPKIT_MPIRUN")
@@ -301,7 +301,7 @@ def mpi_flavor(exe: str) -> str:
 
 
 def mpirun_command(exe: str, flavor: str, n: int, args: Sequence[str], *,
-                   tolerate_death: bool = False) -> List[str]:
+                   tolerate_death: bool = False) -> list[str]:
     """``mpirun -np n python args...``. ``tolerate_death``: a rank that exits early does not
     get its peers killed at once (Open MPI: 5 s before SIGTERM, 10 s before SIGKILL; MPICH:
     no automatic cleanup), so survivors can report."""
@@ -317,7 +317,7 @@ def mpirun_command(exe: str, flavor: str, n: int, args: Sequence[str], *,
     return cmd + ["-np", str(n), sys.executable, *args]
 
 
-def job_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment for a child job: unchanged, except that the variables of an
     enclosing MPI launcher are dropped (so the child mpirun starts a fresh job) and the dcpkit
     this process imports is put first on PYTHONPATH. The multicast kill switches stay set."""
@@ -338,7 +338,7 @@ def job_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 class Job:
     """A started MPI job (its own session, so a hang can be killed as a group)."""
 
-    def __init__(self, cmd: List[str], *, env: Dict[str, str], cwd, log_prefix: Path):
+    def __init__(self, cmd: list[str], *, env: dict[str, str], cwd, log_prefix: Path):
         self.cmd = cmd
         self.t0 = time.monotonic()
         self.out_path = Path(str(log_prefix) + ".stdout")
@@ -348,11 +348,11 @@ class Job:
         self.proc = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=self._out,
                                      stderr=self._err, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
-        self.returncode: Optional[int] = None
+        self.returncode: int | None = None
         self.timed_out = False
         self.wall_s = 0.0
 
-    def wait(self, timeout_s: float) -> "Job":
+    def wait(self, timeout_s: float) -> Job:
         """Wait up to ``timeout_s`` seconds from the start; kill the whole group past it."""
         left = max(0.0, timeout_s - (time.monotonic() - self.t0))
         try:
