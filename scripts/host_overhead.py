@@ -68,7 +68,10 @@ def _gpu_or_reason():
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # noqa: BLE001 - CUDARuntimeError: no driver / no device
-        return None, f"needs a CUDA GPU (none usable here: {str(e).splitlines()[0]})"
+        from dcpkit import _cuda
+
+        why = str(e).splitlines()[0] if _cuda.driver_library_loads() else _cuda.NO_DRIVER
+        return None, f"needs a CUDA GPU (none usable here: {why})"
     if n < 1:
         return None, "needs a CUDA GPU (none visible)"
     return cupy, None
