@@ -352,6 +352,23 @@ def check_tensor(
     return t
 
 
+def check_outputs(what: str, out, out_lse, out_shape: tuple, out_dtype, device) -> None:
+    """The caller's destinations of a combine, when given: ``out`` of ``out_shape`` and
+    ``out_dtype``, ``out_lse`` float32 of ``out_shape[:2]``, both contiguous on ``device``."""
+    if out is not None:
+        check_tensor(out, what, "out", device=device, dtypes=(out_dtype,), contiguous=True)
+        if tuple(out.shape) != tuple(out_shape):
+            raise InvalidArgument(f"{what}: out shape must be {list(out_shape)} "
+                                  f"(got {list(out.shape)})")
+    if out_lse is not None:
+        torch = require_torch(what)
+        check_tensor(out_lse, what, "out_lse", device=device, dtypes=(torch.float32,),
+                     contiguous=True)
+        if tuple(out_lse.shape) != tuple(out_shape[:2]):
+            raise InvalidArgument(f"{what}: out_lse shape must be {list(out_shape[:2])} "
+                                  f"(got {list(out_lse.shape)})")
+
+
 def check_masks(what: str, seq_lens, query_start_loc, device) -> bool:
     """vLLM's rule for the empty-shard masks, then dcpkit's: both or neither, ``seq_lens [S]`` and
     ``query_start_loc [S+1]`` int32, 1-D, contiguous, on ``device``. Returns whether they are

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..errors import InvalidArgument
 from ._collectives import merge_weights, natural_lse, to_base, weighted
-from ._common import check_bool, check_masks, check_tensor
+from ._common import check_bool, check_masks, check_outputs, check_tensor
 from ._workspaces import on_device
 
 __all__ = ["CollectivePaths"]
@@ -69,27 +69,7 @@ class CollectivePaths:
             )
         check_masks(what, seq_lens, query_start_loc, self.device)
         h = heads_out(H)
-        if out is not None:
-            check_tensor(
-                out, what, "out", device=self.device, dtypes=(self.output_dtype,), contiguous=True
-            )
-            if tuple(out.shape) != (T, h, D):
-                raise InvalidArgument(
-                    f"{what}: out shape must be [{T}, {h}, {D}] (got {list(out.shape)})"
-                )
-        if out_lse is not None:
-            check_tensor(
-                out_lse,
-                what,
-                "out_lse",
-                device=self.device,
-                dtypes=(torch.float32,),
-                contiguous=True,
-            )
-            if tuple(out_lse.shape) != (T, h):
-                raise InvalidArgument(
-                    f"{what}: out_lse shape must be [{T}, {h}] (got {list(out_lse.shape)})"
-                )
+        check_outputs(what, out, out_lse, (T, h, D), self.output_dtype, self.device)
         return T, H
 
     def _a2a_heads(self, what):

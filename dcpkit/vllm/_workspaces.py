@@ -22,6 +22,7 @@ from ._common import (
     check_bool,
     check_int,
     check_masks,
+    check_outputs,
     check_tensor,
     check_ubatch,
     device_index,
@@ -392,27 +393,7 @@ class DirectDCPA2AWorkspace(Workspace):
                 f"{what}: partial_lse shape must be [{T}, {H}] (got {list(partial_lse.shape)})"
             )
         check_masks(what, seq_lens, query_start_loc, self.device)
-        if out is not None:
-            check_tensor(
-                out, what, "out", device=self.device, dtypes=(self.dtype,), contiguous=True
-            )
-            if tuple(out.shape) != (T, H_r, D):
-                raise InvalidArgument(
-                    f"{what}: out shape must be [{T}, {H_r}, {D}] (got {list(out.shape)})"
-                )
-        if out_lse is not None:
-            check_tensor(
-                out_lse,
-                what,
-                "out_lse",
-                device=self.device,
-                dtypes=(torch.float32,),
-                contiguous=True,
-            )
-            if tuple(out_lse.shape) != (T, H_r):
-                raise InvalidArgument(
-                    f"{what}: out_lse shape must be [{T}, {H_r}] (got {list(out_lse.shape)})"
-                )
+        check_outputs(what, out, out_lse, (T, H_r, D), self.dtype, self.device)
         if out is None:
             out = torch.empty((T, H_r, D), dtype=self.dtype, device=self.device)
         if want_lse and out_lse is None:
