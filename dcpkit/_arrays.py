@@ -12,16 +12,25 @@ from __future__ import annotations
 
 import ctypes
 import operator
-from typing import NamedTuple
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from .errors import InvalidArgument, InvalidType
 
 __all__ = [
-    "ArrayInfo", "array_info", "check_dtype", "check_ndim", "check_device", "check_align",
-    "check_shape", "dtype_name", "array_key", "dlpack_info", "DLPackInfo",
+    "ArrayInfo",
+    "array_info",
+    "check_dtype",
+    "check_ndim",
+    "check_device",
+    "check_align",
+    "check_shape",
+    "dtype_name",
+    "array_key",
+    "dlpack_info",
+    "DLPackInfo",
 ]
 
 
@@ -29,11 +38,11 @@ class ArrayInfo(NamedTuple):
     """What the checks and kernels need to know of an array."""
 
     shape: tuple[int, ...]
-    strides: tuple[int, ...]   # in bytes
+    strides: tuple[int, ...]  # in bytes
     dtype: np.dtype
-    ptr: int                   # device address of element [0, ..., 0]
-    device: int                # CUDA device ordinal
-    obj: object                # the original object (kept alive while in use)
+    ptr: int  # device address of element [0, ..., 0]
+    device: int  # CUDA device ordinal
+    obj: object  # the original object (kept alive while in use)
 
     @property
     def itemsize(self) -> int:
@@ -68,14 +77,19 @@ def array_info(x, op: str, name: str) -> ArrayInfo:
     cls = type(x)
     if cls.__module__.startswith("cupy") and hasattr(x, "data") and hasattr(x, "strides"):
         mem = x.data
-        return ArrayInfo(tuple(x.shape), tuple(x.strides), x.dtype, int(mem.ptr),
-                         int(mem.device_id), x)
+        return ArrayInfo(
+            tuple(x.shape), tuple(x.strides), x.dtype, int(mem.ptr), int(mem.device_id), x
+        )
     if isinstance(x, np.ndarray) or isinstance(x, np.generic):
-        raise InvalidType(f"{op}: {name} must be a GPU array (got host {_type_name(x)}: "
-                          f"move it to the GPU with cupy.asarray first)")
+        raise InvalidType(
+            f"{op}: {name} must be a GPU array (got host {_type_name(x)}: "
+            f"move it to the GPU with cupy.asarray first)"
+        )
     if cls.__module__.startswith("torch"):
-        raise InvalidType(f"{op}: {name} must be a CuPy array (got {_type_name(x)}): pass torch "
-                          f"tensors through dcpkit.torch, which converts them without a copy")
+        raise InvalidType(
+            f"{op}: {name} must be a CuPy array (got {_type_name(x)}): pass torch "
+            f"tensors through dcpkit.torch, which converts them without a copy"
+        )
     cai = getattr(x, "__cuda_array_interface__", None)
     if cai is None:
         raise InvalidType(f"{op}: {name} must be a GPU array (got {_type_name(x)})")
@@ -103,8 +117,9 @@ def array_key(x) -> tuple | None:
     call.
     """
     cls = type(x)
-    if cls in _CUPY_CLASSES or (cls.__module__.startswith("cupy") and hasattr(x, "data")
-                                and hasattr(x, "strides")):
+    if cls in _CUPY_CLASSES or (
+        cls.__module__.startswith("cupy") and hasattr(x, "data") and hasattr(x, "strides")
+    ):
         _CUPY_CLASSES.add(cls)
         mem = x.data
         return (cls, mem.ptr, x.shape, x.strides, x.dtype, mem.device_id)
@@ -154,8 +169,9 @@ def _parse_cai(cai, op: str, name: str) -> tuple[tuple[int, ...], tuple[int, ...
         raise InvalidType(f"{what} must be a dict (got {_type_name(cai)})")
     missing = [k for k in ("shape", "typestr", "data") if k not in cai]
     if missing:
-        raise InvalidType(f"{what} must have the keys 'shape', 'typestr' and 'data' "
-                          f"(missing {missing})")
+        raise InvalidType(
+            f"{what} must have the keys 'shape', 'typestr' and 'data' (missing {missing})"
+        )
     shape = _int_tuple(cai["shape"])
     if shape is None:
         raise InvalidArgument(f"{what}['shape'] must be a tuple of ints (got {cai['shape']!r})")
@@ -168,8 +184,9 @@ def _parse_cai(cai, op: str, name: str) -> tuple[tuple[int, ...], tuple[int, ...
         dt = np.dtype(typestr) if not descr or len(descr) <= 1 else np.dtype(descr)
     except (TypeError, ValueError) as e:
         shown = typestr if not descr or len(descr) <= 1 else descr
-        raise InvalidType(f"{what}['typestr'] must be a NumPy type string such as '<f4' "
-                          f"(got {shown!r}: {e})") from None
+        raise InvalidType(
+            f"{what}['typestr'] must be a NumPy type string such as '<f4' (got {shown!r}: {e})"
+        ) from None
     if dt.itemsize == 0:
         raise InvalidType(f"{what}['typestr'] must describe a fixed-size type (got {typestr!r})")
     strides = cai.get("strides")
@@ -183,30 +200,41 @@ def _parse_cai(cai, op: str, name: str) -> tuple[tuple[int, ...], tuple[int, ...
         got = strides
         strides = _int_tuple(strides)
         if strides is None:
-            raise InvalidArgument(f"{what}['strides'] must be None or a tuple of ints "
-                                  f"(got {got!r})")
+            raise InvalidArgument(
+                f"{what}['strides'] must be None or a tuple of ints (got {got!r})"
+            )
         if len(strides) != len(shape):
-            raise InvalidArgument(f"{what}['strides'] length must equal the number of "
-                                  f"dimensions {len(shape)} (got {strides})")
+            raise InvalidArgument(
+                f"{what}['strides'] length must equal the number of "
+                f"dimensions {len(shape)} (got {strides})"
+            )
     data = cai["data"]
     ptr = None
-    if isinstance(data, (tuple, list)) and len(data) == 2 \
-            and not isinstance(data[0], (bool, np.bool_)):
+    if (
+        isinstance(data, (tuple, list))
+        and len(data) == 2
+        and not isinstance(data[0], (bool, np.bool_))
+    ):
         try:
             ptr = operator.index(data[0])
         except TypeError:
             ptr = None
     if ptr is None:
-        raise InvalidArgument(f"{what}['data'] must be a (pointer, read_only) pair with an int "
-                              f"pointer (got {data!r})")
+        raise InvalidArgument(
+            f"{what}['data'] must be a (pointer, read_only) pair with an int pointer (got {data!r})"
+        )
     if ptr < 0:
         raise InvalidArgument(f"{what}['data'] pointer must be >= 0 (got {ptr})")
     if ptr == 0 and all(shape):
-        raise InvalidArgument(f"{what}['data'] pointer must not be null for an array with "
-                              f"elements (got 0, shape {shape})")
+        raise InvalidArgument(
+            f"{what}['data'] pointer must not be null for an array with "
+            f"elements (got 0, shape {shape})"
+        )
     if cai.get("mask") is not None:
-        raise InvalidArgument(f"{what}['mask'] must be None: masked arrays are not supported "
-                              f"(got {_type_name(cai['mask'])})")
+        raise InvalidArgument(
+            f"{what}['mask'] must be None: masked arrays are not supported "
+            f"(got {_type_name(cai['mask'])})"
+        )
     return shape, strides, dt, ptr
 
 
@@ -216,8 +244,10 @@ def _device_of_pointer(ptr: int, op: str = "array_info", name: str = "array") ->
     try:
         attrs = cupy.cuda.runtime.pointerGetAttributes(ptr)
     except Exception as e:  # noqa: BLE001 - CUDARuntimeError: not a pointer CUDA knows
-        raise InvalidArgument(f"{op}: {name} data pointer must be device memory (got "
-                              f"{ptr:#x}: {type(e).__name__}: {e})") from None
+        raise InvalidArgument(
+            f"{op}: {name} data pointer must be device memory (got "
+            f"{ptr:#x}: {type(e).__name__}: {e})"
+        ) from None
     return int(attrs.device)
 
 
@@ -230,33 +260,38 @@ def check_dtype(info: ArrayInfo, allowed: Iterable, op: str, name: str) -> None:
     allowed = [np.dtype(a) for a in allowed]
     if info.dtype not in allowed:
         names = ", ".join(dtype_name(a) for a in allowed)
-        raise InvalidType(f"{op}: {name} dtype must be one of [{names}] "
-                          f"(got {dtype_name(info.dtype)})")
+        raise InvalidType(
+            f"{op}: {name} dtype must be one of [{names}] (got {dtype_name(info.dtype)})"
+        )
 
 
 def check_ndim(info: ArrayInfo, ndim: int, dims: str, op: str, name: str) -> None:
     """Raise :class:`InvalidArgument` unless ``info`` has ``ndim`` dimensions (named ``dims``)."""
     if len(info.shape) != ndim:
-        raise InvalidArgument(f"{op}: {name} must have {ndim} dimensions [{dims}] "
-                              f"(got shape {info.shape})")
+        raise InvalidArgument(
+            f"{op}: {name} must have {ndim} dimensions [{dims}] (got shape {info.shape})"
+        )
 
 
-def check_shape(info: ArrayInfo, expected: Sequence[int | None], dims: str, op: str,
-                name: str) -> None:
+def check_shape(
+    info: ArrayInfo, expected: Sequence[int | None], dims: str, op: str, name: str
+) -> None:
     """Raise :class:`InvalidArgument` unless ``info.shape`` matches ``expected`` (None = any)."""
     check_ndim(info, len(expected), dims, op, name)
     for got, want in zip(info.shape, expected):
         if want is not None and got != want:
             exp = ", ".join("*" if w is None else str(w) for w in expected)
-            raise InvalidArgument(f"{op}: {name} shape must be [{exp}] for [{dims}] "
-                                  f"(got {info.shape})")
+            raise InvalidArgument(
+                f"{op}: {name} shape must be [{exp}] for [{dims}] (got {info.shape})"
+            )
 
 
 def check_device(info: ArrayInfo, device: int, op: str, name: str) -> None:
     """Raise :class:`InvalidArgument` unless ``info`` lives on ``device``."""
     if info.device != device:
-        raise InvalidArgument(f"{op}: {name} device must be the workspace's GPU {device} "
-                              f"(got GPU {info.device})")
+        raise InvalidArgument(
+            f"{op}: {name} device must be the workspace's GPU {device} (got GPU {info.device})"
+        )
 
 
 def check_align(value: int, align: int, op: str, what: str) -> None:
@@ -276,9 +311,15 @@ class _DLDataType(ctypes.Structure):
 
 
 class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
 
 
 class _DLPackVersion(ctypes.Structure):
@@ -286,9 +327,13 @@ class _DLPackVersion(ctypes.Structure):
 
 
 class _DLManagedTensorVersioned(ctypes.Structure):
-    _fields_ = [("version", _DLPackVersion), ("manager_ctx", ctypes.c_void_p),
-                ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64),
-                ("dl_tensor", _DLTensor)]
+    _fields_ = [
+        ("version", _DLPackVersion),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", _DLTensor),
+    ]
 
 
 class DLPackInfo(NamedTuple):
@@ -327,13 +372,22 @@ def dlpack_info(capsule) -> DLPackInfo:
         t = _DLTensor.from_address(api.PyCapsule_GetPointer(capsule, b"dltensor"))
     elif api.PyCapsule_IsValid(capsule, b"dltensor_versioned"):
         t = _DLManagedTensorVersioned.from_address(
-            api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")).dl_tensor
+            api.PyCapsule_GetPointer(capsule, b"dltensor_versioned")
+        ).dl_tensor
     else:
-        raise InvalidType(f"dlpack_info: capsule must be an unconsumed DLPack capsule "
-                          f"(got {_type_name(capsule)})")
+        raise InvalidType(
+            f"dlpack_info: capsule must be an unconsumed DLPack capsule (got {_type_name(capsule)})"
+        )
     nd = int(t.ndim)
     shape = tuple(int(t.shape[i]) for i in range(nd))
     strides = tuple(int(t.strides[i]) for i in range(nd)) if t.strides else None
-    return DLPackInfo(int(t.data or 0) + int(t.byte_offset), int(t.device.device_type),
-                      int(t.device.device_id), shape, strides, int(t.dtype.code),
-                      int(t.dtype.bits), int(t.dtype.lanes))
+    return DLPackInfo(
+        int(t.data or 0) + int(t.byte_offset),
+        int(t.device.device_type),
+        int(t.device.device_id),
+        shape,
+        strides,
+        int(t.dtype.code),
+        int(t.dtype.bits),
+        int(t.dtype.lanes),
+    )

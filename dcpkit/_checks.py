@@ -19,12 +19,31 @@ from .comm import Communicator
 from .errors import InvalidArgument, InvalidType
 
 __all__ = [
-    "FLOAT_DTYPE_NAMES", "LSE_DTYPE_NAMES", "COPY_ITEMSIZES", "MAX_TIMEOUT_MS", "INT32_MAX",
-    "resolve_dtype", "float_dtypes", "lse_dtypes", "cxx_type", "resolve_float_dtype",
-    "resolve_bytes_dtype", "check_int", "check_positive_int", "check_bool", "check_real",
-    "check_lse_base", "check_timeout_ms", "default_timeout_ms", "check_multicast",
-    "check_comm", "check_ubatch", "resolve_stream", "check_constructor_keywords",
-    "described", "check_masks",
+    "FLOAT_DTYPE_NAMES",
+    "LSE_DTYPE_NAMES",
+    "COPY_ITEMSIZES",
+    "MAX_TIMEOUT_MS",
+    "INT32_MAX",
+    "resolve_dtype",
+    "float_dtypes",
+    "lse_dtypes",
+    "cxx_type",
+    "resolve_float_dtype",
+    "resolve_bytes_dtype",
+    "check_int",
+    "check_positive_int",
+    "check_bool",
+    "check_real",
+    "check_lse_base",
+    "check_timeout_ms",
+    "default_timeout_ms",
+    "check_multicast",
+    "check_comm",
+    "check_ubatch",
+    "resolve_stream",
+    "check_constructor_keywords",
+    "described",
+    "check_masks",
 ]
 
 #: The floating dtypes the direct lse_reduce kernels and the NCCL merge kernels are built for
@@ -39,18 +58,30 @@ MAX_TIMEOUT_MS = 3_600_000
 #: Largest value of an ``int`` kernel parameter (``T``, heads, head dims).
 INT32_MAX = 2**31 - 1
 
-_CXX_TYPES = {"bfloat16": "dcpkit::bf16_t", "float16": "dcpkit::fp16_t", "float32": "float",
-              "float64": "double"}
+_CXX_TYPES = {
+    "bfloat16": "dcpkit::bf16_t",
+    "float16": "dcpkit::fp16_t",
+    "float32": "float",
+    "float64": "double",
+}
 
 # Short and case-insensitive names of dtypes (looked up lowercased; anything else goes to
 # np.dtype unchanged, so that NumPy's case-sensitive codes keep their meaning: 'B' is uint8,
 # 'F' complex64, 'U4' a 4-character string).
 _DTYPE_ALIASES = {
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "half": "float16", "float16": "float16",
-    "fp32": "float32", "float": "float32", "float32": "float32",
-    "fp64": "float64", "float64": "float64",
-    "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "float32": "float32",
+    "fp64": "float64",
+    "float64": "float64",
+    "fp8": "float8_e4m3fn",
+    "e4m3": "float8_e4m3fn",
+    "e5m2": "float8_e5m2",
 }
 
 
@@ -72,8 +103,9 @@ def resolve_dtype(dtype, *, op: str = "resolve_dtype", name: str = "dtype") -> n
         the caller and argument in the message.
     """
     if dtype is None:
-        raise InvalidType(f"{op}: {name} must be a NumPy dtype or dtype name such as "
-                          f"'bfloat16' (got None)")
+        raise InvalidType(
+            f"{op}: {name} must be a NumPy dtype or dtype name such as 'bfloat16' (got None)"
+        )
     if isinstance(dtype, str):
         key = dtype.strip().lower()
         key = _DTYPE_ALIASES.get(key, key if key.startswith("float8_") else None)
@@ -83,15 +115,19 @@ def resolve_dtype(dtype, *, op: str = "resolve_dtype", name: str = "dtype") -> n
 
                 t = getattr(ml_dtypes, key, None)
                 if t is None:
-                    raise InvalidType(f"{op}: {name} must be a dtype ml_dtypes "
-                                      f"{ml_dtypes.__version__} knows (got {dtype!r})")
+                    raise InvalidType(
+                        f"{op}: {name} must be a dtype ml_dtypes "
+                        f"{ml_dtypes.__version__} knows (got {dtype!r})"
+                    )
                 return np.dtype(t)
             return np.dtype(key)
     try:
         return np.dtype(dtype)
     except (TypeError, ValueError) as e:
-        raise InvalidType(f"{op}: {name} must be a NumPy dtype or dtype name such as "
-                          f"'bfloat16' (got {dtype!r}: {e})") from None
+        raise InvalidType(
+            f"{op}: {name} must be a NumPy dtype or dtype name such as "
+            f"'bfloat16' (got {dtype!r}: {e})"
+        ) from None
 
 
 def float_dtypes() -> tuple[np.dtype, ...]:
@@ -128,20 +164,23 @@ def resolve_bytes_dtype(dtype, op: str, itemsizes: tuple[int, ...] | None = None
     try:
         dt = resolve_dtype(dtype, op=op)
     except (TypeError, ValueError, AttributeError, ImportError):
-        raise InvalidType(f"{op}: dtype must be a NumPy dtype or dtype name (got {dtype!r})") \
-            from None
+        raise InvalidType(
+            f"{op}: dtype must be a NumPy dtype or dtype name (got {dtype!r})"
+        ) from None
     if dt.hasobject or dt.itemsize == 0:
         raise InvalidType(f"{op}: dtype must be a fixed-size data type (got {dt})")
     if itemsizes is not None and dt.itemsize not in itemsizes:
         sizes = ", ".join(map(str, itemsizes[:-1])) + f" or {itemsizes[-1]}"
-        raise InvalidType(f"{op}: dtype itemsize must be {sizes} bytes (got {dt}, "
-                          f"{dt.itemsize} bytes)")
+        raise InvalidType(
+            f"{op}: dtype itemsize must be {sizes} bytes (got {dt}, {dt.itemsize} bytes)"
+        )
     return dt
 
 
 # ----------------------------------------------------------------------------- numbers
-def check_int(value, op: str, name: str, *, minimum: int | None = 0,
-              maximum: int | None = None) -> int:
+def check_int(
+    value, op: str, name: str, *, minimum: int | None = 0, maximum: int | None = None
+) -> int:
     """``value`` as an int (Python or NumPy integer, never a bool) in ``[minimum, maximum]``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidType(f"{op}: {name} must be an int (got {type(value).__name__} {value!r})")
@@ -154,8 +193,9 @@ def check_int(value, op: str, name: str, *, minimum: int | None = 0,
     return v
 
 
-def check_positive_int(value, op: str, name: str, *, minimum: int = 1,
-                       maximum: int | None = None) -> int:
+def check_positive_int(
+    value, op: str, name: str, *, minimum: int = 1, maximum: int | None = None
+) -> int:
     """An integer size argument, ``>= minimum`` (1 by default)."""
     return check_int(value, op, name, minimum=minimum, maximum=maximum)
 
@@ -170,8 +210,7 @@ def check_bool(value, op: str, name: str) -> bool:
 def check_real(value, op: str, name: str, what: str = "a real number") -> float:
     """``value`` as a float (any real number type, never a bool or a string)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise InvalidType(f"{op}: {name} must be {what} (got {type(value).__name__} "
-                          f"{value!r})")
+        raise InvalidType(f"{op}: {name} must be {what} (got {type(value).__name__} {value!r})")
     return float(value)
 
 
@@ -208,8 +247,10 @@ def default_timeout_ms(op: str = "dcpkit") -> float:
     except ValueError:
         ms = float("nan")
     if not 0 < ms <= MAX_TIMEOUT_MS:  # NaN fails too
-        raise InvalidArgument(f"{op}: DCPKIT_TIMEOUT_MS must be a number of milliseconds in "
-                              f"(0, {MAX_TIMEOUT_MS}] (got {raw!r})")
+        raise InvalidArgument(
+            f"{op}: DCPKIT_TIMEOUT_MS must be a number of milliseconds in "
+            f"(0, {MAX_TIMEOUT_MS}] (got {raw!r})"
+        )
     return ms
 
 
@@ -220,8 +261,9 @@ def check_timeout_ms(value, op: str) -> float:
         return default_timeout_ms(op)
     ms = check_real(value, op, "timeout_ms", "a real number of milliseconds")
     if not 0 < ms <= MAX_TIMEOUT_MS:  # NaN fails too
-        raise InvalidArgument(f"{op}: timeout_ms must lie in (0, {MAX_TIMEOUT_MS}] milliseconds "
-                              f"(got {value!r})")
+        raise InvalidArgument(
+            f"{op}: timeout_ms must lie in (0, {MAX_TIMEOUT_MS}] milliseconds (got {value!r})"
+        )
     return ms
 
 
@@ -236,8 +278,7 @@ def check_multicast(value, op: str) -> bool | None:
 def check_comm(comm, op: str):
     """``comm`` must be a :class:`~dcpkit.comm.Communicator`."""
     if not isinstance(comm, Communicator):
-        raise InvalidType(f"{op}: comm must be a dcpkit.Communicator "
-                          f"(got {type(comm).__name__})")
+        raise InvalidType(f"{op}: comm must be a dcpkit.Communicator (got {type(comm).__name__})")
     return comm
 
 
@@ -272,8 +313,9 @@ def check_constructor_keywords(cls, world_size, keywords: dict, heap_type=None) 
     rest = dict(keywords)
     heap = rest.pop("heap", None)
     if heap_type is not None and heap is not None and not isinstance(heap, heap_type):
-        raise InvalidType(f"{op}: heap must be None or a dcpkit.{heap_type.__name__} (got "
-                          f"{type(heap).__name__})")
+        raise InvalidType(
+            f"{op}: heap must be None or a dcpkit.{heap_type.__name__} (got {type(heap).__name__})"
+        )
     check_multicast(rest.pop("multicast", None), op)
     rest.pop("nccl_group", None)
     W = check_int(world_size, op, "world_size", minimum=1)
@@ -295,11 +337,13 @@ def _index_array(x, op: str, name: str, dims: str, device: int) -> ArrayInfo:
     info = array_info(x, op, name)
     check_dtype(info, (np.int32,), op, name)
     if len(info.shape) != 1:
-        raise InvalidArgument(f"{op}: {name} must have 1 dimension [{dims}] "
-                              f"(got shape {info.shape})")
+        raise InvalidArgument(
+            f"{op}: {name} must have 1 dimension [{dims}] (got shape {info.shape})"
+        )
     if info.shape[0] > 1 and info.strides[0] != 4:
-        raise InvalidArgument(f"{op}: {name} must be contiguous (got stride "
-                              f"{info.strides[0]} bytes)")
+        raise InvalidArgument(
+            f"{op}: {name} must be contiguous (got stride {info.strides[0]} bytes)"
+        )
     check_device(info, device, op, name)
     return info
 
@@ -310,8 +354,9 @@ def check_masks(op: str, seq_lens, query_start_loc, device: int) -> tuple[int, i
     query_start_loc pointer, seq_lens pointer)``, 0 for an array not given."""
     if query_start_loc is None:
         if seq_lens is not None:
-            raise InvalidArgument(f"{op}: seq_lens requires query_start_loc (got "
-                                  f"query_start_loc=None)")
+            raise InvalidArgument(
+                f"{op}: seq_lens requires query_start_loc (got query_start_loc=None)"
+            )
         return 0, 0, 0
     qi = _index_array(query_start_loc, op, "query_start_loc", "S+1", device)
     if qi.shape[0] < 1:
@@ -321,6 +366,7 @@ def check_masks(op: str, seq_lens, query_start_loc, device: int) -> tuple[int, i
         return S, qi.ptr, 0
     si = _index_array(seq_lens, op, "seq_lens", "S", device)
     if si.shape[0] != S:
-        raise InvalidArgument(f"{op}: seq_lens length must be len(query_start_loc) - 1 = {S} "
-                              f"(got {si.shape[0]})")
+        raise InvalidArgument(
+            f"{op}: seq_lens length must be len(query_start_loc) - 1 = {S} (got {si.shape[0]})"
+        )
     return S, qi.ptr, si.ptr

@@ -46,10 +46,15 @@ _CONNECT_RETRY_MAX_S = 0.05
 
 
 def _check_word(what: str, value: str) -> bytes:
-    if not isinstance(value, str) or not value or len(value) > 32 or not all(
-            c.isalnum() or c in "-_" for c in value):
-        raise InvalidArgument(f"exchange_fds: {what} must be 1 to 32 characters from [A-Za-z0-9_-] "
-                              f"(got {value!r})")
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > 32
+        or not all(c.isalnum() or c in "-_" for c in value)
+    ):
+        raise InvalidArgument(
+            f"exchange_fds: {what} must be 1 to 32 characters from [A-Za-z0-9_-] (got {value!r})"
+        )
     return value.encode()
 
 
@@ -106,8 +111,9 @@ def _recv_header_and_fd(conn: socket.socket, deadline: float):
         if rem <= 0:
             raise TimeoutError
         conn.settimeout(rem)
-        chunk, got, _flags, _addr = socket.recv_fds(conn, _HEADER.size - len(data), 4,
-                                                    socket.MSG_CMSG_CLOEXEC)
+        chunk, got, _flags, _addr = socket.recv_fds(
+            conn, _HEADER.size - len(data), 4, socket.MSG_CMSG_CLOEXEC
+        )
         fds.extend(got)
         if not chunk:
             break
@@ -121,9 +127,16 @@ def _peer_uid(conn: socket.socket) -> int:
     return uid
 
 
-def exchange_fds(token: str, tag: str, rank: int, world_size: int, fd: int | None, *,
-                 senders: Iterable[int] | None = None,
-                 timeout_s: float = 60.0) -> list[int | None]:
+def exchange_fds(
+    token: str,
+    tag: str,
+    rank: int,
+    world_size: int,
+    fd: int | None,
+    *,
+    senders: Iterable[int] | None = None,
+    timeout_s: float = 60.0,
+) -> list[int | None]:
     """Send this rank's descriptor to every peer and receive every sender's descriptor.
 
     Naive equivalent: ``received = allgather(fd)`` where each entry is a new descriptor of the
@@ -170,12 +183,14 @@ def exchange_fds(token: str, tag: str, rank: int, world_size: int, fd: int | Non
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise InvalidArgument(f"{op}: rank must lie in [0, {world_size}) (got {rank!r})")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise InvalidArgument(f"{op}: timeout_s must be a positive number of seconds "
-                              f"(got {timeout_s!r})")
+        raise InvalidArgument(
+            f"{op}: timeout_s must be a positive number of seconds (got {timeout_s!r})"
+        )
     send_set = set(range(world_size)) if senders is None else {int(s) for s in senders}
     if not send_set or any(not 0 <= s < world_size for s in send_set):
-        raise InvalidArgument(f"{op}: senders must be ranks in [0, {world_size}) "
-                              f"(got {sorted(send_set)})")
+        raise InvalidArgument(
+            f"{op}: senders must be ranks in [0, {world_size}) (got {sorted(send_set)})"
+        )
     sending = rank in send_set
     if sending and (isinstance(fd, bool) or not isinstance(fd, int) or fd < 0):
         raise InvalidArgument(f"{op}: fd must be an open file descriptor (got {fd!r})")
@@ -199,7 +214,8 @@ def exchange_fds(token: str, tag: str, rank: int, world_size: int, fd: int | Non
                     raise FdExchangeError(
                         f"{where}: socket name {_printable(name)} is already taken: another "
                         f"process uses the same job token and tag (two groups sharing one "
-                        f"token?)") from e
+                        f"token?)"
+                    ) from e
                 raise
             listener.listen(max(world_size, 16))
 
@@ -215,53 +231,67 @@ def exchange_fds(token: str, tag: str, rank: int, world_size: int, fd: int | Non
                     raise FdExchangeError(
                         f"{where}: peer rank {peer} did not listen on {_printable(name)} within "
                         f"{timeout_s:g} s (is it running, on this host, in the same network "
-                        f"namespace? abstract sockets are per network namespace)") from None
+                        f"namespace? abstract sockets are per network namespace)"
+                    ) from None
                 outgoing.append((peer, s))
                 s.settimeout(max(_remaining(deadline), 1e-3))
                 try:
                     socket.send_fds(s, [header], [fd])
                 except OSError as e:
-                    raise FdExchangeError(f"{where}: sending the descriptor to peer rank {peer} "
-                                          f"failed: {e}") from e
+                    raise FdExchangeError(
+                        f"{where}: sending the descriptor to peer rank {peer} failed: {e}"
+                    ) from e
 
         uid = os.getuid()
         while len(received) < len(expected):
             rem = _remaining(deadline)
             missing = [s for s in expected if s not in received]
             if rem <= 0:
-                raise FdExchangeError(f"{where}: no descriptor from peer rank(s) {missing} within "
-                                      f"{timeout_s:g} s")
+                raise FdExchangeError(
+                    f"{where}: no descriptor from peer rank(s) {missing} within {timeout_s:g} s"
+                )
             listener.settimeout(rem)
             try:
                 conn, _ = listener.accept()
             except TimeoutError:
-                raise FdExchangeError(f"{where}: no descriptor from peer rank(s) {missing} "
-                                      f"within {timeout_s:g} s") from None
+                raise FdExchangeError(
+                    f"{where}: no descriptor from peer rank(s) {missing} within {timeout_s:g} s"
+                ) from None
             with conn:
                 fds: list[int] = []
                 try:
                     if _peer_uid(conn) != uid:
-                        raise FdExchangeError(f"{where}: rejected a connection from another user "
-                                              f"(uid {_peer_uid(conn)}, ours {uid})")
+                        raise FdExchangeError(
+                            f"{where}: rejected a connection from another user "
+                            f"(uid {_peer_uid(conn)}, ours {uid})"
+                        )
                     try:
                         data, fds = _recv_header_and_fd(conn, deadline)
                     except TimeoutError:
-                        raise FdExchangeError(f"{where}: a peer connected but sent no descriptor "
-                                              f"within {timeout_s:g} s") from None
+                        raise FdExchangeError(
+                            f"{where}: a peer connected but sent no descriptor "
+                            f"within {timeout_s:g} s"
+                        ) from None
                     if len(data) != _HEADER.size:
-                        raise FdExchangeError(f"{where}: short message from a peer "
-                                              f"({len(data)} of {_HEADER.size} bytes)")
+                        raise FdExchangeError(
+                            f"{where}: short message from a peer "
+                            f"({len(data)} of {_HEADER.size} bytes)"
+                        )
                     magic, tok, tg, sender = _HEADER.unpack(data)
-                    if magic != _MAGIC or tok.rstrip(b"\0") != token_b \
-                            or tg.rstrip(b"\0") != tag_b:
-                        raise FdExchangeError(f"{where}: a message from another job or exchange "
-                                              f"arrived (token/tag differ)")
+                    if magic != _MAGIC or tok.rstrip(b"\0") != token_b or tg.rstrip(b"\0") != tag_b:
+                        raise FdExchangeError(
+                            f"{where}: a message from another job or exchange "
+                            f"arrived (token/tag differ)"
+                        )
                     if sender not in expected or sender in received:
-                        raise FdExchangeError(f"{where}: unexpected or repeated sender rank "
-                                              f"{sender} (expected {expected})")
+                        raise FdExchangeError(
+                            f"{where}: unexpected or repeated sender rank "
+                            f"{sender} (expected {expected})"
+                        )
                     if len(fds) != 1:
-                        raise FdExchangeError(f"{where}: peer rank {sender} sent {len(fds)} "
-                                              f"descriptors (expected 1)")
+                        raise FdExchangeError(
+                            f"{where}: peer rank {sender} sent {len(fds)} descriptors (expected 1)"
+                        )
                     received[sender] = fds.pop()
                     conn.settimeout(max(_remaining(deadline), 1e-3))
                     conn.sendall(_ACK)
@@ -274,15 +304,21 @@ def exchange_fds(token: str, tag: str, rank: int, world_size: int, fd: int | Non
             try:
                 ack = s.recv(1)
             except TimeoutError:
-                raise FdExchangeError(f"{where}: peer rank {peer} did not acknowledge the "
-                                      f"descriptor within {timeout_s:g} s") from None
+                raise FdExchangeError(
+                    f"{where}: peer rank {peer} did not acknowledge the "
+                    f"descriptor within {timeout_s:g} s"
+                ) from None
             except OSError as e:
-                raise FdExchangeError(f"{where}: peer rank {peer} dropped the connection without "
-                                      f"acknowledging the descriptor ({e}; it failed or "
-                                      f"exited)") from e
+                raise FdExchangeError(
+                    f"{where}: peer rank {peer} dropped the connection without "
+                    f"acknowledging the descriptor ({e}; it failed or "
+                    f"exited)"
+                ) from e
             if ack != _ACK:
-                raise FdExchangeError(f"{where}: peer rank {peer} closed the connection without "
-                                      f"acknowledging the descriptor (it failed or exited)")
+                raise FdExchangeError(
+                    f"{where}: peer rank {peer} closed the connection without "
+                    f"acknowledging the descriptor (it failed or exited)"
+                )
     except BaseException:
         for rfd in received.values():
             try:

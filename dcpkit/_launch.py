@@ -27,16 +27,32 @@ from collections.abc import Sequence
 
 from .errors import CudaError, InvalidArgument
 
-__all__ = ["KernelParams", "Launcher", "PARAM_TYPES", "param_layout", "ptx_param_types",
-           "check_params_match"]
+__all__ = [
+    "KernelParams",
+    "Launcher",
+    "PARAM_TYPES",
+    "param_layout",
+    "ptx_param_types",
+    "check_params_match",
+]
 
 #: Parameter type name -> ctypes type (size == alignment for every one of them).
 PARAM_TYPES = {
-    "u64": ctypes.c_uint64, "i64": ctypes.c_int64, "u32": ctypes.c_uint32,
-    "i32": ctypes.c_int32, "f32": ctypes.c_float,
+    "u64": ctypes.c_uint64,
+    "i64": ctypes.c_int64,
+    "u32": ctypes.c_uint32,
+    "i32": ctypes.c_int32,
+    "f32": ctypes.c_float,
 }
-_PTX_TYPES = {"u64": "u64", "s64": "i64", "b64": "u64", "u32": "u32", "s32": "i32",
-              "b32": "u32", "f32": "f32"}
+_PTX_TYPES = {
+    "u64": "u64",
+    "s64": "i64",
+    "b64": "u64",
+    "u32": "u32",
+    "s32": "i32",
+    "b32": "u32",
+    "f32": "f32",
+}
 #: What PTX keeps of a parameter type: its width and whether it is a float (NVRTC declares
 #: ``int`` as ``.u32`` and ``long long`` as ``.u64``: signedness lives in the C++ source only).
 _KIND = {"u64": "b64", "i64": "b64", "u32": "b32", "i32": "b32", "f32": "f32"}
@@ -56,8 +72,9 @@ def param_layout(types: Sequence[str]) -> tuple[list[int], int]:
     for t in types:
         ct = PARAM_TYPES.get(t)
         if ct is None:
-            raise InvalidArgument(f"KernelParams: parameter type must be one of "
-                                  f"{list(PARAM_TYPES)} (got {t!r})")
+            raise InvalidArgument(
+                f"KernelParams: parameter type must be one of {list(PARAM_TYPES)} (got {t!r})"
+            )
         size = ctypes.sizeof(ct)
         pos = -(-pos // size) * size
         offsets.append(pos)
@@ -93,11 +110,13 @@ class KernelParams:
         self.offsets, self.size = param_layout(self.types)
         # c_uint64 elements: the buffer itself is 8-byte aligned
         self.buffer = (ctypes.c_uint64 * max(1, self.size // 8 + (self.size % 8 > 0)))()
-        self._fields = [PARAM_TYPES[t].from_buffer(self.buffer, off)
-                        for t, off in zip(self.types, self.offsets)]
+        self._fields = [
+            PARAM_TYPES[t].from_buffer(self.buffer, off) for t, off in zip(self.types, self.offsets)
+        ]
         base = ctypes.addressof(self.buffer)
         self._ptrs = (ctypes.c_void_p * max(1, len(self.types)))(
-            *[base + off for off in self.offsets])
+            *[base + off for off in self.offsets]
+        )
         self.address = ctypes.addressof(self._ptrs)
         if values is not None:
             self.set_all(values)
@@ -115,8 +134,9 @@ class KernelParams:
 
     def set_all(self, values: Sequence) -> None:
         if len(values) != len(self.types):
-            raise InvalidArgument(f"KernelParams: values must number {len(self.types)} "
-                                  f"(got {len(values)})")
+            raise InvalidArgument(
+                f"KernelParams: values must number {len(self.types)} (got {len(values)})"
+            )
         for f, v in zip(self._fields, values):
             f.value = v
 
@@ -126,7 +146,7 @@ class KernelParams:
 
     def pointers(self) -> list[int]:
         """The ``void*`` array's entries (for tests)."""
-        return [int(p) for p in self._ptrs[:len(self.types)]]
+        return [int(p) for p in self._ptrs[: len(self.types)]]
 
 
 _LIBCUDA = None
@@ -139,8 +159,19 @@ def _libcuda():
         lib = ctypes.CDLL("libcuda.so.1")
         fn = lib.cuLaunchKernel
         u = ctypes.c_uint
-        fn.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p]
+        fn.argtypes = [
+            ctypes.c_void_p,
+            u,
+            u,
+            u,
+            u,
+            u,
+            u,
+            u,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
         fn.restype = ctypes.c_int
         name = lib.cuGetErrorName
         name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
@@ -185,8 +216,9 @@ class Launcher:
         self.block = int(block)
         self.shared_mem = int(shared_mem)
         if backend not in ("ctypes", "bindings"):
-            raise InvalidArgument(f"Launcher: backend must be 'ctypes' or 'bindings' "
-                                  f"(got {backend!r})")
+            raise InvalidArgument(
+                f"Launcher: backend must be 'ctypes' or 'bindings' (got {backend!r})"
+            )
         self.backend = backend
         self._streams = {}
         if backend == "ctypes":
@@ -209,8 +241,19 @@ class Launcher:
             ``cuLaunchKernel`` failed (its ``CUDA_ERROR_...`` name).
         """
         if self._fn_obj is None:
-            res = self._call(self.function, grid, 1, 1, self.block, 1, 1, self.shared_mem,
-                             stream_ptr, params.address, None)
+            res = self._call(
+                self.function,
+                grid,
+                1,
+                1,
+                self.block,
+                1,
+                1,
+                self.shared_mem,
+                stream_ptr,
+                params.address,
+                None,
+            )
             if res:
                 raise CudaError("cuLaunchKernel", _error_name(res))
             return
@@ -219,8 +262,9 @@ class Launcher:
             from . import _cuda
 
             s = self._streams[stream_ptr] = _cuda.driver().CUstream(stream_ptr)
-        (res,) = self._call(self._fn_obj, grid, 1, 1, self.block, 1, 1, self.shared_mem, s,
-                            params.address, 0)
+        (res,) = self._call(
+            self._fn_obj, grid, 1, 1, self.block, 1, 1, self.shared_mem, s, params.address, 0
+        )
         if int(res):
             raise CudaError("cuLaunchKernel", getattr(res, "name", str(res)))
 
@@ -248,35 +292,42 @@ def ptx_param_types(ptx: str, entry: str | None = None) -> list[str]:
     entries = {m.group(1): m.group(2) for m in _ENTRY.finditer(ptx)}
     if entry is None:
         if len(entries) != 1:
-            raise InvalidArgument(f"ptx_param_types: entry must be given when the PTX has "
-                                  f"{len(entries)} entries (got None)")
+            raise InvalidArgument(
+                f"ptx_param_types: entry must be given when the PTX has "
+                f"{len(entries)} entries (got None)"
+            )
         (params,) = entries.values()
     elif entry in entries:
         params = entries[entry]
     else:
-        raise InvalidArgument(f"ptx_param_types: entry must be one of {sorted(entries)} "
-                              f"(got {entry!r})")
+        raise InvalidArgument(
+            f"ptx_param_types: entry must be one of {sorted(entries)} (got {entry!r})"
+        )
     out = []
     for line in [p.strip() for p in params.split(",") if p.strip()]:
         m = _PARAM.match(line + ",")
         if m is None or m.group(2) or m.group(1) not in _PTX_TYPES:
-            raise InvalidArgument(f"ptx_param_types: parameter must be a scalar u64/s64/u32/"
-                                  f"s32/f32 (got {line!r})")
+            raise InvalidArgument(
+                f"ptx_param_types: parameter must be a scalar u64/s64/u32/s32/f32 (got {line!r})"
+            )
         out.append(_PTX_TYPES[m.group(1)])
     return out
 
 
-def check_params_match(types: Sequence[str], ptx: str, entry: str | None = None,
-                       what: str = "kernel") -> None:
+def check_params_match(
+    types: Sequence[str], ptx: str, entry: str | None = None, what: str = "kernel"
+) -> None:
     """Raise :class:`InvalidArgument` unless ``types`` (a plan's parameter list) has the
     kernel's parameter count and, parameter by parameter, its width and float-ness as the PTX
     declares them.
     """
     want = ptx_param_types(ptx, entry)
     if len(want) != len(types):
-        raise InvalidArgument(f"{what}: parameter count must be {len(want)} as the kernel "
-                              f"declares (got {len(types)})")
+        raise InvalidArgument(
+            f"{what}: parameter count must be {len(want)} as the kernel declares (got {len(types)})"
+        )
     for i, (t, w) in enumerate(zip(types, want)):
         if _KIND.get(t) != _KIND[w]:
-            raise InvalidArgument(f"{what}: parameter {i} must be {_KIND[w]} as the kernel "
-                                  f"declares (got {t!r})")
+            raise InvalidArgument(
+                f"{what}: parameter {i} must be {_KIND[w]} as the kernel declares (got {t!r})"
+            )

@@ -55,7 +55,10 @@ class Resource:
     def __del__(self):  # never collective work here: warn only
         if self._left_open():
             try:
-                warnings.warn(f"dcpkit {self._resource_name} was not closed; "
-                              f"{self._unclosed_hint}", ResourceWarning, stacklevel=1)
+                warnings.warn(
+                    f"dcpkit {self._resource_name} was not closed; {self._unclosed_hint}",
+                    ResourceWarning,
+                    stacklevel=1,
+                )
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass

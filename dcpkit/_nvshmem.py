@@ -25,15 +25,27 @@ import ctypes
 import functools
 import logging
 import os
-from typing import NamedTuple
 from collections.abc import Callable
+from typing import NamedTuple
 
 from ._setup import Transaction
 from .errors import InvalidArgument, MissingDependency
 from .multicast import guard_env_or_raise, kill_switches_set
 
-__all__ = ["load", "available", "init_collective", "allocate", "free", "local_ptr", "peer_ptr",
-           "multicast_ptr", "finalize", "is_initialized", "setup_heap", "NvshmemHeap"]
+__all__ = [
+    "load",
+    "available",
+    "init_collective",
+    "allocate",
+    "free",
+    "local_ptr",
+    "peer_ptr",
+    "multicast_ptr",
+    "finalize",
+    "is_initialized",
+    "setup_heap",
+    "NvshmemHeap",
+]
 
 log = logging.getLogger("dcpkit")
 
@@ -55,8 +67,10 @@ def load():
             import nvshmem.core as nvcore
         except Exception as e:  # noqa: BLE001 - ImportError, or a broken install
             raise MissingDependency(
-                "nvshmem4py", "nvshmem",
-                f"{type(e).__name__}: {e}; on CUDA 13 install the 'nvshmem-cu13' extra") from None
+                "nvshmem4py",
+                "nvshmem",
+                f"{type(e).__name__}: {e}; on CUDA 13 install the 'nvshmem-cu13' extra",
+            ) from None
         _NV = nvcore
     return _NV
 
@@ -89,8 +103,9 @@ def _uid_from_bytes(data: bytes):
     nv = load()
     uid = nv.get_unique_id(empty=True)
     if len(data) != _uid_nbytes():
-        raise InvalidArgument(f"nvshmem init: unique id must be {_uid_nbytes()} bytes "
-                              f"(got {len(data)})")
+        raise InvalidArgument(
+            f"nvshmem init: unique id must be {_uid_nbytes()} bytes (got {len(data)})"
+        )
     ctypes.memmove(uid.ptr, data, len(data))
     return uid
 
@@ -103,28 +118,35 @@ def init_collective(tx, comm, device: int, allow_multicast: bool) -> None:
     """
     nv = load()
     rank, world = comm.rank, comm.world_size
-    states = comm.allgather((_STATE["initialized"], _STATE["rank"], _STATE["world_size"],
-                             _STATE["device"]))
+    states = comm.allgather(
+        (_STATE["initialized"], _STATE["rank"], _STATE["world_size"], _STATE["device"])
+    )
 
     def state_step():
         inited = [s[0] for s in states]
         if any(inited) and not all(inited):
             raise InvalidArgument(
                 f"SymmetricHeap(nvshmem): NVSHMEM must be initialised on every rank or on none "
-                f"(initialised on ranks {[r for r, i in enumerate(inited) if i]})")
-        if _STATE["initialized"] and (_STATE["rank"], _STATE["world_size"], _STATE["device"]) \
-                != (rank, world, device):
+                f"(initialised on ranks {[r for r, i in enumerate(inited) if i]})"
+            )
+        if _STATE["initialized"] and (_STATE["rank"], _STATE["world_size"], _STATE["device"]) != (
+            rank,
+            world,
+            device,
+        ):
             raise InvalidArgument(
                 f"SymmetricHeap(nvshmem): NVSHMEM is already initialised in this process as rank "
                 f"{_STATE['rank']} of {_STATE['world_size']} on device {_STATE['device']}; one "
-                f"group per process (got rank {rank} of {world} on device {device})")
+                f"group per process (got rank {rank} of {world} on device {device})"
+            )
 
     tx.step("nvshmem_state", state_step)
     if _STATE["initialized"]:
         return
 
-    if not allow_multicast and not any(n == "NVSHMEM_DISABLE_NVLS"
-                                       for n, _ in kill_switches_set(os.environ)):
+    if not allow_multicast and not any(
+        n == "NVSHMEM_DISABLE_NVLS" for n, _ in kill_switches_set(os.environ)
+    ):
         # dcpkit does not use multicast here: NVSHMEM must not create its own objects either.
         os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
         log.info("dcpkit nvshmem: set NVSHMEM_DISABLE_NVLS=1 (multicast not in use)")
@@ -133,11 +155,15 @@ def init_collective(tx, comm, device: int, allow_multicast: bool) -> None:
 
     def method_step():
         if method not in ("uid", "mpi"):
-            raise InvalidArgument(f"SymmetricHeap(nvshmem): DCPKIT_NVSHMEM_INIT must be 'uid' or "
-                                  f"'mpi' (got {method!r})")
+            raise InvalidArgument(
+                f"SymmetricHeap(nvshmem): DCPKIT_NVSHMEM_INIT must be 'uid' or "
+                f"'mpi' (got {method!r})"
+            )
         if method == "mpi" and comm.backend != "mpi":
-            raise InvalidArgument(f"SymmetricHeap(nvshmem): DCPKIT_NVSHMEM_INIT=mpi needs an MPI "
-                                  f"Communicator (got backend {comm.backend!r})")
+            raise InvalidArgument(
+                f"SymmetricHeap(nvshmem): DCPKIT_NVSHMEM_INIT=mpi needs an MPI "
+                f"Communicator (got backend {comm.backend!r})"
+            )
 
     tx.step("nvshmem_method", method_step)
     from cuda.core import Device
@@ -155,11 +181,17 @@ def init_collective(tx, comm, device: int, allow_multicast: bool) -> None:
         def init_step():
             dev = Device(device)
             dev.set_current()
-            nv.init(device=dev, uid=_uid_from_bytes(uid_bytes), rank=rank, nranks=world,
-                    initializer_method="uid")
+            nv.init(
+                device=dev,
+                uid=_uid_from_bytes(uid_bytes),
+                rank=rank,
+                nranks=world,
+                initializer_method="uid",
+            )
             _mark(rank, world, device)
             _check_pe(nv, rank, world)
     else:
+
         def init_step():
             dev = Device(device)
             dev.set_current()
@@ -177,8 +209,10 @@ def _mark(rank: int, world: int, device: int) -> None:
 def _check_pe(nv, rank: int, world: int) -> None:
     pe, npes = int(nv.my_pe()), int(nv.n_pes())
     if (pe, npes) != (rank, world):
-        raise InvalidArgument(f"SymmetricHeap(nvshmem): NVSHMEM PE {pe} of {npes} must equal "
-                              f"the Communicator's rank {rank} of {world}")
+        raise InvalidArgument(
+            f"SymmetricHeap(nvshmem): NVSHMEM PE {pe} of {npes} must equal "
+            f"the Communicator's rank {rank} of {world}"
+        )
 
 
 def allocate(nbytes: int):
@@ -203,8 +237,10 @@ def peer_ptr(buf, pe: int) -> int:
     ptr = int(pbuf.handle)
     pbuf.close()  # only drops nvshmem4py's bookkeeping; the mapping belongs to NVSHMEM
     if ptr == 0:
-        raise InvalidArgument(f"SymmetricHeap(nvshmem): PE {pe} is not reachable by load/store "
-                              f"(nvshmem_ptr returned NULL)")
+        raise InvalidArgument(
+            f"SymmetricHeap(nvshmem): PE {pe} is not reachable by load/store "
+            f"(nvshmem_ptr returned NULL)"
+        )
     return ptr
 
 
@@ -229,8 +265,9 @@ def finalize(comm=None) -> bool:
     if comm is not None:
         if not all(comm.allgather(bool(_STATE["initialized"]))):
             if _STATE["initialized"]:
-                log.warning("dcpkit nvshmem: not finalised: NVSHMEM is not initialised on every "
-                            "rank")
+                log.warning(
+                    "dcpkit nvshmem: not finalised: NVSHMEM is not initialised on every rank"
+                )
             return False
     if not _STATE["initialized"]:
         return False
@@ -242,11 +279,11 @@ def finalize(comm=None) -> bool:
 class NvshmemHeap(NamedTuple):
     """What :func:`setup_heap` made on this rank."""
 
-    nbytes: int                        # 512-rounded size of each rank's buffer
-    peer_ptrs: list[int]               # every rank's buffer, as this process addresses it
+    nbytes: int  # 512-rounded size of each rank's buffer
+    peer_ptrs: list[int]  # every rank's buffer, as this process addresses it
     local_ptr: int
-    mc_ptr: int                        # 0 without multicast
-    multicast_reason: str | None    # why multicast fell back to unicast (None: it did not)
+    mc_ptr: int  # 0 without multicast
+    multicast_reason: str | None  # why multicast fell back to unicast (None: it did not)
     undo: list[tuple[str, Callable[[], object]]]
 
 
@@ -286,13 +323,21 @@ def setup_heap(comm, device: int, nbytes: int, use_mc: bool) -> NvshmemHeap:
                     if all(held):
                         free(box["buf"])
                     elif "buf" in box:
-                        log.warning("dcpkit SymmetricHeap rank %d: an NVSHMEM buffer of %d "
-                                    "bytes stays allocated: ranks %s failed to allocate "
-                                    "theirs, so no collective free is possible", rank, size,
-                                    [r for r, h in enumerate(held) if not h])
+                        log.warning(
+                            "dcpkit SymmetricHeap rank %d: an NVSHMEM buffer of %d "
+                            "bytes stays allocated: ranks %s failed to allocate "
+                            "theirs, so no collective free is possible",
+                            rank,
+                            size,
+                            [r for r, h in enumerate(held) if not h],
+                        )
                 except Exception as e:  # noqa: BLE001 - the original error matters more
-                    log.warning("dcpkit SymmetricHeap rank %d: freeing the NVSHMEM buffer "
-                                "after a failed setup failed: %s", rank, e)
+                    log.warning(
+                        "dcpkit SymmetricHeap rank %d: freeing the NVSHMEM buffer "
+                        "after a failed setup failed: %s",
+                        rank,
+                        e,
+                    )
                 raise
             buf = box["buf"]
             # Every rank allocated: the collective free is safe from here on.
@@ -300,8 +345,7 @@ def setup_heap(comm, device: int, nbytes: int, use_mc: bool) -> NvshmemHeap:
             local = local_ptr(buf)
 
             def peers_step():
-                box["peers"] = [local if p == rank else peer_ptr(buf, p)
-                                for p in range(world)]
+                box["peers"] = [local if p == rank else peer_ptr(buf, p) for p in range(world)]
 
             tx.step("nvshmem_peers", peers_step)
 
@@ -317,7 +361,8 @@ def setup_heap(comm, device: int, nbytes: int, use_mc: bool) -> NvshmemHeap:
                     mc_ptr = 0
                     reason = (
                         f"multicast setup failed, using unicast: rank(s) {failed}: "
-                        + "; ".join(str(errs[r]) for r in failed))
+                        + "; ".join(str(errs[r]) for r in failed)
+                    )
                     log.warning("dcpkit SymmetricHeap rank %d: %s", rank, reason)
 
             def zero_step():

@@ -28,8 +28,8 @@ closed or poisoned, whether the stream is capturing, the debug-mode agreement.
 
 from __future__ import annotations
 
-from typing import Any
 from collections.abc import Callable, Hashable
+from typing import Any
 
 from ._arrays import array_key
 

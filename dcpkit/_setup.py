@@ -24,14 +24,20 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 from .errors import DcpkitError, InvalidArgument, PeerError
 
 __all__ = [
-    "share_outcome", "collective_step", "Transaction", "run_undo", "guarded", "error_text",
-    "debug_enabled", "FAULT_POINT",
+    "share_outcome",
+    "collective_step",
+    "Transaction",
+    "run_undo",
+    "guarded",
+    "error_text",
+    "debug_enabled",
+    "FAULT_POINT",
 ]
 
 log = logging.getLogger("dcpkit")
@@ -98,8 +104,14 @@ def share_outcome(comm, what: str, err: BaseException | None, *extra) -> list[tu
     return [tuple(v[1:]) for v in every]
 
 
-def collective_step(comm, what: str, fn: Callable[[], Any], *,
-                    on_failure: Callable[[], None] | None = None, gather: bool = False) -> Any:
+def collective_step(
+    comm,
+    what: str,
+    fn: Callable[[], Any],
+    *,
+    on_failure: Callable[[], None] | None = None,
+    gather: bool = False,
+) -> Any:
     """Run ``fn()`` on this rank, then :func:`share_outcome`; returns ``fn()``'s result, or with
     ``gather=True`` every rank's result (a list indexed by rank: the result must pickle).
 
@@ -168,14 +180,16 @@ class Transaction:
 
     def step(self, name: str, fn: Callable[[], object]):
         """Run one step on this rank; every rank learns whether every rank succeeded."""
+
         def checked():
             result = fn()
             if FAULT_POINT == f"after_{name}":
                 raise RuntimeError(f"injected fault at after_{name} (rank {self.comm.rank})")
             return result
 
-        return collective_step(self.comm, f"{self.what}: setup step {name!r}", checked,
-                               on_failure=self.rollback)
+        return collective_step(
+            self.comm, f"{self.what}: setup step {name!r}", checked, on_failure=self.rollback
+        )
 
     def rollback(self) -> None:
         """Undo everything registered so far, in reverse (this rank only)."""
@@ -192,12 +206,15 @@ def guarded(op: str, init: Callable[[], Any]) -> Callable[[], Any]:
     (:class:`~dcpkit.errors.DcpkitError`): any other exception of a check (a ``TypeError``
     from an odd argument value) becomes :class:`InvalidArgument`, so that it is shared too and
     no rank is left waiting."""
+
     def checked():
         try:
             return init()
         except DcpkitError:
             raise
         except Exception as e:
-            raise InvalidArgument(f"{op}: checking the constructor arguments failed "
-                                  f"({type(e).__name__}: {e})") from e
+            raise InvalidArgument(
+                f"{op}: checking the constructor arguments failed ({type(e).__name__}: {e})"
+            ) from e
+
     return checked

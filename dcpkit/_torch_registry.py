@@ -19,5 +19,4 @@ NEXT_HANDLE = itertools.count(1)
 LOCK = threading.Lock()
 #: op name -> torch.ops.dcpkit.<name>, once registered; and the torch.library.Library that
 #: holds the definitions (kept alive for the life of the process).
-state: dict[str, Any | None] = {"custom_ops": None, "library": None,
-                                   "increment_version": None}
+state: dict[str, Any | None] = {"custom_ops": None, "library": None, "increment_version": None}

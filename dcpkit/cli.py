@@ -29,10 +29,14 @@ _COMMANDS = {
 
 
 def _usage() -> str:
-    lines = ["usage: dcpkit {info,demo,bench} [options]   (or: python -m dcpkit ...)",
-             "       dcpkit --version", "",
-             "dcpkit: low-latency multi-GPU collectives for decode context parallelism.", "",
-             "commands:"]
+    lines = [
+        "usage: dcpkit {info,demo,bench} [options]   (or: python -m dcpkit ...)",
+        "       dcpkit --version",
+        "",
+        "dcpkit: low-latency multi-GPU collectives for decode context parallelism.",
+        "",
+        "commands:",
+    ]
     lines += [f"  {k:<7}{v[1]}" for k, v in _COMMANDS.items()]
     lines += ["", "Run 'dcpkit <command> --help' for the options of a command."]
     return "\n".join(lines)
@@ -65,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         if e.name != mod_name:
             raise
-        print(f"dcpkit {command}: {mod_name} is not available in this installation",
-              file=sys.stderr)
+        print(
+            f"dcpkit {command}: {mod_name} is not available in this installation", file=sys.stderr
+        )
         return 2
     except MissingDependency as e:
         print(f"dcpkit {command}: {e}", file=sys.stderr)

@@ -21,12 +21,19 @@ import os
 import pickle
 import socket
 import sys
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 from ._lifecycle import Resource
-from .errors import (ClosedError, ConfigMismatch, DcpkitError, InvalidArgument, InvalidType,
-                     MissingDependency, PeerError)
+from .errors import (
+    ClosedError,
+    ConfigMismatch,
+    DcpkitError,
+    InvalidArgument,
+    InvalidType,
+    MissingDependency,
+    PeerError,
+)
 
 __all__ = ["Communicator", "canonical", "host_identity", "launcher_world_size"]
 
@@ -82,7 +89,8 @@ def _check_launcher_world_size(env, MPI) -> None:
         f"Communicator.from_mpi: the launcher started {n} processes ({var}={n}) but "
         f"MPI.COMM_WORLD has 1 rank: mpi4py loaded an MPI library ({lib}) other than the one "
         f"of this mpirun. Launch with the mpirun of that library, or install mpi4py against "
-        f"the MPI of this mpirun (see README, Known limits)")
+        f"the MPI of this mpirun (see README, Known limits)"
+    )
 
 
 def _is_int(x) -> bool:
@@ -136,8 +144,11 @@ def canonical(value: Any) -> Any:
             a = np.ascontiguousarray(value)
             return ("array", a.dtype.name, a.dtype.str, a.shape, a.tobytes())
     cls = type(value)
-    return ("object", f"{cls.__module__}.{cls.__qualname__}",
-            pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    return (
+        "object",
+        f"{cls.__module__}.{cls.__qualname__}",
+        pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL),
+    )
 
 
 def _canonical_number(x) -> tuple:
@@ -208,18 +219,26 @@ class Communicator(Resource):
     All methods are collective: every rank of the group calls them in the same order.
     """
 
-    def __init__(self, rank: int, world_size: int, *, allgather: Callable[[Any], list[Any]],
-                 broadcast: Callable[[Any, int], Any], barrier: Callable[[], None],
-                 backend: str, handle: Any = None):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        allgather: Callable[[Any], list[Any]],
+        broadcast: Callable[[Any, int], Any],
+        barrier: Callable[[], None],
+        backend: str,
+        handle: Any = None,
+    ):
         for name, v in (("rank", rank), ("world_size", world_size)):
             if not _is_int(v):
-                raise InvalidType(f"Communicator: {name} must be an int (got "
-                                  f"{type(v).__name__} {v!r})")
+                raise InvalidType(
+                    f"Communicator: {name} must be an int (got {type(v).__name__} {v!r})"
+                )
         if world_size < 1:
             raise InvalidArgument(f"Communicator: world_size must be >= 1 (got {world_size})")
         if not 0 <= rank < world_size:
-            raise InvalidArgument(f"Communicator: rank must lie in [0, {world_size}) "
-                                  f"(got {rank})")
+            raise InvalidArgument(f"Communicator: rank must lie in [0, {world_size}) (got {rank})")
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.backend = backend
@@ -259,17 +278,21 @@ class Communicator(Resource):
         except RuntimeError as e:  # mpi4py present but no MPI library found
             raise MissingDependency("an MPI library", "mpi", str(e)) from None
         if comm is not None and not isinstance(comm, MPI.Comm):
-            raise InvalidType(f"Communicator.from_mpi: comm must be None or an mpi4py.MPI.Comm "
-                              f"(got {type(comm).__name__} {comm!r})")
+            raise InvalidType(
+                f"Communicator.from_mpi: comm must be None or an mpi4py.MPI.Comm "
+                f"(got {type(comm).__name__} {comm!r})"
+            )
         c = MPI.COMM_WORLD if comm is None else comm
         if comm is None and c.Get_size() == 1:
             _check_launcher_world_size(os.environ, MPI)
         return cls(
-            c.Get_rank(), c.Get_size(),
+            c.Get_rank(),
+            c.Get_size(),
             allgather=c.allgather,
             broadcast=lambda obj, root: c.bcast(obj, root=root),
             barrier=c.Barrier,
-            backend="mpi", handle=c,
+            backend="mpi",
+            handle=c,
         )
 
     @classmethod
@@ -293,7 +316,8 @@ class Communicator(Resource):
         if not dist.is_available() or not dist.is_initialized():
             raise DcpkitError(
                 "Communicator.from_torch: torch.distributed must be initialised first "
-                "(call torch.distributed.init_process_group)")
+                "(call torch.distributed.init_process_group)"
+            )
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
 
@@ -308,14 +332,27 @@ class Communicator(Resource):
             dist.broadcast_object_list(box, src=src, group=group)
             return box[0]
 
-        return cls(rank, world, allgather=allgather, broadcast=broadcast,
-                   barrier=lambda: dist.barrier(group=group), backend="torch", handle=group)
+        return cls(
+            rank,
+            world,
+            allgather=allgather,
+            broadcast=broadcast,
+            barrier=lambda: dist.barrier(group=group),
+            backend="torch",
+            handle=group,
+        )
 
     @classmethod
     def single(cls) -> Communicator:
         """A group of one rank (no MPI, no torch): every collective is local."""
-        return cls(0, 1, allgather=lambda obj: [obj],
-                   broadcast=lambda obj, root: obj, barrier=lambda: None, backend="single")
+        return cls(
+            0,
+            1,
+            allgather=lambda obj: [obj],
+            broadcast=lambda obj, root: obj,
+            barrier=lambda: None,
+            backend="single",
+        )
 
     # ------------------------------------------------------------------ collectives
     def _check_open(self, what: str) -> None:
@@ -333,8 +370,10 @@ class Communicator(Resource):
         if bad:
             if problem is not None:
                 what = obj if shown is None else shown
-                raise InvalidType(f"Communicator.{method}: the object must be picklable (got "
-                                  f"{type(what).__name__}: {problem})")
+                raise InvalidType(
+                    f"Communicator.{method}: the object must be picklable (got "
+                    f"{type(what).__name__}: {problem})"
+                )
             raise PeerError(f"Communicator.{method}: pickling the object", bad)
         return values
 
@@ -370,18 +409,22 @@ class Communicator(Resource):
     def _bcast(self, method: str, obj: Any, root: int) -> Any:
         self._check_open(method)
         if not _is_int(root):
-            raise InvalidType(f"Communicator.{method}: root must be an int (got "
-                              f"{type(root).__name__} {root!r})")
+            raise InvalidType(
+                f"Communicator.{method}: root must be an int (got {type(root).__name__} {root!r})"
+            )
         if not 0 <= root < self.world_size:
-            raise InvalidArgument(f"Communicator.{method}: root must lie in "
-                                  f"[0, {self.world_size}) (got {root})")
+            raise InvalidArgument(
+                f"Communicator.{method}: root must lie in [0, {self.world_size}) (got {root})"
+            )
         root = int(root)
         problem = _pickle_problem(obj) if self.rank == root else None
         got = self._broadcast(obj if problem is None else _Unpicklable(problem), root)
         if isinstance(got, _Unpicklable):
             if problem is not None:
-                raise InvalidType(f"Communicator.{method}: the object must be picklable (got "
-                                  f"{type(obj).__name__}: {problem})")
+                raise InvalidType(
+                    f"Communicator.{method}: the object must be picklable (got "
+                    f"{type(obj).__name__}: {problem})"
+                )
             raise PeerError(f"Communicator.{method}: pickling the object", {root: got.message})
         return got
 
@@ -445,9 +488,11 @@ class Communicator(Resource):
             value = init()
         except DcpkitError as e:
             err = e
-        every = self._gather("agree_setup",
-                             (None if err is None else f"{type(err).__name__}: {err}", value),
-                             shown=value)
+        every = self._gather(
+            "agree_setup",
+            (None if err is None else f"{type(err).__name__}: {err}", value),
+            shown=value,
+        )
         if err is not None:
             raise err
         failed = {r: m for r, (m, _) in enumerate(every) if m is not None}
@@ -478,8 +523,10 @@ class Communicator(Resource):
         """
         bad_arg = None
         if error is not None and not isinstance(error, BaseException):
-            bad_arg = InvalidType(f"Communicator.all_ok: error must be an exception or None "
-                                  f"(got {type(error).__name__} {error!r})")
+            bad_arg = InvalidType(
+                f"Communicator.all_ok: error must be an exception or None "
+                f"(got {type(error).__name__} {error!r})"
+            )
             error = bad_arg
         msg = None if error is None else f"{type(error).__name__}: {error}"
         msgs = self._gather("all_ok", msg)
@@ -503,9 +550,11 @@ class Communicator(Resource):
         return False  # holds no resource of its own: dropping it open is fine
 
     def __repr__(self) -> str:
-        return (f"Communicator(backend={self.backend!r}, rank={self.rank}, "
-                f"world_size={self.world_size}, local_rank={self.local_rank}, "
-                f"local_world_size={self.local_world_size})")
+        return (
+            f"Communicator(backend={self.backend!r}, rank={self.rank}, "
+            f"world_size={self.world_size}, local_rank={self.local_rank}, "
+            f"local_world_size={self.local_world_size})"
+        )
 
     @property
     def spans_hosts(self) -> bool:

@@ -102,8 +102,16 @@ class CollectiveTimeout(DcpkitError, RuntimeError):
         The deadline that expired.
     """
 
-    def __init__(self, op: str, rank: int, peer: int, expected_epoch: int, observed_epoch: int,
-                 ubatch: int = 0, timeout_ms: float = 0.0):
+    def __init__(
+        self,
+        op: str,
+        rank: int,
+        peer: int,
+        expected_epoch: int,
+        observed_epoch: int,
+        ubatch: int = 0,
+        timeout_ms: float = 0.0,
+    ):
         self.op = op
         self.rank = rank
         self.peer = peer

@@ -26,13 +26,21 @@ from __future__ import annotations
 import itertools
 import re
 import threading
-from pathlib import Path
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from .errors import CompileError, InvalidArgument, InvalidType, MissingDependency
 
-__all__ = ["kernels_dir", "VARIANTS", "source", "get_kernel", "compile_only", "DEFAULT_OPTIONS",
-           "nvrtc_version", "nvrtc_archs"]
+__all__ = [
+    "kernels_dir",
+    "VARIANTS",
+    "source",
+    "get_kernel",
+    "compile_only",
+    "DEFAULT_OPTIONS",
+    "nvrtc_version",
+    "nvrtc_archs",
+]
 
 #: NVRTC options used for every dcpkit kernel (CuPy adds ``-arch`` for the current device).
 DEFAULT_OPTIONS: tuple[str, ...] = ("-std=c++17",)
@@ -45,8 +53,10 @@ _COPY_ELEMENTS = ("unsigned char", "unsigned short", "unsigned int", "uint2", "u
 
 
 def _lse_reduce_variants() -> list[str]:
-    out = [f"dcpkit::lse_reduce_kernel<{out_t}, {lse_t}>"
-           for out_t, lse_t in itertools.product(_FLOAT_TYPES, _FLOAT_TYPES)]
+    out = [
+        f"dcpkit::lse_reduce_kernel<{out_t}, {lse_t}>"
+        for out_t, lse_t in itertools.product(_FLOAT_TYPES, _FLOAT_TYPES)
+    ]
     out += [f"dcpkit::lse_combine_kernel<{out_t}>" for out_t in _FLOAT_TYPES]
     return out
 
@@ -59,11 +69,13 @@ def _gather_variants(name: str) -> list[str]:
 VARIANTS: dict[str, list[str]] = {
     "lse_reduce.cu": _lse_reduce_variants(),
     "q_gather.cu": _gather_variants("q_gather_kernel"),
-    "kv_gather.cu": _gather_variants("kv_gather_push_kernel")
-    + ["dcpkit::kv_gather_pull_kernel"],
+    "kv_gather.cu": _gather_variants("kv_gather_push_kernel") + ["dcpkit::kv_gather_pull_kernel"],
     "ceilings.cu": [
-        "dcpkit::pingpong_kernel", "dcpkit::egress_kernel", "dcpkit::barrier_kernel",
-        "dcpkit::floor_kernel"],
+        "dcpkit::pingpong_kernel",
+        "dcpkit::egress_kernel",
+        "dcpkit::barrier_kernel",
+        "dcpkit::floor_kernel",
+    ],
     # local kernels of the NCCL fallback ops (dcpkit/fallback.py)
     "fallback.cu": [f"dcpkit::fallback_copy_kernel<{e}>" for e in _COPY_ELEMENTS]
     + [f"dcpkit::fallback_lse_mask_kernel<{t}>" for t in _FLOAT_TYPES + ("double",)]
@@ -81,7 +93,8 @@ def kernels_dir() -> Path:
             return cand
     raise FileNotFoundError(
         f"dcpkit: CUDA sources not found in {here / 'kernels'} or {here.parent / 'kernels'}; "
-        "reinstall dcpkit")
+        "reinstall dcpkit"
+    )
 
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.M)
@@ -129,11 +142,15 @@ def _known_files() -> str:
 def _check_file(file, op: str) -> str:
     """``file`` if it is a kernel file registered in :data:`VARIANTS`, else a clear error."""
     if not isinstance(file, str):
-        raise InvalidType(f"{op}: file must be a kernel file name (str) registered in "
-                          f"jit.VARIANTS [{_known_files()}] (got {type(file).__name__} {file!r})")
+        raise InvalidType(
+            f"{op}: file must be a kernel file name (str) registered in "
+            f"jit.VARIANTS [{_known_files()}] (got {type(file).__name__} {file!r})"
+        )
     if file not in VARIANTS:
-        raise InvalidArgument(f"{op}: file must be one of the kernel files registered in "
-                              f"jit.VARIANTS [{_known_files()}] (got {file!r})")
+        raise InvalidArgument(
+            f"{op}: file must be one of the kernel files registered in "
+            f"jit.VARIANTS [{_known_files()}] (got {file!r})"
+        )
     return file
 
 
@@ -146,8 +163,10 @@ def _files_arg(files, op: str) -> list[str]:
     try:
         items = list(files)
     except TypeError:
-        raise InvalidType(f"{op}: files must be None, a kernel file name or a sequence of them "
-                          f"(got {type(files).__name__} {files!r})") from None
+        raise InvalidType(
+            f"{op}: files must be None, a kernel file name or a sequence of them "
+            f"(got {type(files).__name__} {files!r})"
+        ) from None
     return [_check_file(f, op) for f in items]
 
 
@@ -158,17 +177,22 @@ def _options_arg(options, op: str) -> tuple[str, ...]:
     if isinstance(options, str):
         return (options,)
     if isinstance(options, (bytes, bytearray)):
-        raise InvalidType(f"{op}: options must be a str or a sequence of str (got bytes "
-                          f"{options!r})")
+        raise InvalidType(
+            f"{op}: options must be a str or a sequence of str (got bytes {options!r})"
+        )
     try:
         items = tuple(options)
     except TypeError:
-        raise InvalidType(f"{op}: options must be None, a str or a sequence of str "
-                          f"(got {type(options).__name__} {options!r})") from None
+        raise InvalidType(
+            f"{op}: options must be None, a str or a sequence of str "
+            f"(got {type(options).__name__} {options!r})"
+        ) from None
     bad = [o for o in items if not isinstance(o, str)]
     if bad:
-        raise InvalidType(f"{op}: options entries must be str, e.g. '-lineinfo' "
-                          f"(got {bad[0]!r} of type {type(bad[0]).__name__} in {options!r})")
+        raise InvalidType(
+            f"{op}: options entries must be str, e.g. '-lineinfo' "
+            f"(got {bad[0]!r} of type {type(bad[0]).__name__} in {options!r})"
+        )
     return items
 
 
@@ -208,11 +232,15 @@ def get_kernel(file: str, name_expr: str, options: Sequence[str] = ()):
     op = "jit.get_kernel"
     _check_file(file, op)
     if not isinstance(name_expr, str):
-        raise InvalidType(f"{op}: name_expr must be a str, one of jit.VARIANTS[{file!r}] "
-                          f"(got {type(name_expr).__name__} {name_expr!r})")
+        raise InvalidType(
+            f"{op}: name_expr must be a str, one of jit.VARIANTS[{file!r}] "
+            f"(got {type(name_expr).__name__} {name_expr!r})"
+        )
     if name_expr not in VARIANTS[file]:
-        raise InvalidArgument(f"{op}: name_expr must be a registered variant of kernels/{file}, "
-                              f"one of jit.VARIANTS[{file!r}] (got {name_expr!r})")
+        raise InvalidArgument(
+            f"{op}: name_expr must be a registered variant of kernels/{file}, "
+            f"one of jit.VARIANTS[{file!r}] (got {name_expr!r})"
+        )
     opts = tuple(DEFAULT_OPTIONS) + _options_arg(options, op)
     cupy = _cupy()
     from ._cuda import require_device
@@ -278,8 +306,7 @@ _ARCH = re.compile(r"^sm_(\d+)[af]?$")
 
 # What NVRTC itself prints for an old but still supported target: a note about the toolkit, not a
 # warning in dcpkit's kernels.
-_NVRTC_ARCH_NOTE = re.compile(r"^nvrtc: warning: Architectures prior to .* are deprecated.*$",
-                              re.M)
+_NVRTC_ARCH_NOTE = re.compile(r"^nvrtc: warning: Architectures prior to .* are deprecated.*$", re.M)
 
 
 def _compile_one(nvrtc, file: str, exprs: Iterable[str], opts: list[str]) -> dict[str, int]:
@@ -316,8 +343,9 @@ def _compile_one(nvrtc, file: str, exprs: Iterable[str], opts: list[str]) -> dic
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def compile_only(files: Sequence[str] | None = None, arch: str = "sm_90",
-                 options: Sequence[str] = ()) -> dict[str, dict[str, int]]:
+def compile_only(
+    files: Sequence[str] | None = None, arch: str = "sm_90", options: Sequence[str] = ()
+) -> dict[str, dict[str, int]]:
     """Compile kernel files and all their template variants with NVRTC, without a GPU.
 
     Parameters
@@ -348,8 +376,9 @@ def compile_only(files: Sequence[str] | None = None, arch: str = "sm_90",
     op = "jit.compile_only"
     todo = _files_arg(files, op)
     if not isinstance(arch, str):
-        raise InvalidType(f"{op}: arch must be a str such as 'sm_90' "
-                          f"(got {type(arch).__name__} {arch!r})")
+        raise InvalidType(
+            f"{op}: arch must be a str such as 'sm_90' (got {type(arch).__name__} {arch!r})"
+        )
     m = _ARCH.match(arch)
     if not m:
         raise InvalidArgument(f"{op}: arch must be a real target such as 'sm_90' (got {arch!r})")
@@ -357,8 +386,10 @@ def compile_only(files: Sequence[str] | None = None, arch: str = "sm_90",
     nvrtc = _nvrtc()
     archs = nvrtc_archs()
     if archs and int(m.group(1)) not in archs:
-        raise InvalidArgument(f"{op}: arch must be a target this NVRTC supports "
-                              f"[{', '.join(f'sm_{a}' for a in archs)}] (got {arch!r})")
+        raise InvalidArgument(
+            f"{op}: arch must be a target this NVRTC supports "
+            f"[{', '.join(f'sm_{a}' for a in archs)}] (got {arch!r})"
+        )
     opts = list(DEFAULT_OPTIONS) + [f"-arch={arch}"] + list(extra)
     out = {}
     for f in todo:

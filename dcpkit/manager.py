@@ -52,8 +52,16 @@ import numpy as np
 
 from . import _cuda
 from ._arrays import ArrayInfo, array_info, check_ndim, dtype_name
-from ._checks import (INT32_MAX, check_bool, check_comm, check_lse_base, check_positive_int,
-                      check_timeout_ms, resolve_dtype, resolve_stream)
+from ._checks import (
+    INT32_MAX,
+    check_bool,
+    check_comm,
+    check_lse_base,
+    check_positive_int,
+    check_timeout_ms,
+    resolve_dtype,
+    resolve_stream,
+)
 from ._lifecycle import Resource
 from ._plan import PlanCache, call_key
 from ._setup import collective_step, error_text, guarded, share_outcome
@@ -61,19 +69,40 @@ from ._strided import copy_arrays, load_copy_kernels, strided_copy
 from .comm import Communicator
 from .errors import ClosedError, ConfigMismatch, InvalidArgument, InvalidType, PeerError
 from .nccl import LSE_ALGORITHMS
-from .selection import (DIRECT_LSE_DTYPES, OPS, PATH_DIRECT_MULTICAST, PATH_DIRECT_UNICAST,
-                        PATH_NCCL, PATHS, POLICIES, direct_call_blocker,
-                        direct_geometry_blocker, failure_reason, select_path,
-                        shared_gpu_blocker, topology_blocker)
+from .selection import (
+    DIRECT_LSE_DTYPES,
+    OPS,
+    PATH_DIRECT_MULTICAST,
+    PATH_DIRECT_UNICAST,
+    PATH_NCCL,
+    PATHS,
+    POLICIES,
+    direct_call_blocker,
+    direct_geometry_blocker,
+    failure_reason,
+    select_path,
+    shared_gpu_blocker,
+    topology_blocker,
+)
 
 #: Alignment of each direct op's region in the shared heap (the ops' own reservation rule).
 _ALIGN = 256
 
 __all__ = [
-    "DCPComm", "select_path", "direct_call_blocker", "direct_geometry_blocker",
-    "topology_blocker", "shared_gpu_blocker", "POLICIES", "OPS", "PATH_DIRECT_UNICAST",
-    "PATH_DIRECT_MULTICAST", "PATH_NCCL", "DIRECT_LSE_DTYPES",
+    "DCPComm",
+    "select_path",
+    "direct_call_blocker",
+    "direct_geometry_blocker",
+    "topology_blocker",
+    "shared_gpu_blocker",
+    "POLICIES",
+    "OPS",
+    "PATH_DIRECT_UNICAST",
+    "PATH_DIRECT_MULTICAST",
+    "PATH_NCCL",
+    "DIRECT_LSE_DTYPES",
 ]
+
 
 # ----------------------------------------------------------------------------- manager
 class DCPComm(Resource):
@@ -169,11 +198,24 @@ class DCPComm(Resource):
 
     _resource_name = "DCPComm"
 
-    def __init__(self, comm: Communicator, *, max_tokens: int, num_heads: int,
-                 q_head_dim: int, v_head_dim: int, kv_row_dim: int | None = None, dtype,
-                 num_ubatches: int = 1, lse_base: float = math.e, policy: str = "auto",
-                 nccl_lse_algorithm: str = "all_to_all", timeout_ms: float | None = None,
-                 nccl_max_tokens: int | None = None, return_lse: bool = False):
+    def __init__(
+        self,
+        comm: Communicator,
+        *,
+        max_tokens: int,
+        num_heads: int,
+        q_head_dim: int,
+        v_head_dim: int,
+        kv_row_dim: int | None = None,
+        dtype,
+        num_ubatches: int = 1,
+        lse_base: float = math.e,
+        policy: str = "auto",
+        nccl_lse_algorithm: str = "all_to_all",
+        timeout_ms: float | None = None,
+        nccl_max_tokens: int | None = None,
+        return_lse: bool = False,
+    ):
         self.direct_ops: dict[str, object] = dict.fromkeys(OPS)
         self.nccl_ops: dict[str, object] = dict.fromkeys(OPS)
         self.nccl_group = None
@@ -183,27 +225,40 @@ class DCPComm(Resource):
         # 1. the policy: the first collective, before anything touches a GPU
         err = None
         if policy not in POLICIES:
-            err = InvalidArgument(f"DCPComm: policy must be one of {list(POLICIES)} "
-                                  f"(got {policy!r})")
+            err = InvalidArgument(
+                f"DCPComm: policy must be one of {list(POLICIES)} (got {policy!r})"
+            )
         policies = [p for (p,) in share_outcome(comm, "DCPComm: policy", err, policy)]
         if any(p != policy for p in policies):
             raise ConfigMismatch("DCPComm: policy", policies)
         self.policy = policy
+
         # 2. every argument (also as the ops will see them), CuPy and the GPU: one exchange
         def init():
-            return self._init_geometry(max_tokens, num_heads, q_head_dim, v_head_dim,
-                                       kv_row_dim, dtype, num_ubatches, lse_base,
-                                       nccl_lse_algorithm, nccl_max_tokens, return_lse,
-                                       timeout_ms)
+            return self._init_geometry(
+                max_tokens,
+                num_heads,
+                q_head_dim,
+                v_head_dim,
+                kv_row_dim,
+                dtype,
+                num_ubatches,
+                lse_base,
+                nccl_lse_algorithm,
+                nccl_max_tokens,
+                return_lse,
+                timeout_ms,
+            )
 
         comm.agree_setup(
-            "DCPComm", guarded("DCPComm", init),
+            "DCPComm",
+            guarded("DCPComm", init),
             "geometry (max_tokens, num_heads, q_head_dim, v_head_dim, kv_row_dim, dtype, "
             "num_ubatches, lse_base, nccl_lse_algorithm, nccl_max_tokens, return_lse, "
-            "timeout_ms)")
+            "timeout_ms)",
+        )
         self.last_path: str | None = None
-        self.counters: dict[str, dict[str, int]] = {
-            op: dict.fromkeys(PATHS, 0) for op in self.ops}
+        self.counters: dict[str, dict[str, int]] = {op: dict.fromkeys(PATHS, 0) for op in self.ops}
         self.direct_reason: dict[str, str | None] = dict.fromkeys(OPS)
         self.nccl_reason: str | None = None
         self._direct_path: dict[str, str | None] = dict.fromkeys(OPS)
@@ -215,9 +270,21 @@ class DCPComm(Resource):
         self._closed = False
 
     # ------------------------------------------------------------------ construction
-    def _init_geometry(self, max_tokens, num_heads, q_head_dim, v_head_dim, kv_row_dim, dtype,
-                       num_ubatches, lse_base, nccl_lse_algorithm, nccl_max_tokens,
-                       return_lse, timeout_ms) -> tuple:
+    def _init_geometry(
+        self,
+        max_tokens,
+        num_heads,
+        q_head_dim,
+        v_head_dim,
+        kv_row_dim,
+        dtype,
+        num_ubatches,
+        lse_base,
+        nccl_lse_algorithm,
+        nccl_max_tokens,
+        return_lse,
+        timeout_ms,
+    ) -> tuple:
         """Check every argument (no collective), also as each op that the policy may build
         will check it, then CuPy and the GPU; returns the geometry tuple."""
         op = "DCPComm"
@@ -225,27 +292,34 @@ class DCPComm(Resource):
         self.max_tokens = check_positive_int(max_tokens, op, "max_tokens", maximum=INT32_MAX)
         self.num_heads = check_positive_int(num_heads, op, "num_heads")
         if self.num_heads % W:
-            raise InvalidArgument(f"{op}: num_heads must be a multiple of world_size {W} "
-                                  f"(got {self.num_heads})")
+            raise InvalidArgument(
+                f"{op}: num_heads must be a multiple of world_size {W} (got {self.num_heads})"
+            )
         self.heads_per_rank = self.num_heads // W
         self.q_head_dim = check_positive_int(q_head_dim, op, "q_head_dim")
         self.v_head_dim = check_positive_int(v_head_dim, op, "v_head_dim")
-        self.kv_row_dim = None if kv_row_dim is None else \
-            check_positive_int(kv_row_dim, op, "kv_row_dim")
+        self.kv_row_dim = (
+            None if kv_row_dim is None else check_positive_int(kv_row_dim, op, "kv_row_dim")
+        )
         try:
             self.dtype = resolve_dtype(dtype)
         except (TypeError, ValueError, AttributeError, ImportError):
-            raise InvalidType(f"{op}: dtype must be a NumPy dtype or dtype name "
-                              f"(got {dtype!r})") from None
+            raise InvalidType(
+                f"{op}: dtype must be a NumPy dtype or dtype name (got {dtype!r})"
+            ) from None
         self.num_ubatches = check_positive_int(num_ubatches, op, "num_ubatches")
         self.lse_base = check_lse_base(lse_base, op)
         usable = [a for a in LSE_ALGORITHMS if a != "allgather_all_reduce"]
         if nccl_lse_algorithm not in usable:
-            raise InvalidArgument(f"{op}: nccl_lse_algorithm must be one of {usable} "
-                                  f"(got {nccl_lse_algorithm!r})")
+            raise InvalidArgument(
+                f"{op}: nccl_lse_algorithm must be one of {usable} (got {nccl_lse_algorithm!r})"
+            )
         self.nccl_lse_algorithm = nccl_lse_algorithm
-        self.nccl_max_tokens = self.max_tokens if nccl_max_tokens is None else \
-            check_positive_int(nccl_max_tokens, op, "nccl_max_tokens", maximum=INT32_MAX)
+        self.nccl_max_tokens = (
+            self.max_tokens
+            if nccl_max_tokens is None
+            else check_positive_int(nccl_max_tokens, op, "nccl_max_tokens", maximum=INT32_MAX)
+        )
         self.return_lse = check_bool(return_lse, op, "return_lse")
         self.timeout_ms = check_timeout_ms(timeout_ms, op)
         self.ops = tuple(o for o in OPS if o != "kv_gather" or self.kv_row_dim is not None)
@@ -255,8 +329,13 @@ class DCPComm(Resource):
         self._region_bytes: dict[str, int] = {}
         self._nccl_checked: dict[str, object] = {}
         for o in self.ops:
-            if self.policy != "nccl" and direct_geometry_blocker(
-                    o, dtype=self.dtype, row_bytes=self._row_bytes(o), world_size=W) is None:
+            if (
+                self.policy != "nccl"
+                and direct_geometry_blocker(
+                    o, dtype=self.dtype, row_bytes=self._row_bytes(o), world_size=W
+                )
+                is None
+            ):
                 cls, kwargs = self._direct_spec(o)
                 agreed = self._check_op_arguments(o, cls.check_arguments, kwargs, "direct")
                 self._region_bytes[o] = int(agreed[-1])
@@ -264,9 +343,20 @@ class DCPComm(Resource):
                 cls, kwargs = self._nccl_spec(o)
                 self._nccl_checked[o] = self._check_op_arguments(o, cls.prepare, kwargs, "NCCL")
         self.device = self._current_device()  # CuPy and a visible GPU
-        return (self.max_tokens, self.num_heads, self.q_head_dim, self.v_head_dim,
-                self.kv_row_dim, str(self.dtype), self.num_ubatches, self.lse_base,
-                self.nccl_lse_algorithm, self.nccl_max_tokens, self.return_lse, self.timeout_ms)
+        return (
+            self.max_tokens,
+            self.num_heads,
+            self.q_head_dim,
+            self.v_head_dim,
+            self.kv_row_dim,
+            str(self.dtype),
+            self.num_ubatches,
+            self.lse_base,
+            self.nccl_lse_algorithm,
+            self.nccl_max_tokens,
+            self.return_lse,
+            self.timeout_ms,
+        )
 
     def _check_op_arguments(self, op: str, check, kwargs: dict, which: str):
         """``check(world_size, **kwargs)`` (an op class's ``check_arguments`` or ``prepare``: no
@@ -277,23 +367,34 @@ class DCPComm(Resource):
         except (InvalidArgument, InvalidType) as e:
             msg = str(e)
             if msg.startswith(f"{op}: "):
-                msg = msg[len(op) + 2:]
+                msg = msg[len(op) + 2 :]
             raise type(e)(f"DCPComm: {which} {op} op: {msg}") from None
 
     def _direct_spec(self, op: str):
         """The direct op class of ``op`` and the constructor keywords DCPComm gives it."""
         from .ops import KVGather, LseReduce, QGather
 
-        common = dict(max_tokens=self.max_tokens, dtype=self.dtype,
-                      num_ubatches=self.num_ubatches, timeout_ms=self.timeout_ms, heap=self.heap)
+        common = dict(
+            max_tokens=self.max_tokens,
+            dtype=self.dtype,
+            num_ubatches=self.num_ubatches,
+            timeout_ms=self.timeout_ms,
+            heap=self.heap,
+        )
         if op == "q_gather":
-            return QGather, dict(heads_per_rank=self.heads_per_rank, head_dim=self.q_head_dim,
-                                 **common)
+            return QGather, dict(
+                heads_per_rank=self.heads_per_rank, head_dim=self.q_head_dim, **common
+            )
         if op == "lse_reduce":
             # return_lse as asked: a merged lse nobody reads would take a graph output buffer
             # of the op's bounded pool for every call captured with out= alone.
-            return LseReduce, dict(num_heads=self.num_heads, head_dim=self.v_head_dim,
-                                   lse_base=self.lse_base, return_lse=self.return_lse, **common)
+            return LseReduce, dict(
+                num_heads=self.num_heads,
+                head_dim=self.v_head_dim,
+                lse_base=self.lse_base,
+                return_lse=self.return_lse,
+                **common,
+            )
         return KVGather, dict(row_dim=self.kv_row_dim, **common)
 
     def _nccl_spec(self, op: str):
@@ -301,22 +402,31 @@ class DCPComm(Resource):
         ``nccl_group``)."""
         from .nccl import NcclKVGather, NcclLseReduce, NcclQGather
 
-        common = dict(max_tokens=self.nccl_max_tokens, dtype=self.dtype,
-                      num_ubatches=self.num_ubatches)
+        common = dict(
+            max_tokens=self.nccl_max_tokens, dtype=self.dtype, num_ubatches=self.num_ubatches
+        )
         if op == "q_gather":
-            return NcclQGather, dict(heads_per_rank=self.heads_per_rank,
-                                     head_dim=self.q_head_dim, **common)
+            return NcclQGather, dict(
+                heads_per_rank=self.heads_per_rank, head_dim=self.q_head_dim, **common
+            )
         if op == "lse_reduce":
-            return NcclLseReduce, dict(num_heads=self.num_heads, head_dim=self.v_head_dim,
-                                       lse_base=self.lse_base, return_lse=True,
-                                       algorithm=self.nccl_lse_algorithm, **common)
+            return NcclLseReduce, dict(
+                num_heads=self.num_heads,
+                head_dim=self.v_head_dim,
+                lse_base=self.lse_base,
+                return_lse=True,
+                algorithm=self.nccl_lse_algorithm,
+                **common,
+            )
         return NcclKVGather, dict(row_dim=self.kv_row_dim, **common)
 
     def _row_bytes(self, op: str) -> int:
         isz = self.dtype.itemsize
-        return {"q_gather": self.heads_per_rank * self.q_head_dim * isz,
-                "kv_gather": (self.kv_row_dim or 0) * isz,
-                "lse_reduce": self.v_head_dim * isz}[op]
+        return {
+            "q_gather": self.heads_per_rank * self.q_head_dim * isz,
+            "kv_gather": (self.kv_row_dim or 0) * isz,
+            "lse_reduce": self.v_head_dim * isz,
+        }[op]
 
     def _build(self) -> None:
         """Topology, direct ops, NCCL group and ops (collective; consistent on every rank)."""
@@ -325,9 +435,10 @@ class DCPComm(Resource):
         heap_reason = None
         if self.policy != "nccl" and self.topology_reason is None and self._region_bytes:
             nbytes = sum(-(-n // _ALIGN) * _ALIGN for n in self._region_bytes.values())
-            heap_reason = self._agreed_build("the symmetric heap of the direct ops",
-                                             lambda: setattr(self, "heap",
-                                                             self._build_heap(nbytes)))
+            heap_reason = self._agreed_build(
+                "the symmetric heap of the direct ops",
+                lambda: setattr(self, "heap", self._build_heap(nbytes)),
+            )
         # direct ops
         for op in self.ops:
             reason = None
@@ -336,32 +447,56 @@ class DCPComm(Resource):
             elif self.topology_reason is not None:
                 reason = self.topology_reason
             else:
-                reason = direct_geometry_blocker(op, dtype=self.dtype,
-                                                 row_bytes=self._row_bytes(op),
-                                                 world_size=self.world_size) or heap_reason
+                reason = (
+                    direct_geometry_blocker(
+                        op,
+                        dtype=self.dtype,
+                        row_bytes=self._row_bytes(op),
+                        world_size=self.world_size,
+                    )
+                    or heap_reason
+                )
             if reason is None:
-                reason = self._agreed_build(f"the direct {op} op", lambda op=op: (
-                    self.direct_ops.__setitem__(op, self._build_direct(op))), "the direct op")
+                reason = self._agreed_build(
+                    f"the direct {op} op",
+                    lambda op=op: self.direct_ops.__setitem__(op, self._build_direct(op)),
+                    "the direct op",
+                )
             if reason is not None and self.policy == "direct":
                 raise InvalidArgument(f"DCPComm: policy 'direct' cannot serve {op}: {reason}")
             self.direct_reason[op] = reason
             if self.direct_ops[op] is not None:
                 transport = getattr(self.direct_ops[op], "transport", "unicast")
-                self._direct_path[op] = (PATH_DIRECT_MULTICAST if transport == "multicast"
-                                         else PATH_DIRECT_UNICAST)
+                self._direct_path[op] = (
+                    PATH_DIRECT_MULTICAST if transport == "multicast" else PATH_DIRECT_UNICAST
+                )
         # NCCL group and ops
         if self.policy == "direct":
             self.nccl_reason = "policy is 'direct'"
         else:
             self.nccl_reason = self._build_nccl_all()
             if self.nccl_reason is not None and self.rank == 0:
-                warnings.warn(f"DCPComm: NCCL is unavailable, the direct ops serve every call "
-                              f"they can: {self.nccl_reason}", RuntimeWarning, stacklevel=3)
-        collective_step(self.comm, "DCPComm: loading the copy kernel",  # also the barrier
-                        self._load_copy_kernel)
+                warnings.warn(
+                    f"DCPComm: NCCL is unavailable, the direct ops serve every call "
+                    f"they can: {self.nccl_reason}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        collective_step(
+            self.comm,
+            "DCPComm: loading the copy kernel",  # also the barrier
+            self._load_copy_kernel,
+        )
 
-    def _agreed_build(self, what: str, build, reason: str | None = None, *,
-                      strict: str = "direct", on_failure=None) -> str | None:
+    def _agreed_build(
+        self,
+        what: str,
+        build,
+        reason: str | None = None,
+        *,
+        strict: str = "direct",
+        on_failure=None,
+    ) -> str | None:
         """Run ``build()`` on every rank; returns None, or why it failed (equal on every rank).
 
         The build fails on every rank or on none. A user error on any rank
@@ -386,10 +521,10 @@ class DCPComm(Resource):
         if err is not None and (self.policy == strict or any(u for u, _ in failed.values())):
             raise err
         if self.policy == strict or any(u for u, _ in failed.values()):
-            raise PeerError(f"DCPComm: building {what}",
-                            {r: m for r, (_, m) in failed.items()})
-        return failure_reason(f"building {reason or what}",
-                              {r: m for r, (_, m) in failed.items()}, self.world_size)
+            raise PeerError(f"DCPComm: building {what}", {r: m for r, (_, m) in failed.items()})
+        return failure_reason(
+            f"building {reason or what}", {r: m for r, (_, m) in failed.items()}, self.world_size
+        )
 
     def _build_nccl_all(self) -> str | None:
         """The NCCL group and ops (collective). Returns why NCCL is unavailable (None when
@@ -416,17 +551,20 @@ class DCPComm(Resource):
             if self.policy == "nccl":
                 if err is not None:
                     raise err
-                raise InvalidArgument(f"DCPComm: policy 'nccl' cannot be served: NCCL is "
-                                      f"unavailable ({reason})")
+                raise InvalidArgument(
+                    f"DCPComm: policy 'nccl' cannot be served: NCCL is unavailable ({reason})"
+                )
             return reason
+
         # 2. the group and the ops; the outcome agreed (NcclError, torch, MissingDependency)
         def build():
             self.nccl_group = self._build_nccl_group()
             for op in self.ops:
                 self.nccl_ops[op] = self._build_nccl(op, self.nccl_group)
 
-        return self._agreed_build("the NCCL group and ops", build, strict="nccl",
-                                  on_failure=self._close_nccl)
+        return self._agreed_build(
+            "the NCCL group and ops", build, strict="nccl", on_failure=self._close_nccl
+        )
 
     def _close_nccl(self) -> None:
         """Close the NCCL ops and group built so far on this rank (after a failed build, which
@@ -459,8 +597,12 @@ class DCPComm(Resource):
         import cupy
 
         rt = cupy.cuda.runtime
-        buses = collective_step(self.comm, "DCPComm: reading the PCI bus id of the GPU",
-                                lambda: rt.deviceGetPCIBusId(self.device), gather=True)
+        buses = collective_step(
+            self.comm,
+            "DCPComm: reading the PCI bus id of the GPU",
+            lambda: rt.deviceGetPCIBusId(self.device),
+            gather=True,
+        )
         bus = buses[self.rank]
 
         def peer_access() -> list[tuple[int, int]]:
@@ -478,10 +620,10 @@ class DCPComm(Resource):
                     missing.append((min(self.rank, s), max(self.rank, s)))
             return missing
 
-        every = collective_step(self.comm, "DCPComm: peer access check", peer_access,
-                                gather=True)
-        return topology_blocker(hosts=self.comm.hosts,
-                                p2p_missing=[p for lst in every for p in lst])
+        every = collective_step(self.comm, "DCPComm: peer access check", peer_access, gather=True)
+        return topology_blocker(
+            hosts=self.comm.hosts, p2p_missing=[p for lst in every for p in lst]
+        )
 
     def _build_heap(self, nbytes: int):
         """The one symmetric heap the direct ops share (collective)."""
@@ -513,19 +655,27 @@ class DCPComm(Resource):
 
     def _check_built(self, op: str) -> None:
         if op not in self.ops:
-            raise InvalidArgument(f"DCPComm.{op}: kv_row_dim must be given at construction to "
-                                  f"use kv_gather (got kv_row_dim=None)")
+            raise InvalidArgument(
+                f"DCPComm.{op}: kv_row_dim must be given at construction to "
+                f"use kv_gather (got kv_row_dim=None)"
+            )
 
     def path_for(self, op: str, tokens: int, lse_dtype=None) -> str:
         """The path a call of ``op`` with ``T = tokens`` (and ``lse_dtype``) takes; raises
         where :meth:`lse_reduce` etc. would."""
         blocker = self.direct_reason[op] or direct_call_blocker(
-            op, tokens=tokens, max_tokens=self.max_tokens, lse_dtype=lse_dtype)
+            op, tokens=tokens, max_tokens=self.max_tokens, lse_dtype=lse_dtype
+        )
         nccl_blocker = None
         if self.nccl_ops[op] is None:
             nccl_blocker = self.nccl_reason or "no NCCL op was built"
-        return select_path(f"DCPComm.{op}", self.policy, direct_path=self._direct_path[op],
-                           direct_blocker=blocker, nccl_blocker=nccl_blocker)
+        return select_path(
+            f"DCPComm.{op}",
+            self.policy,
+            direct_path=self._direct_path[op],
+            direct_blocker=blocker,
+            nccl_blocker=nccl_blocker,
+        )
 
     def _record(self, op: str, path: str) -> None:
         self.last_path = path
@@ -545,7 +695,8 @@ class DCPComm(Resource):
             raise InvalidArgument(
                 f"DCPComm.{op}: {name} layout must be C-contiguous and 16-byte aligned while a "
                 f"CUDA graph is being captured (got strides {info.strides} bytes, pointer "
-                f"offset {info.ptr % 16}): the copy that fixes it would allocate")
+                f"offset {info.ptr % 16}): the copy that fixes it would allocate"
+            )
         import cupy
 
         with cupy.cuda.Device(self.device), stream:
@@ -613,8 +764,10 @@ class DCPComm(Resource):
         if path == PATH_NCCL:
             return (path,)
         direct = self.direct_ops[op]
-        ok = tuple(a is None or direct.accepts_layout(**{n: array_info(a, name, n)})
-                   for n, a in zip(names, arrays))
+        ok = tuple(
+            a is None or direct.accepts_layout(**{n: array_info(a, name, n)})
+            for n, a in zip(names, arrays)
+        )
         return (path,) + ok
 
     def _gather(self, op: str, x, name: str, dims: tuple[int, str], ubatch, out, stream):
@@ -632,8 +785,9 @@ class DCPComm(Resource):
         else:
             stream = self._stream(stream)
             direct = self.direct_ops[op]
-            x = self._normalised(x, array_info(x, f"DCPComm.{op}", name), route[1], name, op,
-                                 stream)
+            x = self._normalised(
+                x, array_info(x, f"DCPComm.{op}", name), route[1], name, op, stream
+            )
             if not route[2]:
                 res = direct(x, ubatch=ubatch, stream=stream)
                 self._copy_out(out, res, stream)
@@ -643,8 +797,18 @@ class DCPComm(Resource):
         self._record(op, path)
         return res
 
-    def lse_reduce(self, out_partial, lse_partial, *, seq_lens=None, query_start_loc=None,
-                   ubatch: int = 0, out=None, out_lse=None, stream=None):
+    def lse_reduce(
+        self,
+        out_partial,
+        lse_partial,
+        *,
+        seq_lens=None,
+        query_start_loc=None,
+        ubatch: int = 0,
+        out=None,
+        out_lse=None,
+        stream=None,
+    ):
         """Merge every rank's partial attention into this rank's heads: see
         :class:`~dcpkit.ops.LseReduce` (same arguments, same result within
         :func:`~dcpkit.reference.lse_reduce_tolerance`, same output lifetime).
@@ -668,31 +832,50 @@ class DCPComm(Resource):
         want_lse = self.return_lse or out_lse is not None
         kw = dict(seq_lens=seq_lens, query_start_loc=query_start_loc, ubatch=ubatch)
         if path == PATH_NCCL:
-            res, lse = self.nccl_ops[op](out_partial, lse_partial, out=out, out_lse=out_lse,
-                                         stream=stream, **kw)
+            res, lse = self.nccl_ops[op](
+                out_partial, lse_partial, out=out, out_lse=out_lse, stream=stream, **kw
+            )
         elif all(route[1:]):  # the direct op takes every array in place (its own checks)
             if stream is not None:
                 stream = self._stream(stream)
-            r = self.direct_ops[op](out_partial, lse_partial, stream=stream, out=out,
-                                    out_lse=out_lse, **kw)
+            r = self.direct_ops[op](
+                out_partial, lse_partial, stream=stream, out=out, out_lse=out_lse, **kw
+            )
             res, lse = r if want_lse else (r, None)
         else:
             name = f"DCPComm.{op}"
             stream = self._stream(stream)
             direct = self.direct_ops[op]
-            out_partial = self._normalised(out_partial, array_info(out_partial, name,
-                                                                   "out_partial"),
-                                           route[1], "out_partial", op, stream)
-            lse_partial = self._normalised(lse_partial, array_info(lse_partial, name,
-                                                                   "lse_partial"),
-                                           route[2], "lse_partial", op, stream)
+            out_partial = self._normalised(
+                out_partial,
+                array_info(out_partial, name, "out_partial"),
+                route[1],
+                "out_partial",
+                op,
+                stream,
+            )
+            lse_partial = self._normalised(
+                lse_partial,
+                array_info(lse_partial, name, "lse_partial"),
+                route[2],
+                "lse_partial",
+                op,
+                stream,
+            )
             o_fix, l_fix = not route[3], not route[4]
             lse_tmp = None
             if l_fix and not self.return_lse:  # the op needs an out_lse it can write
-                lse_tmp = self._normalised(out_lse, array_info(out_lse, name, "out_lse"), False,
-                                           "out_lse", op, stream)
-            r = direct(out_partial, lse_partial, stream=stream, out=None if o_fix else out,
-                       out_lse=lse_tmp if l_fix else out_lse, **kw)
+                lse_tmp = self._normalised(
+                    out_lse, array_info(out_lse, name, "out_lse"), False, "out_lse", op, stream
+                )
+            r = direct(
+                out_partial,
+                lse_partial,
+                stream=stream,
+                out=None if o_fix else out,
+                out_lse=lse_tmp if l_fix else out_lse,
+                **kw,
+            )
             res, lse = r if want_lse else (r, None)
             if o_fix:
                 self._copy_out(out, res, stream)
@@ -715,29 +898,45 @@ class DCPComm(Resource):
             f"dtype={dtype_name(self.dtype)} num_ubatches={self.num_ubatches} "
             f"lse_base={'e' if self.lse_base == math.e else 2}",
             f"  topology: {getattr(self, 'topology_reason', None) or 'one NVLink domain'}",
-            "  heap: " + (f"one SymmetricHeap of {self.heap.nbytes} bytes shared by the direct ops"
-                          if self.heap is not None else "none (no direct op)"),
-            "  nccl: " + (f"available (nccl_max_tokens={self.nccl_max_tokens}, lse_reduce "
-                            f"algorithm {self.nccl_lse_algorithm!r})"
-                            if self.nccl_reason is None else f"unavailable: {self.nccl_reason}"),
+            "  heap: "
+            + (
+                f"one SymmetricHeap of {self.heap.nbytes} bytes shared by the direct ops"
+                if self.heap is not None
+                else "none (no direct op)"
+            ),
+            "  nccl: "
+            + (
+                f"available (nccl_max_tokens={self.nccl_max_tokens}, lse_reduce "
+                f"algorithm {self.nccl_lse_algorithm!r})"
+                if self.nccl_reason is None
+                else f"unavailable: {self.nccl_reason}"
+            ),
         ]
         for op in OPS:
             if op not in self.ops:
                 lines.append(f"  {op}: not built (kv_row_dim not given)")
                 continue
             d = self._direct_path[op]
-            direct = (f"{d} (T <= {self.max_tokens})" if d is not None
-                      else f"none: {self.direct_reason[op]}")
-            nccl = (getattr(self.nccl_ops[op], "algorithm", "nccl")
-                    if self.nccl_ops[op] is not None else "none")
+            direct = (
+                f"{d} (T <= {self.max_tokens})"
+                if d is not None
+                else f"none: {self.direct_reason[op]}"
+            )
+            nccl = (
+                getattr(self.nccl_ops[op], "algorithm", "nccl")
+                if self.nccl_ops[op] is not None
+                else "none"
+            )
             counts = ", ".join(f"{p}={n}" for p, n in self.counters[op].items() if n) or "none"
             lines.append(f"  {op}: direct {direct}; nccl {nccl}; calls: {counts}")
         lines.append(f"  last_path: {self.last_path}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return (f"DCPComm(rank={self.rank}, world_size={self.world_size}, policy={self.policy!r}, "
-                f"last_path={self.last_path!r})")
+        return (
+            f"DCPComm(rank={self.rank}, world_size={self.world_size}, policy={self.policy!r}, "
+            f"last_path={self.last_path!r})"
+        )
 
     # ------------------------------------------------------------------ sync and teardown
     def synchronize(self, stream=None) -> None:
@@ -758,8 +957,12 @@ class DCPComm(Resource):
 
     def _close_all(self) -> None:
         first = None
-        objs = [self.direct_ops.get(op) for op in OPS] + [self.heap] \
-            + [self.nccl_ops.get(op) for op in OPS] + [self.nccl_group]
+        objs = (
+            [self.direct_ops.get(op) for op in OPS]
+            + [self.heap]
+            + [self.nccl_ops.get(op) for op in OPS]
+            + [self.nccl_group]
+        )
         for o in objs:
             if o is None:
                 continue

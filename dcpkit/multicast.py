@@ -113,8 +113,9 @@ def kill_switches_set(env: Mapping[str, str]) -> list[tuple[str, str]]:
     return found
 
 
-def multicast_decision(opt_in: bool | None, env: Mapping[str, str],
-                       device_supported: bool | Callable[[], bool]) -> tuple[bool, str]:
+def multicast_decision(
+    opt_in: bool | None, env: Mapping[str, str], device_supported: bool | Callable[[], bool]
+) -> tuple[bool, str]:
     """Whether this rank may use multicast, and why (rules 1 to 3 of the guard).
 
     Naive equivalent::
@@ -143,16 +144,19 @@ def multicast_decision(opt_in: bool | None, env: Mapping[str, str],
         attribute.
     """
     if opt_in is not None and not isinstance(opt_in, bool):
-        raise InvalidType(f"multicast_decision: opt_in must be True, False or None "
-                          f"(got {opt_in!r})")
+        raise InvalidType(
+            f"multicast_decision: opt_in must be True, False or None (got {opt_in!r})"
+        )
     if opt_in is False:
         return False, "multicast=False was passed"
     if opt_in is None:
         raw = env.get(OPT_IN_VARIABLE)
         if raw is None or _parse_bool(raw) is not True:
             shown = "unset" if raw is None else f"{raw!r}"
-            return False, (f"not opted in: {OPT_IN_VARIABLE} is {shown} (pass multicast=True or "
-                           f"set {OPT_IN_VARIABLE}=1)")
+            return False, (
+                f"not opted in: {OPT_IN_VARIABLE} is {shown} (pass multicast=True or "
+                f"set {OPT_IN_VARIABLE}=1)"
+            )
         how = f"{OPT_IN_VARIABLE}={raw!r}"
     else:
         how = "multicast=True"
@@ -163,12 +167,12 @@ def multicast_decision(opt_in: bool | None, env: Mapping[str, str],
     try:
         supported = device_supported() if callable(device_supported) else device_supported
     except Exception as e:  # noqa: BLE001 - a failed query means no, with the reason
-        return False, (f"could not query CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED "
-                       f"({type(e).__name__}: {e})")
+        return False, (
+            f"could not query CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED ({type(e).__name__}: {e})"
+        )
     if not supported:
         return False, "the device reports CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0"
-    return True, (f"opted in by {how}, no disabling variable set, the device supports "
-                  f"multicast")
+    return True, (f"opted in by {how}, no disabling variable set, the device supports multicast")
 
 
 def agree_multicast(comm, local_decision) -> tuple[bool, str]:
@@ -209,8 +213,10 @@ def guard_env_or_raise(what: str, rank: int | None = None) -> None:
     if killed:
         names = ", ".join(f"{n}={v!r}" for n, v in killed)
         where = "" if rank is None else f" on rank {rank}"
-        raise MulticastDisabled(f"{what}: multicast is disabled{where} by {names}; no multicast "
-                                f"object is created (NOTE [dcpkit multicast guard])")
+        raise MulticastDisabled(
+            f"{what}: multicast is disabled{where} by {names}; no multicast "
+            f"object is created (NOTE [dcpkit multicast guard])"
+        )
 
 
 def _handle_type_enum(drv, handle_type: str):
@@ -218,8 +224,9 @@ def _handle_type_enum(drv, handle_type: str):
         return drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     if handle_type == "fabric":
         return drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC
-    raise InvalidArgument(f"MulticastObject: handle_type must be 'posix_fd' or 'fabric' "
-                          f"(got {handle_type!r})")
+    raise InvalidArgument(
+        f"MulticastObject: handle_type must be 'posix_fd' or 'fabric' (got {handle_type!r})"
+    )
 
 
 def _mc_prop(drv, world_size: int, size: int, handle_type: str):
@@ -231,8 +238,9 @@ def _mc_prop(drv, world_size: int, size: int, handle_type: str):
     return prop
 
 
-def multicast_granularity(world_size: int, device: int, handle_type: str = "posix_fd",
-                          size: int = 1 << 21) -> int:
+def multicast_granularity(
+    world_size: int, device: int, handle_type: str = "posix_fd", size: int = 1 << 21
+) -> int:
     """The minimum multicast granularity in bytes (``cuMulticastGetGranularity``).
 
     A heap that will be bound to a multicast object rounds its size up to a multiple of this.
@@ -315,8 +323,16 @@ class MulticastObject(Resource):
 
     _resource_name = "MulticastObject"
 
-    def __init__(self, comm, heap_nbytes: int, device: int, *, mem_handle,
-                 handle_type: str = "posix_fd", timeout_s: float = 60.0):
+    def __init__(
+        self,
+        comm,
+        heap_nbytes: int,
+        device: int,
+        *,
+        mem_handle,
+        handle_type: str = "posix_fd",
+        timeout_s: float = 60.0,
+    ):
         self._undo: list = []
         self.mc_ptr = 0
         self.comm = check_comm(comm, "MulticastObject")
@@ -327,23 +343,31 @@ class MulticastObject(Resource):
             guard_env_or_raise("MulticastObject", rank)
             for name, value in (("heap_nbytes", heap_nbytes), ("device", device)):
                 if isinstance(value, bool) or not isinstance(value, int):
-                    raise InvalidType(f"MulticastObject: {name} must be an int "
-                                      f"(got {type(value).__name__} {value!r})")
+                    raise InvalidType(
+                        f"MulticastObject: {name} must be an int "
+                        f"(got {type(value).__name__} {value!r})"
+                    )
             if heap_nbytes <= 0:
-                raise InvalidArgument(f"MulticastObject: heap_nbytes must be > 0 "
-                                      f"(got {heap_nbytes})")
+                raise InvalidArgument(
+                    f"MulticastObject: heap_nbytes must be > 0 (got {heap_nbytes})"
+                )
             if device < 0:
                 raise InvalidArgument(f"MulticastObject: device must be >= 0 (got {device})")
             if handle_type not in ("posix_fd", "fabric"):
-                raise InvalidArgument(f"MulticastObject: handle_type must be 'posix_fd' or "
-                                      f"'fabric' (got {handle_type!r})")
+                raise InvalidArgument(
+                    f"MulticastObject: handle_type must be 'posix_fd' or "
+                    f"'fabric' (got {handle_type!r})"
+                )
             if mem_handle is None:
-                raise InvalidArgument("MulticastObject: mem_handle must be the heap's physical "
-                                      "allocation handle (got None)")
+                raise InvalidArgument(
+                    "MulticastObject: mem_handle must be the heap's physical "
+                    "allocation handle (got None)"
+                )
 
         try:
-            collective_step(comm, "MulticastObject: multicast guard and arguments",
-                            guard_and_arguments)
+            collective_step(
+                comm, "MulticastObject: multicast guard and arguments", guard_and_arguments
+            )
         except PeerError as pe:
             # A peer is forbidden: refuse here too with the same error type, still before any
             # driver call.
@@ -370,23 +394,27 @@ class MulticastObject(Resource):
                     if not supported:
                         raise MulticastDisabled(
                             f"MulticastObject: device {self.device} of rank {rank} reports "
-                            f"CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0")
+                            f"CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0"
+                        )
                     box["dev"] = _cuda.check(drv.cuDeviceGet(self.device), "cuDeviceGet")
 
                 tx.step("mc_device", device_step)
 
                 def granularity_step():
-                    box["gran"] = multicast_granularity(world, self.device, handle_type,
-                                                        self.nbytes)
+                    box["gran"] = multicast_granularity(
+                        world, self.device, handle_type, self.nbytes
+                    )
 
                 tx.step("mc_granularity", granularity_step)
                 gran = max(comm.allgather(box["gran"]))
 
                 def size_step():
                     if self.nbytes % gran:
-                        raise InvalidArgument(f"MulticastObject: heap_nbytes must be a multiple "
-                                              f"of the multicast granularity {gran} "
-                                              f"(got {self.nbytes})")
+                        raise InvalidArgument(
+                            f"MulticastObject: heap_nbytes must be a multiple "
+                            f"of the multicast granularity {gran} "
+                            f"(got {self.nbytes})"
+                        )
 
                 tx.step("mc_size", size_step)
                 prop = _mc_prop(drv, world, self.nbytes, handle_type)
@@ -397,8 +425,10 @@ class MulticastObject(Resource):
                         guard_env_or_raise("MulticastObject", rank)  # last look before creation
                         h = _cuda.check(drv.cuMulticastCreate(prop), "cuMulticastCreate")
                         box["handle"] = h
-                        tx.add_undo("cuMemRelease(multicast)", lambda: _cuda.check(
-                            drv.cuMemRelease(h), "cuMemRelease"))
+                        tx.add_undo(
+                            "cuMemRelease(multicast)",
+                            lambda: _cuda.check(drv.cuMemRelease(h), "cuMemRelease"),
+                        )
 
                 tx.step("mc_create", create_step)
 
@@ -406,7 +436,8 @@ class MulticastObject(Resource):
                     if rank == 0:
                         shared = _cuda.check(
                             drv.cuMemExportToShareableHandle(box["handle"], hkind, 0),
-                            "cuMemExportToShareableHandle")
+                            "cuMemExportToShareableHandle",
+                        )
                         if handle_type == "posix_fd":
                             fd = int(shared)
                             box["fd"] = fd
@@ -418,11 +449,19 @@ class MulticastObject(Resource):
                 tx.step("mc_export", export_step)
 
                 if handle_type == "posix_fd":
+
                     def exchange_step():
                         from . import _fdpass
 
-                        got = _fdpass.exchange_fds(token, "mc", rank, world, box.get("fd"),
-                                                   senders=[0], timeout_s=timeout_s)
+                        got = _fdpass.exchange_fds(
+                            token,
+                            "mc",
+                            rank,
+                            world,
+                            box.get("fd"),
+                            senders=[0],
+                            timeout_s=timeout_s,
+                        )
                         if rank != 0:
                             fd = got[0]
                             box["fd"] = fd
@@ -436,40 +475,60 @@ class MulticastObject(Resource):
                     if rank == 0:
                         return
                     if handle_type == "posix_fd":
-                        h = _cuda.check(drv.cuMemImportFromShareableHandle(box["fd"], hkind),
-                                        "cuMemImportFromShareableHandle")
+                        h = _cuda.check(
+                            drv.cuMemImportFromShareableHandle(box["fd"], hkind),
+                            "cuMemImportFromShareableHandle",
+                        )
                     else:
                         fh = drv.CUmemFabricHandle()
                         fh.data = box["fabric"]
-                        h = _cuda.check(drv.cuMemImportFromShareableHandle(fh.getPtr(), hkind),
-                                        "cuMemImportFromShareableHandle")
+                        h = _cuda.check(
+                            drv.cuMemImportFromShareableHandle(fh.getPtr(), hkind),
+                            "cuMemImportFromShareableHandle",
+                        )
                     box["handle"] = h
-                    tx.add_undo("cuMemRelease(multicast)", lambda: _cuda.check(
-                        drv.cuMemRelease(h), "cuMemRelease"))
+                    tx.add_undo(
+                        "cuMemRelease(multicast)",
+                        lambda: _cuda.check(drv.cuMemRelease(h), "cuMemRelease"),
+                    )
 
                 tx.step("mc_import", import_step)
 
-                tx.step("mc_add_device", lambda: _cuda.check(
-                    drv.cuMulticastAddDevice(box["handle"], box["dev"]), "cuMulticastAddDevice"))
+                tx.step(
+                    "mc_add_device",
+                    lambda: _cuda.check(
+                        drv.cuMulticastAddDevice(box["handle"], box["dev"]), "cuMulticastAddDevice"
+                    ),
+                )
 
                 def bind_step():
                     h, dev, n = box["handle"], box["dev"], self.nbytes
-                    _cuda.check(drv.cuMulticastBindMem(h, 0, mem_handle, 0, n, 0),
-                                "cuMulticastBindMem")
-                    tx.add_undo("cuMulticastUnbind", lambda: _cuda.check(
-                        drv.cuMulticastUnbind(h, dev, 0, n), "cuMulticastUnbind"))
+                    _cuda.check(
+                        drv.cuMulticastBindMem(h, 0, mem_handle, 0, n, 0), "cuMulticastBindMem"
+                    )
+                    tx.add_undo(
+                        "cuMulticastUnbind",
+                        lambda: _cuda.check(
+                            drv.cuMulticastUnbind(h, dev, 0, n), "cuMulticastUnbind"
+                        ),
+                    )
 
                 tx.step("mc_bind", bind_step)
 
                 def map_step():
                     n = self.nbytes
-                    va = int(_cuda.check(drv.cuMemAddressReserve(n, gran, 0, 0),
-                                         "cuMemAddressReserve"))
-                    tx.add_undo("cuMemAddressFree(multicast)", lambda: _cuda.check(
-                        drv.cuMemAddressFree(va, n), "cuMemAddressFree"))
+                    va = int(
+                        _cuda.check(drv.cuMemAddressReserve(n, gran, 0, 0), "cuMemAddressReserve")
+                    )
+                    tx.add_undo(
+                        "cuMemAddressFree(multicast)",
+                        lambda: _cuda.check(drv.cuMemAddressFree(va, n), "cuMemAddressFree"),
+                    )
                     _cuda.check(drv.cuMemMap(va, n, 0, box["handle"], 0), "cuMemMap")
-                    tx.add_undo("cuMemUnmap(multicast)", lambda: _cuda.check(
-                        drv.cuMemUnmap(va, n), "cuMemUnmap"))
+                    tx.add_undo(
+                        "cuMemUnmap(multicast)",
+                        lambda: _cuda.check(drv.cuMemUnmap(va, n), "cuMemUnmap"),
+                    )
                     desc = drv.CUmemAccessDesc()
                     desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
                     desc.location.id = self.device
@@ -523,5 +582,7 @@ class MulticastObject(Resource):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"mc_ptr=0x{self.mc_ptr:x}"
-        return (f"MulticastObject(rank={self.comm.rank}, world_size={self.comm.world_size}, "
-                f"nbytes={getattr(self, 'nbytes', 0)}, {state})")
+        return (
+            f"MulticastObject(rank={self.comm.rank}, world_size={self.comm.world_size}, "
+            f"nbytes={getattr(self, 'nbytes', 0)}, {state})"
+        )

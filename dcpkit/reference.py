@@ -14,16 +14,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._checks import check_int, check_real
-from ._checks import check_lse_base, resolve_dtype
+from ._checks import check_int, check_lse_base, check_real, resolve_dtype
 from .errors import InvalidArgument, InvalidType
 
 __all__ = [
-    "q_gather_reference", "kv_gather_reference", "lse_reduce_reference", "make_inputs",
-    "lse_reduce_tolerance", "resolve_dtype", "random_array",
+    "q_gather_reference",
+    "kv_gather_reference",
+    "lse_reduce_reference",
+    "make_inputs",
+    "lse_reduce_tolerance",
+    "resolve_dtype",
+    "random_array",
 ]
 
 _OP_SEEDS = {"q_gather": 1, "kv_gather": 2, "lse_reduce": 3}
+
 
 def _is_ml_dtype(dt: np.dtype) -> bool:
     return getattr(dt.type, "__module__", "").startswith("ml_dtypes")
@@ -38,8 +43,9 @@ def _is_numeric(dt: np.dtype) -> bool:
     return dt.kind in "biufc" or _is_ml_dtype(dt)
 
 
-def _random(rng: np.random.Generator, shape: Sequence[int], dt: np.dtype, op: str,
-            name: str) -> np.ndarray:
+def _random(
+    rng: np.random.Generator, shape: Sequence[int], dt: np.dtype, op: str, name: str
+) -> np.ndarray:
     if not _is_numeric(dt):
         raise InvalidType(f"{op}: {name} must be a numeric dtype (got {dt})")
     if dt.kind == "b":
@@ -72,12 +78,12 @@ def _fraction(value, op: str, name: str) -> float:
 def _arrays(seq, op: str, name: str) -> list[np.ndarray]:
     """A non-empty sequence of host arrays (one per rank) as a list of ndarrays."""
     if seq is None or isinstance(seq, (str, bytes)) or not hasattr(seq, "__len__"):
-        raise InvalidType(f"{op}: {name} must be a sequence of arrays, one per rank "
-                          f"(got {_type_name(seq)})")
+        raise InvalidType(
+            f"{op}: {name} must be a sequence of arrays, one per rank (got {_type_name(seq)})"
+        )
     arrs = [np.asarray(a) for a in seq]
     if not arrs:
-        raise InvalidArgument(f"{op}: {name} must hold one array per rank (got an empty "
-                              f"sequence)")
+        raise InvalidArgument(f"{op}: {name} must hold one array per rank (got an empty sequence)")
     return arrs
 
 
@@ -85,15 +91,19 @@ def _same_layout(arrs: list[np.ndarray], op: str, name: str, ndim: int, dims: st
     """Every array has ``ndim`` dimensions, and the shape and dtype of ``arrs[0]``."""
     a0 = arrs[0]
     if a0.ndim != ndim:
-        raise InvalidArgument(f"{op}: {name}[0] must have {ndim} dimensions [{dims}] "
-                              f"(got shape {a0.shape})")
+        raise InvalidArgument(
+            f"{op}: {name}[0] must have {ndim} dimensions [{dims}] (got shape {a0.shape})"
+        )
     for s, a in enumerate(arrs[1:], start=1):
         if a.shape != a0.shape:
-            raise InvalidArgument(f"{op}: {name}[{s}] shape must equal {name}[0]'s {a0.shape} "
-                                  f"[{dims}] (got {a.shape})")
+            raise InvalidArgument(
+                f"{op}: {name}[{s}] shape must equal {name}[0]'s {a0.shape} "
+                f"[{dims}] (got {a.shape})"
+            )
         if a.dtype != a0.dtype:
-            raise InvalidType(f"{op}: {name}[{s}] dtype must equal {name}[0]'s {a0.dtype} "
-                              f"(got {a.dtype})")
+            raise InvalidType(
+                f"{op}: {name}[{s}] dtype must equal {name}[0]'s {a0.dtype} (got {a.dtype})"
+            )
 
 
 # ----------------------------------------------------------------------------- references
@@ -131,12 +141,12 @@ def _valid_rows(T: int, seq_lens: np.ndarray | None, qsl: np.ndarray | None) -> 
         return valid
     qsl = np.asarray(qsl, dtype=np.int64)
     S = len(qsl) - 1
-    valid[min(int(qsl[S]), T):] = False
+    valid[min(int(qsl[S]), T) :] = False
     if seq_lens is not None:
         sl = np.asarray(seq_lens, dtype=np.int64)
         for i in range(S):
             if sl[i] == 0:
-                valid[max(0, int(qsl[i])):min(T, int(qsl[i + 1]))] = False
+                valid[max(0, int(qsl[i])) : min(T, int(qsl[i + 1]))] = False
     return valid
 
 
@@ -146,8 +156,7 @@ def _index_array(x, op: str, name: str, dims: str, monotonic: bool = True) -> np
     if a.dtype.kind not in "iu":
         raise InvalidType(f"{op}: {name} dtype must be an integer dtype (got {a.dtype})")
     if a.ndim != 1:
-        raise InvalidArgument(f"{op}: {name} must have 1 dimension [{dims}] (got shape "
-                              f"{a.shape})")
+        raise InvalidArgument(f"{op}: {name} must have 1 dimension [{dims}] (got shape {a.shape})")
     if monotonic and a.size == 0:
         raise InvalidArgument(f"{op}: {name} length must be >= 1 for [{dims}] (got 0)")
     a = a.astype(np.int64)
@@ -158,11 +167,14 @@ def _index_array(x, op: str, name: str, dims: str, monotonic: bool = True) -> np
     return a
 
 
-def lse_reduce_reference(out_partials: Sequence[np.ndarray], lse_partials: Sequence[np.ndarray],
-                         *, lse_base: float = math.e,
-                         seq_lens: Sequence[np.ndarray] | None = None,
-                         query_start_loc: np.ndarray | None = None
-                         ) -> tuple[np.ndarray, np.ndarray]:
+def lse_reduce_reference(
+    out_partials: Sequence[np.ndarray],
+    lse_partials: Sequence[np.ndarray],
+    *,
+    lse_base: float = math.e,
+    seq_lens: Sequence[np.ndarray] | None = None,
+    query_start_loc: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """The exact LSE-weighted merge of every rank's partial attention, in float64.
 
     Parameters
@@ -205,53 +217,69 @@ def lse_reduce_reference(out_partials: Sequence[np.ndarray], lse_partials: Seque
     lses = _arrays(lse_partials, op, "lse_partials")
     W = len(outs)
     if len(lses) != W:
-        raise InvalidArgument(f"{op}: lse_partials length must equal len(out_partials) = {W}: "
-                              f"one lse_partial per rank is needed (got {len(lses)})")
+        raise InvalidArgument(
+            f"{op}: lse_partials length must equal len(out_partials) = {W}: "
+            f"one lse_partial per rank is needed (got {len(lses)})"
+        )
     if outs[0].ndim != 3:
-        raise InvalidArgument(f"{op}: out_partials[0] must have 3 dimensions [T, H, D_v] "
-                              f"(got shape {outs[0].shape})")
+        raise InvalidArgument(
+            f"{op}: out_partials[0] must have 3 dimensions [T, H, D_v] (got shape {outs[0].shape})"
+        )
     T, H, D = outs[0].shape
-    for name, arrs, want, dims in (("out_partials", outs, (T, H, D), "T, H, D_v"),
-                                   ("lse_partials", lses, (T, H), "T, H")):
+    for name, arrs, want, dims in (
+        ("out_partials", outs, (T, H, D), "T, H, D_v"),
+        ("lse_partials", lses, (T, H), "T, H"),
+    ):
         for s, a in enumerate(arrs):
             if a.shape != want:
-                raise InvalidArgument(f"{op}: {name}[{s}] shape must be {want} [{dims}] "
-                                      f"(got {a.shape})")
+                raise InvalidArgument(
+                    f"{op}: {name}[{s}] shape must be {want} [{dims}] (got {a.shape})"
+                )
             if not (_is_numeric(a.dtype) and a.dtype.kind != "c"):
-                raise InvalidType(f"{op}: {name}[{s}] dtype must be a real numeric dtype "
-                                  f"(got {a.dtype})")
+                raise InvalidType(
+                    f"{op}: {name}[{s}] dtype must be a real numeric dtype (got {a.dtype})"
+                )
     base = check_lse_base(lse_base, op)
     if seq_lens is not None and query_start_loc is None:
         raise InvalidArgument(f"{op}: seq_lens needs query_start_loc (got query_start_loc=None)")
-    qsl = None if query_start_loc is None else _index_array(query_start_loc, op,
-                                                            "query_start_loc", "S+1")
+    qsl = (
+        None
+        if query_start_loc is None
+        else _index_array(query_start_loc, op, "query_start_loc", "S+1")
+    )
     sls: list[np.ndarray | None] = [None] * W
     if seq_lens is not None:
         S = len(qsl) - 1
         if isinstance(seq_lens, (str, bytes)) or not hasattr(seq_lens, "__len__"):
-            raise InvalidType(f"{op}: seq_lens must be a sequence of int arrays [S], one per "
-                              f"rank (got {_type_name(seq_lens)})")
+            raise InvalidType(
+                f"{op}: seq_lens must be a sequence of int arrays [S], one per "
+                f"rank (got {_type_name(seq_lens)})"
+            )
         if len(seq_lens) != W:
-            raise InvalidArgument(f"{op}: seq_lens length must be world_size = {W}, one array "
-                                  f"per rank (got {len(seq_lens)})")
+            raise InvalidArgument(
+                f"{op}: seq_lens length must be world_size = {W}, one array "
+                f"per rank (got {len(seq_lens)})"
+            )
         for s in range(W):
             sls[s] = _index_array(seq_lens[s], op, f"seq_lens[{s}]", "S", monotonic=False)
             if len(sls[s]) != S:
-                raise InvalidArgument(f"{op}: seq_lens[{s}] length must be "
-                                      f"len(query_start_loc) - 1 = {S} (got {len(sls[s])})")
+                raise InvalidArgument(
+                    f"{op}: seq_lens[{s}] length must be "
+                    f"len(query_start_loc) - 1 = {S} (got {len(sls[s])})"
+                )
     scale = 1.0 if base == math.e else math.log(base)
     lse = np.empty((W, T, H), dtype=np.float64)
     for s in range(W):
         ls = lses[s].astype(np.float64) * scale
-        ls[~np.isfinite(ls) & ~np.isneginf(ls)] = -np.inf   # NaN, +inf -> -inf
+        ls[~np.isfinite(ls) & ~np.isneginf(ls)] = -np.inf  # NaN, +inf -> -inf
         valid = _valid_rows(T, sls[s], qsl)
         ls[~valid, :] = -np.inf
         lse[s] = ls
-    m = lse.max(axis=0)                                   # [T, H]
+    m = lse.max(axis=0)  # [T, H]
     empty = np.isneginf(m)
     m_safe = np.where(empty, 0.0, m)
     with np.errstate(invalid="ignore", over="ignore"):
-        p = np.exp(lse - m_safe[None])                    # [W, T, H], 0 for -inf sources
+        p = np.exp(lse - m_safe[None])  # [W, T, H], 0 for -inf sources
     p[:, empty] = 0.0
     denom = p.sum(axis=0)
     w = np.divide(p, denom[None], out=np.zeros_like(p), where=denom[None] > 0)
@@ -283,9 +311,10 @@ def _rng(seed: int, rank: int, op: str) -> np.random.Generator:
 _GEOMETRY = {
     "q_gather": (("tokens", "num_heads", "head_dim"), ("dtype",)),
     "kv_gather": (("tokens", "row_dim"), ("dtype",)),
-    "lse_reduce": (("tokens", "num_heads", "head_dim"),
-                   ("dtype", "lse_dtype", "lse_base", "num_requests", "empty_fraction",
-                    "nonfinite_fraction")),
+    "lse_reduce": (
+        ("tokens", "num_heads", "head_dim"),
+        ("dtype", "lse_dtype", "lse_base", "num_requests", "empty_fraction", "nonfinite_fraction"),
+    ),
 }
 
 
@@ -325,12 +354,15 @@ def make_inputs(rank: int, world_size: int, seed: int, *, op: str, **geometry) -
     required, optional = _GEOMETRY[op]
     unknown = sorted(k for k in geometry if k not in required and k not in optional)
     if unknown:
-        raise InvalidArgument(f"{fn}: keyword arguments for op={op!r} must be among "
-                              f"{list(required + optional)} (got unknown {unknown})")
+        raise InvalidArgument(
+            f"{fn}: keyword arguments for op={op!r} must be among "
+            f"{list(required + optional)} (got unknown {unknown})"
+        )
     missing = [k for k in required if k not in geometry]
     if missing:
-        raise InvalidArgument(f"{fn}: op={op!r} needs the keyword arguments {list(required)} "
-                              f"(missing {missing})")
+        raise InvalidArgument(
+            f"{fn}: op={op!r} needs the keyword arguments {list(required)} (missing {missing})"
+        )
     W = check_int(world_size, fn, "world_size", minimum=1)
     r = check_int(rank, fn, "rank", minimum=0)
     if r >= W:
@@ -343,8 +375,7 @@ def make_inputs(rank: int, world_size: int, seed: int, *, op: str, **geometry) -
         H = check_int(geometry["num_heads"], fn, "num_heads", minimum=1)
         D = check_int(geometry["head_dim"], fn, "head_dim", minimum=1)
         if H % W:
-            raise InvalidArgument(f"{fn}: num_heads must be a multiple of world_size {W} "
-                                  f"(got {H})")
+            raise InvalidArgument(f"{fn}: num_heads must be a multiple of world_size {W} (got {H})")
         return {"q": _random(rng, (T, H // W, D), dtype, fn, "dtype")}
     if op == "kv_gather":
         D = check_int(geometry["row_dim"], fn, "row_dim", minimum=1)
@@ -355,12 +386,14 @@ def make_inputs(rank: int, world_size: int, seed: int, *, op: str, **geometry) -
     lse_dtype = resolve_dtype(geometry.get("lse_dtype", "float32"), op=fn, name="lse_dtype")
     for name, dt in (("dtype", dtype), ("lse_dtype", lse_dtype)):
         if not _is_float(dt):
-            raise InvalidType(f"{fn}: {name} must be a floating dtype for op='lse_reduce' "
-                              f"(got {dt})")
+            raise InvalidType(
+                f"{fn}: {name} must be a floating dtype for op='lse_reduce' (got {dt})"
+            )
     base = check_lse_base(geometry.get("lse_base", math.e), fn)
     empty_fraction = _fraction(geometry.get("empty_fraction", 0.05), fn, "empty_fraction")
-    nonfinite_fraction = _fraction(geometry.get("nonfinite_fraction", 0.01), fn,
-                                   "nonfinite_fraction")
+    nonfinite_fraction = _fraction(
+        geometry.get("nonfinite_fraction", 0.01), fn, "nonfinite_fraction"
+    )
     S = check_int(geometry.get("num_requests", 0), fn, "num_requests", minimum=0)
     out = rng.standard_normal((T, H, D), dtype=np.float32)
     lse = rng.normal(4.0, 2.0, size=(T, H)).astype(np.float64)
@@ -377,7 +410,7 @@ def make_inputs(rank: int, world_size: int, seed: int, *, op: str, **geometry) -
         # query_start_loc must be equal on every rank: draw it from a rank-independent stream.
         shared = np.random.default_rng([seed, 0x5EED, S, T])
         cuts = np.sort(shared.integers(0, T + 1, size=S - 1)) if S > 1 else np.zeros(0, int)
-        used = int(shared.integers(max(0, T - 2), T + 1))    # a few padding rows at the end
+        used = int(shared.integers(max(0, T - 2), T + 1))  # a few padding rows at the end
         qsl = np.concatenate([[0], np.minimum(cuts, used), [used]]).astype(np.int32)
         seq_lens = rng.integers(1, 1000, size=S).astype(np.int32)
         seq_lens[rng.random(S) < 0.3] = 0

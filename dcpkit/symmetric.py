@@ -51,8 +51,14 @@ from . import _cuda, _fdpass
 from ._checks import check_comm, check_int, check_multicast, check_real
 from ._lifecycle import Resource
 from ._setup import Transaction, collective_step, run_undo
-from .errors import (ClosedError, ConfigMismatch, CudaError, DcpkitError, InvalidArgument,
-                     InvalidType)
+from .errors import (
+    ClosedError,
+    ConfigMismatch,
+    CudaError,
+    DcpkitError,
+    InvalidArgument,
+    InvalidType,
+)
 from .multicast import MulticastObject, agree_multicast, multicast_decision, multicast_granularity
 
 __all__ = ["SymmetricHeap", "BACKENDS", "HANDLE_TYPES", "MAX_NBYTES"]
@@ -73,8 +79,9 @@ def _check_args(comm, nbytes, device, backend, handle_type, multicast, timeout_s
     """Checks that need no GPU and no driver (run first, on every rank)."""
     op = "SymmetricHeap"
     if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
-        raise InvalidType(f"{op}: nbytes must be an int number of bytes "
-                          f"(got {type(nbytes).__name__} {nbytes!r})")
+        raise InvalidType(
+            f"{op}: nbytes must be an int number of bytes (got {type(nbytes).__name__} {nbytes!r})"
+        )
     if not 1 <= nbytes <= MAX_NBYTES:
         raise InvalidArgument(f"{op}: nbytes must lie in [1, 2**40] bytes (got {nbytes})")
     if device is not None:
@@ -87,16 +94,22 @@ def _check_args(comm, nbytes, device, backend, handle_type, multicast, timeout_s
         raise InvalidType(f"{op}: handle_type must be a str (got {type(handle_type).__name__})")
     allowed = HANDLE_TYPES if backend == "cumem" else ("auto", "nvshmem")
     if handle_type not in allowed:
-        raise InvalidArgument(f"{op}: handle_type must be one of {list(allowed)} with backend "
-                              f"{backend!r} (got {handle_type!r})")
+        raise InvalidArgument(
+            f"{op}: handle_type must be one of {list(allowed)} with backend "
+            f"{backend!r} (got {handle_type!r})"
+        )
     if handle_type == "posix_fd" and comm.spans_hosts:
-        raise InvalidArgument(f"{op}: handle_type 'posix_fd' must not be used when the group "
-                              f"spans hosts (file descriptors cannot leave a host; use 'fabric' "
-                              f"or 'auto') (got ranks on {len(set(comm.hosts))} hosts)")
+        raise InvalidArgument(
+            f"{op}: handle_type 'posix_fd' must not be used when the group "
+            f"spans hosts (file descriptors cannot leave a host; use 'fabric' "
+            f"or 'auto') (got ranks on {len(set(comm.hosts))} hosts)"
+        )
     if backend == "nvshmem" and comm.spans_hosts:
-        raise InvalidArgument(f"{op}: backend 'nvshmem' must not be used when the group spans "
-                              f"hosts (dcpkit maps peers with nvshmem_ptr, which needs one "
-                              f"NVLink-connected host)")
+        raise InvalidArgument(
+            f"{op}: backend 'nvshmem' must not be used when the group spans "
+            f"hosts (dcpkit maps peers with nvshmem_ptr, which needs one "
+            f"NVLink-connected host)"
+        )
     check_multicast(multicast, op)
     seconds = check_real(timeout_s, op, "timeout_s", "a real number of seconds")
     if not 0 < seconds <= 3600:  # NaN fails too
@@ -123,11 +136,13 @@ def _check_device(device, nbytes: int) -> int:
             cupy.cuda.runtime.free(0)  # the primary context exists (the nvshmem path needs it)
         total = int(cupy.cuda.runtime.getDeviceProperties(device)["totalGlobalMem"])
     except Exception as e:  # noqa: BLE001 - a device that cannot start a context
-        raise DcpkitError(f"{op}: device {device} is not usable ({type(e).__name__}: {e})") \
-            from None
+        raise DcpkitError(
+            f"{op}: device {device} is not usable ({type(e).__name__}: {e})"
+        ) from None
     if nbytes > total:
-        raise InvalidArgument(f"{op}: nbytes must be <= the memory of device {device} "
-                              f"({total} bytes) (got {nbytes})")
+        raise InvalidArgument(
+            f"{op}: nbytes must be <= the memory of device {device} ({total} bytes) (got {nbytes})"
+        )
     return int(device)
 
 
@@ -239,8 +254,17 @@ class SymmetricHeap(Resource):
     _resource_name = "SymmetricHeap"
     _unclosed_hint = "call close() on every rank (its GPU memory is returned at process exit)"
 
-    def __init__(self, comm, nbytes, *, device=None, backend="cumem", handle_type="auto",
-                 multicast=None, timeout_s=60.0):
+    def __init__(
+        self,
+        comm,
+        nbytes,
+        *,
+        device=None,
+        backend="cumem",
+        handle_type="auto",
+        multicast=None,
+        timeout_s=60.0,
+    ):
         self._undo: list[tuple[str, Callable[[], object]]] = []
         self._next = 0
         self.nbytes = 0
@@ -257,12 +281,19 @@ class SymmetricHeap(Resource):
         self.backend = backend
 
         # 1. Arguments: no GPU, no driver. Shared so that no rank waits for a rank that raised.
-        collective_step(comm, "SymmetricHeap: argument check", lambda: _check_args(
-            comm, nbytes, device, backend, handle_type, multicast, timeout_s))
+        collective_step(
+            comm,
+            "SymmetricHeap: argument check",
+            lambda: _check_args(comm, nbytes, device, backend, handle_type, multicast, timeout_s),
+        )
 
         # 2. Settings that must match: one allgather, ConfigMismatch on every rank.
-        mine = {"nbytes": int(nbytes), "backend": backend, "handle_type": handle_type,
-                "counter": next(_HEAP_COUNTER)}
+        mine = {
+            "nbytes": int(nbytes),
+            "backend": backend,
+            "handle_type": handle_type,
+            "counter": next(_HEAP_COUNTER),
+        }
         everyone = comm.allgather(mine)
         for key in ("nbytes", "backend", "handle_type"):
             values = [v[key] for v in everyone]
@@ -271,14 +302,15 @@ class SymmetricHeap(Resource):
         tag = f"heap{everyone[0]['counter']}"
 
         # 3. The device (CUDA runtime queries only).
-        dev = collective_step(comm, "SymmetricHeap: device check",
-                              lambda: _check_device(device, int(nbytes)))
+        dev = collective_step(
+            comm, "SymmetricHeap: device check", lambda: _check_device(device, int(nbytes))
+        )
         self.device = dev
 
         # 4. Multicast: guard on every rank, then all ranks agree (NOTE [dcpkit multicast guard]).
         local = multicast_decision(
-            multicast, os.environ,
-            lambda: _cuda.device_attribute("MULTICAST_SUPPORTED", dev) == 1)
+            multicast, os.environ, lambda: _cuda.device_attribute("MULTICAST_SUPPORTED", dev) == 1
+        )
         use_mc, reason = agree_multicast(comm, local)
         self.multicast_reason = reason
         if multicast is not None or use_mc:
@@ -291,8 +323,9 @@ class SymmetricHeap(Resource):
         self._closed = False
 
     # ------------------------------------------------------------------ cumem backend
-    def _setup_cumem(self, nbytes: int, handle_type: str, use_mc: bool, timeout_s: float,
-                     tag: str) -> None:
+    def _setup_cumem(
+        self, nbytes: int, handle_type: str, use_mc: bool, timeout_s: float, tag: str
+    ) -> None:
         import cupy
 
         comm, rank, world, device = self.comm, self.rank, self.world_size, self.device
@@ -309,17 +342,22 @@ class SymmetricHeap(Resource):
 
         try:
             with cupy.cuda.Device(device):
+
                 def context_step():
                     cupy.cuda.runtime.free(0)  # the primary context exists and is current
                     box["dev"] = check(drv.cuDeviceGet(device), "cuDeviceGet")
                     box["bus"] = cupy.cuda.runtime.deviceGetPCIBusId(device)
-                    for attr in ("VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
-                                 "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"):
+                    for attr in (
+                        "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
+                        "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED",
+                    ):
                         if attr.startswith("HANDLE") and comm.spans_hosts:
                             continue
                         if not _cuda.device_attribute(attr, device):
-                            raise DcpkitError(f"SymmetricHeap: device {device} of rank {rank} "
-                                              f"reports CU_DEVICE_ATTRIBUTE_{attr} = 0")
+                            raise DcpkitError(
+                                f"SymmetricHeap: device {device} of rank {rank} "
+                                f"reports CU_DEVICE_ATTRIBUTE_{attr} = 0"
+                            )
 
                 tx.step("context", context_step)
 
@@ -332,41 +370,55 @@ class SymmetricHeap(Resource):
                         if p == rank or host != comm.host or bus == box["bus"]:
                             continue
                         try:
-                            pdev = check(drv.cuDeviceGetByPCIBusId(bus.encode()),
-                                         "cuDeviceGetByPCIBusId")
+                            pdev = check(
+                                drv.cuDeviceGetByPCIBusId(bus.encode()), "cuDeviceGetByPCIBusId"
+                            )
                         except CudaError:
                             invisible.append(p)  # hidden by CUDA_VISIBLE_DEVICES: cannot check
                             continue
-                        if not check(drv.cuDeviceCanAccessPeer(box["dev"], pdev),
-                                     "cuDeviceCanAccessPeer"):
+                        if not check(
+                            drv.cuDeviceCanAccessPeer(box["dev"], pdev), "cuDeviceCanAccessPeer"
+                        ):
                             unreachable.append(p)
                     box["unreachable"] = unreachable
                     if invisible:
-                        log.info("dcpkit SymmetricHeap rank %d: GPUs of peer rank(s) %s are not "
-                                 "visible to this process; P2P access to them is not checked "
-                                 "before mapping", rank, invisible)
+                        log.info(
+                            "dcpkit SymmetricHeap rank %d: GPUs of peer rank(s) %s are not "
+                            "visible to this process; P2P access to them is not checked "
+                            "before mapping",
+                            rank,
+                            invisible,
+                        )
 
                 tx.step("p2p_check", p2p_step)
                 reach = comm.allgather(box["unreachable"])
                 bad = [(r, p) for r, peers in enumerate(reach) for p in peers]
                 if bad:
-                    pairs = "; ".join(f"rank {r} (GPU {buses[r][1]}) cannot access rank {p} "
-                                      f"(GPU {buses[p][1]})" for r, p in bad)
+                    pairs = "; ".join(
+                        f"rank {r} (GPU {buses[r][1]}) cannot access rank {p} (GPU {buses[p][1]})"
+                        for r, p in bad
+                    )
                     raise InvalidArgument(
                         f"SymmetricHeap: the GPUs of the group must reach each other over "
-                        f"P2P/NVLink (cuDeviceCanAccessPeer): {pairs}")
+                        f"P2P/NVLink (cuDeviceCanAccessPeer): {pairs}"
+                    )
 
                 # Granularity: the largest over ranks (and the multicast granularity if used).
                 def granularity_step():
                     flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
                     prop = _alloc_prop(drv, device, fd_kind)
-                    box["gran"] = int(check(drv.cuMemGetAllocationGranularity(prop, flag),
-                                            "cuMemGetAllocationGranularity"))
+                    box["gran"] = int(
+                        check(
+                            drv.cuMemGetAllocationGranularity(prop, flag),
+                            "cuMemGetAllocationGranularity",
+                        )
+                    )
                     box["mc_gran"] = None
                     if use_mc:
                         try:
                             box["mc_gran"] = multicast_granularity(
-                                world, device, "fabric" if want_fabric else "posix_fd", nbytes)
+                                world, device, "fabric" if want_fabric else "posix_fd", nbytes
+                            )
                         except Exception as e:  # noqa: BLE001 - multicast is optional
                             box["mc_err"] = f"{type(e).__name__}: {e}"
 
@@ -379,7 +431,8 @@ class SymmetricHeap(Resource):
                         use_mc = False
                         self.multicast_reason = (
                             "multicast off: cuMulticastGetGranularity failed on rank(s) "
-                            f"{failed} ({'; '.join(str(grans[r][2]) for r in failed)})")
+                            f"{failed} ({'; '.join(str(grans[r][2]) for r in failed)})"
+                        )
                         log.warning("dcpkit SymmetricHeap: %s", self.multicast_reason)
                     else:
                         gran = functools.reduce(math.lcm, (mg for _, mg, _ in grans), gran)
@@ -387,33 +440,41 @@ class SymmetricHeap(Resource):
 
                 used = "posix_fd"
                 if want_fabric:
+
                     def fabric_step():
                         box["refusal"] = None
                         try:
-                            supported = _cuda.device_attribute("HANDLE_TYPE_FABRIC_SUPPORTED",
-                                                               device)
+                            supported = _cuda.device_attribute(
+                                "HANDLE_TYPE_FABRIC_SUPPORTED", device
+                            )
                         except CudaError as e:
-                            box["refusal"] = (f"CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED "
-                                              f"query failed: {e}")
+                            box["refusal"] = (
+                                f"CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED "
+                                f"query failed: {e}"
+                            )
                             return
                         if not supported:
-                            box["refusal"] = ("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"
-                                              " = 0")
+                            box["refusal"] = "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED = 0"
                             return
                         prop = _alloc_prop(drv, device, fabric_kind)
                         try:
                             h = check(drv.cuMemCreate(size, prop, 0), "cuMemCreate")
                         except CudaError as e:
-                            box["refusal"] = (f"cuMemCreate(CU_MEM_HANDLE_TYPE_FABRIC) "
-                                              f"returned {e.result}")
+                            box["refusal"] = (
+                                f"cuMemCreate(CU_MEM_HANDLE_TYPE_FABRIC) returned {e.result}"
+                            )
                             return
                         try:
-                            shared = check(drv.cuMemExportToShareableHandle(h, fabric_kind, 0),
-                                           "cuMemExportToShareableHandle")
+                            shared = check(
+                                drv.cuMemExportToShareableHandle(h, fabric_kind, 0),
+                                "cuMemExportToShareableHandle",
+                            )
                         except CudaError as e:
                             check(drv.cuMemRelease(h), "cuMemRelease")
-                            box["refusal"] = (f"cuMemExportToShareableHandle("
-                                              f"CU_MEM_HANDLE_TYPE_FABRIC) returned {e.result}")
+                            box["refusal"] = (
+                                f"cuMemExportToShareableHandle("
+                                f"CU_MEM_HANDLE_TYPE_FABRIC) returned {e.result}"
+                            )
                             return
                         box["handle"] = h
                         tx.add_undo(*release(h, "own fabric allocation"))
@@ -430,13 +491,16 @@ class SymmetricHeap(Resource):
                             raise DcpkitError(
                                 f"SymmetricHeap: the group spans hosts, which needs fabric "
                                 f"handles (CU_MEM_HANDLE_TYPE_FABRIC), and the driver refused "
-                                f"them: {detail} (is an IMEX channel / fabric manager set up?)")
+                                f"them: {detail} (is an IMEX channel / fabric manager set up?)"
+                            )
                         if "handle" in box:
                             tx.undo_last()
                             del box["handle"]
                         self.fabric_refusal = detail
-                        msg = ("dcpkit SymmetricHeap: fabric handles refused by the driver (%s); "
-                               "every rank falls back to POSIX file descriptors")
+                        msg = (
+                            "dcpkit SymmetricHeap: fabric handles refused by the driver (%s); "
+                            "every rank falls back to POSIX file descriptors"
+                        )
                         if rank == 0:
                             log.warning(msg, detail)
                         else:
@@ -444,18 +508,24 @@ class SymmetricHeap(Resource):
                 self.handle_type = used
 
                 if used == "posix_fd":
+
                     def create_step():
-                        h = check(drv.cuMemCreate(size, _alloc_prop(drv, device, fd_kind), 0),
-                                  "cuMemCreate")
+                        h = check(
+                            drv.cuMemCreate(size, _alloc_prop(drv, device, fd_kind), 0),
+                            "cuMemCreate",
+                        )
                         box["handle"] = h
                         tx.add_undo(*release(h, "own allocation"))
 
                     tx.step("create", create_step)
 
                     def export_step():
-                        fd = int(check(drv.cuMemExportToShareableHandle(box["handle"], fd_kind,
-                                                                        0),
-                                       "cuMemExportToShareableHandle"))
+                        fd = int(
+                            check(
+                                drv.cuMemExportToShareableHandle(box["handle"], fd_kind, 0),
+                                "cuMemExportToShareableHandle",
+                            )
+                        )
                         box["fd"] = fd
                         tx.add_undo("close(own fd)", functools.partial(os.close, fd))
                         os.set_inheritable(fd, False)  # never leaks into a child process
@@ -464,12 +534,14 @@ class SymmetricHeap(Resource):
                     token = comm.job_token()
 
                     def exchange_step():
-                        fds = _fdpass.exchange_fds(token, tag, rank, world, box["fd"],
-                                                   timeout_s=timeout_s)
+                        fds = _fdpass.exchange_fds(
+                            token, tag, rank, world, box["fd"], timeout_s=timeout_s
+                        )
                         for p, f in enumerate(fds):
                             if f is not None:
-                                tx.add_undo(f"close(fd of rank {p})",
-                                            functools.partial(os.close, f))
+                                tx.add_undo(
+                                    f"close(fd of rank {p})", functools.partial(os.close, f)
+                                )
                         box["fds"] = fds
 
                     tx.step("exchange", exchange_step)
@@ -483,13 +555,17 @@ class SymmetricHeap(Resource):
                         if p == rank:
                             continue
                         if used == "posix_fd":
-                            h = check(drv.cuMemImportFromShareableHandle(box["fds"][p], fd_kind),
-                                      "cuMemImportFromShareableHandle")
+                            h = check(
+                                drv.cuMemImportFromShareableHandle(box["fds"][p], fd_kind),
+                                "cuMemImportFromShareableHandle",
+                            )
                         else:
                             fh = drv.CUmemFabricHandle()
                             fh.data = box["fabric_all"][p]
-                            h = check(drv.cuMemImportFromShareableHandle(fh.getPtr(), fabric_kind),
-                                      "cuMemImportFromShareableHandle")
+                            h = check(
+                                drv.cuMemImportFromShareableHandle(fh.getPtr(), fabric_kind),
+                                "cuMemImportFromShareableHandle",
+                            )
                         tx.add_undo(*release(h, f"allocation of rank {p}"))
                         handles[p] = h
                     box["handles"] = handles
@@ -498,10 +574,13 @@ class SymmetricHeap(Resource):
                 total = size * world
 
                 def reserve_step():
-                    base = int(check(drv.cuMemAddressReserve(total, gran, 0, 0),
-                                     "cuMemAddressReserve"))
-                    tx.add_undo("cuMemAddressFree", lambda: check(
-                        drv.cuMemAddressFree(base, total), "cuMemAddressFree"))
+                    base = int(
+                        check(drv.cuMemAddressReserve(total, gran, 0, 0), "cuMemAddressReserve")
+                    )
+                    tx.add_undo(
+                        "cuMemAddressFree",
+                        lambda: check(drv.cuMemAddressFree(base, total), "cuMemAddressFree"),
+                    )
                     box["base"] = base
 
                 tx.step("reserve", reserve_step)
@@ -511,8 +590,12 @@ class SymmetricHeap(Resource):
                     for p in range(world):
                         va = base + p * size
                         check(drv.cuMemMap(va, size, 0, box["handles"][p], 0), "cuMemMap")
-                        tx.add_undo(f"cuMemUnmap(rank {p})", functools.partial(
-                            lambda a: check(drv.cuMemUnmap(a, size), "cuMemUnmap"), va))
+                        tx.add_undo(
+                            f"cuMemUnmap(rank {p})",
+                            functools.partial(
+                                lambda a: check(drv.cuMemUnmap(a, size), "cuMemUnmap"), va
+                            ),
+                        )
 
                 tx.step("map", map_step)
 
@@ -522,8 +605,9 @@ class SymmetricHeap(Resource):
                     desc.location.id = device
                     desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
                     for p in range(world):  # read/write for this device, one mapping at a time
-                        check(drv.cuMemSetAccess(base + p * size, size, [desc], 1),
-                              "cuMemSetAccess")
+                        check(
+                            drv.cuMemSetAccess(base + p * size, size, [desc], 1), "cuMemSetAccess"
+                        )
 
                 tx.step("access", access_step)
 
@@ -545,13 +629,20 @@ class SymmetricHeap(Resource):
         self.local_ptr = self.peer_ptrs[rank]
         self._undo = tx.commit()
 
-    def _attach_multicast(self, tx: Transaction, size: int, mem_handle, handle_type: str,
-                          timeout_s: float) -> None:
+    def _attach_multicast(
+        self, tx: Transaction, size: int, mem_handle, handle_type: str, timeout_s: float
+    ) -> None:
         """Bind a MulticastObject to this heap; on failure (on any rank) every rank goes on
         with unicast."""
         try:
-            mc = MulticastObject(self.comm, size, self.device, mem_handle=mem_handle,
-                                 handle_type=handle_type, timeout_s=timeout_s)
+            mc = MulticastObject(
+                self.comm,
+                size,
+                self.device,
+                mem_handle=mem_handle,
+                handle_type=handle_type,
+                timeout_s=timeout_s,
+            )
         except Exception as e:  # noqa: BLE001 - raised on every rank: all fall back together
             self.multicast_reason = f"multicast setup failed, using unicast: {e}"
             log.warning("dcpkit SymmetricHeap rank %d: %s", self.rank, self.multicast_reason)
@@ -640,11 +731,15 @@ class SymmetricHeap(Resource):
         shape = tuple(check_int(s, op, "shape entry", minimum=0) for s in shape)
         size = math.prod(shape) * dt.itemsize  # exact Python ints: no overflow
         if off % dt.itemsize:
-            raise InvalidArgument(f"{op}: offset must be a multiple of the itemsize of {dt} "
-                                  f"({dt.itemsize} bytes) (got {off})")
+            raise InvalidArgument(
+                f"{op}: offset must be a multiple of the itemsize of {dt} "
+                f"({dt.itemsize} bytes) (got {off})"
+            )
         if off + size > self.nbytes:
-            raise InvalidArgument(f"{op}: offset + view bytes must be <= nbytes {self.nbytes} "
-                                  f"(got {off} + {size} = {off + size})")
+            raise InvalidArgument(
+                f"{op}: offset + view bytes must be <= nbytes {self.nbytes} "
+                f"(got {off} + {size} = {off + size})"
+            )
         import cupy
 
         mem = cupy.cuda.UnownedMemory(self.peer_ptrs[r] + off, size, self, self.device)
@@ -687,8 +782,10 @@ class SymmetricHeap(Resource):
             raise InvalidArgument(f"{op}: align must be a power of two (got {a})")
         off = _round_up(self._next, a)
         if off + n > self.nbytes:
-            raise InvalidArgument(f"{op}: nbytes must fit in the heap: {max(self.nbytes - off, 0)} "
-                                  f"bytes left after offset {off} of {self.nbytes} (got {n})")
+            raise InvalidArgument(
+                f"{op}: nbytes must fit in the heap: {max(self.nbytes - off, 0)} "
+                f"bytes left after offset {off} of {self.nbytes} (got {n})"
+            )
         self._next = off + n
         return off
 
@@ -744,12 +841,20 @@ class SymmetricHeap(Resource):
         return super()._left_open() and getattr(self, "comm", None) is not None
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else (f"nbytes={self.nbytes}, "
-                                                f"handle_type={self.handle_type!r}, "
-                                                f"multicast={bool(self.mc_ptr)}")
-        return (f"SymmetricHeap(rank={getattr(self, 'rank', '?')}, "
-                f"world_size={getattr(self, 'world_size', '?')}, "
-                f"backend={getattr(self, 'backend', '?')!r}, {state})")
+        state = (
+            "closed"
+            if self._closed
+            else (
+                f"nbytes={self.nbytes}, "
+                f"handle_type={self.handle_type!r}, "
+                f"multicast={bool(self.mc_ptr)}"
+            )
+        )
+        return (
+            f"SymmetricHeap(rank={getattr(self, 'rank', '?')}, "
+            f"world_size={getattr(self, 'world_size', '?')}, "
+            f"backend={getattr(self, 'backend', '?')!r}, {state})"
+        )
 
     # ------------------------------------------------------------------ test hook
     @classmethod

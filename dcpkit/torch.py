@@ -60,8 +60,15 @@ from . import _torch_registry as _reg
 from ._arrays import array_key
 from .errors import ClosedError, InvalidArgument, InvalidType, MissingDependency
 
-__all__ = ["to_cupy", "from_cupy", "cupy_stream", "TorchOps", "register_custom_ops",
-           "supported_dtypes", "TensorConverter"]
+__all__ = [
+    "to_cupy",
+    "from_cupy",
+    "cupy_stream",
+    "TorchOps",
+    "register_custom_ops",
+    "supported_dtypes",
+    "TensorConverter",
+]
 
 
 def _torch():
@@ -87,8 +94,17 @@ def supported_dtypes() -> tuple:
     """The torch dtypes that cross into CuPy: float16, bfloat16, float32, float64 and the
     integer types (float8 tensors: pass ``t.view(torch.uint8)``)."""
     torch = _torch()
-    return (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
-            torch.uint8, torch.int16, torch.int32, torch.int64)
+    return (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+    )
 
 
 def _type_name(x) -> str:
@@ -101,15 +117,20 @@ def _check_tensor(t, name: str, device: int | None) -> None:
     if not isinstance(t, torch.Tensor):
         raise InvalidType(f"dcpkit.torch: {name} must be a torch.Tensor (got {_type_name(t)})")
     if t.device.type != "cuda":
-        raise InvalidType(f"dcpkit.torch: {name} must be a CUDA tensor (got device {t.device}): "
-                          f"move it to the GPU with .cuda()")
+        raise InvalidType(
+            f"dcpkit.torch: {name} must be a CUDA tensor (got device {t.device}): "
+            f"move it to the GPU with .cuda()"
+        )
     if device is not None and t.device.index != device:
-        raise InvalidArgument(f"dcpkit.torch: {name} device must be the op's GPU cuda:{device} "
-                              f"(got {t.device})")
+        raise InvalidArgument(
+            f"dcpkit.torch: {name} device must be the op's GPU cuda:{device} (got {t.device})"
+        )
     if t.dtype not in supported_dtypes():
         names = ", ".join(str(d).replace("torch.", "") for d in supported_dtypes())
-        raise InvalidType(f"dcpkit.torch: {name} dtype must be one of [{names}] (got {t.dtype}); "
-                          f"pass float8 tensors as t.view(torch.uint8)")
+        raise InvalidType(
+            f"dcpkit.torch: {name} dtype must be one of [{names}] (got {t.dtype}); "
+            f"pass float8 tensors as t.view(torch.uint8)"
+        )
 
 
 def to_cupy(t, *, name: str = "tensor", device: int | None = None):
@@ -146,9 +167,11 @@ def to_cupy(t, *, name: str = "tensor", device: int | None = None):
     if a.size and a.data.ptr != t.data_ptr():  # a consumer that ignored DLPack's byte_offset
         from .errors import DcpkitError
 
-        raise DcpkitError(f"dcpkit.torch: {name} data pointer must survive the DLPack import "
-                          f"(got {a.data.ptr:#x} for data_ptr() {t.data_ptr():#x}: the "
-                          f"capsule's byte_offset was not applied)")
+        raise DcpkitError(
+            f"dcpkit.torch: {name} data pointer must survive the DLPack import "
+            f"(got {a.data.ptr:#x} for data_ptr() {t.data_ptr():#x}: the "
+            f"capsule's byte_offset was not applied)"
+        )
     return a
 
 
@@ -244,8 +267,7 @@ class TensorConverter:
         if self._np is None:
             from .reference import resolve_dtype
 
-            self._np = {d: resolve_dtype(str(d).replace("torch.", ""))
-                        for d in supported_dtypes()}
+            self._np = {d: resolve_dtype(str(d).replace("torch.", "")) for d in supported_dtypes()}
         return self._np[t.dtype]
 
     def __call__(self, t, name: str = "tensor"):
@@ -266,8 +288,12 @@ class TensorConverter:
         isz = t.element_size()
         nbytes = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) * isz + isz
         mem = cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, None, max(t.get_device(), 0))
-        a = cupy.ndarray(tuple(t.shape), self._dtype(t), cupy.cuda.MemoryPointer(mem, 0),
-                         strides=tuple(s * isz for s in t.stride()))
+        a = cupy.ndarray(
+            tuple(t.shape),
+            self._dtype(t),
+            cupy.cuda.MemoryPointer(mem, 0),
+            strides=tuple(s * isz for s in t.stride()),
+        )
         if len(self._arrays) >= self.max_entries:
             del self._arrays[next(iter(self._arrays))]
         self._arrays[key] = a
@@ -288,8 +314,10 @@ def _lookup(handle: int, op: str) -> TorchOps:
     ref = _REGISTRY.get(int(handle))
     obj = ref() if ref is not None else None
     if obj is None or obj.closed:
-        raise ClosedError(f"dcpkit::{op}: handle {handle} must name a live dcpkit.torch.TorchOps "
-                          f"(got a closed or unknown handle)")
+        raise ClosedError(
+            f"dcpkit::{op}: handle {handle} must name a live dcpkit.torch.TorchOps "
+            f"(got a closed or unknown handle)"
+        )
     return obj
 
 
@@ -312,17 +340,24 @@ def _q_gather_impl(handle: int, q, out, ubatch: int) -> None:
 
 
 def _kv_gather_impl(handle: int, kv, out, ubatch: int) -> None:
-    _lookup(handle, "kv_gather")._invoke("kv_gather", (("kv", kv),),
-                                         {"ubatch": ubatch, "out": out})
+    _lookup(handle, "kv_gather")._invoke("kv_gather", (("kv", kv),), {"ubatch": ubatch, "out": out})
     _bump(out)
 
 
-def _lse_reduce_impl(handle: int, out_partial, lse_partial, seq_lens, query_start_loc, out,
-                     out_lse, ubatch: int) -> None:
+def _lse_reduce_impl(
+    handle: int, out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse, ubatch: int
+) -> None:
     _lookup(handle, "lse_reduce")._invoke(
-        "lse_reduce", (("out_partial", out_partial), ("lse_partial", lse_partial)),
-        {"seq_lens": seq_lens, "query_start_loc": query_start_loc, "ubatch": ubatch, "out": out,
-         "out_lse": out_lse})
+        "lse_reduce",
+        (("out_partial", out_partial), ("lse_partial", lse_partial)),
+        {
+            "seq_lens": seq_lens,
+            "query_start_loc": query_start_loc,
+            "ubatch": ubatch,
+            "out": out,
+            "out_lse": out_lse,
+        },
+    )
     _bump(out, out_lse)
 
 
@@ -330,19 +365,33 @@ def _gather_fake(handle, x, out, ubatch) -> None:
     return None
 
 
-def _lse_reduce_fake(handle, out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse,
-                     ubatch) -> None:
+def _lse_reduce_fake(
+    handle, out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse, ubatch
+) -> None:
     return None
 
 
 _SCHEMAS = {
-    "q_gather": ("(int handle, Tensor q, Tensor(a!) out, int ubatch) -> ()", ("out",),
-                 _q_gather_impl, _gather_fake),
-    "kv_gather": ("(int handle, Tensor kv, Tensor(a!) out, int ubatch) -> ()", ("out",),
-                  _kv_gather_impl, _gather_fake),
-    "lse_reduce": ("(int handle, Tensor out_partial, Tensor lse_partial, Tensor? seq_lens, "
-                   "Tensor? query_start_loc, Tensor(a!) out, Tensor(b!)? out_lse, int ubatch) "
-                   "-> ()", ("out", "out_lse"), _lse_reduce_impl, _lse_reduce_fake),
+    "q_gather": (
+        "(int handle, Tensor q, Tensor(a!) out, int ubatch) -> ()",
+        ("out",),
+        _q_gather_impl,
+        _gather_fake,
+    ),
+    "kv_gather": (
+        "(int handle, Tensor kv, Tensor(a!) out, int ubatch) -> ()",
+        ("out",),
+        _kv_gather_impl,
+        _gather_fake,
+    ),
+    "lse_reduce": (
+        "(int handle, Tensor out_partial, Tensor lse_partial, Tensor? seq_lens, "
+        "Tensor? query_start_loc, Tensor(a!) out, Tensor(b!)? out_lse, int ubatch) "
+        "-> ()",
+        ("out", "out_lse"),
+        _lse_reduce_impl,
+        _lse_reduce_fake,
+    ),
 }
 
 
@@ -362,7 +411,7 @@ def register_custom_ops() -> dict[str, Any]:
     (``CompositeExplicitAutograd``) plus a fake (meta) kernel for tracing; each bumps the
     version counter of the tensors it writes. Returns op name -> ``torch.ops.dcpkit.<name>``.
     """
-    torch = _torch()   # MissingDependency without torch, registered or not
+    torch = _torch()  # MissingDependency without torch, registered or not
     state = _reg.state
     with _LOCK:
         if state["custom_ops"] is None:
@@ -420,15 +469,16 @@ class TorchOps:
             ops = (target.op_name,)
             self._fns = {target.op_name: target}
         else:
-            raise InvalidType(f"TorchOps: target must be a dcpkit op or DCPComm "
-                              f"(got {_type_name(target)})")
+            raise InvalidType(
+                f"TorchOps: target must be a dcpkit op or DCPComm (got {_type_name(target)})"
+            )
         self.target = target
         self.ops = ops
         self.device = int(target.device)
         self._custom_ops = register_custom_ops()
         self._conv = TensorConverter(self.device)
-        self._streams: dict[int, Any] = {}       # stream handle -> CuPy stream object
-        self._results: dict[tuple, Any] = {}     # result description -> torch tensor
+        self._streams: dict[int, Any] = {}  # stream handle -> CuPy stream object
+        self._results: dict[tuple, Any] = {}  # result description -> torch tensor
         self._raw_stream = _raw_stream_fn()
         self._closed = True
         with _LOCK:
@@ -462,8 +512,9 @@ class TorchOps:
             raise ClosedError(f"TorchOps.{op}: closed")
         fn = self._fns.get(op)
         if fn is None:
-            raise InvalidArgument(f"TorchOps.{op}: the target must serve {op} "
-                                  f"(got a target serving {list(self.ops)})")
+            raise InvalidArgument(
+                f"TorchOps.{op}: the target must serve {op} (got a target serving {list(self.ops)})"
+            )
         return fn
 
     def _stream(self):
@@ -541,8 +592,17 @@ class TorchOps:
             return out
         return self._invoke("kv_gather", [("kv", kv)], {"ubatch": ubatch})
 
-    def lse_reduce(self, out_partial, lse_partial, *, seq_lens=None, query_start_loc=None,
-                   ubatch: int = 0, out=None, out_lse=None):
+    def lse_reduce(
+        self,
+        out_partial,
+        lse_partial,
+        *,
+        seq_lens=None,
+        query_start_loc=None,
+        ubatch: int = 0,
+        out=None,
+        out_lse=None,
+    ):
         """Merge partial attention (see :class:`~dcpkit.ops.LseReduce`): torch
         ``out_partial [T, H, D_v]``, ``lse_partial [T, H]`` -> ``out [T, H_r, D_v]`` (and
         ``out_lse [T, H_r]`` float32 with ``out_lse=`` or a target built with
@@ -551,23 +611,42 @@ class TorchOps:
         self._fn("lse_reduce")
         returns_lse = bool(getattr(self.target, "return_lse", False))
         if out is not None and (out_lse is not None or not returns_lse):
-            self._custom("lse_reduce")(self.handle, out_partial, lse_partial, seq_lens,
-                                       query_start_loc, out, out_lse, int(ubatch))
+            self._custom("lse_reduce")(
+                self.handle,
+                out_partial,
+                lse_partial,
+                seq_lens,
+                query_start_loc,
+                out,
+                out_lse,
+                int(ubatch),
+            )
             return out if out_lse is None else (out, out_lse)
-        return self._invoke("lse_reduce", [("out_partial", out_partial),
-                                           ("lse_partial", lse_partial)],
-                            {"seq_lens": seq_lens, "query_start_loc": query_start_loc,
-                             "ubatch": ubatch, "out": out, "out_lse": out_lse})
+        return self._invoke(
+            "lse_reduce",
+            [("out_partial", out_partial), ("lse_partial", lse_partial)],
+            {
+                "seq_lens": seq_lens,
+                "query_start_loc": query_start_loc,
+                "ubatch": ubatch,
+                "out": out,
+                "out_lse": out_lse,
+            },
+        )
 
     def __call__(self, *args, **kwargs):
         """For a single-op target: the op's method (``q_gather``, ``kv_gather`` or
         ``lse_reduce``)."""
         if len(self.ops) != 1:
-            raise InvalidArgument(f"TorchOps: calling the object needs a single-op target "
-                                  f"(got a target serving {list(self.ops)}): call q_gather, "
-                                  f"lse_reduce or kv_gather")
+            raise InvalidArgument(
+                f"TorchOps: calling the object needs a single-op target "
+                f"(got a target serving {list(self.ops)}): call q_gather, "
+                f"lse_reduce or kv_gather"
+            )
         return getattr(self, self.ops[0])(*args, **kwargs)
 
     def __repr__(self) -> str:
-        return (f"TorchOps(handle={self.handle}, ops={list(self.ops)}, device={self.device}, "
-                f"closed={self._closed})")
+        return (
+            f"TorchOps(handle={self.handle}, ops={list(self.ops)}, device={self.device}, "
+            f"closed={self._closed})"
+        )

@@ -38,9 +38,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 H, D_Q, D_V, T = 128, 576, 512, 1
 SYNC_EVERY = 100
 #: Row -> (target name, allowance over the empty launch in us).
-TARGETS = {"op": ("every op with CuPy arrays", 2.0), "dcp": ("through DCPComm", 3.0),
-           "torch": ("TorchOps with torch tensors", 3.0),
-           "custom": ("torch custom ops", 6.0)}
+TARGETS = {
+    "op": ("every op with CuPy arrays", 2.0),
+    "dcp": ("through DCPComm", 3.0),
+    "torch": ("TorchOps with torch tensors", 3.0),
+    "custom": ("torch custom ops", 6.0),
+}
 _EMPTY_SRC = r"""
 extern "C" __global__ void dcpkit_empty() {}
 extern "C" __global__ void dcpkit_empty_args(
@@ -50,8 +53,7 @@ extern "C" __global__ void dcpkit_empty_args(
     unsigned long long p1, unsigned long long p2, unsigned long long q, unsigned int t,
     unsigned long long o, unsigned long long s) {}
 """
-_ARG_TYPES = ["u64"] * 7 + ["i32", "i32", "u64", "u32", "u32"] + ["u64"] * 4 + ["u32", "u64",
-                                                                                  "u64"]
+_ARG_TYPES = ["u64"] * 7 + ["i32", "i32", "u64", "u32", "u32"] + ["u64"] * 4 + ["u32", "u64", "u64"]
 
 
 def _fail(msg: str) -> int:
@@ -129,9 +131,16 @@ def _commit() -> str:
     if os.environ.get("DCPKIT_COMMIT"):
         return os.environ["DCPKIT_COMMIT"][:12]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
-                              timeout=10).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=os.path.dirname(os.path.abspath(__file__)),
+                timeout=10,
+            ).stdout.strip()
+            or "unknown"
+        )
     except Exception:  # noqa: BLE001
         return "unknown"
 
@@ -158,8 +167,10 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
     mod = cupy.RawModule(code=_EMPTY_SRC)
     empty, empty_args = mod.get_function("dcpkit_empty"), mod.get_function("dcpkit_empty_args")
     vals = [0] * 7 + [r, W, 10**9, 2, 0] + [0] * 4 + [1, 0, 0]
-    cargs = tuple(np.int32(v) if t == "i32" else np.uint32(v) if t == "u32" else int(v)
-                  for v, t in zip(vals, _ARG_TYPES))
+    cargs = tuple(
+        np.int32(v) if t == "i32" else np.uint32(v) if t == "u32" else int(v)
+        for v, t in zip(vals, _ARG_TYPES)
+    )
     params = KernelParams(_ARG_TYPES, vals)
     sptr = cupy.cuda.get_current_stream().ptr
     rows = [
@@ -170,13 +181,17 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
         try:
             ln = Launcher(empty_args.kernel, 32, backend=backend)  # the loaded Function
             ln.launch(1, params, sptr)
-            rows.append((f"empty kernel, 19 params (Launcher {backend})", "info",
-                         lambda ln=ln: ln.launch(1, params, sptr)))
+            rows.append(
+                (
+                    f"empty kernel, 19 params (Launcher {backend})",
+                    "info",
+                    lambda ln=ln: ln.launch(1, params, sptr),
+                )
+            )
         except Exception as e:  # noqa: BLE001 - reported as a missing row
             print(f"[rank {r}] Launcher {backend}: {type(e).__name__}: {e}", file=sys.stderr)
     Hr = H // W
-    q = cupy.asarray(make_inputs(r, W, 1, op="q_gather", tokens=T, num_heads=H,
-                                 head_dim=D_Q)["q"])
+    q = cupy.asarray(make_inputs(r, W, 1, op="q_gather", tokens=T, num_heads=H, head_dim=D_Q)["q"])
     li = make_inputs(r, W, 1, op="lse_reduce", tokens=T, num_heads=H, head_dim=D_V)
     xo, lse = cupy.asarray(li["out_partial"]), cupy.asarray(li["lse_partial"])
     kv = cupy.asarray(make_inputs(r, W, 1, op="kv_gather", tokens=4, row_dim=D_Q)["kv"])
@@ -186,12 +201,22 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
     qg = QGather(comm, max_tokens=8, heads_per_rank=Hr, head_dim=D_Q, dtype="bfloat16")
     kg = KVGather(comm, max_tokens=8, row_dim=D_Q, dtype="bfloat16")
     lr = LseReduce(comm, max_tokens=8, num_heads=H, head_dim=D_V, dtype="bfloat16")
-    qg4 = [QGather(comm, max_tokens=8, heads_per_rank=Hr, head_dim=D_Q, dtype="bfloat16")
-           for _ in range(3)] + [qg]
-    qu2 = QGather(comm, max_tokens=8, heads_per_rank=Hr, head_dim=D_Q, dtype="bfloat16",
-                  num_ubatches=2)
-    dcp = DCPComm(comm, max_tokens=8, num_heads=H, q_head_dim=D_Q, v_head_dim=D_V,
-                  kv_row_dim=D_Q, dtype="bfloat16")
+    qg4 = [
+        QGather(comm, max_tokens=8, heads_per_rank=Hr, head_dim=D_Q, dtype="bfloat16")
+        for _ in range(3)
+    ] + [qg]
+    qu2 = QGather(
+        comm, max_tokens=8, heads_per_rank=Hr, head_dim=D_Q, dtype="bfloat16", num_ubatches=2
+    )
+    dcp = DCPComm(
+        comm,
+        max_tokens=8,
+        num_heads=H,
+        q_head_dim=D_Q,
+        v_head_dim=D_V,
+        kv_row_dim=D_Q,
+        dtype="bfloat16",
+    )
     closers = [qg, kg, lr, qu2, dcp] + qg4[:3]
     turn = {"ws": 0, "ub": 0}
 
@@ -209,20 +234,21 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
     qb._set_launch_backend("bindings")
     closers.append(qb)
     fast_rows = [("q_gather view (launcher on cuda.bindings)", "info", lambda: qb(q))]
-    rows += [
-        ("q_gather view", "op", lambda: qg(q)),
-        ("q_gather out=", "op", lambda: qg(q, out=q_out)),
-    ] + fast_rows + [
-        ("kv_gather view", "op", lambda: kg(kv)),
-        ("kv_gather out=", "op", lambda: kg(kv, out=kv_out)),
-        ("lse_reduce view", "op", lambda: lr(xo, lse)),
-        ("lse_reduce out=", "op", lambda: lr(xo, lse, out=o)),
-        ("DCPComm.q_gather", "dcp", lambda: dcp.q_gather(q)),
-        ("DCPComm.lse_reduce out=", "dcp", lambda: dcp.lse_reduce(xo, lse, out=o)),
-        ("DCPComm.kv_gather", "dcp", lambda: dcp.kv_gather(kv)),
-        ("q_gather view, 4 live workspaces in turn", "growth", round_robin),
-        ("q_gather view, 2 ubatches in turn", "growth", alternate),
-    ]
+    rows += (
+        [("q_gather view", "op", lambda: qg(q)), ("q_gather out=", "op", lambda: qg(q, out=q_out))]
+        + fast_rows
+        + [
+            ("kv_gather view", "op", lambda: kg(kv)),
+            ("kv_gather out=", "op", lambda: kg(kv, out=kv_out)),
+            ("lse_reduce view", "op", lambda: lr(xo, lse)),
+            ("lse_reduce out=", "op", lambda: lr(xo, lse, out=o)),
+            ("DCPComm.q_gather", "dcp", lambda: dcp.q_gather(q)),
+            ("DCPComm.lse_reduce out=", "dcp", lambda: dcp.lse_reduce(xo, lse, out=o)),
+            ("DCPComm.kv_gather", "dcp", lambda: dcp.kv_gather(kv)),
+            ("q_gather view, 4 live workspaces in turn", "growth", round_robin),
+            ("q_gather view, 2 ubatches in turn", "growth", alternate),
+        ]
+    )
     if have_torch:
         import torch
 
@@ -240,12 +266,18 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
             ("TorchOps.q_gather out=", "torch", lambda: tops.q_gather(tq, out=tq_out)),
             ("TorchOps.lse_reduce out=", "torch", lambda: tops.lse_reduce(txo, tlse, out=to)),
             ("torch.ops.dcpkit.q_gather", "custom", lambda: cq(h, tq, tq_out, 0)),
-            ("torch.ops.dcpkit.lse_reduce", "custom",
-             lambda: cl(h, txo, tlse, None, None, to, None, 0)),
+            (
+                "torch.ops.dcpkit.lse_reduce",
+                "custom",
+                lambda: cl(h, txo, tlse, None, None, to, None, 0),
+            ),
         ]
-    b2b = [("empty kernel", lambda: empty((1,), (32,), ())),
-           ("q_gather view", lambda: qg(q)), ("q_gather out=", lambda: qg(q, out=q_out)),
-           ("lse_reduce out=", lambda: lr(xo, lse, out=o))]
+    b2b = [
+        ("empty kernel", lambda: empty((1,), (32,), ())),
+        ("q_gather view", lambda: qg(q)),
+        ("q_gather out=", lambda: qg(q, out=q_out)),
+        ("lse_reduce out=", lambda: lr(xo, lse, out=o)),
+    ]
     return rows, b2b, closers
 
 
@@ -253,8 +285,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=10000)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--profile", action="store_true",
-                    help="rank 0 prints a cProfile table of 2000 calls of every row")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="rank 0 prints a cProfile table of 2000 calls of every row",
+    )
     args = ap.parse_args(argv)
     cupy, why = _gpu_or_reason()
     if cupy is None:
@@ -281,6 +316,7 @@ def main(argv=None) -> int:
         def sync():
             cupy.cuda.get_current_stream().synchronize()
             tsync()
+
     results = {}
     for name, kind, fn in rows:
         if name not in common:
@@ -288,8 +324,12 @@ def main(argv=None) -> int:
         comm.barrier()
         med, p90 = _stats(host_times(fn, args.calls, sync))
         every = comm.allgather((med, p90))
-        results[name] = {"kind": kind, "median_us": [m for m, _ in every],
-                         "p90_us": [p for _, p in every], "calls": args.calls}
+        results[name] = {
+            "kind": kind,
+            "median_us": [m for m, _ in every],
+            "p90_us": [p for _, p in every],
+            "calls": args.calls,
+        }
         if args.profile:
             import cProfile
             import io
@@ -321,9 +361,11 @@ def main(argv=None) -> int:
     if r != 0:
         return 0
     base = max(results["empty RawKernel launch (cupy)"]["median_us"])
-    lines = [f"host time per call, W={W}, T={T}, {args.calls} calls per row, max over ranks "
-             f"(commit {_commit()}, {_gpu_name(cupy, dev)})",
-             f"{'path':44s} {'median us':>10s} {'p90 us':>9s}  target"]
+    lines = [
+        f"host time per call, W={W}, T={T}, {args.calls} calls per row, max over ranks "
+        f"(commit {_commit()}, {_gpu_name(cupy, dev)})",
+        f"{'path':44s} {'median us':>10s} {'p90 us':>9s}  target",
+    ]
     verdicts = {}
     for name, row in results.items():
         med, p90 = max(row["median_us"]), max(row["p90_us"])
@@ -343,13 +385,26 @@ def main(argv=None) -> int:
         lines.append(f"{name:44s} {max(v):10.2f} us")
     print("\n".join(lines))
     if args.json:
-        meta = {"world_size": W, "tokens": T, "calls": args.calls, "commit": _commit(),
-                "gpu": _gpu_name(cupy, dev),
-                "driver": cupy.cuda.runtime.driverGetVersion(),
-                "empty_launch_us": base}
+        meta = {
+            "world_size": W,
+            "tokens": T,
+            "calls": args.calls,
+            "commit": _commit(),
+            "gpu": _gpu_name(cupy, dev),
+            "driver": cupy.cuda.runtime.driverGetVersion(),
+            "empty_launch_us": base,
+        }
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "host": results, "back_to_back_device_us": device,
-                       "targets_met": verdicts}, f, indent=1)
+            json.dump(
+                {
+                    "meta": meta,
+                    "host": results,
+                    "back_to_back_device_us": device,
+                    "targets_met": verdicts,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -23,8 +23,8 @@ inflate it). This is a report, not a test: CI runs it with few calls and checks 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import contextlib
+import cProfile
 import io
 import json
 import math
@@ -45,10 +45,22 @@ H, D_Q, D_V = 128, 576, 512
 H_R = H // W
 BASE = 1 << 40
 
-ROWS = ("q_gather view", "q_gather out=", "kv_gather view", "kv_gather out=",
-        "lse_reduce view", "lse_reduce out=", "DCPComm.q_gather", "DCPComm.lse_reduce",
-        "DCPComm.kv_gather", "TorchOps.q_gather view", "TorchOps.q_gather out=",
-        "TorchOps.lse_reduce out=", "torch.ops.dcpkit.q_gather", "torch.ops.dcpkit.lse_reduce")
+ROWS = (
+    "q_gather view",
+    "q_gather out=",
+    "kv_gather view",
+    "kv_gather out=",
+    "lse_reduce view",
+    "lse_reduce out=",
+    "DCPComm.q_gather",
+    "DCPComm.lse_reduce",
+    "DCPComm.kv_gather",
+    "TorchOps.q_gather view",
+    "TorchOps.q_gather out=",
+    "TorchOps.lse_reduce out=",
+    "torch.ops.dcpkit.q_gather",
+    "torch.ops.dcpkit.lse_reduce",
+)
 
 
 class Recorder:
@@ -64,20 +76,20 @@ class Recorder:
 
     def launch(self, grid, params, stream_ptr):  # dcpkit._launch.Launcher.launch
         self.count += 1
-        self.last = ("launcher", grid, params, stream_ptr)   # the buffer: read it afterwards
+        self.last = ("launcher", grid, params, stream_ptr)  # the buffer: read it afterwards
 
 
 def _cpu_stream():
     """A CuPy stream object (it passes dcpkit's stream check) that is never capturing."""
-    import cupy
-
     import warnings
+
+    import cupy
 
     class CpuStream(cupy.cuda.ExternalStream):
         def is_capturing(self):
             return False
 
-        def __enter__(self):   # CuPy's makes the stream current through the runtime
+        def __enter__(self):  # CuPy's makes the stream current through the runtime
             return self
 
         def __exit__(self, *exc):
@@ -111,9 +123,8 @@ def stub_workspace(ws, stream, rec: Recorder, *, rank: int = RANK, world_size: i
     and the layout) the state ``OpWorkspace._setup`` and the kernel loading would give it, over
     made-up addresses, with every launch going to ``rec`` and ``stream`` as the current
     stream."""
-    from dcpkit.ops.lse_reduce import _float_dtypes
-
     from dcpkit._plan import PlanCache
+    from dcpkit.ops.lse_reduce import _float_dtypes
 
     U = ws.num_ubatches
     ws.rank, ws.world_size, ws.device = rank, world_size, 0
@@ -148,12 +159,20 @@ def stub_workspace(ws, stream, rec: Recorder, *, rank: int = RANK, world_size: i
         T_max, H_r = ws.max_tokens, ws.heads_per_rank
         ws._cupy = _cupy_shim(stream)
         ws._fn = dict.fromkeys(_float_dtypes(), rec.function)
-        ws._head_args = [ws._proto[u] + (ws.peer_data_ptr(u), np.uint64(ws.slot_bytes),
-                                         np.uint64(ws._lse_offset), np.int32(T_max))
-                         for u in range(U)]
+        ws._head_args = [
+            ws._proto[u]
+            + (
+                ws.peer_data_ptr(u),
+                np.uint64(ws.slot_bytes),
+                np.uint64(ws._lse_offset),
+                np.int32(T_max),
+            )
+            for u in range(U)
+        ]
         ws._tail_args = (np.int32(ws.num_heads), np.int32(H_r), np.int32(ws.head_dim))
-        ws._grids = [(max(1, min(ws.max_ctas, -(-world_size * t * H_r // 8))),)
-                     for t in range(T_max + 1)]
+        ws._grids = [
+            (max(1, min(ws.max_ctas, -(-world_size * t * H_r // 8))),) for t in range(T_max + 1)
+        ]
     return ws
 
 
@@ -176,14 +195,22 @@ def build_ops(stream, rec: Recorder, *, return_lse: bool = False):
     from dcpkit.ops.q_gather import QGather
 
     qg = QGather.__new__(QGather)
-    qg._check_arguments(W, max_tokens=T_MAX, heads_per_rank=H_R, head_dim=D_Q,
-                        dtype="bfloat16", timeout_ms=5000.0)
+    qg._check_arguments(
+        W, max_tokens=T_MAX, heads_per_rank=H_R, head_dim=D_Q, dtype="bfloat16", timeout_ms=5000.0
+    )
     kg = KVGather.__new__(KVGather)
-    kg._check_arguments(W, max_tokens=T_MAX, row_dim=D_Q, dtype="bfloat16",
-                        timeout_ms=5000.0)
+    kg._check_arguments(W, max_tokens=T_MAX, row_dim=D_Q, dtype="bfloat16", timeout_ms=5000.0)
     lr = LseReduce.__new__(LseReduce)
-    lr._check_arguments(W, max_tokens=T_MAX, num_heads=H, head_dim=D_V, dtype="bfloat16",
-                        lse_base=math.e, return_lse=return_lse, timeout_ms=5000.0)
+    lr._check_arguments(
+        W,
+        max_tokens=T_MAX,
+        num_heads=H,
+        head_dim=D_V,
+        dtype="bfloat16",
+        lse_base=math.e,
+        return_lse=return_lse,
+        timeout_ms=5000.0,
+    )
     return tuple(stub_workspace(ws, stream, rec) for ws in (qg, kg, lr))
 
 
@@ -191,10 +218,12 @@ def _cupy_shim(stream):
     """CuPy, except that the current stream is ``stream`` (no driver here)."""
     import cupy
 
-    cuda = types.SimpleNamespace(get_current_stream=lambda: stream,
-                                 UnownedMemory=cupy.cuda.UnownedMemory,
-                                 MemoryPointer=cupy.cuda.MemoryPointer,
-                                 Device=lambda d=None: contextlib.nullcontext())
+    cuda = types.SimpleNamespace(
+        get_current_stream=lambda: stream,
+        UnownedMemory=cupy.cuda.UnownedMemory,
+        MemoryPointer=cupy.cuda.MemoryPointer,
+        Device=lambda d=None: contextlib.nullcontext(),
+    )
     return types.SimpleNamespace(cuda=cuda, ndarray=cupy.ndarray, empty=cupy.empty)
 
 
@@ -230,14 +259,27 @@ def build_dcpcomm(ops, stream):
         def _stream(self, s):
             return stream if s is None else s
 
-    comm = Communicator(RANK, W, allgather=lambda o: [o] * W, broadcast=lambda o, root: o,
-                        barrier=lambda: None, backend="fake")
+    comm = Communicator(
+        RANK,
+        W,
+        allgather=lambda o: [o] * W,
+        broadcast=lambda o, root: o,
+        barrier=lambda: None,
+        backend="fake",
+    )
     import warnings
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)   # "NCCL is unavailable"
-        return CpuDCPComm(comm, max_tokens=T_MAX, num_heads=H, q_head_dim=D_Q, v_head_dim=D_V,
-                          kv_row_dim=D_Q, dtype="bfloat16")
+        warnings.simplefilter("ignore", RuntimeWarning)  # "NCCL is unavailable"
+        return CpuDCPComm(
+            comm,
+            max_tokens=T_MAX,
+            num_heads=H,
+            q_head_dim=D_Q,
+            v_head_dim=D_V,
+            kv_row_dim=D_Q,
+            dtype="bfloat16",
+        )
 
 
 @contextlib.contextmanager
@@ -265,14 +307,20 @@ def torch_on_cpu(stream):
 
     token = torch.zeros(1)
     runtime = types.SimpleNamespace(getDevice=lambda: 0)
-    shim = types.SimpleNamespace(cuda=types.SimpleNamespace(
-        Device=lambda d=None: contextlib.nullcontext(), runtime=runtime,
-        UnownedMemory=cupy.cuda.UnownedMemory, MemoryPointer=cupy.cuda.MemoryPointer),
-        ndarray=cupy.ndarray, from_dlpack=cupy.from_dlpack)
+    shim = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(
+            Device=lambda d=None: contextlib.nullcontext(),
+            runtime=runtime,
+            UnownedMemory=cupy.cuda.UnownedMemory,
+            MemoryPointer=cupy.cuda.MemoryPointer,
+        ),
+        ndarray=cupy.ndarray,
+        from_dlpack=cupy.from_dlpack,
+    )
     names = ("_check_tensor", "_raw_stream_fn", "_wrap_stream", "from_cupy", "_cupy")
     saved = {n: getattr(dt, n) for n in names if hasattr(dt, n)}
     dt._check_tensor = check
-    dt._raw_stream_fn = lambda: (lambda device: 0)
+    dt._raw_stream_fn = lambda: lambda device: 0
     dt._wrap_stream = lambda ptr, device: stream
     dt.from_cupy = lambda a: token
     dt._cupy = lambda: shim
@@ -322,13 +370,15 @@ def paths(stream, rec: Recorder) -> dict[str, tuple[Callable[[], object], int]]:
     cq, cl = torch.ops.dcpkit.q_gather, torch.ops.dcpkit.lse_reduce
     h = tops.handle
     tqp, txp = tq.data_ptr(), txo.data_ptr()
-    res.update({
-        "TorchOps.q_gather view": (lambda: tops.q_gather(tq), tqp),
-        "TorchOps.q_gather out=": (lambda: tops.q_gather(tq, out=tq_out), tqp),
-        "TorchOps.lse_reduce out=": (lambda: tops.lse_reduce(txo, tlse, out=to), txp),
-        "torch.ops.dcpkit.q_gather": (lambda: cq(h, tq, tq_out, 0), tqp),
-        "torch.ops.dcpkit.lse_reduce": (lambda: cl(h, txo, tlse, None, None, to, None, 0), txp),
-    })
+    res.update(
+        {
+            "TorchOps.q_gather view": (lambda: tops.q_gather(tq), tqp),
+            "TorchOps.q_gather out=": (lambda: tops.q_gather(tq, out=tq_out), tqp),
+            "TorchOps.lse_reduce out=": (lambda: tops.lse_reduce(txo, tlse, out=to), txp),
+            "torch.ops.dcpkit.q_gather": (lambda: cq(h, tq, tq_out, 0), tqp),
+            "torch.ops.dcpkit.lse_reduce": (lambda: cl(h, txo, tlse, None, None, to, None, 0), txp),
+        }
+    )
     return res
 
 
@@ -366,9 +416,14 @@ def run(calls: int = 20000, *, profile_calls: int = 0, clock: str = "thread") ->
             fn()
             before = rec.count
             t = measure(fn, calls, clock)
-            row = {"median_us": float(np.median(t)), "p90_us": float(np.percentile(t, 90)),
-                   "calls": calls, "launches": rec.count - before - min(200, calls),
-                   "last_launch": rec.last, "input_ptr": ptr}
+            row = {
+                "median_us": float(np.median(t)),
+                "p90_us": float(np.percentile(t, 90)),
+                "calls": calls,
+                "launches": rec.count - before - min(200, calls),
+                "last_launch": rec.last,
+                "input_ptr": ptr,
+            }
             if profile_calls:
                 pr = cProfile.Profile()
                 pr.enable()
@@ -383,8 +438,7 @@ def run(calls: int = 20000, *, profile_calls: int = 0, clock: str = "thread") ->
 
 
 def table(rows: dict[str, dict]) -> str:
-    lines = [f"{'path (CPU, launch stubbed)':32s} {'median us':>10s} {'p90 us':>10s} "
-             f"{'calls':>8s}"]
+    lines = [f"{'path (CPU, launch stubbed)':32s} {'median us':>10s} {'p90 us':>10s} {'calls':>8s}"]
     for name, r in rows.items():
         lines.append(f"{name:32s} {r['median_us']:10.2f} {r['p90_us']:10.2f} {r['calls']:8d}")
     return "\n".join(lines)
@@ -395,8 +449,12 @@ def main(argv: list[str] = None) -> int:
     ap.add_argument("--calls", type=int, default=20000)
     ap.add_argument("--profile", default=None, help="write cProfile tables of every row here")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--clock", choices=sorted(CLOCKS), default="thread",
-                    help="thread CPU time (default: immune to other processes) or wall time")
+    ap.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="thread",
+        help="thread CPU time (default: immune to other processes) or wall time",
+    )
     args = ap.parse_args(argv)
     rows = run(args.calls, profile_calls=2000 if args.profile else 0, clock=args.clock)
     print(table(rows))
@@ -406,8 +464,14 @@ def main(argv: list[str] = None) -> int:
                 f.write(f"==== {name}\n{r.pop('profile')}\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({k: {kk: vv for kk, vv in v.items() if kk not in ("last_launch", "input_ptr")}
-                       for k, v in rows.items()}, f, indent=1)
+            json.dump(
+                {
+                    k: {kk: vv for kk, vv in v.items() if kk not in ("last_launch", "input_ptr")}
+                    for k, v in rows.items()
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Lint and format check of dcpkit with ruff (settings: [tool.ruff] in pyproject.toml).
 #
-#   bash scripts/lint.sh            # check the whole checkout: ruff check (DCPKIT_LINT_FORMAT=1:
-#                                   # also ruff format --check)
+#   bash scripts/lint.sh            # check the whole checkout: ruff check and ruff format --check
 #   bash scripts/lint.sh PATH...    # only these files or folders
 #
 # Exit status 0 when both pass, 1 when either finds something, 2 when ruff is not installed
@@ -29,11 +28,7 @@ targets=("$@")
 echo "lint: $("${RUFF[@]}" --version) on ${targets[*]}"
 rc=0
 "${RUFF[@]}" check --no-cache --output-format concise "${targets[@]}" || rc=1
-# The format check is opt-in (DCPKIT_LINT_FORMAT=1): the tree keeps its hand wrapping, which
-# `ruff format` would redo in every module (and push three modules past 800 lines).
-if [ "${DCPKIT_LINT_FORMAT:-0}" = 1 ]; then
-    "${RUFF[@]}" format --check --no-cache --output-format concise "${targets[@]}" || rc=1
-fi
+"${RUFF[@]}" format --check --no-cache "${targets[@]}" || rc=1
 if [ "$rc" -eq 0 ]; then
     echo "lint: OK"
 else

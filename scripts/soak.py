@@ -76,16 +76,7 @@ def _gpu_or_exit(what: str) -> None:
 
 _use_this_checkout_if_not_installed()
 
-from reliability_cases import (  # noqa: E402 - needs the path set above
-    H_R,
-    HEAD_DIM,
-    OPS,
-    ROW_DIM,
-    OpCase,
-    bits_dtype,
-    poison,
-    to_host,
-)
+from reliability_cases import H_R, HEAD_DIM, OPS, ROW_DIM, OpCase, bits_dtype, poison, to_host  # noqa: E402 - needs the path set above
 
 #: Slack of the flatness checks. A per-call leak over thousands of calls is far larger; the
 #: slack only absorbs allocation granularity of the driver and of CuPy's pools.

@@ -73,6 +73,19 @@ from .device import CupyDevice
 from .row import BenchRow
 from .sweep import run_bench
 
-__all__ = ["main", "build_parser", "resolve_config", "run_bench", "render_md_main",
-           "CupyDevice", "StageFailed", "BenchHang", "parse_size", "BenchRow", "SCHEMA",
-           "ALL_OPS", "ALL_PATHS", "ALL_MODES"]
+__all__ = [
+    "main",
+    "build_parser",
+    "resolve_config",
+    "run_bench",
+    "render_md_main",
+    "CupyDevice",
+    "StageFailed",
+    "BenchHang",
+    "parse_size",
+    "BenchRow",
+    "SCHEMA",
+    "ALL_OPS",
+    "ALL_PATHS",
+    "ALL_MODES",
+]

@@ -13,13 +13,21 @@ import math
 import os
 import re
 import sys
-from typing import Any
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from .common import ALL_MODES, ALL_OPS, ALL_PATHS, GEOMETRY, KiB, MiB
 
-__all__ = ["parse_size", "build_parser", "resolve_config", "check_args", "BenchParser",
-           "MAX_BYTES_LIMIT", "MAX_ITERS", "MAX_TOKENS"]
+__all__ = [
+    "parse_size",
+    "build_parser",
+    "resolve_config",
+    "check_args",
+    "BenchParser",
+    "MAX_BYTES_LIMIT",
+    "MAX_ITERS",
+    "MAX_TOKENS",
+]
 
 #: Largest kv_gather bytes per rank (and egress slice) the benchmark allocates: the output of one
 #: call is world_size times this, and the JSON keeps every sample.
@@ -50,13 +58,15 @@ def parse_size(text: str) -> int:
     """
     m = _SIZE.match(str(text))
     if not m:
-        raise argparse.ArgumentTypeError(f"must be a size like 4096, 4K, 4KiB, 256M or 1G "
-                                         f"(got {text!r})")
+        raise argparse.ArgumentTypeError(
+            f"must be a size like 4096, 4K, 4KiB, 256M or 1G (got {text!r})"
+        )
     mult = {"": 1, "k": KiB, "m": MiB, "g": 1024 * MiB, "t": 1024 * 1024 * MiB}[m.group(2).lower()]
     value = float(m.group(1)) * mult
     if value != math.floor(value):
-        raise argparse.ArgumentTypeError(f"must be a whole number of bytes (got {text!r} = "
-                                         f"{value:g} bytes)")
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number of bytes (got {text!r} = {value:g} bytes)"
+        )
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte (got {text!r})")
     return int(value)
@@ -66,9 +76,9 @@ def _bounded_size(lo: int, hi: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         v = parse_size(text)
         if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"must lie in [{_fmt(lo)}, {_fmt(hi)}] (got "
-                                             f"{text!r})")
+            raise argparse.ArgumentTypeError(f"must lie in [{_fmt(lo)}, {_fmt(hi)}] (got {text!r})")
         return v
+
     parse.__name__ = "size"
     return parse
 
@@ -85,11 +95,13 @@ def _int_in(lo: int, hi: int, what: str = "an integer") -> Callable[[str], int]:
         try:
             v = int(str(text).strip(), 10)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {what} in [{lo}, {hi}] (got "
-                                             f"{text!r})") from None
+            raise argparse.ArgumentTypeError(
+                f"must be {what} in [{lo}, {hi}] (got {text!r})"
+            ) from None
         if not lo <= v <= hi:
             raise argparse.ArgumentTypeError(f"must be {what} in [{lo}, {hi}] (got {text!r})")
         return v
+
     parse.__name__ = "integer"
     return parse
 
@@ -101,9 +113,11 @@ def _positive_float(hi: float, unit: str) -> Callable[[str], float]:
         except ValueError:
             v = math.nan
         if not (math.isfinite(v) and 0 < v <= hi):
-            raise argparse.ArgumentTypeError(f"must be a number of {unit} in (0, {hi:g}] (got "
-                                             f"{text!r})")
+            raise argparse.ArgumentTypeError(
+                f"must be a number of {unit} in (0, {hi:g}] (got {text!r})"
+            )
         return v
+
     parse.__name__ = "number"
     return parse
 
@@ -113,9 +127,11 @@ def _csv(allowed: Sequence[str]) -> Callable[[str], list[str]]:
         items = [t.strip() for t in text.split(",") if t.strip()]
         bad = [t for t in items if t not in allowed]
         if bad or not items:
-            raise argparse.ArgumentTypeError(f"must be a comma list of {', '.join(allowed)} "
-                                             f"(got {text!r})")
+            raise argparse.ArgumentTypeError(
+                f"must be a comma list of {', '.join(allowed)} (got {text!r})"
+            )
         return items
+
     parse.__name__ = "list"
     return parse
 
@@ -126,16 +142,18 @@ def _int_list(text: str) -> list[int]:
     except ValueError:
         v = []
     if not v or any(not 1 <= x <= MAX_TOKENS for x in v):
-        raise argparse.ArgumentTypeError(f"must be a comma list of integers in [1, {MAX_TOKENS}] "
-                                         f"(got {text!r})")
+        raise argparse.ArgumentTypeError(
+            f"must be a comma list of integers in [1, {MAX_TOKENS}] (got {text!r})"
+        )
     return v
 
 
 def _kv_row_dim(text: str) -> int:
     v = _int_in(8, 1 << 16, "an integer")(text)
     if v % 8:
-        raise argparse.ArgumentTypeError(f"must be a multiple of 8 elements (16-byte bf16 rows) "
-                                         f"(got {text!r})")
+        raise argparse.ArgumentTypeError(
+            f"must be a multiple of 8 elements (16-byte bf16 rows) (got {text!r})"
+        )
     return v
 
 
@@ -144,52 +162,122 @@ def build_parser() -> BenchParser:
     p = BenchParser(
         prog="dcpkit bench",
         description="Benchmark dcpkit's ops against a floor kernel, NVSHMEM, NCCL and the "
-                    "machine's measured ceilings (run under mpirun -np N, one process per GPU).")
-    p.add_argument("--ops", type=_csv(ALL_OPS), default=list(ALL_OPS),
-                   help=f"comma list of {', '.join(ALL_OPS)} (default: all)")
-    p.add_argument("--paths", type=_csv(ALL_PATHS), default=list(ALL_PATHS),
-                   help=f"comma list of {', '.join(ALL_PATHS)} (default: all available; "
-                        f"multicast only where allowed)")
-    p.add_argument("--modes", type=_csv(ALL_MODES), default=list(ALL_MODES),
-                   help="eager, graph (default: both)")
-    p.add_argument("--min-bytes", type=_bounded_size(1, MAX_BYTES_LIMIT), default=None,
-                   help="kv_gather: smallest bytes per rank (default 4K)")
-    p.add_argument("--max-bytes", type=_bounded_size(1, MAX_BYTES_LIMIT), default=None,
-                   help=f"kv_gather: largest bytes per rank, at most {_fmt(MAX_BYTES_LIMIT)} "
-                        f"(default 256M; --quick 16M); also caps the egress slice (64M)")
-    p.add_argument("--tokens", type=_int_list, default=None,
-                   help="q_gather / lse_reduce token counts T (default 1,8,32,128)")
-    p.add_argument("--iters", type=_int_in(1, MAX_ITERS, "an integer"), default=None,
-                   help=f"timed samples per case, path and mode, exactly (1 to {MAX_ITERS}; "
-                        f"default: 30 within a time budget per mode, --quick 8)")
-    p.add_argument("--json", default=None,
-                   help="write the results as JSON here (rank 0; the folder must exist)")
-    p.add_argument("--plot", default=None,
-                   help="draw the PNG plots here (rank 0; the folder must exist)")
+        "machine's measured ceilings (run under mpirun -np N, one process per GPU).",
+    )
+    p.add_argument(
+        "--ops",
+        type=_csv(ALL_OPS),
+        default=list(ALL_OPS),
+        help=f"comma list of {', '.join(ALL_OPS)} (default: all)",
+    )
+    p.add_argument(
+        "--paths",
+        type=_csv(ALL_PATHS),
+        default=list(ALL_PATHS),
+        help=f"comma list of {', '.join(ALL_PATHS)} (default: all available; "
+        f"multicast only where allowed)",
+    )
+    p.add_argument(
+        "--modes",
+        type=_csv(ALL_MODES),
+        default=list(ALL_MODES),
+        help="eager, graph (default: both)",
+    )
+    p.add_argument(
+        "--min-bytes",
+        type=_bounded_size(1, MAX_BYTES_LIMIT),
+        default=None,
+        help="kv_gather: smallest bytes per rank (default 4K)",
+    )
+    p.add_argument(
+        "--max-bytes",
+        type=_bounded_size(1, MAX_BYTES_LIMIT),
+        default=None,
+        help=f"kv_gather: largest bytes per rank, at most {_fmt(MAX_BYTES_LIMIT)} "
+        f"(default 256M; --quick 16M); also caps the egress slice (64M)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=_int_list,
+        default=None,
+        help="q_gather / lse_reduce token counts T (default 1,8,32,128)",
+    )
+    p.add_argument(
+        "--iters",
+        type=_int_in(1, MAX_ITERS, "an integer"),
+        default=None,
+        help=f"timed samples per case, path and mode, exactly (1 to {MAX_ITERS}; "
+        f"default: 30 within a time budget per mode, --quick 8)",
+    )
+    p.add_argument(
+        "--json",
+        default=None,
+        help="write the results as JSON here (rank 0; the folder must exist)",
+    )
+    p.add_argument(
+        "--plot", default=None, help="draw the PNG plots here (rank 0; the folder must exist)"
+    )
     p.add_argument("--quick", action="store_true", help="a ~30 s smoke run")
-    p.add_argument("--seed", type=_int_in(0, 2 ** 31 - 1, "an integer"), default=None,
-                   help="base seed of the random inputs (default: fresh, printed)")
-    p.add_argument("--kv-row-dim", type=_kv_row_dim, default=GEOMETRY["D_kv"],
-                   help="kv_gather row width D_kv in elements, a multiple of 8 (default 576)")
-    p.add_argument("--timeout-ms", type=_positive_float(3.6e6, "milliseconds"), default=10000.0,
-                   help="deadline of every device wait (ops and ceilings), ms (default 10000)")
-    p.add_argument("--hang-s", type=_positive_float(86400.0, "seconds"), default=120.0,
-                   help="abort the job when a host wait for the GPU exceeds this (default 120)")
-    p.add_argument("--round-trips", type=_int_in(1, 10 ** 7, "an integer"), default=None,
-                   help="ping-pong round trips per launch (default 20000; --quick 2000)")
-    p.add_argument("--egress-bytes", type=_bounded_size(16 * KiB, MAX_BYTES_LIMIT), default=None,
-                   help="egress ceiling slice per rank, >= 16K (default min(64M, --max-bytes))")
+    p.add_argument(
+        "--seed",
+        type=_int_in(0, 2**31 - 1, "an integer"),
+        default=None,
+        help="base seed of the random inputs (default: fresh, printed)",
+    )
+    p.add_argument(
+        "--kv-row-dim",
+        type=_kv_row_dim,
+        default=GEOMETRY["D_kv"],
+        help="kv_gather row width D_kv in elements, a multiple of 8 (default 576)",
+    )
+    p.add_argument(
+        "--timeout-ms",
+        type=_positive_float(3.6e6, "milliseconds"),
+        default=10000.0,
+        help="deadline of every device wait (ops and ceilings), ms (default 10000)",
+    )
+    p.add_argument(
+        "--hang-s",
+        type=_positive_float(86400.0, "seconds"),
+        default=120.0,
+        help="abort the job when a host wait for the GPU exceeds this (default 120)",
+    )
+    p.add_argument(
+        "--round-trips",
+        type=_int_in(1, 10**7, "an integer"),
+        default=None,
+        help="ping-pong round trips per launch (default 20000; --quick 2000)",
+    )
+    p.add_argument(
+        "--egress-bytes",
+        type=_bounded_size(16 * KiB, MAX_BYTES_LIMIT),
+        default=None,
+        help="egress ceiling slice per rank, >= 16K (default min(64M, --max-bytes))",
+    )
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failed stages")
     g = p.add_argument_group("BENCHMARKS.md (no GPU, no MPI)")
-    g.add_argument("--render-md", nargs="+", metavar="JSON", default=None,
-                   help="render BENCHMARKS.md from these JSON files (one per world size) and "
-                        "exit; the markdown goes to stdout unless --md-out is given")
-    g.add_argument("--baseline", nargs="+", metavar="JSON", default=None,
-                   help="with --render-md: JSON files of an older commit at the same world "
-                        "sizes, shown as before/after")
+    g.add_argument(
+        "--render-md",
+        nargs="+",
+        metavar="JSON",
+        default=None,
+        help="render BENCHMARKS.md from these JSON files (one per world size) and "
+        "exit; the markdown goes to stdout unless --md-out is given",
+    )
+    g.add_argument(
+        "--baseline",
+        nargs="+",
+        metavar="JSON",
+        default=None,
+        help="with --render-md: JSON files of an older commit at the same world "
+        "sizes, shown as before/after",
+    )
     g.add_argument("--md-out", default=None, help="with --render-md: write the markdown here")
-    g.add_argument("--notes", default=None,
-                   help="with --render-md: a markdown file kept by hand, shown under 'Notes'")
+    g.add_argument(
+        "--notes",
+        default=None,
+        help="with --render-md: a markdown file kept by hand, shown under 'Notes'",
+    )
     return p
 
 
@@ -218,14 +306,15 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
                     parser.error(f"argument --{opt}: {v} {why}")
     else:
         if args.baseline is not None and len(args.baseline) != len(args.render_md):
-            parser.error(f"argument --baseline: must name one JSON per --render-md JSON "
-                         f"({len(args.render_md)}) (got {len(args.baseline)})")
+            parser.error(
+                f"argument --baseline: must name one JSON per --render-md JSON "
+                f"({len(args.render_md)}) (got {len(args.baseline)})"
+            )
     q = bool(args.quick)
     max_bytes = args.max_bytes if args.max_bytes is not None else (16 * MiB if q else 256 * MiB)
     min_bytes = args.min_bytes if args.min_bytes is not None else 4 * KiB
     if min_bytes > max_bytes:
-        parser.error(f"argument --min-bytes: must be <= --max-bytes {max_bytes} (got "
-                     f"{min_bytes})")
+        parser.error(f"argument --min-bytes: must be <= --max-bytes {max_bytes} (got {min_bytes})")
 
 
 def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -240,16 +329,20 @@ def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
     max_bytes = args.max_bytes if args.max_bytes is not None else (16 * MiB if q else 256 * MiB)
     min_bytes = args.min_bytes if args.min_bytes is not None else 4 * KiB
     if min_bytes < 1 or min_bytes > max_bytes:
-        raise argparse.ArgumentTypeError(f"--min-bytes must lie in [1, --max-bytes {max_bytes}] "
-                                         f"(got {min_bytes})")
+        raise argparse.ArgumentTypeError(
+            f"--min-bytes must lie in [1, --max-bytes {max_bytes}] (got {min_bytes})"
+        )
     step = 16 if q else 4
     sizes = []
     s = min_bytes
     while s <= max_bytes:
         sizes.append(s)
         s *= step
-    egress = args.egress_bytes if args.egress_bytes is not None else \
-        max(16 * KiB, min(64 * MiB, max_bytes))
+    egress = (
+        args.egress_bytes
+        if args.egress_bytes is not None
+        else max(16 * KiB, min(64 * MiB, max_bytes))
+    )
     egress = egress // 16 * 16
     tokens = args.tokens or ([1, 128] if q else [1, 8, 32, 128])
     iters = args.iters if args.iters is not None else (8 if q else 30)
@@ -257,16 +350,25 @@ def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
         "ops": [o for o in ALL_OPS if o in args.ops],
         "paths": [p for p in ALL_PATHS if p in args.paths],
         "modes": [m for m in ALL_MODES if m in args.modes],
-        "kv_sizes": sizes, "min_bytes": min_bytes, "max_bytes": max_bytes,
-        "tokens": sorted(set(tokens)), "iters": iters, "iters_exact": args.iters is not None,
-        "quick": q, "json": args.json, "plot": args.plot, "seed": args.seed,
+        "kv_sizes": sizes,
+        "min_bytes": min_bytes,
+        "max_bytes": max_bytes,
+        "tokens": sorted(set(tokens)),
+        "iters": iters,
+        "iters_exact": args.iters is not None,
+        "quick": q,
+        "json": args.json,
+        "plot": args.plot,
+        "seed": args.seed,
         "geometry": dict(GEOMETRY, D_kv=int(args.kv_row_dim)),
-        "timeout_ms": float(args.timeout_ms), "hang_s": float(args.hang_s),
-        "round_trips": args.round_trips if args.round_trips is not None else
-        (2000 if q else 20000),
+        "timeout_ms": float(args.timeout_ms),
+        "hang_s": float(args.hang_s),
+        "round_trips": args.round_trips if args.round_trips is not None else (2000 if q else 20000),
         "pingpong_repeats": 3 if q else 5,
-        "egress_slice_bytes": int(egress), "egress_samples": 3 if q else 10,
+        "egress_slice_bytes": int(egress),
+        "egress_samples": 3 if q else 10,
         "sample_target_us": 500.0 if q else 1000.0,
         "mode_budget_s": 0.05 if q else 0.3,
-        "graph_calls": 20, "verbose": bool(args.verbose),
+        "graph_calls": 20,
+        "verbose": bool(args.verbose),
     }

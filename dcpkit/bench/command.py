@@ -1,5 +1,5 @@
-"""The entry points: ``dcpkit bench`` (:func:`main`) and ``--render-md`` (:func:`render_md_main`).
-"""
+"""The entry points: ``dcpkit bench`` (:func:`main`) and ``--render-md``
+(:func:`render_md_main`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import os
 import shlex
 import sys
 import warnings
-from typing import Any
 from collections.abc import Sequence
+from typing import Any
 
 from ..errors import DcpkitError, MissingDependency
 from . import markdown
@@ -61,8 +61,9 @@ def render_command(args: argparse.Namespace) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def _load(paths: Sequence[str], out_dir: str, what: str = ""
-          ) -> tuple[list[dict[str, Any]], dict[Any, str]]:
+def _load(
+    paths: Sequence[str], out_dir: str, what: str = ""
+) -> tuple[list[dict[str, Any]], dict[Any, str]]:
     results, plots = [], {}
     for path in paths:
         try:
@@ -73,15 +74,16 @@ def _load(paths: Sequence[str], out_dir: str, what: str = ""
         except ValueError as e:  # json.JSONDecodeError
             raise _RenderError(f"{what}{path} is not JSON ({e})") from None
         if not isinstance(res, dict):
-            raise _RenderError(f"{what}{path} must hold one {SCHEMA} JSON object (got a JSON "
-                               f"{type(res).__name__})")
+            raise _RenderError(
+                f"{what}{path} must hold one {SCHEMA} JSON object (got a JSON {type(res).__name__})"
+            )
         if res.get("schema") not in SCHEMAS_READ:
-            raise _RenderError(f"{what}{path} is not a {SCHEMA} JSON (schema "
-                               f"{res.get('schema')!r})")
+            raise _RenderError(
+                f"{what}{path} is not a {SCHEMA} JSON (schema {res.get('schema')!r})"
+            )
         results.append(res)
         png = os.path.splitext(path)[0] + ".png"
-        W = (res.get("meta") or {}).get("world_size") if isinstance(res.get("meta"), dict) \
-            else None
+        W = (res.get("meta") or {}).get("world_size") if isinstance(res.get("meta"), dict) else None
         if os.path.isfile(png) and W is not None:
             plots[W] = os.path.relpath(os.path.abspath(png), out_dir)
     return results, plots
@@ -99,8 +101,7 @@ def render_md_main(args: argparse.Namespace) -> int:
         if os.path.isdir(args.md_out):
             return _fail(f"cannot write --md-out {args.md_out}: it is a directory")
         if not os.path.isdir(out_dir):
-            return _fail(f"cannot write --md-out {args.md_out}: directory {out_dir} "
-                         f"does not exist")
+            return _fail(f"cannot write --md-out {args.md_out}: directory {out_dir} does not exist")
     try:
         results, plots = _load(args.render_md, out_dir)
         baselines, _ = _load(args.baseline or [], out_dir, "--baseline ")
@@ -115,8 +116,9 @@ def render_md_main(args: argparse.Namespace) -> int:
             return _fail(f"cannot read --notes {args.notes}: {_oserror_text(e)}")
     bad_types = (KeyError, TypeError, ValueError, AttributeError, IndexError)
     try:
-        md = markdown.render_markdown(results, notes=notes, plots=plots,
-                                    command=render_command(args), baselines=baselines)
+        md = markdown.render_markdown(
+            results, notes=notes, plots=plots, command=render_command(args), baselines=baselines
+        )
     except bad_types as e:
         # name the file that does not render on its own, if one does not
         bad = list(args.render_md) + list(args.baseline or [])
@@ -161,16 +163,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():
             # mpi4py's own multi-line note on a foreign launcher's variables: the one line
             # below says the same, with what to do
-            warnings.filterwarnings("ignore", message="suspicious MPI execution environment",
-                                    category=RuntimeWarning)
+            warnings.filterwarnings(
+                "ignore", message="suspicious MPI execution environment", category=RuntimeWarning
+            )
             comm = Communicator.from_mpi()
     except (DcpkitError, MissingDependency) as e:
         # e.g. a launcher started several processes but MPI sees one (another MPI library)
         print(f"dcpkit bench: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if comm.world_size < 2:
-        print("dcpkit bench: needs at least 2 ranks (one per GPU): run it under "
-              "mpirun -np N python -m dcpkit bench, N >= 2", file=sys.stderr)
+        print(
+            "dcpkit bench: needs at least 2 ranks (one per GPU): run it under "
+            "mpirun -np N python -m dcpkit bench, N >= 2",
+            file=sys.stderr,
+        )
         return 2
     try:
         dev = CupyDevice(comm, cfg)
@@ -180,7 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ..info import no_driver_reason
 
         why = no_driver_reason() or f"{type(e).__name__}: {e}"
-        print(f"dcpkit bench: rank {comm.rank}: no usable GPU ({why}); the benchmark needs a GPU "
-              f"on every rank", file=sys.stderr)
+        print(
+            f"dcpkit bench: rank {comm.rank}: no usable GPU ({why}); the benchmark needs a GPU "
+            f"on every rank",
+            file=sys.stderr,
+        )
         return 2
     return run_bench(cfg, comm, dev, argv)

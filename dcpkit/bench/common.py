@@ -10,9 +10,24 @@ import numpy as np
 
 from ..errors import DcpkitError
 
-__all__ = ["GEOMETRY", "ALL_OPS", "ALL_PATHS", "ALL_MODES", "NCCL_PATHS", "PEER_PATHS",
-           "FLOOR_PATH", "SCHEMA", "SCHEMAS_READ", "StageFailed", "BenchHang", "BarrierTimeout",
-           "short", "jsonable", "KiB", "MiB"]
+__all__ = [
+    "GEOMETRY",
+    "ALL_OPS",
+    "ALL_PATHS",
+    "ALL_MODES",
+    "NCCL_PATHS",
+    "PEER_PATHS",
+    "FLOOR_PATH",
+    "SCHEMA",
+    "SCHEMAS_READ",
+    "StageFailed",
+    "BenchHang",
+    "BarrierTimeout",
+    "short",
+    "jsonable",
+    "KiB",
+    "MiB",
+]
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -8,8 +8,8 @@ import contextlib
 import math
 import time
 import warnings
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -21,8 +21,8 @@ from .stats import median
 __all__ = ["DeviceBase", "CupyDevice", "uint_dtype", "to_f32"]
 
 # Offsets in the small symmetric heap of the ceilings kernels.
-_PP_OFF = 0      # ping-pong word (u32)
-_BAR_OFF = 256   # barrier words (u32 [world_size])
+_PP_OFF = 0  # ping-pong word (u32)
+_BAR_OFF = 256  # barrier words (u32 [world_size])
 _SYNC_HEAP_BYTES = 4096
 
 
@@ -83,8 +83,9 @@ class DeviceBase:
         wrong, first, max_err, rel = 0, [], None, None
         for i, (o, (kind, ref, tol)) in enumerate(zip(outs, refs)):
             if tuple(o.shape) != tuple(ref.shape):
-                raise ValueError(f"output {i} has shape {tuple(o.shape)}, the reference "
-                                 f"{tuple(ref.shape)}")
+                raise ValueError(
+                    f"output {i} has shape {tuple(o.shape)}, the reference {tuple(ref.shape)}"
+                )
             if kind == "bits":
                 bad = o.view(uint_dtype(o.dtype.itemsize)) != ref
             else:
@@ -162,17 +163,24 @@ class CupyDevice(DeviceBase):
         name = name.decode() if isinstance(name, bytes) else str(name)
         rt = cupy.cuda.runtime.runtimeGetVersion()
         dv = cupy.cuda.runtime.driverGetVersion()
-        out = {"gpu": name, "gpu_count": self.gpu_count, "device": self.device,
-               "sm_count": self.sm_count,
-               "cuda_runtime": f"{rt // 1000}.{(rt % 1000) // 10}",
-               "cuda_driver_api": f"{dv // 1000}.{(dv % 1000) // 10}",
-               "driver": driver_version()}
+        out = {
+            "gpu": name,
+            "gpu_count": self.gpu_count,
+            "device": self.device,
+            "sm_count": self.sm_count,
+            "cuda_runtime": f"{rt // 1000}.{(rt % 1000) // 10}",
+            "cuda_driver_api": f"{dv // 1000}.{(dv % 1000) // 10}",
+            "driver": driver_version(),
+        }
         try:
             from cupy.cuda import nccl
 
             v = nccl.get_version()
-            out["nccl"] = f"{v // 10000}.{(v % 10000) // 100}.{v % 100}" if v >= 10000 else \
-                f"{v // 1000}.{(v % 1000) // 100}.{v % 100}"
+            out["nccl"] = (
+                f"{v // 10000}.{(v % 10000) // 100}.{v % 100}"
+                if v >= 10000
+                else f"{v // 1000}.{(v % 1000) // 100}.{v % 100}"
+            )
         except Exception:  # noqa: BLE001 - NCCL not available through CuPy
             out["nccl"] = None
         return out
@@ -204,9 +212,11 @@ class CupyDevice(DeviceBase):
         while not ev.done:
             n += 1
             if (n & 1023) == 0 and time.monotonic() - t0 > self.hang_s:
-                raise BenchHang(f"rank {self.rank}: the GPU did not finish {what} within "
-                                f"{self.hang_s:g} s (a kernel without deadline, e.g. NCCL, is "
-                                f"stuck)")
+                raise BenchHang(
+                    f"rank {self.rank}: the GPU did not finish {what} within "
+                    f"{self.hang_s:g} s (a kernel without deadline, e.g. NCCL, is "
+                    f"stuck)"
+                )
 
     def wait_stream(self, stream, what: str = "the stream") -> None:
         ev = self.cupy.cuda.Event(disable_timing=True)
@@ -240,13 +250,15 @@ class CupyDevice(DeviceBase):
             flags = cupy.cuda.runtime.hostAllocMapped | cupy.cuda.runtime.hostAllocPortable
             self._status_ptr = cupy.cuda.runtime.hostAlloc(64, flags)
             self._status = np.ctypeslib.as_array(
-                (ctypes.c_uint32 * 16).from_address(self._status_ptr))
+                (ctypes.c_uint32 * 16).from_address(self._status_ptr)
+            )
             self._status[:] = 0
         if self.sync_heap is None:
             self.sync_heap = SymmetricHeap(self.comm, _SYNC_HEAP_BYTES, multicast=False)
             # the heap starts zeroed: no barrier or ping-pong value is ever 0
-            self._bar_peers = cupy.asarray(np.array(
-                [p + _BAR_OFF for p in self.sync_heap.peer_ptrs], dtype=np.uint64))
+            self._bar_peers = cupy.asarray(
+                np.array([p + _BAR_OFF for p in self.sync_heap.peer_ptrs], dtype=np.uint64)
+            )
 
     def close(self) -> None:
         """Collective: release the sync heap and the host status word."""
@@ -263,11 +275,20 @@ class CupyDevice(DeviceBase):
         """Enqueue the device barrier (every rank must enqueue it, in the same order)."""
         self._bar_value += 1
         block = max(32, -(-self.world // 32) * 32)
-        self._k_bar((1,), (block,), (
-            np.uint64(self.sync_heap.local_ptr + _BAR_OFF), self._bar_peers,
-            np.int32(self.rank), np.int32(self.world),
-            np.uint32(self._bar_value & 0xFFFFFFFF), np.uint64(self.timeout_ns),
-            np.uint64(self._status_ptr)), stream=stream)
+        self._k_bar(
+            (1,),
+            (block,),
+            (
+                np.uint64(self.sync_heap.local_ptr + _BAR_OFF),
+                self._bar_peers,
+                np.int32(self.rank),
+                np.int32(self.world),
+                np.uint32(self._bar_value & 0xFFFFFFFF),
+                np.uint64(self.timeout_ns),
+                np.uint64(self._status_ptr),
+            ),
+            stream=stream,
+        )
 
     def barrier_token(self) -> int:
         return self._bar_value
@@ -284,8 +305,10 @@ class CupyDevice(DeviceBase):
         self._ev_b.record(stream)
         self._poll(self._ev_b, "the device barrier")
         if self._status[0]:
-            raise BarrierTimeout(f"rank {self.rank}: a peer did not reach the device barrier "
-                                 f"within {self.timeout_ns / 1e6:g} ms")
+            raise BarrierTimeout(
+                f"rank {self.rank}: a peer did not reach the device barrier "
+                f"within {self.timeout_ns / 1e6:g} ms"
+            )
 
     def sample(self, stream, enqueue: Callable[[], Any]) -> float:
         """One timed region: align the ranks, then time ``enqueue()`` on ``stream`` with events.
@@ -333,20 +356,38 @@ class CupyDevice(DeviceBase):
             if self.rank < 2:
                 peer = 1 - self.rank
                 self._ev0.record(s)
-                self._k_pp((1,), (32,), (
-                    np.uint64(heap.local_ptr + _PP_OFF), np.uint64(heap.peer_ptrs[peer] + _PP_OFF),
-                    np.int32(1 if self.rank == 0 else 0),
-                    np.uint32(self._pp_base & 0xFFFFFFFF), np.int32(round_trips),
-                    np.int32(warm), np.uint64(self.timeout_ns), status, elapsed), stream=s)
+                self._k_pp(
+                    (1,),
+                    (32,),
+                    (
+                        np.uint64(heap.local_ptr + _PP_OFF),
+                        np.uint64(heap.peer_ptrs[peer] + _PP_OFF),
+                        np.int32(1 if self.rank == 0 else 0),
+                        np.uint32(self._pp_base & 0xFFFFFFFF),
+                        np.int32(round_trips),
+                        np.int32(warm),
+                        np.uint64(self.timeout_ns),
+                        status,
+                        elapsed,
+                    ),
+                    stream=s,
+                )
                 self._ev1.record(s)
                 self._poll(self._ev1, "the ping-pong")
                 st = status.get()
                 if st[0] != 0:
-                    raise RuntimeError(f"ping-pong: rank {self.rank} timed out after {int(st[1])} "
-                                       f"of {round_trips} round trips")
+                    raise RuntimeError(
+                        f"ping-pong: rank {self.rank} timed out after {int(st[1])} "
+                        f"of {round_trips} round trips"
+                    )
                 if rep > 0:
-                    out.append({"event_us": cupy.cuda.get_elapsed_time(self._ev0, self._ev1) * 1e3,
-                                "globaltimer_ns": float(elapsed.get()[0]), "warm": warm})
+                    out.append(
+                        {
+                            "event_us": cupy.cuda.get_elapsed_time(self._ev0, self._ev1) * 1e3,
+                            "globaltimer_ns": float(elapsed.get()[0]),
+                            "warm": warm,
+                        }
+                    )
             self._pp_base += round_trips + 1
         return out if self.rank < 2 else None
 
@@ -366,16 +407,21 @@ class CupyDevice(DeviceBase):
         # later step of this setup fails here
         self._egress = {"heap": heap, "src": None, "dst": None, "slice": slice_bytes}
         self._egress["src"] = self._pattern(self.rank, slice_bytes // 4)
-        self._egress["dst"] = cupy.asarray(np.array(
-            [p + self.rank * slice_bytes for p in heap.peer_ptrs], dtype=np.uint64))
+        self._egress["dst"] = cupy.asarray(
+            np.array([p + self.rank * slice_bytes for p in heap.peer_ptrs], dtype=np.uint64)
+        )
         cupy.cuda.runtime.deviceSynchronize()
 
     def _egress_launch(self, stream, nvec: int, grid: int, block: int) -> None:
         e = self._egress
         src = e["src"] if e else self._bar_peers  # any valid pointer for the empty kernel
         dst = e["dst"] if e else self._bar_peers
-        self._k_egress((grid,), (block,), (src, dst, np.int32(self.rank), np.int32(self.world),
-                                           np.uint64(nvec)), stream=stream)
+        self._k_egress(
+            (grid,),
+            (block,),
+            (src, dst, np.int32(self.rank), np.int32(self.world), np.uint64(nvec)),
+            stream=stream,
+        )
 
     def egress_run(self, samples: int) -> list[float]:
         """Time ``samples`` egress launches (after two warm-up launches); µs each."""
@@ -385,8 +431,10 @@ class CupyDevice(DeviceBase):
         for _ in range(2):
             self.aligned(s)
             self._egress_launch(s, nvec, grid, block)
-        return [self.sample(s, lambda: self._egress_launch(s, nvec, grid, block))
-                for _ in range(samples)]
+        return [
+            self.sample(s, lambda: self._egress_launch(s, nvec, grid, block))
+            for _ in range(samples)
+        ]
 
     def egress_check(self) -> int:
         """Words of the peers' slices that differ from their pattern (needs a host barrier
@@ -414,11 +462,10 @@ class CupyDevice(DeviceBase):
         a graph of 20 (10 replays). Local: no cross-rank work besides the barrier."""
         s = self.stream
         launch = lambda: self._egress_launch(s, 0, 1, 32)  # noqa: E731
-        eager = [self.sample(s, lambda: [launch() for _ in range(200)]) / 200
-                 for _ in range(samples)]
+        eager = [
+            self.sample(s, lambda: [launch() for _ in range(200)]) / 200 for _ in range(samples)
+        ]
         run, _ = self.capture(s, launch, 20)
         run()
-        graph = [self.sample(s, lambda: [run() for _ in range(10)]) / 200
-                 for _ in range(samples)]
+        graph = [self.sample(s, lambda: [run() for _ in range(10)]) / 200 for _ in range(samples)]
         return {"launch_eager_us": median(eager), "launch_graph_us": median(graph)}
-

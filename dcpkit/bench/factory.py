@@ -13,17 +13,25 @@ from .stages import Ctx
 
 __all__ = ["make_runner", "local_paths", "paths_for", "FAMILIES"]
 
-FAMILIES = {"direct": DirectRunner, "direct-pull": DirectRunner, "multicast": DirectRunner,
-            "floor": FloorRunner, "nvshmem": NvshmemRunner, "nccl": NcclRunner,
-            "torch": TorchRunner}
+FAMILIES = {
+    "direct": DirectRunner,
+    "direct-pull": DirectRunner,
+    "multicast": DirectRunner,
+    "floor": FloorRunner,
+    "nvshmem": NvshmemRunner,
+    "nccl": NcclRunner,
+    "torch": TorchRunner,
+}
 
 
-def make_runner(ctx: Ctx, op: str, path: str, max_tokens: int,
-                variant: str | None = None) -> Runner:
+def make_runner(
+    ctx: Ctx, op: str, path: str, max_tokens: int, variant: str | None = None
+) -> Runner:
     """The runner of ``op`` on ``path`` (the sweep's default factory)."""
     if op == "decode_layer":
-        return DecodeRunner(ctx, op, path, max_tokens,
-                            lambda c, o, p, m: make_runner(c, o, p, m, variant))
+        return DecodeRunner(
+            ctx, op, path, max_tokens, lambda c, o, p, m: make_runner(c, o, p, m, variant)
+        )
     return FAMILIES[path](ctx, op, path, max_tokens, variant)
 
 

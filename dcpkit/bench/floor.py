@@ -23,15 +23,16 @@ from .stats import floor_bytes_per_peer
 __all__ = ["FloorRunner", "estimate_ctas"]
 
 _THREADS = 256
-_VECTORS_PER_CTA = 512   # the gathers' default grid rule (dcpkit/ops/_gather.py)
+_VECTORS_PER_CTA = 512  # the gathers' default grid rule (dcpkit/ops/_gather.py)
 
 
 def _grid(total: int, per_cta: int, max_ctas: int) -> int:
     return max(1, min(int(max_ctas), -(-int(total) // max(1, int(per_cta)))))
 
 
-def estimate_ctas(op: str, geom: dict[str, Any], world_size: int, max_ctas: int,
-                  op_obj: Any = None) -> int:
+def estimate_ctas(
+    op: str, geom: dict[str, Any], world_size: int, max_ctas: int, op_obj: Any = None
+) -> int:
     """The CTAs of one launch of ``op`` at ``geom["T"]``: ``op_obj.ctas_for(T)`` where the op
     has it, else the ops' own grid rules (gathers: one CTA per ``vectors_per_cta`` 16-byte
     vectors of a rank's block; lse_reduce: one warp per (source, token, owned head)), at most
@@ -76,8 +77,9 @@ class FloorRunner(Runner):
         geom = dict(self.geom, itemsize=2, T=self.max_tokens)
         self.slot_bytes = -(-floor_bytes_per_peer(self.op, geom, W) // 256) * 256
         obj = ctx.op_objects.get(self.op)
-        self.max_ctas = int(getattr(obj, "max_ctas", 0) or 0) or \
-            max(1, int(dev.sm_count) // max(1, int(getattr(ctx, "ranks_on_gpu", 1) or 1)))
+        self.max_ctas = int(getattr(obj, "max_ctas", 0) or 0) or max(
+            1, int(dev.sm_count) // max(1, int(getattr(ctx, "ranks_on_gpu", 1) or 1))
+        )
         self.sig_off = W * self.slot_bytes
         sig_bytes = -(-(self.max_ctas * W * 4) // 256) * 256
         self.heap = SymmetricHeap(ctx.comm, self.sig_off + sig_bytes, multicast=False)
@@ -103,10 +105,12 @@ class FloorRunner(Runner):
         self.binds += 1
         self.src = pattern(xp, ctx.rank, salt, nwords)
         peers = [s for s in range(W) if s != ctx.rank]
-        self.outs = tuple(self.heap.view(s * self.slot_bytes, (nwords,), np.uint32)
-                          for s in peers) + (self.status[:self.ctas],)
-        self.refs = [("bits", pattern(xp, s, salt, nwords), None) for s in peers] + \
-            [("bits", xp.zeros(self.ctas, dtype=xp.uint32), None)]
+        self.outs = tuple(
+            self.heap.view(s * self.slot_bytes, (nwords,), np.uint32) for s in peers
+        ) + (self.status[: self.ctas],)
+        self.refs = [("bits", pattern(xp, s, salt, nwords), None) for s in peers] + [
+            ("bits", xp.zeros(self.ctas, dtype=xp.uint32), None)
+        ]
         dev.sync_null()
 
     def check_outputs(self):
@@ -117,10 +121,23 @@ class FloorRunner(Runner):
 
     def call(self, outs=None, graph: bool = False):
         ctx = self.ctx
-        self.kernel((self.ctas,), (_THREADS,), (
-            self.src, np.uint64(self.nvec), self.peer_base, np.uint64(self.slot_bytes),
-            np.uint64(self.sig_off), self.epochs, np.int32(ctx.rank), np.int32(ctx.world),
-            np.uint64(int(ctx.cfg["timeout_ms"] * 1e6)), self.status), stream=self.stream)
+        self.kernel(
+            (self.ctas,),
+            (_THREADS,),
+            (
+                self.src,
+                np.uint64(self.nvec),
+                self.peer_base,
+                np.uint64(self.slot_bytes),
+                np.uint64(self.sig_off),
+                self.epochs,
+                np.int32(ctx.rank),
+                np.int32(ctx.world),
+                np.uint64(int(ctx.cfg["timeout_ms"] * 1e6)),
+                self.status,
+            ),
+            stream=self.stream,
+        )
         return self.outs
 
     def close(self) -> None:
@@ -129,4 +146,3 @@ class FloorRunner(Runner):
         if heap is not None:
             self.dev.quiesce()
             heap.close()
-

@@ -13,11 +13,12 @@ Pure Python: CPU tests render synthetic results.
 
 from __future__ import annotations
 
-from typing import Any
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from .report import case_label as _case
-from .report import fmt_bytes, one_line as _one_line, path_label, render_table
+from .report import fmt_bytes, path_label, render_table
+from .report import one_line as _one_line
 from .report import status_text as _status
 from .report import value_text as _value
 from .row import case_key
@@ -33,74 +34,109 @@ def _f(v: float | None, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def analyse_missed(item: Mapping[str, Any], row: Mapping[str, Any],
-                   ceilings: Mapping[str, Any], rows: Sequence[Mapping[str, Any]] = ()) -> str:
+def analyse_missed(
+    item: Mapping[str, Any],
+    row: Mapping[str, Any],
+    ceilings: Mapping[str, Any],
+    rows: Sequence[Mapping[str, Any]] = (),
+) -> str:
     """Where the time of a row that missed a target goes, against the measured ceilings, and
     what would close the gap (a generated first reading; notes by hand go in the notes file)."""
     t = row.get("median_us")
     lat = ceilings.get("one_way_latency_us")
     egr = ceilings.get("egress_GBps")
     if t is None or lat is None or not egr:
-        return (f"{item['target']} ({_case(item)}, {row['path']}, {row['mode']}): "
-                f"not analysable (a ceiling or the time is missing).")
+        return (
+            f"{item['target']} ({_case(item)}, {row['path']}, {row['mode']}): "
+            f"not analysable (a ceiling or the time is missing)."
+        )
     lat_term = int(row.get("exchanges", 1)) * lat
     bw_term = row.get("egress_bytes", 0) / (egr * 1e3)
     n_launch = int(row.get("launches_per_call") or row.get("exchanges", 1))
     per_launch = ceilings.get("launch_graph_us" if row["mode"] == "graph" else "launch_eager_us")
     launch_term = (per_launch or 0.0) * n_launch
     rest = t - lat_term - bw_term - launch_term
-    head = (f"**{item['target']}** ({_case(item)}, {row['path']}, {row['mode']}): "
-            f"{_value(item, item['value'])} against {item['sense']} "
-            f"{_value(item, item['limit'])}. ")
-    body = (f"Time {t:.2f} us = one-way latency {lat_term:.2f} us"
-            f"{' (2 exchanges)' if row.get('exchanges', 1) == 2 else ''}"
-            f" + bandwidth {bw_term:.2f} us ({fmt_bytes(row.get('egress_bytes'))} of egress at "
-            f"{egr:.0f} GB/s) + launch {launch_term:.2f} us ({n_launch} kernel(s) at "
-            f"{_f(per_launch)} us) + {rest:.2f} us not explained by the three. ")
+    head = (
+        f"**{item['target']}** ({_case(item)}, {row['path']}, {row['mode']}): "
+        f"{_value(item, item['value'])} against {item['sense']} "
+        f"{_value(item, item['limit'])}. "
+    )
+    body = (
+        f"Time {t:.2f} us = one-way latency {lat_term:.2f} us"
+        f"{' (2 exchanges)' if row.get('exchanges', 1) == 2 else ''}"
+        f" + bandwidth {bw_term:.2f} us ({fmt_bytes(row.get('egress_bytes'))} of egress at "
+        f"{egr:.0f} GB/s) + launch {launch_term:.2f} us ({n_launch} kernel(s) at "
+        f"{_f(per_launch)} us) + {rest:.2f} us not explained by the three. "
+    )
     frac = row.get("busbw_frac")
-    over = t - lat_term - bw_term   # time beyond the floor
+    over = t - lat_term - bw_term  # time beyond the floor
     fk = row.get("floor_kernel_us")
     if fk:
-        body += (f"The floor kernel (same bytes, CTAs and protocol floor) takes {fk:.2f} us here: "
-                 f"{t - fk:+.2f} us is the op's own cost beyond it. ")
+        body += (
+            f"The floor kernel (same bytes, CTAs and protocol floor) takes {fk:.2f} us here: "
+            f"{t - fk:+.2f} us is the op's own cost beyond it. "
+        )
     if item["metric"] == "speedup_vs_nccl":
-        base = [r for r in rows if r["path"] == row.get("baseline_path")
-                and r["op"] == row["op"] and r["mode"] == row["mode"]
-                and r.get("T") == row.get("T")
-                and r.get("nominal_bytes") == row.get("nominal_bytes")]
+        base = [
+            r
+            for r in rows
+            if r["path"] == row.get("baseline_path")
+            and r["op"] == row["op"]
+            and r["mode"] == row["mode"]
+            and r.get("T") == row.get("T")
+            and r.get("nominal_bytes") == row.get("nominal_bytes")
+        ]
         if base and base[0].get("median_us") and row.get("floor_us"):
             b = base[0]["median_us"]
             best = row["floor_us"] + launch_term
-            body += (f"NCCL ({row.get('baseline_path')}) takes {b:.2f} us; even at floor + launch "
-                     f"({best:.2f} us) the ratio would be {b / best:.2f}x. ")
+            body += (
+                f"NCCL ({row.get('baseline_path')}) takes {b:.2f} us; even at floor + launch "
+                f"({best:.2f} us) the ratio would be {b / best:.2f}x. "
+            )
     if over <= 0.05 * t:
-        fix = ("The time is at the floor: only fewer bytes (a narrower dtype) or fewer dependent "
-               "exchanges would close it")
+        fix = (
+            "The time is at the floor: only fewer bytes (a narrower dtype) or fewer dependent "
+            "exchanges would close it"
+        )
     elif bw_term >= lat_term and bw_term >= launch_term and frac is not None and frac < 0.9:
-        fix = (f"The op is bandwidth-bound and its links run at {100 * frac:.0f}% of the egress "
-               f"ceiling: keep more 16-byte stores in flight (more CTAs, unrolled loops), start "
-               f"every rank at a different peer, avoid extra local copies")
+        fix = (
+            f"The op is bandwidth-bound and its links run at {100 * frac:.0f}% of the egress "
+            f"ceiling: keep more 16-byte stores in flight (more CTAs, unrolled loops), start "
+            f"every rank at a different peer, avoid extra local copies"
+        )
     elif launch_term >= 0.5 * over:
-        fix = ("Launch dominates the time beyond the floor: capture the call in a CUDA graph and "
-               "trim host work per call" if row["mode"] == "eager" else
-               "Launch dominates the time beyond the floor: fold the call into fewer kernels "
-               f"(launches_per_call = {row.get('launches_per_call') or '?'})")
+        fix = (
+            "Launch dominates the time beyond the floor: capture the call in a CUDA graph and "
+            "trim host work per call"
+            if row["mode"] == "eager"
+            else "Launch dominates the time beyond the floor: fold the call into fewer kernels "
+            f"(launches_per_call = {row.get('launches_per_call') or '?'})"
+        )
     elif lat_term >= bw_term and lat_term >= rest:
-        fix = ("One-way latency dominates: only fewer dependent exchanges (e.g. fusing the "
-               "exchange into the producer kernel) would close it")
+        fix = (
+            "One-way latency dominates: only fewer dependent exchanges (e.g. fusing the "
+            "exchange into the producer kernel) would close it"
+        )
     else:
-        fix = ("Most of the time is beyond latency, bandwidth and launch: protocol and kernel "
-               "overhead (fences, signal waits, last-CTA election, the combine or copy work); "
-               "profile the kernel (nsys / ncu) and overlap the waits with the payload")
+        fix = (
+            "Most of the time is beyond latency, bandwidth and launch: protocol and kernel "
+            "overhead (fences, signal waits, last-CTA election, the combine or copy work); "
+            "profile the kernel (nsys / ncu) and overlap the waits with the payload"
+        )
     return head + body + "What would close it: " + fix + "."
 
 
 # ----------------------------------------------------------------------------- markdown
 def _row_for(item: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]):
     for r in rows:
-        if (r["op"] == item["op"] and r["path"] == item["path"] and r["mode"] == item["mode"]
-                and r.get("T") == item["T"] and r.get("nominal_bytes") == item["nominal_bytes"]
-                and not r.get("variant")):
+        if (
+            r["op"] == item["op"]
+            and r["path"] == item["path"]
+            and r["mode"] == item["mode"]
+            and r.get("T") == item["T"]
+            and r.get("nominal_bytes") == item["nominal_bytes"]
+            and not r.get("variant")
+        ):
             return r
     return None
 
@@ -110,15 +146,19 @@ def _md_escape(s: Any) -> str:
 
 
 def _targets_md(items: Sequence[Mapping[str, Any]]) -> list[str]:
-    out = ["| target | op | case | path | mode | measured | limit | result |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| target | op | case | path | mode | measured | limit | result |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for it in items:
         lim = "-" if it["limit"] is None else f"{it['sense']} {_value(it, it['limit'])}"
         res = _status(it) if _status(it) != "MISSED" else "**missed**"
         note = f" ({_md_escape(it['note'])})" if it.get("note") else ""
-        out.append(f"| {_md_escape(it['text'])} | {it['op']} | {_case(it)} | "
-                   f"{it['path'] or '-'} | {it['mode']} | {_value(it, it['value'])} | {lim} | "
-                   f"{res}{note} |")
+        out.append(
+            f"| {_md_escape(it['text'])} | {it['op']} | {_case(it)} | "
+            f"{it['path'] or '-'} | {it['mode']} | {_value(it, it['value'])} | {lim} | "
+            f"{res}{note} |"
+        )
     return out
 
 
@@ -171,29 +211,44 @@ def _key(r: Mapping[str, Any]):
 
 def before_after(cur: Mapping[str, Any], base: Mapping[str, Any]) -> list[str]:
     """A table of the rows present in both runs: median before, after, and after / before."""
-    old = {_key(r): r for r in base.get("rows") or []
-           if not r.get("error") and r.get("median_us") is not None}
-    out = ["| op | case | path | mode | before (us) | after (us) | after / before |",
-           "|---|---|---|---|---|---|---|"]
+    old = {
+        _key(r): r
+        for r in base.get("rows") or []
+        if not r.get("error") and r.get("median_us") is not None
+    }
+    out = [
+        "| op | case | path | mode | before (us) | after (us) | after / before |",
+        "|---|---|---|---|---|---|---|",
+    ]
     n = 0
     for r in cur.get("rows") or []:
         b = old.get(_key(r))
         if b is None or r.get("error") or r.get("median_us") is None:
             continue
         n += 1
-        case = (f"{fmt_bytes(r.get('nominal_bytes'))}/rank" if r["op"] == "kv_gather"
-                else f"T={r.get('T')}")
-        out.append(f"| {r['op']} | {case} | {path_label(r)} | {r['mode']} | "
-                   f"{b['median_us']:.2f} | {r['median_us']:.2f} | "
-                   f"{r['median_us'] / b['median_us']:.2f} |")
+        case = (
+            f"{fmt_bytes(r.get('nominal_bytes'))}/rank"
+            if r["op"] == "kv_gather"
+            else f"T={r.get('T')}"
+        )
+        out.append(
+            f"| {r['op']} | {case} | {path_label(r)} | {r['mode']} | "
+            f"{b['median_us']:.2f} | {r['median_us']:.2f} | "
+            f"{r['median_us'] / b['median_us']:.2f} |"
+        )
     if not n:
         return ["No row was measured in both runs."]
     return out
 
 
-def render_markdown(results: Sequence[Mapping[str, Any]], *, notes: str | None = None,
-                    plots: Mapping[int, str] | None = None, command: str | None = None,
-                    baselines: Sequence[Mapping[str, Any]] = ()) -> str:
+def render_markdown(
+    results: Sequence[Mapping[str, Any]],
+    *,
+    notes: str | None = None,
+    plots: Mapping[int, str] | None = None,
+    command: str | None = None,
+    baselines: Sequence[Mapping[str, Any]] = (),
+) -> str:
     """BENCHMARKS.md from the JSON of one or more runs (one per world size).
 
     Parameters
@@ -209,72 +264,110 @@ def render_markdown(results: Sequence[Mapping[str, Any]], *, notes: str | None =
     baselines : sequence of dict
         Runs of an older commit; each run is compared with the baseline of its world size.
     """
-    res = sorted((_normalize(r) for r in results),
-                 key=lambda r: (r.get("meta") or {}).get("world_size", 0))
+    res = sorted(
+        (_normalize(r) for r in results), key=lambda r: (r.get("meta") or {}).get("world_size", 0)
+    )
     base = {(b.get("meta") or {}).get("world_size"): b for b in baselines}
     plots = dict(plots or {})
     cmd = command or "python -m dcpkit.bench --render-md JSON..."
-    out = ["# dcpkit benchmarks", "",
-           f"<!-- Generated by `{cmd}`: do not edit by hand; regenerate from the JSON. -->",
-           f"Generated by `{cmd}` from the JSON written by `python -m dcpkit bench` (see "
-           "`scripts/gpu_suite.sh`); every figure below comes from that JSON. Times are µs per "
-           "call: the median (and p90) over iterations, each iteration timed with CUDA events "
-           "and taken as the maximum over ranks. The **floor** of a row is the one-way signal "
-           "latency plus the bytes each GPU must send divided by the unicast egress ceiling, both "
-           "measured in the same run; `x floor` = time / floor. The **floor kernel** (`fk`, path "
-           "`floor`) is a minimal exchange kernel moving the row's egress bytes with the op's "
-           "CTAs and the minimal publish / wait protocol, timed exactly like the op; `x fk` = "
-           "time / it. `x NCCL` and `x NVSHMEM` = time of the fastest NCCL / NVSHMEM row of the "
-           "same case and mode / this time.", ""]
+    out = [
+        "# dcpkit benchmarks",
+        "",
+        f"<!-- Generated by `{cmd}`: do not edit by hand; regenerate from the JSON. -->",
+        f"Generated by `{cmd}` from the JSON written by `python -m dcpkit bench` (see "
+        "`scripts/gpu_suite.sh`); every figure below comes from that JSON. Times are µs per "
+        "call: the median (and p90) over iterations, each iteration timed with CUDA events "
+        "and taken as the maximum over ranks. The **floor** of a row is the one-way signal "
+        "latency plus the bytes each GPU must send divided by the unicast egress ceiling, both "
+        "measured in the same run; `x floor` = time / floor. The **floor kernel** (`fk`, path "
+        "`floor`) is a minimal exchange kernel moving the row's egress bytes with the op's "
+        "CTAs and the minimal publish / wait protocol, timed exactly like the op; `x fk` = "
+        "time / it. `x NCCL` and `x NVSHMEM` = time of the fastest NCCL / NVSHMEM row of the "
+        "same case and mode / this time.",
+        "",
+    ]
     if any(_shared(r) for r in res):
-        out += [f"**Runs marked \"{SHARED_LABEL}\"** put every rank on one GPU under an MPS "
-                "daemon: their kernels meet on one chip, not over NVLink, so the absolute times "
-                "are not NVLink times; the targets that compare with the floor kernel, the "
-                "ceilings and the peer hold there, the NVLink targets read n/a.", ""]
+        out += [
+            f'**Runs marked "{SHARED_LABEL}"** put every rank on one GPU under an MPS '
+            "daemon: their kernels meet on one chip, not over NVLink, so the absolute times "
+            "are not NVLink times; the targets that compare with the floor kernel, the "
+            "ceilings and the peer hold there, the NVLink targets read n/a.",
+            "",
+        ]
     if notes:  # kept by hand: what a reader must know before reading the numbers
         out += ["## Notes", "", notes.strip(), ""]
-    out += ["## Runs", "",
-            "| W | GPUs | machine | GPU | driver | CUDA runtime | CuPy | NCCL | NVSHMEM | torch | "
-            "commit | date |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out += [
+        "## Runs",
+        "",
+        "| W | GPUs | machine | GPU | driver | CUDA runtime | CuPy | NCCL | NVSHMEM | torch | "
+        "commit | date |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in res:
-        out.append(f"| {_meta(r, 'world_size')} | {gpu_label(r)} | {_meta(r, 'machine')} | "
-                   f"{_meta(r, 'gpu')} | {_meta(r, 'driver')} | {_meta(r, 'cuda_runtime')} | "
-                   f"{_meta(r, 'cupy')} | {_meta(r, 'nccl')} | {_meta(r, 'nvshmem4py')} | "
-                   f"{_meta(r, 'torch')} | `{_meta(r, 'commit')[:12]}` | {_meta(r, 'date')} |")
+        out.append(
+            f"| {_meta(r, 'world_size')} | {gpu_label(r)} | {_meta(r, 'machine')} | "
+            f"{_meta(r, 'gpu')} | {_meta(r, 'driver')} | {_meta(r, 'cuda_runtime')} | "
+            f"{_meta(r, 'cupy')} | {_meta(r, 'nccl')} | {_meta(r, 'nvshmem4py')} | "
+            f"{_meta(r, 'torch')} | `{_meta(r, 'commit')[:12]}` | {_meta(r, 'date')} |"
+        )
     out += ["", "Commands:", ""]
     for r in res:
         out.append(f"- `{_meta(r, 'command')}`")
-    out += ["", "## Ceilings measured in each run", "",
-            "| W | one-way latency (µs) | egress per GPU (GB/s) | egress slice | empty kernel, "
-            "eager (µs) | empty kernel in a graph (µs) | egress wrong words |",
-            "|---|---|---|---|---|---|---|"]
+    out += [
+        "",
+        "## Ceilings measured in each run",
+        "",
+        "| W | one-way latency (µs) | egress per GPU (GB/s) | egress slice | empty kernel, "
+        "eager (µs) | empty kernel in a graph (µs) | egress wrong words |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in res:
         c = r.get("ceilings") or {}
-        out.append(f"| {_meta(r, 'world_size')} | {_f(c.get('one_way_latency_us'), '.3f')} | "
-                   f"{_f(c.get('egress_GBps'), '.1f')} | {fmt_bytes(c.get('egress_slice_bytes'))} "
-                   f"| {_f(c.get('launch_eager_us'))} | {_f(c.get('launch_graph_us'))} | "
-                   f"{c.get('egress_wrong', '-')} |")
-    out += ["", "How close the floor kernel comes to one signal latency plus one kernel in a graph "
-            "(L + K, both from the ceilings above), graph, T = 1:", "",
-            "| W | op | floor kernel (µs) | L + K (µs) | floor kernel / (L + K) |",
-            "|---|---|---|---|---|"]
+        out.append(
+            f"| {_meta(r, 'world_size')} | {_f(c.get('one_way_latency_us'), '.3f')} | "
+            f"{_f(c.get('egress_GBps'), '.1f')} | {fmt_bytes(c.get('egress_slice_bytes'))} "
+            f"| {_f(c.get('launch_eager_us'))} | {_f(c.get('launch_graph_us'))} | "
+            f"{c.get('egress_wrong', '-')} |"
+        )
+    out += [
+        "",
+        "How close the floor kernel comes to one signal latency plus one kernel in a graph "
+        "(L + K, both from the ceilings above), graph, T = 1:",
+        "",
+        "| W | op | floor kernel (µs) | L + K (µs) | floor kernel / (L + K) |",
+        "|---|---|---|---|---|",
+    ]
     for r in res:
         c = r.get("ceilings") or {}
-        lk = None if c.get("one_way_latency_us") is None or c.get("launch_graph_us") is None \
+        lk = (
+            None
+            if c.get("one_way_latency_us") is None or c.get("launch_graph_us") is None
             else c["one_way_latency_us"] + c["launch_graph_us"]
+        )
         for x in r.get("rows") or []:
-            if x["path"] == "floor" and x["mode"] == "graph" and x.get("T") == 1 \
-                    and x["op"] != "kv_gather" and x.get("median_us") is not None:
+            if (
+                x["path"] == "floor"
+                and x["mode"] == "graph"
+                and x.get("T") == 1
+                and x["op"] != "kv_gather"
+                and x.get("median_us") is not None
+            ):
                 ratio = f"{x['median_us'] / lk:.2f}" if lk else "-"
-                out.append(f"| {_meta(r, 'world_size')} | {x['op']} | {x['median_us']:.2f} | "
-                           f"{_f(lk)} | {ratio} |")
+                out.append(
+                    f"| {_meta(r, 'world_size')} | {x['op']} | {x['median_us']:.2f} | "
+                    f"{_f(lk)} | {ratio} |"
+                )
     for r in res:
         W = (r.get("meta") or {}).get("world_size")
         items = _targets_of(r)
         s = target_summary(items)
-        out += ["", f"## Targets, W = {W} ({gpu_label(r)})", "",
-                f"{s['met']} met, {s['missed']} missed, {s['not_measured']} not judged.", ""]
+        out += [
+            "",
+            f"## Targets, W = {W} ({gpu_label(r)})",
+            "",
+            f"{s['met']} met, {s['missed']} missed, {s['not_measured']} not judged.",
+            "",
+        ]
         out += _targets_md(items)
         missed = [it for it in items if it["met"] is False]
         out += ["", f"### Where the time goes (missed targets, W = {W})", ""]
@@ -287,8 +380,14 @@ def render_markdown(results: Sequence[Mapping[str, Any]], *, notes: str | None =
                 out.append("- " + analyse_missed(it, row, r.get("ceilings") or {}, rows))
     for r in res:
         W = (r.get("meta") or {}).get("world_size")
-        out += ["", f"## Results, W = {W} ({gpu_label(r)})", "", "```text",
-                render_table(r.get("rows") or []), "```"]
+        out += [
+            "",
+            f"## Results, W = {W} ({gpu_label(r)})",
+            "",
+            "```text",
+            render_table(r.get("rows") or []),
+            "```",
+        ]
         if W in plots:
             out += ["", f"![latency and bandwidth vs size, W = {W}]({plots[W]})"]
         peer = [x for x in r.get("rows") or [] if str(x["path"]).startswith("nvshmem")]
@@ -300,8 +399,11 @@ def render_markdown(results: Sequence[Mapping[str, Any]], *, notes: str | None =
             out += ["", f"NVSHMEM: {len(failed)} of {len(peer)} rows failed:", ""]
             out += [f"- {_md_escape(e)}" for e in errs]
         meta = r.get("meta") or {}
-        na = {**(meta.get("paths_not_available") or {}),
-              **(meta.get("variants_not_available") or {}), **(meta.get("ops_not_run") or {})}
+        na = {
+            **(meta.get("paths_not_available") or {}),
+            **(meta.get("variants_not_available") or {}),
+            **(meta.get("ops_not_run") or {}),
+        }
         if na:
             out += ["", "Not measured in this run:", ""]
             out += [f"- {k}: {_md_escape(v)}" for k, v in sorted(na.items())]
@@ -310,9 +412,13 @@ def render_markdown(results: Sequence[Mapping[str, Any]], *, notes: str | None =
             out += [f"- {_md_escape(_one_line(e))}" for e in r["errors"]]
         b = base.get(W)
         if b is not None:
-            out += ["", f"### Before / after, W = {W}", "",
-                    f"Before: commit `{_meta(b, 'commit')[:12]}` ({_meta(b, 'date')}); after: "
-                    f"commit `{_meta(r, 'commit')[:12]}` ({_meta(r, 'date')}), medians in µs.",
-                    ""]
+            out += [
+                "",
+                f"### Before / after, W = {W}",
+                "",
+                f"Before: commit `{_meta(b, 'commit')[:12]}` ({_meta(b, 'date')}); after: "
+                f"commit `{_meta(r, 'commit')[:12]}` ({_meta(r, 'date')}), medians in µs.",
+                "",
+            ]
             out += before_after(r, b)
     return "\n".join(out) + "\n"

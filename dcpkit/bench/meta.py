@@ -9,14 +9,21 @@ import shlex
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["git_commit", "driver_version", "pkg_version", "first_version", "command_line",
-           "collect_meta"]
+__all__ = [
+    "git_commit",
+    "driver_version",
+    "pkg_version",
+    "first_version",
+    "command_line",
+    "collect_meta",
+]
+
 
 def git_commit() -> tuple[str, bool | None]:
     """``(commit, dirty)``: ``DCPKIT_COMMIT`` when set (scripts/gpu_suite.sh sets it: a copy of
@@ -25,11 +32,17 @@ def git_commit() -> tuple[str, bool | None]:
         return os.environ["DCPKIT_COMMIT"], None
     root = Path(__file__).resolve().parents[2]
     try:
-        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                           text=True, timeout=10)
+        r = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        )
         if r.returncode == 0 and r.stdout.strip():
-            d = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, capture_output=True, text=True, timeout=10)
+            d = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             return r.stdout.strip(), (bool(d.stdout.strip()) if d.returncode == 0 else None)
     except (OSError, subprocess.SubprocessError):
         pass
@@ -45,8 +58,12 @@ def driver_version() -> str | None:
     except OSError:
         pass
     try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=20)
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         if r.returncode == 0 and r.stdout.strip():
             return r.stdout.strip().splitlines()[0].strip()
     except (OSError, subprocess.SubprocessError):
@@ -101,9 +118,11 @@ def collect_meta(ctx, argv: Sequence[str]) -> dict[str, Any]:
         "hosts": sorted({h[0] for h in hosts}),
         "gpus_by_rank": [f"{h[0]}:{h[2]} {h[1]}" for h in hosts],
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit, "commit_dirty": dirty,
+        "commit": commit,
+        "commit_dirty": dirty,
         "command": command_line(ctx.comm.world_size, argv),
-        "dcpkit": __version__, "python": sys.version.split()[0],
+        "dcpkit": __version__,
+        "python": sys.version.split()[0],
         "numpy": np.__version__,
         "cupy": first_version("cupy-cuda13x", "cupy-cuda12x", "cupy"),
         "cuda_bindings": pkg_version("cuda-bindings") or pkg_version("cuda-python"),
@@ -111,13 +130,21 @@ def collect_meta(ctx, argv: Sequence[str]) -> dict[str, Any]:
         "torch": pkg_version("torch"),
         "nvshmem4py": first_version("nvshmem4py-cu13", "nvshmem4py-cu12", "nvshmem4py"),
         "mps_active_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
-        "multicast_env": {k: os.environ.get(k) for k in (
-            "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-            "DCPKIT_DISABLE_MULTICAST", "DCPKIT_MULTICAST")},
+        "multicast_env": {
+            k: os.environ.get(k)
+            for k in (
+                "NCCL_NVLS_ENABLE",
+                "NVSHMEM_DISABLE_NVLS",
+                "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                "DCPKIT_DISABLE_MULTICAST",
+                "DCPKIT_MULTICAST",
+            )
+        },
     }
     meta.update(dev)
     meta["driver"] = meta.get("driver") or driver_version()
-    meta["machine"] = os.environ.get("DCPKIT_MACHINE_KIND") or \
-        f"{dev.get('gpu_count', '?')}x {dev.get('gpu', '?')}"
+    meta["machine"] = (
+        os.environ.get("DCPKIT_MACHINE_KIND")
+        or f"{dev.get('gpu_count', '?')}x {dev.get('gpu', '?')}"
+    )
     return meta
-

@@ -29,17 +29,21 @@ from .runners import Runner
 
 __all__ = ["NvshmemRunner", "mps_share_problem", "finalize_nvshmem"]
 
-_MPS_VARS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
-             "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+_MPS_VARS = (
+    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+    "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+)
 
 
 def mps_share_problem(shared_gpu, world_size: int, env=os.environ):
     """Why NVSHMEM's on-stream collectives cannot run here, or None."""
     if shared_gpu and not any(env.get(v) for v in _MPS_VARS):
-        return (f"ranks share a GPU and neither CUDA_MPS_ACTIVE_THREAD_PERCENTAGE nor "
-                f"NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is set: NVSHMEM's on-stream "
-                f"collectives would abort the process ('not supported with limited MPG'); set "
-                f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={100 // max(1, world_size)} for every rank")
+        return (
+            f"ranks share a GPU and neither CUDA_MPS_ACTIVE_THREAD_PERCENTAGE nor "
+            f"NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is set: NVSHMEM's on-stream "
+            f"collectives would abort the process ('not supported with limited MPG'); set "
+            f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={100 // max(1, world_size)} for every rank"
+        )
     return None
 
 
@@ -84,8 +88,9 @@ class NvshmemRunner(Runner):
 
     def _coll(self, name: str, dtype: str, dst, src, nelems: int) -> None:
         fn = getattr(self.bindings, f"{dtype}_{name}_on_stream")
-        rc = fn(self.team, _ptr(dst), _ptr(src), int(nelems),
-                int(getattr(self.stream, "ptr", 0) or 0))
+        rc = fn(
+            self.team, _ptr(dst), _ptr(src), int(nelems), int(getattr(self.stream, "ptr", 0) or 0)
+        )
         if rc:
             raise DcpkitError(f"nvshmem: {dtype}_{name}_on_stream returned {rc}")
 
@@ -99,8 +104,9 @@ class NvshmemRunner(Runner):
             self.dev.quiesce()
             self.heap.close()
             self.heap = None
-        self.heap = SymmetricHeap(self.ctx.comm, -(-nbytes // 4096) * 4096, backend="nvshmem",
-                                  multicast=False)
+        self.heap = SymmetricHeap(
+            self.ctx.comm, -(-nbytes // 4096) * 4096, backend="nvshmem", multicast=False
+        )
         self.heap_T = T
         return self.heap
 

@@ -8,9 +8,9 @@ targets read (they read plain dicts, so JSON of older runs renders too).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Mapping
 
 __all__ = ["BenchRow", "case_key"]
 
@@ -114,13 +114,23 @@ class BenchRow:
     peer_path: str | None = None
 
     @classmethod
-    def for_case(cls, case: Mapping[str, Any], path: str, mode: str, world_size: int,
-                 **kw: Any) -> BenchRow:
+    def for_case(
+        cls, case: Mapping[str, Any], path: str, mode: str, world_size: int, **kw: Any
+    ) -> BenchRow:
         """A fresh row of ``case`` (a :func:`~dcpkit.bench.cases.cases_for` item)."""
-        return cls(op=case["op"], path=path, mode=mode, T=case["T"],
-                   nominal_bytes=case["nominal_bytes"], bytes_per_rank=case["bytes_per_rank"],
-                   egress_bytes=case["egress_bytes"], exchanges=case["exchanges"],
-                   geometry=dict(case["geom"]), world_size=world_size, **kw)
+        return cls(
+            op=case["op"],
+            path=path,
+            mode=mode,
+            T=case["T"],
+            nominal_bytes=case["nominal_bytes"],
+            bytes_per_rank=case["bytes_per_rank"],
+            egress_bytes=case["egress_bytes"],
+            exchanges=case["exchanges"],
+            geometry=dict(case["geom"]),
+            world_size=world_size,
+            **kw,
+        )
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> BenchRow:

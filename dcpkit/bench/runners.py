@@ -17,8 +17,17 @@ import numpy as np
 from ..errors import DcpkitError
 from .stages import Ctx
 
-__all__ = ["Runner", "DirectRunner", "NcclRunner", "TorchEnv", "TorchRunner", "DecodeRunner",
-           "construct", "free_port", "accepts_keyword"]
+__all__ = [
+    "Runner",
+    "DirectRunner",
+    "NcclRunner",
+    "TorchEnv",
+    "TorchRunner",
+    "DecodeRunner",
+    "construct",
+    "free_port",
+    "accepts_keyword",
+]
 
 
 def accepts_keyword(fn, name: str) -> bool:
@@ -60,8 +69,7 @@ class Runner:
 
     family = "base"
 
-    def __init__(self, ctx: Ctx, op: str, path: str, max_tokens: int,
-                 variant: str | None = None):
+    def __init__(self, ctx: Ctx, op: str, path: str, max_tokens: int, variant: str | None = None):
         self.ctx, self.op, self.path, self.max_tokens = ctx, op, path, int(max_tokens)
         self.variant = variant
         self.ctas: int | None = None
@@ -139,8 +147,12 @@ class DirectRunner(Runner):
         ctx, g = self.ctx, self.geom
         dt = resolve_dtype(g["dtype"])
         mc = None if self.path == "multicast" else False
-        common = {"max_tokens": self.max_tokens, "dtype": dt, "num_ubatches": 2,
-                  "timeout_ms": ctx.cfg["timeout_ms"]}
+        common = {
+            "max_tokens": self.max_tokens,
+            "dtype": dt,
+            "num_ubatches": 2,
+            "timeout_ms": ctx.cfg["timeout_ms"],
+        }
         cls = {"q_gather": QGather, "kv_gather": KVGather, "lse_reduce": LseReduce}.get(self.op)
         self.call_kw = {}
         if self.variant == "no_self_check":
@@ -153,12 +165,21 @@ class DirectRunner(Runner):
         elif self.variant is not None:
             raise ValueError(f"DirectRunner: unknown variant {self.variant!r}")
         if self.op == "q_gather":
-            self.obj = QGather(ctx.comm, heads_per_rank=g["H"] // ctx.world, head_dim=g["D"],
-                               multicast=mc, **common)
+            self.obj = QGather(
+                ctx.comm,
+                heads_per_rank=g["H"] // ctx.world,
+                head_dim=g["D"],
+                multicast=mc,
+                **common,
+            )
         elif self.op == "kv_gather":
-            self.obj = KVGather(ctx.comm, row_dim=g["D_kv"], multicast=mc,
-                                algorithm="pull" if self.path == "direct-pull" else "push",
-                                **common)
+            self.obj = KVGather(
+                ctx.comm,
+                row_dim=g["D_kv"],
+                multicast=mc,
+                algorithm="pull" if self.path == "direct-pull" else "push",
+                **common,
+            )
         elif self.op == "lse_reduce":
             self.obj = LseReduce(ctx.comm, num_heads=g["H"], head_dim=g["D_v"], **common)
         else:
@@ -166,13 +187,15 @@ class DirectRunner(Runner):
         used_mc = bool(getattr(self.obj, "multicast", False))
         if used_mc != (self.path == "multicast"):
             self.obj.close()
-            raise DcpkitError(f"{self.op} {self.path}: the op runs "
-                              f"{'multicast' if used_mc else 'unicast'}; this path measures "
-                              f"{'multicast' if self.path == 'multicast' else 'unicast'}")
+            raise DcpkitError(
+                f"{self.op} {self.path}: the op runs "
+                f"{'multicast' if used_mc else 'unicast'}; this path measures "
+                f"{'multicast' if self.path == 'multicast' else 'unicast'}"
+            )
         self.launches_per_call = int(getattr(self.obj, "launches_per_call", 1) or 1)
         self.stream = self.dev.new_stream()
         if self.variant is None and self.path == "direct":
-            ctx.op_objects[self.op] = self.obj   # the floor kernel takes its CTA count
+            ctx.op_objects[self.op] = self.obj  # the floor kernel takes its CTA count
 
     def bind(self, inp, case, refs=None) -> None:
         super().bind(inp, case, refs)
@@ -192,8 +215,16 @@ class DirectRunner(Runner):
             return (self.obj(self.inp["q"], ubatch=u, out=o, stream=self.stream, **kw),)
         if self.op == "kv_gather":
             return (self.obj(self.inp["kv"], ubatch=u, out=o, stream=self.stream, **kw),)
-        return (self.obj(self.inp["out_partial"], self.inp["lse_partial"], ubatch=u, out=o,
-                         stream=self.stream, **kw),)
+        return (
+            self.obj(
+                self.inp["out_partial"],
+                self.inp["lse_partial"],
+                ubatch=u,
+                out=o,
+                stream=self.stream,
+                **kw,
+            ),
+        )
 
     def close(self) -> None:
         obj, self.obj = getattr(self, "obj", None), None
@@ -215,17 +246,32 @@ class NcclRunner(Runner):
 
         ctx, g = self.ctx, self.geom
         dt = resolve_dtype(g["dtype"])
-        common = {"max_tokens": self.max_tokens, "dtype": dt,
-                  "timeout_ms": ctx.cfg["timeout_ms"], "nccl_group": ctx.nccl_group}
+        common = {
+            "max_tokens": self.max_tokens,
+            "dtype": dt,
+            "timeout_ms": ctx.cfg["timeout_ms"],
+            "nccl_group": ctx.nccl_group,
+        }
         if self.op == "q_gather":
-            self.obj = construct(fallback.NcclQGather, ctx.comm,
-                                  heads_per_rank=g["H"] // ctx.world, head_dim=g["D"], **common)
+            self.obj = construct(
+                fallback.NcclQGather,
+                ctx.comm,
+                heads_per_rank=g["H"] // ctx.world,
+                head_dim=g["D"],
+                **common,
+            )
         elif self.op == "kv_gather":
             self.obj = construct(fallback.NcclKVGather, ctx.comm, row_dim=g["D_kv"], **common)
         elif self.op == "lse_reduce":
             # the NCCL baseline of lse_reduce: all_to_all + the direct op's combine
-            self.obj = construct(fallback.NcclLseReduce, ctx.comm, num_heads=g["H"],
-                                  head_dim=g["D_v"], algorithm="all_to_all", **common)
+            self.obj = construct(
+                fallback.NcclLseReduce,
+                ctx.comm,
+                num_heads=g["H"],
+                head_dim=g["D_v"],
+                algorithm="all_to_all",
+                **common,
+            )
         else:
             raise ValueError(self.op)
         self.launches_per_call = getattr(self.obj, "launches_per_call", None)
@@ -247,8 +293,9 @@ class NcclRunner(Runner):
         elif self.op == "kv_gather":
             r = self.obj(self.inp["kv"], out=o[0], stream=self.stream)
         else:
-            r = self.obj(self.inp["out_partial"], self.inp["lse_partial"], out=o[0],
-                         stream=self.stream)
+            r = self.obj(
+                self.inp["out_partial"], self.inp["lse_partial"], out=o[0], stream=self.stream
+            )
         if isinstance(r, tuple):
             r = r[0]
         return (o[0] if r is None else r,)
@@ -277,9 +324,13 @@ class TorchEnv:
         torch.cuda.set_device(ctx.dev.device)
         self.owned = False
         if not dist.is_initialized():
-            kw = {"backend": "nccl", "init_method": f"tcp://{addr}:{port}",
-                  "rank": ctx.rank, "world_size": ctx.world,
-                  "timeout": datetime.timedelta(seconds=max(60.0, ctx.cfg["hang_s"]))}
+            kw = {
+                "backend": "nccl",
+                "init_method": f"tcp://{addr}:{port}",
+                "rank": ctx.rank,
+                "world_size": ctx.world,
+                "timeout": datetime.timedelta(seconds=max(60.0, ctx.cfg["hang_s"])),
+            }
             try:
                 dist.init_process_group(device_id=torch.device("cuda", ctx.dev.device), **kw)
             except TypeError:  # torch without device_id
@@ -388,12 +439,22 @@ class TorchRunner(Runner):
         def launch():
             with torch.cuda.stream(self.tstream):
                 g.replay()
+
         return launch, last
 
     def close(self) -> None:
         self.t = {}
-        for k in ("gathered", "o_t", "send_o", "recv_o", "send_l", "recv_l", "o_cp",
-                  "recv_o_cp", "recv_l_cp"):
+        for k in (
+            "gathered",
+            "o_t",
+            "send_o",
+            "recv_o",
+            "send_l",
+            "recv_l",
+            "o_cp",
+            "recv_o_cp",
+            "recv_l_cp",
+        ):
             setattr(self, k, None)
         with contextlib.suppress(Exception):
             self.torch.cuda.empty_cache()
@@ -426,9 +487,12 @@ class DecodeRunner(Runner):
     def bind(self, inp, case, refs=None) -> None:
         super().bind(inp, case, refs)
         self.q.bind({"q": inp["q"]}, dict(case, op="q_gather"), None if refs is None else refs[:1])
-        self.l.bind({"out_partial": inp["out_partial"], "lse_partial": inp["lse_partial"]},
-                    dict(case, op="lse_reduce"), None if refs is None else refs[1:])
-        self.n_q = len(tuple(self.q.check_outputs()))   # outputs of the first half
+        self.l.bind(
+            {"out_partial": inp["out_partial"], "lse_partial": inp["lse_partial"]},
+            dict(case, op="lse_reduce"),
+            None if refs is None else refs[1:],
+        )
+        self.n_q = len(tuple(self.q.check_outputs()))  # outputs of the first half
         cq, cl = self.q.ctas, self.l.ctas
         self.ctas = max(cq, cl) if (cq and cl) else None
 
@@ -460,6 +524,7 @@ class DecodeRunner(Runner):
             def launch():
                 with torch.cuda.stream(self.q.tstream):
                     g.replay()
+
             return launch, last
         return self.dev.capture(self.stream, lambda: self.call(graph=True), count)
 
@@ -468,4 +533,3 @@ class DecodeRunner(Runner):
             self.l.close()
         finally:
             self.q.close()
-

@@ -8,8 +8,8 @@ import os
 import sys
 import time
 import traceback
-from typing import Any
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from .common import SCHEMA, BenchHang, StageFailed, jsonable, short
 from .row import BenchRow
@@ -34,11 +34,11 @@ class Ctx:
         self.ceilings: dict[str, Any] = {}
         self.meta: dict[str, Any] = {}
         self.torch_env = None
-        self.nccl_group = None   # one NCCL communicator shared by the nccl path's ops
-        self.peer_env = None     # NVSHMEM, started for the nvshmem path
-        self.op_objects: dict[str, Any] = {}   # dcpkit's op of each op name (for ctas_for)
-        self.shared_gpu = None   # whether ranks share a GPU (None: unknown)
-        self.ranks_on_gpu = 1    # ranks on this rank's GPU
+        self.nccl_group = None  # one NCCL communicator shared by the nccl path's ops
+        self.peer_env = None  # NVSHMEM, started for the nvshmem path
+        self.op_objects: dict[str, Any] = {}  # dcpkit's op of each op name (for ctas_for)
+        self.shared_gpu = None  # whether ranks share a GPU (None: unknown)
+        self.ranks_on_gpu = 1  # ranks on this rank's GPU
         self.t0 = time.monotonic()
 
     def log(self, msg: str) -> None:
@@ -47,11 +47,16 @@ class Ctx:
 
     def result(self) -> dict[str, Any]:
         rows = [r.to_json() for r in annotate([r.copy() for r in self.rows], self.ceilings)]
-        return {"schema": SCHEMA, "meta": self.meta, "config": jsonable(self.cfg),
-                "ceilings": self.ceilings, "rows": rows,
-                "targets": evaluate_targets(rows, self.meta.get("ranks_share_gpu")),
-                "errors": list(self.errors),
-                "elapsed_s": round(time.monotonic() - self.t0, 1)}
+        return {
+            "schema": SCHEMA,
+            "meta": self.meta,
+            "config": jsonable(self.cfg),
+            "ceilings": self.ceilings,
+            "rows": rows,
+            "targets": evaluate_targets(rows, self.meta.get("ranks_share_gpu")),
+            "errors": list(self.errors),
+            "elapsed_s": round(time.monotonic() - self.t0, 1),
+        }
 
     def save(self) -> None:
         """Rank 0 writes the JSON of everything so far (atomically)."""
@@ -90,8 +95,9 @@ def stage(ctx: Ctx, what: str, fn: Callable[[], Any]) -> list[Any]:
     except Exception as e:  # noqa: BLE001 - recorded and agreed on, never swallowed silently
         err = f"{type(e).__name__}: {e}"
         tb = traceback.format_exc() if ctx.cfg.get("verbose") else ""
-        print(f"[bench rank {ctx.rank}] {what}: {short(err, 1000)}\n{tb}", file=sys.stderr,
-              flush=True)
+        print(
+            f"[bench rank {ctx.rank}] {what}: {short(err, 1000)}\n{tb}", file=sys.stderr, flush=True
+        )
     try:
         ctx.dev.quiesce()
     except BenchHang:
@@ -105,4 +111,3 @@ def stage(ctx: Ctx, what: str, fn: Callable[[], Any]) -> list[Any]:
     if failed:
         raise StageFailed(what, failed)
     return [g[1] for g in gathered]
-

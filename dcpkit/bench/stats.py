@@ -28,16 +28,28 @@ algbw, busbw
 from __future__ import annotations
 
 import math
-from typing import Any
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from .common import FLOOR_PATH, NCCL_PATHS, PEER_PATHS
 from .row import BenchRow, case_key
 
 __all__ = [
-    "median", "percentile", "summarize", "max_over_ranks", "geometry_bytes",
-    "floor_bytes_per_peer", "algbw_GBps", "busbw_GBps", "nccl_tests_busbw_GBps", "floor_us",
-    "annotate", "annotate_json", "DIRECT_PATHS", "NCCL_PATHS", "PEER_PATHS",
+    "median",
+    "percentile",
+    "summarize",
+    "max_over_ranks",
+    "geometry_bytes",
+    "floor_bytes_per_peer",
+    "algbw_GBps",
+    "busbw_GBps",
+    "nccl_tests_busbw_GBps",
+    "floor_us",
+    "annotate",
+    "annotate_json",
+    "DIRECT_PATHS",
+    "NCCL_PATHS",
+    "PEER_PATHS",
 ]
 
 #: Paths that run dcpkit's own kernels (the rows the targets judge).
@@ -103,18 +115,19 @@ def max_over_ranks(per_rank: Sequence[Sequence[float | None] | None]) -> list[fl
         return []
     n = len(lists[0])
     if any(len(p) != n for p in lists):
-        raise ValueError("max_over_ranks: every rank must hold the same number of samples "
-                         f"(got {[len(p) for p in lists]})")
+        raise ValueError(
+            "max_over_ranks: every rank must hold the same number of samples "
+            f"(got {[len(p) for p in lists]})"
+        )
     out = []
     for i in range(n):
         vals = [p[i] for p in lists]
         if any(v is None or not math.isfinite(float(v)) for v in vals):
-            raise ValueError(f"max_over_ranks: sample {i} is not a finite number on every rank "
-                             f"(got {vals})")
+            raise ValueError(
+                f"max_over_ranks: sample {i} is not a finite number on every rank (got {vals})"
+            )
         out.append(max(float(v) for v in vals))
     return out
-
-
 
 
 def _summary(v: list[float]) -> dict[str, float | None]:
@@ -150,10 +163,15 @@ def geometry_bytes(op: str, geom: Mapping[str, Any], world_size: int) -> dict[st
     if op == "decode_layer":
         q = geometry_bytes("q_gather", geom, W)
         lse = geometry_bytes("lse_reduce", geom, W)
-        return {"bytes_per_rank": q["bytes_per_rank"] + lse["bytes_per_rank"],
-                "egress_bytes": q["egress_bytes"] + lse["egress_bytes"], "exchanges": 2}
-    raise ValueError(f"geometry_bytes: op must be one of q_gather, kv_gather, lse_reduce, "
-                     f"decode_layer (got {op!r})")
+        return {
+            "bytes_per_rank": q["bytes_per_rank"] + lse["bytes_per_rank"],
+            "egress_bytes": q["egress_bytes"] + lse["egress_bytes"],
+            "exchanges": 2,
+        }
+    raise ValueError(
+        f"geometry_bytes: op must be one of q_gather, kv_gather, lse_reduce, "
+        f"decode_layer (got {op!r})"
+    )
 
 
 def algbw_GBps(bytes_per_rank: float, time_us: float | None) -> float | None:
@@ -171,26 +189,29 @@ def busbw_GBps(egress_bytes: float, time_us: float | None) -> float | None:
     return egress_bytes / (time_us * 1e3)
 
 
-def nccl_tests_busbw_GBps(collective: str, size_bytes: float, world_size: int,
-                          time_us: float) -> float:
+def nccl_tests_busbw_GBps(
+    collective: str, size_bytes: float, world_size: int, time_us: float
+) -> float:
     """nccl-tests' bus bandwidth, from its own definitions (``src/all_gather.cu``,
     ``src/alltoall.cu``): ``size`` is the total gathered bytes (all_gather) or the bytes each rank
     sends including its own part (all_to_all); ``busbw = size / time * (W - 1) / W``."""
     if collective not in ("all_gather", "all_to_all"):
-        raise ValueError(f"nccl_tests_busbw_GBps: collective must be all_gather or all_to_all "
-                         f"(got {collective!r})")
+        raise ValueError(
+            f"nccl_tests_busbw_GBps: collective must be all_gather or all_to_all "
+            f"(got {collective!r})"
+        )
     W = int(world_size)
     return size_bytes / (time_us * 1e3) * (W - 1) / W
 
 
-def floor_us(egress_bytes: float, latency_us: float | None, egress_GBps: float | None,
-             exchanges: int = 1) -> float | None:
+def floor_us(
+    egress_bytes: float, latency_us: float | None, egress_GBps: float | None, exchanges: int = 1
+) -> float | None:
     """The physical floor of one call: ``exchanges * latency_us + egress_bytes / egress_GBps``
     (µs). None when a ceiling is missing."""
     if latency_us is None or egress_GBps is None or egress_GBps <= 0:
         return None
     return exchanges * latency_us + egress_bytes / (egress_GBps * 1e3)
-
 
 
 def floor_bytes_per_peer(op: str, geom: Mapping[str, Any], world_size: int) -> int:
@@ -200,8 +221,9 @@ def floor_bytes_per_peer(op: str, geom: Mapping[str, Any], world_size: int) -> i
     W = int(world_size)
     b = geometry_bytes(op, geom, W)
     if op == "decode_layer":
-        raise ValueError("floor_bytes_per_peer: decode_layer runs the floor kernels of q_gather "
-                         "and lse_reduce")
+        raise ValueError(
+            "floor_bytes_per_peer: decode_layer runs the floor kernels of q_gather and lse_reduce"
+        )
     return b["egress_bytes"] // max(1, W - 1)
 
 
@@ -209,8 +231,13 @@ def _best(rows: Sequence[BenchRow], paths: Sequence[str]) -> dict[Any, BenchRow]
     """Per case and mode, the fastest correct row of ``paths`` (the variant-free build)."""
     best: dict[Any, BenchRow] = {}
     for r in rows:
-        if (r.path in paths or any(r.path.startswith(p) for p in paths)) and \
-                r.median_us is not None and not r.error and not r.wrong and r.variant is None:
+        if (
+            (r.path in paths or any(r.path.startswith(p) for p in paths))
+            and r.median_us is not None
+            and not r.error
+            and not r.wrong
+            and r.variant is None
+        ):
             k = case_key(vars(r))
             if k not in best or r.median_us < best[k].median_us:
                 best[k] = r
@@ -236,10 +263,11 @@ def annotate(rows: list[BenchRow], ceilings: Mapping[str, Any]) -> list[BenchRow
     peer = _best(rows, PEER_PATHS)
     for r in rows:
         k = case_key(vars(r))
-        f = floors.get(k) if r.path != FLOOR_PATH else None   # not a row's own baseline
+        f = floors.get(k) if r.path != FLOOR_PATH else None  # not a row's own baseline
         r.floor_kernel_us = f.median_us if f is not None else None
-        r.x_floor_kernel = (r.median_us / r.floor_kernel_us) \
-            if (r.median_us and r.floor_kernel_us) else None
+        r.x_floor_kernel = (
+            (r.median_us / r.floor_kernel_us) if (r.median_us and r.floor_kernel_us) else None
+        )
         b = nccl.get(k)
         r.speedup_vs_nccl = b.median_us / r.median_us if (b is not None and r.median_us) else None
         r.baseline_path = b.path if (b is not None and r.median_us) else None
@@ -249,7 +277,8 @@ def annotate(rows: list[BenchRow], ceilings: Mapping[str, Any]) -> list[BenchRow
     return rows
 
 
-def annotate_json(rows: Sequence[Mapping[str, Any]],
-                  ceilings: Mapping[str, Any]) -> list[dict[str, Any]]:
+def annotate_json(
+    rows: Sequence[Mapping[str, Any]], ceilings: Mapping[str, Any]
+) -> list[dict[str, Any]]:
     """:func:`annotate` on JSON rows; returns new JSON rows."""
     return [r.to_json() for r in annotate([BenchRow.from_json(d) for d in rows], ceilings)]

@@ -8,8 +8,8 @@ import os
 import socket
 import sys
 import traceback
-from typing import Any
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +47,7 @@ def plan(est_us: float, cfg: dict[str, Any], graph: bool) -> dict[str, int]:
         per_sample = n * est
         calls = {"calls": n}
     S = int(cfg["iters"])
-    if not cfg.get("iters_exact"):   # the default count yields to the time budget
+    if not cfg.get("iters_exact"):  # the default count yields to the time budget
         S = max(min(S, 5), min(S, int(cfg["mode_budget_s"] * 1e6 // max(per_sample, 1.0))))
     calls["samples"] = S
     return calls
@@ -56,20 +56,34 @@ def plan(est_us: float, cfg: dict[str, Any], graph: bool) -> dict[str, int]:
 def _check_record(stage: str, per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
     errs = [p.get("max_abs_err") for p in per_rank if p.get("max_abs_err") is not None]
     rels = [p.get("rel_err") for p in per_rank if p.get("rel_err") is not None]
-    return {"stage": stage, "wrong": int(sum(p["wrong"] for p in per_rank)),
-            "first_bad_by_rank": [p["first_bad"] for p in per_rank],
-            "max_abs_err": max(errs) if errs else None, "rel_err": max(rels) if rels else None}
+    return {
+        "stage": stage,
+        "wrong": int(sum(p["wrong"] for p in per_rank)),
+        "first_bad_by_rank": [p["first_bad"] for p in per_rank],
+        "max_abs_err": max(errs) if errs else None,
+        "rel_err": max(rels) if rels else None,
+    }
 
 
 def _new_row(ctx: Ctx, case: dict[str, Any], runner: Runner, mode: str) -> BenchRow:
-    return BenchRow.for_case(case, runner.path, mode, ctx.world,
-                             variant=getattr(runner, "variant", None),
-                             launches_per_call=runner.launches_per_call,
-                             ctas=getattr(runner, "ctas", None))
+    return BenchRow.for_case(
+        case,
+        runner.path,
+        mode,
+        ctx.world,
+        variant=getattr(runner, "variant", None),
+        launches_per_call=runner.launches_per_call,
+        ctas=getattr(runner, "ctas", None),
+    )
 
 
-def run_case(ctx: Ctx, runner: Runner, case: dict[str, Any], data: dict[str, Any],
-             modes: Sequence[str] | None = None) -> tuple[list[BenchRow], bool]:
+def run_case(
+    ctx: Ctx,
+    runner: Runner,
+    case: dict[str, Any],
+    data: dict[str, Any],
+    modes: Sequence[str] | None = None,
+) -> tuple[list[BenchRow], bool]:
     """Check, then time eager and graph, one path on one case. Returns the rows and whether
     the runner must be rebuilt (a stage failed: the op may be poisoned)."""
     dev, cfg = ctx.dev, ctx.cfg
@@ -130,8 +144,11 @@ def run_case(ctx: Ctx, runner: Runner, case: dict[str, Any], data: dict[str, Any
 
         def eager():
             box: list[Any] = []
-            times = [dev.sample(runner.stream, lambda: box.append(runner.calls(pe["calls"])))
-                     / pe["calls"] for _ in range(pe["samples"])]
+            times = [
+                dev.sample(runner.stream, lambda: box.append(runner.calls(pe["calls"])))
+                / pe["calls"]
+                for _ in range(pe["samples"])
+            ]
             return {"times": times, "check": dev.compare(box[-1], refs_b)}
 
         try:
@@ -158,8 +175,11 @@ def run_case(ctx: Ctx, runner: Runner, case: dict[str, Any], data: dict[str, Any
             launch()
             dev.wait_stream(runner.stream, f"{label} first replay")
             first = dev.compare(last, refs_b)
-            times = [dev.sample(runner.stream, lambda: [launch() for _ in range(pg["replays"])])
-                     / (pg["replays"] * pg["graph_calls"]) for _ in range(pg["samples"])]
+            times = [
+                dev.sample(runner.stream, lambda: [launch() for _ in range(pg["replays"])])
+                / (pg["replays"] * pg["graph_calls"])
+                for _ in range(pg["samples"])
+            ]
             final = dev.compare(last, refs_b)
             return {"times": times, "first": first, "final": final}
 
@@ -168,12 +188,14 @@ def run_case(ctx: Ctx, runner: Runner, case: dict[str, Any], data: dict[str, Any
                 stage(ctx, f"{label}: graph capture", capture)
                 per = stage(ctx, f"{label}: graph", graph)
             finally:
-                box.clear()   # drops the graph
+                box.clear()  # drops the graph
             row = rows["graph"]
             row.times_us = max_over_ranks([p["times"] for p in per])
             row.plan = pg
-            for st, key in (("graph, first replay (poisoned)", "first"),
-                            ("graph, after timing", "final")):
+            for st, key in (
+                ("graph, first replay (poisoned)", "first"),
+                ("graph, after timing", "final"),
+            ):
                 rec = _check_record(st, [p[key] for p in per])
                 row.checks.append(rec)
                 row.wrong += rec["wrong"]
@@ -188,8 +210,10 @@ def _prepare_data(ctx: Ctx, op: str, case: dict[str, Any], seed: int) -> dict[st
     data = {}
     for name, s, finite in (("check", seed, False), ("timed", seed + 1, True)):
         local, refs = host_inputs(op, case["geom"], ctx.rank, ctx.world, s, finite)
-        data[name] = {"dev": {k: dev.upload(v) for k, v in local.items()},
-                      "refs": [(kind, dev.upload(r), tol) for kind, r, tol in refs]}
+        data[name] = {
+            "dev": {k: dev.upload(v) for k, v in local.items()},
+            "refs": [(kind, dev.upload(r), tol) for kind, r, tol in refs],
+        }
     dev.sync_null()
     return data
 
@@ -228,21 +252,30 @@ _VARIANT = "no_self_check"
 def _variant_runner(ctx: Ctx, op: str, paths: Sequence[str], factory, cases, max_tokens):
     """The op built without self-checking signals (its T=1 graph row), or None; a missing
     keyword is recorded in ``meta["variants_not_available"]``."""
-    if op not in SELF_CHECK_OPS or "direct" not in paths or "graph" not in ctx.cfg["modes"] \
-            or not any(c["T"] == 1 for c in cases) or not accepts_keyword(factory, "variant"):
+    if (
+        op not in SELF_CHECK_OPS
+        or "direct" not in paths
+        or "graph" not in ctx.cfg["modes"]
+        or not any(c["T"] == 1 for c in cases)
+        or not accepts_keyword(factory, "variant")
+    ):
         return None
     runner, err = _build(ctx, factory, op, "direct", max_tokens, variant=_VARIANT)
     if err:
-        why = ("the op has no _self_check keyword" if VariantUnavailable.__name__ in err
-               else f"build failed: {short(err, 300)}")
+        why = (
+            "the op has no _self_check keyword"
+            if VariantUnavailable.__name__ in err
+            else f"build failed: {short(err, 300)}"
+        )
         ctx.meta.setdefault("variants_not_available", {})[op] = f"{_VARIANT}: {why}"
         ctx.log(f"{op} direct ({_VARIANT}): n/a: {why}")
     return runner
 
 
 def _error_rows(ctx: Ctx, case, path: str, modes, error: str, variant=None) -> list[BenchRow]:
-    return [BenchRow.for_case(case, path, m, ctx.world, variant=variant, error=error)
-            for m in modes]
+    return [
+        BenchRow.for_case(case, path, m, ctx.world, variant=variant, error=error) for m in modes
+    ]
 
 
 def run_op(ctx: Ctx, op: str, paths: Sequence[str], factory, base_seed: int) -> None:
@@ -274,12 +307,15 @@ def run_op(ctx: Ctx, op: str, paths: Sequence[str], factory, base_seed: int) -> 
             raise
         except Exception as e:  # noqa: BLE001 - a harness bug: same on every rank
             traceback.print_exc()
-            rows = _error_rows(ctx, case, path, run_modes,
-                               f"harness error: {type(e).__name__}: {e}", variant_name)
+            rows = _error_rows(
+                ctx, case, path, run_modes, f"harness error: {type(e).__name__}: {e}", variant_name
+            )
             rebuild = True
         ctx.rows.extend(rows)
-        ctx.log(f"{op} {report.fmt_bytes(case['bytes_per_rank'])}/rank T={case['T']} "
-                f"{path}{f' ({variant_name})' if variant_name else ''}: {_summary_line(rows)}")
+        ctx.log(
+            f"{op} {report.fmt_bytes(case['bytes_per_rank'])}/rank T={case['T']} "
+            f"{path}{f' ({variant_name})' if variant_name else ''}: {_summary_line(rows)}"
+        )
         return rebuild
 
     try:
@@ -287,8 +323,11 @@ def run_op(ctx: Ctx, op: str, paths: Sequence[str], factory, base_seed: int) -> 
             seed = base_seed + 1000 * ALL_OPS.index(op) + 2 * ci
             box: dict[str, Any] = {}
             try:
-                stage(ctx, f"{op} T={case['T']}: inputs",
-                      lambda: box.update(_prepare_data(ctx, op, case, seed)))
+                stage(
+                    ctx,
+                    f"{op} T={case['T']}: inputs",
+                    lambda: box.update(_prepare_data(ctx, op, case, seed)),
+                )
             except StageFailed as e:
                 for p in runners:
                     ctx.rows.extend(_error_rows(ctx, case, p, modes, str(e)))
@@ -296,8 +335,9 @@ def run_op(ctx: Ctx, op: str, paths: Sequence[str], factory, base_seed: int) -> 
             for p in list(runners):
                 runner = runners[p]
                 if runner is None:
-                    ctx.rows.extend(_error_rows(ctx, case, p, modes,
-                                                f"build: {build_err.get(p, 'failed')}"))
+                    ctx.rows.extend(
+                        _error_rows(ctx, case, p, modes, f"build: {build_err.get(p, 'failed')}")
+                    )
                     continue
                 if measure(runner, case, box, p, modes):
                     with contextlib.suppress(StageFailed):
@@ -328,8 +368,10 @@ def _agree_paths(ctx: Ctx) -> list[str]:
     common = [p for p in per[0] if all(p in q for q in per[1:])]
     dropped = sorted(set(ctx.cfg["paths"]) - set(common))
     if dropped:
-        ctx.log(f"paths not run here: {', '.join(dropped)} (multicast only where NOTE "
-                f"[dcpkit multicast guard] allows it; torch only where installed)")
+        ctx.log(
+            f"paths not run here: {', '.join(dropped)} (multicast only where NOTE "
+            f"[dcpkit multicast guard] allows it; torch only where installed)"
+        )
     gated = [p for p in common if p in NCCL_PATHS]
     why = _gpu_layout(ctx)
     if why is not None and gated:
@@ -386,8 +428,7 @@ def _start_torch(ctx: Ctx) -> str | None:
         addr = "127.0.0.1"
         if ctx.comm.spans_hosts:
             addr = stage(ctx, "torch: address", socket.gethostname)[0]
-        stage(ctx, "torch: init",
-               lambda: box.__setitem__("env", TorchEnv(ctx, port, addr)))
+        stage(ctx, "torch: init", lambda: box.__setitem__("env", TorchEnv(ctx, port, addr)))
     except StageFailed as e:
         env = box.get("env")
         if env is not None:
@@ -398,8 +439,7 @@ def _start_torch(ctx: Ctx) -> str | None:
     return None
 
 
-def run_bench(cfg: dict[str, Any], comm, dev, argv: Sequence[str] = (),
-              factory=make_runner) -> int:
+def run_bench(cfg: dict[str, Any], comm, dev, argv: Sequence[str] = (), factory=make_runner) -> int:
     """One benchmark run on an existing group and device (see the module doc).
 
     Returns 0 when every measured case of dcpkit, the floor kernel and NCCL was correct and
@@ -426,12 +466,14 @@ def _run(ctx: Ctx, factory) -> int:
     cfg = ctx.cfg
     seed = cfg["seed"]
     if seed is None:
-        seed = int(np.random.SeedSequence().entropy % (2 ** 31))
+        seed = int(np.random.SeedSequence().entropy % (2**31))
     seed = ctx.comm.broadcast(seed, root=0)
     cfg["seed"] = seed
     ctx.meta = collect_meta(ctx, ctx.argv)
-    ctx.log(f"dcpkit bench: W={ctx.world}, {ctx.meta.get('gpu')}, commit "
-            f"{str(ctx.meta.get('commit'))[:12]}, seed {seed} (replay with --seed {seed})")
+    ctx.log(
+        f"dcpkit bench: W={ctx.world}, {ctx.meta.get('gpu')}, commit "
+        f"{str(ctx.meta.get('commit'))[:12]}, seed {seed} (replay with --seed {seed})"
+    )
     try:
         stage(ctx, "setup", ctx.dev.setup)
     except StageFailed as e:
@@ -463,7 +505,7 @@ def _run(ctx: Ctx, factory) -> int:
         except StageFailed as e:
             ctx.log(f"no shared NCCL group ({short(e, 200)}): each NCCL op makes its own")
             group = box.get("group")
-            if group is not None:   # made here but not everywhere: do not keep half a group
+            if group is not None:  # made here but not everywhere: do not keep half a group
                 with contextlib.suppress(Exception):
                     group.close()
     try:
@@ -513,12 +555,17 @@ def _run(ctx: Ctx, factory) -> int:
             print(f"# {op}: not run: {short(note, 300)}")
         wrong = sum(r.get("wrong") or 0 for r in res["rows"])
         failed = sum(1 for r in res["rows"] if r.get("error"))
-        print(f"# dcpkit bench: W={ctx.world}, {len(res['rows'])} rows, {failed} failed, "
-              f"{wrong} wrong results, {res['elapsed_s']} s"
-              + (f", JSON {cfg['json']}" if cfg.get("json") else ""), flush=True)
+        print(
+            f"# dcpkit bench: W={ctx.world}, {len(res['rows'])} rows, {failed} failed, "
+            f"{wrong} wrong results, {res['elapsed_s']} s"
+            + (f", JSON {cfg['json']}" if cfg.get("json") else ""),
+            flush=True,
+        )
     # a failed or wrong peer row is a result about the peer, not a failure of the run
     ours = [r for r in res["rows"] if not r["path"].startswith(PEER_PATHS)]
-    bad = any(r.get("error") or r.get("wrong") for r in ours) or bool(res["errors"]) \
+    bad = (
+        any(r.get("error") or r.get("wrong") for r in ours)
+        or bool(res["errors"])
         or bool(ctx.ceilings.get("errors"))
+    )
     return 1 if bad else 0
-

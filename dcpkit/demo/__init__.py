@@ -58,17 +58,31 @@ the GPUs of a host, bad arguments, a missing dependency, a setup error). Errors 
 across ranks before any collective, so no rank is left waiting.
 """
 
-from .numerics import attention, from_float32, to_float32, tolerance, unit_roundoff, verdict
 from .cli import main, parse_args
 from .environment import environment_error
 from .model import PRESETS, Model, context_lengths, deinterleave, interleave, local_lengths
+from .numerics import attention, from_float32, to_float32, tolerance, unit_roundoff, verdict
 from .report import format_report
 from .runner import run
 from .timing import summarize_times
 
 __all__ = [
-    "main", "run", "parse_args", "Model", "PRESETS", "context_lengths", "local_lengths",
-    "deinterleave", "interleave", "attention", "to_float32", "from_float32",
-    "tolerance", "unit_roundoff", "environment_error", "summarize_times", "format_report",
+    "main",
+    "run",
+    "parse_args",
+    "Model",
+    "PRESETS",
+    "context_lengths",
+    "local_lengths",
+    "deinterleave",
+    "interleave",
+    "attention",
+    "to_float32",
+    "from_float32",
+    "tolerance",
+    "unit_roundoff",
+    "environment_error",
+    "summarize_times",
+    "format_report",
     "verdict",
 ]

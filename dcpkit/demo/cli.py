@@ -9,8 +9,8 @@ import platform
 import sys
 import traceback
 import warnings
-from typing import Any
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,8 +34,9 @@ def integer(minimum: int, maximum: int | None = None):
         try:
             value = int(text, 10)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer {bounds} (got {text!r})") \
-                from None
+            raise argparse.ArgumentTypeError(
+                f"must be an integer {bounds} (got {text!r})"
+            ) from None
         if value < minimum or (maximum is not None and value > maximum):
             raise argparse.ArgumentTypeError(f"must be an integer {bounds} (got {value})")
         return value
@@ -50,8 +51,9 @@ def milliseconds(text: str) -> float:
     except ValueError:
         value = float("nan")
     if not 0 < value <= MAX_TIMEOUT_MS:  # NaN and inf fail too
-        raise argparse.ArgumentTypeError(f"must be a number of milliseconds in "
-                                         f"(0, {MAX_TIMEOUT_MS}] (got {text!r})")
+        raise argparse.ArgumentTypeError(
+            f"must be a number of milliseconds in (0, {MAX_TIMEOUT_MS}] (got {text!r})"
+        )
     return value
 
 
@@ -74,38 +76,71 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dcpkit demo",
         description="One MLA decode attention layer with decode context parallelism "
-                    "(q_gather -> partial attention -> lse_reduce), checked against a reference "
-                    "over the whole KV and timed against NCCL. Run it as "
-                    "'mpirun -np N python -m dcpkit demo' with N GPUs (N = 2, 4 or 8).",
+        "(q_gather -> partial attention -> lse_reduce), checked against a reference "
+        "over the whole KV and timed against NCCL. Run it as "
+        "'mpirun -np N python -m dcpkit demo' with N GPUs (N = 2, 4 or 8).",
     )
-    p.add_argument("--model", choices=sorted(PRESETS), default="deepseek-v3",
-                   help="geometry preset: deepseek-v3 = 128 query heads, kimi-k2 = 64; both with "
-                        "a latent KV row of 576 (512 latent + 64 rope) and values of 512 "
-                        "(default: deepseek-v3)")
-    p.add_argument("--batch", type=integer(1, INT32_MAX), default=8,
-                   help="sequences decoded together, one query token each (default: 8)")
-    p.add_argument("--context", type=integer(1, INT32_MAX), default=16384,
-                   help="context tokens of the longest sequence; the others are shorter "
-                        "(default: 16384)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
-                   help="dtype of queries, KV and outputs (default: bfloat16)")
-    p.add_argument("--seed", type=integer(0), default=0,
-                   help="random seed of the inputs, >= 0 (default: 0)")
-    p.add_argument("--iters", type=integer(0), default=200,
-                   help="timed repeats per measurement; 0 skips the timings (default: 200)")
-    p.add_argument("--json", metavar="PATH", default=None,
-                   help="also write the report as JSON to PATH (written by rank 0; its folder "
-                        "must exist)")
-    p.add_argument("--timeout-ms", type=milliseconds, default=None,
-                   help="deadline of every wait of the direct ops, in (0, 3600000] ms (default: "
-                        "DCPKIT_TIMEOUT_MS or 5000)")
-    p.add_argument("--allow-shared-gpu", action="store_true",
-                   help="let several ranks share one GPU (functional checks on a machine with "
-                        "fewer GPUs than ranks; the ranks' kernels then time-slice the GPU, so "
-                        "the timings mean nothing)")
-    p.add_argument("--torch", action="store_true",
-                   help="run the layer with torch tensors through dcpkit.torch and check it "
-                        "against torch.nn.functional.scaled_dot_product_attention")
+    p.add_argument(
+        "--model",
+        choices=sorted(PRESETS),
+        default="deepseek-v3",
+        help="geometry preset: deepseek-v3 = 128 query heads, kimi-k2 = 64; both with "
+        "a latent KV row of 576 (512 latent + 64 rope) and values of 512 "
+        "(default: deepseek-v3)",
+    )
+    p.add_argument(
+        "--batch",
+        type=integer(1, INT32_MAX),
+        default=8,
+        help="sequences decoded together, one query token each (default: 8)",
+    )
+    p.add_argument(
+        "--context",
+        type=integer(1, INT32_MAX),
+        default=16384,
+        help="context tokens of the longest sequence; the others are shorter (default: 16384)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16"),
+        default="bfloat16",
+        help="dtype of queries, KV and outputs (default: bfloat16)",
+    )
+    p.add_argument(
+        "--seed", type=integer(0), default=0, help="random seed of the inputs, >= 0 (default: 0)"
+    )
+    p.add_argument(
+        "--iters",
+        type=integer(0),
+        default=200,
+        help="timed repeats per measurement; 0 skips the timings (default: 200)",
+    )
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="also write the report as JSON to PATH (written by rank 0; its folder must exist)",
+    )
+    p.add_argument(
+        "--timeout-ms",
+        type=milliseconds,
+        default=None,
+        help="deadline of every wait of the direct ops, in (0, 3600000] ms (default: "
+        "DCPKIT_TIMEOUT_MS or 5000)",
+    )
+    p.add_argument(
+        "--allow-shared-gpu",
+        action="store_true",
+        help="let several ranks share one GPU (functional checks on a machine with "
+        "fewer GPUs than ranks; the ranks' kernels then time-slice the GPU, so "
+        "the timings mean nothing)",
+    )
+    p.add_argument(
+        "--torch",
+        action="store_true",
+        help="run the layer with torch tensors through dcpkit.torch and check it "
+        "against torch.nn.functional.scaled_dot_product_attention",
+    )
     return p
 
 
@@ -123,8 +158,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ranks other than 0 print nothing."""
     p = parser()
     if env_rank() != 0:
-        p.print_help = lambda file=None: None          # type: ignore[method-assign]
-        p.print_usage = lambda file=None: None         # type: ignore[method-assign]
+        p.print_help = lambda file=None: None  # type: ignore[method-assign]
+        p.print_usage = lambda file=None: None  # type: ignore[method-assign]
         p.exit = lambda status=0, message=None: sys.exit(status)  # type: ignore[method-assign]
     return p.parse_args(None if argv is None else list(argv))
 
@@ -206,8 +241,7 @@ def main(argv: Sequence[str] | None = None, *, comm=None) -> int:
         return EXIT_CANNOT_RUN
     try:
         # every setting but --json (only rank 0 writes it) must be equal on every rank
-        comm.agree("demo arguments", sorted((k, v) for k, v in vars(args).items()
-                                            if k != "json"))
+        comm.agree("demo arguments", sorted((k, v) for k, v in vars(args).items() if k != "json"))
     except DcpkitError as e:
         if comm.rank == 0:
             print(f"dcpkit demo: {e}", file=sys.stderr, flush=True)
@@ -216,9 +250,11 @@ def main(argv: Sequence[str] | None = None, *, comm=None) -> int:
     import cupy
 
     cupy.cuda.Device(comm.local_rank % environment.gpu_count()[0]).use()
-    say(f"{comm.world_size} ranks; model {model.name} (H = {model.num_heads}, D_qk = "
+    say(
+        f"{comm.world_size} ranks; model {model.name} (H = {model.num_heads}, D_qk = "
         f"{model.qk_dim}, D_v = {model.v_dim}), {args.dtype}, batch {args.batch}, context up to "
-        f"{args.context}" + (", torch tensors" if args.torch else ""))
+        f"{args.context}" + (", torch tensors" if args.torch else "")
+    )
 
     try:
         report = run(args, comm, say)
@@ -236,8 +272,12 @@ def main(argv: Sequence[str] | None = None, *, comm=None) -> int:
         # an error outside the agreed steps: the peers may be inside a collective already;
         # end the whole job rather than leave them waiting
         traceback.print_exc()
-        print(f"dcpkit demo: rank {comm.rank} failed outside an agreed step; aborting the MPI "
-              "job so that no rank is left waiting", file=sys.stderr, flush=True)
+        print(
+            f"dcpkit demo: rank {comm.rank} failed outside an agreed step; aborting the MPI "
+            "job so that no rank is left waiting",
+            file=sys.stderr,
+            flush=True,
+        )
         comm.handle.Abort(EXIT_CANNOT_RUN)
         raise
     report["versions"] = versions()

@@ -3,14 +3,14 @@ CuPy's streams, events and graphs for the timings."""
 
 from __future__ import annotations
 
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from .model import (Model)
-from .numerics import (attention, from_float32, is_bf16, to_float32)
 from .exchanges import Exchanges
+from .model import Model
+from .numerics import attention, from_float32, is_bf16, to_float32
 
 
 class CupySide:
@@ -44,15 +44,16 @@ class CupySide:
         [B, H, D_v], lse_partial [B, H] float32)``."""
         cp = self.cupy
         B, H, D_v = q.shape[0], model.num_heads, model.v_dim
-        q_full = ex.q_gather(q)                   # a view: consumed right here, same stream
-        q_f = to_float32(q_full, cp)              # [B, H, D_qk]
+        q_full = ex.q_gather(q)  # a view: consumed right here, same stream
+        q_f = to_float32(q_full, cp)  # [B, H, D_qk]
         q_full = q_full.copy()
-        kv_f = to_float32(kv, cp)                 # [B, T_local, D_qk]
+        kv_f = to_float32(kv, cp)  # [B, T_local, D_qk]
         out_f = cp.empty((B, H, D_v), dtype=cp.float32)
         lse_partial = cp.empty((B, H), dtype=cp.float32)
         for b in range(B):
-            out_f[b], lse_partial[b] = attention(q_f[b], kv_f[b, :int(local_lens[b])],
-                                                 model.softmax_scale, D_v, cp)
+            out_f[b], lse_partial[b] = attention(
+                q_f[b], kv_f[b, : int(local_lens[b])], model.softmax_scale, D_v, cp
+            )
         out_partial = from_float32(out_f, dtype, cp)
         out = ex.lse_reduce(out_partial, lse_partial).copy()
         return out, q_full, out_partial, lse_partial
@@ -60,8 +61,13 @@ class CupySide:
     def reference(self, q_own, full, model: Model):
         """Attention of this rank's heads ``q_own [H_r, D_qk]`` over one sequence's whole KV
         ``full [L, D_qk]``, fp32 -> ``[H_r, D_v]``."""
-        return attention(to_float32(q_own, self.cupy), to_float32(full, self.cupy),
-                         model.softmax_scale, model.v_dim, self.cupy)[0]
+        return attention(
+            to_float32(q_own, self.cupy),
+            to_float32(full, self.cupy),
+            model.softmax_scale,
+            model.v_dim,
+            self.cupy,
+        )[0]
 
     def new_ref(self, shape):
         return self.cupy.empty(shape, dtype=self.cupy.float32)
@@ -82,7 +88,7 @@ class CupyTiming:
         return self.cupy.cuda.Stream(non_blocking=True)
 
     def on(self, stream):
-        return stream                       # `with stream:` makes it CuPy's current stream
+        return stream  # `with stream:` makes it CuPy's current stream
 
     def event(self):
         return self.cupy.cuda.Event()

@@ -3,7 +3,6 @@ that divides the heads."""
 
 from __future__ import annotations
 
-
 from .. import _cuda
 from ..errors import MissingDependency
 from .model import Model
@@ -61,24 +60,33 @@ def distinct_gpus(comm) -> int:
     return len(set(every))
 
 
-def environment_error(*, num_gpus: int, gpu_error: str, world_size: int, local_world_size: int,
-                      num_heads: int) -> str | None:
+def environment_error(
+    *, num_gpus: int, gpu_error: str, world_size: int, local_world_size: int, num_heads: int
+) -> str | None:
     """Why the demo cannot run on this rank, or ``None``. Pure function of its arguments."""
     if num_gpus == 0:
         why = f": {gpu_error}" if gpu_error else ""
-        return (f"no CUDA GPU is visible on this host{why}. The demo needs one GPU per rank: "
-                "run it on a machine with NVIDIA GPUs as 'mpirun -np N python -m dcpkit demo'")
+        return (
+            f"no CUDA GPU is visible on this host{why}. The demo needs one GPU per rank: "
+            "run it on a machine with NVIDIA GPUs as 'mpirun -np N python -m dcpkit demo'"
+        )
     if world_size < 2:
-        return (f"the demo needs at least 2 ranks (got {world_size}): run it as "
-                f"'mpirun -np N python -m dcpkit demo' with N = 2, 4 or 8 "
-                f"(this host has {num_gpus} GPU{'s' if num_gpus != 1 else ''})")
+        return (
+            f"the demo needs at least 2 ranks (got {world_size}): run it as "
+            f"'mpirun -np N python -m dcpkit demo' with N = 2, 4 or 8 "
+            f"(this host has {num_gpus} GPU{'s' if num_gpus != 1 else ''})"
+        )
     if local_world_size > num_gpus:
-        return (f"asked for {local_world_size} ranks on this host but it has {num_gpus} "
-                f"GPU{'s' if num_gpus != 1 else ''}: start at most {num_gpus} ranks per host "
-                f"(one per GPU)")
+        return (
+            f"asked for {local_world_size} ranks on this host but it has {num_gpus} "
+            f"GPU{'s' if num_gpus != 1 else ''}: start at most {num_gpus} ranks per host "
+            f"(one per GPU)"
+        )
     if num_heads % world_size:
-        return (f"num_heads {num_heads} must be divisible by world_size {world_size}: use a "
-                f"world size that divides {num_heads}")
+        return (
+            f"num_heads {num_heads} must be divisible by world_size {world_size}: use a "
+            f"world size that divides {num_heads}"
+        )
     return None
 
 
@@ -102,10 +110,13 @@ def environment_problem(comm, args, model: Model) -> str | None:
     host_gpus = len({b for h, b in seen if h == comm.host and b is not None})
     if getattr(args, "allow_shared_gpu", False) and host_gpus:
         host_gpus = max(host_gpus, comm.local_world_size)
-    problem = environment_error(num_gpus=host_gpus if num_gpus else 0, gpu_error=gpu_error,
-                                world_size=comm.world_size,
-                                local_world_size=comm.local_world_size,
-                                num_heads=model.num_heads)
+    problem = environment_error(
+        num_gpus=host_gpus if num_gpus else 0,
+        gpu_error=gpu_error,
+        world_size=comm.world_size,
+        local_world_size=comm.local_world_size,
+        num_heads=model.num_heads,
+    )
     if problem is None and args.torch:
         problem = torch_problem()
     return problem

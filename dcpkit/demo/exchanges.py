@@ -3,11 +3,10 @@ served each call."""
 
 from __future__ import annotations
 
-from typing import Any
 from collections.abc import Callable, Sequence
+from typing import Any
 
-
-from .model import (Model)
+from .model import Model
 
 
 class Exchanges:
@@ -19,16 +18,22 @@ class Exchanges:
     current stream (CuPy's, or torch's for a ``TorchOps`` target).
     """
 
-    def __init__(self, label: str, target: Any, path_of: Callable[[], str],
-                 owned: Sequence[Any], description: str,
-                 base: Exchanges | None = None):
+    def __init__(
+        self,
+        label: str,
+        target: Any,
+        path_of: Callable[[], str],
+        owned: Sequence[Any],
+        description: str,
+        base: Exchanges | None = None,
+    ):
         self.label = label
         self.target = target
         self.description = description
         self.paths: dict[str, str] = {}
         self._path_of = path_of
         self._owned = list(owned)
-        self._base = base               # the exchanges this one fronts (torch), if any
+        self._base = base  # the exchanges this one fronts (torch), if any
 
     def _record(self, op: str, result):
         self.paths[op] = self._path_of()
@@ -68,8 +73,16 @@ class OpSet:
         self.__dict__.update(ops)
 
 
-def build_exchanges(comm, *, model: Model, batch: int, dtype, policy: str,
-                    with_kv: bool, timeout_ms: float | None = None) -> Exchanges:
+def build_exchanges(
+    comm,
+    *,
+    model: Model,
+    batch: int,
+    dtype,
+    policy: str,
+    with_kv: bool,
+    timeout_ms: float | None = None,
+) -> Exchanges:
     """Collective: the decode exchanges of ``policy`` (``"auto"``, ``"direct"``, ``"nccl"``):
     a DCPComm, or the direct / NCCL ops where ``dcpkit.manager`` cannot be imported."""
     H, D_qk, D_v = model.num_heads, model.qk_dim, model.v_dim
@@ -79,9 +92,17 @@ def build_exchanges(comm, *, model: Model, batch: int, dtype, policy: str,
     except ImportError:
         DCPComm = None
     if DCPComm is not None:
-        dcp = DCPComm(comm, max_tokens=batch, num_heads=H, q_head_dim=D_qk, v_head_dim=D_v,
-                      kv_row_dim=D_qk if with_kv else None, dtype=dtype, policy=policy,
-                      **deadline)
+        dcp = DCPComm(
+            comm,
+            max_tokens=batch,
+            num_heads=H,
+            q_head_dim=D_qk,
+            v_head_dim=D_v,
+            kv_row_dim=D_qk if with_kv else None,
+            dtype=dtype,
+            policy=policy,
+            **deadline,
+        )
         return Exchanges(policy, dcp, lambda: str(dcp.last_path), [dcp], dcp.describe())
     H_r = H // comm.world_size
     made: list[Any] = []
@@ -97,18 +118,35 @@ def build_exchanges(comm, *, model: Model, batch: int, dtype, policy: str,
 
             made.append(NcclGroup(comm))
             extra = {"nccl_group": made[-1]}
-        made.append(QGather(comm, max_tokens=batch, heads_per_rank=H_r, head_dim=D_qk,
-                            dtype=dtype, **extra, **deadline))
-        made.append(LseReduce(comm, max_tokens=batch, num_heads=H, head_dim=D_v, dtype=dtype,
-                              **extra, **deadline))
+        made.append(
+            QGather(
+                comm,
+                max_tokens=batch,
+                heads_per_rank=H_r,
+                head_dim=D_qk,
+                dtype=dtype,
+                **extra,
+                **deadline,
+            )
+        )
+        made.append(
+            LseReduce(
+                comm, max_tokens=batch, num_heads=H, head_dim=D_v, dtype=dtype, **extra, **deadline
+            )
+        )
     except BaseException:
         for r in reversed(made):
             r.close()
         raise
     qg, lr = made[-2], made[-1]
     path = "nccl" if extra else f"direct-{getattr(qg, 'transport', 'unicast')}"
-    return Exchanges(policy, OpSet(q_gather=qg, lse_reduce=lr), lambda: path, made,
-                     f"{path} ops (dcpkit.manager not available)")
+    return Exchanges(
+        policy,
+        OpSet(q_gather=qg, lse_reduce=lr),
+        lambda: path,
+        made,
+        f"{path} ops (dcpkit.manager not available)",
+    )
 
 
 def nccl_unavailable(decode: Exchanges) -> str | None:
@@ -121,8 +159,9 @@ def nccl_unavailable(decode: Exchanges) -> str | None:
     return getattr(target, "nccl_reason", None)
 
 
-def build_kv_exchange(comm, decode: Exchanges, *, rows: int, model: Model,
-                      dtype, timeout_ms: float | None = None) -> Exchanges:
+def build_kv_exchange(
+    comm, decode: Exchanges, *, rows: int, model: Model, dtype, timeout_ms: float | None = None
+) -> Exchanges:
     """Collective: the kv_gather that collects every rank's KV shard for the check.
 
     The decode DCPComm is sized for decode (``max_tokens`` = batch), so a shard of ``rows``
@@ -133,12 +172,23 @@ def build_kv_exchange(comm, decode: Exchanges, *, rows: int, model: Model,
     target = decode.target
     reason = (getattr(target, "direct_reason", None) or {}).get("kv_gather")
     if reason is not None:
-        return Exchanges("auto", target, decode._path_of, [],
-                         f"DCPComm kv_gather (no direct path: {reason})", base=decode)
+        return Exchanges(
+            "auto",
+            target,
+            decode._path_of,
+            [],
+            f"DCPComm kv_gather (no direct path: {reason})",
+            base=decode,
+        )
     from ..ops import KVGather
 
     deadline = {} if timeout_ms is None else {"timeout_ms": timeout_ms}
     kg = KVGather(comm, max_tokens=rows, row_dim=model.qk_dim, dtype=dtype, **deadline)
     path = f"direct-{getattr(kg, 'transport', 'unicast')}"
-    return Exchanges("direct", OpSet(kv_gather=kg), lambda: path, [kg],
-                     f"KVGather(max_tokens={rows}, row_dim={model.qk_dim})")
+    return Exchanges(
+        "direct",
+        OpSet(kv_gather=kg),
+        lambda: path,
+        [kg],
+        f"KVGather(max_tokens={rows}, row_dim={model.qk_dim})",
+    )

@@ -4,13 +4,11 @@ layout over the ranks, and the per-rank seeded inputs."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Sequence
 
 import numpy as np
-
-
 
 #: Scale of the queries: q ~ N(0, Q_STD^2), so the scores q.K^T/sqrt(576) have a standard
 #: deviation of Q_STD. A power of two keeps the scaled queries exact in bf16/fp16. With 4 the
@@ -106,7 +104,7 @@ def deinterleave(gathered, world_size: int, length: int):
     """
     NT, D = gathered.shape
     T_local = NT // world_size
-    grid = gathered.reshape(world_size, T_local, D).swapaxes(0, 1)   # [T_local, N, D]
+    grid = gathered.reshape(world_size, T_local, D).swapaxes(0, 1)  # [T_local, N, D]
     return grid.reshape(NT, D)[:length]
 
 
@@ -121,21 +119,27 @@ def make_host_inputs(args, model: Model, rank: int, world_size: int) -> dict[str
     B, H, D = args.batch, model.num_heads, model.qk_dim
 
     def queries(r: int) -> np.ndarray:
-        q = make_inputs(r, world_size, args.seed, op="q_gather", tokens=B, num_heads=H,
-                        head_dim=D, dtype=dt)["q"]
-        return (q.astype(np.float32) * np.float32(Q_STD)).astype(dt)   # exact: power of two
+        q = make_inputs(
+            r, world_size, args.seed, op="q_gather", tokens=B, num_heads=H, head_dim=D, dtype=dt
+        )["q"]
+        return (q.astype(np.float32) * np.float32(Q_STD)).astype(dt)  # exact: power of two
 
     lengths = context_lengths(B, args.context, world_size, args.seed)
     T_local = max(1, int(local_lengths([lengths.max()], world_size, 0)[0]))  # ceil(max L / N)
     mine = local_lengths(lengths, world_size, rank)
-    kv = make_inputs(rank, world_size, args.seed, op="kv_gather", tokens=B * T_local,
-                     row_dim=D, dtype=dt)["kv"].reshape(B, T_local, D)
+    kv = make_inputs(
+        rank, world_size, args.seed, op="kv_gather", tokens=B * T_local, row_dim=D, dtype=dt
+    )["kv"].reshape(B, T_local, D)
     for b in range(B):
-        kv[b, int(mine[b]):] = np.nan                     # rows that must never be read
+        kv[b, int(mine[b]) :] = np.nan  # rows that must never be read
     return {
         "q": queries(rank),
         "q_all": np.concatenate([queries(r) for r in range(world_size)], axis=1),
-        "kv": kv, "lengths": lengths, "local_lengths": mine, "T_local": T_local, "dtype": dt,
+        "kv": kv,
+        "lengths": lengths,
+        "local_lengths": mine,
+        "T_local": T_local,
+        "dtype": dt,
     }
 
 

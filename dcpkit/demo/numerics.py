@@ -3,11 +3,10 @@ tolerance and the agreed verdict."""
 
 from __future__ import annotations
 
-from typing import Any
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
-
 
 
 def is_bf16(dtype) -> bool:
@@ -67,8 +66,10 @@ def attention(q, kv, scale: float, v_dim: int, xp=np) -> tuple[Any, Any]:
     """
     H = q.shape[0]
     if kv.shape[0] == 0:
-        return (xp.full((H, v_dim), np.nan, dtype=xp.float32),
-                xp.full((H,), -np.inf, dtype=xp.float32))
+        return (
+            xp.full((H, v_dim), np.nan, dtype=xp.float32),
+            xp.full((H,), -np.inf, dtype=xp.float32),
+        )
     s = (q @ kv.T) * xp.float32(scale)
     m = s.max(axis=1, keepdims=True)
     p = xp.exp(s - m)
@@ -85,7 +86,7 @@ def unit_roundoff(dtype) -> float:
 
     dt = resolve_dtype(dtype)
     if is_bf16(dt):
-        return 2.0 ** -8
+        return 2.0**-8
     return float(np.finfo(dt).eps) / 2.0
 
 
@@ -109,8 +110,12 @@ def local_stats(out, ref, rank: int, heads_per_rank: int) -> dict[str, Any]:
     diff = xp.where(xp.isfinite(diff), diff, xp.float32(np.inf))
     flat = int(diff.argmax())
     b, h, c = np.unravel_index(flat, diff.shape)
-    return {"max_abs": float(diff.reshape(-1)[flat]), "ref_max": float(xp.abs(ref).max()),
-            "nonfinite": nonfinite, "worst": [int(b), int(rank * heads_per_rank + h), int(c)]}
+    return {
+        "max_abs": float(diff.reshape(-1)[flat]),
+        "ref_max": float(xp.abs(ref).max()),
+        "nonfinite": nonfinite,
+        "worst": [int(b), int(rank * heads_per_rank + h), int(c)],
+    }
 
 
 def array_module(x):
@@ -137,12 +142,15 @@ def verdict(stats: Sequence[dict[str, Any]], dtype) -> dict[str, Any]:
     ok = nonfinite == 0 and max_abs <= tol and q_exact and kv_exact
     w = stats[worst_rank]["worst"]
     return {
-        "max_abs_error": max_abs, "max_rel_error": max_rel,
+        "max_abs_error": max_abs,
+        "max_rel_error": max_rel,
         "max_rel_error_definition": "max abs error / max |reference|",
         "tolerance_abs": tol,
         "tolerance_definition": "2 * u * max|V| + 1e-3, u = unit roundoff of the dtype",
-        "v_max": v_max, "nonfinite_outputs": nonfinite,
-        "q_gather_bit_exact": q_exact, "kv_gather_bit_exact": kv_exact,
+        "v_max": v_max,
+        "nonfinite_outputs": nonfinite,
+        "q_gather_bit_exact": q_exact,
+        "kv_gather_bit_exact": kv_exact,
         "worst": {"rank": worst_rank, "sequence": w[0], "head": w[1], "column": w[2]},
         "per_rank_max_abs_error": [s["max_abs"] for s in stats],
         "verdict": "PASS" if ok else "FAIL",

@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-
-from .numerics import (unit_roundoff)
-from .timing import (GRAPH_LAYERS)
+from .numerics import unit_roundoff
+from .timing import GRAPH_LAYERS
 
 
 def _fmt_us(entry: Any) -> str:
@@ -30,15 +29,17 @@ def format_report(report: dict[str, Any]) -> str:
     W = report["world_size"]
     gpus = report["gpus"]
     n_gpus = report.get("distinct_gpus", W)
-    gpu_text = (f"{n_gpus} x {gpus[0]}" if all(g == gpus[0] for g in gpus)
-                else ", ".join(gpus))
+    gpu_text = f"{n_gpus} x {gpus[0]}" if all(g == gpus[0] for g in gpus) else ", ".join(gpus)
     if n_gpus < W:
         gpu_text += " (ranks share GPUs: a functional run, timings mean nothing)"
     paths = report["paths"]
     u_exp = -int(round(math.log2(unit_roundoff(report["dtype"]))))
     tensors = " (torch tensors)" if report.get("tensors") == "torch" else ""
-    reference = ("torch scaled_dot_product_attention (fp32)" if report.get("tensors") == "torch"
-                 else "fp32 attention")
+    reference = (
+        "torch scaled_dot_product_attention (fp32)"
+        if report.get("tensors") == "torch"
+        else "fp32 attention"
+    )
     lines = [
         "dcpkit demo: one MLA decode attention layer with decode context parallelism" + tensors,
         f"  model      {report['model']}: {report['num_heads']} query heads "
@@ -52,8 +53,10 @@ def format_report(report: dict[str, Any]) -> str:
         f"             token i on rank i mod {W} ({report['kv_rows_per_rank']} KV rows per "
         f"sequence per rank)",
         f"  world      {W} ranks on {gpu_text}",
-        "  paths      " + "   ".join(f"{op}: {paths.get(op, '?')}"
-                                     for op in ("q_gather", "lse_reduce", "kv_gather"))
+        "  paths      "
+        + "   ".join(
+            f"{op}: {paths.get(op, '?')}" for op in ("q_gather", "lse_reduce", "kv_gather")
+        )
         + ("" if report.get("paths_agree", True) else "   (ranks disagree!)"),
     ]
     if report.get("nccl_path"):
@@ -70,29 +73,45 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     if c["verdict"] != "PASS":
         w = c["worst"]
-        lines.append(f"             worst: rank {w['rank']}, sequence {w['sequence']}, head "
-                     f"{w['head']}, column {w['column']}")
+        lines.append(
+            f"             worst: rank {w['rank']}, sequence {w['sequence']}, head "
+            f"{w['head']}, column {w['column']}"
+        )
     lines.append(f"  verdict    {c['verdict']}")
     timing = report.get("timing") or {}
     if timing:
         d, n = timing.get("direct", {}), timing.get("nccl", {})
-        reps = next((e.get("repeats") for t in (d, n) for e in (t.get("eager") or {}).values()
-                     if isinstance(e, dict) and "repeats" in e), None)
-        lines.append("  timing     µs per call, communication only (the partial attention is not "
-                     "timed);")
-        lines.append(f"             median over {reps if reps else 'the'} repeats of the max over "
-                     f"ranks; speedup = nccl / direct")
+        reps = next(
+            (
+                e.get("repeats")
+                for t in (d, n)
+                for e in (t.get("eager") or {}).values()
+                if isinstance(e, dict) and "repeats" in e
+            ),
+            None,
+        )
+        lines.append(
+            "  timing     µs per call, communication only (the partial attention is not timed);"
+        )
+        lines.append(
+            f"             median over {reps if reps else 'the'} repeats of the max over "
+            f"ranks; speedup = nccl / direct"
+        )
         graph_head = f"CUDA graph ({GRAPH_LAYERS} layers)"
         lines.append(f"             {'':<12}{'eager':^27}   {graph_head:^27}")
-        lines.append(f"             {'step':<12}{'direct':>9}{'nccl':>9}{'speedup':>9}   "
-                     f"{'direct':>9}{'nccl':>9}{'speedup':>9}")
+        lines.append(
+            f"             {'step':<12}{'direct':>9}{'nccl':>9}{'speedup':>9}   "
+            f"{'direct':>9}{'nccl':>9}{'speedup':>9}"
+        )
         for step in ("q_gather", "lse_reduce", "layer"):
             de, ne = d.get("eager", {}).get(step), n.get("eager", {}).get(step)
             dg, ng = d.get("graph", {}).get(step), n.get("graph", {}).get(step)
             label = "layer (both)" if step == "layer" else step
-            lines.append(f"             {label:<12}{_fmt_us(de):>9}{_fmt_us(ne):>9}"
-                         f"{_speedup(de, ne):>9}   {_fmt_us(dg):>9}{_fmt_us(ng):>9}"
-                         f"{_speedup(dg, ng):>9}")
+            lines.append(
+                f"             {label:<12}{_fmt_us(de):>9}{_fmt_us(ne):>9}"
+                f"{_speedup(de, ne):>9}   {_fmt_us(dg):>9}{_fmt_us(ng):>9}"
+                f"{_speedup(dg, ng):>9}"
+            )
         for policy in ("direct", "nccl"):
             t = timing.get(policy, {})
             if "error" in t:

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
 from collections.abc import Callable
-
-
-
+from typing import Any
 
 EXIT_PASS, EXIT_FAIL, EXIT_CANNOT_RUN = 0, 1, 2
 

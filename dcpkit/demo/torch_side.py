@@ -4,14 +4,14 @@ the partial attention in torch, the reference by ``scaled_dot_product_attention`
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from .model import (Model)
-from .numerics import (is_bf16)
 from .exchanges import Exchanges, OpSet
+from .model import Model
+from .numerics import is_bf16
 
 
 class TorchSide:
@@ -34,8 +34,11 @@ class TorchSide:
     def upload(self, a: np.ndarray):
         t = self.torch
         if is_bf16(a.dtype):
-            return t.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(t.bfloat16) \
+            return (
+                t.from_numpy(np.ascontiguousarray(a).view(np.int16))
+                .view(t.bfloat16)
                 .to(self.device)
+            )
         return t.from_numpy(np.ascontiguousarray(a)).to(self.device)
 
     def to_cupy(self, x):
@@ -55,9 +58,14 @@ class TorchSide:
         else:
             target = TorchOps(ex.target)
             owned = [target]
-        return Exchanges(ex.label, target, ex._path_of, owned,
-                         ex.description + "\n(torch tensors through dcpkit.torch.TorchOps)",
-                          base=ex)
+        return Exchanges(
+            ex.label,
+            target,
+            ex._path_of,
+            owned,
+            ex.description + "\n(torch tensors through dcpkit.torch.TorchOps)",
+            base=ex,
+        )
 
     def decode(self, ex: Exchanges, q, kv, local_lens: np.ndarray, model: Model, dtype):
         """As :meth:`CupySide.decode`, in torch."""
@@ -71,7 +79,7 @@ class TorchSide:
         lse_partial = t.empty((B, H), dtype=t.float32, device=self.device)
         for b in range(B):
             n = int(local_lens[b])
-            if n == 0:                            # no KV here: an output never to be read
+            if n == 0:  # no KV here: an output never to be read
                 out_f[b] = float("nan")
                 lse_partial[b] = float("-inf")
                 continue
@@ -95,14 +103,14 @@ class TorchSide:
         and never materialises the KV once per head."""
         t = self.torch
         F = t.nn.functional
-        qq = q_own.float()[None, None]                        # [1, 1, H_r, D_qk]
-        k = full.float()[None, None]                          # [1, 1, L, D_qk]
-        v = k[..., :model.v_dim]                              # [1, 1, L, D_v]
+        qq = q_own.float()[None, None]  # [1, 1, H_r, D_qk]
+        k = full.float()[None, None]  # [1, 1, L, D_qk]
+        v = k[..., : model.v_dim]  # [1, 1, L, D_v]
         try:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             ctx = sdpa_kernel(SDPBackend.MATH)
-        except ImportError:                                   # older torch: its default
+        except ImportError:  # older torch: its default
             ctx = contextlib.nullcontext()
         with ctx:
             o = F.scaled_dot_product_attention(qq, k, v, scale=model.softmax_scale)
@@ -150,11 +158,15 @@ def torch_problem() -> str | None:
     try:
         import torch
     except ImportError as e:
-        return (f"--torch needs torch, which is not installed ({e}): install it with "
-                "`pip install 'dcpkit[torch]'`")
+        return (
+            f"--torch needs torch, which is not installed ({e}): install it with "
+            "`pip install 'dcpkit[torch]'`"
+        )
     if not torch.cuda.is_available():
-        return (f"--torch needs a CUDA build of torch that sees the GPUs (torch "
-                f"{torch.__version__}: torch.cuda.is_available() is False)")
+        return (
+            f"--torch needs a CUDA build of torch that sees the GPUs (torch "
+            f"{torch.__version__}: torch.cuda.is_available() is False)"
+        )
     try:
         from .. import torch as dcp_torch
     except ImportError as e:

@@ -63,6 +63,14 @@ from .lse_reduce import LSE_ALGORITHMS, LseLayout, NcclLseReduce, lse_layout
 from .q_gather import NcclQGather
 
 __all__ = [
-    "NcclGroup", "NcclQGather", "NcclKVGather", "NcclLseReduce", "NcclOp", "LSE_ALGORITHMS",
-    "PATH_NCCL", "nccl_module", "lse_layout", "LseLayout",
+    "NcclGroup",
+    "NcclQGather",
+    "NcclKVGather",
+    "NcclLseReduce",
+    "NcclOp",
+    "LSE_ALGORITHMS",
+    "PATH_NCCL",
+    "nccl_module",
+    "lse_layout",
+    "LseLayout",
 ]

@@ -7,8 +7,15 @@ from typing import NamedTuple
 
 from .. import _cuda
 from .._arrays import ArrayInfo, array_info, check_device, check_dtype, check_shape
-from .._checks import (INT32_MAX, check_comm, check_multicast, check_positive_int,
-                       check_timeout_ms, check_ubatch, resolve_stream)
+from .._checks import (
+    INT32_MAX,
+    check_comm,
+    check_multicast,
+    check_positive_int,
+    check_timeout_ms,
+    check_ubatch,
+    resolve_stream,
+)
 from .._lifecycle import Resource
 from .._setup import collective_step, debug_enabled, guarded
 from .._strided import copy_arrays, load_copy_kernels
@@ -26,17 +33,18 @@ PATH_NCCL = "nccl"
 class CheckedArguments(NamedTuple):
     """Constructor keywords of an NCCL op, checked (:meth:`NcclOp.prepare`)."""
 
-    cls: type            # the op class
-    agreed: tuple        # what every rank must agree on
-    geometry: dict       # the checked values, by attribute name
+    cls: type  # the op class
+    agreed: tuple  # what every rank must agree on
+    geometry: dict  # the checked values, by attribute name
 
 
 def check_heap_type(heap, op: str) -> None:
     """``heap=`` of an NCCL op (accepted for signature compatibility, unused): None or a
     :class:`~dcpkit.symmetric.SymmetricHeap`."""
     if heap is not None and not isinstance(heap, SymmetricHeap):
-        raise InvalidType(f"{op}: heap must be None or a dcpkit.SymmetricHeap (got "
-                          f"{type(heap).__name__})")
+        raise InvalidType(
+            f"{op}: heap must be None or a dcpkit.SymmetricHeap (got {type(heap).__name__})"
+        )
 
 
 class NcclOp(Resource):
@@ -54,14 +62,23 @@ class NcclOp(Resource):
     @property
     def _resource_name(self) -> str:  # the name in the unclosed-resource warning
         return f"{self.op_name} (nccl)"
+
     path = PATH_NCCL
     algorithm = ""
     multicast = False
     transport = "nccl"
 
     # ------------------------------------------------------------------ construction
-    def _agree_geometry(self, comm: Communicator, arguments: dict, what: str,
-                        nccl_group: NcclGroup | None, *, heap=None, multicast=None) -> None:
+    def _agree_geometry(
+        self,
+        comm: Communicator,
+        arguments: dict,
+        what: str,
+        nccl_group: NcclGroup | None,
+        *,
+        heap=None,
+        multicast=None,
+    ) -> None:
         """Run :meth:`_check_geometry` on ``arguments`` (the geometry keywords), then the
         ``heap`` / ``multicast`` type checks and the CuPy, NCCL, GPU and ``nccl_group`` checks,
         on every rank in one exchange: raise on every rank if any rank failed or if the
@@ -82,15 +99,18 @@ class NcclOp(Resource):
                 return values
             device = _cuda.require_device(op)
             if not isinstance(nccl_group, NcclGroup):
-                raise InvalidType(f"{op}: nccl_group must be a dcpkit.nccl.NcclGroup "
-                                  f"(got {type(nccl_group).__name__})")
+                raise InvalidType(
+                    f"{op}: nccl_group must be a dcpkit.nccl.NcclGroup "
+                    f"(got {type(nccl_group).__name__})"
+                )
             if nccl_group.closed:
                 raise ClosedError(f"{op}: nccl_group must be open (got a closed NcclGroup)")
             if (nccl_group.device, nccl_group.comm.world_size) != (device, comm.world_size):
                 raise InvalidArgument(
                     f"{op}: nccl_group must be a group on GPU {device} with world_size "
                     f"{comm.world_size} (got GPU {nccl_group.device}, world_size "
-                    f"{nccl_group.comm.world_size})")
+                    f"{nccl_group.comm.world_size})"
+                )
             return values
 
         comm.agree_setup(f"{op} (nccl)", guarded(op, init), f"geometry ({what})")
@@ -136,8 +156,9 @@ class NcclOp(Resource):
         return CheckedArguments(cls, *cls._check_geometry(W, **keywords))
 
     @classmethod
-    def from_checked(cls, comm: Communicator, checked: CheckedArguments,
-                     nccl_group: NcclGroup) -> NcclOp:
+    def from_checked(
+        cls, comm: Communicator, checked: CheckedArguments, nccl_group: NcclGroup
+    ) -> NcclOp:
         """Build the op from :meth:`prepare`'s result on every rank of ``comm``, sharing the
         open ``nccl_group``. The caller guarantees what the constructor's exchange would have
         established: equal ``checked`` on every rank (agreed), and ``nccl_group`` an open group
@@ -153,15 +174,21 @@ class NcclOp(Resource):
             ``checked`` was prepared for another world size.
         """
         if not isinstance(checked, CheckedArguments) or checked.cls is not cls:
-            raise InvalidType(f"{cls.op_name}: checked must come from {cls.__name__}.prepare "
-                              f"(got {type(checked).__name__})")
+            raise InvalidType(
+                f"{cls.op_name}: checked must come from {cls.__name__}.prepare "
+                f"(got {type(checked).__name__})"
+            )
         if not isinstance(nccl_group, NcclGroup):
-            raise InvalidType(f"{cls.op_name}: nccl_group must be a dcpkit.nccl.NcclGroup "
-                              f"(got {type(nccl_group).__name__})")
+            raise InvalidType(
+                f"{cls.op_name}: nccl_group must be a dcpkit.nccl.NcclGroup "
+                f"(got {type(nccl_group).__name__})"
+            )
         check_comm(comm, cls.op_name)
         if checked.geometry["world_size"] != comm.world_size:
-            raise InvalidArgument(f"{cls.op_name}: checked world_size must be comm's "
-                                  f"{comm.world_size} (got {checked.geometry['world_size']})")
+            raise InvalidArgument(
+                f"{cls.op_name}: checked world_size must be comm's "
+                f"{comm.world_size} (got {checked.geometry['world_size']})"
+            )
         self = cls.__new__(cls)
         vars(self).update(checked.geometry)
         self.comm, self.rank = comm, comm.rank
@@ -183,22 +210,25 @@ class NcclOp(Resource):
     def _check_common(cls, world_size: int, max_tokens, num_ubatches, timeout_ms) -> dict:
         """The checks every NCCL op shares; returns the checked values by attribute name."""
         op = cls.op_name
-        return dict(world_size=int(world_size),
-                    max_tokens=check_positive_int(max_tokens, op, "max_tokens",
-                                                  maximum=INT32_MAX),  # an int kernel parameter
-                    num_ubatches=check_positive_int(num_ubatches, op, "num_ubatches"),
-                    timeout_ms=check_timeout_ms(timeout_ms, op))
+        return dict(
+            world_size=int(world_size),
+            max_tokens=check_positive_int(
+                max_tokens, op, "max_tokens", maximum=INT32_MAX
+            ),  # an int kernel parameter
+            num_ubatches=check_positive_int(num_ubatches, op, "num_ubatches"),
+            timeout_ms=check_timeout_ms(timeout_ms, op),
+        )
 
     @classmethod
-    def _check_buffer_bytes(cls, num_ubatches: int, per_ubatch: int,
-                            size_arguments: str) -> None:
+    def _check_buffer_bytes(cls, num_ubatches: int, per_ubatch: int, size_arguments: str) -> None:
         """The buffers allocated at construction must stay <= 2**40 bytes."""
         U = num_ubatches
         if U * per_ubatch > MAX_NBYTES:
             raise InvalidArgument(
                 f"{cls.op_name}: num_ubatches * buffer bytes per ubatch must be <= 2**40 (got "
                 f"{U} * {per_ubatch} = {U * per_ubatch}): lower {size_arguments} or "
-                f"num_ubatches")
+                f"num_ubatches"
+            )
 
     def _setup_nccl(self, nccl_group: NcclGroup | None) -> None:
         """The NCCL group (shared or own), the device, counters and kernels (collective)."""
@@ -219,8 +249,12 @@ class NcclOp(Resource):
         U = self.num_ubatches
         self._calls = [0] * U
         self._captured = [False] * U
-        collective_step(self.comm, f"{self.op_name} (nccl): kernel compile", self._load_kernels,
-                        on_failure=self._release)
+        collective_step(
+            self.comm,
+            f"{self.op_name} (nccl): kernel compile",
+            self._load_kernels,
+            on_failure=self._release,
+        )
 
     def _load_kernels(self) -> None:
         """The local kernels this op launches (loaded now: a call must not compile)."""
@@ -229,8 +263,9 @@ class NcclOp(Resource):
     def _allocate(self, build) -> None:
         """Run ``build()`` (buffer allocation) on every rank; a failure anywhere releases what
         was set up and raises on every rank."""
-        collective_step(self.comm, f"{self.op_name} (nccl): buffers", build,
-                        on_failure=self._release)
+        collective_step(
+            self.comm, f"{self.op_name} (nccl): buffers", build, on_failure=self._release
+        )
 
     def _alloc(self, nbytes: int):
         """A device buffer of ``nbytes`` (at least 256) on this op's GPU."""
@@ -252,8 +287,9 @@ class NcclOp(Resource):
                     self._warmup_call(T)
                 cupy.cuda.runtime.deviceSynchronize()
 
-        collective_step(self.comm, f"{self.op_name} (nccl): warm-up", warm_up,
-                        on_failure=self._release)
+        collective_step(
+            self.comm, f"{self.op_name} (nccl): warm-up", warm_up, on_failure=self._release
+        )
         self._calls = [0] * self.num_ubatches
         self._closed = False
         self.comm.barrier()
@@ -276,14 +312,17 @@ class NcclOp(Resource):
         """Bookkeeping after validation, before the first launch. Returns ``(buffer index,
         capturing)``: 0/1 alternate for eager calls, 2 is the ubatch's graph buffer."""
         if self._debug:
-            self.comm.agree(f"{self.op_name} (nccl): call arguments (op, T, dtype, ubatch, ...)",
-                            (self.op_name,) + tuple(debug_key))
+            self.comm.agree(
+                f"{self.op_name} (nccl): call arguments (op, T, dtype, ubatch, ...)",
+                (self.op_name,) + tuple(debug_key),
+            )
         capturing = bool(stream.is_capturing())
         if capturing and T > self.max_tokens:
             raise InvalidArgument(
                 f"{self.op_name}: T must be <= max_tokens {self.max_tokens} while a CUDA graph "
                 f"is being captured (got {T}): beyond max_tokens the NCCL path allocates its "
-                f"buffers per call")
+                f"buffers per call"
+            )
         if capturing:
             self._captured[ubatch] = True
         self._calls[ubatch] += 1
@@ -309,8 +348,9 @@ class NcclOp(Resource):
     def _info(self, arr, name: str) -> ArrayInfo:
         return array_info(arr, self.op_name, name)
 
-    def _checked(self, arr, name: str, shape: tuple, dims: str, dtypes=None, *,
-                 dtype_first: bool = False) -> ArrayInfo:
+    def _checked(
+        self, arr, name: str, shape: tuple, dims: str, dtypes=None, *, dtype_first: bool = False
+    ) -> ArrayInfo:
         """``arr`` described and checked: ``shape`` (None: any extent), a dtype of ``dtypes``
         (default: the op's), on the op's GPU; the shape or (``dtype_first``) the dtype first."""
         op, info = self.op_name, self._info(arr, name)

@@ -35,10 +35,12 @@ def nccl_module():
     except ImportError as e:
         raise MissingDependency("cupy (cupy.cuda.nccl)", cuda_extra(), str(e)) from None
     if not getattr(nccl, "available", False):
-        raise MissingDependency("NCCL for cupy.cuda.nccl (libnccl.so.2)", cuda_extra(),
-                                "cupy.cuda.nccl.available is False")
+        raise MissingDependency(
+            "NCCL for cupy.cuda.nccl (libnccl.so.2)",
+            cuda_extra(),
+            "cupy.cuda.nccl.available is False",
+        )
     return nccl
-
 
 
 class NcclGroup(Resource):
@@ -79,8 +81,11 @@ class NcclGroup(Resource):
         import cupy
 
         nccl = self._nccl_mod
-        uid = collective_step(comm, "NcclGroup: ncclGetUniqueId on rank 0",
-                              lambda: nccl.get_unique_id() if comm.rank == 0 else None)
+        uid = collective_step(
+            comm,
+            "NcclGroup: ncclGetUniqueId on rank 0",
+            lambda: nccl.get_unique_id() if comm.rank == 0 else None,
+        )
         uid = comm.broadcast(uid, root=0)
 
         def init_rank():
@@ -100,8 +105,9 @@ class NcclGroup(Resource):
         try:
             self.nccl.check_async_error()
         except self._nccl_mod.NcclError as e:
-            raise CudaError("ncclCommGetAsyncError", str(e),
-                            "the NCCL communicator is unusable: close it") from None
+            raise CudaError(
+                "ncclCommGetAsyncError", str(e), "the NCCL communicator is unusable: close it"
+            ) from None
 
     def close(self) -> None:
         """Wait for the device, then destroy the NCCL communicator (collective, idempotent)."""

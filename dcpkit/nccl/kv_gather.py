@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from .._checks import COPY_ITEMSIZES, check_positive_int, resolve_bytes_dtype
 from .._strided import c_contiguous
 from ..comm import Communicator
@@ -53,15 +52,35 @@ class NcclKVGather(NcclOp):
     algorithm = "all_gather"
     launches_per_call = 1
 
-    def __init__(self, comm: Communicator, *, max_tokens: int, row_dim: int, dtype,
-                 num_ubatches: int = 1, algorithm: str = "push",
-                 timeout_ms: float | None = None, heap=None,
-                 multicast: bool | None = None, nccl_group: NcclGroup | None = None):
-        self._agree_geometry(comm, dict(
-            max_tokens=max_tokens, row_dim=row_dim, dtype=dtype, num_ubatches=num_ubatches,
-            algorithm=algorithm, timeout_ms=timeout_ms),
-            "max_tokens, row_dim, dtype, num_ubatches", nccl_group, heap=heap,
-            multicast=multicast)
+    def __init__(
+        self,
+        comm: Communicator,
+        *,
+        max_tokens: int,
+        row_dim: int,
+        dtype,
+        num_ubatches: int = 1,
+        algorithm: str = "push",
+        timeout_ms: float | None = None,
+        heap=None,
+        multicast: bool | None = None,
+        nccl_group: NcclGroup | None = None,
+    ):
+        self._agree_geometry(
+            comm,
+            dict(
+                max_tokens=max_tokens,
+                row_dim=row_dim,
+                dtype=dtype,
+                num_ubatches=num_ubatches,
+                algorithm=algorithm,
+                timeout_ms=timeout_ms,
+            ),
+            "max_tokens, row_dim, dtype, num_ubatches",
+            nccl_group,
+            heap=heap,
+            multicast=multicast,
+        )
         self._build(nccl_group)
 
     def _build(self, nccl_group: NcclGroup | None) -> None:
@@ -72,15 +91,23 @@ class NcclKVGather(NcclOp):
 
         def build():
             self._send = [self._alloc(T * self.row_bytes) for _ in range(U)]
-            self._outs = [[self._alloc(W * T * self.row_bytes) for _ in range(3)]
-                          for _ in range(U)]
+            self._outs = [[self._alloc(W * T * self.row_bytes) for _ in range(3)] for _ in range(U)]
 
         self._allocate(build)
         self._finish()
 
     @classmethod
-    def _check_geometry(cls, world_size: int, *, max_tokens, row_dim, dtype, num_ubatches=1,
-                        algorithm="push", timeout_ms=None) -> tuple[tuple, dict]:
+    def _check_geometry(
+        cls,
+        world_size: int,
+        *,
+        max_tokens,
+        row_dim,
+        dtype,
+        num_ubatches=1,
+        algorithm="push",
+        timeout_ms=None,
+    ) -> tuple[tuple, dict]:
         """Every check of the constructor keywords that needs no GPU and no collective; returns
         ``(agreed, geometry)`` as :meth:`NcclQGather._check_geometry`."""
         op = cls.op_name
@@ -88,12 +115,13 @@ class NcclKVGather(NcclOp):
         g["row_dim"] = check_positive_int(row_dim, op, "row_dim")
         dt = g["dtype"] = resolve_bytes_dtype(dtype, op, COPY_ITEMSIZES)
         if algorithm not in ("push", "pull"):
-            raise InvalidArgument(f"{op}: algorithm must be 'push' or 'pull' "
-                                  f"(got {algorithm!r})")
+            raise InvalidArgument(f"{op}: algorithm must be 'push' or 'pull' (got {algorithm!r})")
         T = g["max_tokens"]
-        cls._check_buffer_bytes(g["num_ubatches"],
-                                T * g["row_dim"] * dt.itemsize * (1 + 3 * g["world_size"]),
-                                "max_tokens, row_dim")
+        cls._check_buffer_bytes(
+            g["num_ubatches"],
+            T * g["row_dim"] * dt.itemsize * (1 + 3 * g["world_size"]),
+            "max_tokens, row_dim",
+        )
         return (T, g["row_dim"], str(dt), g["num_ubatches"]), g
 
     def _free_buffers(self) -> None:
@@ -137,8 +165,7 @@ class NcclKVGather(NcclOp):
         W, Dk = self.world_size, self.row_dim
         ki = self._checked(kv, "kv", (None, Dk), "T, D_kv")
         T = ki.shape[0]
-        oi = None if out is None else self._checked(out, "out", (W * T, Dk),
-                                                    "world_size*T, D_kv")
+        oi = None if out is None else self._checked(out, "out", (W * T, Dk), "world_size*T, D_kv")
         stream = self.get_stream(stream)
         if T == 0:
             return out if out is not None else self._view(self._outs[u][0], (0, Dk), self.dtype)
@@ -156,8 +183,7 @@ class NcclKVGather(NcclOp):
             return out
         buf = self._out_buffer(self._outs, u, idx, T, W * nbytes, stream)
         res = self._view(buf, (W * T, Dk), self.dtype)
-        self._nccl.allGather(send_ptr, buf.data.ptr, nbytes, self._nccl_mod.NCCL_UINT8,
-                             stream.ptr)
+        self._nccl.allGather(send_ptr, buf.data.ptr, nbytes, self._nccl_mod.NCCL_UINT8, stream.ptr)
         if oi is None:
             return res
         self._copy(oi, self._info(res, "out"), stream)

@@ -10,8 +10,17 @@ import numpy as np
 
 from .. import _cuda, jit
 from .._arrays import ArrayInfo
-from .._checks import (INT32_MAX, check_bool, check_lse_base, check_masks, check_positive_int,
-                       cxx_type, float_dtypes, lse_dtypes, resolve_float_dtype)
+from .._checks import (
+    INT32_MAX,
+    check_bool,
+    check_lse_base,
+    check_masks,
+    check_positive_int,
+    cxx_type,
+    float_dtypes,
+    lse_dtypes,
+    resolve_float_dtype,
+)
 from .._strided import KERNEL_FILE, THREADS, c_contiguous, grid, heads_to_owner_plan, launch_copy
 from ..comm import Communicator
 from ..errors import InvalidArgument
@@ -28,12 +37,12 @@ _F32 = np.dtype(np.float32)
 class LseLayout(NamedTuple):
     """Where the kernels of one NcclLseReduce algorithm put things (element units)."""
 
-    mask_offset: int    # float32 elements from the lse buffer start to the masked own lse
-    mask_ss: int        # masked lse of head s*H_r + j, token t at s*mask_ss + t*mask_st + j
+    mask_offset: int  # float32 elements from the lse buffer start to the masked own lse
+    mask_ss: int  # masked lse of head s*H_r + j, token t at s*mask_ss + t*mask_st + j
     mask_st: int
-    y_ss: int           # scaled output of head s*H_r + j at s*y_ss + t*y_st + j*D + d
+    y_ss: int  # scaled output of head s*H_r + j at s*y_ss + t*y_st + j*D + d
     y_st: int
-    lse_h0: int         # heads whose merged lse the weight kernel writes: [lse_h0, lse_h1)
+    lse_h0: int  # heads whose merged lse the weight kernel writes: [lse_h0, lse_h1)
     lse_h1: int
 
 
@@ -56,9 +65,9 @@ def lse_layout(algorithm: str, rank: int, world_size: int, T: int, H: int, D: in
 class LseKernels(NamedTuple):
     """The loaded lse kernels of ``kernels/fallback.cu`` on one device, by dtype."""
 
-    mask: dict[np.dtype, object]     # lse -> float32 natural log, masked; by lse dtype
-    weight: dict[np.dtype, object]   # weights times out_partial (fp32); by output dtype
-    cast: dict[np.dtype, object]     # fp32 sum -> the output dtype
+    mask: dict[np.dtype, object]  # lse -> float32 natural log, masked; by lse dtype
+    weight: dict[np.dtype, object]  # weights times out_partial (fp32); by output dtype
+    cast: dict[np.dtype, object]  # fp32 sum -> the output dtype
 
 
 _LSE_KERNELS: dict[int, LseKernels] = {}
@@ -72,13 +81,19 @@ def load_lse_kernels(device: int) -> LseKernels:
         _cuda.require_device(f"loading kernels/{KERNEL_FILE}", device)
 
         def load(kind: str, dtypes):
-            return {dt: jit.get_kernel(KERNEL_FILE,
-                                       f"dcpkit::fallback_{kind}_kernel<{cxx_type(dt)}>").kernel
-                    for dt in dtypes}
+            return {
+                dt: jit.get_kernel(
+                    KERNEL_FILE, f"dcpkit::fallback_{kind}_kernel<{cxx_type(dt)}>"
+                ).kernel
+                for dt in dtypes
+            }
 
         with cupy.cuda.Device(device):
-            k = LseKernels(load("lse_mask", lse_dtypes()), load("lse_weight", float_dtypes()),
-                           load("cast", float_dtypes()))
+            k = LseKernels(
+                load("lse_mask", lse_dtypes()),
+                load("lse_weight", float_dtypes()),
+                load("cast", float_dtypes()),
+            )
         _LSE_KERNELS[device] = k
     return k
 
@@ -139,16 +154,39 @@ class NcclLseReduce(NcclOp):
 
     op_name = "lse_reduce"
 
-    def __init__(self, comm: Communicator, *, max_tokens: int, num_heads: int, head_dim: int,
-                 dtype, num_ubatches: int = 1, lse_base: float = math.e,
-                 return_lse: bool = False, timeout_ms: float | None = None, heap=None,
-                 algorithm: str = "all_to_all", nccl_group: NcclGroup | None = None):
-        self._agree_geometry(comm, dict(
-            max_tokens=max_tokens, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
-            num_ubatches=num_ubatches, lse_base=lse_base, return_lse=return_lse,
-            timeout_ms=timeout_ms, algorithm=algorithm),
-            "max_tokens, num_heads, head_dim, dtype, lse_base, return_lse, algorithm, "
-            "num_ubatches", nccl_group, heap=heap)
+    def __init__(
+        self,
+        comm: Communicator,
+        *,
+        max_tokens: int,
+        num_heads: int,
+        head_dim: int,
+        dtype,
+        num_ubatches: int = 1,
+        lse_base: float = math.e,
+        return_lse: bool = False,
+        timeout_ms: float | None = None,
+        heap=None,
+        algorithm: str = "all_to_all",
+        nccl_group: NcclGroup | None = None,
+    ):
+        self._agree_geometry(
+            comm,
+            dict(
+                max_tokens=max_tokens,
+                num_heads=num_heads,
+                head_dim=head_dim,
+                dtype=dtype,
+                num_ubatches=num_ubatches,
+                lse_base=lse_base,
+                return_lse=return_lse,
+                timeout_ms=timeout_ms,
+                algorithm=algorithm,
+            ),
+            "max_tokens, num_heads, head_dim, dtype, lse_base, return_lse, algorithm, num_ubatches",
+            nccl_group,
+            heap=heap,
+        )
         self._build(nccl_group)
 
     def _build(self, nccl_group: NcclGroup | None) -> None:
@@ -185,9 +223,20 @@ class NcclLseReduce(NcclOp):
         self._finish()
 
     @classmethod
-    def _check_geometry(cls, world_size: int, *, max_tokens, num_heads, head_dim, dtype,
-                        num_ubatches=1, lse_base=math.e, return_lse=False, timeout_ms=None,
-                        algorithm="all_to_all") -> tuple[tuple, dict]:
+    def _check_geometry(
+        cls,
+        world_size: int,
+        *,
+        max_tokens,
+        num_heads,
+        head_dim,
+        dtype,
+        num_ubatches=1,
+        lse_base=math.e,
+        return_lse=False,
+        timeout_ms=None,
+        algorithm="all_to_all",
+    ) -> tuple[tuple, dict]:
         """Every check of the constructor keywords that needs no GPU and no collective; returns
         ``(agreed, geometry)`` as :meth:`NcclQGather._check_geometry`."""
         op = cls.op_name
@@ -196,18 +245,19 @@ class NcclLseReduce(NcclOp):
         H = g["num_heads"] = check_positive_int(num_heads, op, "num_heads", maximum=INT32_MAX)
         D = g["head_dim"] = check_positive_int(head_dim, op, "head_dim", maximum=INT32_MAX)
         if H % W:
-            raise InvalidArgument(f"{op}: num_heads must be a multiple of world_size {W} "
-                                  f"(got {H})")
+            raise InvalidArgument(f"{op}: num_heads must be a multiple of world_size {W} (got {H})")
         dt = g["dtype"] = resolve_float_dtype(dtype, op)
         if algorithm not in LSE_ALGORITHMS:
-            raise InvalidArgument(f"{op}: algorithm must be one of {list(LSE_ALGORITHMS)} "
-                                  f"(got {algorithm!r})")
+            raise InvalidArgument(
+                f"{op}: algorithm must be one of {list(LSE_ALGORITHMS)} (got {algorithm!r})"
+            )
         g["algorithm"] = algorithm
         isz = dt.itemsize
         if algorithm == "all_to_all" and (D * isz) % 16:
             raise InvalidArgument(
                 f"{op}: head_dim * itemsize must be a multiple of 16 bytes for "
-                f"algorithm 'all_to_all' (got {D} * {isz}); use 'allgather_reduce_scatter'")
+                f"algorithm 'all_to_all' (got {D} * {isz}); use 'allgather_reduce_scatter'"
+            )
         g["lse_base"] = check_lse_base(lse_base, op)
         g["return_lse"] = check_bool(return_lse, op, "return_lse")
         Ho = H if algorithm == "allgather_all_reduce" else H // W
@@ -215,10 +265,12 @@ class NcclLseReduce(NcclOp):
             scratch = 2 * T * H * D * isz + 2 * T * H * 4
         else:
             scratch = W * T * H * 4 + T * H * D * 4 + T * (H // W) * D * 4
-        cls._check_buffer_bytes(g["num_ubatches"], scratch + 3 * T * Ho * (D * isz + 4),
-                                "max_tokens, num_heads, head_dim")
-        return (T, H, D, str(dt), g["lse_base"], g["return_lse"], algorithm,
-                g["num_ubatches"]), g
+        cls._check_buffer_bytes(
+            g["num_ubatches"],
+            scratch + 3 * T * Ho * (D * isz + 4),
+            "max_tokens, num_heads, head_dim",
+        )
+        return (T, H, D, str(dt), g["lse_base"], g["return_lse"], algorithm, g["num_ubatches"]), g
 
     def _load_kernels(self) -> None:
         """The copy kernels, and the mask, weight and cast kernels of ``kernels/fallback.cu``."""
@@ -226,8 +278,17 @@ class NcclLseReduce(NcclOp):
         self._k = load_lse_kernels(self.device)
 
     def _free_buffers(self) -> None:
-        for name in ("_send_out", "_recv_out", "_send_lse", "_recv_lse", "_lse_all", "_y", "_rs",
-                     "_outs", "_lse_outs"):
+        for name in (
+            "_send_out",
+            "_recv_out",
+            "_send_lse",
+            "_recv_lse",
+            "_lse_all",
+            "_y",
+            "_rs",
+            "_outs",
+            "_lse_outs",
+        ):
             if hasattr(self, name):
                 setattr(self, name, None)
 
@@ -237,8 +298,18 @@ class NcclLseReduce(NcclOp):
         lse = cupy.zeros((T, self.num_heads), dtype=cupy.float32)
         self._call(x, lse, None, None, 0, None, None, None)
 
-    def __call__(self, out_partial, lse_partial, *, seq_lens=None, query_start_loc=None,
-                 ubatch: int = 0, out=None, out_lse=None, stream=None):
+    def __call__(
+        self,
+        out_partial,
+        lse_partial,
+        *,
+        seq_lens=None,
+        query_start_loc=None,
+        ubatch: int = 0,
+        out=None,
+        out_lse=None,
+        stream=None,
+    ):
         """Merge every rank's partial attention (see the class docstring).
 
         Parameters
@@ -279,39 +350,45 @@ class NcclLseReduce(NcclOp):
         InvalidArgument, InvalidType, ClosedError
         """
         self.check_open()
-        return self._call(out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out,
-                          out_lse, stream)
+        return self._call(
+            out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out, out_lse, stream
+        )
 
-    def _call(self, out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out, out_lse,
-              stream):
+    def _call(
+        self, out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out, out_lse, stream
+    ):
         op = self.op_name
         u = self.check_ubatch(ubatch)
         H, D, Ho = self.num_heads, self.head_dim, self.out_heads
         dt, isz = self.dtype, self.dtype.itemsize
-        x = self._checked(out_partial, "out_partial", (None, H, D), "T, H, D_v",
-                          dtype_first=True)
+        x = self._checked(out_partial, "out_partial", (None, H, D), "T, H, D_v", dtype_first=True)
         T = x.shape[0]
-        li = self._checked(lse_partial, "lse_partial", (T, H), "T, H", lse_dtypes(),
-                           dtype_first=True)
+        li = self._checked(
+            lse_partial, "lse_partial", (T, H), "T, H", lse_dtypes(), dtype_first=True
+        )
         for name, info in (("out_partial", x), ("lse_partial", li)):
             if any(s % info.itemsize for s in info.strides):
-                raise InvalidArgument(f"{op}: {name} strides must be multiples of its itemsize "
-                                      f"{info.itemsize} bytes (got {info.strides})")
+                raise InvalidArgument(
+                    f"{op}: {name} strides must be multiples of its itemsize "
+                    f"{info.itemsize} bytes (got {info.strides})"
+                )
         S, qsl_ptr, seq_ptr = check_masks(op, seq_lens, query_start_loc, self.device)
         oi = oli = None
         if out is not None:
             oi = self._checked(out, "out", (T, Ho, D), "T, H_out, D_v", dtype_first=True)
         if out_lse is not None:
-            oli = self._checked(out_lse, "out_lse", (T, Ho), "T, H_out", (np.float32,),
-                                dtype_first=True)
+            oli = self._checked(
+                out_lse, "out_lse", (T, Ho), "T, H_out", (np.float32,), dtype_first=True
+            )
         want_lse = self.return_lse or out_lse is not None
         stream = self.get_stream(stream)
         if T == 0:
             res = out if out is not None else self._view(self._outs[u][0], (0, Ho, D), dt)
             if not want_lse:
                 return res
-            lres = out_lse if out_lse is not None else \
-                self._view(self._lse_outs[u][0], (0, Ho), _F32)
+            lres = (
+                out_lse if out_lse is not None else self._view(self._lse_outs[u][0], (0, Ho), _F32)
+            )
             return res, lres
         key = (T, str(dt), str(li.dtype), u, qsl_ptr != 0, seq_ptr != 0)
         idx, _ = self._begin(u, T, stream, key)
@@ -320,15 +397,21 @@ class NcclLseReduce(NcclOp):
         # merge), else workspace buffers copied out at the end
         obuf = self._out_buffer(self._outs, u, idx, T, T * Ho * D * isz, stream)
         ws_out = self._view(obuf, (T, Ho, D), dt)
-        dst = oi if (oi is not None and c_contiguous(oi) and oi.ptr % 16 == 0) else \
-            self._info(ws_out, "out")
+        dst = (
+            oi
+            if (oi is not None and c_contiguous(oi) and oi.ptr % 16 == 0)
+            else self._info(ws_out, "out")
+        )
         ldst = None
         ws_lse = None
         if want_lse:
             lbuf = self._out_buffer(self._lse_outs, u, idx, T, T * Ho * 4, stream)
             ws_lse = self._view(lbuf, (T, Ho), _F32)
-            ldst = oli if (oli is not None and c_contiguous(oli) and oli.ptr % 4 == 0) else \
-                self._info(ws_lse, "out_lse")
+            ldst = (
+                oli
+                if (oli is not None and c_contiguous(oli) and oli.ptr % 4 == 0)
+                else self._info(ws_lse, "out_lse")
+            )
 
         lse_args = (li, qsl_ptr, seq_ptr, S)
         if self.algorithm == "all_to_all":
@@ -357,22 +440,35 @@ class NcclLseReduce(NcclOp):
         H, H_r = self.num_heads, self.heads_per_rank
         l_st = li.strides[0] // li.itemsize if T > 1 else 0
         l_sh = li.strides[1] // li.itemsize if H > 1 else 0
-        args = (np.uint64(dst_ptr), np.int64(dst_ss), np.int64(dst_st), np.uint64(li.ptr),
-                np.int64(l_st), np.int64(l_sh), np.uint64(qsl_ptr), np.uint64(seq_ptr),
-                np.int32(S), np.int32(T), np.int32(H), np.int32(H_r), self._scale)
+        args = (
+            np.uint64(dst_ptr),
+            np.int64(dst_ss),
+            np.int64(dst_st),
+            np.uint64(li.ptr),
+            np.int64(l_st),
+            np.int64(l_sh),
+            np.uint64(qsl_ptr),
+            np.uint64(seq_ptr),
+            np.int32(S),
+            np.int32(T),
+            np.int32(H),
+            np.int32(H_r),
+            self._scale,
+        )
         self._k.mask[li.dtype](grid(T * H), (THREADS,), args, shared_mem=0, stream=stream)
 
     def _shape(self) -> tuple[int, int, int, int, int]:
         """``(W, H, D_v, H_r, rank)``."""
         return (self.world_size, self.num_heads, self.head_dim, self.heads_per_rank, self.rank)
 
-    def _all_to_all(self, u: int, T: int, x: ArrayInfo, lse_args, dst: ArrayInfo,
-                    ldst: ArrayInfo | None, stream) -> None:
+    def _all_to_all(
+        self, u: int, T: int, x: ArrayInfo, lse_args, dst: ArrayInfo, ldst: ArrayInfo | None, stream
+    ) -> None:
         W, H, D, H_r, r = self._shape()
         isz = self.dtype.itemsize
         nccl, mod, sp = self._nccl, self._nccl_mod, stream.ptr
-        blk = T * H_r * D * isz       # one owner's payload
-        lblk = T * H_r * 4            # one owner's lse
+        blk = T * H_r * D * isz  # one owner's payload
+        lblk = T * H_r * 4  # one owner's lse
         send_out = self._scratch(self._send_out, u, T, W * blk, stream)
         recv_out = self._scratch(self._recv_out, u, T, W * blk, stream)
         send_lse = self._scratch(self._send_lse, u, T, W * lblk, stream)
@@ -385,7 +481,7 @@ class NcclLseReduce(NcclOp):
         # payload: owner's head slice, [W, T, H_r, D]
         st, sh, sd = x.strides
         if T == 1 and (H == 1 or sh == D * isz) and (D == 1 or sd == isz):
-            src_base, src_blk = x.ptr, H_r * D * isz      # already owner-major
+            src_base, src_blk = x.ptr, H_r * D * isz  # already owner-major
         else:
             p = heads_to_owner_plan(W, T, H_r, D, isz, x.strides, so, x.ptr)
             launch_copy(self.device, p, so, x.ptr, stream)
@@ -408,11 +504,11 @@ class NcclLseReduce(NcclOp):
                 mod.groupEnd()
         src_out = self._view(recv_out, (W, T, H_r, D), self.dtype)
         src_lse = self._view(recv_lse, (W, T, H_r), _F32)
-        self._combine(src_out, src_lse, dst.obj, None if ldst is None else ldst.obj,
-                      stream=stream)
+        self._combine(src_out, src_lse, dst.obj, None if ldst is None else ldst.obj, stream=stream)
 
-    def _all_gather_lse(self, u: int, T: int, x: ArrayInfo, lse_args, dst: ArrayInfo,
-                        ldst: ArrayInfo | None, stream) -> None:
+    def _all_gather_lse(
+        self, u: int, T: int, x: ArrayInfo, lse_args, dst: ArrayInfo, ldst: ArrayInfo | None, stream
+    ) -> None:
         W, H, D, H_r, r = self._shape()
         dt, isz = self.dtype, self.dtype.itemsize
         nccl, mod, sp = self._nccl, self._nccl_mod, stream.ptr
@@ -429,13 +525,30 @@ class NcclLseReduce(NcclOp):
         y_ss, y_st, h0, h1 = lay.y_ss, lay.y_st, lay.lse_h0, lay.lse_h1
         st, sh, sd = (s // isz for s in x.strides)
         st = st if T > 1 else 0
-        lse_ptr, lse_st = (0, 0) if ldst is None else \
-            (ldst.ptr, ldst.strides[0] // 4 if T > 1 else 0)
+        lse_ptr, lse_st = (
+            (0, 0) if ldst is None else (ldst.ptr, ldst.strides[0] // 4 if T > 1 else 0)
+        )
         assert ldst is None or ldst.shape[1] <= 1 or ldst.strides[1] == 4  # C-contiguous
-        args = (np.uint64(y.data.ptr), np.int64(y_ss), np.int64(y_st), np.uint64(x.ptr),
-                np.int64(st), np.int64(sh), np.int64(sd), np.uint64(la), np.uint64(lse_ptr),
-                np.int64(lse_st), np.int32(h0), np.int32(h1), np.int32(W), np.int32(r),
-                np.int32(T), np.int32(H), np.int32(H_r), np.int32(D))
+        args = (
+            np.uint64(y.data.ptr),
+            np.int64(y_ss),
+            np.int64(y_st),
+            np.uint64(x.ptr),
+            np.int64(st),
+            np.int64(sh),
+            np.int64(sd),
+            np.uint64(la),
+            np.uint64(lse_ptr),
+            np.int64(lse_st),
+            np.int32(h0),
+            np.int32(h1),
+            np.int32(W),
+            np.int32(r),
+            np.int32(T),
+            np.int32(H),
+            np.int32(H_r),
+            np.int32(D),
+        )
         self._k.weight[dt](grid(T * H * 32), (THREADS,), args, shared_mem=0, stream=stream)
         # fp32 sum; then the cast to the dtype (skipped when the result is fp32 already)
         direct_f32 = dt == _F32 and c_contiguous(dst)
@@ -447,12 +560,19 @@ class NcclLseReduce(NcclOp):
         else:
             rs = self._scratch(self._rs, u, T, T * H_r * D * 4, stream)
             target = dst.ptr if direct_f32 else rs.data.ptr
-            nccl.reduceScatter(y.data.ptr, target, T * H_r * D, mod.NCCL_FLOAT32, mod.NCCL_SUM,
-                               sp)
+            nccl.reduceScatter(y.data.ptr, target, T * H_r * D, mod.NCCL_FLOAT32, mod.NCCL_SUM, sp)
             src = rs.data.ptr
         if direct_f32:
             return
         o_st, o_sh, o_sd = (s // isz for s in dst.strides)
-        args = (np.uint64(dst.ptr), np.int64(o_st), np.int64(o_sh), np.int64(o_sd),
-                np.uint64(src), np.int32(T), np.int32(Hx), np.int32(D))
+        args = (
+            np.uint64(dst.ptr),
+            np.int64(o_st),
+            np.int64(o_sh),
+            np.int64(o_sd),
+            np.uint64(src),
+            np.int32(T),
+            np.int32(Hx),
+            np.int32(D),
+        )
         self._k.cast[dt](grid(T * Hx * D), (THREADS,), args, shared_mem=0, stream=stream)

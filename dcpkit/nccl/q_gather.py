@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from .._checks import COPY_ITEMSIZES, check_positive_int, resolve_bytes_dtype
 from .._strided import c_contiguous, launch_copy, owner_to_heads_plan
 from ..comm import Communicator
@@ -70,17 +69,37 @@ class NcclQGather(NcclOp):
     algorithm = "all_gather"
     launches_per_call = 2
 
-    def __init__(self, comm: Communicator, *, max_tokens: int, heads_per_rank: int,
-                 head_dim: int, dtype, num_ubatches: int = 1,
-                 padded_num_heads: int | None = None, timeout_ms: float | None = None,
-                 heap=None, multicast: bool | None = None,
-                 nccl_group: NcclGroup | None = None):
-        self._agree_geometry(comm, dict(
-            max_tokens=max_tokens, heads_per_rank=heads_per_rank, head_dim=head_dim,
-            dtype=dtype, num_ubatches=num_ubatches, padded_num_heads=padded_num_heads,
-            timeout_ms=timeout_ms), "max_tokens, heads_per_rank, head_dim, dtype, "
-                                    "padded_num_heads, num_ubatches", nccl_group, heap=heap,
-            multicast=multicast)
+    def __init__(
+        self,
+        comm: Communicator,
+        *,
+        max_tokens: int,
+        heads_per_rank: int,
+        head_dim: int,
+        dtype,
+        num_ubatches: int = 1,
+        padded_num_heads: int | None = None,
+        timeout_ms: float | None = None,
+        heap=None,
+        multicast: bool | None = None,
+        nccl_group: NcclGroup | None = None,
+    ):
+        self._agree_geometry(
+            comm,
+            dict(
+                max_tokens=max_tokens,
+                heads_per_rank=heads_per_rank,
+                head_dim=head_dim,
+                dtype=dtype,
+                num_ubatches=num_ubatches,
+                padded_num_heads=padded_num_heads,
+                timeout_ms=timeout_ms,
+            ),
+            "max_tokens, heads_per_rank, head_dim, dtype, padded_num_heads, num_ubatches",
+            nccl_group,
+            heap=heap,
+            multicast=multicast,
+        )
         self._build(nccl_group)
 
     def _build(self, nccl_group: NcclGroup | None) -> None:
@@ -94,16 +113,24 @@ class NcclQGather(NcclOp):
         def build():
             self._send = [self._alloc(T * self.row_bytes) for _ in range(U)]
             self._gather = [self._alloc(W * T * self.row_bytes) for _ in range(U)]
-            self._outs = [[self._alloc(T * self._token_bytes) for _ in range(3)]
-                          for _ in range(U)]
+            self._outs = [[self._alloc(T * self._token_bytes) for _ in range(3)] for _ in range(U)]
 
         self._allocate(build)
         self._finish()
 
     @classmethod
-    def _check_geometry(cls, world_size: int, *, max_tokens, heads_per_rank, head_dim, dtype,
-                        num_ubatches=1, padded_num_heads=None,
-                        timeout_ms=None) -> tuple[tuple, dict]:
+    def _check_geometry(
+        cls,
+        world_size: int,
+        *,
+        max_tokens,
+        heads_per_rank,
+        head_dim,
+        dtype,
+        num_ubatches=1,
+        padded_num_heads=None,
+        timeout_ms=None,
+    ) -> tuple[tuple, dict]:
         """Every check of the geometry keywords that needs no GPU and no collective; returns
         ``(agreed, geometry)``: the values every rank must agree on, and the checked geometry by
         attribute name."""
@@ -117,23 +144,31 @@ class NcclQGather(NcclOp):
         pad = H if padded_num_heads is None else padded_num_heads
         g["padded_num_heads"] = check_positive_int(pad, op, "padded_num_heads", minimum=H)
         row = g["heads_per_rank"] * g["head_dim"] * dt.itemsize
-        cls._check_buffer_bytes(g["num_ubatches"], T * row * (1 + W) + 3 * T
-                                * g["padded_num_heads"] * g["head_dim"] * dt.itemsize,
-                                "max_tokens, heads_per_rank, head_dim, padded_num_heads")
-        return (T, g["heads_per_rank"], g["head_dim"], str(dt), g["padded_num_heads"],
-                g["num_ubatches"]), g
+        cls._check_buffer_bytes(
+            g["num_ubatches"],
+            T * row * (1 + W) + 3 * T * g["padded_num_heads"] * g["head_dim"] * dt.itemsize,
+            "max_tokens, heads_per_rank, head_dim, padded_num_heads",
+        )
+        return (
+            T,
+            g["heads_per_rank"],
+            g["head_dim"],
+            str(dt),
+            g["padded_num_heads"],
+            g["num_ubatches"],
+        ), g
 
     def _free_buffers(self) -> None:
         self._send = self._gather = self._outs = None
 
     def _warmup_call(self, T: int) -> None:
         cupy = self._cupy
-        q = cupy.zeros((T, self.heads_per_rank, self.head_dim * self.dtype.itemsize),
-                       dtype=cupy.uint8).view(self.dtype)
+        q = cupy.zeros(
+            (T, self.heads_per_rank, self.head_dim * self.dtype.itemsize), dtype=cupy.uint8
+        ).view(self.dtype)
         self._call(q, 0, None, None, False)
 
-    def __call__(self, q, *, ubatch: int = 0, out=None, stream=None,
-                 return_padded: bool = False):
+    def __call__(self, q, *, ubatch: int = 0, out=None, stream=None, return_padded: bool = False):
         """Gather ``q`` of every rank: ``[T, H_r, D]`` here -> ``[T, H, D]`` everywhere.
 
         Parameters
@@ -172,8 +207,9 @@ class NcclQGather(NcclOp):
         op = self.op_name
         u = self.check_ubatch(ubatch)
         if return_padded and out is not None:
-            raise InvalidArgument(f"{op}: return_padded must be False when out= is given "
-                                  f"(got return_padded=True)")
+            raise InvalidArgument(
+                f"{op}: return_padded must be False when out= is given (got return_padded=True)"
+            )
         H_r, D, H, isz = self.heads_per_rank, self.head_dim, self.num_heads, self.dtype.itemsize
         qi = self._checked(q, "q", (None, H_r, D), "T, H_r, D")
         T = qi.shape[0]
@@ -209,8 +245,7 @@ class NcclQGather(NcclOp):
             self._nccl.allGather(send_ptr, oi.ptr, nbytes, self._nccl_mod.NCCL_UINT8, stream.ptr)
             return res
         gbuf = self._scratch(self._gather, u, T, W * nbytes, stream)
-        self._nccl.allGather(send_ptr, gbuf.data.ptr, nbytes, self._nccl_mod.NCCL_UINT8,
-                             stream.ptr)
+        self._nccl.allGather(send_ptr, gbuf.data.ptr, nbytes, self._nccl_mod.NCCL_UINT8, stream.ptr)
         # [W, T, H_r, D] -> out[t, s*H_r + j, d]
         p = owner_to_heads_plan(W, T, H_r, D, isz, oi.strides, oi.ptr, gbuf.data.ptr)
         launch_copy(self.device, p, oi.ptr, gbuf.data.ptr, stream)

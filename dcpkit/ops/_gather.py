@@ -48,8 +48,9 @@ def resolve_gather_dtype(dtype, op: str) -> np.dtype:
     try:
         dt = resolve_dtype(dtype)
     except (TypeError, ValueError, AttributeError, ImportError):
-        raise InvalidType(f"{op}: dtype must be a NumPy dtype or dtype name (got {dtype!r})") \
-            from None
+        raise InvalidType(
+            f"{op}: dtype must be a NumPy dtype or dtype name (got {dtype!r})"
+        ) from None
     if dt.hasobject or dt.itemsize == 0:
         raise InvalidType(f"{op}: dtype must be a fixed-size data type (got {dt})")
     return dt
@@ -63,14 +64,14 @@ class GatherPlan(NamedTuple):
 
     T: int
     ubatch: int
-    out_ptr: int              # the caller's out= (0: none)
-    grid_copy: int            # CTAs when the kernel copies out (out=, capture, after a capture)
-    grid_zero_copy: int       # CTAs when the result is read from the own data slot
-    params: object            # KernelParams, the ``out`` field patched per call
-    out_index: int            # index of the kernel's ``out`` parameter
-    shape: tuple[int, ...]    # the result view
+    out_ptr: int  # the caller's out= (0: none)
+    grid_copy: int  # CTAs when the kernel copies out (out=, capture, after a capture)
+    grid_zero_copy: int  # CTAs when the result is read from the own data slot
+    params: object  # KernelParams, the ``out`` field patched per call
+    out_index: int  # index of the kernel's ``out`` parameter
+    shape: tuple[int, ...]  # the result view
     strides: tuple[int, ...]
-    debug_key: tuple          # what DCPKIT_DEBUG compares across ranks
+    debug_key: tuple  # what DCPKIT_DEBUG compares across ranks
     views: dict[int, object]  # result views by address (memoised, at most a handful)
 
 
@@ -102,15 +103,20 @@ class GatherWorkspace(OpWorkspace):
     #: Threads per CTA of the gather kernels (kernels/gather.cuh kGatherThreads).
     THREADS = THREADS
 
-    def _check_gather_common(self, world_size: int, *, data_slot_bytes: int, out_bytes: int,
-                             num_ubatches, timeout_ms) -> tuple:
+    def _check_gather_common(
+        self, world_size: int, *, data_slot_bytes: int, out_bytes: int, num_ubatches, timeout_ms
+    ) -> tuple:
         """:meth:`OpWorkspace._check_common` for a gather: the two base slots hold
         ``DATA_SLOTS`` data slots of ``data_slot_bytes`` (rounded up), back to back."""
         slot = _round_up(max(int(data_slot_bytes), 16))
         self.data_slot_bytes = slot
-        return self._check_common(world_size, slot_bytes=-(-DATA_SLOTS * slot // 2),
-                                  out_bytes=out_bytes, num_ubatches=num_ubatches,
-                                  timeout_ms=timeout_ms)
+        return self._check_common(
+            world_size,
+            slot_bytes=-(-DATA_SLOTS * slot // 2),
+            out_bytes=out_bytes,
+            num_ubatches=num_ubatches,
+            timeout_ms=timeout_ms,
+        )
 
     def _compile(self, file: str, name_expr: str):
         """Compile (or fetch) the kernel on every rank; a failure anywhere closes the workspace
@@ -144,8 +150,7 @@ class GatherWorkspace(OpWorkspace):
         """Call bookkeeping (advances the host shadow of the epoch). Returns ``(kernel_out,
         result_ptr)``: the ``out`` pointer the kernel gets (0 = zero copy) and the address of the
         result (``out_ptr`` when the caller gave ``out=``)."""
-        _, capturing, exact = self.begin_call(ubatch, stream, debug_key,
-                                              needs_output=not out_ptr)
+        _, capturing, exact = self.begin_call(ubatch, stream, debug_key, needs_output=not out_ptr)
         if out_ptr:
             return out_ptr, out_ptr
         if exact:
@@ -158,8 +163,9 @@ class GatherWorkspace(OpWorkspace):
         result (``out`` itself, or a memoised view of workspace memory)."""
         if stream is None:
             stream = self.get_stream(None)
-        kout, result = self._destination(plan.ubatch, stream,
-                                         plan.debug_key if self._debug else (), plan.out_ptr)
+        kout, result = self._destination(
+            plan.ubatch, stream, plan.debug_key if self._debug else (), plan.out_ptr
+        )
         params = plan.params
         params[plan.out_index] = kout
         self._run(0, plan.grid_copy if kout else plan.grid_zero_copy, params, stream)
@@ -176,8 +182,19 @@ class GatherWorkspace(OpWorkspace):
             return out
         return self._view(self.data_slot_ptr(plan.ubatch, 0), plan.shape, plan.strides)
 
-    def _gather_plan(self, T: int, ubatch: int, out_info, tail: tuple, types: tuple[str, ...],
-                     out_index: int, shape, strides, *, mc_arg: bool = True) -> GatherPlan:
+    def _gather_plan(
+        self,
+        T: int,
+        ubatch: int,
+        out_info,
+        tail: tuple,
+        types: tuple[str, ...],
+        out_index: int,
+        shape,
+        strides,
+        *,
+        mc_arg: bool = True,
+    ) -> GatherPlan:
         """The plan of a validated call: the kernel parameters are :meth:`_head_args` (without
         the multicast address when not ``mc_arg``) then ``tail``, packed once; the ``out``
         field at ``out_index`` is patched per call."""
@@ -190,14 +207,25 @@ class GatherWorkspace(OpWorkspace):
                 head = head[:-1]
             params = KernelParams(types, [int(v) for v in head + tail])
             grids = (self._grid(self._vectors(T, True)), self._grid(self._vectors(T, False)))
-        return GatherPlan(T, ubatch, out_info.ptr if out_info is not None else 0, *grids,
-                          params, out_index, shape, strides, (T, str(self.dtype), ubatch), {})
+        return GatherPlan(
+            T,
+            ubatch,
+            out_info.ptr if out_info is not None else 0,
+            *grids,
+            params,
+            out_index,
+            shape,
+            strides,
+            (T, str(self.dtype), ubatch),
+            {},
+        )
 
     def _check_stream(self, stream) -> None:
         """Raise InvalidType unless ``stream`` is None or a CuPy stream (one isinstance on the
         hot path)."""
-        if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES
-                                                 or _cuda.stream_types()):
+        if stream is not None and not isinstance(
+            stream, _cuda._STREAM_TYPES or _cuda.stream_types()
+        ):
             _cuda.check_stream(stream, self.op_name)  # raises InvalidType
 
     def _head_args(self, ubatch: int) -> tuple:
@@ -207,9 +235,11 @@ class GatherWorkspace(OpWorkspace):
         cache = self.__dict__.setdefault("_head_args_cache", {})
         args = cache.get(ubatch)
         if args is None:
-            args = self.proto_args(ubatch) + (int(self.peer_data_ptr(ubatch)),
-                                              int(self.data_slot_bytes),
-                                              int(self.mc_data_ptr(ubatch)))
+            args = self.proto_args(ubatch) + (
+                int(self.peer_data_ptr(ubatch)),
+                int(self.data_slot_bytes),
+                int(self.mc_data_ptr(ubatch)),
+            )
             cache[ubatch] = args
         return args
 
@@ -244,8 +274,9 @@ class GatherWorkspace(OpWorkspace):
         if all(s > 0 for s in shape):
             nbytes = sum((n - 1) * st for n, st in zip(shape, strides)) + self.dtype.itemsize
         mem = cupy.cuda.UnownedMemory(int(ptr), int(nbytes), self, int(self.device))
-        v = cupy.ndarray(shape, dtype=self.dtype, memptr=cupy.cuda.MemoryPointer(mem, 0),
-                         strides=strides)
+        v = cupy.ndarray(
+            shape, dtype=self.dtype, memptr=cupy.cuda.MemoryPointer(mem, 0), strides=strides
+        )
         if len(cache) > 4096:
             cache.clear()
         cache[key] = v

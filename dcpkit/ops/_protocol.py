@@ -35,21 +35,51 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["FP_FIELDS", "DTYPE_CODES", "LSE_CODES", "REC_TIMEOUT", "REC_MISMATCH",
-           "RECORD_FIELDS", "RECORD_SOURCES", "RECORD_WORDS", "RECORD_BYTES", "dtype_code",
-           "fingerprint_base", "fingerprint", "decode_fingerprint", "signal_word",
-           "describe_mismatch", "rank_ranges"]
+__all__ = [
+    "FP_FIELDS",
+    "DTYPE_CODES",
+    "LSE_CODES",
+    "REC_TIMEOUT",
+    "REC_MISMATCH",
+    "RECORD_FIELDS",
+    "RECORD_SOURCES",
+    "RECORD_WORDS",
+    "RECORD_BYTES",
+    "dtype_code",
+    "fingerprint_base",
+    "fingerprint",
+    "decode_fingerprint",
+    "signal_word",
+    "describe_mismatch",
+    "rank_ranges",
+]
 
 #: field -> (shift, bits), mirroring the DCPKIT_FP_* macros of kernels/dcpkit_ptx.cuh.
 FP_FIELDS: dict[str, tuple] = {
-    "op": (0, 3), "ubatch": (3, 4), "dtype": (7, 4), "lse": (11, 2), "qsl": (13, 1),
-    "seq": (14, 1), "T": (15, 17),
+    "op": (0, 3),
+    "ubatch": (3, 4),
+    "dtype": (7, 4),
+    "lse": (11, 2),
+    "qsl": (13, 1),
+    "seq": (14, 1),
+    "T": (15, 17),
 }
 #: Fingerprint codes of the data dtypes (names as ``str(numpy dtype)``); 15 = any other.
 DTYPE_CODES: dict[str, int] = {
-    "bfloat16": 1, "float16": 2, "float32": 3, "float64": 4, "int8": 5, "uint8": 6,
-    "int16": 7, "uint16": 8, "int32": 9, "uint32": 10, "int64": 11, "uint64": 12,
-    "float8_e4m3fn": 13, "float8_e5m2": 14,
+    "bfloat16": 1,
+    "float16": 2,
+    "float32": 3,
+    "float64": 4,
+    "int8": 5,
+    "uint8": 6,
+    "int16": 7,
+    "uint16": 8,
+    "int32": 9,
+    "uint32": 10,
+    "int64": 11,
+    "uint64": 12,
+    "float8_e4m3fn": 13,
+    "float8_e5m2": 14,
 }
 OTHER_DTYPE = 15
 #: Fingerprint codes of the lse_partial dtypes (kernels/lse_reduce.cu lse_code).
@@ -58,9 +88,24 @@ LSE_CODES: dict[str, int] = {"bfloat16": 1, "float16": 2, "float32": 3}
 REC_TIMEOUT = 0
 REC_MISMATCH = 1
 #: u32 fields of kernels/dcpkit_ptx.cuh ProtoRecord before ``seen_fp``.
-RECORD_FIELDS = ("state", "op", "rank", "peer", "expected", "observed", "ubatch", "kind",
-                 "own_fp", "peer_fp", "world", "reserved0", "reserved1", "reserved2",
-                 "reserved3", "reserved4")
+RECORD_FIELDS = (
+    "state",
+    "op",
+    "rank",
+    "peer",
+    "expected",
+    "observed",
+    "ubatch",
+    "kind",
+    "own_fp",
+    "peer_fp",
+    "world",
+    "reserved0",
+    "reserved1",
+    "reserved2",
+    "reserved3",
+    "reserved4",
+)
 #: Sources whose fingerprint a mismatch record keeps (DCPKIT_REC_SOURCES).
 RECORD_SOURCES = 64
 RECORD_WORDS = len(RECORD_FIELDS) + RECORD_SOURCES
@@ -82,8 +127,9 @@ def _put(field: str, value: int) -> int:
 
 def dtype_code(dtype) -> int:
     """The fingerprint code of a data dtype (15 for one without a code of its own)."""
-    return DTYPE_CODES.get(str(np.dtype(dtype)) if not isinstance(dtype, str) else dtype,
-                           OTHER_DTYPE)
+    return DTYPE_CODES.get(
+        str(np.dtype(dtype)) if not isinstance(dtype, str) else dtype, OTHER_DTYPE
+    )
 
 
 def fingerprint_base(op_id: int, ubatch: int, dtype) -> int:
@@ -91,13 +137,22 @@ def fingerprint_base(op_id: int, ubatch: int, dtype) -> int:
     return _put("op", op_id) | _put("ubatch", ubatch) | _put("dtype", dtype_code(dtype))
 
 
-def fingerprint(op_id: int, ubatch: int, dtype, T: int, lse_dtype=None, qsl: bool = False,
-                seq: bool = False) -> int:
+def fingerprint(
+    op_id: int, ubatch: int, dtype, T: int, lse_dtype=None, qsl: bool = False, seq: bool = False
+) -> int:
     """The whole fingerprint of a call, as the kernel computes it (for tests and messages)."""
-    lse = 0 if lse_dtype is None else LSE_CODES[str(np.dtype(lse_dtype))
-                                                if not isinstance(lse_dtype, str) else lse_dtype]
-    return (fingerprint_base(op_id, ubatch, dtype) | _put("lse", lse) | _put("qsl", qsl)
-            | _put("seq", seq) | _put("T", T))
+    lse = (
+        0
+        if lse_dtype is None
+        else LSE_CODES[str(np.dtype(lse_dtype)) if not isinstance(lse_dtype, str) else lse_dtype]
+    )
+    return (
+        fingerprint_base(op_id, ubatch, dtype)
+        | _put("lse", lse)
+        | _put("qsl", qsl)
+        | _put("seq", seq)
+        | _put("T", T)
+    )
 
 
 def signal_word(epoch: int, fp: int) -> int:
@@ -112,8 +167,9 @@ def decode_fingerprint(fp: int) -> dict[str, object]:
     return {
         "op": _OP_NAMES.get(raw["op"], f"op{raw['op']}"),
         "ubatch": raw["ubatch"],
-        "dtype": _CODE_DTYPES.get(raw["dtype"], "other" if raw["dtype"] == OTHER_DTYPE
-                                  else f"dtype{raw['dtype']}"),
+        "dtype": _CODE_DTYPES.get(
+            raw["dtype"], "other" if raw["dtype"] == OTHER_DTYPE else f"dtype{raw['dtype']}"
+        ),
         "lse": _CODE_LSE.get(raw["lse"], "none"),
         "qsl": bool(raw["qsl"]),
         "seq": bool(raw["seq"]),
@@ -121,8 +177,15 @@ def decode_fingerprint(fp: int) -> dict[str, object]:
     }
 
 
-_LABELS = {"op": "op", "ubatch": "ubatch", "dtype": "dtype", "lse": "lse_partial dtype",
-           "qsl": "query_start_loc given", "seq": "seq_lens given", "T": "T"}
+_LABELS = {
+    "op": "op",
+    "ubatch": "ubatch",
+    "dtype": "dtype",
+    "lse": "lse_partial dtype",
+    "qsl": "query_start_loc given",
+    "seq": "seq_lens given",
+    "T": "T",
+}
 _ORDER = ("T", "lse", "qsl", "seq", "ubatch", "dtype", "op")
 
 
@@ -158,8 +221,12 @@ def describe_mismatch(fps: Sequence[int | None]):
         by_value: dict[str, list[int]] = {}
         for r, d in dec.items():
             by_value.setdefault(_value(f, d[f]), []).append(r)
-        groups.append(", ".join(f"{_LABELS[f]}={v} on {rank_ranges(rs)}"
-                                for v, rs in sorted(by_value.items(), key=lambda kv: kv[1][0])))
+        groups.append(
+            ", ".join(
+                f"{_LABELS[f]}={v} on {rank_ranges(rs)}"
+                for v, rs in sorted(by_value.items(), key=lambda kv: kv[1][0])
+            )
+        )
     unseen = [r for r, fp in enumerate(fps) if fp is None]
     summary = "; ".join(groups) if groups else "fingerprints differ"
     if unseen:
@@ -170,6 +237,8 @@ def describe_mismatch(fps: Sequence[int | None]):
             per_rank.append("not seen")
         else:
             d = dec[r]
-            per_rank.append(", ".join(f"{_LABELS[f]}={_value(f, d[f])}" for f in _ORDER
-                                      if f in fields) or f"fingerprint 0x{fp:08x}")
+            per_rank.append(
+                ", ".join(f"{_LABELS[f]}={_value(f, d[f])}" for f in _ORDER if f in fields)
+                or f"fingerprint 0x{fp:08x}"
+            )
     return summary, per_rank

@@ -51,27 +51,51 @@ without synchronising. A replay-only loop detects it like this::
 from __future__ import annotations
 
 import warnings
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from .. import _cuda
+from .._checks import (
+    MAX_TIMEOUT_MS,
+    check_bool,
+    check_positive_int,
+    check_timeout_ms,
+    default_timeout_ms,
+)
 from .._launch import Launcher
 from .._plan import PlanCache
-from ..comm import Communicator
-from ..errors import (ClosedError, CollectiveTimeout, ConfigMismatch, DcpkitError,
-                      InvalidArgument, InvalidType)
-from . import _protocol
-from .._checks import (MAX_TIMEOUT_MS, check_bool, check_positive_int, check_timeout_ms,
-                       default_timeout_ms)
 from .._setup import debug_enabled, guarded, share_outcome
+from ..comm import Communicator
+from ..errors import (
+    ClosedError,
+    CollectiveTimeout,
+    ConfigMismatch,
+    DcpkitError,
+    InvalidArgument,
+    InvalidType,
+)
 from ..symmetric import MAX_NBYTES
+from . import _protocol
 
-__all__ = ["OpWorkspace", "PROTO_PARAM_TYPES", "OP_IDS", "OP_NAMES", "default_timeout_ms",
-           "check_timeout_ms", "debug_enabled", "share_outcome", "guarded", "check_heap",
-           "TIMEOUT_RECORD_FIELDS", "MAX_TIMEOUT_MS", "MAX_LIVE_KERNELS",
-           "DEFAULT_GRAPH_OUTPUTS", "check_not_capturing"]
+__all__ = [
+    "OpWorkspace",
+    "PROTO_PARAM_TYPES",
+    "OP_IDS",
+    "OP_NAMES",
+    "default_timeout_ms",
+    "check_timeout_ms",
+    "debug_enabled",
+    "share_outcome",
+    "guarded",
+    "check_heap",
+    "TIMEOUT_RECORD_FIELDS",
+    "MAX_TIMEOUT_MS",
+    "MAX_LIVE_KERNELS",
+    "DEFAULT_GRAPH_OUTPUTS",
+    "check_not_capturing",
+]
 
 OP_IDS: dict[str, int] = {"lse_reduce": 1, "q_gather": 2, "kv_gather": 3, "ceilings": 4}
 OP_NAMES: dict[int, str] = {v: k for k, v in OP_IDS.items()}
@@ -89,20 +113,29 @@ _ALIGN = 256
 #: arrive, abort, record, signals, peer_sig, mc_sig, rank, world, timeout_ns, op, ubatch,
 #: fp_base, waiters, num_ubatches, sig_ustride, work. Every kernel takes them first; the ops'
 #: ``*_PARAM_TYPES`` start with this tuple (checked against the PTX in the unit tests).
-PROTO_PARAM_TYPES = ("u64", "u64", "u64", "u64", "u64", "u64", "u64", "i32", "i32", "u64",
-                     "u32", "u32", "u32", "u32", "u32", "u32", "u64")
+PROTO_PARAM_TYPES = (
+    "u64",
+    "u64",
+    "u64",
+    "u64",
+    "u64",
+    "u64",
+    "u64",
+    "i32",
+    "i32",
+    "u64",
+    "u32",
+    "u32",
+    "u32",
+    "u32",
+    "u32",
+    "u32",
+    "u64",
+)
 
 
 def _round_up(x: int, a: int = _ALIGN) -> int:
     return (x + a - 1) // a * a
-
-
-
-
-
-
-
-
 
 
 def check_not_capturing(stream, op: str, what: str) -> None:
@@ -115,9 +148,11 @@ def check_not_capturing(stream, op: str, what: str) -> None:
     except Exception:  # noqa: BLE001 - a stream that cannot tell is not capturing here
         return
     if capturing:
-        raise DcpkitError(f"{op}: {what} must not happen while a CUDA graph is being captured "
-                          f"(got a capturing stream): build the workspace and make one eager "
-                          f"call before capturing")
+        raise DcpkitError(
+            f"{op}: {what} must not happen while a CUDA graph is being captured "
+            f"(got a capturing stream): build the workspace and make one eager "
+            f"call before capturing"
+        )
 
 
 def _current_stream(cupy, device: int):
@@ -129,31 +164,28 @@ def _current_stream(cupy, device: int):
         return None
 
 
-
-
-
-
-
-
 def check_heap(heap, comm: Communicator, op: str, nbytes: int) -> None:
     """Checks of a ``heap=`` argument (no collective): an open :class:`SymmetricHeap` of this
     very group (same world_size, same rank) with ``nbytes`` free after its last reservation."""
     from ..symmetric import SymmetricHeap
 
     if not isinstance(heap, SymmetricHeap):
-        raise InvalidType(f"{op}: heap must be a dcpkit.SymmetricHeap (got "
-                          f"{type(heap).__name__})")
+        raise InvalidType(f"{op}: heap must be a dcpkit.SymmetricHeap (got {type(heap).__name__})")
     if heap.closed:
         raise ClosedError(f"{op}: heap must be open (got a closed SymmetricHeap)")
     if (heap.world_size, heap.rank) != (comm.world_size, comm.rank):
-        raise InvalidArgument(f"{op}: heap must belong to the group of comm: heap world_size and "
-                              f"rank must be {comm.world_size} and {comm.rank} (got "
-                              f"{heap.world_size} and {heap.rank})")
+        raise InvalidArgument(
+            f"{op}: heap must belong to the group of comm: heap world_size and "
+            f"rank must be {comm.world_size} and {comm.rank} (got "
+            f"{heap.world_size} and {heap.rank})"
+        )
     off = _round_up(heap.reserved_bytes, _ALIGN)
     if off + nbytes > heap.nbytes:
-        raise InvalidArgument(f"{op}: heap free bytes must be >= {nbytes}, the size of the "
-                              f"workspace (got {max(heap.nbytes - off, 0)} bytes free after "
-                              f"offset {off} of {heap.nbytes})")
+        raise InvalidArgument(
+            f"{op}: heap free bytes must be >= {nbytes}, the size of the "
+            f"workspace (got {max(heap.nbytes - off, 0)} bytes free after "
+            f"offset {off} of {heap.nbytes})"
+        )
 
 
 class OpWorkspace:
@@ -174,8 +206,9 @@ class OpWorkspace:
     size_arguments = "the geometry"
 
     # ------------------------------------------------------------------ construction
-    def _check_common(self, world_size: int, *, slot_bytes: int, out_bytes: int, num_ubatches,
-                      timeout_ms) -> tuple:
+    def _check_common(
+        self, world_size: int, *, slot_bytes: int, out_bytes: int, num_ubatches, timeout_ms
+    ) -> tuple:
         """The checks every direct op shares, no GPU, no collective: ``num_ubatches``,
         ``timeout_ms`` (or ``DCPKIT_TIMEOUT_MS``) and the size of the symmetric region. Sets the
         layout; returns ``(num_ubatches, timeout_ms, region bytes)``."""
@@ -192,7 +225,8 @@ class OpWorkspace:
             raise InvalidArgument(
                 f"{op}: num_ubatches * symmetric bytes per ubatch must be <= 2**40 (got "
                 f"{U} * {self._ubatch_stride} = {self._region}): lower {self.size_arguments} "
-                f"or num_ubatches")
+                f"or num_ubatches"
+            )
         return (U, self.timeout_ms, self._region)
 
     def _check_protocol_options(self, *, graph_outputs, waiter_ctas, self_check) -> None:
@@ -203,8 +237,9 @@ class OpWorkspace:
         if graph_outputs is None:
             graph_outputs = DEFAULT_GRAPH_OUTPUTS
         self.graph_outputs = check_positive_int(graph_outputs, op, "graph_outputs", minimum=0)
-        self._waiter_ctas_arg = (None if waiter_ctas is None else
-                                 check_positive_int(waiter_ctas, op, "waiter_ctas"))
+        self._waiter_ctas_arg = (
+            None if waiter_ctas is None else check_positive_int(waiter_ctas, op, "waiter_ctas")
+        )
         self._self_check = check_bool(self_check, op, "_self_check")
 
     def _kernel_options(self) -> tuple[str, ...]:
@@ -212,8 +247,15 @@ class OpWorkspace:
         fingerprint comparison when built with ``_self_check=False``."""
         return () if getattr(self, "_self_check", True) else ("-DDCPKIT_SELF_CHECK=0",)
 
-    def _setup(self, comm: Communicator, check_arguments: Callable[[int], tuple], what: str, *,
-               heap=None, multicast=None) -> None:
+    def _setup(
+        self,
+        comm: Communicator,
+        check_arguments: Callable[[int], tuple],
+        what: str,
+        *,
+        heap=None,
+        multicast=None,
+    ) -> None:
         """Agree on the arguments, then build the symmetric region, the local state and the
         timeout record (collective).
 
@@ -228,8 +270,9 @@ class OpWorkspace:
         op = self.op_name
         self._closed = True  # until setup completes
         if not isinstance(comm, Communicator):
-            raise InvalidType(f"{op}: comm must be a dcpkit.Communicator "
-                              f"(got {type(comm).__name__})")
+            raise InvalidType(
+                f"{op}: comm must be a dcpkit.Communicator (got {type(comm).__name__})"
+            )
         self.comm = comm
         self.rank = comm.rank
         self.world_size = comm.world_size
@@ -237,8 +280,9 @@ class OpWorkspace:
         def init():
             values = tuple(check_arguments(comm.world_size))
             if multicast is not None and not isinstance(multicast, bool):
-                raise InvalidType(f"{op}: multicast must be True, False or None "
-                                  f"(got {multicast!r})")
+                raise InvalidType(
+                    f"{op}: multicast must be True, False or None (got {multicast!r})"
+                )
             cupy = _cuda.require_cupy()
             if heap is not None:
                 check_heap(heap, comm, op, self._region)
@@ -250,8 +294,9 @@ class OpWorkspace:
                 self._check_fits(cupy, device)
             return values
 
-        comm.agree_setup(op, guarded(op, init), f"geometry ({what}, num_ubatches, timeout_ms, "
-                                                 f"symmetric bytes)")
+        comm.agree_setup(
+            op, guarded(op, init), f"geometry ({what}, num_ubatches, timeout_ms, symmetric bytes)"
+        )
         self._debug = debug_enabled()
         self._init_region(heap, multicast)
         self._closed = False
@@ -268,7 +313,8 @@ class OpWorkspace:
                 f"{self.op_name}: num_ubatches * symmetric bytes per ubatch must be <= the "
                 f"memory of GPU {device}, {total} bytes (got {self.num_ubatches} * "
                 f"{self._ubatch_stride} = {self._region}): lower {self.size_arguments} or "
-                f"num_ubatches")
+                f"num_ubatches"
+            )
 
     def _init_region(self, heap, multicast) -> None:
         """The heap (own or reserved in ``heap``), then the local state; a failure anywhere
@@ -313,11 +359,12 @@ class OpWorkspace:
         self.max_ctas = max(1, self.sm_count // self.ranks_on_gpu)
         # Waiting CTAs per kernel (NOTE [dcpkit epoch signalling], co-residency rule).
         wc = getattr(self, "_waiter_ctas_arg", None)
-        self.waiter_ctas = min(self.max_ctas, wc if wc is not None
-                               else max(1, self.max_ctas // MAX_LIVE_KERNELS))
+        self.waiter_ctas = min(
+            self.max_ctas, wc if wc is not None else max(1, self.max_ctas // MAX_LIVE_KERNELS)
+        )
         U = self.num_ubatches
-        self._calls = [0] * U          # host shadow of the epoch, exact until a capture
-        self._captured = [False] * U   # whether a call of this ubatch was ever captured
+        self._calls = [0] * U  # host shadow of the epoch, exact until a capture
+        self._captured = [False] * U  # whether a call of this ubatch was ever captured
         self._timeout_ns = np.uint64(int(self.timeout_ms * 1e6))
         self._proto = [self._make_proto(u) for u in range(U)]
 
@@ -334,15 +381,21 @@ class OpWorkspace:
             # arrive[U], abort, work[U][2] (copy-out / combine work counters by epoch parity)
             self._ctl = cupy.zeros(3 * U + 1, dtype=cupy.uint32)
             # peer_sig[u, s] = address of signals[0][0] of ubatch u on rank s
-            tbl = np.array([[p + self._base + u * self._ubatch_stride for p in heap.peer_ptrs]
-                            for u in range(U)], dtype=np.uint64)
+            tbl = np.array(
+                [
+                    [p + self._base + u * self._ubatch_stride for p in heap.peer_ptrs]
+                    for u in range(U)
+                ],
+                dtype=np.uint64,
+            )
             self._peer_sig = cupy.asarray(tbl)
             # peer_data[u, s] = address of slot 0 of ubatch u on rank s
             self._peer_data = cupy.asarray(tbl + np.uint64(self._sig_bytes))
             flags = cupy.cuda.runtime.hostAllocMapped | cupy.cuda.runtime.hostAllocPortable
             self._rec_ptr = cupy.cuda.runtime.hostAlloc(_protocol.RECORD_BYTES, flags)
             self._rec = np.ctypeslib.as_array(
-                (ctypes.c_uint32 * _protocol.RECORD_WORDS).from_address(self._rec_ptr))
+                (ctypes.c_uint32 * _protocol.RECORD_WORDS).from_address(self._rec_ptr)
+            )
             self._rec[:] = 0
             n_graph = getattr(self, "graph_outputs", DEFAULT_GRAPH_OUTPUTS)
             self._graph_out = cupy.empty(max(self._out_bytes * n_graph, 1), dtype=cupy.uint8)
@@ -373,17 +426,22 @@ class OpWorkspace:
         ctl = self._ctl.data.ptr
         fp_base = _protocol.fingerprint_base(OP_IDS[self.op_name], u, self.dtype)
         return (
-            np.uint64(self._epoch.data.ptr + 8 * u),   # epoch
-            np.uint64(ctl + 4 * u),                    # arrive
-            np.uint64(ctl + 4 * self.num_ubatches),    # abort
-            np.uint64(self._rec_ptr),                  # timeout record (UVA: host == device)
+            np.uint64(self._epoch.data.ptr + 8 * u),  # epoch
+            np.uint64(ctl + 4 * u),  # arrive
+            np.uint64(ctl + 4 * self.num_ubatches),  # abort
+            np.uint64(self._rec_ptr),  # timeout record (UVA: host == device)
             np.uint64(self.heap.local_ptr + self._base + u * self._ubatch_stride),  # signals
-            np.uint64(self._peer_sig.data.ptr + 8 * self.world_size * u),           # peer_sig
-            np.uint64(mc),                             # multicast signals (0 = none)
-            np.int32(self.rank), np.int32(self.world_size), self._timeout_ns,
-            np.uint32(OP_IDS[self.op_name]), np.uint32(u),
-            np.uint32(fp_base), np.uint32(self.waiter_ctas), np.uint32(self.num_ubatches),
-            np.uint32(self._ubatch_stride // 8),      # u64 words between ubatches' signals
+            np.uint64(self._peer_sig.data.ptr + 8 * self.world_size * u),  # peer_sig
+            np.uint64(mc),  # multicast signals (0 = none)
+            np.int32(self.rank),
+            np.int32(self.world_size),
+            self._timeout_ns,
+            np.uint32(OP_IDS[self.op_name]),
+            np.uint32(u),
+            np.uint32(fp_base),
+            np.uint32(self.waiter_ctas),
+            np.uint32(self.num_ubatches),
+            np.uint32(self._ubatch_stride // 8),  # u64 words between ubatches' signals
             np.uint64(ctl + 4 * (self.num_ubatches + 1 + 2 * u)),  # work counters [2]
         )
 
@@ -417,13 +475,19 @@ class OpWorkspace:
         """Multicast address of slot 0 of ``ubatch`` (0 without multicast)."""
         if not self.multicast:
             return np.uint64(0)
-        return np.uint64(self.heap.mc_ptr + self._base + ubatch * self._ubatch_stride
-                         + self._sig_bytes)
+        return np.uint64(
+            self.heap.mc_ptr + self._base + ubatch * self._ubatch_stride + self._sig_bytes
+        )
 
     def local_slot_ptr(self, ubatch: int, parity: int) -> int:
         """Device address of slot ``parity`` of ``ubatch`` in this rank's copy."""
-        return (self.heap.local_ptr + self._base + ubatch * self._ubatch_stride + self._sig_bytes
-                + parity * self.slot_bytes)
+        return (
+            self.heap.local_ptr
+            + self._base
+            + ubatch * self._ubatch_stride
+            + self._sig_bytes
+            + parity * self.slot_bytes
+        )
 
     def check_open(self) -> None:
         """Raise if the workspace is closed or poisoned by a timeout or a mismatch."""
@@ -435,9 +499,11 @@ class OpWorkspace:
             self._raise_launch_failure()
 
     def _raise_launch_failure(self) -> None:
-        raise DcpkitError(f"{self.op_name}: the workspace is unusable: a kernel launch failed "
-                          f"after the call was counted ({self._launch_failed}); close it on "
-                          f"every rank and build a new one")
+        raise DcpkitError(
+            f"{self.op_name}: the workspace is unusable: a kernel launch failed "
+            f"after the call was counted ({self._launch_failed}); close it on "
+            f"every rank and build a new one"
+        )
 
     def check(self) -> None:
         """Raise the failure that poisoned the workspace, if any: :class:`CollectiveTimeout` or
@@ -457,8 +523,9 @@ class OpWorkspace:
         if isinstance(ubatch, bool) or not isinstance(ubatch, (int, np.integer)):
             raise InvalidType(f"{self.op_name}: ubatch must be an int (got {ubatch!r})")
         if not (0 <= ubatch < self.num_ubatches):
-            raise InvalidArgument(f"{self.op_name}: ubatch must lie in [0, {self.num_ubatches}) "
-                                  f"(got {ubatch})")
+            raise InvalidArgument(
+                f"{self.op_name}: ubatch must lie in [0, {self.num_ubatches}) (got {ubatch})"
+            )
         return int(ubatch)
 
     def get_stream(self, stream):
@@ -477,8 +544,9 @@ class OpWorkspace:
             return stream
         return _cuda.check_stream(stream, self.op_name)  # raises InvalidType
 
-    def begin_call(self, ubatch: int, stream, debug_key: tuple, *,
-                   needs_output: bool = False) -> tuple[int, bool, bool]:
+    def begin_call(
+        self, ubatch: int, stream, debug_key: tuple, *, needs_output: bool = False
+    ) -> tuple[int, bool, bool]:
         """Bookkeeping at the start of a call, after validation and before the launch.
 
         Returns ``(parity, capturing, exact)``: the parity the device will use if the host shadow
@@ -491,8 +559,10 @@ class OpWorkspace:
         when it ``needs_output`` (no ``out=``) and every graph output buffer is taken.
         """
         if self._debug:
-            self.comm.agree(f"{self.op_name}: call arguments (op, T, dtype, ubatch, ...)",
-                            (self.op_name,) + tuple(debug_key))
+            self.comm.agree(
+                f"{self.op_name}: call arguments (op, T, dtype, ubatch, ...)",
+                (self.op_name,) + tuple(debug_key),
+            )
         capturing = bool(stream.is_capturing())
         if capturing:
             if not any(self._calls):
@@ -502,7 +572,8 @@ class OpWorkspace:
                     f"{self.op_name}: graph output buffers must suffice for every call captured "
                     f"without out= (got graph_outputs={self.graph_outputs}, all taken by "
                     f"earlier captured calls): pass out= or build the workspace with a larger "
-                    f"graph_outputs")
+                    f"graph_outputs"
+                )
             self._captured[ubatch] = True
         self._calls[ubatch] += 1
         parity = self._calls[ubatch] & 1
@@ -546,15 +617,22 @@ class OpWorkspace:
         op = OP_NAMES.get(f["op"], self.op_name)
         if f["kind"] == _protocol.REC_MISMATCH and len(rec) >= _protocol.RECORD_WORDS:
             raise self._mismatch_error(op, rec)
-        raise CollectiveTimeout(op, f["rank"], f["peer"], f["expected"], f["observed"],
-                                ubatch=f["ubatch"], timeout_ms=self.timeout_ms)
+        raise CollectiveTimeout(
+            op,
+            f["rank"],
+            f["peer"],
+            f["expected"],
+            f["observed"],
+            ubatch=f["ubatch"],
+            timeout_ms=self.timeout_ms,
+        )
 
     def _mismatch_error(self, op: str, rec) -> ConfigMismatch:
         """The :class:`ConfigMismatch` of a mismatch record: the values this rank saw."""
         n = len(_protocol.RECORD_FIELDS)
         f = dict(zip(_protocol.RECORD_FIELDS, (int(v) for v in rec[:n])))
         W = min(int(f["world"]) or self.world_size, _protocol.RECORD_SOURCES)
-        seen = [int(v) or None for v in rec[n:n + W]]
+        seen = [int(v) or None for v in rec[n : n + W]]
         for r, fp in ((f["rank"], f["own_fp"]), (f["peer"], f["peer_fp"])):
             if r < W:
                 seen[r] = fp
@@ -562,7 +640,9 @@ class OpWorkspace:
         return ConfigMismatch(
             f"{op}: call arguments ({summary}; seen by rank {f['rank']} in ubatch "
             f"{f['ubatch']}, epoch {f['expected']}; the workspace is poisoned: close it and "
-            f"build a new one)", per_rank)
+            f"build a new one)",
+            per_rank,
+        )
 
     @property
     def poisoned(self) -> bool:
@@ -582,8 +662,9 @@ class OpWorkspace:
         import cupy
 
         self._plans = PlanCache(self._plan)
-        self._launchers = {k: Launcher(fn, self.THREADS, backend=backend)
-                           for k, fn in functions.items()}
+        self._launchers = {
+            k: Launcher(fn, self.THREADS, backend=backend) for k, fn in functions.items()
+        }
         self._functions = dict(functions)
         self._get_device = cupy.cuda.runtime.getDevice
 
@@ -597,8 +678,9 @@ class OpWorkspace:
 
     def _set_launch_backend(self, backend: str) -> None:
         """Test and benchmark hook: launch through ``backend`` ("ctypes" or "bindings")."""
-        self._launchers = {k: Launcher(fn, self.THREADS, backend=backend)
-                           for k, fn in self._functions.items()}
+        self._launchers = {
+            k: Launcher(fn, self.THREADS, backend=backend) for k, fn in self._functions.items()
+        }
 
     def _run(self, kernel_key, grid: int, params, stream) -> None:
         """Launch kernel ``kernel_key`` with the packed ``params`` on ``stream`` (a device
@@ -712,9 +794,12 @@ class OpWorkspace:
     def __del__(self):  # never collective work here: warn only
         if getattr(self, "_closed", True) is False:
             try:
-                warnings.warn(f"dcpkit {self.op_name} workspace was not closed; call close() "
-                              f"on every rank (GPU memory is returned at process exit)",
-                              ResourceWarning, stacklevel=1)
+                warnings.warn(
+                    f"dcpkit {self.op_name} workspace was not closed; call close() "
+                    f"on every rank (GPU memory is returned at process exit)",
+                    ResourceWarning,
+                    stacklevel=1,
+                )
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass
 

@@ -15,8 +15,6 @@ Kernel: ``kernels/kv_gather.cu`` (device code in ``kernels/gather.cuh``); refere
 
 from __future__ import annotations
 
-
-
 from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
 from .._plan import call_key
 from ..comm import Communicator
@@ -28,8 +26,7 @@ __all__ = ["KVGather", "ALGORITHMS", "KV_GATHER_PUSH_PARAM_TYPES", "KV_GATHER_PU
 
 #: Parameters of ``kv_gather_push_kernel`` (kernels/kv_gather.cu), both transports:
 #: DCPKIT_PROTO_PARAMS, then peer_data, slot_bytes, mc_data, kv, block_vecs, tokens, out.
-KV_GATHER_PUSH_PARAM_TYPES = PROTO_PARAM_TYPES + ("u64", "u64", "u64", "u64", "u32", "u32",
-                                                  "u64")
+KV_GATHER_PUSH_PARAM_TYPES = PROTO_PARAM_TYPES + ("u64", "u64", "u64", "u64", "u32", "u32", "u64")
 #: Parameters of ``kv_gather_pull_kernel``: as the push kernel's, without mc_data.
 KV_GATHER_PULL_PARAM_TYPES = PROTO_PARAM_TYPES + ("u64", "u64", "u64", "u32", "u32", "u64")
 
@@ -142,18 +139,42 @@ class KVGather(GatherWorkspace):
     op_name = "kv_gather"
     size_arguments = "max_tokens, row_dim"
 
-    def __init__(self, comm: Communicator, *, max_tokens: int, row_dim: int, dtype,
-                 num_ubatches: int = 1, algorithm: str = "push",
-                 timeout_ms: float | None = None, heap=None,
-                 multicast: bool | None = None, graph_outputs: int | None = None,
-                 waiter_ctas: int | None = None, _self_check: bool = True):
+    def __init__(
+        self,
+        comm: Communicator,
+        *,
+        max_tokens: int,
+        row_dim: int,
+        dtype,
+        num_ubatches: int = 1,
+        algorithm: str = "push",
+        timeout_ms: float | None = None,
+        heap=None,
+        multicast: bool | None = None,
+        graph_outputs: int | None = None,
+        waiter_ctas: int | None = None,
+        _self_check: bool = True,
+    ):
         self._closed = True  # until the setup completes
         # One exchange: arguments, CuPy, the GPU or room in the heap, equal geometries.
-        self._setup(comm, lambda W: self._check_arguments(
-            W, max_tokens=max_tokens, row_dim=row_dim, dtype=dtype, num_ubatches=num_ubatches,
-            algorithm=algorithm, timeout_ms=timeout_ms, graph_outputs=graph_outputs,
-            waiter_ctas=waiter_ctas, self_check=_self_check),
-            "max_tokens, row_dim, dtype, algorithm", heap=heap, multicast=multicast)
+        self._setup(
+            comm,
+            lambda W: self._check_arguments(
+                W,
+                max_tokens=max_tokens,
+                row_dim=row_dim,
+                dtype=dtype,
+                num_ubatches=num_ubatches,
+                algorithm=algorithm,
+                timeout_ms=timeout_ms,
+                graph_outputs=graph_outputs,
+                waiter_ctas=waiter_ctas,
+                self_check=_self_check,
+            ),
+            "max_tokens, row_dim, dtype, algorithm",
+            heap=heap,
+            multicast=multicast,
+        )
         if self.algorithm == "pull":
             self.transport = "unicast"
             name = "dcpkit::kv_gather_pull_kernel"
@@ -164,18 +185,34 @@ class KVGather(GatherWorkspace):
         self._kernel = self._compile("kv_gather.cu", name)
         self._finish_setup()
 
-    def _check_arguments(self, world_size: int, *, max_tokens, row_dim, dtype, num_ubatches=1,
-                         algorithm="push", timeout_ms=None, graph_outputs=None,
-                         waiter_ctas=None, self_check=True) -> tuple:
+    def _check_arguments(
+        self,
+        world_size: int,
+        *,
+        max_tokens,
+        row_dim,
+        dtype,
+        num_ubatches=1,
+        algorithm="push",
+        timeout_ms=None,
+        graph_outputs=None,
+        waiter_ctas=None,
+        self_check=True,
+    ) -> tuple:
         """Every check of the constructor arguments that needs no GPU and no collective (the
         constructor's keywords); returns what every rank must agree on."""
-        self._check_protocol_options(graph_outputs=graph_outputs, waiter_ctas=waiter_ctas,
-                                     self_check=self_check)
+        self._check_protocol_options(
+            graph_outputs=graph_outputs, waiter_ctas=waiter_ctas, self_check=self_check
+        )
         geometry = self._init_geometry(world_size, max_tokens, row_dim, dtype, algorithm)
         nbytes = self.world_size * self.max_tokens * self.row_bytes
         return geometry + self._check_gather_common(
-            world_size, data_slot_bytes=nbytes, out_bytes=nbytes, num_ubatches=num_ubatches,
-            timeout_ms=timeout_ms)
+            world_size,
+            data_slot_bytes=nbytes,
+            out_bytes=nbytes,
+            num_ubatches=num_ubatches,
+            timeout_ms=timeout_ms,
+        )
 
     def _init_geometry(self, world_size: int, max_tokens, row_dim, dtype, algorithm) -> tuple:
         """Check and record the geometry (no GPU, no collective); returns it."""
@@ -185,19 +222,22 @@ class KVGather(GatherWorkspace):
         self.row_dim = check_positive_int(row_dim, op, "row_dim")
         self.dtype = resolve_gather_dtype(dtype, op)
         if algorithm not in ALGORITHMS:
-            raise InvalidArgument(f"{op}: algorithm must be one of {list(ALGORITHMS)} "
-                                  f"(got {algorithm!r})")
+            raise InvalidArgument(
+                f"{op}: algorithm must be one of {list(ALGORITHMS)} (got {algorithm!r})"
+            )
         self.algorithm = algorithm
         isz = self.dtype.itemsize
         self.row_bytes = self.row_dim * isz
         if self.row_bytes % 16:
             raise InvalidArgument(
                 f"{op}: row bytes (row_dim*itemsize) must be a multiple of 16 (pad D_kv to a "
-                f"multiple of 16 bytes) (got {self.row_dim}*{isz} = {self.row_bytes} bytes)")
+                f"multiple of 16 bytes) (got {self.row_dim}*{isz} = {self.row_bytes} bytes)"
+            )
         total = self.world_size * self.max_tokens * self.row_bytes
         if total // 16 > MAX_VECTORS:
-            raise InvalidArgument(f"{op}: world_size*max_tokens*row_dim*itemsize must be < "
-                                  f"32 GiB (got {total} bytes)")
+            raise InvalidArgument(
+                f"{op}: world_size*max_tokens*row_dim*itemsize must be < 32 GiB (got {total} bytes)"
+            )
         return (self.max_tokens, self.row_dim, str(self.dtype), self.algorithm)
 
     # ------------------------------------------------------------------ call
@@ -271,8 +311,9 @@ class KVGather(GatherWorkspace):
         tail = (ki.ptr, T * self.row_bytes // 16, T, 0)
         pull = self.algorithm == "pull"
         types = KV_GATHER_PULL_PARAM_TYPES if pull else KV_GATHER_PUSH_PARAM_TYPES
-        return self._gather_plan(T, ubatch, oi, tail, types, len(types) - 1, shape, strides,
-                                 mc_arg=not pull)  # the pull kernel takes no multicast address
+        return self._gather_plan(
+            T, ubatch, oi, tail, types, len(types) - 1, shape, strides, mc_arg=not pull
+        )  # the pull kernel takes no multicast address
 
     def _vectors(self, T: int, copy_out: bool) -> int:
         block_vecs = T * self.row_bytes // 16
@@ -281,8 +322,9 @@ class KVGather(GatherWorkspace):
         return block_vecs * (self.world_size if copy_out else 1)
 
     def _result_view(self, ptr: int, T: int):
-        return self._view(ptr, (self.world_size * T, self.row_dim),
-                          (self.row_bytes, self.dtype.itemsize))
+        return self._view(
+            ptr, (self.world_size * T, self.row_dim), (self.row_bytes, self.dtype.itemsize)
+        )
 
     # ------------------------------------------------------------------ validation
     def _validate(self, kv, ubatch, out) -> tuple[int, int, ArrayInfo, ArrayInfo | None]:
@@ -297,14 +339,16 @@ class KVGather(GatherWorkspace):
         check_device(ki, self.device, op, "kv")
         T = ki.shape[0]
         if T > self.max_tokens:
-            raise InvalidArgument(f"{op}: kv tokens T must be <= max_tokens {self.max_tokens} "
-                                  f"(got {T})")
+            raise InvalidArgument(
+                f"{op}: kv tokens T must be <= max_tokens {self.max_tokens} (got {T})"
+            )
         W = self.world_size
         if W * T * self.row_bytes > self.data_slot_bytes:
             raise InvalidArgument(
                 f"{op}: world_size*T*row bytes must be <= the slot capacity "
                 f"{self.data_slot_bytes} bytes (got {W}*{T}*{self.row_bytes} = "
-                f"{W * T * self.row_bytes})")
+                f"{W * T * self.row_bytes})"
+            )
         if T > 0:
             self._check_contiguous(ki, "kv")
         oi = None
@@ -321,11 +365,13 @@ class KVGather(GatherWorkspace):
         op = self.op_name
         isz = self.dtype.itemsize
         rows = info.shape[0]
-        if (self.row_dim > 1 and info.strides[1] != isz) or \
-                (rows > 1 and info.strides[0] != self.row_bytes):
+        if (self.row_dim > 1 and info.strides[1] != isz) or (
+            rows > 1 and info.strides[0] != self.row_bytes
+        ):
             raise InvalidArgument(
                 f"{op}: {name} must be C-contiguous with strides ({self.row_bytes}, {isz}) "
-                f"bytes (got strides {tuple(info.strides)}; use cupy.ascontiguousarray)")
+                f"bytes (got strides {tuple(info.strides)}; use cupy.ascontiguousarray)"
+            )
         check_align(info.ptr, 16, op, f"{name} data pointer")
 
     # ------------------------------------------------------------------ what the op accepts

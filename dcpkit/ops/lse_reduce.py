@@ -35,15 +35,28 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _cuda, jit
-from .._arrays import ArrayInfo, array_info, check_device, check_dtype, check_ndim, check_shape
-from .._arrays import dtype_name
-from ..comm import Communicator
-from ..errors import InvalidArgument, InvalidType
+from .._arrays import (
+    ArrayInfo,
+    array_info,
+    check_device,
+    check_dtype,
+    check_ndim,
+    check_shape,
+    dtype_name,
+)
 from .._launch import KernelParams
 from .._plan import call_key
+from ..comm import Communicator
+from ..errors import InvalidArgument, InvalidType
 from ..reference import check_lse_base, resolve_dtype
-from ._workspace import (PROTO_PARAM_TYPES, OpWorkspace, _round_up, check_bool,
-                         check_positive_int, launch_config)
+from ._workspace import (
+    PROTO_PARAM_TYPES,
+    OpWorkspace,
+    _round_up,
+    check_bool,
+    check_positive_int,
+    launch_config,
+)
 
 __all__ = ["LseReduce", "lse_combine", "LSE_REDUCE_PARAM_TYPES"]
 
@@ -52,10 +65,29 @@ __all__ = ["LseReduce", "lse_combine", "LSE_REDUCE_PARAM_TYPES"]
 #: in_tok_stride, in_head_stride, lse_partial, lse_tok_stride, lse_head_stride, lse_scale,
 #: seq_lens, query_start_loc, num_requests, out, out_lse, T, H, H_r, D_v.
 LSE_REDUCE_PARAM_TYPES = PROTO_PARAM_TYPES + (
-    "u64", "u64", "u64", "i32", "u64", "i64", "i64", "u64", "i64", "i64", "f32", "u64", "u64",
-    "i32", "u64", "u64", "i32", "i32", "i32", "i32")
+    "u64",
+    "u64",
+    "u64",
+    "i32",
+    "u64",
+    "i64",
+    "i64",
+    "u64",
+    "i64",
+    "i64",
+    "f32",
+    "u64",
+    "u64",
+    "i32",
+    "u64",
+    "u64",
+    "i32",
+    "i32",
+    "i32",
+    "i32",
+)
 _P = len(PROTO_PARAM_TYPES)
-_IN, _OUT, _OUT_LSE = _P + 4, _P + 14, _P + 15   # fields patched per call
+_IN, _OUT, _OUT_LSE = _P + 4, _P + 14, _P + 15  # fields patched per call
 
 #: Threads per CTA of both kernels (``lse_detail::kThreads`` in the kernel).
 THREADS = 256
@@ -101,15 +133,18 @@ def _c_contiguous(info: ArrayInfo) -> bool:
 
 def _check_contiguous(info: ArrayInfo, op: str, name: str) -> None:
     if not _c_contiguous(info):
-        raise InvalidArgument(f"{op}: {name} must be C-contiguous (got shape {info.shape}, "
-                              f"strides {info.strides} bytes)")
+        raise InvalidArgument(
+            f"{op}: {name} must be C-contiguous (got shape {info.shape}, "
+            f"strides {info.strides} bytes)"
+        )
 
 
 def _check_nonneg_strides(info: ArrayInfo, op: str, name: str) -> None:
     for n, s in zip(info.shape, info.strides):
         if n > 1 and s < 0:
-            raise InvalidArgument(f"{op}: {name} strides must be non-negative "
-                                  f"(got {info.strides} bytes)")
+            raise InvalidArgument(
+                f"{op}: {name} strides must be non-negative (got {info.strides} bytes)"
+            )
 
 
 def _check_index_array(x, op: str, name: str, dims: str, device: int) -> ArrayInfo:
@@ -128,12 +163,12 @@ class _Plan(NamedTuple):
 
     T: int
     ubatch: int
-    x: ArrayInfo               # out_partial
-    copy_input: bool           # innermost stride != itemsize: copy to a contiguous array first
-    in_tok: int                # out_partial strides in elements (valid when not copy_input)
+    x: ArrayInfo  # out_partial
+    copy_input: bool  # innermost stride != itemsize: copy to a contiguous array first
+    in_tok: int  # out_partial strides in elements (valid when not copy_input)
     in_head: int
     lse: ArrayInfo
-    lse_tok: int               # lse_partial strides in elements
+    lse_tok: int  # lse_partial strides in elements
     lse_head: int
     seq_ptr: int
     qsl_ptr: int
@@ -145,14 +180,15 @@ class _Plan(NamedTuple):
 
 class _CallPlan(NamedTuple):
     """A validated call, all its key determines (:mod:`dcpkit._plan`); no caller's array."""
+
     T: int
     ubatch: int
-    copy_input: bool          # copy out_partial to a contiguous array per call
-    out_ptr: int              # the caller's out= (0: none)
-    out_lse_ptr: int          # the caller's out_lse= (0: none)
+    copy_input: bool  # copy out_partial to a contiguous array per call
+    out_ptr: int  # the caller's out= (0: none)
+    out_lse_ptr: int  # the caller's out_lse= (0: none)
     want_lse: bool
-    needs_output: bool        # a workspace output buffer is used
-    lse_key: object           # the lse dtype: which kernel
+    needs_output: bool  # a workspace output buffer is used
+    lse_key: object  # the lse dtype: which kernel
     grid: int
     params: KernelParams | None
     debug_key: tuple
@@ -277,21 +313,46 @@ class LseReduce(OpWorkspace):
     launches_per_call = 1
     THREADS = THREADS
 
-    def __init__(self, comm: Communicator, *, max_tokens: int, num_heads: int, head_dim: int,
-                 dtype, num_ubatches: int = 1, lse_base: float = math.e, return_lse: bool = False,
-                 timeout_ms: float | None = None, heap=None,
-                 graph_outputs: int | None = None, waiter_ctas: int | None = None,
-                 _self_check: bool = True):
+    def __init__(
+        self,
+        comm: Communicator,
+        *,
+        max_tokens: int,
+        num_heads: int,
+        head_dim: int,
+        dtype,
+        num_ubatches: int = 1,
+        lse_base: float = math.e,
+        return_lse: bool = False,
+        timeout_ms: float | None = None,
+        heap=None,
+        graph_outputs: int | None = None,
+        waiter_ctas: int | None = None,
+        _self_check: bool = True,
+    ):
         op = self.op_name
         self._closed = True
         # One exchange: which ranks rejected their arguments (or miss CuPy, a GPU, room in the
         # heap), and whether the geometries agree.
-        self._setup(comm, lambda W: self._check_arguments(
-            W, max_tokens=max_tokens, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
-            num_ubatches=num_ubatches, lse_base=lse_base, return_lse=return_lse,
-            timeout_ms=timeout_ms, graph_outputs=graph_outputs, waiter_ctas=waiter_ctas,
-            self_check=_self_check),
-            "max_tokens, num_heads, head_dim, dtype, lse_base, return_lse", heap=heap)
+        self._setup(
+            comm,
+            lambda W: self._check_arguments(
+                W,
+                max_tokens=max_tokens,
+                num_heads=num_heads,
+                head_dim=head_dim,
+                dtype=dtype,
+                num_ubatches=num_ubatches,
+                lse_base=lse_base,
+                return_lse=return_lse,
+                timeout_ms=timeout_ms,
+                graph_outputs=graph_outputs,
+                waiter_ctas=waiter_ctas,
+                self_check=_self_check,
+            ),
+            "max_tokens, num_heads, head_dim, dtype, lse_base, return_lse",
+            heap=heap,
+        )
         err = None
         try:
             self._load_kernels()
@@ -304,26 +365,55 @@ class LseReduce(OpWorkspace):
             raise
         self._finish_setup()
 
-    def _check_arguments(self, world_size: int, *, max_tokens, num_heads, head_dim, dtype,
-                         num_ubatches=1, lse_base=math.e, return_lse=False,
-                         timeout_ms=None, graph_outputs=None, waiter_ctas=None,
-                         self_check=True) -> tuple:
+    def _check_arguments(
+        self,
+        world_size: int,
+        *,
+        max_tokens,
+        num_heads,
+        head_dim,
+        dtype,
+        num_ubatches=1,
+        lse_base=math.e,
+        return_lse=False,
+        timeout_ms=None,
+        graph_outputs=None,
+        waiter_ctas=None,
+        self_check=True,
+    ) -> tuple:
         """Every check of the constructor arguments that needs no GPU and no collective (the
         constructor's keywords); returns what every rank must agree on."""
-        self._check_protocol_options(graph_outputs=graph_outputs, waiter_ctas=waiter_ctas,
-                                     self_check=self_check)
-        self._init_geometry(world_size, max_tokens=max_tokens, num_heads=num_heads,
-                            head_dim=head_dim, dtype=dtype, lse_base=lse_base,
-                            return_lse=return_lse)
-        return (self.max_tokens, self.num_heads, self.head_dim, str(self.dtype), self.lse_base,
-                self.return_lse) + self._check_common(
-                    world_size, slot_bytes=self._slot_bytes_needed,
-                    out_bytes=self._out_bytes_needed, num_ubatches=num_ubatches,
-                    timeout_ms=timeout_ms)
+        self._check_protocol_options(
+            graph_outputs=graph_outputs, waiter_ctas=waiter_ctas, self_check=self_check
+        )
+        self._init_geometry(
+            world_size,
+            max_tokens=max_tokens,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            lse_base=lse_base,
+            return_lse=return_lse,
+        )
+        return (
+            self.max_tokens,
+            self.num_heads,
+            self.head_dim,
+            str(self.dtype),
+            self.lse_base,
+            self.return_lse,
+        ) + self._check_common(
+            world_size,
+            slot_bytes=self._slot_bytes_needed,
+            out_bytes=self._out_bytes_needed,
+            num_ubatches=num_ubatches,
+            timeout_ms=timeout_ms,
+        )
 
     # ------------------------------------------------------------------ construction helpers
-    def _init_geometry(self, world_size: int, *, max_tokens, num_heads, head_dim, dtype,
-                       lse_base, return_lse) -> None:
+    def _init_geometry(
+        self, world_size: int, *, max_tokens, num_heads, head_dim, dtype, lse_base, return_lse
+    ) -> None:
         """Validate the constructor arguments and derive the layout (no GPU, no collective)."""
         op = self.op_name
         self.max_tokens = check_positive_int(max_tokens, op, "max_tokens")
@@ -336,29 +426,36 @@ class LseReduce(OpWorkspace):
         if W > MAX_WORLD_SIZE:
             raise InvalidArgument(f"{op}: world_size must be <= {MAX_WORLD_SIZE} (got {W})")
         if self.num_heads % W:
-            raise InvalidArgument(f"{op}: num_heads must be a multiple of world_size {W} "
-                                  f"(got {self.num_heads})")
+            raise InvalidArgument(
+                f"{op}: num_heads must be a multiple of world_size {W} (got {self.num_heads})"
+            )
         try:
             dt = resolve_dtype(dtype)
         except (TypeError, ValueError, AttributeError):
-            raise InvalidType(f"{op}: dtype must be one of [bfloat16, float16, float32] "
-                              f"(got {dtype!r})") from None
+            raise InvalidType(
+                f"{op}: dtype must be one of [bfloat16, float16, float32] (got {dtype!r})"
+            ) from None
         if dt not in _float_dtypes():
-            raise InvalidType(f"{op}: dtype must be one of [bfloat16, float16, float32] "
-                              f"(got {dtype_name(dt)})")
+            raise InvalidType(
+                f"{op}: dtype must be one of [bfloat16, float16, float32] (got {dtype_name(dt)})"
+            )
         self.dtype = dt
         row_bytes = self.head_dim * dt.itemsize
         if row_bytes % 16:
-            raise InvalidArgument(f"{op}: head_dim * itemsize must be a multiple of 16 bytes "
-                                  f"(got {self.head_dim} * {dt.itemsize} = {row_bytes})")
+            raise InvalidArgument(
+                f"{op}: head_dim * itemsize must be a multiple of 16 bytes "
+                f"(got {self.head_dim} * {dt.itemsize} = {row_bytes})"
+            )
         self.lse_base = check_lse_base(lse_base, op)
         self.return_lse = check_bool(return_lse, op, "return_lse")
 
         H_r = self.num_heads // W
         self.heads_per_rank = H_r
         if W * self.max_tokens * H_r > _INT32_MAX:
-            raise InvalidArgument(f"{op}: world_size * max_tokens * heads_per_rank must be "
-                                  f"< 2**31 (got {W * self.max_tokens * H_r})")
+            raise InvalidArgument(
+                f"{op}: world_size * max_tokens * heads_per_rank must be "
+                f"< 2**31 (got {W * self.max_tokens * H_r})"
+            )
         # Slot: payload OUT_T [W][T_max][H_r][D_v], then lse float [W][T_max][H_r].
         self._row_bytes = row_bytes
         self._lse_offset = _round_up(W * self.max_tokens * H_r * row_bytes)
@@ -366,8 +463,9 @@ class LseReduce(OpWorkspace):
         # Output buffer: out [T_max][H_r][D_v], then out_lse float [T_max][H_r] if return_lse.
         self._out_part_bytes = _round_up(self.max_tokens * H_r * row_bytes)
         self._out_lse_bytes = _round_up(self.max_tokens * H_r * 4)
-        self._out_bytes_needed = self._out_part_bytes + (self._out_lse_bytes if self.return_lse
-                                                         else 0)
+        self._out_bytes_needed = self._out_part_bytes + (
+            self._out_lse_bytes if self.return_lse else 0
+        )
         self._lse_scale = np.float32(1.0 if self.lse_base == math.e else math.log(2.0))
         self._lse_dtypes = _float_dtypes()
 
@@ -380,31 +478,50 @@ class LseReduce(OpWorkspace):
         self._fn = {}
         with cupy.cuda.Device(self.device):
             for lse_dt in self._lse_dtypes:
-                raw = jit.get_kernel(_FILE, _reduce_variant(self.dtype, lse_dt),
-                                     self._kernel_options())
+                raw = jit.get_kernel(
+                    _FILE, _reduce_variant(self.dtype, lse_dt), self._kernel_options()
+                )
                 self._fn[lse_dt] = raw.kernel  # the loaded cupy.cuda.function.Function
             self._init_fast_path(self._fn)
         W, H_r = self.world_size, self.heads_per_rank
         # DCPKIT_PROTO_PARAMS, peer_data, slot_bytes, lse_offset, T_max (per ubatch).
         self._head_args = [
-            self.proto_args(u) + (self.peer_data_ptr(u), np.uint64(self.slot_bytes),
-                                  np.uint64(self._lse_offset), np.int32(self.max_tokens))
+            self.proto_args(u)
+            + (
+                self.peer_data_ptr(u),
+                np.uint64(self.slot_bytes),
+                np.uint64(self._lse_offset),
+                np.int32(self.max_tokens),
+            )
             for u in range(self.num_ubatches)
         ]
         # H, H_r, D_v (every call).
         self._tail_args = (np.int32(self.num_heads), np.int32(H_r), np.int32(self.head_dim))
-        self._grids = [(launch_config(W * T * H_r, WARPS_PER_CTA, self.max_ctas),)
-                       for T in range(self.max_tokens + 1)]
+        self._grids = [
+            (launch_config(W * T * H_r, WARPS_PER_CTA, self.max_ctas),)
+            for T in range(self.max_tokens + 1)
+        ]
 
     def ctas_for(self, T: int) -> int:
         """The grid (CTA count, :attr:`THREADS` threads each) of a call with ``T`` tokens; the
         last ``min(grid, waiter_ctas)`` CTAs to arrive wait and combine."""
-        return launch_config(self.world_size * int(T) * self.heads_per_rank, WARPS_PER_CTA,
-                             self.max_ctas)
+        return launch_config(
+            self.world_size * int(T) * self.heads_per_rank, WARPS_PER_CTA, self.max_ctas
+        )
 
     # ------------------------------------------------------------------ the call
-    def __call__(self, out_partial, lse_partial, *, seq_lens=None, query_start_loc=None,
-                 ubatch: int = 0, out=None, out_lse=None, stream=None):
+    def __call__(
+        self,
+        out_partial,
+        lse_partial,
+        *,
+        seq_lens=None,
+        query_start_loc=None,
+        ubatch: int = 0,
+        out=None,
+        out_lse=None,
+        stream=None,
+    ):
         """Merge every rank's partial attention into this rank's heads.
 
         Parameters
@@ -477,42 +594,92 @@ class LseReduce(OpWorkspace):
         """
         self.check_open()  # closed or poisoned: every call, cached plan or not
         plan = self._plans.lookup(
-            call_key((out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse),
-                     (ubatch,)),
-            out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out, out_lse)
-        if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES
-                                                 or _cuda.stream_types()):
+            call_key(
+                (out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse), (ubatch,)
+            ),
+            out_partial,
+            lse_partial,
+            seq_lens,
+            query_start_loc,
+            ubatch,
+            out,
+            out_lse,
+        )
+        if stream is not None and not isinstance(
+            stream, _cuda._STREAM_TYPES or _cuda.stream_types()
+        ):
             _cuda.check_stream(stream, self.op_name)  # raises InvalidType
         if plan.T == 0:
             return self._empty_result(plan.want_lse, out, out_lse)
         return self._launch(plan, out_partial, out, out_lse, stream)
 
-    def _plan(self, out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out,
-              out_lse) -> _CallPlan:
+    def _plan(
+        self, out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out, out_lse
+    ) -> _CallPlan:
         """The full validation of a call (:meth:`_validate`: every check, every message), then
         everything its key determines: the grid and the packed kernel parameters."""
-        v = self._validate(out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out,
-                           out_lse)
+        v = self._validate(
+            out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out, out_lse
+        )
         T, ub = v.T, v.ubatch
         out_ptr = v.out.ptr if v.out is not None else 0
         lse_ptr = v.out_lse.ptr if v.out_lse is not None else 0
         needs_output = v.out is None or (v.want_lse and v.out_lse is None)
         debug_key = (T, str(self.dtype), str(v.lse.dtype), ub, v.qsl_ptr != 0, v.seq_ptr != 0)
         if T == 0:
-            return _CallPlan(0, ub, False, out_ptr, lse_ptr, v.want_lse, needs_output,
-                             v.lse.dtype, 0, None, debug_key)
+            return _CallPlan(
+                0,
+                ub,
+                False,
+                out_ptr,
+                lse_ptr,
+                v.want_lse,
+                needs_output,
+                v.lse.dtype,
+                0,
+                None,
+                debug_key,
+            )
         in_tok, in_head = v.in_tok, v.in_head
         if v.copy_input:  # the contiguous copy made per call
             in_tok, in_head = self.num_heads * self.head_dim, self.head_dim
-        values = [int(a) for a in self._head_args[ub]] + [
-            v.x.ptr, in_tok, in_head, v.lse.ptr, v.lse_tok, v.lse_head, float(self._lse_scale),
-            v.seq_ptr, v.qsl_ptr, v.num_requests, 0, 0, T] + [int(a) for a in self._tail_args]
+        values = (
+            [int(a) for a in self._head_args[ub]]
+            + [
+                v.x.ptr,
+                in_tok,
+                in_head,
+                v.lse.ptr,
+                v.lse_tok,
+                v.lse_head,
+                float(self._lse_scale),
+                v.seq_ptr,
+                v.qsl_ptr,
+                v.num_requests,
+                0,
+                0,
+                T,
+            ]
+            + [int(a) for a in self._tail_args]
+        )
         params = KernelParams(LSE_REDUCE_PARAM_TYPES, values)
-        return _CallPlan(T, ub, v.copy_input, out_ptr, lse_ptr, v.want_lse, needs_output,
-                         v.lse.dtype, self._grids[T][0], params, debug_key)
+        return _CallPlan(
+            T,
+            ub,
+            v.copy_input,
+            out_ptr,
+            lse_ptr,
+            v.want_lse,
+            needs_output,
+            v.lse.dtype,
+            self._grids[T][0],
+            params,
+            debug_key,
+        )
 
-    def _validate(self, out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out,
-                  out_lse) -> _Plan:
+    def _validate(
+        self, out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out, out_lse
+    ) -> _Plan:
         """Every argument check of a call; needs no GPU (tests call it on CPU machines)."""
         op = self.op_name
         self.check_open()
@@ -529,8 +696,9 @@ class LseReduce(OpWorkspace):
             check_device(x, self.device, op, "out_partial")
         T = x.shape[0]
         if T > self.max_tokens:
-            raise InvalidArgument(f"{op}: out_partial tokens T must be <= max_tokens "
-                                  f"{self.max_tokens} (got {T})")
+            raise InvalidArgument(
+                f"{op}: out_partial tokens T must be <= max_tokens {self.max_tokens} (got {T})"
+            )
         _check_nonneg_strides(x, op, "out_partial")
         isz = dt.itemsize
         s_tok, s_head, s_elem = x.strides
@@ -543,7 +711,8 @@ class LseReduce(OpWorkspace):
                 raise InvalidArgument(
                     f"{op}: out_partial rows must be 16-byte aligned: data pointer, token "
                     f"stride and head stride multiples of 16 bytes (got pointer offset "
-                    f"{x.ptr % 16}, strides {x.strides} bytes)")
+                    f"{x.ptr % 16}, strides {x.strides} bytes)"
+                )
             in_tok, in_head = s_tok // isz, s_head // isz
 
         lse = array_info(lse_partial, op, "lse_partial")
@@ -558,21 +727,25 @@ class LseReduce(OpWorkspace):
         l_tok = lse.strides[0] if T > 1 else 0
         l_head = lse.strides[1] if H > 1 else 0
         if lse.ptr % li or l_tok % li or l_head % li:
-            raise InvalidArgument(f"{op}: lse_partial pointer and strides must be multiples of "
-                                  f"its itemsize {li} bytes (got pointer offset {lse.ptr % li}, "
-                                  f"strides {lse.strides} bytes)")
+            raise InvalidArgument(
+                f"{op}: lse_partial pointer and strides must be multiples of "
+                f"its itemsize {li} bytes (got pointer offset {lse.ptr % li}, "
+                f"strides {lse.strides} bytes)"
+            )
 
         seq_ptr = qsl_ptr = 0
         S = 0
         if query_start_loc is None:
             if seq_lens is not None:
-                raise InvalidArgument(f"{op}: seq_lens requires query_start_loc (got "
-                                      f"query_start_loc=None)")
+                raise InvalidArgument(
+                    f"{op}: seq_lens requires query_start_loc (got query_start_loc=None)"
+                )
         else:
             q = _check_index_array(query_start_loc, op, "query_start_loc", "S+1", self.device)
             if q.shape[0] < 1:
-                raise InvalidArgument(f"{op}: query_start_loc length must be >= 1 for [S+1] "
-                                      f"(got 0)")
+                raise InvalidArgument(
+                    f"{op}: query_start_loc length must be >= 1 for [S+1] (got 0)"
+                )
             S = q.shape[0] - 1
             qsl_ptr = q.ptr
             if seq_lens is not None:
@@ -580,7 +753,8 @@ class LseReduce(OpWorkspace):
                 if sl.shape[0] != S:
                     raise InvalidArgument(
                         f"{op}: seq_lens length must be len(query_start_loc) - 1 = {S} "
-                        f"(got {sl.shape[0]})")
+                        f"(got {sl.shape[0]})"
+                    )
                 seq_ptr = sl.ptr
 
         o = None
@@ -594,8 +768,10 @@ class LseReduce(OpWorkspace):
                 check_device(o, self.device, op, "out")
             _check_contiguous(o, op, "out")
             if o.ptr % 16:
-                raise InvalidArgument(f"{op}: out data pointer must be 16-byte aligned "
-                                      f"(got pointer offset {o.ptr % 16})")
+                raise InvalidArgument(
+                    f"{op}: out data pointer must be 16-byte aligned "
+                    f"(got pointer offset {o.ptr % 16})"
+                )
         ol = None
         if out_lse is not None:
             ol = array_info(out_lse, op, "out_lse")
@@ -607,22 +783,46 @@ class LseReduce(OpWorkspace):
                 check_device(ol, self.device, op, "out_lse")
             _check_contiguous(ol, op, "out_lse")
             if ol.ptr % 4:
-                raise InvalidArgument(f"{op}: out_lse data pointer must be 4-byte aligned "
-                                      f"(got pointer offset {ol.ptr % 4})")
-        return _Plan(T, ub, x, copy_input, in_tok, in_head, lse, l_tok // li, l_head // li,
-                     seq_ptr, qsl_ptr, S, o, ol, self.return_lse or ol is not None)
+                raise InvalidArgument(
+                    f"{op}: out_lse data pointer must be 4-byte aligned "
+                    f"(got pointer offset {ol.ptr % 4})"
+                )
+        return _Plan(
+            T,
+            ub,
+            x,
+            copy_input,
+            in_tok,
+            in_head,
+            lse,
+            l_tok // li,
+            l_head // li,
+            seq_ptr,
+            qsl_ptr,
+            S,
+            o,
+            ol,
+            self.return_lse or ol is not None,
+        )
 
     def _empty_result(self, want_lse: bool, out, out_lse):
         """``T == 0``: ``out`` / ``out_lse`` (the caller's) or empty arrays; nothing launched."""
         cupy = self._cupy
         with cupy.cuda.Device(self.device):
-            res = out if out is not None else cupy.empty(
-                (0, self.heads_per_rank, self.head_dim),
-                dtype=_UINT[self.dtype.itemsize]).view(self.dtype)
+            res = (
+                out
+                if out is not None
+                else cupy.empty(
+                    (0, self.heads_per_rank, self.head_dim), dtype=_UINT[self.dtype.itemsize]
+                ).view(self.dtype)
+            )
             if not want_lse:
                 return res
-            lse = out_lse if out_lse is not None else \
-                cupy.empty((0, self.heads_per_rank), dtype=np.float32)
+            lse = (
+                out_lse
+                if out_lse is not None
+                else cupy.empty((0, self.heads_per_rank), dtype=np.float32)
+            )
         return res, lse
 
     def _launch(self, plan: _CallPlan, out_partial, out, out_lse, stream):
@@ -635,13 +835,17 @@ class LseReduce(OpWorkspace):
         if plan.copy_input:  # documented slow path: innermost stride != itemsize
             with cupy.cuda.Device(self.device), stream:  # bytes only, through an unsigned
                 # view; freed after the launch is enqueued (CuPy's pool: stream order)
-                src = out_partial if isinstance(out_partial, cupy.ndarray) else \
-                    cupy.asarray(out_partial)
+                src = (
+                    out_partial
+                    if isinstance(out_partial, cupy.ndarray)
+                    else cupy.asarray(out_partial)
+                )
                 xc = cupy.ascontiguousarray(src.view(_UINT[self.dtype.itemsize]))
             params[_IN] = xc.data.ptr
         T, ub = plan.T, plan.ubatch
         _parity, capturing, _exact = self.begin_call(
-            ub, stream, plan.debug_key if self._debug else (), needs_output=plan.needs_output)
+            ub, stream, plan.debug_key if self._debug else (), needs_output=plan.needs_output
+        )
         H_r, D = self.heads_per_rank, self.head_dim
         base = None  # workspace output buffer of this call, taken only when needed
         if plan.out_ptr:
@@ -651,8 +855,7 @@ class LseReduce(OpWorkspace):
             base = self.output_ptr(ub, capturing)
             owner = self._graph_out if capturing else self._eager_out[ub]
             out_ptr = base
-            res = self._memo_view(base, (T, H_r, D), self.dtype, T * H_r * self._row_bytes,
-                                  owner)
+            res = self._memo_view(base, (T, H_r, D), self.dtype, T * H_r * self._row_bytes, owner)
         lse_res = None
         lse_ptr = 0
         if plan.out_lse_ptr:
@@ -684,8 +887,7 @@ class LseReduce(OpWorkspace):
 
         return check_constructor_keywords(cls, world_size, constructor_keywords)
 
-    def accepts_layout(self, *, out_partial=None, lse_partial=None, out=None,
-                       out_lse=None) -> bool:
+    def accepts_layout(self, *, out_partial=None, lse_partial=None, out=None, out_lse=None) -> bool:
         """Whether this op takes the given arrays (or ``ArrayInfo``) without a copy by the
         caller: ``out_partial`` rows 16-byte aligned (or an innermost stride the op copies
         itself), ``lse_partial`` aligned to its itemsize, ``out`` / ``out_lse`` C-contiguous and
@@ -695,21 +897,25 @@ class LseReduce(OpWorkspace):
         def nonneg(i):
             return all(s >= 0 for n, s in zip(i.shape, i.strides) if n > 1)
 
-        for name, i in described(self.op_name, out_partial=out_partial,
-                                 lse_partial=lse_partial, out=out, out_lse=out_lse):
+        for name, i in described(
+            self.op_name, out_partial=out_partial, lse_partial=lse_partial, out=out, out_lse=out_lse
+        ):
             if name == "out_partial" and len(i.shape) == 3:
                 if not nonneg(i):
                     return False
                 if i.shape[2] > 1 and i.strides[2] != i.itemsize:
-                    continue                      # the op copies it to a contiguous array
+                    continue  # the op copies it to a contiguous array
                 s_tok = i.strides[0] if i.shape[0] > 1 else 0
                 s_head = i.strides[1] if i.shape[1] > 1 else 0
                 if i.ptr % 16 or s_tok % 16 or s_head % 16:
                     return False
             elif name == "lse_partial":
                 li = i.itemsize
-                if not nonneg(i) or i.ptr % li or any(
-                        s % li for n, s in zip(i.shape, i.strides) if n > 1):
+                if (
+                    not nonneg(i)
+                    or i.ptr % li
+                    or any(s % li for n, s in zip(i.shape, i.strides) if n > 1)
+                ):
                     return False
             elif name in ("out", "out_lse"):
                 if not _c_contiguous(i) or i.ptr % (16 if name == "out" else 4):
@@ -732,8 +938,10 @@ class _CombinePlan(NamedTuple):
 def _check_same_gpu(info: ArrayInfo, src_out: ArrayInfo, name: str) -> None:
     """lse_combine has no workspace: every array must live on ``src_out``'s GPU."""
     if info.device != src_out.device:
-        raise InvalidArgument(f"lse_combine: {name} device must be src_out's GPU "
-                              f"{src_out.device} (got GPU {info.device})")
+        raise InvalidArgument(
+            f"lse_combine: {name} device must be src_out's GPU "
+            f"{src_out.device} (got GPU {info.device})"
+        )
 
 
 def _validate_combine(src_out, src_lse, out, out_lse) -> _CombinePlan:
@@ -744,15 +952,19 @@ def _validate_combine(src_out, src_lse, out, out_lse) -> _CombinePlan:
     check_ndim(so, 4, "W, T, H_r, D_v", op, "src_out")
     W, T, H_r, D = so.shape
     if not 1 <= W <= MAX_WORLD_SIZE:
-        raise InvalidArgument(f"{op}: src_out sources W must lie in [1, {MAX_WORLD_SIZE}] "
-                              f"(got {W})")
+        raise InvalidArgument(
+            f"{op}: src_out sources W must lie in [1, {MAX_WORLD_SIZE}] (got {W})"
+        )
     if (D * so.itemsize) % 16:
-        raise InvalidArgument(f"{op}: src_out D_v * itemsize must be a multiple of 16 bytes "
-                              f"(got {D} * {so.itemsize} = {D * so.itemsize})")
+        raise InvalidArgument(
+            f"{op}: src_out D_v * itemsize must be a multiple of 16 bytes "
+            f"(got {D} * {so.itemsize} = {D * so.itemsize})"
+        )
     _check_contiguous(so, op, "src_out")
     if so.ptr % 16:
-        raise InvalidArgument(f"{op}: src_out data pointer must be 16-byte aligned "
-                              f"(got pointer offset {so.ptr % 16})")
+        raise InvalidArgument(
+            f"{op}: src_out data pointer must be 16-byte aligned (got pointer offset {so.ptr % 16})"
+        )
     sl = array_info(src_lse, op, "src_lse")
     check_dtype(sl, (np.float32,), op, "src_lse")
     check_shape(sl, (W, T, H_r), "W, T, H_r", op, "src_lse")
@@ -764,8 +976,9 @@ def _validate_combine(src_out, src_lse, out, out_lse) -> _CombinePlan:
     _check_contiguous(o, op, "out")
     _check_same_gpu(o, so, "out")
     if o.ptr % 16:
-        raise InvalidArgument(f"{op}: out data pointer must be 16-byte aligned "
-                              f"(got pointer offset {o.ptr % 16})")
+        raise InvalidArgument(
+            f"{op}: out data pointer must be 16-byte aligned (got pointer offset {o.ptr % 16})"
+        )
     ol = None
     if out_lse is not None:
         ol = array_info(out_lse, op, "out_lse")
@@ -834,9 +1047,16 @@ def lse_combine(src_out, src_lse, out, out_lse=None, stream=None):
         with cupy.cuda.Device(dev):
             fn = _COMBINE_FNS[key] = jit.get_kernel(_FILE, _combine_variant(key[1])).kernel
     grid = (launch_config(plan.T * plan.H_r, WARPS_PER_CTA, 1 << 16),)
-    args = (plan.src_out.ptr, plan.src_lse.ptr, plan.out.ptr,   # pointers: 8-byte ints
-            0 if plan.out_lse is None else plan.out_lse.ptr, np.int32(plan.W),
-            np.int32(plan.T), np.int32(plan.H_r), np.int32(plan.D))
+    args = (
+        plan.src_out.ptr,
+        plan.src_lse.ptr,
+        plan.out.ptr,  # pointers: 8-byte ints
+        0 if plan.out_lse is None else plan.out_lse.ptr,
+        np.int32(plan.W),
+        np.int32(plan.T),
+        np.int32(plan.H_r),
+        np.int32(plan.D),
+    )
     if cupy.cuda.runtime.getDevice() == dev:
         fn(grid, _BLOCK, args, shared_mem=0, stream=stream)  # None: the current stream
     else:

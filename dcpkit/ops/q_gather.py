@@ -15,8 +15,6 @@ Kernel: ``kernels/q_gather.cu`` (device code in ``kernels/gather.cuh``); referen
 
 from __future__ import annotations
 
-
-
 from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
 from .._plan import call_key
 from ..comm import Communicator
@@ -30,8 +28,18 @@ __all__ = ["QGather", "Q_GATHER_PARAM_TYPES"]
 #: then peer_data, slot_bytes, mc_data, q, q_token_stride, row_vecs, slot_token_stride, tokens,
 #: out, out_token_stride.
 Q_GATHER_PARAM_TYPES = PROTO_PARAM_TYPES + (
-    "u64", "u64", "u64", "u64", "i64", "u32", "i64", "u32", "u64", "i64")
-_OUT = len(PROTO_PARAM_TYPES) + 8   # index of ``out`` (patched per call)
+    "u64",
+    "u64",
+    "u64",
+    "u64",
+    "i64",
+    "u32",
+    "i64",
+    "u32",
+    "u64",
+    "i64",
+)
+_OUT = len(PROTO_PARAM_TYPES) + 8  # index of ``out`` (patched per call)
 
 
 class QGather(GatherWorkspace):
@@ -138,43 +146,86 @@ class QGather(GatherWorkspace):
     op_name = "q_gather"
     size_arguments = "max_tokens, heads_per_rank, head_dim, padded_num_heads"
 
-    def __init__(self, comm: Communicator, *, max_tokens: int, heads_per_rank: int,
-                 head_dim: int, dtype, num_ubatches: int = 1,
-                 padded_num_heads: int | None = None, timeout_ms: float | None = None,
-                 heap=None, multicast: bool | None = None,
-                 graph_outputs: int | None = None, waiter_ctas: int | None = None,
-                 _self_check: bool = True):
+    def __init__(
+        self,
+        comm: Communicator,
+        *,
+        max_tokens: int,
+        heads_per_rank: int,
+        head_dim: int,
+        dtype,
+        num_ubatches: int = 1,
+        padded_num_heads: int | None = None,
+        timeout_ms: float | None = None,
+        heap=None,
+        multicast: bool | None = None,
+        graph_outputs: int | None = None,
+        waiter_ctas: int | None = None,
+        _self_check: bool = True,
+    ):
         self._closed = True  # until the setup completes
         # One exchange: arguments, CuPy, the GPU or room in the heap, equal geometries.
-        self._setup(comm, lambda W: self._check_arguments(
-            W, max_tokens=max_tokens, heads_per_rank=heads_per_rank, head_dim=head_dim,
-            dtype=dtype, num_ubatches=num_ubatches, padded_num_heads=padded_num_heads,
-            timeout_ms=timeout_ms, graph_outputs=graph_outputs, waiter_ctas=waiter_ctas,
-            self_check=_self_check),
-            "max_tokens, heads_per_rank, head_dim, dtype, padded_num_heads", heap=heap,
-            multicast=multicast)
+        self._setup(
+            comm,
+            lambda W: self._check_arguments(
+                W,
+                max_tokens=max_tokens,
+                heads_per_rank=heads_per_rank,
+                head_dim=head_dim,
+                dtype=dtype,
+                num_ubatches=num_ubatches,
+                padded_num_heads=padded_num_heads,
+                timeout_ms=timeout_ms,
+                graph_outputs=graph_outputs,
+                waiter_ctas=waiter_ctas,
+                self_check=_self_check,
+            ),
+            "max_tokens, heads_per_rank, head_dim, dtype, padded_num_heads",
+            heap=heap,
+            multicast=multicast,
+        )
         self.transport = "multicast" if self.multicast else "unicast"
         tr = "Multicast" if self.multicast else "Unicast"
-        self._kernel = self._compile("q_gather.cu",
-                                     f"dcpkit::q_gather_kernel<dcpkit::Transport::{tr}>")
+        self._kernel = self._compile(
+            "q_gather.cu", f"dcpkit::q_gather_kernel<dcpkit::Transport::{tr}>"
+        )
         self._finish_setup()
 
-    def _check_arguments(self, world_size: int, *, max_tokens, heads_per_rank, head_dim, dtype,
-                         num_ubatches=1, padded_num_heads=None, timeout_ms=None,
-                         graph_outputs=None, waiter_ctas=None, self_check=True) -> tuple:
+    def _check_arguments(
+        self,
+        world_size: int,
+        *,
+        max_tokens,
+        heads_per_rank,
+        head_dim,
+        dtype,
+        num_ubatches=1,
+        padded_num_heads=None,
+        timeout_ms=None,
+        graph_outputs=None,
+        waiter_ctas=None,
+        self_check=True,
+    ) -> tuple:
         """Every check of the constructor arguments that needs no GPU and no collective (the
         constructor's keywords); returns what every rank must agree on."""
-        self._check_protocol_options(graph_outputs=graph_outputs, waiter_ctas=waiter_ctas,
-                                     self_check=self_check)
-        geometry = self._init_geometry(world_size, max_tokens, heads_per_rank, head_dim, dtype,
-                                       padded_num_heads)
+        self._check_protocol_options(
+            graph_outputs=graph_outputs, waiter_ctas=waiter_ctas, self_check=self_check
+        )
+        geometry = self._init_geometry(
+            world_size, max_tokens, heads_per_rank, head_dim, dtype, padded_num_heads
+        )
         nbytes = self.max_tokens * self.slot_token_bytes
         return geometry + self._check_gather_common(
-            world_size, data_slot_bytes=nbytes, out_bytes=nbytes, num_ubatches=num_ubatches,
-            timeout_ms=timeout_ms)
+            world_size,
+            data_slot_bytes=nbytes,
+            out_bytes=nbytes,
+            num_ubatches=num_ubatches,
+            timeout_ms=timeout_ms,
+        )
 
-    def _init_geometry(self, world_size: int, max_tokens, heads_per_rank, head_dim, dtype,
-                       padded_num_heads) -> tuple:
+    def _init_geometry(
+        self, world_size: int, max_tokens, heads_per_rank, head_dim, dtype, padded_num_heads
+    ) -> tuple:
         """Check and record the geometry (no GPU, no collective); returns it."""
         op = self.op_name
         self.world_size = int(world_size)
@@ -185,29 +236,38 @@ class QGather(GatherWorkspace):
         self.num_heads = self.heads_per_rank * self.world_size
         if padded_num_heads is None:
             padded_num_heads = self.num_heads
-        self.padded_num_heads = check_positive_int(padded_num_heads, op, "padded_num_heads",
-                                                   minimum=self.num_heads)
+        self.padded_num_heads = check_positive_int(
+            padded_num_heads, op, "padded_num_heads", minimum=self.num_heads
+        )
         isz = self.dtype.itemsize
         self.row_bytes = self.heads_per_rank * self.head_dim * isz
         if self.row_bytes % 16:
             raise InvalidArgument(
                 f"{op}: heads_per_rank*head_dim*itemsize must be a multiple of 16 bytes "
-                f"(got {self.heads_per_rank}*{self.head_dim}*{isz} = {self.row_bytes})")
+                f"(got {self.heads_per_rank}*{self.head_dim}*{isz} = {self.row_bytes})"
+            )
         self.slot_token_bytes = self.padded_num_heads * self.head_dim * isz
         if self.slot_token_bytes % 16:
             raise InvalidArgument(
                 f"{op}: padded_num_heads*head_dim*itemsize must be a multiple of 16 bytes "
                 f"(got {self.padded_num_heads}*{self.head_dim}*{isz} = "
-                f"{self.slot_token_bytes})")
+                f"{self.slot_token_bytes})"
+            )
         if self.max_tokens * self.num_heads * self.head_dim * isz // 16 > MAX_VECTORS:
-            raise InvalidArgument(f"{op}: max_tokens*H*head_dim*itemsize must be < 32 GiB "
-                                  f"(got {self.max_tokens * self.num_heads * self.head_dim * isz})")
-        return (self.max_tokens, self.heads_per_rank, self.head_dim, str(self.dtype),
-                self.padded_num_heads)
+            raise InvalidArgument(
+                f"{op}: max_tokens*H*head_dim*itemsize must be < 32 GiB "
+                f"(got {self.max_tokens * self.num_heads * self.head_dim * isz})"
+            )
+        return (
+            self.max_tokens,
+            self.heads_per_rank,
+            self.head_dim,
+            str(self.dtype),
+            self.padded_num_heads,
+        )
 
     # ------------------------------------------------------------------ call
-    def __call__(self, q, *, ubatch: int = 0, out=None, stream=None,
-                 return_padded: bool = False):
+    def __call__(self, q, *, ubatch: int = 0, out=None, stream=None, return_padded: bool = False):
         """Gather ``q`` of every rank: ``[T, H_r, D]`` here -> ``[T, H, D]`` everywhere.
 
         Naive equivalent: ``torch.cat(all_gather(q), dim=1)``.
@@ -266,8 +326,9 @@ class QGather(GatherWorkspace):
             taken and ``out`` is None while capturing.
         """
         self.check_open()  # closed or poisoned: every call, cached plan or not
-        plan = self._plans.lookup(call_key((q, out), (ubatch, return_padded)), q, ubatch, out,
-                                  return_padded)
+        plan = self._plans.lookup(
+            call_key((q, out), (ubatch, return_padded)), q, ubatch, out, return_padded
+        )
         if stream is not None:
             self._check_stream(stream)
         if plan.T == 0:
@@ -299,12 +360,14 @@ class QGather(GatherWorkspace):
     def _result_view(self, ptr: int, T: int, padded: bool):
         isz = self.dtype.itemsize
         heads = self.padded_num_heads if padded else self.num_heads
-        return self._view(ptr, (T, heads, self.head_dim),
-                          (self.slot_token_bytes, self.head_dim * isz, isz))
+        return self._view(
+            ptr, (T, heads, self.head_dim), (self.slot_token_bytes, self.head_dim * isz, isz)
+        )
 
     # ------------------------------------------------------------------ validation
-    def _validate(self, q, ubatch, out, return_padded) -> tuple[int, int, ArrayInfo,
-                                                                 ArrayInfo | None]:
+    def _validate(
+        self, q, ubatch, out, return_padded
+    ) -> tuple[int, int, ArrayInfo, ArrayInfo | None]:
         """Every check of a call, before anything is launched or counted (no GPU needed).
         Returns ``(T, ubatch, q_info, out_info or None)``."""
         op = self.op_name
@@ -312,16 +375,18 @@ class QGather(GatherWorkspace):
         ubatch = self.check_ubatch(ubatch)
         return_padded = check_bool(return_padded, op, "return_padded")
         if return_padded and out is not None:
-            raise InvalidArgument(f"{op}: return_padded must be False when out= is given "
-                                  f"(got return_padded=True)")
+            raise InvalidArgument(
+                f"{op}: return_padded must be False when out= is given (got return_padded=True)"
+            )
         qi = array_info(q, op, "q")
         check_shape(qi, (None, self.heads_per_rank, self.head_dim), "T, H_r, D", op, "q")
         check_dtype(qi, (self.dtype,), op, "q")
         check_device(qi, self.device, op, "q")
         T = qi.shape[0]
         if T > self.max_tokens:
-            raise InvalidArgument(f"{op}: q tokens T must be <= max_tokens {self.max_tokens} "
-                                  f"(got {T})")
+            raise InvalidArgument(
+                f"{op}: q tokens T must be <= max_tokens {self.max_tokens} (got {T})"
+            )
         if T > 0:
             self._check_rows(qi, "q", self.heads_per_rank)
         oi = None
@@ -341,15 +406,21 @@ class QGather(GatherWorkspace):
         D = self.head_dim
         T = info.shape[0]
         if D > 1 and info.strides[2] != isz:
-            raise InvalidArgument(f"{op}: {name} head_dim stride must be one element "
-                                  f"({isz} bytes) (got {info.strides[2]} bytes)")
+            raise InvalidArgument(
+                f"{op}: {name} head_dim stride must be one element "
+                f"({isz} bytes) (got {info.strides[2]} bytes)"
+            )
         if heads > 1 and info.strides[1] != D * isz:
-            raise InvalidArgument(f"{op}: {name} head stride must be head_dim elements "
-                                  f"({D * isz} bytes) (got {info.strides[1]} bytes)")
+            raise InvalidArgument(
+                f"{op}: {name} head stride must be head_dim elements "
+                f"({D * isz} bytes) (got {info.strides[1]} bytes)"
+            )
         row = heads * D * isz
         if T > 1 and (info.strides[0] < row or info.strides[0] % 16):
-            raise InvalidArgument(f"{op}: {name} token stride must be >= {row} bytes and a "
-                                  f"multiple of 16 bytes (got {info.strides[0]} bytes)")
+            raise InvalidArgument(
+                f"{op}: {name} token stride must be >= {row} bytes and a "
+                f"multiple of 16 bytes (got {info.strides[0]} bytes)"
+            )
         check_align(info.ptr, 16, op, f"{name} data pointer")
 
     # ------------------------------------------------------------------ what the op accepts

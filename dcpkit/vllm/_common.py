@@ -245,11 +245,15 @@ def require_torch_cuda(torch, what: str) -> None:
     """Raise :class:`DcpkitError` when torch cannot reach a CUDA GPU (a CPU build of torch, no
     driver, no device), before any torch CUDA call fails with its own error."""
     if torch.version.cuda is None:
-        raise DcpkitError(f"{what}: torch {torch.__version__} is a CPU build (no CUDA): install a "
-                          f"CUDA build of torch matching the cuda12 / cuda13 extra")
+        raise DcpkitError(
+            f"{what}: torch {torch.__version__} is a CPU build (no CUDA): install a "
+            f"CUDA build of torch matching the cuda12 / cuda13 extra"
+        )
     if not torch.cuda.is_available():
-        raise DcpkitError(f"{what}: torch sees no CUDA GPU (torch {torch.__version__}, CUDA "
-                          f"{torch.version.cuda}): dcpkit.vllm needs an NVIDIA GPU and its driver")
+        raise DcpkitError(
+            f"{what}: torch sees no CUDA GPU (torch {torch.__version__}, CUDA "
+            f"{torch.version.cuda}): dcpkit.vllm needs an NVIDIA GPU and its driver"
+        )
 
 
 def device_index(dev, what: str = "dcpkit.vllm") -> int:
@@ -358,15 +362,18 @@ def check_outputs(what: str, out, out_lse, out_shape: tuple, out_dtype, device) 
     if out is not None:
         check_tensor(out, what, "out", device=device, dtypes=(out_dtype,), contiguous=True)
         if tuple(out.shape) != tuple(out_shape):
-            raise InvalidArgument(f"{what}: out shape must be {list(out_shape)} "
-                                  f"(got {list(out.shape)})")
+            raise InvalidArgument(
+                f"{what}: out shape must be {list(out_shape)} (got {list(out.shape)})"
+            )
     if out_lse is not None:
         torch = require_torch(what)
-        check_tensor(out_lse, what, "out_lse", device=device, dtypes=(torch.float32,),
-                     contiguous=True)
+        check_tensor(
+            out_lse, what, "out_lse", device=device, dtypes=(torch.float32,), contiguous=True
+        )
         if tuple(out_lse.shape) != tuple(out_shape[:2]):
-            raise InvalidArgument(f"{what}: out_lse shape must be {list(out_shape[:2])} "
-                                  f"(got {list(out_lse.shape)})")
+            raise InvalidArgument(
+                f"{what}: out_lse shape must be {list(out_shape[:2])} (got {list(out_lse.shape)})"
+            )
 
 
 def check_masks(what: str, seq_lens, query_start_loc, device) -> bool:

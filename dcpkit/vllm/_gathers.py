@@ -16,11 +16,11 @@ from ._common import (
 )
 from ._workspaces import (
     KV_GATHER_DTYPES,
+    Workspace,
+    check_ubatches,
     dtype_in,
     positive,
     rows_aligned,
-    check_ubatches,
-    Workspace,
 )
 
 __all__ = ["DirectDCPQGatherWorkspace", "DirectDCPKVGatherWorkspace"]

@@ -20,14 +20,7 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[1] / "mpi" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from reliability_cases import (  # noqa: E402 - needs the path set above
-    REPO_ROOT,
-    Job,
-    find_mpirun,
-    job_env,
-    mpi_flavor,
-    mpirun_command,
-)
+from reliability_cases import REPO_ROOT, Job, find_mpirun, job_env, mpi_flavor, mpirun_command  # noqa: E402 - needs the path set above
 
 EXAMPLES = REPO_ROOT / "examples"
 NP = 2
@@ -75,7 +68,9 @@ def _torch_with_cuda() -> bool:
 
 
 @pytest.mark.timeout(WAIT_S + 60)
-@pytest.mark.parametrize("name", ["cupy_decode_step", "dcpcomm_step", "torch_cuda_graph", "vllm_api"])
+@pytest.mark.parametrize(
+    "name", ["cupy_decode_step", "dcpcomm_step", "torch_cuda_graph", "vllm_api"]
+)
 def test_example_passes(tmp_path, launcher, name):
     if name in ("torch_cuda_graph", "vllm_api") and not _torch_with_cuda():
         pytest.skip("torch with CUDA is not installed here (pip install 'dcpkit[torch]')")

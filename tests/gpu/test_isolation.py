@@ -25,8 +25,7 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[1] / "mpi" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from reliability_cases import (REPO_ROOT, Job, find_mpirun, job_env, mpi_flavor,  # noqa: E402
-                               mpirun_command)
+from reliability_cases import REPO_ROOT, Job, find_mpirun, job_env, mpi_flavor, mpirun_command  # noqa: E402
 
 
 def _gpu_count():
@@ -45,17 +44,19 @@ WAIT_S = 360
 # DCPKIT_ALLOW_SHARED_GPU=1: ranks may share GPUs (functional runs on machines with fewer GPUs
 # than ranks, e.g. under MPS; scripts/gpu_suite.sh sets it with DCPKIT_SUITE_SHARED_GPU=1).
 SHARED_GPU = os.environ.get("DCPKIT_ALLOW_SHARED_GPU", "") not in ("", "0")
-pytestmark = pytest.mark.skipif(NUM_GPUS < 2 and not (SHARED_GPU and NUM_GPUS >= 1),
-                                reason=f"needs 2 GPUs (have {NUM_GPUS}; "
-                                       f"DCPKIT_ALLOW_SHARED_GPU=1 lets ranks share GPUs)")
+pytestmark = pytest.mark.skipif(
+    NUM_GPUS < 2 and not (SHARED_GPU and NUM_GPUS >= 1),
+    reason=f"needs 2 GPUs (have {NUM_GPUS}; DCPKIT_ALLOW_SHARED_GPU=1 lets ranks share GPUs)",
+)
 
 
 @pytest.fixture(scope="module")
 def launcher():
     launched = [os.environ.get(v, "") for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")]
     if any(v not in ("", "1") for v in launched):
-        pytest.skip("tests/gpu launch their own MPI jobs: run pytest as one process, not under "
-                    "mpirun")
+        pytest.skip(
+            "tests/gpu launch their own MPI jobs: run pytest as one process, not under mpirun"
+        )
     exe = find_mpirun()
     if exe is None:
         pytest.skip("no mpirun / mpiexec found (set DCPKIT_MPIRUN)")
@@ -74,9 +75,23 @@ def test_two_jobs_side_by_side(tmp_path, launcher, layout):
     offsets = {"a": 0, "b": 0 if layout == "same_gpus" else 2}
     jobs = {}
     for name, other in (("a", "b"), ("b", "a")):
-        cmd = mpirun_command(exe, flavor, 2, [
-            str(SCRIPTS / "isolation_job.py"), str(tmp_path), "--job", name, "--other", other,
-            "--device-offset", str(offsets[name]), "--calls", str(CALLS)])
+        cmd = mpirun_command(
+            exe,
+            flavor,
+            2,
+            [
+                str(SCRIPTS / "isolation_job.py"),
+                str(tmp_path),
+                "--job",
+                name,
+                "--other",
+                other,
+                "--device-offset",
+                str(offsets[name]),
+                "--calls",
+                str(CALLS),
+            ],
+        )
         jobs[name] = Job(cmd, env=job_env(), cwd=REPO_ROOT, log_prefix=tmp_path / f"job_{name}")
     for j in jobs.values():
         j.wait(WAIT_S)
@@ -96,8 +111,10 @@ def test_two_jobs_side_by_side(tmp_path, launcher, layout):
             res = json.loads(path.read_text().splitlines()[-1])
             results[(name, r)] = res
             if res["errors"] or res["wrong"] or res["calls"] != 4 * CALLS:
-                problems.append(f"job {name} rank {r}: {res['calls']} calls, {res['wrong']} wrong, "
-                                f"errors {res['errors']}, first failures {res['first_failures']}")
+                problems.append(
+                    f"job {name} rank {r}: {res['calls']} calls, {res['wrong']} wrong, "
+                    f"errors {res['errors']}, first failures {res['first_failures']}"
+                )
     if len(results) == 4 and not problems:
         devs = {name: {results[(name, r)]["pci_bus_id"] for r in range(2)} for name in jobs}
         if layout == "same_gpus" and devs["a"] != devs["b"]:
@@ -109,7 +126,9 @@ def test_two_jobs_side_by_side(tmp_path, launcher, layout):
         b0 = min(results[("b", r)]["t_start"] for r in range(2))
         b1 = max(results[("b", r)]["t_end"] for r in range(2))
         if max(a0, b0) >= min(a1, b1):
-            problems.append(f"the call phases did not overlap: a [{a0:.2f}, {a1:.2f}], "
-                            f"b [{b0:.2f}, {b1:.2f}]")
-    assert not problems, "\n".join(problems) + "\n" + "\n".join(j.output(3000)
-                                                               for j in jobs.values())
+            problems.append(
+                f"the call phases did not overlap: a [{a0:.2f}, {a1:.2f}], b [{b0:.2f}, {b1:.2f}]"
+            )
+    assert not problems, (
+        "\n".join(problems) + "\n" + "\n".join(j.output(3000) for j in jobs.values())
+    )

@@ -27,8 +27,7 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[1] / "mpi" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from reliability_cases import (REPO_ROOT, Job, find_mpirun, job_env, mpi_flavor,  # noqa: E402
-                               mpirun_command)
+from reliability_cases import REPO_ROOT, Job, find_mpirun, job_env, mpi_flavor, mpirun_command  # noqa: E402
 
 
 def _gpu_count():
@@ -47,16 +46,18 @@ SHARED_GPU = os.environ.get("DCPKIT_ALLOW_SHARED_GPU", "") not in ("", "0")
 TIMEOUT_MS = 300.0
 HANG_MARGIN_S = 5.0
 
-pytestmark = pytest.mark.skipif(NUM_GPUS == 0, reason="no CUDA GPU visible here (these tests "
-                                                      "launch multi-GPU jobs)")
+pytestmark = pytest.mark.skipif(
+    NUM_GPUS == 0, reason="no CUDA GPU visible here (these tests launch multi-GPU jobs)"
+)
 
 
 @pytest.fixture(scope="module")
 def launcher():
     launched = [os.environ.get(v, "") for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")]
     if any(v not in ("", "1") for v in launched):
-        pytest.skip("tests/gpu launch their own MPI jobs: run pytest as one process, not under "
-                    "mpirun")
+        pytest.skip(
+            "tests/gpu launch their own MPI jobs: run pytest as one process, not under mpirun"
+        )
     exe = find_mpirun()
     if exe is None:
         pytest.skip("no mpirun / mpiexec found (set DCPKIT_MPIRUN)")
@@ -65,6 +66,7 @@ def launcher():
     except ImportError:
         pytest.skip("mpi4py is not installed")
     return exe, mpi_flavor(exe)
+
 
 def _read(path: Path):
     if not path.exists():
@@ -75,12 +77,17 @@ def _read(path: Path):
 @pytest.mark.parametrize("n", [2, 4])
 def test_rank_dies(tmp_path, launcher, n):
     if n > NUM_GPUS and not SHARED_GPU:
-        pytest.skip(f"needs {n} GPUs (have {NUM_GPUS}; DCPKIT_ALLOW_SHARED_GPU=1 lets ranks "
-                    f"share GPUs)")
+        pytest.skip(
+            f"needs {n} GPUs (have {NUM_GPUS}; DCPKIT_ALLOW_SHARED_GPU=1 lets ranks share GPUs)"
+        )
     exe, flavor = launcher
-    cmd = mpirun_command(exe, flavor, n, [str(SCRIPTS / "die.py"), str(tmp_path),
-                                          "--timeout-ms", str(TIMEOUT_MS)],
-                         tolerate_death=True)
+    cmd = mpirun_command(
+        exe,
+        flavor,
+        n,
+        [str(SCRIPTS / "die.py"), str(tmp_path), "--timeout-ms", str(TIMEOUT_MS)],
+        tolerate_death=True,
+    )
     job = Job(cmd, env=job_env(), cwd=REPO_ROOT, log_prefix=tmp_path / "mpirun").wait(240)
     dead = n - 1
     problems = []
@@ -100,15 +107,20 @@ def test_rank_dies(tmp_path, launcher, n):
             continue
         faults = {x["op"]: x for x in lines if x.get("phase") == "fault"}
         if set(faults) != set(ops or ()):
-            problems.append(f"rank {r}: reports for {sorted(faults)}, expected {ops} "
-                            f"(killed before reporting?) lines: {lines}")
+            problems.append(
+                f"rank {r}: reports for {sorted(faults)}, expected {ops} "
+                f"(killed before reporting?) lines: {lines}"
+            )
         for op, x in faults.items():
             if x.get("raised") != "CollectiveTimeout" or x.get("peer") != dead:
-                problems.append(f"rank {r} {op}: expected CollectiveTimeout naming rank {dead}, "
-                                f"got {x}")
+                problems.append(
+                    f"rank {r} {op}: expected CollectiveTimeout naming rank {dead}, got {x}"
+                )
             if x.get("elapsed_s", 1e9) > TIMEOUT_MS / 1e3 + HANG_MARGIN_S:
-                problems.append(f"rank {r} {op}: took {x.get('elapsed_s')} s (> timeout + "
-                                f"{HANG_MARGIN_S} s margin)")
+                problems.append(
+                    f"rank {r} {op}: took {x.get('elapsed_s')} s (> timeout + "
+                    f"{HANG_MARGIN_S} s margin)"
+                )
             if x.get("next_call") != "CollectiveTimeout":
                 problems.append(f"rank {r} {op}: the next call: {x.get('next_call')}")
         ctx = [x for x in lines if x.get("phase") == "context"]
@@ -116,20 +128,36 @@ def test_rank_dies(tmp_path, launcher, n):
             problems.append(f"rank {r}: CUDA context after the faults: {ctx}")
     report = os.environ.get("DCPKIT_RELIABILITY_REPORT")
     if report:
-        times = [x.get("elapsed_s") for r in range(n) if r != dead
-                 for x in _read(tmp_path / f"rank{r}.jsonl") if x.get("phase") == "fault"]
+        times = [
+            x.get("elapsed_s")
+            for r in range(n)
+            if r != dead
+            for x in _read(tmp_path / f"rank{r}.jsonl")
+            if x.get("phase") == "fault"
+        ]
         with open(report, "a") as f:
-            f.write(json.dumps({"test": "rank_dies", "world_size": n, "timeout_ms": TIMEOUT_MS,
-                                "detect_s": times, "mpirun_s": round(job.wall_s, 1),
-                                "mpirun_rc": job.returncode}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "test": "rank_dies",
+                        "world_size": n,
+                        "timeout_ms": TIMEOUT_MS,
+                        "detect_s": times,
+                        "mpirun_s": round(job.wall_s, 1),
+                        "mpirun_rc": job.returncode,
+                    }
+                )
+                + "\n"
+            )
     assert not problems, "\n".join(problems) + "\n" + job.output()
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_exit_without_close(tmp_path, launcher, n):
     if n > NUM_GPUS and not SHARED_GPU:
-        pytest.skip(f"needs {n} GPUs (have {NUM_GPUS}; DCPKIT_ALLOW_SHARED_GPU=1 lets ranks "
-                    f"share GPUs)")
+        pytest.skip(
+            f"needs {n} GPUs (have {NUM_GPUS}; DCPKIT_ALLOW_SHARED_GPU=1 lets ranks share GPUs)"
+        )
     exe, flavor = launcher
     cmd = mpirun_command(exe, flavor, n, [str(SCRIPTS / "noclose.py"), str(tmp_path)])
     job = Job(cmd, env=job_env(), cwd=REPO_ROOT, log_prefix=tmp_path / "mpirun").wait(300)

@@ -50,10 +50,12 @@ def _mpirun():
     if exe is None:
         pytest.skip("no mpirun / mpiexec found (set DCPKIT_MPIRUN)")
     if any(k.startswith(("OMPI_COMM_WORLD", "PMI_RANK", "PMIX_RANK")) for k in os.environ):
-        pytest.skip("this test launches its own MPI jobs: run pytest as one process, not under "
-                    "mpirun")
-    text = subprocess.run([exe, "--version"], capture_output=True, text=True,
-                          timeout=30).stdout.lower()
+        pytest.skip(
+            "this test launches its own MPI jobs: run pytest as one process, not under mpirun"
+        )
+    text = subprocess.run(
+        [exe, "--version"], capture_output=True, text=True, timeout=30
+    ).stdout.lower()
     flags = []
     if "open mpi" in text or "open-mpi" in text or "openrte" in text:
         flags = ["--oversubscribe", "-x", "PYTHONPATH"]
@@ -63,10 +65,14 @@ def _mpirun():
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(LAUNCHER_PREFIXES) or k.startswith(KEEP_PREFIXES)}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [
-        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(LAUNCHER_PREFIXES) or k.startswith(KEEP_PREFIXES)
+    }
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
     return env
 
 
@@ -77,12 +83,31 @@ def test_two_jobs_at_once_each_get_correct_heaps(tmp_path):
     procs = {}
     for name, other in (("a", "b"), ("b", "a")):
         # Each job waits for the other to be set up before its heap rounds: they overlap.
-        cmd = [exe, *flags, "-np", "2", sys.executable, str(SCRIPT), "--job", name,
-               "--rounds", "30", "--ready-file", str(tmp_path / f"ready_{name}"),
-               "--wait-file", str(tmp_path / f"ready_{other}")]
-        procs[name] = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True,
-                                       start_new_session=True)
+        cmd = [
+            exe,
+            *flags,
+            "-np",
+            "2",
+            sys.executable,
+            str(SCRIPT),
+            "--job",
+            name,
+            "--rounds",
+            "30",
+            "--ready-file",
+            str(tmp_path / f"ready_{name}"),
+            "--wait-file",
+            str(tmp_path / f"ready_{other}"),
+        ]
+        procs[name] = subprocess.Popen(
+            cmd,
+            cwd=str(REPO_ROOT),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
     outs = {}
     for name, p in procs.items():
         try:
@@ -96,14 +121,23 @@ def test_two_jobs_at_once_each_get_correct_heaps(tmp_path):
             out, err = p.communicate()
             pytest.fail(f"job {name} did not finish within {WAIT_S} s (hang)\n{out}\n{err}")
 
-    expected_switches = {n: os.environ.get(n) for n in (
-        "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-        "DCPKIT_DISABLE_MULTICAST")}
+    expected_switches = {
+        n: os.environ.get(n)
+        for n in (
+            "NCCL_NVLS_ENABLE",
+            "NVSHMEM_DISABLE_NVLS",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+            "DCPKIT_DISABLE_MULTICAST",
+        )
+    }
     problems, spans = [], {}
     for name, (out, err) in outs.items():
         detail = f"job {name}: exit {procs[name].returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
-        lines = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
-                 if line.startswith("DCPKIT_TWO_JOBS ")]
+        lines = [
+            json.loads(line.split(" ", 1)[1])
+            for line in out.splitlines()
+            if line.startswith("DCPKIT_TWO_JOBS ")
+        ]
         if procs[name].returncode != 0 or len(lines) != 2:
             problems.append(detail)
             continue
@@ -111,12 +145,15 @@ def test_two_jobs_at_once_each_get_correct_heaps(tmp_path):
             if not x["ok"]:
                 problems.append(f"job {name} rank {x['rank']}: {x['errors']} / {x['job_errors']}")
             if x["kill_switches"] != expected_switches:
-                problems.append(f"job {name} rank {x['rank']} saw multicast-disabling variables "
-                                f"{x['kill_switches']}, the launcher has {expected_switches}")
+                problems.append(
+                    f"job {name} rank {x['rank']} saw multicast-disabling variables "
+                    f"{x['kill_switches']}, the launcher has {expected_switches}"
+                )
             if x["handle_types"] != ["posix_fd"]:
                 problems.append(f"job {name} rank {x['rank']}: handle types {x['handle_types']}")
         spans[name] = (min(x["start"] for x in lines), max(x["end"] for x in lines))
     assert not problems, "\n".join(problems)
     (a0, a1), (b0, b1) = spans["a"], spans["b"]
-    assert a0 < b1 and b0 < a1, f"the two jobs did not run at the same time: a {spans['a']}, " \
-                                f"b {spans['b']}"
+    assert a0 < b1 and b0 < a1, (
+        f"the two jobs did not run at the same time: a {spans['a']}, b {spans['b']}"
+    )

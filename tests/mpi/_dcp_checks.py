@@ -12,11 +12,17 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dcpkit.reference import (kv_gather_reference, lse_reduce_reference, lse_reduce_tolerance,
-                              make_inputs, q_gather_reference, resolve_dtype)
+from dcpkit.reference import (
+    kv_gather_reference,
+    lse_reduce_reference,
+    lse_reduce_tolerance,
+    make_inputs,
+    q_gather_reference,
+    resolve_dtype,
+)
 
 MAX_REPORTED = 6
-LSE_ATOL = 1e-4   # merged lse (fp32) against float64, relative to max(1, |lse|)
+LSE_ATOL = 1e-4  # merged lse (fp32) against float64, relative to max(1, |lse|)
 
 
 def run_all_ranks(comm, what: str, body: Callable[[list[str]], None]) -> None:
@@ -28,13 +34,15 @@ def run_all_ranks(comm, what: str, body: Callable[[list[str]], None]) -> None:
     except Exception as e:  # noqa: BLE001 - reported together with the other ranks below
         errors.append(f"raised {type(e).__name__}: {e}")
     errors = [e for e in errors if e]
-    shown = errors[:MAX_REPORTED] + ([f"... {len(errors) - MAX_REPORTED} more"]
-                                     if len(errors) > MAX_REPORTED else [])
+    shown = errors[:MAX_REPORTED] + (
+        [f"... {len(errors) - MAX_REPORTED} more"] if len(errors) > MAX_REPORTED else []
+    )
     every = comm.allgather(shown)
     bad = {r: e for r, e in enumerate(every) if e}
-    assert not bad, (f"{what} (world_size {comm.world_size}) failed on ranks {sorted(bad)}:\n"
-                     + "\n".join(f"  rank {r}: " + "\n          ".join(e)
-                                 for r, e in sorted(bad.items())))
+    assert not bad, (
+        f"{what} (world_size {comm.world_size}) failed on ranks {sorted(bad)}:\n"
+        + "\n".join(f"  rank {r}: " + "\n          ".join(e) for r, e in sorted(bad.items()))
+    )
 
 
 def sub_seed(seed: int, *keys: int) -> int:
@@ -92,16 +100,22 @@ def first_diff(got: np.ndarray, want: np.ndarray) -> str:
     if not bad.any():
         return ""
     i = tuple(int(v) for v in np.argwhere(bad)[0])
-    return (f"{int(bad.sum())} of {bad.size} elements differ; first at {i}: got bits "
-            f"{int(gb[i]):#x}, expected {int(wb[i]):#x}")
+    return (
+        f"{int(bad.sum())} of {bad.size} elements differ; first at {i}: got bits "
+        f"{int(gb[i]):#x}, expected {int(wb[i]):#x}"
+    )
 
 
 # ----------------------------------------------------------------------------- cases
 class QCase:
     def __init__(self, comm, seed, *, T, H_r, D, dtype):
         W = comm.world_size
-        self.qs = [make_inputs(s, W, seed, op="q_gather", tokens=T, num_heads=H_r * W,
-                               head_dim=D, dtype=dtype)["q"] for s in range(W)]
+        self.qs = [
+            make_inputs(
+                s, W, seed, op="q_gather", tokens=T, num_heads=H_r * W, head_dim=D, dtype=dtype
+            )["q"]
+            for s in range(W)
+        ]
         self.q = self.qs[comm.rank]
         self.ref = q_gather_reference(self.qs)
         self.what = f"q_gather T={T} H_r={H_r} D={D} dtype={dtype}"
@@ -114,8 +128,10 @@ class QCase:
 class KVCase:
     def __init__(self, comm, seed, *, T, D, dtype):
         W = comm.world_size
-        self.kvs = [make_inputs(s, W, seed, op="kv_gather", tokens=T, row_dim=D,
-                                dtype=dtype)["kv"] for s in range(W)]
+        self.kvs = [
+            make_inputs(s, W, seed, op="kv_gather", tokens=T, row_dim=D, dtype=dtype)["kv"]
+            for s in range(W)
+        ]
         self.kv = self.kvs[comm.rank]
         self.ref = kv_gather_reference(self.kvs)
         self.what = f"kv_gather T={T} D_kv={D} dtype={dtype}"
@@ -129,25 +145,56 @@ class LseCase:
     """One lse_reduce call's inputs on every rank and this rank's expected output (own heads,
     or all heads with ``all_heads=True``)."""
 
-    def __init__(self, comm, seed, *, T, H, D, dtype, lse_dtype="float32", lse_base=math.e,
-                 num_requests=0, all_heads=False):
+    def __init__(
+        self,
+        comm,
+        seed,
+        *,
+        T,
+        H,
+        D,
+        dtype,
+        lse_dtype="float32",
+        lse_base=math.e,
+        num_requests=0,
+        all_heads=False,
+    ):
         W, r = comm.world_size, comm.rank
         H_r = H // W
-        ins = [make_inputs(s, W, seed, op="lse_reduce", tokens=T, num_heads=H, head_dim=D,
-                           dtype=dtype, lse_dtype=lse_dtype, lse_base=lse_base,
-                           num_requests=num_requests) for s in range(W)]
+        ins = [
+            make_inputs(
+                s,
+                W,
+                seed,
+                op="lse_reduce",
+                tokens=T,
+                num_heads=H,
+                head_dim=D,
+                dtype=dtype,
+                lse_dtype=lse_dtype,
+                lse_base=lse_base,
+                num_requests=num_requests,
+            )
+            for s in range(W)
+        ]
         self.qsl = ins[0]["query_start_loc"]
         seq = None if num_requests == 0 else [i["seq_lens"] for i in ins]
         heads = slice(0, H) if all_heads else slice(r * H_r, (r + 1) * H_r)
         self.ref_out, self.ref_lse = lse_reduce_reference(
-            [i["out_partial"][:, heads] for i in ins], [i["lse_partial"][:, heads] for i in ins],
-            lse_base=lse_base, seq_lens=seq, query_start_loc=self.qsl)
+            [i["out_partial"][:, heads] for i in ins],
+            [i["lse_partial"][:, heads] for i in ins],
+            lse_base=lse_base,
+            seq_lens=seq,
+            query_start_loc=self.qsl,
+        )
         self.out_partial = ins[r]["out_partial"]
         self.lse_partial = ins[r]["lse_partial"]
         self.seq_lens = None if seq is None else seq[r]
         self.dtype = resolve_dtype(dtype)
-        self.what = (f"lse_reduce T={T} H={H} D_v={D} dtype={dtype} lse_dtype={lse_dtype} "
-                     f"lse_base={'e' if lse_base == math.e else lse_base} S={num_requests}")
+        self.what = (
+            f"lse_reduce T={T} H={H} D_v={D} dtype={dtype} lse_dtype={lse_dtype} "
+            f"lse_base={'e' if lse_base == math.e else lse_base} S={num_requests}"
+        )
 
     def gpu_args(self):
         kw = {}
@@ -164,27 +211,35 @@ class LseCase:
             return f"{what}: out shape {got.shape}, expected {self.ref_out.shape}"
         msgs = []
         tol = lse_reduce_tolerance(self.dtype)
-        bad = ~(np.abs(got - self.ref_out) <= tol)   # NaN (poison) counts as bad
+        bad = ~(np.abs(got - self.ref_out) <= tol)  # NaN (poison) counts as bad
         if bad.any():
             i = tuple(int(v) for v in np.argwhere(bad)[0])
-            msgs.append(f"{what}: out differs at {int(bad.sum())} of {bad.size}; first "
-                        f"[t, h, d] = {i}: got {got[i]!r}, expected {self.ref_out[i]!r} "
-                        f"(tolerance {tol})")
+            msgs.append(
+                f"{what}: out differs at {int(bad.sum())} of {bad.size}; first "
+                f"[t, h, d] = {i}: got {got[i]!r}, expected {self.ref_out[i]!r} "
+                f"(tolerance {tol})"
+            )
         if got_lse is not None:
             gl = np.asarray(got_lse).astype(np.float64)
             rl = self.ref_lse
             with np.errstate(invalid="ignore"):
-                ok = np.where(np.isneginf(rl), np.isneginf(gl),
-                              np.abs(gl - rl) <= LSE_ATOL * np.maximum(1.0, np.abs(rl)))
+                ok = np.where(
+                    np.isneginf(rl),
+                    np.isneginf(gl),
+                    np.abs(gl - rl) <= LSE_ATOL * np.maximum(1.0, np.abs(rl)),
+                )
             if not ok.all():
                 i = tuple(int(v) for v in np.argwhere(~ok)[0])
-                msgs.append(f"{what}: merged lse differs at {int((~ok).sum())} of {ok.size}; "
-                            f"first [t, h] = {i}: got {gl[i]!r}, expected {rl[i]!r}")
+                msgs.append(
+                    f"{what}: merged lse differs at {int((~ok).sum())} of {ok.size}; "
+                    f"first [t, h] = {i}: got {gl[i]!r}, expected {rl[i]!r}"
+                )
         return "; ".join(msgs)
 
     def check(self, rank, out, out_lse=None, where="") -> str:
-        return self.check_host(rank, to_host(out),
-                               None if out_lse is None else to_host(out_lse), where)
+        return self.check_host(
+            rank, to_host(out), None if out_lse is None else to_host(out_lse), where
+        )
 
 
 def close_enough(a: np.ndarray, b: np.ndarray, dtype) -> str:
@@ -195,5 +250,7 @@ def close_enough(a: np.ndarray, b: np.ndarray, dtype) -> str:
     if not bad.any():
         return ""
     i = tuple(int(v) for v in np.argwhere(bad)[0])
-    return (f"{int(bad.sum())} of {bad.size} differ by more than {tol}; first at {i}: "
-            f"{a64[i]!r} vs {b64[i]!r}")
+    return (
+        f"{int(bad.sum())} of {bad.size} differ by more than {tol}; first at {i}: "
+        f"{a64[i]!r} vs {b64[i]!r}"
+    )

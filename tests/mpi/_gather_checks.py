@@ -33,12 +33,15 @@ def run_collective(comm, what: str, body: Callable[[list[str]], None]) -> None:
         body(errors)
     except Exception as e:  # noqa: BLE001 - reported with the other ranks' results below
         errors.append(f"raised {type(e).__name__}: {e}")
-    every = comm.allgather(errors[:MAX_REPORTED] + ([f"... {len(errors) - MAX_REPORTED} more"]
-                                                    if len(errors) > MAX_REPORTED else []))
+    every = comm.allgather(
+        errors[:MAX_REPORTED]
+        + ([f"... {len(errors) - MAX_REPORTED} more"] if len(errors) > MAX_REPORTED else [])
+    )
     bad = {r: e for r, e in enumerate(every) if e}
-    assert not bad, (f"{what} (world_size {comm.world_size}) failed on ranks {sorted(bad)}:\n"
-                     + "\n".join(f"  rank {r}: " + "\n          ".join(e)
-                                 for r, e in sorted(bad.items())))
+    assert not bad, (
+        f"{what} (world_size {comm.world_size}) failed on ranks {sorted(bad)}:\n"
+        + "\n".join(f"  rank {r}: " + "\n          ".join(e) for r, e in sorted(bad.items()))
+    )
 
 
 def sub_seed(seed: int, *keys: int) -> int:
@@ -79,9 +82,11 @@ def byte_mismatch(got, want, what: str) -> str | None:
     i = int(bad[0])
     idx = tuple(int(v) for v in np.unravel_index(i, got.shape))
     poisoned = int((g[bad] == 0xFF).all(axis=1).sum())
-    return (f"{what}: {bad.size} of {got.size} elements differ ({poisoned} still hold the 0xFF "
-            f"poison); first at index {idx}: got 0x{g[i][::-1].tobytes().hex()}, "
-            f"want 0x{w[i][::-1].tobytes().hex()}")
+    return (
+        f"{what}: {bad.size} of {got.size} elements differ ({poisoned} still hold the 0xFF "
+        f"poison); first at index {idx}: got 0x{g[i][::-1].tobytes().hex()}, "
+        f"want 0x{w[i][::-1].tobytes().hex()}"
+    )
 
 
 def all_poison(x, what: str) -> str | None:
@@ -115,8 +120,9 @@ def poison_workspace(ws, comm) -> None:
             for k in range(3):
                 ptr = ws.data_slot_ptr(u, k)
                 mem = cupy.cuda.UnownedMemory(ptr, ws.data_slot_bytes, ws, ws.device)
-                cupy.ndarray((ws.data_slot_bytes,), cupy.uint8,
-                             memptr=cupy.cuda.MemoryPointer(mem, 0)).fill(0xFF)
+                cupy.ndarray(
+                    (ws.data_slot_bytes,), cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0)
+                ).fill(0xFF)
         ws._graph_out.fill(0xFF)
         for buf in ws._eager_out:
             if buf is not None:

@@ -21,10 +21,14 @@ def _kernels():
 
     if not _KERNELS:
         _KERNELS["pattern"] = cupy.ElementwiseKernel(
-            "uint32 base", "uint32 out", "out = (unsigned int)i * 2654435761u + base",
-            "dcpkit_test_heap_pattern")
+            "uint32 base",
+            "uint32 out",
+            "out = (unsigned int)i * 2654435761u + base",
+            "dcpkit_test_heap_pattern",
+        )
         _KERNELS["copy"] = cupy.ElementwiseKernel(
-            "uint32 x", "uint32 y", "y = x", "dcpkit_test_heap_copy")
+            "uint32 x", "uint32 y", "y = x", "dcpkit_test_heap_copy"
+        )
     return _KERNELS
 
 
@@ -41,8 +45,10 @@ def pattern(seed: int, writer: int, target: int, n: int) -> np.ndarray:
 def _first_mismatch(got: np.ndarray, want: np.ndarray) -> str:
     bad = np.flatnonzero(got != want)
     i = int(bad[0])
-    return (f"{bad.size} of {want.size} words differ; first at index {i}: got 0x{int(got[i]):08x}, "
-            f"expected 0x{int(want[i]):08x}")
+    return (
+        f"{bad.size} of {want.size} words differ; first at index {i}: got 0x{int(got[i]):08x}, "
+        f"expected 0x{int(want[i]):08x}"
+    )
 
 
 def pattern_errors(comm, heap, seed: int, max_words: int = 1 << 16) -> list[str]:
@@ -69,8 +75,9 @@ def pattern_errors(comm, heap, seed: int, max_words: int = 1 << 16) -> list[str]
     comm.barrier()  # nobody writes before every rank checked its zeroes
     try:
         for p in range(W):
-            k["pattern"](np.uint32(pattern_base(seed, me, p)),
-                         heap.view(me * n * 4, (n,), np.uint32, rank=p))
+            k["pattern"](
+                np.uint32(pattern_base(seed, me, p)), heap.view(me * n * 4, (n,), np.uint32, rank=p)
+            )
         cupy.cuda.runtime.deviceSynchronize()
     except Exception as e:  # noqa: BLE001
         errors.append(f"writing into peers raised {type(e).__name__}: {e}")
@@ -85,8 +92,9 @@ def pattern_errors(comm, heap, seed: int, max_words: int = 1 << 16) -> list[str]
                 want = pattern(seed, s, p, n)
                 if not np.array_equal(got, want):
                     where = "own copy" if p == me else f"copy of rank {p} (read through NVLink)"
-                    errors.append(f"{where}, region written by rank {s}: "
-                                  f"{_first_mismatch(got, want)}")
+                    errors.append(
+                        f"{where}, region written by rank {s}: {_first_mismatch(got, want)}"
+                    )
         cupy.cuda.runtime.deviceSynchronize()
     except Exception as e:  # noqa: BLE001
         errors.append(f"reading back raised {type(e).__name__}: {e}")
@@ -96,8 +104,9 @@ def pattern_errors(comm, heap, seed: int, max_words: int = 1 << 16) -> list[str]
 
 def agree(comm, errors: list[str]):
     """(ok, message) equal on every rank: ok only if no rank reported errors."""
-    short = errors[:MAX_REPORTED] + ([f"... {len(errors) - MAX_REPORTED} more"]
-                                     if len(errors) > MAX_REPORTED else [])
+    short = errors[:MAX_REPORTED] + (
+        [f"... {len(errors) - MAX_REPORTED} more"] if len(errors) > MAX_REPORTED else []
+    )
     every = comm.allgather(short)
     bad = {r: e for r, e in enumerate(every) if e}
     msg = "\n".join(f"  rank {r}: " + "\n          ".join(e) for r, e in sorted(bad.items()))

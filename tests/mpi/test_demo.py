@@ -41,8 +41,7 @@ def _shared_gpu_args(comm):
 
 def _run(comm, tmp_path, seed, *argv):
     path = comm.broadcast(str(tmp_path / "demo.json"), root=0)
-    rc = demo.main([*argv, *_shared_gpu_args(comm), "--seed", str(seed), "--json", path],
-                   comm=comm)
+    rc = demo.main([*argv, *_shared_gpu_args(comm), "--seed", str(seed), "--json", path], comm=comm)
     rcs = comm.allgather(rc)
     report = None
     if os.path.isfile(path):
@@ -55,10 +54,20 @@ def _describe(rcs, report):
     if report is None:
         return f"exit status per rank {rcs}; no JSON report was written"
     c = report.get("check", {})
-    keys = ("verdict", "max_abs_error", "tolerance_abs", "nonfinite_outputs",
-            "q_gather_bit_exact", "kv_gather_bit_exact", "worst", "per_rank_max_abs_error")
-    return (f"exit status per rank {rcs}; paths {report.get('paths')}; NCCL path "
-            f"{report.get('nccl_path')}; check { {k: c.get(k) for k in keys} }")
+    keys = (
+        "verdict",
+        "max_abs_error",
+        "tolerance_abs",
+        "nonfinite_outputs",
+        "q_gather_bit_exact",
+        "kv_gather_bit_exact",
+        "worst",
+        "per_rank_max_abs_error",
+    )
+    return (
+        f"exit status per rank {rcs}; paths {report.get('paths')}; NCCL path "
+        f"{report.get('nccl_path')}; check { {k: c.get(k) for k in keys} }"
+    )
 
 
 def _check_nccl_status(report, nccl_expected, why):
@@ -76,8 +85,9 @@ def _skip_unless_heads_split(comm, heads=(128, 64)):
     """The demo's presets have 128 (DeepSeek-V3) and 64 (Kimi-K2) heads; other world sizes are
     refused by the demo itself (tested by test_demo_refuses_a_world_size_that_does_not_split)."""
     if any(h % comm.world_size for h in heads):
-        pytest.skip(f"the demo presets' heads {heads} do not split over world_size "
-                    f"{comm.world_size}")
+        pytest.skip(
+            f"the demo presets' heads {heads} do not split over world_size {comm.world_size}"
+        )
 
 
 def test_demo_refuses_a_world_size_that_does_not_split(comm, seed, tmp_path):
@@ -105,7 +115,7 @@ def test_demo_small_passes_on_the_direct_path(comm, seed, tmp_path, nccl_expecte
     assert report["paths"]["kv_gather"].startswith("direct"), why
     assert report["paths_agree"], why
     assert report["world_size"] == comm.world_size
-    assert report["context_lengths"][-1] == comm.world_size - 1      # some ranks hold no KV
+    assert report["context_lengths"][-1] == comm.world_size - 1  # some ranks hold no KV
     _check_nccl_status(report, nccl_expected, why)
     # the timings ran on the path they claim, eager and in a graph
     t = report["timing"]
@@ -122,16 +132,31 @@ def test_demo_small_passes_on_the_direct_path(comm, seed, tmp_path, nccl_expecte
                 entry = t["nccl"][mode][step]
                 assert entry.get("median_us", 0) > 0, f"nccl {mode} {step}: {entry}"
     else:
-        assert t["nccl"] == {"skipped": f"NCCL unavailable: "
-                                        f"{report['nccl_unavailable_reason']}"}, t["nccl"]
+        assert t["nccl"] == {"skipped": f"NCCL unavailable: {report['nccl_unavailable_reason']}"}, (
+            t["nccl"]
+        )
 
 
 def test_demo_kimi_k2_float16(comm, seed, tmp_path, nccl_expected):
     """The other preset and dtype, odd batch and context, no timings."""
     _skip_unless_heads_split(comm, (64,))
-    rcs, report = _run(comm, tmp_path, seed, "--model", "kimi-k2", "--dtype", "float16",
-                       "--batch", "3", "--context", "101", "--iters", "0",
-                       "--timeout-ms", "20000")
+    rcs, report = _run(
+        comm,
+        tmp_path,
+        seed,
+        "--model",
+        "kimi-k2",
+        "--dtype",
+        "float16",
+        "--batch",
+        "3",
+        "--context",
+        "101",
+        "--iters",
+        "0",
+        "--timeout-ms",
+        "20000",
+    )
     ok, msg = all_ranks_ok(comm, report is not None, "reading the JSON report")
     assert ok, msg + "; " + _describe(rcs, report)
     why = _describe(rcs, report)
@@ -150,8 +175,9 @@ def test_demo_torch(comm, seed, tmp_path, nccl_expected):
     missing = torch_problem()
     if all(p is not None for p in comm.allgather(missing)):
         pytest.skip(missing)
-    rcs, report = _run(comm, tmp_path, seed, "--torch", "--batch", "2", "--context", "256",
-                       "--iters", "3")
+    rcs, report = _run(
+        comm, tmp_path, seed, "--torch", "--batch", "2", "--context", "256", "--iters", "3"
+    )
     ok, msg = all_ranks_ok(comm, report is not None, "reading the JSON report")
     assert ok, msg + "; " + _describe(rcs, report)
     why = _describe(rcs, report)

@@ -21,12 +21,22 @@ import math
 import numpy as np
 import pytest
 
-from _dcp_checks import (KVCase, LseCase, QCase, bits, empty_poisoned, poison,
-                         poison_nccl_outputs, run_all_ranks, sub_seed, to_gpu)
 from dcpkit.errors import InvalidArgument, InvalidType
-from dcpkit.fallback import (LSE_ALGORITHMS, NcclGroup, NcclKVGather, NcclLseReduce,
-                             NcclQGather)
+from dcpkit.fallback import LSE_ALGORITHMS, NcclGroup, NcclKVGather, NcclLseReduce, NcclQGather
 from dcpkit.reference import resolve_dtype
+
+from _dcp_checks import (
+    KVCase,
+    LseCase,
+    QCase,
+    bits,
+    empty_poisoned,
+    poison,
+    poison_nccl_outputs,
+    run_all_ranks,
+    sub_seed,
+    to_gpu,
+)
 
 cupy = pytest.importorskip("cupy")
 
@@ -50,8 +60,8 @@ def _place(a, layout: str):
     T, h, d = a.shape
     if layout == "padded_heads":
         x = empty_poisoned((T, h + 2, d), a.dtype)
-        bits(x)[:, 1:1 + h] = bits(a)
-        return x[:, 1:1 + h]
+        bits(x)[:, 1 : 1 + h] = bits(a)
+        return x[:, 1 : 1 + h]
     x = empty_poisoned((2 * T, h, d), a.dtype)
     bits(x)[::2] = bits(a)
     return x[::2]
@@ -65,8 +75,9 @@ def test_nccl_q_gather_bit_exact(comm, seed, group, dtype):
     H = H_r * comm.world_size
 
     def body(errors):
-        with NcclQGather(comm, max_tokens=T_MAX, heads_per_rank=H_r, head_dim=D, dtype=dtype,
-                         nccl_group=group) as op:
+        with NcclQGather(
+            comm, max_tokens=T_MAX, heads_per_rank=H_r, head_dim=D, dtype=dtype, nccl_group=group
+        ) as op:
             if op.path != "nccl" or op.algorithm != "all_gather":
                 errors.append(f"path {op.path!r} / algorithm {op.algorithm!r}")
             k = 0
@@ -83,8 +94,8 @@ def test_nccl_q_gather_bit_exact(comm, seed, group, dtype):
                         errors.append("out= was not returned")
                     errors.append(c.check(comm.rank, out, f"{layout} out="))
                     wide = empty_poisoned((T, H + 3, D), dtype)
-                    op(q, out=wide[:, 2:2 + H])
-                    errors.append(c.check(comm.rank, wide[:, 2:2 + H], f"{layout} strided out="))
+                    op(q, out=wide[:, 2 : 2 + H])
+                    errors.append(c.check(comm.rank, wide[:, 2 : 2 + H], f"{layout} strided out="))
             cupy.cuda.get_current_stream().synchronize()
 
     run_all_ranks(comm, f"NcclQGather {dtype}", body)
@@ -96,15 +107,24 @@ def test_nccl_q_gather_padded_heads_and_past_capacity(comm, seed, group):
     H = H_r * comm.world_size
 
     def body(errors):
-        with NcclQGather(comm, max_tokens=4, heads_per_rank=H_r, head_dim=D, dtype=dtype,
-                         padded_num_heads=H + 4, nccl_group=group) as op:
+        with NcclQGather(
+            comm,
+            max_tokens=4,
+            heads_per_rank=H_r,
+            head_dim=D,
+            dtype=dtype,
+            padded_num_heads=H + 4,
+            nccl_group=group,
+        ) as op:
             for k, T in enumerate((3, 4, 9, 33)):
                 c = QCase(comm, sub_seed(seed, 50, k), T=T, H_r=H_r, D=D, dtype=dtype)
                 poison_nccl_outputs(op)
                 res = op(to_gpu(c.q))
                 if res.strides[0] != (H + 4) * D * 2:
-                    errors.append(f"T={T}: token stride {res.strides[0]}, expected "
-                                  f"{(H + 4) * D * 2} (padded storage)")
+                    errors.append(
+                        f"T={T}: token stride {res.strides[0]}, expected "
+                        f"{(H + 4) * D * 2} (padded storage)"
+                    )
                 errors.append(c.check(comm.rank, res, f"T={T} (max_tokens 4)"))
                 padded = op(to_gpu(c.q), return_padded=True)
                 if padded.shape != (T, H + 4, D):
@@ -123,16 +143,15 @@ def test_nccl_kv_gather_bit_exact(comm, seed, group, dtype):
     W = comm.world_size
 
     def body(errors):
-        with NcclKVGather(comm, max_tokens=T_MAX, row_dim=D, dtype=dtype,
-                          nccl_group=group) as op:
+        with NcclKVGather(comm, max_tokens=T_MAX, row_dim=D, dtype=dtype, nccl_group=group) as op:
             for k, T in enumerate((1, 5, T_MAX, 3 * T_MAX)):
                 c = KVCase(comm, sub_seed(seed, 100, k), T=T, D=D, dtype=dtype)
                 for strided in (False, True):
                     kv = to_gpu(c.kv)
                     if strided:
                         big = empty_poisoned((T, D + 8), dtype)
-                        bits(big)[:, 4:4 + D] = bits(kv)
-                        kv = big[:, 4:4 + D]
+                        bits(big)[:, 4 : 4 + D] = bits(kv)
+                        kv = big[:, 4 : 4 + D]
                     where = f"T={T} {'strided' if strided else 'contiguous'} kv"
                     poison_nccl_outputs(op)
                     errors.append(c.check(comm.rank, op(kv), where + ", view"))
@@ -157,8 +176,16 @@ def test_nccl_lse_reduce_matches_reference(comm, seed, group, algorithm, dtype):
 
     def body(errors):
         for base in (math.e, 2.0):
-            with NcclLseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype,
-                               lse_base=base, algorithm=algorithm, nccl_group=group) as op:
+            with NcclLseReduce(
+                comm,
+                max_tokens=T_MAX,
+                num_heads=H,
+                head_dim=D,
+                dtype=dtype,
+                lse_base=base,
+                algorithm=algorithm,
+                nccl_group=group,
+            ) as op:
                 Ho = op.out_heads
                 if Ho != (H if all_heads else H // comm.world_size):
                     errors.append(f"out_heads {Ho}")
@@ -166,9 +193,18 @@ def test_nccl_lse_reduce_matches_reference(comm, seed, group, algorithm, dtype):
                 for T in (1, 5, T_MAX, 2 * T_MAX):
                     for lse_dtype, S in (("float32", 0), ("bfloat16", 3), ("float64", 2)):
                         k += 1
-                        c = LseCase(comm, sub_seed(seed, 200, k, 0 if base == math.e else 1), T=T, H=H, D=D,
-                                    dtype=dtype, lse_dtype=lse_dtype, lse_base=base,
-                                    num_requests=S, all_heads=all_heads)
+                        c = LseCase(
+                            comm,
+                            sub_seed(seed, 200, k, 0 if base == math.e else 1),
+                            T=T,
+                            H=H,
+                            D=D,
+                            dtype=dtype,
+                            lse_dtype=lse_dtype,
+                            lse_base=base,
+                            num_requests=S,
+                            all_heads=all_heads,
+                        )
                         x, l, kw = c.gpu_args()
                         out = empty_poisoned((T, Ho, D), dtype)
                         out_lse = empty_poisoned((T, Ho), "float32")
@@ -191,11 +227,27 @@ def test_nccl_lse_reduce_strided(comm, seed, group, algorithm):
     all_heads = algorithm == "allgather_all_reduce"
 
     def body(errors):
-        with NcclLseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype,
-                           return_lse=True, algorithm=algorithm, nccl_group=group) as op:
+        with NcclLseReduce(
+            comm,
+            max_tokens=T_MAX,
+            num_heads=H,
+            head_dim=D,
+            dtype=dtype,
+            return_lse=True,
+            algorithm=algorithm,
+            nccl_group=group,
+        ) as op:
             Ho = op.out_heads
-            c = LseCase(comm, sub_seed(seed, 300), T=T, H=H, D=D, dtype=dtype,
-                        all_heads=all_heads, num_requests=2)
+            c = LseCase(
+                comm,
+                sub_seed(seed, 300),
+                T=T,
+                H=H,
+                D=D,
+                dtype=dtype,
+                all_heads=all_heads,
+                num_requests=2,
+            )
             x, l, kw = c.gpu_args()
             big = empty_poisoned((T, H + 1, D + 8), dtype)
             bits(big)[:, :H, :D] = bits(x)
@@ -205,7 +257,7 @@ def test_nccl_lse_reduce_strided(comm, seed, group, algorithm):
             ls = lt.T
             wide = empty_poisoned((T, Ho + 2, D), dtype)
             wl = empty_poisoned((T, 2 * Ho), "float32")
-            res = op(xs, ls, out=wide[:, 1:1 + Ho], out_lse=wl[:, ::2], **kw)
+            res = op(xs, ls, out=wide[:, 1 : 1 + Ho], out_lse=wl[:, ::2], **kw)
             errors.append(c.check(comm.rank, res[0], res[1], "strided everything"))
             poison_nccl_outputs(op)
             res = op(xs, ls, **kw)
@@ -222,8 +274,14 @@ def test_nccl_view_lifetime(comm, seed, group):
     H_r, D = 2, 64
 
     def body(errors):
-        with NcclQGather(comm, max_tokens=T_MAX, heads_per_rank=H_r, head_dim=D,
-                         dtype="bfloat16", nccl_group=group) as op:
+        with NcclQGather(
+            comm,
+            max_tokens=T_MAX,
+            heads_per_rank=H_r,
+            head_dim=D,
+            dtype="bfloat16",
+            nccl_group=group,
+        ) as op:
             c1 = QCase(comm, sub_seed(seed, 400), T=5, H_r=H_r, D=D, dtype="bfloat16")
             c2 = QCase(comm, sub_seed(seed, 401), T=5, H_r=H_r, D=D, dtype="bfloat16")
             r1 = op(to_gpu(c1.q))
@@ -247,12 +305,26 @@ def test_nccl_graph_capture(comm, seed, group, algorithm):
 
     def body(errors):
         s = cupy.cuda.Stream(non_blocking=True)
-        with NcclQGather(comm, max_tokens=8, heads_per_rank=H_r, head_dim=Dq,
-                         dtype="bfloat16", nccl_group=group) as qg, \
-                NcclKVGather(comm, max_tokens=8, row_dim=Dk, dtype="bfloat16",
-                             nccl_group=group) as kg, \
-                NcclLseReduce(comm, max_tokens=8, num_heads=H, head_dim=Dv, dtype="bfloat16",
-                              algorithm=algorithm, nccl_group=group) as lr:
+        with (
+            NcclQGather(
+                comm,
+                max_tokens=8,
+                heads_per_rank=H_r,
+                head_dim=Dq,
+                dtype="bfloat16",
+                nccl_group=group,
+            ) as qg,
+            NcclKVGather(comm, max_tokens=8, row_dim=Dk, dtype="bfloat16", nccl_group=group) as kg,
+            NcclLseReduce(
+                comm,
+                max_tokens=8,
+                num_heads=H,
+                head_dim=Dv,
+                dtype="bfloat16",
+                algorithm=algorithm,
+                nccl_group=group,
+            ) as lr,
+        ):
             Ho = lr.out_heads
             q = empty_poisoned((T, H_r, Dq), "bfloat16")
             kv = empty_poisoned((T, Dk), "bfloat16")
@@ -270,8 +342,15 @@ def test_nccl_graph_capture(comm, seed, group, algorithm):
             for i in range(20):
                 cq = QCase(comm, sub_seed(seed, 500, i), T=T, H_r=H_r, D=Dq, dtype="bfloat16")
                 ck = KVCase(comm, sub_seed(seed, 501, i), T=T, D=Dk, dtype="bfloat16")
-                cl = LseCase(comm, sub_seed(seed, 502, i), T=T, H=H, D=Dv, dtype="bfloat16",
-                             all_heads=all_heads)
+                cl = LseCase(
+                    comm,
+                    sub_seed(seed, 502, i),
+                    T=T,
+                    H=H,
+                    D=Dv,
+                    dtype="bfloat16",
+                    all_heads=all_heads,
+                )
                 bits(q).set(bits(cq.q), stream=s)
                 bits(kv).set(bits(ck.kv), stream=s)
                 bits(x).set(bits(cl.out_partial), stream=s)
@@ -306,24 +385,54 @@ def test_nccl_bad_input_raises_on_every_rank(comm, group):
     """Argument errors are raised before any NCCL call (same inputs on every rank: no hang)."""
 
     def body(errors):
-        with NcclQGather(comm, max_tokens=4, heads_per_rank=2, head_dim=32, dtype="bfloat16",
-                         nccl_group=group) as op, \
-                NcclLseReduce(comm, max_tokens=4, num_heads=2 * comm.world_size, head_dim=32,
-                              dtype="float16", nccl_group=group) as lr:
+        with (
+            NcclQGather(
+                comm,
+                max_tokens=4,
+                heads_per_rank=2,
+                head_dim=32,
+                dtype="bfloat16",
+                nccl_group=group,
+            ) as op,
+            NcclLseReduce(
+                comm,
+                max_tokens=4,
+                num_heads=2 * comm.world_size,
+                head_dim=32,
+                dtype="float16",
+                nccl_group=group,
+            ) as lr,
+        ):
             for what, call, exc in [
                 ("wrong dtype", lambda: op(cupy.zeros((2, 2, 32), cupy.float32)), InvalidType),
                 ("host array", lambda: op(np.zeros((2, 2, 32), np.float32)), InvalidType),
-                ("wrong shape", lambda: op(empty_poisoned((2, 3, 32), "bfloat16")),
-                 InvalidArgument),
-                ("ubatch", lambda: op(empty_poisoned((2, 2, 32), "bfloat16"), ubatch=1),
-                 InvalidArgument),
-                ("lse dtype", lambda: lr(empty_poisoned((2, 2 * comm.world_size, 32), "float16"),
-                                         cupy.zeros((2, 2 * comm.world_size), cupy.int32)),
-                 InvalidType),
-                ("seq_lens without query_start_loc",
-                 lambda: lr(empty_poisoned((2, 2 * comm.world_size, 32), "float16"),
-                            cupy.zeros((2, 2 * comm.world_size), cupy.float32),
-                            seq_lens=cupy.zeros(1, cupy.int32)), InvalidArgument),
+                (
+                    "wrong shape",
+                    lambda: op(empty_poisoned((2, 3, 32), "bfloat16")),
+                    InvalidArgument,
+                ),
+                (
+                    "ubatch",
+                    lambda: op(empty_poisoned((2, 2, 32), "bfloat16"), ubatch=1),
+                    InvalidArgument,
+                ),
+                (
+                    "lse dtype",
+                    lambda: lr(
+                        empty_poisoned((2, 2 * comm.world_size, 32), "float16"),
+                        cupy.zeros((2, 2 * comm.world_size), cupy.int32),
+                    ),
+                    InvalidType,
+                ),
+                (
+                    "seq_lens without query_start_loc",
+                    lambda: lr(
+                        empty_poisoned((2, 2 * comm.world_size, 32), "float16"),
+                        cupy.zeros((2, 2 * comm.world_size), cupy.float32),
+                        seq_lens=cupy.zeros(1, cupy.int32),
+                    ),
+                    InvalidArgument,
+                ),
             ]:
                 try:
                     call()

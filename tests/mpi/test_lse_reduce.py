@@ -21,23 +21,24 @@ import pytest
 
 from dcpkit.errors import InvalidType
 from dcpkit.ops.lse_reduce import LseReduce, lse_combine
-from dcpkit.reference import (lse_reduce_reference, lse_reduce_tolerance, make_inputs,
-                              resolve_dtype)
+from dcpkit.reference import lse_reduce_reference, lse_reduce_tolerance, make_inputs, resolve_dtype
 
 try:
     from conftest import all_ranks_ok
 except ImportError:  # another directory's conftest.py was imported under that name first
+
     def all_ranks_ok(comm, ok, what=""):
         oks = comm.allgather(bool(ok))
         bad = [r for r, v in enumerate(oks) if not v]
         return (not bad), f"{what} failed on ranks {bad}"
 
+
 cupy = pytest.importorskip("cupy")
 
 BF16 = resolve_dtype("bfloat16")
-LSE_ATOL = 1e-4    # merged lse: fp32 max + log of an fp32 sum, against float64
+LSE_ATOL = 1e-4  # merged lse: fp32 max + log of an fp32 sum, against float64
 T_MAX = 32
-GEOMETRIES = [(128, 512), (64, 512)]   # (H, D_v): DeepSeek-V3 style, Kimi-K2 style
+GEOMETRIES = [(128, 512), (64, 512)]  # (H, D_v): DeepSeek-V3 style, Kimi-K2 style
 DTYPES = ["bfloat16", "float16", "float32"]
 
 
@@ -76,26 +77,57 @@ def empty_poisoned(shape, dtype):
 class Case:
     """One call's inputs on every rank, and this rank's expected output."""
 
-    def __init__(self, comm, seed, *, T, H, D, dtype, lse_dtype="float32", lse_base=math.e,
-                 num_requests=0, qsl_only=False):
+    def __init__(
+        self,
+        comm,
+        seed,
+        *,
+        T,
+        H,
+        D,
+        dtype,
+        lse_dtype="float32",
+        lse_base=math.e,
+        num_requests=0,
+        qsl_only=False,
+    ):
         W, r = comm.world_size, comm.rank
         H_r = H // W
-        ins = [make_inputs(s, W, seed, op="lse_reduce", tokens=T, num_heads=H, head_dim=D,
-                           dtype=dtype, lse_dtype=lse_dtype, lse_base=lse_base,
-                           num_requests=num_requests) for s in range(W)]
+        ins = [
+            make_inputs(
+                s,
+                W,
+                seed,
+                op="lse_reduce",
+                tokens=T,
+                num_heads=H,
+                head_dim=D,
+                dtype=dtype,
+                lse_dtype=lse_dtype,
+                lse_base=lse_base,
+                num_requests=num_requests,
+            )
+            for s in range(W)
+        ]
         self.qsl = ins[0]["query_start_loc"]
         seq = None if (num_requests == 0 or qsl_only) else [i["seq_lens"] for i in ins]
-        own = slice(r * H_r, (r + 1) * H_r)   # masks are per row: the own heads suffice
+        own = slice(r * H_r, (r + 1) * H_r)  # masks are per row: the own heads suffice
         self.ref_out, self.ref_lse = lse_reduce_reference(
-            [i["out_partial"][:, own] for i in ins], [i["lse_partial"][:, own] for i in ins],
-            lse_base=lse_base, seq_lens=seq, query_start_loc=self.qsl)
+            [i["out_partial"][:, own] for i in ins],
+            [i["lse_partial"][:, own] for i in ins],
+            lse_base=lse_base,
+            seq_lens=seq,
+            query_start_loc=self.qsl,
+        )
         self.out_partial = ins[r]["out_partial"]
         self.lse_partial = ins[r]["lse_partial"]
         self.seq_lens = None if seq is None else seq[r]
         self.dtype = resolve_dtype(dtype)
-        self.what = (f"T={T} H={H} D_v={D} dtype={dtype} lse_dtype={lse_dtype} "
-                     f"lse_base={'e' if lse_base == math.e else lse_base} S={num_requests}"
-                     f"{' (query_start_loc only)' if qsl_only else ''}")
+        self.what = (
+            f"T={T} H={H} D_v={D} dtype={dtype} lse_dtype={lse_dtype} "
+            f"lse_base={'e' if lse_base == math.e else lse_base} S={num_requests}"
+            f"{' (query_start_loc only)' if qsl_only else ''}"
+        )
 
     def gpu_args(self):
         kw = {}
@@ -113,12 +145,14 @@ class Case:
         if got.shape != self.ref_out.shape:
             return f"{what}: out shape {got.shape}, expected {self.ref_out.shape}"
         tol = lse_reduce_tolerance(self.dtype)
-        bad = ~(np.abs(got - self.ref_out) <= tol)   # NaN (poison) counts as bad
+        bad = ~(np.abs(got - self.ref_out) <= tol)  # NaN (poison) counts as bad
         if bad.any():
             i = tuple(int(v) for v in np.argwhere(bad)[0])
-            msgs.append(f"{what}: out differs at {int(bad.sum())} of {bad.size} elements; "
-                        f"first [t, h, d] = {i}: got {got[i]!r}, expected "
-                        f"{self.ref_out[i]!r} (tolerance {tol})")
+            msgs.append(
+                f"{what}: out differs at {int(bad.sum())} of {bad.size} elements; "
+                f"first [t, h, d] = {i}: got {got[i]!r}, expected "
+                f"{self.ref_out[i]!r} (tolerance {tol})"
+            )
         empty = np.isneginf(self.ref_lse)
         if empty.any() and (got[empty] != 0).any():
             i = tuple(int(v) for v in np.argwhere(empty & (got != 0).any(-1))[0])
@@ -127,12 +161,17 @@ class Case:
             gl = to_host(out_lse).astype(np.float64)
             rl = self.ref_lse
             with np.errstate(invalid="ignore"):
-                ok = np.where(np.isneginf(rl), np.isneginf(gl),
-                              np.abs(gl - rl) <= LSE_ATOL * np.maximum(1.0, np.abs(rl)))
+                ok = np.where(
+                    np.isneginf(rl),
+                    np.isneginf(gl),
+                    np.abs(gl - rl) <= LSE_ATOL * np.maximum(1.0, np.abs(rl)),
+                )
             if not ok.all():
                 i = tuple(int(v) for v in np.argwhere(~ok)[0])
-                msgs.append(f"{what}: merged lse differs at {int((~ok).sum())} of {ok.size}; "
-                            f"first [t, h] = {i}: got {gl[i]!r}, expected {rl[i]!r}")
+                msgs.append(
+                    f"{what}: merged lse differs at {int((~ok).sum())} of {ok.size}; "
+                    f"first [t, h] = {i}: got {gl[i]!r}, expected {rl[i]!r}"
+                )
         return "; ".join(msgs)
 
 
@@ -188,13 +227,14 @@ def test_noncontiguous_inputs(comm, seed, H, D):
     dtype = "bfloat16"
     errors = []
     with LseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype) as ws:
-        for k, (T, layout) in enumerate([(5, "pad_heads"), (17, "pad_rows"), (T_MAX, "both"),
-                                         (3, "inner_stride")]):
+        for k, (T, layout) in enumerate(
+            [(5, "pad_heads"), (17, "pad_rows"), (T_MAX, "both"), (3, "inner_stride")]
+        ):
             case = Case(comm, seed + 100 + k, T=T, H=H, D=D, dtype=dtype)
             xu = cupy.asarray(case.out_partial.view(np.uint16))
             lu = cupy.asarray(case.lse_partial)
             ph = 3 if layout in ("pad_heads", "both") else 0
-            pd = 8 if layout in ("pad_rows", "both") else 0   # 16 bytes of bf16
+            pd = 8 if layout in ("pad_rows", "both") else 0  # 16 bytes of bf16
             if layout == "inner_stride":
                 big = cupy.full((T, H, 2 * D), 0xFFFF, dtype=cupy.uint16)
                 big[:, :, ::2] = xu
@@ -206,16 +246,19 @@ def test_noncontiguous_inputs(comm, seed, H, D):
             if k % 2 == 0:
                 lt = cupy.full((H, T), np.nan, dtype=cupy.float32)
                 lt[...] = lu.T
-                lse = lt.T                                  # strides (4, 4*T) bytes
+                lse = lt.T  # strides (4, 4*T) bytes
             else:
                 l2 = cupy.full((T, 2 * H), np.nan, dtype=cupy.float32)
                 l2[:, ::2] = lu
-                lse = l2[:, ::2]                            # head stride 2 elements
+                lse = l2[:, ::2]  # head stride 2 elements
             out = empty_poisoned((T, ws.heads_per_rank, D), dtype)
             ws(x, lse, out=out)
             ws.synchronize()
-            errors.append(case.check(comm.rank, out, where=f"layout {layout}, strides "
-                                                           f"{x.strides} / {lse.strides}"))
+            errors.append(
+                case.check(
+                    comm.rank, out, where=f"layout {layout}, strides {x.strides} / {lse.strides}"
+                )
+            )
     errors = [e for e in errors if e]
     ok, msg = agree(comm, errors, f"lse_reduce non-contiguous inputs H={H}")
     assert ok, msg
@@ -228,12 +271,21 @@ def test_masks(comm, seed, num_requests):
     H, D, dtype = 64, 512, "float16"
     geometry_ok(comm, H)
     errors = []
-    with LseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype,
-                   return_lse=True) as ws:
+    with LseReduce(
+        comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype, return_lse=True
+    ) as ws:
         for k, T in enumerate((5, 17, T_MAX)):
             for qsl_only in (False, True):
-                case = Case(comm, seed + 200 + 10 * k + qsl_only, T=T, H=H, D=D, dtype=dtype,
-                            num_requests=num_requests, qsl_only=qsl_only)
+                case = Case(
+                    comm,
+                    seed + 200 + 10 * k + qsl_only,
+                    T=T,
+                    H=H,
+                    D=D,
+                    dtype=dtype,
+                    num_requests=num_requests,
+                    qsl_only=qsl_only,
+                )
                 x, l, kw = case.gpu_args()
                 out = empty_poisoned((T, ws.heads_per_rank, D), dtype)
                 out_lse = empty_poisoned((T, ws.heads_per_rank), "float32")
@@ -241,8 +293,11 @@ def test_masks(comm, seed, num_requests):
                 ws.synchronize()
                 if not (isinstance(res, tuple) and res[0] is out and res[1] is out_lse):
                     errors.append(f"rank {comm.rank}: expected (out, out_lse) back")
-                errors.append(case.check(comm.rank, out, out_lse,
-                                         where=f"query_start_loc {case.qsl.tolist()}"))
+                errors.append(
+                    case.check(
+                        comm.rank, out, out_lse, where=f"query_start_loc {case.qsl.tolist()}"
+                    )
+                )
     errors = [e for e in errors if e]
     ok, msg = agree(comm, errors, f"lse_reduce masks S={num_requests}")
     assert ok, msg
@@ -254,8 +309,9 @@ def test_base2_lse_and_return_lse(comm, seed):
     H, D, dtype = 128, 512, "bfloat16"
     geometry_ok(comm, H)
     errors = []
-    with LseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype, lse_base=2,
-                   return_lse=True) as ws:
+    with LseReduce(
+        comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype, lse_base=2, return_lse=True
+    ) as ws:
         for k, T in enumerate((1, 17, T_MAX)):
             case = Case(comm, seed + 300 + k, T=T, H=H, D=D, dtype=dtype, lse_base=2.0)
             x, l, kw = case.gpu_args()
@@ -278,16 +334,24 @@ def test_two_ubatches_interleaved(comm, seed):
     geometry_ok(comm, H)
     errors = []
     s0, s1 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
-    with LseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype,
-                   num_ubatches=2) as ws:
+    with LseReduce(
+        comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype, num_ubatches=2
+    ) as ws:
         pending = []
         for k in range(6):
             for ub, st in ((0, s0), (1, s1)):
-                case = Case(comm, seed + 400 + 2 * k + ub, T=T, H=H, D=D, dtype=dtype,
-                            num_requests=2 if ub else 0)
+                case = Case(
+                    comm,
+                    seed + 400 + 2 * k + ub,
+                    T=T,
+                    H=H,
+                    D=D,
+                    dtype=dtype,
+                    num_requests=2 if ub else 0,
+                )
                 x, l, kw = case.gpu_args()
                 out = empty_poisoned((T, ws.heads_per_rank, D), dtype)
-                cupy.cuda.get_current_stream().synchronize()   # inputs ready before st uses them
+                cupy.cuda.get_current_stream().synchronize()  # inputs ready before st uses them
                 ws(x, l, out=out, ubatch=ub, stream=st, **kw)
                 pending.append((case, out, x, l, kw, ub))
         s0.synchronize()
@@ -322,12 +386,12 @@ def test_cuda_graph_1000_replays_with_eager_calls_interleaved(comm, seed):
         with st:
             xin[...] = pool_x[0]
             lin[...] = pool_l[0]
-        ws(x, lin, out=out, stream=st)        # the first call of a workspace is never captured
+        ws(x, lin, out=out, stream=st)  # the first call of a workspace is never captured
         st.synchronize()
         comm.barrier()
         st.begin_capture()
         ws(x, lin, out=out, stream=st)
-        g_out = ws(x, lin, stream=st)         # graph output buffer of ubatch 0
+        g_out = ws(x, lin, stream=st)  # graph output buffer of ubatch 0
         graph = st.end_capture()
         if not ws._captured[0]:
             errors.append(f"rank {comm.rank}: capture was not recorded")
@@ -356,7 +420,7 @@ def test_cuda_graph_1000_replays_with_eager_calls_interleaved(comm, seed):
                     xin[...] = pool_x[j]
                     lin[...] = pool_l[j]
                 ws(x, lin, out=eager_out, stream=st)
-                res = ws(x, lin, stream=st)   # workspace output after a capture (copy path)
+                res = ws(x, lin, stream=st)  # workspace output after a capture (copy path)
                 st.synchronize()
                 errors.append(pool[j].check(comm.rank, eager_out, where=f"eager after {i}"))
                 errors.append(pool[j].check(comm.rank, res, where=f"eager ws output after {i}"))
@@ -365,8 +429,9 @@ def test_cuda_graph_1000_replays_with_eager_calls_interleaved(comm, seed):
         # epoch counted them all
         expected = 1 + 2 * n + 2 * len([i for i in range(n) if i % 50 == 25])  # 1: warm-up
         if int(ws._epoch[0]) != expected:
-            errors.append(f"rank {comm.rank}: device epoch {int(ws._epoch[0])}, expected "
-                          f"{expected}")
+            errors.append(
+                f"rank {comm.rank}: device epoch {int(ws._epoch[0])}, expected {expected}"
+            )
         del graph
     errors = [e for e in errors if e]
     ok, msg = agree(comm, errors, "lse_reduce graph replays")
@@ -409,14 +474,18 @@ def test_direct_path_one_launch_per_call_and_rejected_calls(comm, seed):
             ws(x, l)
             ws.synchronize()
             if ws._calls[0] != k + 1 or int(ws._epoch[0]) != k + 1:
-                errors.append(f"rank {comm.rank}: after call {k + 1}: host count "
-                              f"{ws._calls[0]}, device epoch {int(ws._epoch[0])}")
-        empty = ws(cupy.empty((0, H, D), dtype=cupy.uint16).view(BF16),
-                   cupy.empty((0, H), dtype=cupy.float32))
+                errors.append(
+                    f"rank {comm.rank}: after call {k + 1}: host count "
+                    f"{ws._calls[0]}, device epoch {int(ws._epoch[0])}"
+                )
+        empty = ws(
+            cupy.empty((0, H, D), dtype=cupy.uint16).view(BF16),
+            cupy.empty((0, H), dtype=cupy.float32),
+        )
         if empty.shape != (0, ws.heads_per_rank, D) or ws._calls[0] != 3:
             errors.append(f"rank {comm.rank}: T == 0 gave {empty.shape}, calls {ws._calls}")
         try:
-            ws(case.out_partial, l)   # host array
+            ws(case.out_partial, l)  # host array
             errors.append(f"rank {comm.rank}: a host out_partial was accepted")
         except InvalidType:
             pass
@@ -440,10 +509,15 @@ def test_lse_combine_matches_reference(comm, seed, dtype):
     """The local merge of the NCCL fallback (no communication; every rank checks its own)."""
     W, T, H_r, D = 3, 9, 4, 512
     rng_seed = seed + 800 + comm.rank
-    ins = [make_inputs(s, W, rng_seed, op="lse_reduce", tokens=T, num_heads=H_r, head_dim=D,
-                       dtype=dtype) for s in range(W)]
-    ref_out, ref_lse = lse_reduce_reference([i["out_partial"] for i in ins],
-                                            [i["lse_partial"] for i in ins])
+    ins = [
+        make_inputs(
+            s, W, rng_seed, op="lse_reduce", tokens=T, num_heads=H_r, head_dim=D, dtype=dtype
+        )
+        for s in range(W)
+    ]
+    ref_out, ref_lse = lse_reduce_reference(
+        [i["out_partial"] for i in ins], [i["lse_partial"] for i in ins]
+    )
     src_out = to_gpu(np.stack([i["out_partial"] for i in ins]))
     src_lse = to_gpu(np.stack([i["lse_partial"] for i in ins]).astype(np.float32))
     out = empty_poisoned((T, H_r, D), dtype)

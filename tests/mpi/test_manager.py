@@ -18,11 +18,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _dcp_checks import (KVCase, LseCase, QCase, bits, close_enough, empty_poisoned,
-                         first_diff, run_all_ranks, sub_seed, to_gpu, to_host)
 from dcpkit.errors import ConfigMismatch, InvalidArgument
 from dcpkit.fallback import LSE_ALGORITHMS, NcclLseReduce
 from dcpkit.manager import DCPComm
+
+from _dcp_checks import (
+    KVCase,
+    LseCase,
+    QCase,
+    bits,
+    close_enough,
+    empty_poisoned,
+    first_diff,
+    run_all_ranks,
+    sub_seed,
+    to_gpu,
+    to_host,
+)
 
 cupy = pytest.importorskip("cupy")
 
@@ -32,8 +44,14 @@ DTYPE = "bfloat16"
 
 
 def _geometry(comm, **kw):
-    g = dict(max_tokens=T_MAX, num_heads=8 * comm.world_size, q_head_dim=DQ, v_head_dim=DV,
-             kv_row_dim=DKV, dtype=DTYPE)
+    g = dict(
+        max_tokens=T_MAX,
+        num_heads=8 * comm.world_size,
+        q_head_dim=DQ,
+        v_head_dim=DV,
+        kv_row_dim=DKV,
+        dtype=DTYPE,
+    )
     g.update(kw)
     return g
 
@@ -86,8 +104,10 @@ def test_direct_within_capacity_equals_nccl(comm, seed, dcp_auto, nccl_expected,
                 if diff:
                     errors.append(f"rank {r} q_gather T={T} {name}: {diff}")
             if dcp_nccl is not None and first_diff(got["direct"], got["nccl"]):
-                errors.append(f"rank {r} q_gather T={T}: direct != nccl: "
-                              f"{first_diff(got['direct'], got['nccl'])}")
+                errors.append(
+                    f"rank {r} q_gather T={T}: direct != nccl: "
+                    f"{first_diff(got['direct'], got['nccl'])}"
+                )
 
             ck = KVCase(comm, sub_seed(seed, k, 2), T=T, D=DKV, dtype=DTYPE)
             kv = to_gpu(ck.kv)
@@ -101,8 +121,15 @@ def test_direct_within_capacity_equals_nccl(comm, seed, dcp_auto, nccl_expected,
                 if diff:
                     errors.append(f"rank {r} kv_gather T={T} {name}: {diff}")
 
-            cl = LseCase(comm, sub_seed(seed, k, 3), T=T, H=H, D=DV, dtype=DTYPE,
-                         num_requests=2 if T > 1 else 0)
+            cl = LseCase(
+                comm,
+                sub_seed(seed, k, 3),
+                T=T,
+                H=H,
+                D=DV,
+                dtype=DTYPE,
+                num_requests=2 if T > 1 else 0,
+            )
             x, l, kw = cl.gpu_args()
             out_l = empty_poisoned((T, H_r), "float32")
             od, ld = dcp_auto.lse_reduce(x, l, out_lse=out_l, **kw)
@@ -134,8 +161,7 @@ def test_past_capacity_goes_to_nccl_on_every_rank(comm, seed, nccl_usable, dcp_a
             ck = KVCase(comm, sub_seed(seed, 21, k), T=T, D=DKV, dtype=DTYPE)
             errors.append(ck.check(r, dcp_auto.kv_gather(to_gpu(ck.kv)), f"T={T}"))
             _path_everywhere(comm, dcp_auto, "nccl", f"kv_gather T={T}", errors)
-            cl = LseCase(comm, sub_seed(seed, 22, k), T=T, H=H, D=DV, dtype=DTYPE,
-                         num_requests=3)
+            cl = LseCase(comm, sub_seed(seed, 22, k), T=T, H=H, D=DV, dtype=DTYPE, num_requests=3)
             x, l, kw = cl.gpu_args()
             errors.append(cl.check(r, dcp_auto.lse_reduce(x, l, **kw), where=f"T={T}"))
             _path_everywhere(comm, dcp_auto, "nccl", f"lse_reduce T={T}", errors)
@@ -161,20 +187,32 @@ def test_nccl_lse_algorithms_equal_direct(comm, seed, nccl_usable, dcp_auto):
             errors.append(f"no direct lse_reduce: {dcp_auto.direct_reason['lse_reduce']}")
             return
         for a, algorithm in enumerate(LSE_ALGORITHMS):
-            with NcclLseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=DV, dtype=DTYPE,
-                               algorithm=algorithm, nccl_group=dcp_auto.nccl_group) as op:
+            with NcclLseReduce(
+                comm,
+                max_tokens=T_MAX,
+                num_heads=H,
+                head_dim=DV,
+                dtype=DTYPE,
+                algorithm=algorithm,
+                nccl_group=dcp_auto.nccl_group,
+            ) as op:
                 for k, T in enumerate((1, 7, T_MAX)):
-                    c = LseCase(comm, sub_seed(seed, 30, a, k), T=T, H=H, D=DV, dtype=DTYPE,
-                                num_requests=2)
+                    c = LseCase(
+                        comm, sub_seed(seed, 30, a, k), T=T, H=H, D=DV, dtype=DTYPE, num_requests=2
+                    )
                     x, l, kw = c.gpu_args()
-                    od = to_host(direct(x, l, **kw)[0])            # [T, H_r, D_v]
+                    od = to_host(direct(x, l, **kw)[0])  # [T, H_r, D_v]
                     on = to_host(op(x, l, **kw))
                     every = comm.allgather(bits(od).tobytes())
                     if algorithm == "allgather_all_reduce":
-                        all_d = np.concatenate([np.frombuffer(b, np.uint16).view(od.dtype)
-                                                .reshape(od.shape) for b in every], axis=1)
-                        diff = close_enough(all_d.astype(np.float64),
-                                            on.astype(np.float64), DTYPE)
+                        all_d = np.concatenate(
+                            [
+                                np.frombuffer(b, np.uint16).view(od.dtype).reshape(od.shape)
+                                for b in every
+                            ],
+                            axis=1,
+                        )
+                        diff = close_enough(all_d.astype(np.float64), on.astype(np.float64), DTYPE)
                     else:
                         diff = close_enough(od.astype(np.float64), on.astype(np.float64), DTYPE)
                         errors.append(c.check_host(r, on, None, f"{algorithm}"))
@@ -201,20 +239,27 @@ def test_auto_without_nccl_is_direct_only_and_says_why(comm, seed, dcp_auto, ncc
                 errors.append(f"one GPU per rank, yet NCCL is unavailable: {reasons}")
             return
         why = reasons[0]
-        if why is None or any(x != why for x in reasons) or \
-                not why.startswith("NCCL needs one GPU per rank: ranks "):
+        if (
+            why is None
+            or any(x != why for x in reasons)
+            or not why.startswith("NCCL needs one GPU per rank: ranks ")
+        ):
             errors.append(f"ranks share a GPU: nccl_reason per rank {reasons}")
             return
         if any(o is not None for o in dcp_auto.nccl_ops.values()):
             errors.append(f"NCCL ops built although NCCL is unavailable: {dcp_auto.nccl_ops}")
         if f"nccl: unavailable: {why}" not in dcp_auto.describe():
             errors.append(f"describe() does not name the reason:\n{dcp_auto.describe()}")
-        calls = {"q_gather T > max_tokens": lambda: dcp_auto.q_gather(
-                     to_gpu(QCase(comm, sub_seed(seed, 45), T=T_MAX + 1, H_r=H_r, D=DQ,
-                                  dtype=DTYPE).q)),
-                 "float64 lse": lambda: dcp_auto.lse_reduce(*LseCase(
-                     comm, sub_seed(seed, 46), T=3, H=H, D=DV, dtype=DTYPE,
-                     lse_dtype="float64").gpu_args()[:2])}
+        calls = {
+            "q_gather T > max_tokens": lambda: dcp_auto.q_gather(
+                to_gpu(QCase(comm, sub_seed(seed, 45), T=T_MAX + 1, H_r=H_r, D=DQ, dtype=DTYPE).q)
+            ),
+            "float64 lse": lambda: dcp_auto.lse_reduce(
+                *LseCase(
+                    comm, sub_seed(seed, 46), T=3, H=H, D=DV, dtype=DTYPE, lse_dtype="float64"
+                ).gpu_args()[:2]
+            ),
+        }
         for what, call in calls.items():
             try:
                 call()
@@ -295,11 +340,11 @@ def test_per_rank_layouts_do_not_change_the_path(comm, seed, dcp_auto):
         cq = QCase(comm, sub_seed(seed, 60), T=5, H_r=H_r, D=DQ, dtype=DTYPE)
         q = to_gpu(cq.q)
         out = None
-        if r == 0:          # 2 bytes off the 16-byte alignment
+        if r == 0:  # 2 bytes off the 16-byte alignment
             buf = empty_poisoned((q.size + 8,), DTYPE)
-            bits(buf)[1:1 + q.size] = bits(q).ravel()
-            q = buf[1:1 + q.size].reshape(q.shape)
-        if r == 1:          # strided destination
+            bits(buf)[1 : 1 + q.size] = bits(q).ravel()
+            q = buf[1 : 1 + q.size].reshape(q.shape)
+        if r == 1:  # strided destination
             wide = empty_poisoned((5, H + 1, DQ), DTYPE)
             out = wide[:, 1:]
         res = dcp_auto.q_gather(q, out=out)
@@ -310,8 +355,8 @@ def test_per_rank_layouts_do_not_change_the_path(comm, seed, dcp_auto):
         x, l, kw = cl.gpu_args()
         if r == 0:
             buf = empty_poisoned((x.size + 8,), DTYPE)
-            bits(buf)[1:1 + x.size] = bits(x).ravel()
-            x = buf[1:1 + x.size].reshape(x.shape)
+            bits(buf)[1 : 1 + x.size] = bits(x).ravel()
+            x = buf[1 : 1 + x.size].reshape(x.shape)
         errors.append(cl.check(r, dcp_auto.lse_reduce(x, l, **kw), where="per-rank layouts"))
         _path_everywhere(comm, dcp_auto, "direct-", "lse_reduce with per-rank layouts", errors)
 

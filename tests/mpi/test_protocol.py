@@ -29,16 +29,20 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
-from reliability_cases import OpCase, gather_failures, to_host
-
 from dcpkit.errors import CollectiveTimeout, ConfigMismatch, DcpkitError
+
+from reliability_cases import OpCase, gather_failures, to_host
 
 FAULT_TIMEOUT_MS = 300.0
 #: Bounds that only rule out a hang (not performance bounds).
 HANG_S = 20.0
 
-VARIANTS = [("lse_reduce", "push"), ("q_gather", "push"), ("kv_gather", "push"),
-            ("kv_gather", "pull")]
+VARIANTS = [
+    ("lse_reduce", "push"),
+    ("q_gather", "push"),
+    ("kv_gather", "push"),
+    ("kv_gather", "pull"),
+]
 VARIANT_IDS = ["lse_reduce", "q_gather", "kv_gather_push", "kv_gather_pull"]
 
 
@@ -64,8 +68,14 @@ def _zeroed_out(case, T):
 
 def _healthy_again(comm, seed, name, algorithm, msgs):
     """A new workspace of the same op, built after the failure, gives the right result."""
-    case = OpCase(name, comm, max_tokens=16, algorithm=algorithm, num_ubatches=2,
-                  num_requests=2 if name == "lse_reduce" else 0)
+    case = OpCase(
+        name,
+        comm,
+        max_tokens=16,
+        algorithm=algorithm,
+        num_ubatches=2,
+        num_requests=2 if name == "lse_reduce" else 0,
+    )
     try:
         dev, exp = case.prepare(seed + 7, 5)
         res = case.call(dev, out=case.poisoned_out(5))
@@ -82,20 +92,31 @@ def _healthy_again(comm, seed, name, algorithm, msgs):
 
 # ============================================================================ 1. mismatch
 MISMATCHES = [(n, a, k) for n, a in VARIANTS for k in ("T", "ubatch")] + [
-    ("lse_reduce", "push", "lse_dtype"), ("lse_reduce", "push", "masks")]
+    ("lse_reduce", "push", "lse_dtype"),
+    ("lse_reduce", "push", "masks"),
+]
 
 
-@pytest.mark.parametrize("name,algorithm,kind", MISMATCHES,
-                         ids=[f"{VARIANT_IDS[VARIANTS.index((n, a))]}-{k}"
-                              for n, a, k in MISMATCHES])
+@pytest.mark.parametrize(
+    "name,algorithm,kind",
+    MISMATCHES,
+    ids=[f"{VARIANT_IDS[VARIANTS.index((n, a))]}-{k}" for n, a, k in MISMATCHES],
+)
 def test_call_mismatch_raises_config_mismatch_on_every_rank(comm, seed, name, algorithm, kind):
     """Rank 0 calls with another T / ubatch / lse dtype / mask presence than the others."""
     import cupy
 
     W, rank = comm.world_size, comm.rank
     odd = rank == 0
-    case = OpCase(name, comm, max_tokens=16, algorithm=algorithm, num_ubatches=2,
-                  timeout_ms=FAULT_TIMEOUT_MS, num_requests=2 if name == "lse_reduce" else 0)
+    case = OpCase(
+        name,
+        comm,
+        max_tokens=16,
+        algorithm=algorithm,
+        num_ubatches=2,
+        timeout_ms=FAULT_TIMEOUT_MS,
+        num_requests=2 if name == "lse_reduce" else 0,
+    )
     op = case.op
     T = 2 if (kind == "T" and odd) else 6
     dev, _ = case.prepare(seed, T)
@@ -104,12 +125,12 @@ def test_call_mismatch_raises_config_mismatch_on_every_rank(comm, seed, name, al
         dev["lse_partial"] = dev["lse_partial"].astype(cupy.float16)
     if kind == "masks" and odd:
         dev["seq_lens"] = dev["query_start_loc"] = None
-    want = {"T": ("T=2 on rank 0", "T=6 on rank"),
-            "ubatch": ("ubatch=1 on rank 0", "ubatch=0 on rank"),
-            "lse_dtype": ("lse_partial dtype=float16 on rank 0",
-                          "lse_partial dtype=float32 on rank"),
-            "masks": ("query_start_loc given=no on rank 0", "query_start_loc given=yes on rank"),
-            }[kind]
+    want = {
+        "T": ("T=2 on rank 0", "T=6 on rank"),
+        "ubatch": ("ubatch=1 on rank 0", "ubatch=0 on rank"),
+        "lse_dtype": ("lse_partial dtype=float16 on rank 0", "lse_partial dtype=float32 on rank"),
+        "masks": ("query_start_loc given=no on rank 0", "query_start_loc given=yes on rank"),
+    }[kind]
     msgs = []
     comm.barrier()
     out = _zeroed_out(case, T)
@@ -140,8 +161,10 @@ def test_call_mismatch_raises_config_mismatch_on_every_rank(comm, seed, name, al
         except ConfigMismatch:
             pass
         if not _all_ff(out):
-            msgs.append("the call that found the mismatch left data other than the poison "
-                        "pattern in its result")
+            msgs.append(
+                "the call that found the mismatch left data other than the poison "
+                "pattern in its result"
+            )
         before = list(op._calls)
         try:
             case.call(dev, ubatch=ubatch, out=out)
@@ -162,8 +185,14 @@ def test_captured_calls_get_their_own_storage(comm, seed, name, algorithm):
     import cupy
 
     T = 5
-    case = OpCase(name, comm, max_tokens=8, algorithm=algorithm, graph_outputs=4,
-                  num_requests=2 if name == "lse_reduce" else 0)
+    case = OpCase(
+        name,
+        comm,
+        max_tokens=8,
+        algorithm=algorithm,
+        graph_outputs=4,
+        num_requests=2 if name == "lse_reduce" else 0,
+    )
     op = case.op
     inputs = [case.prepare(seed + i, T) for i in range(4)]
     msgs = []
@@ -172,14 +201,14 @@ def test_captured_calls_get_their_own_storage(comm, seed, name, algorithm):
         case.call(inputs[0][0], stream=s)  # the first call is eager
         s.synchronize()
         results, graphs = [], []
-        for group in ((0, 1), (2,)):       # two calls in one graph, one in another
+        for group in ((0, 1), (2,)):  # two calls in one graph, one in another
             s.begin_capture()
             try:
                 for i in group:
                     results.append(case.call(inputs[i][0], stream=s))
             finally:
                 graphs.append(s.end_capture())
-        s.begin_capture()                  # the fourth buffer, then none left
+        s.begin_capture()  # the fourth buffer, then none left
         try:
             results.append(case.call(inputs[3][0], stream=s))
             try:
@@ -211,8 +240,14 @@ def test_replays_after_a_timeout_are_poisoned(comm, seed, name, algorithm):
     W, rank = comm.world_size, comm.rank
     silent = W - 1
     T = 4
-    case = OpCase(name, comm, max_tokens=8, algorithm=algorithm, timeout_ms=FAULT_TIMEOUT_MS,
-                  num_requests=2 if name == "lse_reduce" else 0)
+    case = OpCase(
+        name,
+        comm,
+        max_tokens=8,
+        algorithm=algorithm,
+        timeout_ms=FAULT_TIMEOUT_MS,
+        num_requests=2 if name == "lse_reduce" else 0,
+    )
     op = case.op
     dev, exp = case.prepare(seed, T)
     msgs = []
@@ -230,10 +265,10 @@ def test_replays_after_a_timeout_are_poisoned(comm, seed, name, algorithm):
         msgs.append(case.check(res, exp, "replay before the fault"))
         comm.barrier()
         if rank != silent:
-            graph.launch(s)                      # rank `silent` never replays: a timeout
+            graph.launch(s)  # rank `silent` never replays: a timeout
             t0 = time.monotonic()
             while not op.poisoned and time.monotonic() - t0 < HANG_S:
-                time.sleep(0.001)                # the mapped record, no synchronize
+                time.sleep(0.001)  # the mapped record, no synchronize
             if not op.poisoned:
                 msgs.append("op.poisoned stayed False after the wait's deadline")
             try:
@@ -243,15 +278,16 @@ def test_replays_after_a_timeout_are_poisoned(comm, seed, name, algorithm):
                 if e.peer != silent:
                     msgs.append(f"the timeout names peer {e.peer}, not {silent}: {e}")
             s.synchronize()
-            for j in range(2):                   # later replays: the poison pattern
+            for j in range(2):  # later replays: the poison pattern
                 with s:
                     res.fill(0)
                 graph.launch(s)
                 s.synchronize()
                 if not _all_ff(res):
                     host = to_host(res, case.dtype)
-                    msgs.append(f"replay {j} after the timeout left non-poison data: "
-                                f"{host.ravel()[:4]}")
+                    msgs.append(
+                        f"replay {j} after the timeout left non-poison data: {host.ravel()[:4]}"
+                    )
         comm.barrier()
     op.close()
     _fail_if_any(comm, msgs, f"{case.label}: replays after a timeout")
@@ -273,8 +309,9 @@ extern "C" __global__ void __launch_bounds__(1024) hog(unsigned long long ns, in
 """
 
 
-@pytest.mark.parametrize("workspaces,hog", [(2, False), (2, True), (4, True)],
-                         ids=["2ws", "2ws-hog", "4ws-hog"])
+@pytest.mark.parametrize(
+    "workspaces,hog", [(2, False), (2, True), (4, True)], ids=["2ws", "2ws-hog", "4ws-hog"]
+)
 def test_overlapping_calls_in_any_order_complete(comm, seed, workspaces, hog):
     """Workspaces (q_gather and lse_reduce alternating) x 2 ubatches, one stream each, launched
     in a different order on every rank (reversed on rank 0) for several rounds; full-size
@@ -299,13 +336,13 @@ def test_overlapping_calls_in_any_order_complete(comm, seed, workspaces, hog):
         rng = np.random.default_rng([seed, rank])
         work = [(i, u) for i in range(len(cases)) for u in range(2)]
         for rnd in range(4):
-            inputs = {(i, u): cases[i].prepare(seed + 100 * rnd + 10 * i + u, T)
-                      for i, u in work}
+            inputs = {(i, u): cases[i].prepare(seed + 100 * rnd + 10 * i + u, T) for i, u in work}
             outs = {(i, u): cases[i].poisoned_out(T) for i, u in work if u == 0}
             comm.barrier()
             if hog_fn is not None:
-                hog_fn((2 * sms * 9 // 10,), (1024,), (np.uint64(300_000_000), sink),
-                       stream=hog_stream)
+                hog_fn(
+                    (2 * sms * 9 // 10,), (1024,), (np.uint64(300_000_000), sink), stream=hog_stream
+                )
             order = list(work)
             if rank == 0:
                 order.reverse()
@@ -314,8 +351,9 @@ def test_overlapping_calls_in_any_order_complete(comm, seed, workspaces, hog):
             results = {}
             t0 = time.monotonic()
             for i, u in order:
-                results[(i, u)] = cases[i].call(inputs[(i, u)][0], ubatch=u,
-                                                out=outs.get((i, u)), stream=streams[i][u])
+                results[(i, u)] = cases[i].call(
+                    inputs[(i, u)][0], ubatch=u, out=outs.get((i, u)), stream=streams[i][u]
+                )
             for i, u in work:
                 try:
                     streams[i][u].synchronize()
@@ -326,8 +364,13 @@ def test_overlapping_calls_in_any_order_complete(comm, seed, workspaces, hog):
             if time.monotonic() - t0 > HANG_S:
                 msgs.append(f"round {rnd} took {time.monotonic() - t0:.1f} s")
             for i, u in work:
-                msgs.append(cases[i].check(results[(i, u)], inputs[(i, u)][1],
-                                           f"round {rnd} workspace {i} ubatch {u} order {order}"))
+                msgs.append(
+                    cases[i].check(
+                        results[(i, u)],
+                        inputs[(i, u)][1],
+                        f"round {rnd} workspace {i} ubatch {u} order {order}",
+                    )
+                )
             if any(msgs):
                 break
     comm.barrier()

@@ -13,10 +13,21 @@ first. Replay a failure with ``DCPKIT_TEST_SEED``.
 import numpy as np
 import pytest
 
-from _gather_checks import (all_poison, bits, byte_mismatch, poison_workspace, poisoned_empty,
-                            run_collective, spin, sub_seed, to_device, to_host)
 from dcpkit.ops.q_gather import QGather
 from dcpkit.reference import make_inputs, q_gather_reference, resolve_dtype
+
+from _gather_checks import (
+    all_poison,
+    bits,
+    byte_mismatch,
+    poison_workspace,
+    poisoned_empty,
+    run_collective,
+    spin,
+    sub_seed,
+    to_device,
+    to_host,
+)
 
 H_R, D, T_MAX = 4, 64, 32
 DTYPES = ["bfloat16", "float16", "float32", "uint8"]  # uint8 = fp8 carried as bytes
@@ -26,8 +37,12 @@ def _inputs(comm, seed, T, dtype, H=None, head_dim=D):
     """Every rank's q for one call, and the reference result."""
     W = comm.world_size
     H = H_R * W if H is None else H
-    qs = [make_inputs(s, W, seed, op="q_gather", tokens=T, num_heads=H, head_dim=head_dim,
-                      dtype=dtype)["q"] for s in range(W)]
+    qs = [
+        make_inputs(
+            s, W, seed, op="q_gather", tokens=T, num_heads=H, head_dim=head_dim, dtype=dtype
+        )["q"]
+        for s in range(W)
+    ]
     return qs[comm.rank], q_gather_reference(qs)
 
 
@@ -36,11 +51,11 @@ def _place(q: np.ndarray, layout: str):
     T, h, d = q.shape
     if layout == "contiguous":
         return to_device(q)
-    if layout == "padded_heads":      # q = x[:, 1:1+H_r] of a [T, H_r+2, D] array
+    if layout == "padded_heads":  # q = x[:, 1:1+H_r] of a [T, H_r+2, D] array
         x = poisoned_empty((T, h + 2, d), q.dtype)
-        bits(x)[:, 1:1 + h] = bits(to_device(q))
-        return x[:, 1:1 + h]
-    if layout == "token_strided":     # every other token of a [2T, H_r, D] array
+        bits(x)[:, 1 : 1 + h] = bits(to_device(q))
+        return x[:, 1 : 1 + h]
+    if layout == "token_strided":  # every other token of a [2T, H_r, D] array
         x = poisoned_empty((2 * T, h, d), q.dtype)
         bits(x)[::2] = bits(to_device(q))
         return x[::2]
@@ -49,9 +64,11 @@ def _place(q: np.ndarray, layout: str):
 
 def _check_path(ws, errors):
     if ws.transport != "unicast" or ws.multicast or ws.launches_per_call != 1:
-        errors.append(f"expected the unicast variant, one launch per call (got transport "
-                      f"{ws.transport}, multicast {ws.multicast}, launches_per_call "
-                      f"{ws.launches_per_call})")
+        errors.append(
+            f"expected the unicast variant, one launch per call (got transport "
+            f"{ws.transport}, multicast {ws.multicast}, launches_per_call "
+            f"{ws.launches_per_call})"
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -63,8 +80,14 @@ def test_q_gather_bit_exact(comm, seed, dtype):
     H_PAD = H + 4
 
     def body(errors):
-        with QGather(comm, max_tokens=T_MAX, heads_per_rank=H_R, head_dim=D, dtype=dtype,
-                     padded_num_heads=H_PAD) as ws:
+        with QGather(
+            comm,
+            max_tokens=T_MAX,
+            heads_per_rank=H_R,
+            head_dim=D,
+            dtype=dtype,
+            padded_num_heads=H_PAD,
+        ) as ws:
             _check_path(ws, errors)
             poison_workspace(ws, comm)
             call = 0
@@ -92,8 +115,9 @@ def test_q_gather_bit_exact(comm, seed, dtype):
                         else:
                             res = ws(qd)
                             if res.shape != (T, H, D) or res.strides[0] != H_PAD * D * dt.itemsize:
-                                errors.append(f"{what}: view shape {res.shape} strides "
-                                              f"{res.strides}")
+                                errors.append(
+                                    f"{what}: view shape {res.shape} strides {res.strides}"
+                                )
                                 continue
                             err = byte_mismatch(to_host(res), want, what)
                         if err:
@@ -109,8 +133,9 @@ def test_q_gather_dcp_geometry(comm, seed):
         pytest.skip(f"H = 128 does not split over world_size {W}")
 
     def body(errors):
-        with QGather(comm, max_tokens=8, heads_per_rank=128 // W, head_dim=576,
-                     dtype="bfloat16") as ws:
+        with QGather(
+            comm, max_tokens=8, heads_per_rank=128 // W, head_dim=576, dtype="bfloat16"
+        ) as ws:
             poison_workspace(ws, comm)
             for i, T in enumerate((1, 8, 1, 8)):
                 q, want = _inputs(comm, sub_seed(seed, i), T, "bfloat16", H=128, head_dim=576)
@@ -135,33 +160,55 @@ def test_q_gather_two_ubatches_interleaved_with_lse_reduce(comm, seed):
     H, Dv, T = H_R * W, 64, 7
 
     def body(errors):
-        with QGather(comm, max_tokens=T_MAX, heads_per_rank=H_R, head_dim=D, dtype="bfloat16",
-                     num_ubatches=2) as ws, \
-                LseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=Dv,
-                          dtype="bfloat16") as lr:
+        with (
+            QGather(
+                comm,
+                max_tokens=T_MAX,
+                heads_per_rank=H_R,
+                head_dim=D,
+                dtype="bfloat16",
+                num_ubatches=2,
+            ) as ws,
+            LseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=Dv, dtype="bfloat16") as lr,
+        ):
             poison_workspace(ws, comm)
             for i in range(6):
                 q0, want0 = _inputs(comm, sub_seed(seed, i, 0), T, "bfloat16")
                 q1, want1 = _inputs(comm, sub_seed(seed, i, 1), T - 2, "bfloat16")
-                lse_in = [make_inputs(s, W, sub_seed(seed, i, 2), op="lse_reduce", tokens=T,
-                                      num_heads=H, head_dim=Dv, dtype="bfloat16")
-                          for s in range(W)]
+                lse_in = [
+                    make_inputs(
+                        s,
+                        W,
+                        sub_seed(seed, i, 2),
+                        op="lse_reduce",
+                        tokens=T,
+                        num_heads=H,
+                        head_dim=Dv,
+                        dtype="bfloat16",
+                    )
+                    for s in range(W)
+                ]
                 a0 = ws(to_device(q0), ubatch=0)
                 res = lr(to_device(lse_in[r]["out_partial"]), to_device(lse_in[r]["lse_partial"]))
                 a1 = ws(to_device(q1), ubatch=1)
-                for err in (byte_mismatch(to_host(a0), want0, f"rank {r} iter {i} ubatch 0"),
-                            byte_mismatch(to_host(a1), want1, f"rank {r} iter {i} ubatch 1")):
+                for err in (
+                    byte_mismatch(to_host(a0), want0, f"rank {r} iter {i} ubatch 0"),
+                    byte_mismatch(to_host(a1), want1, f"rank {r} iter {i} ubatch 1"),
+                ):
                     if err:
                         errors.append(err)
                 got = to_host(res[0] if isinstance(res, tuple) else res).astype(np.float64)
-                want, _ = lse_reduce_reference([x["out_partial"] for x in lse_in],
-                                               [x["lse_partial"] for x in lse_in])
-                want = want[:, r * H_R:(r + 1) * H_R]
+                want, _ = lse_reduce_reference(
+                    [x["out_partial"] for x in lse_in], [x["lse_partial"] for x in lse_in]
+                )
+                want = want[:, r * H_R : (r + 1) * H_R]
                 diff = float(np.max(np.abs(got - want))) if got.shape == want.shape else np.inf
                 if not diff <= lse_reduce_tolerance("bfloat16"):
-                    errors.append(f"rank {r} iter {i}: the interleaved lse_reduce result is off "
-                                  f"by {diff} (shape {got.shape}); an LseReduce failure, not a "
-                                  f"q_gather one")
+                    errors.append(
+                        f"rank {r} iter {i}: the interleaved lse_reduce result is off "
+                        f"by {diff} (shape {got.shape}); an LseReduce failure, not a "
+                        f"q_gather one"
+                    )
 
     run_collective(comm, "q_gather ubatches interleaved with lse_reduce", body)
 
@@ -194,8 +241,9 @@ def test_q_gather_graph_replays(comm, seed):
             if res_b is not out_b:
                 errors.append("graph: the out= call did not return out")
             if res_a.data.ptr in {ws.data_slot_ptr(0, k) for k in range(3)}:
-                errors.append("graph: a captured call returned a slot view (must be the graph "
-                              "output buffer)")
+                errors.append(
+                    "graph: a captured call returned a slot view (must be the graph output buffer)"
+                )
             for i in range(REPLAYS):
                 ka, kb = sub_seed(seed, i, 0), sub_seed(seed, i, 1)
                 bits(qa).set(bits(_inputs_own(comm, ka, T)), stream=s)
@@ -205,10 +253,10 @@ def test_q_gather_graph_replays(comm, seed):
                     s.synchronize()
                     _, want_a = _inputs(comm, ka, T, "bfloat16")
                     _, want_b = _inputs(comm, kb, T, "bfloat16")
-                    for err in (byte_mismatch(to_host(res_a), want_a, f"rank {r} replay {i} "
-                                              f"graph output"),
-                                byte_mismatch(to_host(out_b), want_b, f"rank {r} replay {i} "
-                                              f"out=")):
+                    for err in (
+                        byte_mismatch(to_host(res_a), want_a, f"rank {r} replay {i} graph output"),
+                        byte_mismatch(to_host(out_b), want_b, f"rank {r} replay {i} out="),
+                    ):
                         if err:
                             errors.append(err)
             s.synchronize()
@@ -225,8 +273,16 @@ def test_q_gather_graph_replays(comm, seed):
 
 
 def _inputs_own(comm, seed, T, dtype="bfloat16"):
-    return make_inputs(comm.rank, comm.world_size, seed, op="q_gather", tokens=T,
-                       num_heads=H_R * comm.world_size, head_dim=D, dtype=dtype)["q"]
+    return make_inputs(
+        comm.rank,
+        comm.world_size,
+        seed,
+        op="q_gather",
+        tokens=T,
+        num_heads=H_R * comm.world_size,
+        head_dim=D,
+        dtype=dtype,
+    )["q"]
 
 
 def test_q_gather_view_lifetime(comm, seed):
@@ -237,29 +293,33 @@ def test_q_gather_view_lifetime(comm, seed):
     T = 17
 
     def body(errors):
-        with QGather(comm, max_tokens=T_MAX, heads_per_rank=H_R, head_dim=D,
-                     dtype="bfloat16") as ws:
+        with QGather(
+            comm, max_tokens=T_MAX, heads_per_rank=H_R, head_dim=D, dtype="bfloat16"
+        ) as ws:
             for rnd in range(3):
                 ins = [_inputs(comm, sub_seed(seed, rnd, n), T, "bfloat16") for n in range(4)]
                 qs = [to_device(q) for q, _ in ins]
-                a = ws(qs[0])                     # call n
-                b = ws(qs[1])                     # call n+1
+                a = ws(qs[0])  # call n
+                b = ws(qs[1])  # call n+1
                 if r == 0:
-                    spin(20_000_000)              # peers go ahead into call n+2
-                a_copy = bits(a).copy()           # consume A after call n+1
-                c = ws(qs[2])                     # call n+2
-                b_copy = bits(b).copy()           # consume B after call n+2
-                d = ws(qs[3])                     # call n+3
+                    spin(20_000_000)  # peers go ahead into call n+2
+                a_copy = bits(a).copy()  # consume A after call n+1
+                c = ws(qs[2])  # call n+2
+                b_copy = bits(b).copy()  # consume B after call n+2
+                d = ws(qs[3])  # call n+3
                 got = [a_copy.view(a.dtype), b_copy.view(b.dtype), c, d]
                 for n in range(4):
-                    err = byte_mismatch(to_host(got[n]), ins[n][1],
-                                        f"rank {r} round {rnd} call n+{n}")
+                    err = byte_mismatch(
+                        to_host(got[n]), ins[n][1], f"rank {r} round {rnd} call n+{n}"
+                    )
                     if err:
                         errors.append(err)
                 ptrs = [x.data.ptr for x in (a, b, c, d)]
                 if len(set(ptrs[:3])) != 3 or ptrs[3] != ptrs[0]:
-                    errors.append(f"views of calls n..n+3 must use 3 slots in turn (got "
-                                  f"{[hex(p) for p in ptrs]})")
+                    errors.append(
+                        f"views of calls n..n+3 must use 3 slots in turn (got "
+                        f"{[hex(p) for p in ptrs]})"
+                    )
 
     run_collective(comm, "q_gather view lifetime", body)
 
@@ -271,8 +331,7 @@ def test_q_gather_epoch_wrap(comm, seed):
     H = H_R * W
 
     def body(errors):
-        with QGather(comm, max_tokens=T_MAX, heads_per_rank=H_R, head_dim=D,
-                     dtype="float16") as ws:
+        with QGather(comm, max_tokens=T_MAX, heads_per_rank=H_R, head_dim=D, dtype="float16") as ws:
             ws._set_epoch(2**32 - 3)
             for i in range(8):
                 T = (5, 17)[i % 2]
@@ -283,8 +342,9 @@ def test_q_gather_epoch_wrap(comm, seed):
                     got = out
                 else:
                     got = ws(to_device(q))
-                err = byte_mismatch(to_host(got), want, f"rank {r} call {i} (epoch "
-                                                        f"{2**32 - 3 + i + 1})")
+                err = byte_mismatch(
+                    to_host(got), want, f"rank {r} call {i} (epoch {2**32 - 3 + i + 1})"
+                )
                 if err:
                     errors.append(err)
             epoch = int(ws._epoch[0].get())
@@ -305,8 +365,9 @@ def test_q_gather_timeout_names_silent_peer(comm, seed):
     r = comm.rank
 
     def body(errors):
-        with QGather(comm, max_tokens=8, heads_per_rank=H_R, head_dim=D, dtype="float16",
-                     timeout_ms=300) as ws:
+        with QGather(
+            comm, max_tokens=8, heads_per_rank=H_R, head_dim=D, dtype="float16", timeout_ms=300
+        ) as ws:
             q = to_device(_inputs_own(comm, sub_seed(seed, 0), 3, "float16"))
             if r != 0:
                 ws(q)
@@ -315,8 +376,10 @@ def test_q_gather_timeout_names_silent_peer(comm, seed):
                     errors.append("synchronize() did not raise CollectiveTimeout")
                 except CollectiveTimeout as e:
                     if (e.peer, e.rank, e.op, e.expected_epoch) != (0, r, "q_gather", 1):
-                        errors.append(f"timeout record names peer {e.peer}, rank {e.rank}, op "
-                                      f"{e.op}, expected epoch {e.expected_epoch}")
+                        errors.append(
+                            f"timeout record names peer {e.peer}, rank {e.rank}, op "
+                            f"{e.op}, expected epoch {e.expected_epoch}"
+                        )
                 calls = list(ws._calls)
                 try:
                     ws(q)

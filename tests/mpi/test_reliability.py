@@ -43,15 +43,32 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-from reliability_cases import (OPS, HEAD_DIM, H_R, ROW_DIM, HEAD_DIM_V, OpCase,
-                               context_usable, gather_failures)
+from dcpkit.errors import (
+    ClosedError,
+    CollectiveTimeout,
+    ConfigMismatch,
+    InvalidArgument,
+    InvalidType,
+)
 
-from dcpkit.errors import (ClosedError, CollectiveTimeout, ConfigMismatch,
-                           InvalidArgument, InvalidType)
+from reliability_cases import (
+    H_R,
+    HEAD_DIM,
+    HEAD_DIM_V,
+    OPS,
+    ROW_DIM,
+    OpCase,
+    context_usable,
+    gather_failures,
+)
 
 #: (op, kv_gather algorithm) of every direct op variant.
-VARIANTS = [("lse_reduce", "push"), ("q_gather", "push"), ("kv_gather", "push"),
-            ("kv_gather", "pull")]
+VARIANTS = [
+    ("lse_reduce", "push"),
+    ("q_gather", "push"),
+    ("kv_gather", "push"),
+    ("kv_gather", "pull"),
+]
 VARIANT_IDS = ["lse_reduce", "q_gather", "kv_gather_push", "kv_gather_pull"]
 
 #: Deadline of the fault tests. The margin below only rules out a hang: it is not a
@@ -91,8 +108,10 @@ def _epochs_match_calls(case):
     case.op.synchronize()
     dev = [int(e) for e in case.op._epoch.get()]
     if dev != list(case.op._calls):
-        return (f"{case.label}: device epochs {dev} != host call counts {case.op._calls}: a "
-                f"rejected call ran a kernel, or a call did not advance the epoch")
+        return (
+            f"{case.label}: device epochs {dev} != host call counts {case.op._calls}: a "
+            f"rejected call ran a kernel, or a call did not advance the epoch"
+        )
     return None
 
 
@@ -119,7 +138,7 @@ def test_silent_rank_times_out(comm, seed, name, algorithm):
         except Exception as e:  # noqa: BLE001 - reported collectively below
             msgs.append(f"good call {i} raised {type(e).__name__}: {e}")
     _fail_if_any(comm, msgs, f"{case.label}: calls before the fault")
-    fault_epoch = op._calls[0] + 1   # the epoch of the call the silent rank skips
+    fault_epoch = op._calls[0] + 1  # the epoch of the call the silent rank skips
 
     # The fault: every rank but `silent` makes call `fault_epoch`.
     comm.barrier()
@@ -128,23 +147,29 @@ def test_silent_rank_times_out(comm, seed, name, algorithm):
         t0 = time.monotonic()
         err = None
         try:
-            case.call(dev)           # a healthy workspace launches normally
-            op.synchronize()         # ... and the wait expires in the kernel
+            case.call(dev)  # a healthy workspace launches normally
+            op.synchronize()  # ... and the wait expires in the kernel
         except CollectiveTimeout as e:
             err = e
         except Exception as e:  # noqa: BLE001
-            msgs.append(f"call {fault_epoch} raised {type(e).__name__} instead of "
-                        f"CollectiveTimeout: {e}")
+            msgs.append(
+                f"call {fault_epoch} raised {type(e).__name__} instead of CollectiveTimeout: {e}"
+            )
         detect_s = time.monotonic() - t0
         if err is None and not msgs:
-            msgs.append(f"call {fault_epoch} without rank {silent} did not raise "
-                        f"CollectiveTimeout ({detect_s:.2f} s)")
+            msgs.append(
+                f"call {fault_epoch} without rank {silent} did not raise "
+                f"CollectiveTimeout ({detect_s:.2f} s)"
+            )
         if err is not None:
             if detect_s > FAULT_TIMEOUT_MS / 1e3 + HANG_MARGIN_S:
-                msgs.append(f"CollectiveTimeout took {detect_s:.2f} s (> timeout "
-                            f"{FAULT_TIMEOUT_MS:g} ms + {HANG_MARGIN_S} s margin)")
-            want = dict(op=name, rank=rank, peer=silent, expected_epoch=fault_epoch & 0xFFFFFFFF,
-                        ubatch=0)
+                msgs.append(
+                    f"CollectiveTimeout took {detect_s:.2f} s (> timeout "
+                    f"{FAULT_TIMEOUT_MS:g} ms + {HANG_MARGIN_S} s margin)"
+                )
+            want = dict(
+                op=name, rank=rank, peer=silent, expected_epoch=fault_epoch & 0xFFFFFFFF, ubatch=0
+            )
             got = {k: getattr(err, k) for k in want}
             if got != want:
                 msgs.append(f"CollectiveTimeout fields {got} != {want} ({err})")
@@ -224,9 +249,17 @@ def test_silent_rank_times_out(comm, seed, name, algorithm):
         pass
     except Exception as e:  # noqa: BLE001
         msgs.append(f"a call after close() raised {type(e).__name__} instead of ClosedError")
-    _report(comm, {"test": "silent_rank", "op": case.label, "timeout_ms": FAULT_TIMEOUT_MS,
-                   "detect_s_per_rank": detect, "late_rank_saw": late_all[silent],
-                   "close_s_rank0": round(close_s, 3)})
+    _report(
+        comm,
+        {
+            "test": "silent_rank",
+            "op": case.label,
+            "timeout_ms": FAULT_TIMEOUT_MS,
+            "detect_s_per_rank": detect,
+            "late_rank_saw": late_all[silent],
+            "close_s_rank0": round(close_s, 3),
+        },
+    )
     _fail_if_any(comm, msgs, f"{case.label}: silent rank {silent}")
 
 
@@ -355,6 +388,7 @@ def test_no_debug_no_host_collectives(comm, seed, name, algorithm, monkeypatch):
         def f(*a, **k):
             counts[kind] += 1
             return real[kind](*a, **k)
+
         return f
 
     for k in counts:
@@ -383,11 +417,27 @@ def test_short_soak_with_epoch_wrap(comm, seed):
     the 32-bit wrap of the signals on q_gather and kv_gather; memory and fds flat."""
     import soak
 
-    summary = soak.run_soak(comm, calls=3000, seed=seed, check_every=500,
-                            wrap_after={"q_gather": 40, "kv_gather": 150})
-    _report(comm, {"test": "short_soak", **{k: summary[k] for k in (
-        "calls", "wrong_results", "checked_calls", "device_checked_calls", "elapsed_s",
-        "flat", "wrapped")}})
+    summary = soak.run_soak(
+        comm, calls=3000, seed=seed, check_every=500, wrap_after={"q_gather": 40, "kv_gather": 150}
+    )
+    _report(
+        comm,
+        {
+            "test": "short_soak",
+            **{
+                k: summary[k]
+                for k in (
+                    "calls",
+                    "wrong_results",
+                    "checked_calls",
+                    "device_checked_calls",
+                    "elapsed_s",
+                    "flat",
+                    "wrapped",
+                )
+            },
+        },
+    )
     problems = soak.problems(summary)
     _fail_if_any(comm, [problems], "short soak")
 
@@ -411,7 +461,7 @@ def _bad_input_rows(comm, q, k, l, heap, dq, dk, dl, T):
         """A view offset by one element from a 256-byte aligned allocation."""
         n = int(np.prod(shape))
         flat = cupy.zeros(n + 16, dtype=dtype)
-        return flat[1:1 + n].reshape(shape)
+        return flat[1 : 1 + n].reshape(shape)
 
     def other_device(shape, dtype):
         with cupy.cuda.Device((cupy.cuda.Device().id + 1) % ndev):
@@ -419,164 +469,429 @@ def _bad_input_rows(comm, q, k, l, heap, dq, dk, dl, T):
 
     # ---- q_gather: q [T, H_r, D]
     qx = dq["q"]
-    add("q dtype float32", q, lambda: q.op(cupy.zeros((T, H_R, HEAD_DIM), cupy.float32)),
-        InvalidType, "q dtype")
-    add("q host numpy", q, lambda: q.op(np.zeros((T, H_R, HEAD_DIM), np.float16)),
-        InvalidType, "GPU array")
+    add(
+        "q dtype float32",
+        q,
+        lambda: q.op(cupy.zeros((T, H_R, HEAD_DIM), cupy.float32)),
+        InvalidType,
+        "q dtype",
+    )
+    add(
+        "q host numpy",
+        q,
+        lambda: q.op(np.zeros((T, H_R, HEAD_DIM), np.float16)),
+        InvalidType,
+        "GPU array",
+    )
     add("q python list", q, lambda: q.op([[0.0]]), InvalidType, "GPU array")
     add("q 2-D", q, lambda: q.op(qx.reshape(T, H_R * HEAD_DIM)), InvalidArgument, "dimensions")
-    add("q heads H_r+1", q, lambda: q.op(cupy.zeros((T, H_R + 1, HEAD_DIM), dt)),
-        InvalidArgument, "q shape")
-    add("q head_dim D/2", q, lambda: q.op(cupy.zeros((T, H_R, HEAD_DIM // 2), dt)),
-        InvalidArgument, "q shape")
-    add("q T > max_tokens", q, lambda: q.op(cupy.zeros((q.max_tokens + 1, H_R, HEAD_DIM), dt)),
-        InvalidArgument, "max_tokens")
-    add("q element stride 2", q,
+    add(
+        "q heads H_r+1",
+        q,
+        lambda: q.op(cupy.zeros((T, H_R + 1, HEAD_DIM), dt)),
+        InvalidArgument,
+        "q shape",
+    )
+    add(
+        "q head_dim D/2",
+        q,
+        lambda: q.op(cupy.zeros((T, H_R, HEAD_DIM // 2), dt)),
+        InvalidArgument,
+        "q shape",
+    )
+    add(
+        "q T > max_tokens",
+        q,
+        lambda: q.op(cupy.zeros((q.max_tokens + 1, H_R, HEAD_DIM), dt)),
+        InvalidArgument,
+        "max_tokens",
+    )
+    add(
+        "q element stride 2",
+        q,
         lambda: q.op(cupy.zeros((T, H_R, 2 * HEAD_DIM), dt)[:, :, ::2]),
-        InvalidArgument, "stride")
-    add("q head stride 2*D", q,
+        InvalidArgument,
+        "stride",
+    )
+    add(
+        "q head stride 2*D",
+        q,
         lambda: q.op(cupy.zeros((T, 2 * H_R, HEAD_DIM), dt)[:, ::2, :]),
-        InvalidArgument, "head stride")
-    add("q token stride not a multiple of 16 bytes", q,
-        lambda: q.op(cupy.lib.stride_tricks.as_strided(
-            cupy.zeros(T * (H_R * HEAD_DIM + 1), dt), shape=(T, H_R, HEAD_DIM),
-            strides=((H_R * HEAD_DIM + 1) * dt.itemsize, HEAD_DIM * dt.itemsize, dt.itemsize))),
-        InvalidArgument, "token stride")
-    add("q misaligned pointer (offset one element)", q,
-        lambda: q.op(misaligned((T, H_R, HEAD_DIM), dt)), InvalidArgument, "pointer")
-    add("q out shape [T, H-1, D]", q,
-        lambda: q.op(qx, out=cupy.zeros((T, H - 1, HEAD_DIM), dt)), InvalidArgument, "out shape")
-    add("q out dtype float16", q,
-        lambda: q.op(qx, out=cupy.zeros((T, H, HEAD_DIM), cupy.float16)), InvalidType,
-        "out dtype")
-    add("q out host numpy", q, lambda: q.op(qx, out=np.zeros((T, H, HEAD_DIM), np.float16)),
-        InvalidType, "GPU array")
-    add("q out misaligned", q, lambda: q.op(qx, out=misaligned((T, H, HEAD_DIM), dt)),
-        InvalidArgument, "pointer")
+        InvalidArgument,
+        "head stride",
+    )
+    add(
+        "q token stride not a multiple of 16 bytes",
+        q,
+        lambda: q.op(
+            cupy.lib.stride_tricks.as_strided(
+                cupy.zeros(T * (H_R * HEAD_DIM + 1), dt),
+                shape=(T, H_R, HEAD_DIM),
+                strides=((H_R * HEAD_DIM + 1) * dt.itemsize, HEAD_DIM * dt.itemsize, dt.itemsize),
+            )
+        ),
+        InvalidArgument,
+        "token stride",
+    )
+    add(
+        "q misaligned pointer (offset one element)",
+        q,
+        lambda: q.op(misaligned((T, H_R, HEAD_DIM), dt)),
+        InvalidArgument,
+        "pointer",
+    )
+    add(
+        "q out shape [T, H-1, D]",
+        q,
+        lambda: q.op(qx, out=cupy.zeros((T, H - 1, HEAD_DIM), dt)),
+        InvalidArgument,
+        "out shape",
+    )
+    add(
+        "q out dtype float16",
+        q,
+        lambda: q.op(qx, out=cupy.zeros((T, H, HEAD_DIM), cupy.float16)),
+        InvalidType,
+        "out dtype",
+    )
+    add(
+        "q out host numpy",
+        q,
+        lambda: q.op(qx, out=np.zeros((T, H, HEAD_DIM), np.float16)),
+        InvalidType,
+        "GPU array",
+    )
+    add(
+        "q out misaligned",
+        q,
+        lambda: q.op(qx, out=misaligned((T, H, HEAD_DIM), dt)),
+        InvalidArgument,
+        "pointer",
+    )
     add("q ubatch = num_ubatches", q, lambda: q.op(qx, ubatch=1), InvalidArgument, "ubatch")
     add("q ubatch -1", q, lambda: q.op(qx, ubatch=-1), InvalidArgument, "ubatch")
     add("q ubatch '0'", q, lambda: q.op(qx, ubatch="0"), InvalidType, "ubatch")
     add("q ubatch True", q, lambda: q.op(qx, ubatch=True), InvalidType, "ubatch")
-    add("q return_padded with out", q,
+    add(
+        "q return_padded with out",
+        q,
         lambda: q.op(qx, out=cupy.zeros((T, H, HEAD_DIM), dt), return_padded=True),
-        InvalidArgument, "return_padded")
+        InvalidArgument,
+        "return_padded",
+    )
     if ndev >= 2:
-        add("q on another GPU", q, lambda: q.op(other_device((T, H_R, HEAD_DIM), dt)),
-            InvalidArgument, "device")
+        add(
+            "q on another GPU",
+            q,
+            lambda: q.op(other_device((T, H_R, HEAD_DIM), dt)),
+            InvalidArgument,
+            "device",
+        )
 
     # ---- kv_gather: kv [T, D_kv]
     kx = dk["kv"]
-    add("kv dtype float16", k, lambda: k.op(cupy.zeros((T, ROW_DIM), cupy.float16)),
-        InvalidType, "kv dtype")
-    add("kv 3-D", k, lambda: k.op(cupy.zeros((T, 1, ROW_DIM), dt)), InvalidArgument,
-        "dimensions")
-    add("kv row_dim - 8", k, lambda: k.op(cupy.zeros((T, ROW_DIM - 8), dt)), InvalidArgument,
-        "kv shape")
-    add("kv T > max_tokens", k, lambda: k.op(cupy.zeros((k.max_tokens + 1, ROW_DIM), dt)),
-        InvalidArgument, "max_tokens")
-    add("kv padded rows (non-contiguous)", k,
-        lambda: k.op(cupy.zeros((T, 2 * ROW_DIM), dt)[:, :ROW_DIM]), InvalidArgument,
-        "contiguous")
-    add("kv column stride 2", k, lambda: k.op(cupy.zeros((T, 2 * ROW_DIM), dt)[:, ::2]),
-        InvalidArgument, "contiguous")
-    add("kv misaligned pointer (offset one element)", k,
-        lambda: k.op(misaligned((T, ROW_DIM), dt)), InvalidArgument, "pointer")
-    add("kv host numpy", k, lambda: k.op(np.zeros((T, ROW_DIM), np.float16)), InvalidType,
-        "GPU array")
-    add("kv out rows W*T-1", k, lambda: k.op(kx, out=cupy.zeros((W * T - 1, ROW_DIM), dt)),
-        InvalidArgument, "out shape")
-    add("kv out dtype float32", k,
-        lambda: k.op(kx, out=cupy.zeros((W * T, ROW_DIM), cupy.float32)), InvalidType,
-        "out dtype")
-    add("kv out non-contiguous", k,
+    add(
+        "kv dtype float16",
+        k,
+        lambda: k.op(cupy.zeros((T, ROW_DIM), cupy.float16)),
+        InvalidType,
+        "kv dtype",
+    )
+    add("kv 3-D", k, lambda: k.op(cupy.zeros((T, 1, ROW_DIM), dt)), InvalidArgument, "dimensions")
+    add(
+        "kv row_dim - 8",
+        k,
+        lambda: k.op(cupy.zeros((T, ROW_DIM - 8), dt)),
+        InvalidArgument,
+        "kv shape",
+    )
+    add(
+        "kv T > max_tokens",
+        k,
+        lambda: k.op(cupy.zeros((k.max_tokens + 1, ROW_DIM), dt)),
+        InvalidArgument,
+        "max_tokens",
+    )
+    add(
+        "kv padded rows (non-contiguous)",
+        k,
+        lambda: k.op(cupy.zeros((T, 2 * ROW_DIM), dt)[:, :ROW_DIM]),
+        InvalidArgument,
+        "contiguous",
+    )
+    add(
+        "kv column stride 2",
+        k,
+        lambda: k.op(cupy.zeros((T, 2 * ROW_DIM), dt)[:, ::2]),
+        InvalidArgument,
+        "contiguous",
+    )
+    add(
+        "kv misaligned pointer (offset one element)",
+        k,
+        lambda: k.op(misaligned((T, ROW_DIM), dt)),
+        InvalidArgument,
+        "pointer",
+    )
+    add(
+        "kv host numpy",
+        k,
+        lambda: k.op(np.zeros((T, ROW_DIM), np.float16)),
+        InvalidType,
+        "GPU array",
+    )
+    add(
+        "kv out rows W*T-1",
+        k,
+        lambda: k.op(kx, out=cupy.zeros((W * T - 1, ROW_DIM), dt)),
+        InvalidArgument,
+        "out shape",
+    )
+    add(
+        "kv out dtype float32",
+        k,
+        lambda: k.op(kx, out=cupy.zeros((W * T, ROW_DIM), cupy.float32)),
+        InvalidType,
+        "out dtype",
+    )
+    add(
+        "kv out non-contiguous",
+        k,
         lambda: k.op(kx, out=cupy.zeros((W * T, 2 * ROW_DIM), dt)[:, :ROW_DIM]),
-        InvalidArgument, "contiguous")
+        InvalidArgument,
+        "contiguous",
+    )
     add("kv ubatch 3", k, lambda: k.op(kx, ubatch=3), InvalidArgument, "ubatch")
     if ndev >= 2:
-        add("kv on another GPU", k, lambda: k.op(other_device((T, ROW_DIM), dt)),
-            InvalidArgument, "device")
+        add(
+            "kv on another GPU",
+            k,
+            lambda: k.op(other_device((T, ROW_DIM), dt)),
+            InvalidArgument,
+            "device",
+        )
 
     # ---- lse_reduce: out_partial [T, H, D_v], lse_partial [T, H], masks
     xo, xl = dl["out_partial"], dl["lse_partial"]
     sl, qsl = dl["seq_lens"], dl["query_start_loc"]
-    add("lse out_partial dtype float32", l,
-        lambda: l.op(cupy.zeros((T, H, HEAD_DIM_V), cupy.float32), xl), InvalidType,
-        "out_partial dtype")
-    add("lse out_partial host numpy", l,
-        lambda: l.op(np.zeros((T, H, HEAD_DIM_V), np.float32), xl), InvalidType, "GPU array")
-    add("lse out_partial heads H-1", l,
-        lambda: l.op(cupy.zeros((T, H - 1, HEAD_DIM_V), dt), xl), InvalidArgument,
-        "out_partial shape")
-    add("lse out_partial 2-D", l, lambda: l.op(xo.reshape(T, H * HEAD_DIM_V), xl),
-        InvalidArgument, "out_partial")
-    add("lse T > max_tokens", l,
-        lambda: l.op(cupy.zeros((l.max_tokens + 1, H, HEAD_DIM_V), dt),
-                     cupy.zeros((l.max_tokens + 1, H), cupy.float32)),
-        InvalidArgument, "max_tokens")
-    add("lse out_partial misaligned pointer", l,
-        lambda: l.op(misaligned((T, H, HEAD_DIM_V), dt), xl), InvalidArgument, "aligned")
-    add("lse out_partial negative stride", l, lambda: l.op(xo[::-1], xl), InvalidArgument,
-        "non-negative")
-    add("lse lse_partial int32", l, lambda: l.op(xo, cupy.zeros((T, H), cupy.int32)),
-        InvalidType, "lse_partial dtype")
-    add("lse lse_partial [T-1, H]", l, lambda: l.op(xo, cupy.zeros((T - 1, H), cupy.float32)),
-        InvalidArgument, "lse_partial shape")
-    add("lse lse_partial host numpy", l, lambda: l.op(xo, np.zeros((T, H), np.float32)),
-        InvalidType, "GPU array")
-    add("lse seq_lens without query_start_loc", l, lambda: l.op(xo, xl, seq_lens=sl),
-        InvalidArgument, "query_start_loc")
-    add("lse seq_lens length S+1 (mismatched query_start_loc)", l,
-        lambda: l.op(xo, xl, seq_lens=cupy.zeros(sl.shape[0] + 1, cupy.int32),
-                     query_start_loc=qsl), InvalidArgument, "seq_lens length")
-    add("lse seq_lens int64", l,
+    add(
+        "lse out_partial dtype float32",
+        l,
+        lambda: l.op(cupy.zeros((T, H, HEAD_DIM_V), cupy.float32), xl),
+        InvalidType,
+        "out_partial dtype",
+    )
+    add(
+        "lse out_partial host numpy",
+        l,
+        lambda: l.op(np.zeros((T, H, HEAD_DIM_V), np.float32), xl),
+        InvalidType,
+        "GPU array",
+    )
+    add(
+        "lse out_partial heads H-1",
+        l,
+        lambda: l.op(cupy.zeros((T, H - 1, HEAD_DIM_V), dt), xl),
+        InvalidArgument,
+        "out_partial shape",
+    )
+    add(
+        "lse out_partial 2-D",
+        l,
+        lambda: l.op(xo.reshape(T, H * HEAD_DIM_V), xl),
+        InvalidArgument,
+        "out_partial",
+    )
+    add(
+        "lse T > max_tokens",
+        l,
+        lambda: l.op(
+            cupy.zeros((l.max_tokens + 1, H, HEAD_DIM_V), dt),
+            cupy.zeros((l.max_tokens + 1, H), cupy.float32),
+        ),
+        InvalidArgument,
+        "max_tokens",
+    )
+    add(
+        "lse out_partial misaligned pointer",
+        l,
+        lambda: l.op(misaligned((T, H, HEAD_DIM_V), dt), xl),
+        InvalidArgument,
+        "aligned",
+    )
+    add(
+        "lse out_partial negative stride",
+        l,
+        lambda: l.op(xo[::-1], xl),
+        InvalidArgument,
+        "non-negative",
+    )
+    add(
+        "lse lse_partial int32",
+        l,
+        lambda: l.op(xo, cupy.zeros((T, H), cupy.int32)),
+        InvalidType,
+        "lse_partial dtype",
+    )
+    add(
+        "lse lse_partial [T-1, H]",
+        l,
+        lambda: l.op(xo, cupy.zeros((T - 1, H), cupy.float32)),
+        InvalidArgument,
+        "lse_partial shape",
+    )
+    add(
+        "lse lse_partial host numpy",
+        l,
+        lambda: l.op(xo, np.zeros((T, H), np.float32)),
+        InvalidType,
+        "GPU array",
+    )
+    add(
+        "lse seq_lens without query_start_loc",
+        l,
+        lambda: l.op(xo, xl, seq_lens=sl),
+        InvalidArgument,
+        "query_start_loc",
+    )
+    add(
+        "lse seq_lens length S+1 (mismatched query_start_loc)",
+        l,
+        lambda: l.op(xo, xl, seq_lens=cupy.zeros(sl.shape[0] + 1, cupy.int32), query_start_loc=qsl),
+        InvalidArgument,
+        "seq_lens length",
+    )
+    add(
+        "lse seq_lens int64",
+        l,
         lambda: l.op(xo, xl, seq_lens=sl.astype(cupy.int64), query_start_loc=qsl),
-        InvalidType, "seq_lens dtype")
-    add("lse query_start_loc host numpy", l,
-        lambda: l.op(xo, xl, seq_lens=sl, query_start_loc=qsl.get()), InvalidType,
-        "GPU array")
-    add("lse query_start_loc 2-D", l,
-        lambda: l.op(xo, xl, query_start_loc=qsl.reshape(1, -1)), InvalidArgument,
-        "query_start_loc")
-    add("lse query_start_loc float32", l,
-        lambda: l.op(xo, xl, query_start_loc=qsl.astype(cupy.float32)), InvalidType,
-        "query_start_loc dtype")
-    add("lse out shape [T, H_r+1, D_v]", l,
-        lambda: l.op(xo, xl, out=cupy.zeros((T, H_R + 1, HEAD_DIM_V), dt)), InvalidArgument,
-        "out shape")
-    add("lse out non-contiguous", l,
+        InvalidType,
+        "seq_lens dtype",
+    )
+    add(
+        "lse query_start_loc host numpy",
+        l,
+        lambda: l.op(xo, xl, seq_lens=sl, query_start_loc=qsl.get()),
+        InvalidType,
+        "GPU array",
+    )
+    add(
+        "lse query_start_loc 2-D",
+        l,
+        lambda: l.op(xo, xl, query_start_loc=qsl.reshape(1, -1)),
+        InvalidArgument,
+        "query_start_loc",
+    )
+    add(
+        "lse query_start_loc float32",
+        l,
+        lambda: l.op(xo, xl, query_start_loc=qsl.astype(cupy.float32)),
+        InvalidType,
+        "query_start_loc dtype",
+    )
+    add(
+        "lse out shape [T, H_r+1, D_v]",
+        l,
+        lambda: l.op(xo, xl, out=cupy.zeros((T, H_R + 1, HEAD_DIM_V), dt)),
+        InvalidArgument,
+        "out shape",
+    )
+    add(
+        "lse out non-contiguous",
+        l,
         lambda: l.op(xo, xl, out=cupy.zeros((T, H_R, 2 * HEAD_DIM_V), dt)[:, :, :HEAD_DIM_V]),
-        InvalidArgument, "contiguous")
-    add("lse out misaligned", l, lambda: l.op(xo, xl, out=misaligned((T, H_R, HEAD_DIM_V), dt)),
-        InvalidArgument, "aligned")
-    add("lse out_lse float16", l,
-        lambda: l.op(xo, xl, out_lse=cupy.zeros((T, H_R), cupy.float16)), InvalidType,
-        "out_lse dtype")
-    add("lse out_lse shape [T, H_r+1]", l,
-        lambda: l.op(xo, xl, out_lse=cupy.zeros((T, H_R + 1), cupy.float32)), InvalidArgument,
-        "out_lse shape")
+        InvalidArgument,
+        "contiguous",
+    )
+    add(
+        "lse out misaligned",
+        l,
+        lambda: l.op(xo, xl, out=misaligned((T, H_R, HEAD_DIM_V), dt)),
+        InvalidArgument,
+        "aligned",
+    )
+    add(
+        "lse out_lse float16",
+        l,
+        lambda: l.op(xo, xl, out_lse=cupy.zeros((T, H_R), cupy.float16)),
+        InvalidType,
+        "out_lse dtype",
+    )
+    add(
+        "lse out_lse shape [T, H_r+1]",
+        l,
+        lambda: l.op(xo, xl, out_lse=cupy.zeros((T, H_R + 1), cupy.float32)),
+        InvalidArgument,
+        "out_lse shape",
+    )
     add("lse ubatch 2", l, lambda: l.op(xo, xl, ubatch=2), InvalidArgument, "ubatch")
     if ndev >= 2:
-        add("lse out_partial on another GPU", l,
-            lambda: l.op(other_device((T, H, HEAD_DIM_V), dt), xl), InvalidArgument, "device")
+        add(
+            "lse out_partial on another GPU",
+            l,
+            lambda: l.op(other_device((T, H, HEAD_DIM_V), dt), xl),
+            InvalidArgument,
+            "device",
+        )
 
     # ---- the symmetric heap (local checks; the heap stays usable)
     nb = heap.nbytes
-    add("heap view past the end", None, lambda: heap.view(nb - 64, (128,), np.uint8),
-        InvalidArgument, "offset + view bytes must be <=")
-    add("heap view negative offset", None, lambda: heap.view(-256, (16,), np.uint8),
-        InvalidArgument, "offset must be >= 0")
-    add("heap view rank = world_size", None, lambda: heap.view(0, (16,), np.uint8, rank=W),
-        InvalidArgument, "rank must lie in")
-    add("heap view rank -1", None, lambda: heap.view(0, (16,), np.uint8, rank=-1),
-        InvalidArgument, "rank must be >= 0")
-    add("heap view misaligned for float32", None, lambda: heap.view(2, (4,), np.float32),
-        InvalidArgument, "multiple of the itemsize")
-    add("heap view shape not ints", None, lambda: heap.view(0, "abc", np.uint8), InvalidType,
-        "shape must be")
-    add("heap reserve more than the heap", None, lambda: heap.reserve(2 * nb + 4096),
-        InvalidArgument, "must fit in the heap")
-    add("heap reserve align 48", None, lambda: heap.reserve(64, align=48), InvalidArgument,
-        "align must be a power of two")
+    add(
+        "heap view past the end",
+        None,
+        lambda: heap.view(nb - 64, (128,), np.uint8),
+        InvalidArgument,
+        "offset + view bytes must be <=",
+    )
+    add(
+        "heap view negative offset",
+        None,
+        lambda: heap.view(-256, (16,), np.uint8),
+        InvalidArgument,
+        "offset must be >= 0",
+    )
+    add(
+        "heap view rank = world_size",
+        None,
+        lambda: heap.view(0, (16,), np.uint8, rank=W),
+        InvalidArgument,
+        "rank must lie in",
+    )
+    add(
+        "heap view rank -1",
+        None,
+        lambda: heap.view(0, (16,), np.uint8, rank=-1),
+        InvalidArgument,
+        "rank must be >= 0",
+    )
+    add(
+        "heap view misaligned for float32",
+        None,
+        lambda: heap.view(2, (4,), np.float32),
+        InvalidArgument,
+        "multiple of the itemsize",
+    )
+    add(
+        "heap view shape not ints",
+        None,
+        lambda: heap.view(0, "abc", np.uint8),
+        InvalidType,
+        "shape must be",
+    )
+    add(
+        "heap reserve more than the heap",
+        None,
+        lambda: heap.reserve(2 * nb + 4096),
+        InvalidArgument,
+        "must fit in the heap",
+    )
+    add(
+        "heap reserve align 48",
+        None,
+        lambda: heap.reserve(64, align=48),
+        InvalidArgument,
+        "align must be a power of two",
+    )
     return rows
 
 
@@ -615,7 +930,7 @@ def test_bad_input_table(comm, seed, monkeypatch, warm):
     heap = SymmetricHeap(comm, 1 << 20)
     cases = {"q": q, "k": k, "l": l}
     if warm == "reused addresses":
-        _warm_up(cases, seed, T)   # its arrays are freed on return
+        _warm_up(cases, seed, T)  # its arrays are freed on return
     prepared = {n: c.prepare(seed + i, T) for i, (n, c) in enumerate(cases.items())}
     if warm == "same arrays":
         for n, c in cases.items():
@@ -624,10 +939,10 @@ def test_bad_input_table(comm, seed, monkeypatch, warm):
                 c.call(prepared[n][0], out=c.poisoned_out(T))
             c.op.synchronize()
     cold_caches = [n for n, c in cases.items() if warm != "cold" and not c.op._plans.hits]
-    rows = _bad_input_rows(comm, q, k, l, heap, prepared["q"][0], prepared["k"][0],
-                           prepared["l"][0], T)
-    msgs = [f"warm-up ({warm}) did not hit the plan cache of {cold_caches}"] if cold_caches \
-        else []
+    rows = _bad_input_rows(
+        comm, q, k, l, heap, prepared["q"][0], prepared["k"][0], prepared["l"][0], T
+    )
+    msgs = [f"warm-up ({warm}) did not hit the plan cache of {cold_caches}"] if cold_caches else []
     n_rows = len(rows)
     for rid, case, thunk, exc, frag in rows:
         before = {n: list(c.op._calls) for n, c in cases.items()}
@@ -681,8 +996,10 @@ def test_bad_input_table(comm, seed, monkeypatch, warm):
     heap.close()
     heap.close()
     closed_rows = 0
-    for rid, thunk in (("heap view after close", lambda: heap.view(0, (16,), np.uint8)),
-                       ("heap reserve after close", lambda: heap.reserve(256))):
+    for rid, thunk in (
+        ("heap view after close", lambda: heap.view(0, (16,), np.uint8)),
+        ("heap reserve after close", lambda: heap.reserve(256)),
+    ):
         closed_rows += 1
         try:
             thunk()
@@ -694,8 +1011,10 @@ def test_bad_input_table(comm, seed, monkeypatch, warm):
     for name, c in cases.items():
         dev, _ = prepared[name]
         c.op.close()
-        for what, thunk in (("call", lambda: c.call(dev)),
-                            ("synchronize", lambda: c.op.synchronize())):
+        for what, thunk in (
+            ("call", lambda: c.call(dev)),
+            ("synchronize", lambda: c.op.synchronize()),
+        ):
             closed_rows += 1
             try:
                 thunk()
@@ -736,9 +1055,11 @@ def test_close_collective_idempotent(comm, seed, name, algorithm):
     case.op.close()
     if case.op.poisoned:
         msgs.append("a closed workspace reports poisoned")
-    for what, thunk in (("call", lambda: case.call(dev)),
-                        ("call with out=", lambda: case.call(dev, out=case.poisoned_out(5))),
-                        ("synchronize", case.op.synchronize)):
+    for what, thunk in (
+        ("call", lambda: case.call(dev)),
+        ("call with out=", lambda: case.call(dev, out=case.poisoned_out(5))),
+        ("synchronize", case.op.synchronize),
+    ):
         try:
             thunk()
             msgs.append(f"{what} after close did not raise")
@@ -781,8 +1102,9 @@ def test_close_memory_returned(comm, seed):
     msgs = []
     lost = start["mem_free_bytes"] - end["mem_free_bytes"]
     if lost > 16 << 20:
-        msgs.append(f"GPU free memory dropped by {lost} bytes over 10 build/close rounds "
-                    f"({start} -> {end})")
+        msgs.append(
+            f"GPU free memory dropped by {lost} bytes over 10 build/close rounds ({start} -> {end})"
+        )
     if end["fds"] > start["fds"] + 2:
         msgs.append(f"open fds grew over 10 build/close rounds: {start['fds']} -> {end['fds']}")
     _report(comm, {"test": "build_close_rounds", "rounds": 10, "start": start, "end": end})

@@ -32,14 +32,27 @@ from dcpkit.symmetric import SymmetricHeap
 
 T, H_R, D, D_KV = 4, 2, 64, 64
 BUILD = {
-    "q_gather": lambda c, **kw: QGather(c, max_tokens=8, heads_per_rank=H_R, head_dim=D,
-                                        dtype="float16", timeout_ms=kw.pop("timeout_ms", 5000),
-                                        **kw),
-    "kv_gather": lambda c, **kw: KVGather(c, max_tokens=8, row_dim=D_KV, dtype="float16",
-                                          timeout_ms=kw.pop("timeout_ms", 5000), **kw),
-    "lse_reduce": lambda c, **kw: LseReduce(c, max_tokens=8, num_heads=H_R * c.world_size,
-                                            head_dim=D, dtype="float16",
-                                            timeout_ms=kw.pop("timeout_ms", 5000), **kw),
+    "q_gather": lambda c, **kw: QGather(
+        c,
+        max_tokens=8,
+        heads_per_rank=H_R,
+        head_dim=D,
+        dtype="float16",
+        timeout_ms=kw.pop("timeout_ms", 5000),
+        **kw,
+    ),
+    "kv_gather": lambda c, **kw: KVGather(
+        c, max_tokens=8, row_dim=D_KV, dtype="float16", timeout_ms=kw.pop("timeout_ms", 5000), **kw
+    ),
+    "lse_reduce": lambda c, **kw: LseReduce(
+        c,
+        max_tokens=8,
+        num_heads=H_R * c.world_size,
+        head_dim=D,
+        dtype="float16",
+        timeout_ms=kw.pop("timeout_ms", 5000),
+        **kw,
+    ),
 }
 BAD = [dict(timeout_ms=-5), dict(timeout_ms="soon"), dict(num_ubatches=0)]
 
@@ -67,8 +80,7 @@ def _inputs(name, comm):
     if name == "kv_gather":
         return (cupy.full((T, D_KV), v, dtype=cupy.float16),)
     H = H_R * comm.world_size
-    return (cupy.full((T, H, D), v, dtype=cupy.float16),
-            cupy.zeros((T, H), dtype=cupy.float32))
+    return (cupy.full((T, H, D), v, dtype=cupy.float16), cupy.zeros((T, H), dtype=cupy.float32))
 
 
 def _check_result(name, comm, res):
@@ -113,13 +125,16 @@ def test_bad_argument_on_one_rank_then_a_good_op_in_the_same_heap(comm, name):
                     errors.append(f"{kw}: a good rank raised {e!r}, expected PeerError")
             except PeerError as e:
                 if comm.rank == bad_rank or set(e.failed) != {bad_rank}:
-                    errors.append(f"{kw}: PeerError {e} (expected on the good ranks, naming "
-                                  f"rank {bad_rank})")
+                    errors.append(
+                        f"{kw}: PeerError {e} (expected on the good ranks, naming rank {bad_rank})"
+                    )
             except Exception as e:  # noqa: BLE001 - reported
                 errors.append(f"{kw}: unexpected {e!r}")
             if heap.reserved_bytes != before:
-                errors.append(f"{kw}: the failed constructor reserved "
-                              f"{heap.reserved_bytes - before} bytes of the user's heap")
+                errors.append(
+                    f"{kw}: the failed constructor reserved "
+                    f"{heap.reserved_bytes - before} bytes of the user's heap"
+                )
         # a good op in the same heap; a bad stream raises and counts nothing
         op = BUILD[name](comm, heap=heap)
         try:
@@ -153,9 +168,16 @@ def test_dcpcomm_bad_timeout_on_one_rank_raises_on_every_rank(comm):
     bad_rank = comm.world_size - 1
     errors = []
     try:
-        DCPComm(comm, max_tokens=8, num_heads=H_R * comm.world_size, q_head_dim=D,
-                v_head_dim=D, dtype="float16", policy="direct",
-                timeout_ms=-5 if comm.rank == bad_rank else 1000).close()
+        DCPComm(
+            comm,
+            max_tokens=8,
+            num_heads=H_R * comm.world_size,
+            q_head_dim=D,
+            v_head_dim=D,
+            dtype="float16",
+            policy="direct",
+            timeout_ms=-5 if comm.rank == bad_rank else 1000,
+        ).close()
         errors.append("built")
     except InvalidArgument as e:
         if comm.rank != bad_rank or "DCPComm: timeout_ms must lie in" not in str(e):

@@ -30,7 +30,8 @@ from _heap_checks import agree, free_bytes, open_fds, pattern_errors, run_checke
 NVSHMEM_SKIP = pytest.mark.skipif(
     not nvs.available(),
     reason="nvshmem4py is not importable here: install the 'nvshmem' extra (CUDA 12) or "
-           "'nvshmem-cu13' (CUDA 13)")
+    "'nvshmem-cu13' (CUDA 13)",
+)
 
 CYCLES = 200
 CYCLE_BYTES = 64 << 20
@@ -96,8 +97,9 @@ def test_two_heaps_at_once_are_distinct(comm, seed):
             errors.extend(pattern_errors(comm, a, seed))
             errors.extend(f"second heap: {e}" for e in pattern_errors(comm, b, seed + 1))
             # the first heap still holds its own pattern after the second was written
-            errors.extend(f"first heap after second: {e}"
-                          for e in _pattern_still_there(comm, a, seed))
+            errors.extend(
+                f"first heap after second: {e}" for e in _pattern_still_there(comm, a, seed)
+            )
 
     _assert_all(comm, run_checked(comm, body), "two heaps at once")
 
@@ -138,12 +140,16 @@ def test_alloc_close_cycles_leave_memory_and_fds_where_they_were(comm):
         comm.barrier()
         mem1, fds1 = free_bytes(), open_fds()
         if comm.rank == 0:
-            print(f"\n[symmetric] {CYCLES} cycles of {CYCLE_BYTES >> 20} MiB x {comm.world_size} "
-                  f"ranks: {(time.perf_counter() - t0) / CYCLES * 1e3:.2f} ms per cycle; free "
-                  f"memory {mem0} -> {mem1}, open fds {fds0} -> {fds1}")
+            print(
+                f"\n[symmetric] {CYCLES} cycles of {CYCLE_BYTES >> 20} MiB x {comm.world_size} "
+                f"ranks: {(time.perf_counter() - t0) / CYCLES * 1e3:.2f} ms per cycle; free "
+                f"memory {mem0} -> {mem1}, open fds {fds0} -> {fds1}"
+            )
         if mem1 != mem0:
-            errors.append(f"free GPU memory changed by {mem1 - mem0} bytes over {CYCLES} cycles "
-                          f"({mem0} -> {mem1})")
+            errors.append(
+                f"free GPU memory changed by {mem1 - mem0} bytes over {CYCLES} cycles "
+                f"({mem0} -> {mem1})"
+            )
         if fds1 != fds0:
             errors.append(f"open file descriptors changed by {fds1 - fds0} ({fds0} -> {fds1})")
     except Exception as e:  # noqa: BLE001
@@ -151,9 +157,18 @@ def test_alloc_close_cycles_leave_memory_and_fds_where_they_were(comm):
     _assert_all(comm, errors, "allocate/close cycles, cumem backend")
 
 
-FAULT_POINTS = ["after_context", "after_granularity", "after_create", "after_export",
-                "after_exchange", "after_import", "after_reserve", "after_map", "after_access",
-                "after_zero"]
+FAULT_POINTS = [
+    "after_context",
+    "after_granularity",
+    "after_create",
+    "after_export",
+    "after_exchange",
+    "after_import",
+    "after_reserve",
+    "after_map",
+    "after_access",
+    "after_zero",
+]
 
 
 @pytest.mark.timeout(300)
@@ -193,8 +208,10 @@ def test_fault_injection_unwinds_everywhere(comm, point):
     if fds1 != fds0:
         errors.append(f"open descriptors changed by {fds1 - fds0}")
     if comm.rank == 0:
-        print(f"\n[symmetric] fault {point} on rank {faulty}: every rank raised after "
-              f"{elapsed * 1e3:.1f} ms")
+        print(
+            f"\n[symmetric] fault {point} on rank {faulty}: every rank raised after "
+            f"{elapsed * 1e3:.1f} ms"
+        )
     _assert_all(comm, errors, f"fault injection at {point}")
 
 
@@ -233,8 +250,10 @@ def test_fabric_handles_are_tried_and_a_refusal_is_recorded(comm, seed, record_p
     if len(set(map(repr, infos))) != 1:
         errors.append(f"ranks disagree on the handle type / refusal: {infos}")
     if comm.rank == 0:
-        print(f"\n[symmetric] fabric attempt: handle_type={infos[0][0] if infos[0] else None} "
-              f"refusal={infos[0][1] if infos[0] else None}")
+        print(
+            f"\n[symmetric] fabric attempt: handle_type={infos[0][0] if infos[0] else None} "
+            f"refusal={infos[0][1] if infos[0] else None}"
+        )
     record_property("fabric_result", repr(infos[0]))
     _assert_all(comm, errors, "fabric attempt")
 
@@ -245,10 +264,18 @@ def test_bad_input_on_the_gpu(comm):
     errors = []
     ndev = cupy.cuda.runtime.getDeviceCount()
     cases = [
-        ("device out of range", dict(nbytes=4096, device=ndev), InvalidArgument,
-         f"device index must lie in [0, {ndev})"),
-        ("more than the device's memory", dict(nbytes=1 << 40), InvalidArgument,
-         "must be <= the memory of device"),
+        (
+            "device out of range",
+            dict(nbytes=4096, device=ndev),
+            InvalidArgument,
+            f"device index must lie in [0, {ndev})",
+        ),
+        (
+            "more than the device's memory",
+            dict(nbytes=1 << 40),
+            InvalidArgument,
+            "must be <= the memory of device",
+        ),
     ]
     for what, kw, exc, text in cases:
         kw = dict(kw)
@@ -261,8 +288,11 @@ def test_bad_input_on_the_gpu(comm):
     try:
         heap = SymmetricHeap(comm, 1 << 20)
         for what, call, exc in [
-            ("view out of bounds", lambda: heap.view(heap.nbytes - 4, (2,), np.float32),
-             InvalidArgument),
+            (
+                "view out of bounds",
+                lambda: heap.view(heap.nbytes - 4, (2,), np.float32),
+                InvalidArgument,
+            ),
             ("view misaligned", lambda: heap.view(2, (2,), np.float32), InvalidArgument),
             ("reserve beyond capacity", lambda: heap.reserve(heap.nbytes + 1), InvalidArgument),
         ]:
@@ -288,8 +318,9 @@ def test_multicast_stays_off_where_disabled(comm):
     variable, every rank agrees. (Skipped where nothing disables multicast: this test must never
     create one.)"""
     if not kill_switches_set(os.environ):
-        pytest.skip("no multicast-disabling variable set: this test would create a multicast "
-                    "object")
+        pytest.skip(
+            "no multicast-disabling variable set: this test would create a multicast object"
+        )
     errors = []
     try:
         with SymmetricHeap(comm, 1 << 20, multicast=True) as heap:
@@ -341,8 +372,10 @@ def test_alloc_close_cycles_nvshmem_do_not_grow(comm):
         comm.barrier()
         mem1, fds1 = free_bytes(), open_fds()
         if comm.rank == 0:
-            print(f"\n[symmetric] nvshmem {CYCLES} cycles: free memory {mem0} -> {mem1}, "
-                  f"open fds {fds0} -> {fds1}")
+            print(
+                f"\n[symmetric] nvshmem {CYCLES} cycles: free memory {mem0} -> {mem1}, "
+                f"open fds {fds0} -> {fds1}"
+            )
         if mem1 != mem0:
             errors.append(f"free GPU memory changed by {mem1 - mem0} bytes")
         if fds1 != fds0:

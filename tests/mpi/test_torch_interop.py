@@ -21,12 +21,14 @@ import socket
 import numpy as np
 import pytest
 
-from _dcp_checks import (KVCase, LseCase, QCase, first_diff, run_all_ranks, sub_seed)
 from dcpkit.errors import ClosedError, ConfigMismatch, InvalidArgument, InvalidType
 from dcpkit.reference import resolve_dtype
 
-torch = pytest.importorskip("torch", reason="torch is not installed here "
-                            "(pip install 'dcpkit[torch]')")
+from _dcp_checks import KVCase, LseCase, QCase, first_diff, run_all_ranks, sub_seed
+
+torch = pytest.importorskip(
+    "torch", reason="torch is not installed here (pip install 'dcpkit[torch]')"
+)
 cupy = pytest.importorskip("cupy")
 
 import dcpkit.torch as dt  # noqa: E402  (after the skip: needs torch)
@@ -38,7 +40,7 @@ from dcpkit.ops import KVGather  # noqa: E402
 BF16 = resolve_dtype("bfloat16")
 T_MAX = 16
 DQ, DV, DKV = 576, 512, 576
-SLEEP_CYCLES = 50_000_000      # torch.cuda._sleep: tens of milliseconds on an H200
+SLEEP_CYCLES = 50_000_000  # torch.cuda._sleep: tens of milliseconds on an H200
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +53,15 @@ def tdev(comm):
 
 @pytest.fixture(scope="module")
 def dcp(comm, tdev):
-    d = DCPComm(comm, max_tokens=T_MAX, num_heads=8 * comm.world_size, q_head_dim=DQ,
-                v_head_dim=DV, kv_row_dim=DKV, dtype="bfloat16")
+    d = DCPComm(
+        comm,
+        max_tokens=T_MAX,
+        num_heads=8 * comm.world_size,
+        q_head_dim=DQ,
+        v_head_dim=DV,
+        kv_row_dim=DKV,
+        dtype="bfloat16",
+    )
     yield d
     d.close()
 
@@ -73,7 +82,7 @@ def np_from_t(t) -> np.ndarray:
 
 def t_poisoned(shape, dtype, dev):
     x = torch.empty(shape, dtype=dtype, device=f"cuda:{dev}")
-    x.view(torch.uint8).fill_(0xFF)           # NaN in every float dtype
+    x.view(torch.uint8).fill_(0xFF)  # NaN in every float dtype
     return x
 
 
@@ -84,17 +93,21 @@ def test_bf16_round_trip_is_zero_copy(comm, tdev):
         for name, src in (("contiguous", t), ("strided view", t[:, 2:6])):
             a = dt.to_cupy(src)
             if a.data.ptr != src.data_ptr():
-                errors.append(f"{name}: to_cupy copied (ptr {a.data.ptr:#x} vs "
-                              f"{src.data_ptr():#x})")
-            if a.dtype != BF16 or a.shape != tuple(src.shape) or \
-                    a.strides != tuple(2 * s for s in src.stride()):
+                errors.append(
+                    f"{name}: to_cupy copied (ptr {a.data.ptr:#x} vs {src.data_ptr():#x})"
+                )
+            if (
+                a.dtype != BF16
+                or a.shape != tuple(src.shape)
+                or a.strides != tuple(2 * s for s in src.stride())
+            ):
                 errors.append(f"{name}: dtype/shape/strides {a.dtype} {a.shape} {a.strides}")
             back = dt.from_cupy(a)
             if back.data_ptr() != src.data_ptr() or back.dtype != torch.bfloat16:
                 errors.append(f"{name}: from_cupy copied or changed dtype ({back.dtype})")
             if not torch.equal(back.view(torch.int16), src.view(torch.int16)):
                 errors.append(f"{name}: bits differ after the round trip")
-        c = cupy.arange(64, dtype=cupy.uint16).view(BF16)    # CuPy-owned bf16 -> torch
+        c = cupy.arange(64, dtype=cupy.uint16).view(BF16)  # CuPy-owned bf16 -> torch
         tc = dt.from_cupy(c)
         if tc.data_ptr() != c.data.ptr or tc.dtype != torch.bfloat16:
             errors.append("cupy -> torch copied or lost bf16")
@@ -110,7 +123,7 @@ def test_torch_ops_match_reference(comm, seed, dcp, tdev, nccl_expected):
     each (NCCL cannot start where they share one)."""
     H = 8 * comm.world_size
     H_r, r = 8, comm.rank
-    sizes = (1, 5, T_MAX) + ((T_MAX + 3,) if nccl_expected else ())   # T_MAX + 3: NCCL
+    sizes = (1, 5, T_MAX) + ((T_MAX + 3,) if nccl_expected else ())  # T_MAX + 3: NCCL
 
     def body(errors):
         with dt.TorchOps(dcp) as ops:
@@ -138,20 +151,26 @@ def test_torch_ops_match_reference(comm, seed, dcp, tdev, nccl_expected):
                 d = first_diff(np_from_t(out), ck.ref)
                 errors.append(f"rank {r} kv_gather T={T} custom op: {d}" if d else "")
 
-                cl = LseCase(comm, sub_seed(seed, k, 3), T=T, H=H, D=DV, dtype="bfloat16",
-                             num_requests=2)
+                cl = LseCase(
+                    comm, sub_seed(seed, k, 3), T=T, H=H, D=DV, dtype="bfloat16", num_requests=2
+                )
                 x, l = t_from_np(cl.out_partial, tdev), t_from_np(cl.lse_partial, tdev)
-                kw = dict(query_start_loc=t_from_np(cl.qsl, tdev),
-                          seq_lens=t_from_np(cl.seq_lens, tdev))
-                errors.append(cl.check_host(r, np_from_t(ops.lse_reduce(x, l, **kw)), None,
-                                            f"T={T} DLPack path"))
+                kw = dict(
+                    query_start_loc=t_from_np(cl.qsl, tdev), seq_lens=t_from_np(cl.seq_lens, tdev)
+                )
+                errors.append(
+                    cl.check_host(
+                        r, np_from_t(ops.lse_reduce(x, l, **kw)), None, f"T={T} DLPack path"
+                    )
+                )
                 out = t_poisoned((T, H_r, DV), torch.bfloat16, tdev)
                 out_lse = t_poisoned((T, H_r), torch.float32, tdev)
                 res = ops.lse_reduce(x, l, out=out, out_lse=out_lse, **kw)
                 if res[0] is not out or res[1] is not out_lse:
                     errors.append("lse_reduce(out=, out_lse=) did not return them")
-                errors.append(cl.check_host(r, np_from_t(out), np_from_t(out_lse),
-                                            f"T={T} custom op"))
+                errors.append(
+                    cl.check_host(r, np_from_t(out), np_from_t(out_lse), f"T={T} custom op")
+                )
             paths = comm.allgather(dcp.last_path)
             want = "nccl" if nccl_expected else "direct-"
             if any(not str(p).startswith(want) for p in paths):
@@ -169,22 +188,42 @@ def test_bad_tensors(comm, dcp, tdev):
         q_cpu = torch.zeros(2, 8, DQ, dtype=torch.bfloat16)
         cases = [
             ("CPU tensor", lambda: ops.q_gather(q_cpu), InvalidType, "must be a CUDA tensor"),
-            ("CPU tensor, custom op", lambda: ops.q_gather(
-                q_cpu, out=torch.zeros(2, 8 * comm.world_size, DQ, dtype=torch.bfloat16)),
-             InvalidType, "must be a CUDA tensor"),
-            ("complex64", lambda: ops.kv_gather(torch.zeros(2, DKV, dtype=torch.complex64,
-                                                            device=f"cuda:{tdev}")),
-             InvalidType, "dtype must be one of"),
-            ("not a tensor", lambda: ops.q_gather(np.zeros((2, 8, DQ), np.float32)), InvalidType,
-             "must be a torch.Tensor"),
-            ("not an op", lambda: dt.TorchOps(object()), InvalidType,
-             "target must be a dcpkit op"),
+            (
+                "CPU tensor, custom op",
+                lambda: ops.q_gather(
+                    q_cpu, out=torch.zeros(2, 8 * comm.world_size, DQ, dtype=torch.bfloat16)
+                ),
+                InvalidType,
+                "must be a CUDA tensor",
+            ),
+            (
+                "complex64",
+                lambda: ops.kv_gather(
+                    torch.zeros(2, DKV, dtype=torch.complex64, device=f"cuda:{tdev}")
+                ),
+                InvalidType,
+                "dtype must be one of",
+            ),
+            (
+                "not a tensor",
+                lambda: ops.q_gather(np.zeros((2, 8, DQ), np.float32)),
+                InvalidType,
+                "must be a torch.Tensor",
+            ),
+            ("not an op", lambda: dt.TorchOps(object()), InvalidType, "target must be a dcpkit op"),
         ]
         if torch.cuda.device_count() > 1:
             other = (tdev + 1) % torch.cuda.device_count()
-            cases.append(("other GPU", lambda: ops.q_gather(
-                torch.zeros(2, 8, DQ, dtype=torch.bfloat16, device=f"cuda:{other}")),
-                InvalidArgument, f"device must be the op's GPU cuda:{tdev}"))
+            cases.append(
+                (
+                    "other GPU",
+                    lambda: ops.q_gather(
+                        torch.zeros(2, 8, DQ, dtype=torch.bfloat16, device=f"cuda:{other}")
+                    ),
+                    InvalidArgument,
+                    f"device must be the op's GPU cuda:{tdev}",
+                )
+            )
         for what, call, exc, text in cases:
             try:
                 call()
@@ -197,11 +236,14 @@ def test_bad_tensors(comm, dcp, tdev):
         handle = ops.handle
         ops.close()
         try:
-            torch.ops.dcpkit.q_gather(handle, torch.zeros(1, 8, DQ, dtype=torch.bfloat16,
-                                                          device=f"cuda:{tdev}"),
-                                      torch.zeros(1, 8 * comm.world_size, DQ,
-                                                  dtype=torch.bfloat16, device=f"cuda:{tdev}"),
-                                      0)
+            torch.ops.dcpkit.q_gather(
+                handle,
+                torch.zeros(1, 8, DQ, dtype=torch.bfloat16, device=f"cuda:{tdev}"),
+                torch.zeros(
+                    1, 8 * comm.world_size, DQ, dtype=torch.bfloat16, device=f"cuda:{tdev}"
+                ),
+                0,
+            )
             errors.append("a closed handle was accepted")
         except ClosedError:
             pass
@@ -233,10 +275,10 @@ def test_ordered_on_current_torch_stream(comm, seed, dcp, tdev):
             s = torch.cuda.Stream()
             with torch.cuda.stream(s):
                 torch.cuda._sleep(SLEEP_CYCLES)
-                q_in.copy_(q_src)                      # written right before the call
-                ops.q_gather(q_in, out=out_q)          # custom op
-                got_q1 = out_q.clone()                 # read right after
-                got_q2 = ops.q_gather(q_in).clone()    # DLPack path, workspace view
+                q_in.copy_(q_src)  # written right before the call
+                ops.q_gather(q_in, out=out_q)  # custom op
+                got_q1 = out_q.clone()  # read right after
+                got_q2 = ops.q_gather(q_in).clone()  # DLPack path, workspace view
                 torch.cuda._sleep(SLEEP_CYCLES)
                 x_in.copy_(x_src)
                 l_in.copy_(l_src)
@@ -246,8 +288,7 @@ def test_ordered_on_current_torch_stream(comm, seed, dcp, tdev):
                 d = first_diff(np_from_t(got), cq.ref)
                 if d:
                     errors.append(f"rank {r} q_gather {name} on a side stream: {d}")
-            errors.append(cl.check_host(r, np_from_t(got_o), None, "lse_reduce on a side "
-                                                                   "stream"))
+            errors.append(cl.check_host(r, np_from_t(got_o), None, "lse_reduce on a side stream"))
 
     run_all_ranks(comm, "ordering on the current torch stream", body)
 
@@ -259,15 +300,25 @@ def test_torch_graph_with_custom_ops_100_replays(comm, seed, tdev, policy, reque
     fresh inputs copied in place and poisoned outputs; every replay checked. ``auto`` runs
     the direct path (also where ranks share a GPU); ``nccl`` needs one GPU per rank."""
     if policy == "nccl":
-        request.getfixturevalue("nccl_usable")      # skips where ranks share a GPU
+        request.getfixturevalue("nccl_usable")  # skips where ranks share a GPU
     H_r, Dq, Dv, T = 8, 128, 128, 5
     H = H_r * comm.world_size
     r = comm.rank
     want_path = "direct-" if policy == "auto" else "nccl"
 
     def body(errors):
-        with DCPComm(comm, max_tokens=8, num_heads=H, q_head_dim=Dq, v_head_dim=Dv,
-                     dtype="bfloat16", policy=policy) as d, dt.TorchOps(d) as ops:
+        with (
+            DCPComm(
+                comm,
+                max_tokens=8,
+                num_heads=H,
+                q_head_dim=Dq,
+                v_head_dim=Dv,
+                dtype="bfloat16",
+                policy=policy,
+            ) as d,
+            dt.TorchOps(d) as ops,
+        ):
             dev = f"cuda:{tdev}"
             q_s = torch.zeros(T, H_r, Dq, dtype=torch.bfloat16, device=dev)
             x_s = torch.zeros(T, H, Dv, dtype=torch.bfloat16, device=dev)
@@ -277,7 +328,7 @@ def test_torch_graph_with_custom_ops_100_replays(comm, seed, tdev, policy, reque
             out_l = torch.zeros(T, H_r, dtype=torch.float32, device=dev)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):             # warm-up, as torch recommends
+            with torch.cuda.stream(side):  # warm-up, as torch recommends
                 for _ in range(2):
                     ops.q_gather(q_s, out=out_q)
                     ops.lse_reduce(x_s, l_s, out=out_o, out_lse=out_l)
@@ -303,8 +354,7 @@ def test_torch_graph_with_custom_ops_100_replays(comm, seed, tdev, policy, reque
                 dq = first_diff(np_from_t(out_q), cq.ref)
                 if dq:
                     errors.append(f"rank {r} replay {i}: q_gather {dq}")
-                errors.append(cl.check_host(r, np_from_t(out_o), np_from_t(out_l),
-                                            f"replay {i}"))
+                errors.append(cl.check_host(r, np_from_t(out_o), np_from_t(out_l), f"replay {i}"))
             del g
 
     run_all_ranks(comm, f"torch CUDA graph with dcpkit custom ops (policy {policy})", body)
@@ -328,8 +378,12 @@ def test_communicator_from_torch(comm, seed, tdev, nccl_expected):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
     def body(errors):
-        dist.init_process_group("gloo", rank=comm.rank, world_size=comm.world_size,
-                                timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo",
+            rank=comm.rank,
+            world_size=comm.world_size,
+            timeout=datetime.timedelta(seconds=120),
+        )
         try:
             tc = Communicator.from_torch()
             if (tc.rank, tc.world_size, tc.backend) != (comm.rank, comm.world_size, "torch"):
@@ -356,8 +410,10 @@ def test_communicator_from_torch(comm, seed, tdev, nccl_expected):
                     errors.append(ck.check(comm.rank, res, f"{name} op on from_torch"))
                     want = ("nccl",) if name == "NCCL" else ("unicast", "multicast")
                     if getattr(op, "transport", None) not in want:
-                        errors.append(f"{name} op on from_torch has transport "
-                                      f"{getattr(op, 'transport', None)!r}, expected {want}")
+                        errors.append(
+                            f"{name} op on from_torch has transport "
+                            f"{getattr(op, 'transport', None)!r}, expected {want}"
+                        )
         finally:
             dist.destroy_process_group()
 
@@ -372,8 +428,7 @@ def test_communicator_from_torch(comm, seed, tdev, nccl_expected):
 
 
 # ----------------------------------------------------------------------------- memoised views
-def test_slices_and_restrided_views_of_one_storage_give_their_own_results(comm, seed, dcp,
-                                                                          tdev):
+def test_slices_and_restrided_views_of_one_storage_give_their_own_results(comm, seed, dcp, tdev):
     """TorchOps describes tensors without DLPack, memoised per description: inputs that are
     slices of one storage (non-zero storage offset), a view re-strided under the same data
     pointer, and an input freed and reallocated between calls must each give the result of
@@ -385,25 +440,27 @@ def test_slices_and_restrided_views_of_one_storage_give_their_own_results(comm, 
         with dt.TorchOps(dcp) as ops:
             cq = QCase(comm, sub_seed(seed, 7, 1), T=T, H_r=H_r, D=DQ, dtype="bfloat16")
             q = t_from_np(cq.q, tdev)
-            store = torch.zeros((2 * T + 1, H_r, DQ), dtype=torch.bfloat16,
-                                device=f"cuda:{tdev}")
-            store[1:T + 1] = q                               # offset one token
-            padded = torch.zeros((T, 2 * H_r, DQ), dtype=torch.bfloat16,
-                                 device=f"cuda:{tdev}")
-            padded[:, :H_r] = q                              # token stride 2*H_r*D
+            store = torch.zeros((2 * T + 1, H_r, DQ), dtype=torch.bfloat16, device=f"cuda:{tdev}")
+            store[1 : T + 1] = q  # offset one token
+            padded = torch.zeros((T, 2 * H_r, DQ), dtype=torch.bfloat16, device=f"cuda:{tdev}")
+            padded[:, :H_r] = q  # token stride 2*H_r*D
             for rep in range(3):
-                for name, x in (("contiguous", q), ("slice at offset", store[1:T + 1]),
-                                ("token-padded view", padded[:, :H_r])):
+                for name, x in (
+                    ("contiguous", q),
+                    ("slice at offset", store[1 : T + 1]),
+                    ("token-padded view", padded[:, :H_r]),
+                ):
                     d = first_diff(np_from_t(ops.q_gather(x)), cq.ref)
                     errors.append(f"rank {comm.rank} rep {rep} {name}: {d}" if d else "")
                 # the padded view's data pointer again, contiguous strides, other contents:
                 # only this rank's heads are known here (each rank's are its own input)
-                flat = padded.view(-1)[:T * H_r * DQ].view(T, H_r, DQ)
-                mine = np_from_t(ops.q_gather(flat))[:, comm.rank * H_r:(comm.rank + 1) * H_r]
+                flat = padded.view(-1)[: T * H_r * DQ].view(T, H_r, DQ)
+                mine = np_from_t(ops.q_gather(flat))[:, comm.rank * H_r : (comm.rank + 1) * H_r]
                 d = first_diff(mine, np_from_t(flat))
-                errors.append(f"rank {comm.rank} rep {rep} same pointer, contiguous: {d}"
-                              if d else "")
-                fresh = t_from_np(cq.q, tdev)                # freed and reallocated
+                errors.append(
+                    f"rank {comm.rank} rep {rep} same pointer, contiguous: {d}" if d else ""
+                )
+                fresh = t_from_np(cq.q, tdev)  # freed and reallocated
                 d = first_diff(np_from_t(ops.q_gather(fresh)), cq.ref)
                 errors.append(f"rank {comm.rank} rep {rep} fresh tensor: {d}" if d else "")
                 del fresh
@@ -425,17 +482,18 @@ def test_q_gather_plan_cache_and_both_launchers_match_the_reference(comm, seed, 
     H_r = 8
 
     def body(errors):
-        with QGather(comm, max_tokens=T_MAX, heads_per_rank=H_r, head_dim=DQ,
-                     dtype="bfloat16") as qg:
+        with QGather(
+            comm, max_tokens=T_MAX, heads_per_rank=H_r, head_dim=DQ, dtype="bfloat16"
+        ) as qg:
             for backend in ("ctypes", "bindings"):
                 qg._set_launch_backend(backend)
                 hits = qg._plans.hits
                 for k, T in enumerate((1, 5, T_MAX)):
-                    cq = QCase(comm, sub_seed(seed, k, 9), T=T, H_r=H_r, D=DQ,
-                               dtype="bfloat16")
+                    cq = QCase(comm, sub_seed(seed, k, 9), T=T, H_r=H_r, D=DQ, dtype="bfloat16")
                     q = cupy.asarray(cq.q)
-                    out = cupy.full((T, H_r * comm.world_size, DQ), 0xFFFF,
-                                    dtype=cupy.uint16).view(q.dtype)
+                    out = cupy.full((T, H_r * comm.world_size, DQ), 0xFFFF, dtype=cupy.uint16).view(
+                        q.dtype
+                    )
                     for rep in range(4):
                         errors.append(cq.check(comm.rank, qg(q), f"{backend} view {rep}"))
                         qg(q, out=out)

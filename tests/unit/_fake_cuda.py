@@ -64,8 +64,10 @@ class FakeCupy:
                 fake._stack().append(self.id)
 
         runtime = types.SimpleNamespace(
-            free=self._free, deviceGetPCIBusId=lambda d: f"0000:{int(d):02x}:00.0",
-            deviceSynchronize=self._sync, getDevice=lambda: fake.current() or 0,
+            free=self._free,
+            deviceGetPCIBusId=lambda d: f"0000:{int(d):02x}:00.0",
+            deviceSynchronize=self._sync,
+            getDevice=lambda: fake.current() or 0,
             getDeviceCount=lambda: fake.ndev,
             getDeviceProperties=lambda d: {"totalGlobalMem": 80 << 30},
             memset=self._memset,
@@ -98,8 +100,15 @@ class FakeDriver:
     call returns on that device; ``fabric`` is "ok", "not_permitted" (every device) or a set of
     devices that refuse; ``p2p(a, b)`` says whether device a can access device b."""
 
-    def __init__(self, cupy: FakeCupy, *, fabric="not_permitted", p2p=None, mc_supported=1,
-                 fail: dict | None = None):
+    def __init__(
+        self,
+        cupy: FakeCupy,
+        *,
+        fabric="not_permitted",
+        p2p=None,
+        mc_supported=1,
+        fail: dict | None = None,
+    ):
         self._cupy = cupy
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
@@ -107,14 +116,14 @@ class FakeDriver:
         self.p2p = p2p or (lambda a, b: True)
         self.mc_supported = mc_supported
         self.fail = dict(fail or {})
-        self.allocs = {}      # alloc id -> dict(kind, size, device, type)
-        self.handles = {}     # handle -> alloc id
-        self.fds = {}         # exported fd -> alloc id (fds still owned by the caller)
-        self.reserved = {}    # base -> size
-        self.maps = {}        # va -> (size, handle)
-        self.access = {}      # va of a mapping -> set of devices
-        self.mc = {}          # alloc id -> dict(num, added set, bound {device: (handle, size)})
-        self.calls = []       # (name, device)
+        self.allocs = {}  # alloc id -> dict(kind, size, device, type)
+        self.handles = {}  # handle -> alloc id
+        self.fds = {}  # exported fd -> alloc id (fds still owned by the caller)
+        self.reserved = {}  # base -> size
+        self.maps = {}  # va -> (size, handle)
+        self.access = {}  # va of a mapping -> set of devices
+        self.mc = {}  # alloc id -> dict(num, added set, bound {device: (handle, size)})
+        self.calls = []  # (name, device)
         self._va = itertools.count(1 << 44, 1 << 40)
 
     # -------------------------------------------------------------- plumbing
@@ -139,9 +148,12 @@ class FakeDriver:
     def live(self):
         """What is still held: every count must be 0 after a close or an unwinding."""
         with self._lock:
-            return {"handles": len(self.handles), "reserved": len(self.reserved),
-                    "maps": len(self.maps),
-                    "bound": sum(len(m["bound"]) for m in self.mc.values())}
+            return {
+                "handles": len(self.handles),
+                "reserved": len(self.reserved),
+                "maps": len(self.maps),
+                "bound": sum(len(m["bound"]) for m in self.mc.values()),
+            }
 
     def owner_of(self, va):
         """Device whose physical allocation is mapped at ``va``."""
@@ -164,10 +176,12 @@ class FakeDriver:
 
     def cuDeviceGetAttribute(self, attr, dev):
         self.calls.append(("cuDeviceGetAttribute", self._cupy.current()))
-        values = {_A.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED: self.mc_supported,
-                  _A.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED: 1,
-                  _A.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: 1,
-                  _A.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: 1}
+        values = {
+            _A.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED: self.mc_supported,
+            _A.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED: 1,
+            _A.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: 1,
+            _A.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: 1,
+        }
         if attr not in values:
             raise AssertionError(f"fake driver: unexpected attribute {attr}")
         return (OK, values[attr])
@@ -195,8 +209,10 @@ class FakeDriver:
             if size % GRAN or size <= 0 or prop.location.id != dev:
                 return (R.CUDA_ERROR_INVALID_VALUE, None)
             kind = prop.requestedHandleTypes
-            if kind == _FABRIC and (self.fabric == "not_permitted"
-                                    or (isinstance(self.fabric, set) and dev in self.fabric)):
+            if kind == _FABRIC and (
+                self.fabric == "not_permitted"
+                or (isinstance(self.fabric, set) and dev in self.fabric)
+            ):
                 return (R.CUDA_ERROR_NOT_PERMITTED, None)
             aid = next(self._ids)
             self.allocs[aid] = dict(kind="mem", size=size, device=dev, type=kind)
@@ -280,8 +296,13 @@ class FakeDriver:
             aid = self.handles.get(int(handle))
             inside = any(b <= ptr and ptr + size <= b + s for b, s in self.reserved.items())
             overlap = any(va < ptr + size and ptr < va + s for va, (s, _) in self.maps.items())
-            if aid is None or not inside or overlap or offset != 0 \
-                    or size != self.allocs[aid]["size"]:
+            if (
+                aid is None
+                or not inside
+                or overlap
+                or offset != 0
+                or size != self.allocs[aid]["size"]
+            ):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
             self.maps[ptr] = (size, int(handle))
             return (OK,)
@@ -344,8 +365,9 @@ class FakeDriver:
                 return (R.CUDA_ERROR_INVALID_VALUE, None)
             aid = next(self._ids)
             kind = _FD if prop.handleTypes == int(_FD) else _FABRIC
-            self.allocs[aid] = dict(kind="mc", size=prop.size, device=self._cupy.current(),
-                                    type=kind)
+            self.allocs[aid] = dict(
+                kind="mc", size=prop.size, device=self._cupy.current(), type=kind
+            )
             self.mc[aid] = dict(num=prop.numDevices, added=set(), bound={})
             return (OK, self._new_handle(aid))
 
@@ -368,9 +390,15 @@ class FakeDriver:
             m = self.mc.get(self.handles.get(int(mc_handle)))
             dev = self._cupy.current()
             mem = self.handles.get(int(mem_handle))
-            if m is None or len(m["added"]) != m["num"] or dev not in m["added"] \
-                    or mem is None or self.allocs[mem]["device"] != dev or size % MC_GRAN \
-                    or dev in m["bound"]:
+            if (
+                m is None
+                or len(m["added"]) != m["num"]
+                or dev not in m["added"]
+                or mem is None
+                or self.allocs[mem]["device"] != dev
+                or size % MC_GRAN
+                or dev in m["bound"]
+            ):
                 return (R.CUDA_ERROR_INVALID_VALUE,)
             m["bound"][dev] = (int(mem_handle), size)
             return (OK,)

@@ -27,11 +27,13 @@ class _Rendezvous:
 
 def make_comm(rv, rank, world_size):
     return Communicator(
-        rank, world_size,
+        rank,
+        world_size,
         allgather=lambda obj: rv.allgather(rank, obj),
         broadcast=lambda obj, root: rv.allgather(rank, obj)[root],
         barrier=lambda: rv.allgather(rank, None),
-        backend="threads")
+        backend="threads",
+    )
 
 
 def run_group(world_size, fn, timeout_s=20.0):

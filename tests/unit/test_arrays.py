@@ -24,8 +24,7 @@ class Cai:
 
 
 def good(**change):
-    cai = {"shape": (4, 8), "typestr": "<f4", "data": (PTR, False), "strides": None,
-           "version": 3}
+    cai = {"shape": (4, 8), "typestr": "<f4", "data": (PTR, False), "strides": None, "version": 3}
     cai.update(change)
     return {k: v for k, v in cai.items() if v is not _DROP}
 
@@ -35,8 +34,7 @@ _DROP = object()
 
 def test_well_formed_interfaces():
     i = array_info(Cai(good()), "op", "x")
-    assert (i.shape, i.strides, i.dtype, i.ptr, i.device) == ((4, 8), (32, 4), np.float32, PTR,
-                                                              0)
+    assert (i.shape, i.strides, i.dtype, i.ptr, i.device) == ((4, 8), (32, 4), np.float32, PTR, 0)
     i = array_info(Cai(good(strides=(4, 16), shape=[8, 4], data=[PTR, True])), "op", "x")
     assert (i.shape, i.strides) == ((8, 4), (4, 16))
     i = array_info(Cai(good(shape=(np.int64(3),), typestr="|u1", strides=_DROP)), "op", "x")
@@ -46,41 +44,65 @@ def test_well_formed_interfaces():
     assert array_info(Cai(good(mask=None)), "op", "x").shape == (4, 8)
 
 
-@pytest.mark.parametrize("cai,exc,fragment", [
-    ("not a dict", InvalidType, "__cuda_array_interface__ must be a dict (got builtins.str)"),
-    (good(shape=_DROP), InvalidType,
-     "must have the keys 'shape', 'typestr' and 'data' (missing ['shape'])"),
-    (good(typestr=_DROP, data=_DROP), InvalidType, "(missing ['typestr', 'data'])"),
-    (good(shape=(4.0, 8)), InvalidArgument, "['shape'] must be a tuple of ints (got (4.0, 8))"),
-    (good(shape=("4", 8)), InvalidArgument, "['shape'] must be a tuple of ints"),
-    (good(shape=(True, 8)), InvalidArgument, "['shape'] must be a tuple of ints"),
-    (good(shape=4), InvalidArgument, "['shape'] must be a tuple of ints (got 4)"),
-    (good(shape=None), InvalidArgument, "['shape'] must be a tuple of ints (got None)"),
-    (good(shape=(4, -8)), InvalidArgument, "['shape'] dimensions must be >= 0 (got (4, -8))"),
-    (good(typestr="<q9"), InvalidType, "['typestr'] must be a NumPy type string such as '<f4' "
-                                       "(got '<q9'"),
-    (good(typestr=None), InvalidType, "['typestr'] must be a NumPy type string"),
-    (good(typestr=4), InvalidType, "['typestr'] must be a NumPy type string"),
-    (good(typestr="|V0"), InvalidType, "['typestr'] must describe a fixed-size type"),
-    (good(descr=[("a", "<zz"), ("b", "<f4")]), InvalidType,
-     "['typestr'] must be a NumPy type string"),
-    (good(strides=(4,)), InvalidArgument,
-     "['strides'] length must equal the number of dimensions 2 (got (4,))"),
-    (good(strides=(4.0, 1.0)), InvalidArgument, "['strides'] must be None or a tuple of ints"),
-    (good(strides="C"), InvalidArgument, "['strides'] must be None or a tuple of ints"),
-    (good(data=None), InvalidArgument,
-     "['data'] must be a (pointer, read_only) pair with an int pointer (got None)"),
-    (good(data=PTR), InvalidArgument, "['data'] must be a (pointer, read_only) pair"),
-    (good(data=(None, False)), InvalidArgument, "['data'] must be a (pointer, read_only) pair"),
-    (good(data=("0x10", False)), InvalidArgument, "['data'] must be a (pointer, read_only)"),
-    (good(data=(True, False)), InvalidArgument, "['data'] must be a (pointer, read_only)"),
-    (good(data=(PTR,)), InvalidArgument, "['data'] must be a (pointer, read_only)"),
-    (good(data=(-16, False)), InvalidArgument, "['data'] pointer must be >= 0 (got -16)"),
-    (good(data=(0, False)), InvalidArgument, "['data'] pointer must not be null for an array "
-                                             "with elements"),
-    (good(mask=object()), InvalidArgument, "['mask'] must be None: masked arrays are not "
-                                           "supported"),
-])
+@pytest.mark.parametrize(
+    "cai,exc,fragment",
+    [
+        ("not a dict", InvalidType, "__cuda_array_interface__ must be a dict (got builtins.str)"),
+        (
+            good(shape=_DROP),
+            InvalidType,
+            "must have the keys 'shape', 'typestr' and 'data' (missing ['shape'])",
+        ),
+        (good(typestr=_DROP, data=_DROP), InvalidType, "(missing ['typestr', 'data'])"),
+        (good(shape=(4.0, 8)), InvalidArgument, "['shape'] must be a tuple of ints (got (4.0, 8))"),
+        (good(shape=("4", 8)), InvalidArgument, "['shape'] must be a tuple of ints"),
+        (good(shape=(True, 8)), InvalidArgument, "['shape'] must be a tuple of ints"),
+        (good(shape=4), InvalidArgument, "['shape'] must be a tuple of ints (got 4)"),
+        (good(shape=None), InvalidArgument, "['shape'] must be a tuple of ints (got None)"),
+        (good(shape=(4, -8)), InvalidArgument, "['shape'] dimensions must be >= 0 (got (4, -8))"),
+        (
+            good(typestr="<q9"),
+            InvalidType,
+            "['typestr'] must be a NumPy type string such as '<f4' (got '<q9'",
+        ),
+        (good(typestr=None), InvalidType, "['typestr'] must be a NumPy type string"),
+        (good(typestr=4), InvalidType, "['typestr'] must be a NumPy type string"),
+        (good(typestr="|V0"), InvalidType, "['typestr'] must describe a fixed-size type"),
+        (
+            good(descr=[("a", "<zz"), ("b", "<f4")]),
+            InvalidType,
+            "['typestr'] must be a NumPy type string",
+        ),
+        (
+            good(strides=(4,)),
+            InvalidArgument,
+            "['strides'] length must equal the number of dimensions 2 (got (4,))",
+        ),
+        (good(strides=(4.0, 1.0)), InvalidArgument, "['strides'] must be None or a tuple of ints"),
+        (good(strides="C"), InvalidArgument, "['strides'] must be None or a tuple of ints"),
+        (
+            good(data=None),
+            InvalidArgument,
+            "['data'] must be a (pointer, read_only) pair with an int pointer (got None)",
+        ),
+        (good(data=PTR), InvalidArgument, "['data'] must be a (pointer, read_only) pair"),
+        (good(data=(None, False)), InvalidArgument, "['data'] must be a (pointer, read_only) pair"),
+        (good(data=("0x10", False)), InvalidArgument, "['data'] must be a (pointer, read_only)"),
+        (good(data=(True, False)), InvalidArgument, "['data'] must be a (pointer, read_only)"),
+        (good(data=(PTR,)), InvalidArgument, "['data'] must be a (pointer, read_only)"),
+        (good(data=(-16, False)), InvalidArgument, "['data'] pointer must be >= 0 (got -16)"),
+        (
+            good(data=(0, False)),
+            InvalidArgument,
+            "['data'] pointer must not be null for an array with elements",
+        ),
+        (
+            good(mask=object()),
+            InvalidArgument,
+            "['mask'] must be None: masked arrays are not supported",
+        ),
+    ],
+)
 def test_malformed_interface(cai, exc, fragment):
     with pytest.raises(exc) as ei:
         array_info(Cai(cai), "lse_reduce", "out_partial")
@@ -101,8 +123,11 @@ def test_not_an_array():
 class _Managed(ctypes.Structure):
     from dcpkit._arrays import _DLTensor
 
-    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
-                ("deleter", ctypes.c_void_p)]
+    _fields_ = [
+        ("dl_tensor", _DLTensor),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+    ]
 
 
 def _capsule(data, byte_offset, shape, strides=None, *, versioned=False, device=(2, 3)):
@@ -136,7 +161,7 @@ def test_dlpack_pointer_counts_the_byte_offset(versioned):
 
     cap, keep = _capsule(PTR, 4096 + 64, (3, 8), (16, 1), versioned=versioned)
     info = dlpack_info(cap)
-    assert info.ptr == PTR + 4096 + 64           # not the base allocation's address
+    assert info.ptr == PTR + 4096 + 64  # not the base allocation's address
     assert (info.device_type, info.device_id) == (2, 3)
     assert (info.shape, info.strides) == ((3, 8), (16, 1))
     assert (info.dtype_code, info.dtype_bits, info.dtype_lanes) == (2, 16, 1)

@@ -31,7 +31,7 @@ def test_parse_size():
 def test_resolve_config_default_and_quick():
     p = bench.build_parser()
     cfg = bench.resolve_config(p.parse_args([]))
-    assert cfg["kv_sizes"] == [4 * KiB * 4 ** i for i in range(9)]
+    assert cfg["kv_sizes"] == [4 * KiB * 4**i for i in range(9)]
     assert cfg["kv_sizes"][-1] == 256 * MiB
     assert cfg["tokens"] == [1, 8, 32, 128]
     assert cfg["ops"] == list(bench.ALL_OPS) and cfg["modes"] == ["eager", "graph"]
@@ -73,7 +73,7 @@ def test_cases_and_host_inputs():
     ref = locs[0][1][0][1]
     assert ref.shape == (3, 8, 16) and ref.dtype == np.uint16
     for r in range(W):
-        np.testing.assert_array_equal(locs[r][0]["q"].view(np.uint16), ref[:, 4 * r:4 * (r + 1)])
+        np.testing.assert_array_equal(locs[r][0]["q"].view(np.uint16), ref[:, 4 * r : 4 * (r + 1)])
     kv0, kv1 = (cases.host_inputs("kv_gather", g, r, W, seed, True) for r in range(W))
     np.testing.assert_array_equal(kv1[0]["kv"].view(np.uint16), kv0[1][0][1][3:6])
     loc, refs = cases.host_inputs("lse_reduce", g, 1, W, seed, False)
@@ -88,8 +88,16 @@ def test_cases_and_host_inputs():
 def test_cli_help_and_single_rank_refusal(run_python):
     h = run_python(["-m", "dcpkit", "bench", "--help"])
     assert h.returncode == 0, h.stderr
-    for opt in ("--ops", "--min-bytes", "--max-bytes", "--iters", "--json", "--plot", "--quick",
-                "--render-md"):
+    for opt in (
+        "--ops",
+        "--min-bytes",
+        "--max-bytes",
+        "--iters",
+        "--json",
+        "--plot",
+        "--quick",
+        "--render-md",
+    ):
         assert opt in h.stdout
     # outside mpirun: one rank (or no MPI at all): a clear refusal, exit status 2, no traceback
     r = run_python(["-m", "dcpkit", "bench", "--quick"], timeout=120)
@@ -100,8 +108,6 @@ def test_cli_help_and_single_rank_refusal(run_python):
 def test_recorded_command_drops_machine_paths():
     cmd = meta.command_line(4, ["--json", "/tmp/x/bench_4.json", "--plot=/tmp/x/b.png", "--quick"])
     assert cmd == "mpirun -np 4 python -m dcpkit bench --json bench_4.json --plot=b.png --quick"
-
-
 
 
 # Every argument the benchmark cannot honour: refused at parse time, one line, exit status 2.
@@ -126,22 +132,29 @@ BAD_ARGS = [
     (["--kv-row-dim", "12"], "argument --kv-row-dim: must be a multiple of 8 elements"),
     (["--seed", "-1"], "argument --seed: must be an integer in [0, 2147483647] (got '-1')"),
     (["--ops", "all_reduce"], "argument --ops: must be a comma list of q_gather"),
-    (["--json", "{missing}/b.json"], "argument --json: {missing}/b.json is in a folder that does "
-                                     "not exist"),
-    (["--plot", "{missing}/b.png"], "argument --plot: {missing}/b.png is in a folder that does "
-                                    "not exist"),
+    (
+        ["--json", "{missing}/b.json"],
+        "argument --json: {missing}/b.json is in a folder that does not exist",
+    ),
+    (
+        ["--plot", "{missing}/b.png"],
+        "argument --plot: {missing}/b.png is in a folder that does not exist",
+    ),
     (["--json", "{tmp}"], "argument --json: {tmp} is a directory"),
     (["--md-out", "B.md"], "argument --md-out: needs --render-md"),
     (["--notes", "n.md"], "argument --notes: needs --render-md"),
     (["--baseline", "b.json"], "argument --baseline: needs --render-md"),
-    (["--render-md", "a.json", "b.json", "--baseline", "c.json"],
-     "argument --baseline: must name one JSON per --render-md JSON (2) (got 1)"),
+    (
+        ["--render-md", "a.json", "b.json", "--baseline", "c.json"],
+        "argument --baseline: must name one JSON per --render-md JSON (2) (got 1)",
+    ),
 ]
 
 
 @pytest.mark.parametrize("argv,fragment", BAD_ARGS)
-def test_bad_arguments_are_one_line_errors_before_any_work(argv, fragment, tmp_path, capsys,
-                                                           monkeypatch):
+def test_bad_arguments_are_one_line_errors_before_any_work(
+    argv, fragment, tmp_path, capsys, monkeypatch
+):
     from dcpkit import comm as comm_mod
 
     def no_mpi(cls):
@@ -170,8 +183,7 @@ def test_bad_min_bytes_returns_at_once_from_the_command_line(run_python):
 @pytest.mark.parametrize("var", ["PMI_SIZE", "OMPI_COMM_WORLD_SIZE"])
 def test_launcher_mismatch_outside_mpirun_is_one_line_and_exit_2(run_python, var):
     """A launcher variable saying 2 processes, but MPI sees one: one clear line, exit 2."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items() if k not in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")}
     env[var] = "2"
     r = run_python(["-m", "dcpkit", "bench", "--quick"], timeout=120, env=env)
     text = r.stdout + r.stderr
@@ -187,27 +199,34 @@ def test_launcher_mismatch_in_process_is_exit_2(monkeypatch, capsys):
     from dcpkit.errors import DcpkitError
 
     def mismatch(cls):
-        raise DcpkitError("Communicator.from_mpi: the launcher started 2 processes "
-                          "(PMI_SIZE=2) but MPI.COMM_WORLD has 1 rank: ...")
+        raise DcpkitError(
+            "Communicator.from_mpi: the launcher started 2 processes "
+            "(PMI_SIZE=2) but MPI.COMM_WORLD has 1 rank: ..."
+        )
 
     monkeypatch.setattr(comm_mod.Communicator, "from_mpi", classmethod(mismatch))
     assert bench.main(["--quick"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("dcpkit bench: Communicator.from_mpi: the launcher started 2 ") \
-        and err.count("\n") == 1, err
+    assert (
+        err.startswith("dcpkit bench: Communicator.from_mpi: the launcher started 2 ")
+        and err.count("\n") == 1
+    ), err
 
 
 def test_bench_without_driver_says_so(monkeypatch, capsys):
     """No libcuda: 'no CUDA driver found', not CuPy's cudaErrorInsufficientDriver."""
-    from dcpkit import comm as comm_mod, info
+    from dcpkit import comm as comm_mod
+    from dcpkit import info
     from dcpkit.bench import command
 
     class Two:
         rank, world_size = 0, 2
 
     def no_device(comm, cfg):
-        raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient "
-                           "for CUDA runtime version")
+        raise RuntimeError(
+            "cudaErrorInsufficientDriver: CUDA driver version is insufficient "
+            "for CUDA runtime version"
+        )
 
     monkeypatch.setattr(comm_mod.Communicator, "from_mpi", classmethod(lambda cls: Two()))
     monkeypatch.setattr(command, "CupyDevice", no_device)
@@ -222,7 +241,10 @@ def test_bench_without_driver_says_so(monkeypatch, capsys):
 
 
 def test_entry_points(run_python):
-    for args in (["-m", "dcpkit.bench", "--help"], ["-m", "dcpkit", "bench", "--help"],
-                 ["-c", "import sys, dcpkit.bench as b; sys.exit(b.main(['--help']))"]):
+    for args in (
+        ["-m", "dcpkit.bench", "--help"],
+        ["-m", "dcpkit", "bench", "--help"],
+        ["-c", "import sys, dcpkit.bench as b; sys.exit(b.main(['--help']))"],
+    ):
         r = run_python(args)
         assert r.returncode == 0 and "--render-md" in r.stdout, r.stderr

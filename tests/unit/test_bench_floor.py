@@ -11,13 +11,13 @@ import threading
 
 import numpy as np
 import pytest
+from test_bench_sweep import FakeDevice
 
 from dcpkit import bench
 from dcpkit.bench import factory as factory_mod
 from dcpkit.bench.floor import estimate_ctas, pattern
 
 from _threadgroup import run_group
-from test_bench_sweep import FakeDevice
 
 _REG = {}
 _IDS = itertools.count(1)
@@ -34,7 +34,7 @@ class FakeHeap:
         dt = np.dtype(dtype)
         n = int(np.prod(shape)) * dt.itemsize
         assert offset + n <= self.mem.size, "view out of bounds"
-        return self.mem[offset:offset + n].view(dt).reshape(shape)
+        return self.mem[offset : offset + n].view(dt).reshape(shape)
 
     def close(self):
         _REG.pop(self.local_ptr, None)
@@ -58,10 +58,11 @@ def _emulated_kernel(barrier, behaviour):
                 continue
             off = rank * int(slot)
             assert off + data.size <= int(sig_off)
-            _REG[int(peer_base[p])][off:off + data.size] = data
+            _REG[int(peer_base[p])][off : off + data.size] = data
         epochs[:ctas] += 1
         status[:ctas] = 1 if behaviour == "timeout" else 0
-        barrier.wait()     # the kernel returns once every peer's stores are in
+        barrier.wait()  # the kernel returns once every peer's stores are in
+
     return kernel
 
 
@@ -75,16 +76,31 @@ def _run(tmp_path, monkeypatch, W, behaviour=None, ops="q_gather,kv_gather,decod
 
     barrier = threading.Barrier(W, timeout=30)
     monkeypatch.setattr(symmetric, "SymmetricHeap", FakeHeap)
-    monkeypatch.setattr(jit, "get_kernel",
-                        lambda f, name: _Kernel(_emulated_kernel(barrier, behaviour)))
-    args = ["--quick", "--max-bytes", "64K", "--tokens", "1,8", "--paths", "floor", "--ops", ops,
-            "--json", str(tmp_path / "bench.json"), "--iters", "3"]
+    monkeypatch.setattr(
+        jit, "get_kernel", lambda f, name: _Kernel(_emulated_kernel(barrier, behaviour))
+    )
+    args = [
+        "--quick",
+        "--max-bytes",
+        "64K",
+        "--tokens",
+        "1,8",
+        "--paths",
+        "floor",
+        "--ops",
+        ops,
+        "--json",
+        str(tmp_path / "bench.json"),
+        "--iters",
+        "3",
+    ]
     cfg = bench.resolve_config(bench.build_parser().parse_args(args))
     cfg["geometry"] = dict(cfg["geometry"], H=8, D=16, D_v=16, D_kv=24)
 
     def body(comm):
-        return bench.run_bench(dict(cfg), comm, FloorDevice(comm), args,
-                               factory=factory_mod.make_runner)
+        return bench.run_bench(
+            dict(cfg), comm, FloorDevice(comm), args, factory=factory_mod.make_runner
+        )
 
     out = run_group(W, body, timeout_s=60.0)
     for r, (status, val) in enumerate(out):
@@ -105,7 +121,7 @@ def test_floor_rows_are_checked_and_timed_like_the_ops(tmp_path, monkeypatch, W)
         stages = [c["stage"] for c in r["checks"]]
         assert stages[0] == "check" and len(stages) == (2 if r["mode"] == "eager" else 3)
         assert r["ctas"] and r["ctas"] <= 8
-        assert r["floor_kernel_us"] is None          # a floor row is not its own floor
+        assert r["floor_kernel_us"] is None  # a floor row is not its own floor
 
 
 def test_floor_check_catches_a_lost_store_and_a_timeout(tmp_path, monkeypatch):
@@ -129,9 +145,11 @@ def test_estimate_ctas_follows_the_ops_grid_rules():
     g = {"H": 128, "D": 576, "D_v": 512, "D_kv": 576, "itemsize": 2, "T": 1}
     # q_gather W=2, T=1: 64 heads * 576 * 2 B / 16 = 4608 vectors, 512 per CTA -> 9 CTAs
     assert estimate_ctas("q_gather", g, 2, 66) == 9
-    assert estimate_ctas("q_gather", dict(g, T=128), 2, 66) == 66      # capped
-    assert estimate_ctas("kv_gather", dict(g, T=1000), 4, 33) == math.ceil(1000 * 72 / 512) \
+    assert estimate_ctas("q_gather", dict(g, T=128), 2, 66) == 66  # capped
+    assert (
+        estimate_ctas("kv_gather", dict(g, T=1000), 4, 33) == math.ceil(1000 * 72 / 512)
         or estimate_ctas("kv_gather", dict(g, T=1000), 4, 33) == 33
+    )
 
     class Op:
         def ctas_for(self, T):

@@ -12,13 +12,13 @@ import types
 
 import numpy as np
 import pytest
+from test_bench_floor import FakeHeap, FloorDevice
 
 from dcpkit import bench
 from dcpkit.bench import factory as factory_mod
 from dcpkit.bench.peers import mps_share_problem
 
 from _threadgroup import run_group
-from test_bench_floor import FakeHeap, FloorDevice
 
 
 class _Exchange:
@@ -40,9 +40,9 @@ class _Exchange:
         nbytes = n * itemsize
         for s in range(self.W):
             s_src = self.calls[s][1]
-            if kind == "fcollect":      # dst[s] = src of rank s
+            if kind == "fcollect":  # dst[s] = src of rank s
                 ctypes.memmove(dst + s * nbytes, s_src, nbytes)
-            else:                       # alltoall: dst[s] = block r of rank s's src
+            else:  # alltoall: dst[s] = block r of rank s's src
                 ctypes.memmove(dst + s * nbytes, s_src + r * nbytes, nbytes)
         self.barrier.wait()
         return 0
@@ -55,8 +55,11 @@ def _fake_nvshmem(monkeypatch, ex):
     bindings = types.ModuleType("nvshmem.bindings")
     for kind in ("fcollect", "alltoall"):
         for dt, size in (("bfloat16", 2), ("float", 4)):
-            setattr(bindings, f"{dt}_{kind}_on_stream",
-                    lambda team, dst, src, n, stream, k=kind, s=size: ex.run(k, s, dst, src, n))
+            setattr(
+                bindings,
+                f"{dt}_{kind}_on_stream",
+                lambda team, dst, src, n, stream, k=kind, s=size: ex.run(k, s, dst, src, n),
+            )
     pkg = types.ModuleType("nvshmem")
     pkg.bindings = bindings
     monkeypatch.setitem(sys.modules, "nvshmem", pkg)
@@ -85,15 +88,29 @@ def _run(tmp_path, monkeypatch, W, ops):
     _fake_nvshmem(monkeypatch, ex)
     monkeypatch.setattr(symmetric, "SymmetricHeap", FakeHeap)
     monkeypatch.setattr(lse_reduce, "lse_combine", _numpy_combine)
-    args = ["--quick", "--max-bytes", "16K", "--tokens", "1,8", "--paths", "nvshmem", "--ops",
-            ops, "--json", str(tmp_path / "bench.json"), "--iters", "3"]
+    args = [
+        "--quick",
+        "--max-bytes",
+        "16K",
+        "--tokens",
+        "1,8",
+        "--paths",
+        "nvshmem",
+        "--ops",
+        ops,
+        "--json",
+        str(tmp_path / "bench.json"),
+        "--iters",
+        "3",
+    ]
     cfg = bench.resolve_config(bench.build_parser().parse_args(args))
     cfg["geometry"] = dict(cfg["geometry"], H=8, D=16, D_v=16, D_kv=24)
 
     def body(comm):
         ex.ranks[threading.get_ident()] = comm.rank
-        return bench.run_bench(dict(cfg), comm, FloorDevice(comm), args,
-                               factory=factory_mod.make_runner)
+        return bench.run_bench(
+            dict(cfg), comm, FloorDevice(comm), args, factory=factory_mod.make_runner
+        )
 
     out = run_group(W, body, timeout_s=60.0)
     for r, (status, val) in enumerate(out):
@@ -114,10 +131,13 @@ def test_nvshmem_rows_match_the_references(tmp_path, monkeypatch, W):
 
 
 def test_nvshmem_refuses_a_shared_gpu_without_an_mps_share():
-    assert mps_share_problem(True, 4, {}).endswith("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 for "
-                                                   "every rank")
+    assert mps_share_problem(True, 4, {}).endswith(
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 for every rank"
+    )
     assert "limited MPG" in mps_share_problem(True, 2, {})
     assert mps_share_problem(True, 2, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}) is None
-    assert mps_share_problem(True, 2, {"NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1"}) \
+    assert (
+        mps_share_problem(True, 2, {"NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1"})
         is None
+    )
     assert mps_share_problem(False, 2, {}) is None and mps_share_problem(None, 2, {}) is None

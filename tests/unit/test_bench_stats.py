@@ -7,13 +7,17 @@ import math
 import shlex
 
 import pytest
+from _bench_rows import CEIL, KiB, MiB, annotated, synthetic_result
+from _bench_rows import row as _row
 
 from dcpkit import bench
-from dcpkit.bench import markdown, report as _report, stats as _stats, targets as _targets
+from dcpkit.bench import markdown
+from dcpkit.bench import report as _report
+from dcpkit.bench import stats as _stats
+from dcpkit.bench import targets as _targets
 from dcpkit.bench.common import jsonable
 from dcpkit.bench.row import BenchRow
 
-from _bench_rows import CEIL, KiB, MiB, annotated, row as _row, synthetic_result
 
 # ----------------------------------------------------------------------------- statistics
 def test_median_and_percentile():
@@ -33,13 +37,19 @@ def test_median_and_percentile():
 
 def test_summarize():
     s = _stats.summarize([2.0, 4.0, 3.0, 100.0])
-    assert s == {"median_us": 3.5, "p95_us": 100.0, "min_us": 2.0, "max_us": 100.0,
-                 "mean_us": 27.25, "samples": 4}
+    assert s == {
+        "median_us": 3.5,
+        "p95_us": 100.0,
+        "min_us": 2.0,
+        "max_us": 100.0,
+        "mean_us": 27.25,
+        "samples": 4,
+    }
     assert _stats.summarize([])["median_us"] is None
 
 
 def test_max_over_ranks_takes_the_slowest_rank_per_iteration():
-    per_rank = [[1.0, 5.0, 3.0], [2.0, 4.0, 6.0], None]   # rank 2 took no part
+    per_rank = [[1.0, 5.0, 3.0], [2.0, 4.0, 6.0], None]  # rank 2 took no part
     assert _stats.max_over_ranks(per_rank) == [2.0, 5.0, 6.0]
     assert _stats.max_over_ranks([None, None]) == []
     with pytest.raises(ValueError, match="same number of samples"):
@@ -84,14 +94,17 @@ def test_geometry_bytes_match_the_dcp_geometry():
 def test_busbw_equals_nccl_tests_definitions(W):
     g = {"H": 128, "D": 576, "D_v": 512, "D_kv": 576, "itemsize": 2, "T": 8}
     t_us = 17.0
-    for op, coll in (("q_gather", "all_gather"), ("kv_gather", "all_gather"),
-                     ("lse_reduce", "all_to_all")):
+    for op, coll in (
+        ("q_gather", "all_gather"),
+        ("kv_gather", "all_gather"),
+        ("lse_reduce", "all_to_all"),
+    ):
         b = _stats.geometry_bytes(op, g, W)
         # nccl-tests' size: total gathered bytes (all_gather) or bytes sent per rank (all_to_all)
         size = W * b["bytes_per_rank"] if coll == "all_gather" else b["bytes_per_rank"]
         want = _stats.nccl_tests_busbw_GBps(coll, size, W, t_us)
         assert math.isclose(_stats.busbw_GBps(b["egress_bytes"], t_us), want, rel_tol=1e-12), op
-    assert _stats.algbw_GBps(1e9, 1e6) == 1.0     # 1 GB in 1 s
+    assert _stats.algbw_GBps(1e9, 1e6) == 1.0  # 1 GB in 1 s
     assert _stats.algbw_GBps(1.0, None) is None
 
 
@@ -105,15 +118,17 @@ def test_floor():
 
 
 def test_annotate_fills_derived_fields_and_picks_the_fastest_baselines():
-    rows = [_row("q_gather", "direct", "graph", 1, [3.0, 3.2, 2.9]),
-            _row("q_gather", "floor", "graph", 1, [2.5, 2.5, 2.5]),
-            _row("q_gather", "nvshmem", "graph", 1, [9.0, 9.0, 9.0]),
-            _row("q_gather", "nccl", "graph", 1, [15.0, 14.0, 16.0]),
-            _row("q_gather", "torch", "graph", 1, [12.0, 12.0, 12.0]),
-            _row("q_gather", "direct", "eager", 1, [10.0] * 3),
-            _row("q_gather", "nccl", "eager", 1, [40.0] * 3, error="boom"),
-            _row("q_gather", "torch", "eager", 1, [30.0] * 3, wrong=5),
-            _row("q_gather", "floor", "eager", 1, [1.0] * 3, wrong=1)]
+    rows = [
+        _row("q_gather", "direct", "graph", 1, [3.0, 3.2, 2.9]),
+        _row("q_gather", "floor", "graph", 1, [2.5, 2.5, 2.5]),
+        _row("q_gather", "nvshmem", "graph", 1, [9.0, 9.0, 9.0]),
+        _row("q_gather", "nccl", "graph", 1, [15.0, 14.0, 16.0]),
+        _row("q_gather", "torch", "graph", 1, [12.0, 12.0, 12.0]),
+        _row("q_gather", "direct", "eager", 1, [10.0] * 3),
+        _row("q_gather", "nccl", "eager", 1, [40.0] * 3, error="boom"),
+        _row("q_gather", "torch", "eager", 1, [30.0] * 3, wrong=5),
+        _row("q_gather", "floor", "eager", 1, [1.0] * 3, wrong=1),
+    ]
     out = _stats.annotate(rows, CEIL)
     assert out is rows and all(isinstance(r, BenchRow) for r in out)
     d = rows[0]
@@ -135,8 +150,10 @@ def test_annotate_fills_derived_fields_and_picks_the_fastest_baselines():
 
 
 def test_annotate_ignores_variants_as_baselines():
-    rows = [_row("q_gather", "direct", "graph", 1, [3.0] * 3),
-            _row("q_gather", "floor", "graph", 1, [2.0] * 3, variant="no_self_check")]
+    rows = [
+        _row("q_gather", "direct", "graph", 1, [3.0] * 3),
+        _row("q_gather", "floor", "graph", 1, [2.0] * 3, variant="no_self_check"),
+    ]
     _stats.annotate(rows, CEIL)
     assert rows[0].floor_kernel_us is None
 
@@ -147,9 +164,24 @@ def test_bench_row_json_round_trip_keeps_every_field():
     js = r.to_json()
     assert json.loads(json.dumps(js)) == js
     assert BenchRow.from_json(dict(js, unknown_key=1)) == r
-    for key in ("op", "path", "mode", "T", "nominal_bytes", "bytes_per_rank", "egress_bytes",
-                "median_us", "p90_us", "floor_us", "floor_kernel_us", "speedup_vs_peer",
-                "wrong", "error", "variant", "ctas"):
+    for key in (
+        "op",
+        "path",
+        "mode",
+        "T",
+        "nominal_bytes",
+        "bytes_per_rank",
+        "egress_bytes",
+        "median_us",
+        "p90_us",
+        "floor_us",
+        "floor_kernel_us",
+        "speedup_vs_peer",
+        "wrong",
+        "error",
+        "variant",
+        "ctas",
+    ):
         assert key in js
 
 
@@ -166,27 +198,28 @@ def test_floor_bytes_per_peer_is_the_egress_to_one_peer(W):
 
 # ----------------------------------------------------------------------------- targets
 def _by(items, target, **kw):
-    out = [i for i in items if i["target"] == target
-           and all(i.get(k) == v for k, v in kw.items())]
+    out = [i for i in items if i["target"] == target and all(i.get(k) == v for k, v in kw.items())]
     assert out, f"no item {target} {kw} in {[(i['target'], i['T']) for i in items]}"
     return out
 
 
 def _small_run(shared):
-    rows = [_row("q_gather", "direct", "graph", 1, [7.0, 7.2, 6.9, 7.1, 7.0]),  # <= 7.12: met
-            _row("q_gather", "floor", "graph", 1, [6.2] * 5),
-            _row("q_gather", "direct", "graph", 1, [6.9] * 5, variant="no_self_check"),
-            _row("q_gather", "nvshmem", "graph", 1, [12.0] * 5),        # 1.71x: met
-            _row("q_gather", "direct", "eager", 1, [30.0] * 5),
-            _row("q_gather", "nvshmem", "eager", 1, [20.0] * 5),        # 0.67x: missed twice
-            _row("lse_reduce", "direct", "graph", 1, [8.0] * 5),        # no variant row
-            _row("lse_reduce", "direct", "graph", 8, [12.0] * 5),       # > 1.1*8+0.3: missed
-            _row("lse_reduce", "floor", "graph", 8, [8.0] * 5),
-            _row("lse_reduce", "direct", "graph", 128, [100.0] * 5),    # > 1.1x eager: missed
-            _row("lse_reduce", "direct", "eager", 128, [80.0] * 5),
-            _row("decode_layer", "direct", "graph", 8, [17.0] * 5),     # <= 1.1*16: met
-            _row("decode_layer", "floor", "graph", 8, [16.0] * 5),
-            _row("kv_gather", "direct", "graph", 14564, [60.0] * 5, nominal=16 * MiB)]
+    rows = [
+        _row("q_gather", "direct", "graph", 1, [7.0, 7.2, 6.9, 7.1, 7.0]),  # <= 7.12: met
+        _row("q_gather", "floor", "graph", 1, [6.2] * 5),
+        _row("q_gather", "direct", "graph", 1, [6.9] * 5, variant="no_self_check"),
+        _row("q_gather", "nvshmem", "graph", 1, [12.0] * 5),  # 1.71x: met
+        _row("q_gather", "direct", "eager", 1, [30.0] * 5),
+        _row("q_gather", "nvshmem", "eager", 1, [20.0] * 5),  # 0.67x: missed twice
+        _row("lse_reduce", "direct", "graph", 1, [8.0] * 5),  # no variant row
+        _row("lse_reduce", "direct", "graph", 8, [12.0] * 5),  # > 1.1*8+0.3: missed
+        _row("lse_reduce", "floor", "graph", 8, [8.0] * 5),
+        _row("lse_reduce", "direct", "graph", 128, [100.0] * 5),  # > 1.1x eager: missed
+        _row("lse_reduce", "direct", "eager", 128, [80.0] * 5),
+        _row("decode_layer", "direct", "graph", 8, [17.0] * 5),  # <= 1.1*16: met
+        _row("decode_layer", "floor", "graph", 8, [16.0] * 5),
+        _row("kv_gather", "direct", "graph", 14564, [60.0] * 5, nominal=16 * MiB),
+    ]
     return annotated(rows), _targets.evaluate_targets(annotated(rows), shared)
 
 
@@ -203,10 +236,10 @@ def test_targets_against_the_floor_kernel_the_ceiling_and_the_peer():
     big = [r for r in rows if r["op"] == "lse_reduce" and r["T"] == 128 and r["mode"] == "graph"]
     ceil = _by(items, "large.ceiling", op="lse_reduce", mode="graph")[0]
     assert math.isclose(ceil["limit"], 1.4 * big[0]["floor_us"])
-    kv = _by(items, "large.ceiling", op="kv_gather")[0]     # the largest kv row is large
+    kv = _by(items, "large.ceiling", op="kv_gather")[0]  # the largest kv row is large
     assert kv["met"] is not None
     sc = _by(items, "self_check.cost", op="q_gather")[0]
-    assert sc["met"] is True and math.isclose(sc["limit"], 6.9 + 0.2)   # spread p90 - median
+    assert sc["met"] is True and math.isclose(sc["limit"], 6.9 + 0.2)  # spread p90 - median
     sc = _by(items, "self_check.cost", op="lse_reduce")[0]
     assert sc["met"] is None and "no _self_check keyword" in sc["note"]
     assert _by(items, "peer.small", op="q_gather", mode="graph")[0]["met"] is True
@@ -225,15 +258,19 @@ def test_nvlink_targets_are_na_on_a_shared_gpu_and_judged_on_own_gpus():
         for it in _by(shared, key):
             assert it["met"] is None and it["note"] == "ranks share a GPU"
     _, own = _small_run(shared=False)
-    assert _by(own, "nvlink.q_gather_t1")[0]["met"] is False          # 7 us > 3 us
+    assert _by(own, "nvlink.q_gather_t1")[0]["met"] is False  # 7 us > 3 us
     assert _by(own, "nvlink.kv_egress")[0]["met"] is not None
     sym = _by(own, "nvlink.nccl_symmetric")
     assert all(i["met"] is None and "symmetric" in i["note"] for i in sym)
 
 
 def test_fast_but_wrong_never_meets_a_target():
-    rows = annotated([_row("q_gather", "direct", "graph", 1, [1.0] * 3, wrong=3),
-                      _row("q_gather", "floor", "graph", 1, [6.0] * 3)])
+    rows = annotated(
+        [
+            _row("q_gather", "direct", "graph", 1, [1.0] * 3, wrong=3),
+            _row("q_gather", "floor", "graph", 1, [6.0] * 3),
+        ]
+    )
     it = _by(_targets.evaluate_targets(rows, True), "small.floor_kernel")[0]
     assert it["met"] is False and "3 wrong" in it["note"]
 
@@ -255,8 +292,21 @@ def test_render_table_shows_floor_kernel_and_peer_columns():
     res = synthetic_result()
     text = _report.render_table(res["rows"])
     lines = text.splitlines()
-    for col in ("op", "size(B)", "median(us)", "p90(us)", "algbw(GB/s)", "busbw(GB/s)",
-                "floor(us)", "x floor", "fk(us)", "x fk", "x NCCL", "x NVSHMEM", "#wrong"):
+    for col in (
+        "op",
+        "size(B)",
+        "median(us)",
+        "p90(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)",
+        "floor(us)",
+        "x floor",
+        "fk(us)",
+        "x fk",
+        "x NCCL",
+        "x NVSHMEM",
+        "#wrong",
+    ):
         assert col in lines[0]
     body = [ln for ln in lines if ln.startswith(" ")]
     assert len(body) == len(res["rows"])
@@ -301,15 +351,31 @@ def _write_runs(tmp_path, shared=True):
 def test_render_markdown_from_json(tmp_path, monkeypatch):
     d = _write_runs(tmp_path)
     monkeypatch.chdir(tmp_path)
-    rc = bench.main(["--render-md", "docs/bench_4.json", "docs/bench_2.json",
-                     "--md-out", "BENCHMARKS.md", "--notes", "docs/notes.md"])
+    rc = bench.main(
+        [
+            "--render-md",
+            "docs/bench_4.json",
+            "docs/bench_2.json",
+            "--md-out",
+            "BENCHMARKS.md",
+            "--notes",
+            "docs/notes.md",
+        ]
+    )
     assert rc == 0
     md = (tmp_path / "BENCHMARKS.md").read_text()
     assert md.startswith("# dcpkit benchmarks")
     assert "do not edit by hand" in md
-    for section in ("## Runs", "## Ceilings measured in each run", "## Targets, W = 2",
-                    "## Targets, W = 4", "### Where the time goes", "## Notes",
-                    "## Results, W = 2", "## Results, W = 4"):
+    for section in (
+        "## Runs",
+        "## Ceilings measured in each run",
+        "## Targets, W = 2",
+        "## Targets, W = 4",
+        "### Where the time goes",
+        "## Notes",
+        "## Results, W = 2",
+        "## Results, W = 4",
+    ):
         assert section in md, section
     assert md.index("## Results, W = 2") < md.index("## Results, W = 4")
     assert "![latency and bandwidth vs size, W = 4](docs/bench_4.png)" in md
@@ -332,9 +398,18 @@ def test_generated_by_line_regenerates_the_file_as_it_is(tmp_path, monkeypatch, 
     monkeypatch.chdir(tmp_path)
     (d / "bench_base_2.json").write_text((d / "bench_2.json").read_text())
     (d / "bench_base_4.json").write_text((d / "bench_4.json").read_text())
-    argv = ["--render-md", "docs/bench_2.json", "docs/bench_4.json",
-            "--baseline", "docs/bench_base_2.json", "docs/bench_base_4.json",
-            "--notes", "docs/notes.md", "--md-out", "BENCHMARKS.md"]
+    argv = [
+        "--render-md",
+        "docs/bench_2.json",
+        "docs/bench_4.json",
+        "--baseline",
+        "docs/bench_base_2.json",
+        "docs/bench_base_4.json",
+        "--notes",
+        "docs/notes.md",
+        "--md-out",
+        "BENCHMARKS.md",
+    ]
     assert bench.main(argv) == 0
     md = (tmp_path / "BENCHMARKS.md").read_text()
     line = next(ln for ln in md.splitlines() if ln.startswith("<!-- Generated by `"))
@@ -366,8 +441,12 @@ def test_render_md_reads_a_baseline_of_the_previous_schema(tmp_path, capsys):
         r["median_us"] = (r["median_us"] or 0) * 2 or None
     (tmp_path / "c.json").write_text(json.dumps(jsonable(cur)))
     (tmp_path / "b.json").write_text(json.dumps(old))
-    assert bench.main(["--render-md", str(tmp_path / "c.json"), "--baseline",
-                       str(tmp_path / "b.json")]) == 0
+    assert (
+        bench.main(
+            ["--render-md", str(tmp_path / "c.json"), "--baseline", str(tmp_path / "b.json")]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| q_gather | T=1 | direct | graph | 14.20 | 7.10 | 0.50 |" in out
 
@@ -386,32 +465,65 @@ def one_result(tmp_path):
     return p
 
 
-@pytest.mark.parametrize("setup,args,fragment", [
-    (lambda d: None, lambda d, ok: [str(d / "missing.json")],
-     "cannot read {d}/missing.json: No such file or directory"),
-    (lambda d: (d / "x.json").write_text("not json {"), lambda d, ok: [str(d / "x.json")],
-     "{d}/x.json is not JSON (Expecting value"),
-    (lambda d: (d / "x.json").write_bytes(b"\xff\xfe\x00"), lambda d, ok: [str(d / "x.json")],
-     "cannot read {d}/x.json: UnicodeDecodeError"),
-    (lambda d: (d / "x.json").write_text("[1, 2]"), lambda d, ok: [str(d / "x.json")],
-     "{d}/x.json must hold one dcpkit-bench/2 JSON object (got a JSON list)"),
-    (lambda d: (d / "x.json").write_text('"text"'), lambda d, ok: [str(d / "x.json")],
-     "{d}/x.json must hold one dcpkit-bench/2 JSON object (got a JSON str)"),
-    (lambda d: None, lambda d, ok: [str(d)], "cannot read {d}: Is a directory"),
-    (lambda d: (d / "x.json").write_text('{"schema": "dcpkit-bench/2", "rows": 5}'),
-     lambda d, ok: [str(ok), str(d / "x.json")],
-     "{d}/x.json is a malformed dcpkit-bench/2 JSON (TypeError"),
-    (lambda d: None, lambda d, ok: [str(ok), "--md-out", str(d / "nodir" / "B.md")],
-     "cannot write --md-out {d}/nodir/B.md: directory {d}/nodir does not exist"),
-    (lambda d: None, lambda d, ok: [str(ok), "--md-out", str(d)],
-     "cannot write --md-out {d}: it is a directory"),
-    (lambda d: None, lambda d, ok: [str(ok), "--notes", str(d / "no_notes.md")],
-     "cannot read --notes {d}/no_notes.md: No such file or directory"),
-    (lambda d: None, lambda d, ok: [str(ok), "--notes", str(d)],
-     "cannot read --notes {d}: Is a directory"),
-])
-def test_render_md_bad_inputs_are_one_line_errors(tmp_path, one_result, capsys, setup, args,
-                                                  fragment):
+@pytest.mark.parametrize(
+    "setup,args,fragment",
+    [
+        (
+            lambda d: None,
+            lambda d, ok: [str(d / "missing.json")],
+            "cannot read {d}/missing.json: No such file or directory",
+        ),
+        (
+            lambda d: (d / "x.json").write_text("not json {"),
+            lambda d, ok: [str(d / "x.json")],
+            "{d}/x.json is not JSON (Expecting value",
+        ),
+        (
+            lambda d: (d / "x.json").write_bytes(b"\xff\xfe\x00"),
+            lambda d, ok: [str(d / "x.json")],
+            "cannot read {d}/x.json: UnicodeDecodeError",
+        ),
+        (
+            lambda d: (d / "x.json").write_text("[1, 2]"),
+            lambda d, ok: [str(d / "x.json")],
+            "{d}/x.json must hold one dcpkit-bench/2 JSON object (got a JSON list)",
+        ),
+        (
+            lambda d: (d / "x.json").write_text('"text"'),
+            lambda d, ok: [str(d / "x.json")],
+            "{d}/x.json must hold one dcpkit-bench/2 JSON object (got a JSON str)",
+        ),
+        (lambda d: None, lambda d, ok: [str(d)], "cannot read {d}: Is a directory"),
+        (
+            lambda d: (d / "x.json").write_text('{"schema": "dcpkit-bench/2", "rows": 5}'),
+            lambda d, ok: [str(ok), str(d / "x.json")],
+            "{d}/x.json is a malformed dcpkit-bench/2 JSON (TypeError",
+        ),
+        (
+            lambda d: None,
+            lambda d, ok: [str(ok), "--md-out", str(d / "nodir" / "B.md")],
+            "cannot write --md-out {d}/nodir/B.md: directory {d}/nodir does not exist",
+        ),
+        (
+            lambda d: None,
+            lambda d, ok: [str(ok), "--md-out", str(d)],
+            "cannot write --md-out {d}: it is a directory",
+        ),
+        (
+            lambda d: None,
+            lambda d, ok: [str(ok), "--notes", str(d / "no_notes.md")],
+            "cannot read --notes {d}/no_notes.md: No such file or directory",
+        ),
+        (
+            lambda d: None,
+            lambda d, ok: [str(ok), "--notes", str(d)],
+            "cannot read --notes {d}: Is a directory",
+        ),
+    ],
+)
+def test_render_md_bad_inputs_are_one_line_errors(
+    tmp_path, one_result, capsys, setup, args, fragment
+):
     d = tmp_path / "in"
     d.mkdir()
     setup(d)
@@ -433,16 +545,32 @@ def test_render_md_bad_inputs_exit_2_from_the_command_line(run_python, tmp_path)
 
 def test_analyse_missed_names_the_dominant_term():
     row = annotated([_row("q_gather", "direct", "eager", 1, [20.0] * 3)])[0]
-    item = {"target": "eager.t8", "metric": "median_us", "value": 20.0, "limit": 15.0,
-            "sense": "<=", "op": "q_gather", "T": 1, "nominal_bytes": row["nominal_bytes"]}
+    item = {
+        "target": "eager.t8",
+        "metric": "median_us",
+        "value": 20.0,
+        "limit": 15.0,
+        "sense": "<=",
+        "op": "q_gather",
+        "T": 1,
+        "nominal_bytes": row["nominal_bytes"],
+    }
     text = markdown.analyse_missed(item, row, CEIL)
     assert "launch 5.00 us" in text and "one-way latency 1.25 us" in text
     assert "What would close it:" in text
-    big = annotated([_row("kv_gather", "direct", "graph", 58254, [1500.0] * 3,
-                          nominal=64 * MiB)])[0]
-    item = {"target": "kv_gather.ceiling_large", "metric": "busbw_frac", "value": big["busbw_frac"],
-            "limit": 0.95, "sense": ">=", "op": "kv_gather", "T": big["T"],
-            "nominal_bytes": 64 * MiB}
+    big = annotated([_row("kv_gather", "direct", "graph", 58254, [1500.0] * 3, nominal=64 * MiB)])[
+        0
+    ]
+    item = {
+        "target": "kv_gather.ceiling_large",
+        "metric": "busbw_frac",
+        "value": big["busbw_frac"],
+        "limit": 0.95,
+        "sense": ">=",
+        "op": "kv_gather",
+        "T": big["T"],
+        "nominal_bytes": 64 * MiB,
+    }
     text = markdown.analyse_missed(item, big, CEIL)
     assert "bandwidth-bound" in text and "38% of the egress ceiling" in text
 
@@ -455,9 +583,10 @@ def test_plot_results_writes_a_small_png(tmp_path):
     data = path.read_bytes()
     assert data[:4] == b"\x89PNG"
     assert len(data) < 400 * 1024
-    assert _report.plot_results({"rows": []}, str(tmp_path / "none.png")) == \
-        "no successful rows to plot"
-
+    assert (
+        _report.plot_results({"rows": []}, str(tmp_path / "none.png"))
+        == "no successful rows to plot"
+    )
 
 
 def test_render_md_names_a_malformed_baseline(tmp_path, one_result, capsys):

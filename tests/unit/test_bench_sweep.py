@@ -15,7 +15,8 @@ import ml_dtypes
 import numpy as np
 
 from dcpkit import bench
-from dcpkit.bench import report as _report, sweep
+from dcpkit.bench import report as _report
+from dcpkit.bench import sweep
 from dcpkit.bench.common import StageFailed
 from dcpkit.bench.device import DeviceBase
 from dcpkit.bench.runners import DecodeRunner, Runner, VariantUnavailable
@@ -39,8 +40,14 @@ class FakeDevice(DeviceBase):
         self.egress = None
 
     def describe(self):
-        return {"gpu": "Fake GPU", "gpu_count": self.world, "device": self.device,
-                "cuda_runtime": "0.0", "driver": "fake", "nccl": None}
+        return {
+            "gpu": "Fake GPU",
+            "gpu_count": self.world,
+            "device": self.device,
+            "cuda_runtime": "0.0",
+            "driver": "fake",
+            "nccl": None,
+        }
 
     def setup(self):
         pass
@@ -70,8 +77,14 @@ class FakeDevice(DeviceBase):
     def pingpong(self, round_trips, repeats):
         if self.rank >= 2:
             return None
-        return [{"event_us": 2.5 * round_trips + rep, "globaltimer_ns": 2490.0 * (round_trips - 10),
-                 "warm": 10} for rep in range(repeats)]
+        return [
+            {
+                "event_us": 2.5 * round_trips + rep,
+                "globaltimer_ns": 2490.0 * (round_trips - 10),
+                "warm": 10,
+            }
+            for rep in range(repeats)
+        ]
 
     def egress_setup(self, slice_bytes):
         self.egress = slice_bytes
@@ -139,8 +152,18 @@ class FakeRunner(Runner):
 
 
 def _fake_run(tmp_path, W, behaviour, extra_args=(), delay_us=0.0, dev_cls=FakeDevice):
-    args = ["--quick", "--max-bytes", "16K", "--tokens", "1,8", "--paths", "direct,nccl",
-            "--json", str(tmp_path / "bench.json"), *extra_args]
+    args = [
+        "--quick",
+        "--max-bytes",
+        "16K",
+        "--tokens",
+        "1,8",
+        "--paths",
+        "direct,nccl",
+        "--json",
+        str(tmp_path / "bench.json"),
+        *extra_args,
+    ]
     cfg = bench.resolve_config(bench.build_parser().parse_args(args))
     cfg["iters"], cfg["iters_exact"] = 3, True
     cfg["geometry"] = dict(cfg["geometry"], H=8, D=16, D_v=16, D_kv=24)
@@ -167,15 +190,16 @@ def test_fake_sweep_all_correct(tmp_path, capsys):
     assert res["meta"]["world_size"] == 2 and res["meta"]["gpu"] == "Fake GPU"
     assert res["meta"]["commit"]
     c = res["ceilings"]
-    assert math.isclose(c["one_way_latency_us"], (2.5 * 2000 + 1) / 4000)   # median repeat
+    assert math.isclose(c["one_way_latency_us"], (2.5 * 2000 + 1) / 4000)  # median repeat
     assert c["egress_GBps"] > 300 and c["egress_wrong"] == 0 and not c["errors"]
     rows = res["rows"]
     # q_gather (2 T) + lse_reduce (2 T) + decode (1) + kv (quick: x16 steps up to 16K -> 4K)
     ops = {(r["op"], r["T"], r["path"], r["mode"]) for r in rows}
     assert ("q_gather", 1, "direct", "graph") in ops and ("decode_layer", 8, "nccl", "eager") in ops
     assert ("kv_gather", round(4096 / (24 * 2)), "direct", "eager") in ops
-    assert all(r["error"] is None and r["wrong"] == 0 for r in rows), \
-        [(r["op"], r["error"]) for r in rows if r["error"] or r["wrong"]]
+    assert all(r["error"] is None and r["wrong"] == 0 for r in rows), [
+        (r["op"], r["error"]) for r in rows if r["error"] or r["wrong"]
+    ]
     for r in rows:
         assert len(r["times_us"]) == r["plan"]["samples"] and r["median_us"] > 0
         assert r["floor_us"] is not None and r["speedup_vs_nccl"] is not None
@@ -190,8 +214,7 @@ def test_fake_sweep_all_correct(tmp_path, capsys):
 
 
 def test_fake_sweep_records_wrong_results(tmp_path):
-    rcs, res = _fake_run(tmp_path, 2, {("q_gather", "direct"): "wrong"},
-                         ["--ops", "q_gather"])
+    rcs, res = _fake_run(tmp_path, 2, {("q_gather", "direct"): "wrong"}, ["--ops", "q_gather"])
     assert rcs == [1, 1]
     bad = [r for r in res["rows"] if r["path"] == "direct"]
     assert bad and all(r["wrong"] > 0 for r in bad)
@@ -207,8 +230,9 @@ def test_fake_sweep_records_wrong_results(tmp_path):
 def test_fake_sweep_survives_a_failure_on_one_rank(tmp_path):
     # rank 1 raises inside every call of q_gather direct at T=1: rows of that case are errors
     # on every rank, the runner is rebuilt, T=8 and the other paths are measured.
-    rcs, res = _fake_run(tmp_path, 2, {("q_gather", "direct"): "raise_rank1_T1"},
-                         ["--ops", "q_gather,lse_reduce"])
+    rcs, res = _fake_run(
+        tmp_path, 2, {("q_gather", "direct"): "raise_rank1_T1"}, ["--ops", "q_gather,lse_reduce"]
+    )
     assert rcs == [1, 1]
     rows = {(r["op"], r["T"], r["path"], r["mode"]): r for r in res["rows"]}
     for m in ("eager", "graph"):
@@ -220,8 +244,7 @@ def test_fake_sweep_survives_a_failure_on_one_rank(tmp_path):
 
 
 def test_fake_sweep_build_failure_gives_error_rows(tmp_path):
-    rcs, res = _fake_run(tmp_path, 3, {("kv_gather", "nccl"): "build_fail"},
-                         ["--ops", "kv_gather"])
+    rcs, res = _fake_run(tmp_path, 3, {("kv_gather", "nccl"): "build_fail"}, ["--ops", "kv_gather"])
     assert rcs == [1, 1, 1]
     nccl = [r for r in res["rows"] if r["path"] == "nccl"]
     assert nccl and all("injected build failure" in r["error"] for r in nccl)
@@ -257,16 +280,21 @@ def test_stage_agrees_on_failure_across_ranks():
         got, errors, token = val
         assert got == [0, 2, 4]
         assert list(errors) == [1] and "ZeroDivisionError" in errors[1], f"rank {r}: {errors}"
-        assert token == 20   # every rank continues from the largest barrier count
+        assert token == 20  # every rank continues from the largest barrier count
 
 
 def test_fake_sweep_one_mode_one_path(tmp_path):
-    rcs, res = _fake_run(tmp_path, 2, {}, ["--ops", "q_gather", "--modes", "graph",
-                                           "--paths", "direct"])
+    rcs, res = _fake_run(
+        tmp_path, 2, {}, ["--ops", "q_gather", "--modes", "graph", "--paths", "direct"]
+    )
     assert rcs == [0, 0]
     assert {(r["path"], r["mode"]) for r in res["rows"]} == {("direct", "graph")}
     assert all(r["speedup_vs_nccl"] is None for r in res["rows"])
-    vs = [i for i in res["targets"] if i["target"].startswith("nvlink.nccl_default") and i["op"] == "q_gather"]
+    vs = [
+        i
+        for i in res["targets"]
+        if i["target"].startswith("nvlink.nccl_default") and i["op"] == "q_gather"
+    ]
     assert vs and all(i["met"] is None for i in vs)
 
 
@@ -285,8 +313,7 @@ class OwnGpuDevice(FakeDevice):
 def test_fake_sweep_ranks_sharing_a_gpu_nccl_is_na_not_a_failure(tmp_path, capsys):
     """NCCL refuses two ranks on one GPU: the NCCL paths are n/a (recorded, not failed rows),
     the exit status is 0 when everything that ran is correct."""
-    rcs, res = _fake_run(tmp_path, 2, {}, ["--ops", "q_gather,kv_gather"],
-                         dev_cls=SharedGpuDevice)
+    rcs, res = _fake_run(tmp_path, 2, {}, ["--ops", "q_gather,kv_gather"], dev_cls=SharedGpuDevice)
     assert rcs == [0, 0]
     assert {r["path"] for r in res["rows"]} == {"direct"}
     assert all(r["error"] is None and r["wrong"] == 0 for r in res["rows"])
@@ -306,28 +333,40 @@ def test_fake_sweep_one_gpu_per_rank_runs_nccl(tmp_path):
     assert {r["path"] for r in res["rows"]} == {"direct", "nccl"}
     assert "paths_not_available" not in res["meta"]
 
+
 def test_fake_sweep_floor_and_peer_rows_fill_every_op_row(tmp_path):
     """Paths floor and nvshmem run beside direct; every op row carries floor_kernel_us and
     speedup_vs_peer of the same case and mode; the decode layer's floor is its two kernels."""
-    rcs, res = _fake_run(tmp_path, 2, {}, ["--paths", "direct,floor,nvshmem", "--ops",
-                                           "q_gather,decode_layer"])
+    rcs, res = _fake_run(
+        tmp_path, 2, {}, ["--paths", "direct,floor,nvshmem", "--ops", "q_gather,decode_layer"]
+    )
     assert rcs == [0, 0]
     paths = {r["path"] for r in res["rows"]}
     assert paths == {"direct", "floor", "nvshmem"}
     for r in res["rows"]:
         if r["path"] == "direct":
             assert r["floor_kernel_us"] is not None and r["speedup_vs_peer"] is not None, r
-            fk = [x for x in res["rows"] if x["path"] == "floor" and x["op"] == r["op"]
-                  and x["T"] == r["T"] and x["mode"] == r["mode"]]
+            fk = [
+                x
+                for x in res["rows"]
+                if x["path"] == "floor"
+                and x["op"] == r["op"]
+                and x["T"] == r["T"]
+                and x["mode"] == r["mode"]
+            ]
             assert r["floor_kernel_us"] == fk[0]["median_us"]
     keys = {i["target"] for i in res["targets"] if i["met"] is not None}
     assert "small.floor_kernel" in keys and "peer.small" in keys
 
 
 def test_fake_sweep_a_failing_peer_is_an_error_row_and_the_run_passes(tmp_path):
-    rcs, res = _fake_run(tmp_path, 2, {("q_gather", "nvshmem"): "build_fail"},
-                         ["--paths", "direct,nvshmem", "--ops", "q_gather"])
-    assert rcs == [0, 0]           # the peer's failure is a result, not a failed run
+    rcs, res = _fake_run(
+        tmp_path,
+        2,
+        {("q_gather", "nvshmem"): "build_fail"},
+        ["--paths", "direct,nvshmem", "--ops", "q_gather"],
+    )
+    assert rcs == [0, 0]  # the peer's failure is a result, not a failed run
     peer = [r for r in res["rows"] if r["path"] == "nvshmem"]
     assert peer and all("injected build failure" in r["error"] for r in peer)
     items = [i for i in res["targets"] if i["target"] == "peer.small"]
@@ -337,12 +376,15 @@ def test_fake_sweep_a_failing_peer_is_an_error_row_and_the_run_passes(tmp_path):
 def test_fake_sweep_self_check_variant(tmp_path, capsys):
     """q_gather and lse_reduce T=1 also run in a graph without self-checking signals where the
     op has the keyword, and the target compares the two; otherwise n/a, recorded."""
-    rcs, res = _fake_run(tmp_path, 2, {"variants": True}, ["--ops", "q_gather,lse_reduce",
-                                                           "--paths", "direct"])
+    rcs, res = _fake_run(
+        tmp_path, 2, {"variants": True}, ["--ops", "q_gather,lse_reduce", "--paths", "direct"]
+    )
     assert rcs == [0, 0]
     var = [r for r in res["rows"] if r["variant"] == "no_self_check"]
-    assert {(r["op"], r["T"], r["mode"]) for r in var} == {("q_gather", 1, "graph"),
-                                                          ("lse_reduce", 1, "graph")}
+    assert {(r["op"], r["T"], r["mode"]) for r in var} == {
+        ("q_gather", 1, "graph"),
+        ("lse_reduce", 1, "graph"),
+    }
     sc = [i for i in res["targets"] if i["target"] == "self_check.cost"]
     assert len(sc) == 2 and all(i["met"] is not None for i in sc)
     rcs, res = _fake_run(tmp_path, 2, {}, ["--ops", "q_gather", "--paths", "direct"])
@@ -360,7 +402,7 @@ def test_fake_sweep_records_whether_ranks_share_a_gpu(tmp_path):
     _, res = _fake_run(tmp_path, 2, {}, ["--ops", "q_gather"], dev_cls=OwnGpuDevice)
     assert res["meta"]["ranks_share_gpu"] is False
     _, res = _fake_run(tmp_path, 2, {}, ["--ops", "q_gather"])
-    assert res["meta"]["ranks_share_gpu"] is None      # bus ids unknown
+    assert res["meta"]["ranks_share_gpu"] is None  # bus ids unknown
 
 
 def test_exact_iters_are_honoured(tmp_path):

@@ -16,8 +16,9 @@ def test_a_launcher_mismatch_is_one_line_and_exit_2(command, var, run_python):
     assert res.returncode == 2, res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, res.stderr
-    assert lines[0].startswith(f"dcpkit {command}: Communicator.from_mpi: the launcher started "
-                               f"2 processes ({var}=2)"), res.stderr
+    assert lines[0].startswith(
+        f"dcpkit {command}: Communicator.from_mpi: the launcher started 2 processes ({var}=2)"
+    ), res.stderr
 
 
 def test_an_unhandled_dcpkit_error_of_a_subcommand_is_one_line(monkeypatch, capsys):
@@ -29,9 +30,12 @@ def test_an_unhandled_dcpkit_error_of_a_subcommand_is_one_line(monkeypatch, caps
     def main(args):
         raise ConfigMismatch("demo arguments", [1, 2])
 
-    monkeypatch.setattr(cli.importlib, "import_module", lambda name: types.SimpleNamespace(
-        main=main))
+    monkeypatch.setattr(
+        cli.importlib, "import_module", lambda name: types.SimpleNamespace(main=main)
+    )
     assert cli.main(["demo"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("dcpkit demo: demo arguments must be equal on every rank") and \
-        err.count("\n") == 1, err
+    assert (
+        err.startswith("dcpkit demo: demo arguments must be equal on every rank")
+        and err.count("\n") == 1
+    ), err

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from dcpkit import demo
-from dcpkit.demo import environment, model, numerics, report, steps, torch_side
 from dcpkit.comm import Communicator
+from dcpkit.demo import environment, model, numerics, report, steps, torch_side
 from dcpkit.errors import InvalidArgument
 from dcpkit.reference import kv_gather_reference, lse_reduce_reference, resolve_dtype
 
@@ -24,24 +24,66 @@ from dcpkit.reference import kv_gather_reference, lse_reduce_reference, resolve_
 # ----------------------------------------------------------------------------- arguments
 def test_defaults_are_the_deepseek_v3_geometry():
     a = demo.parse_args([])
-    assert (a.model, a.batch, a.context, a.dtype, a.seed, a.iters, a.json, a.torch) == \
-        ("deepseek-v3", 8, 16384, "bfloat16", 0, 200, None, False)
+    assert (a.model, a.batch, a.context, a.dtype, a.seed, a.iters, a.json, a.torch) == (
+        "deepseek-v3",
+        8,
+        16384,
+        "bfloat16",
+        0,
+        200,
+        None,
+        False,
+    )
     m = demo.PRESETS[a.model]
     assert (m.num_heads, m.qk_dim, m.v_dim, m.kv_lora_rank, m.rope_dim) == (128, 576, 512, 512, 64)
     assert m.softmax_scale == pytest.approx(1 / 24)
 
 
 def test_kimi_k2_preset():
-    a = demo.parse_args(["--model", "kimi-k2", "--batch", "3", "--context", "100", "--dtype",
-                         "float16", "--seed", "7", "--iters", "0", "--json", "x.json", "--torch"])
-    assert (a.model, a.batch, a.context, a.dtype, a.seed, a.iters, a.json, a.torch) == \
-        ("kimi-k2", 3, 100, "float16", 7, 0, "x.json", True)
+    a = demo.parse_args(
+        [
+            "--model",
+            "kimi-k2",
+            "--batch",
+            "3",
+            "--context",
+            "100",
+            "--dtype",
+            "float16",
+            "--seed",
+            "7",
+            "--iters",
+            "0",
+            "--json",
+            "x.json",
+            "--torch",
+        ]
+    )
+    assert (a.model, a.batch, a.context, a.dtype, a.seed, a.iters, a.json, a.torch) == (
+        "kimi-k2",
+        3,
+        100,
+        "float16",
+        7,
+        0,
+        "x.json",
+        True,
+    )
     m = demo.PRESETS["kimi-k2"]
     assert (m.num_heads, m.qk_dim, m.v_dim) == (64, 576, 512)
 
 
-@pytest.mark.parametrize("argv", [["--batch", "0"], ["--context", "-3"], ["--iters", "-1"],
-                                  ["--model", "llama"], ["--dtype", "float32"], ["--bogus"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--batch", "0"],
+        ["--context", "-3"],
+        ["--iters", "-1"],
+        ["--model", "llama"],
+        ["--dtype", "float32"],
+        ["--bogus"],
+    ],
+)
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         demo.parse_args(argv)
@@ -54,8 +96,16 @@ def test_help_exits_0(capsys):
     assert demo.main(["--help"], comm=Communicator.single()) == 0
     out = capsys.readouterr().out
     assert "mpirun -np N python -m dcpkit demo" in out
-    for opt in ("--model", "--batch", "--context", "--dtype", "--seed", "--json", "--torch",
-                "--iters"):
+    for opt in (
+        "--model",
+        "--batch",
+        "--context",
+        "--dtype",
+        "--seed",
+        "--json",
+        "--torch",
+        "--iters",
+    ):
         assert opt in out
 
 
@@ -101,8 +151,10 @@ def test_no_driver_is_named_not_a_version_mismatch(monkeypatch, capsys):
 
     class Runtime:
         def getDeviceCount(self):
-            raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is "
-                               "insufficient for CUDA runtime version")
+            raise RuntimeError(
+                "cudaErrorInsufficientDriver: CUDA driver version is "
+                "insufficient for CUDA runtime version"
+            )
 
     monkeypatch.setattr(cupy.cuda, "runtime", Runtime())
     monkeypatch.setattr(info, "no_driver_reason", lambda probe=None: "no CUDA driver found (x)")
@@ -127,7 +179,7 @@ class FakeComm:
         self.gpus = gpus
 
     def allgather(self, obj):
-        if isinstance(obj, tuple) and obj[:1] == (self.host,):          # (host, bus id)
+        if isinstance(obj, tuple) and obj[:1] == (self.host,):  # (host, bus id)
             return [(self.host, f"bus{r % self.gpus}") for r in range(self.world_size)]
         return [obj] * self.world_size
 
@@ -161,15 +213,16 @@ def test_heads_must_divide_by_world_size(capsys, monkeypatch):
 
 
 def test_torch_missing_is_a_clear_error(capsys, monkeypatch, two_gpus):
-    monkeypatch.setitem(sys.modules, "torch", None)        # import torch -> ImportError
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
     assert demo.main(["--torch"], comm=FakeComm(2, 2)) == 2
     assert "--torch needs torch" in capsys.readouterr().err
 
 
 def test_no_gpu_under_mpiexec_exits_2_on_every_rank(mpi_launcher, run_cmd):
     """Two ranks, no GPU: one message, exit status 2, no hang."""
-    cmd = mpi_launcher.command(2, sys.executable, "-m", "dcpkit.demo", "--batch", "2",
-                               "--context", "64")
+    cmd = mpi_launcher.command(
+        2, sys.executable, "-m", "dcpkit.demo", "--batch", "2", "--context", "64"
+    )
     proc = run_cmd(cmd, timeout=180)
     assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert proc.stderr.count("no CUDA GPU is visible on this host") == 1, proc.stderr
@@ -209,7 +262,7 @@ def test_deinterleave_inverts_interleave_and_gather(W, L):
         n = demo.local_lengths([L], W, r)[0]
         np.testing.assert_array_equal(s[:n], full[r::W])
         assert np.isnan(s[n:]).all()
-    gathered = kv_gather_reference(shards)                    # rank-major, as kv_gather gives
+    gathered = kv_gather_reference(shards)  # rank-major, as kv_gather gives
     np.testing.assert_array_equal(demo.deinterleave(gathered, W, L), full)
 
 
@@ -244,13 +297,17 @@ def test_attention_of_an_empty_shard_is_nan_with_lse_minus_inf():
 def test_rounding_helpers_match_ml_dtypes(dtype):
     dt = resolve_dtype(dtype)
     rng = np.random.default_rng(2)
-    x = np.concatenate([
-        rng.standard_normal(5000).astype(np.float32) * 100,
-        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, 3.0e38, -3.3e38, 65504.0, 1e5],
-                 np.float32),
-        # exact ties of bf16 (round half to even both ways)
-        (np.arange(1, 200, dtype=np.uint32) << 16 | 0x8000).view(np.float32),
-    ])
+    x = np.concatenate(
+        [
+            rng.standard_normal(5000).astype(np.float32) * 100,
+            np.array(
+                [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, 3.0e38, -3.3e38, 65504.0, 1e5],
+                np.float32,
+            ),
+            # exact ties of bf16 (round half to even both ways)
+            (np.arange(1, 200, dtype=np.uint32) << 16 | 0x8000).view(np.float32),
+        ]
+    )
     got = demo.from_float32(x, dtype)
     want = x.astype(dt)
     assert got.dtype == dt
@@ -263,9 +320,9 @@ def test_rounding_helpers_match_ml_dtypes(dtype):
 
 
 def test_unit_roundoff_and_tolerance():
-    assert demo.unit_roundoff("bfloat16") == 2.0 ** -8
-    assert demo.unit_roundoff("float16") == 2.0 ** -11
-    assert demo.unit_roundoff("float32") == 2.0 ** -24
+    assert demo.unit_roundoff("bfloat16") == 2.0**-8
+    assert demo.unit_roundoff("float16") == 2.0**-11
+    assert demo.unit_roundoff("float32") == 2.0**-24
     assert demo.tolerance("bfloat16", 4.0) == pytest.approx(2 * 4.0 / 256 + 1e-3)
 
 
@@ -277,15 +334,23 @@ def test_checksums_see_every_bit():
     b.view(np.uint16)[3, 5] ^= 1
     assert model.checksums(np, [a]) != model.checksums(np, [b])
     c = a.copy()
-    c.view(np.uint16)[[0, 1], 0] = a.view(np.uint16)[[1, 0], 0]     # two words swapped
+    c.view(np.uint16)[[0, 1], 0] = a.view(np.uint16)[[1, 0], 0]  # two words swapped
     if a.view(np.uint16)[0, 0] != a.view(np.uint16)[1, 0]:
         assert model.checksums(np, [a]) != model.checksums(np, [c])
 
 
 # ----------------------------------------------------------------------------- the whole step
 def _args(**kw):
-    base = dict(model="kimi-k2", batch=3, context=37, dtype="bfloat16", seed=5, iters=0,
-                json=None, torch=False)
+    base = dict(
+        model="kimi-k2",
+        batch=3,
+        context=37,
+        dtype="bfloat16",
+        seed=5,
+        iters=0,
+        json=None,
+        torch=False,
+    )
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -297,8 +362,7 @@ def test_host_inputs_are_per_rank_and_reproducible():
     assert x0["kv"].shape == (3, x0["T_local"], 576) and x0["T_local"] == 10
     np.testing.assert_array_equal(x0["q"].view(np.uint16), x0b["q"].view(np.uint16))
     assert not np.array_equal(x0["q"].view(np.uint16), x1["q"].view(np.uint16))
-    np.testing.assert_array_equal(x0["q_all"][:, 16:32].view(np.uint16),
-                                  x1["q"].view(np.uint16))
+    np.testing.assert_array_equal(x0["q_all"][:, 16:32].view(np.uint16), x1["q"].view(np.uint16))
     # queries are scaled by Q_STD (a power of two: exact)
     assert 3.0 < float(np.std(x0["q"].astype(np.float32))) < 5.0
     for x in (x0, x1):
@@ -318,15 +382,16 @@ def test_dcp_decomposition_on_the_cpu(W, dtype):
     xs = [model.make_host_inputs(args, m, r, W) for r in range(W)]
     dt = resolve_dtype(dtype)
     B, H, H_r = args.batch, m.num_heads, m.num_heads // W
-    q_full = demo.to_float32(xs[0]["q_all"])                              # [B, H, D]
+    q_full = demo.to_float32(xs[0]["q_all"])  # [B, H, D]
     outs, lses = [], []
     for r, x in enumerate(xs):
         kvf = demo.to_float32(x["kv"])
         o = np.empty((B, H, m.v_dim), np.float32)
         lse = np.empty((B, H), np.float32)
         for b in range(B):
-            o[b], lse[b] = demo.attention(q_full[b], kvf[b, :x["local_lengths"][b]],
-                                          m.softmax_scale, m.v_dim)
+            o[b], lse[b] = demo.attention(
+                q_full[b], kvf[b, : x["local_lengths"][b]], m.softmax_scale, m.v_dim
+            )
         outs.append(demo.from_float32(o, dt))
         lses.append(lse)
     assert any(np.isneginf(lse[-1]).all() for lse in lses), "some rank must hold no KV"
@@ -338,10 +403,9 @@ def test_dcp_decomposition_on_the_cpu(W, dtype):
         for b in range(B):
             gathered = kv_gather_reference([xx["kv"][b] for xx in xs])
             full = demo.to_float32(demo.deinterleave(gathered, W, int(x["lengths"][b])))
-            ref[b] = demo.attention(demo.to_float32(x["q"][b]), full, m.softmax_scale,
-                                    m.v_dim)[0]
-            v_max = max(v_max, float(np.abs(full[:, :m.v_dim]).max()))
-        s = numerics.local_stats(got[:, r * H_r:(r + 1) * H_r], ref, r, H_r)
+            ref[b] = demo.attention(demo.to_float32(x["q"][b]), full, m.softmax_scale, m.v_dim)[0]
+            v_max = max(v_max, float(np.abs(full[:, : m.v_dim]).max()))
+        s = numerics.local_stats(got[:, r * H_r : (r + 1) * H_r], ref, r, H_r)
         s.update(q_gather_exact=True, kv_gather_exact=True, v_max=v_max)
         stats.append(s)
     v = demo.verdict(stats, dt)
@@ -353,8 +417,15 @@ def test_dcp_decomposition_on_the_cpu(W, dtype):
 
 # ----------------------------------------------------------------------------- verdict, report
 def _stats(**kw):
-    s = {"max_abs": 1e-3, "ref_max": 2.0, "nonfinite": 0, "worst": [0, 1, 2],
-         "q_gather_exact": True, "kv_gather_exact": True, "v_max": 4.0}
+    s = {
+        "max_abs": 1e-3,
+        "ref_max": 2.0,
+        "nonfinite": 0,
+        "worst": [0, 1, 2],
+        "q_gather_exact": True,
+        "kv_gather_exact": True,
+        "v_max": 4.0,
+    }
     s.update(kw)
     return s
 
@@ -365,8 +436,12 @@ def test_verdict():
     assert v["max_rel_error"] == pytest.approx(1e-3)
     assert v["worst"]["rank"] == 1
     assert v["tolerance_abs"] == pytest.approx(demo.tolerance("bfloat16", 4.0))
-    for bad in (dict(max_abs=1.0), dict(nonfinite=3), dict(q_gather_exact=False),
-                dict(kv_gather_exact=False)):
+    for bad in (
+        dict(max_abs=1.0),
+        dict(nonfinite=3),
+        dict(q_gather_exact=False),
+        dict(kv_gather_exact=False),
+    ):
         assert demo.verdict([_stats(), _stats(**bad)], "bfloat16")["verdict"] == "FAIL", bad
 
 
@@ -379,38 +454,64 @@ def test_summarize_times_is_median_of_max_over_ranks():
 def _report(verdict="PASS", timing=True):
     t = {"median_us": 10.0, "p10_us": 9.0, "p90_us": 11.0, "repeats": 5}
     slow = dict(t, median_us=40.0)
-    path = lambda x: {"eager": {"q_gather": x, "lse_reduce": x, "layer": x},  # noqa: E731
-                      "graph": {"q_gather": x, "lse_reduce": {"error": "rank 1: boom"},
-                                "layer": x}}
+
+    def path(x):
+        return {
+            "eager": {"q_gather": x, "lse_reduce": x, "layer": x},
+            "graph": {"q_gather": x, "lse_reduce": {"error": "rank 1: boom"}, "layer": x},
+        }
+
     return {
-        "model": "deepseek-v3", "num_heads": 128, "heads_per_rank": 64, "qk_dim": 576,
-        "kv_lora_rank": 512, "rope_dim": 64, "v_dim": 512, "softmax_scale": 1 / 24,
-        "dtype": "bfloat16", "batch": 2, "context": 256, "context_lengths": [256, 1],
-        "kv_rows_per_rank": 128, "world_size": 2, "gpus": ["NVIDIA H200"] * 2,
+        "model": "deepseek-v3",
+        "num_heads": 128,
+        "heads_per_rank": 64,
+        "qk_dim": 576,
+        "kv_lora_rank": 512,
+        "rope_dim": 64,
+        "v_dim": 512,
+        "softmax_scale": 1 / 24,
+        "dtype": "bfloat16",
+        "batch": 2,
+        "context": 256,
+        "context_lengths": [256, 1],
+        "kv_rows_per_rank": 128,
+        "world_size": 2,
+        "gpus": ["NVIDIA H200"] * 2,
         "paths": {"q_gather": "direct", "lse_reduce": "direct", "kv_gather": "nccl"},
         "paths_agree": True,
-        "check": demo.verdict([_stats(), _stats(max_abs=1.0 if verdict == "FAIL" else 1e-3)],
-                              "bfloat16"),
+        "check": demo.verdict(
+            [_stats(), _stats(max_abs=1.0 if verdict == "FAIL" else 1e-3)], "bfloat16"
+        ),
         "timing": {"direct": path(t), "nccl": path(slow)} if timing else {},
     }
 
 
 def test_format_report():
     text = demo.format_report(_report())
-    for s in ("deepseek-v3: 128 query heads", "1/sqrt(576)", "2 ranks on 2 x NVIDIA H200",
-              "q_gather: direct", "kv_gather: nccl", "verdict    PASS", "max abs error",
-              "tolerance", "4.0x", "communication only", "graph of lse_reduce failed"):
+    for s in (
+        "deepseek-v3: 128 query heads",
+        "1/sqrt(576)",
+        "2 ranks on 2 x NVIDIA H200",
+        "q_gather: direct",
+        "kv_gather: nccl",
+        "verdict    PASS",
+        "max abs error",
+        "tolerance",
+        "4.0x",
+        "communication only",
+        "graph of lse_reduce failed",
+    ):
         assert s in text, f"{s!r} not in\n{text}"
     fail = demo.format_report(_report("FAIL", timing=False))
     assert "verdict    FAIL" in fail and "worst: rank 1" in fail
-    json.dumps(_report())                                 # the report is JSON-serialisable
+    json.dumps(_report())  # the report is JSON-serialisable
 
 
 def test_speedup_text():
     assert report._speedup({"median_us": 5.0}, {"median_us": 20.0}) == "4.0x"
     assert report._speedup(None, {"median_us": 20.0}) == "n/a"
     assert report._speedup({"error": "x"}, {"median_us": 1.0}) == "n/a"
-    assert math.isclose(demo.PRESETS["deepseek-v3"].softmax_scale, 576 ** -0.5)
+    assert math.isclose(demo.PRESETS["deepseek-v3"].softmax_scale, 576**-0.5)
 
 
 # ----------------------------------------------------------------------------- simulated run
@@ -437,18 +538,38 @@ class _ThreadGroup:
             self.barrier.wait()
             return out
 
-        return Communicator(rank, self.n, allgather=allgather,
-                            broadcast=lambda obj, root: allgather(obj)[root],
-                            barrier=lambda: allgather(None), backend="threads")
+        return Communicator(
+            rank,
+            self.n,
+            allgather=allgather,
+            broadcast=lambda obj, root: allgather(obj)[root],
+            barrier=lambda: allgather(None),
+            backend="threads",
+        )
 
 
 def _fake_cupy():
     """NumPy dressed as the part of CuPy the demo uses (device = a thread-local number)."""
     local = threading.local()
     cp = types.ModuleType("cupy")
-    for name in ("asarray", "empty", "full", "float32", "uint16", "uint32", "uint64", "arange",
-                 "abs", "isfinite", "isnan", "where", "exp", "log", "array_equal",
-                 "ascontiguousarray"):
+    for name in (
+        "asarray",
+        "empty",
+        "full",
+        "float32",
+        "uint16",
+        "uint32",
+        "uint64",
+        "arange",
+        "abs",
+        "isfinite",
+        "isnan",
+        "where",
+        "exp",
+        "log",
+        "array_equal",
+        "ascontiguousarray",
+    ):
         setattr(cp, name, getattr(np, name))
     cp.get_array_module = lambda *a: np
 
@@ -486,10 +607,17 @@ def _fake_cupy():
             pass
 
     runtime = types.SimpleNamespace(
-        getDeviceCount=lambda: 8, deviceGetPCIBusId=lambda d: f"bus{d}",
-        getDeviceProperties=lambda d: {"name": b"Fake GPU"})
-    cp.cuda = types.SimpleNamespace(Device=Device, Stream=Stream, Event=Event, runtime=runtime,
-                                    get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3)
+        getDeviceCount=lambda: 8,
+        deviceGetPCIBusId=lambda d: f"bus{d}",
+        getDeviceProperties=lambda d: {"name": b"Fake GPU"},
+    )
+    cp.cuda = types.SimpleNamespace(
+        Device=Device,
+        Stream=Stream,
+        Event=Event,
+        runtime=runtime,
+        get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
+    )
     return cp
 
 
@@ -499,14 +627,26 @@ def _fake_manager(bug=None, nccl_reason=None):
     mod = types.ModuleType("dcpkit.manager")
 
     class DCPComm:
-        def __init__(self, comm, *, max_tokens, num_heads, q_head_dim, v_head_dim,
-                     kv_row_dim=None, dtype, policy="auto"):
+        def __init__(
+            self,
+            comm,
+            *,
+            max_tokens,
+            num_heads,
+            q_head_dim,
+            v_head_dim,
+            kv_row_dim=None,
+            dtype,
+            policy="auto",
+        ):
             self.nccl_reason = nccl_reason
             if nccl_reason is not None:
-                comm.barrier()              # the agreement a real DCPComm makes
+                comm.barrier()  # the agreement a real DCPComm makes
                 if policy == "nccl":
-                    raise InvalidArgument(f"DCPComm: policy 'nccl' cannot be served: NCCL is "
-                                          f"unavailable ({nccl_reason})")
+                    raise InvalidArgument(
+                        f"DCPComm: policy 'nccl' cannot be served: NCCL is "
+                        f"unavailable ({nccl_reason})"
+                    )
             self.comm, self.max_tokens, self.dtype = comm, max_tokens, resolve_dtype(dtype)
             self.H_r = num_heads // comm.world_size
             self.path = "nccl" if policy == "nccl" else "direct-unicast"
@@ -531,11 +671,12 @@ def _fake_manager(bug=None, nccl_reason=None):
             outs = self.comm.allgather(np.array(out_partial))
             lses = self.comm.allgather(np.array(lse_partial))
             if bug == "lse_reduce":
-                lses = [np.where(np.isneginf(x), x, 0.0) for x in lses]     # equal weights
+                lses = [np.where(np.isneginf(x), x, 0.0) for x in lses]  # equal weights
             merged, _ = lse_reduce_reference(outs, lses)
             r = self.comm.rank
-            own = demo.from_float32(merged[:, r * self.H_r:(r + 1) * self.H_r]
-                                    .astype(np.float32), self.dtype)
+            own = demo.from_float32(
+                merged[:, r * self.H_r : (r + 1) * self.H_r].astype(np.float32), self.dtype
+            )
             return self._done(own, out, out_partial.shape[0])
 
         def kv_gather(self, kv, out=None, **kw):
@@ -561,8 +702,14 @@ def _fake_manager(bug=None, nccl_reason=None):
         transport = "unicast"
 
         def __init__(self, comm, *, max_tokens, row_dim, dtype):
-            self.dcp = DCPComm(comm, max_tokens=max_tokens, num_heads=comm.world_size,
-                               q_head_dim=row_dim, v_head_dim=row_dim, dtype=dtype)
+            self.dcp = DCPComm(
+                comm,
+                max_tokens=max_tokens,
+                num_heads=comm.world_size,
+                q_head_dim=row_dim,
+                v_head_dim=row_dim,
+                dtype=dtype,
+            )
 
         def __call__(self, kv, **kw):
             return self.dcp.kv_gather(kv, **kw)
@@ -605,11 +752,27 @@ def _simulate(monkeypatch, W, argv, bug=None, nccl_reason=None):
     return results
 
 
-@pytest.mark.parametrize("W,argv", [
-    (2, ["--batch", "3", "--context", "40", "--iters", "2"]),
-    (4, ["--model", "kimi-k2", "--dtype", "float16", "--batch", "2", "--context", "9",
-         "--iters", "0"]),
-])
+@pytest.mark.parametrize(
+    "W,argv",
+    [
+        (2, ["--batch", "3", "--context", "40", "--iters", "2"]),
+        (
+            4,
+            [
+                "--model",
+                "kimi-k2",
+                "--dtype",
+                "float16",
+                "--batch",
+                "2",
+                "--context",
+                "9",
+                "--iters",
+                "0",
+            ],
+        ),
+    ],
+)
 def test_simulated_run_passes(monkeypatch, capsys, W, argv):
     reports = _simulate(monkeypatch, W, argv)
     assert all(r == reports[0] for r in reports), "the report must be equal on every rank"
@@ -617,13 +780,18 @@ def test_simulated_run_passes(monkeypatch, capsys, W, argv):
     c = rep["check"]
     assert c["verdict"] == "PASS", c
     assert c["q_gather_bit_exact"] and c["kv_gather_bit_exact"] and c["nonfinite_outputs"] == 0
-    assert rep["paths"] == {"q_gather": "direct-unicast", "lse_reduce": "direct-unicast",
-                            "kv_gather": "direct-unicast"}
+    assert rep["paths"] == {
+        "q_gather": "direct-unicast",
+        "lse_reduce": "direct-unicast",
+        "kv_gather": "direct-unicast",
+    }
     assert rep["context_lengths"][-1] == W - 1
     if "--iters" in argv and argv[argv.index("--iters") + 1] != "0":
         t = rep["timing"]
-        assert t["direct"]["paths"] == {"q_gather": "direct-unicast",
-                                        "lse_reduce": "direct-unicast"}
+        assert t["direct"]["paths"] == {
+            "q_gather": "direct-unicast",
+            "lse_reduce": "direct-unicast",
+        }
         assert t["nccl"]["paths"] == {"q_gather": "nccl", "lse_reduce": "nccl"}
         for path in ("direct", "nccl"):
             for mode in ("eager", "graph"):
@@ -632,8 +800,13 @@ def test_simulated_run_passes(monkeypatch, capsys, W, argv):
     text = demo.format_report(rep)
     assert "verdict    PASS" in text
     out = capsys.readouterr().out
-    for progress in ("building inputs", "building the ops", "decode step", "reference:",
-                     "check: max abs error"):
+    for progress in (
+        "building inputs",
+        "building the ops",
+        "decode step",
+        "reference:",
+        "check: max abs error",
+    ):
         assert progress in out, out
 
 
@@ -641,16 +814,22 @@ def test_simulated_run_without_nccl_checks_and_times_the_direct_path(monkeypatch
     """NCCL unavailable (ranks sharing a GPU): the check runs on the direct path, the report
     says why NCCL is unavailable, the NCCL timings are skipped (never built), PASS."""
     why = "NCCL needs one GPU per rank: ranks [0, 1] share GPU 0000:19:00.0"
-    rep = _simulate(monkeypatch, 2, ["--batch", "2", "--context", "30", "--iters", "2"],
-                    nccl_reason=why)[0]
+    rep = _simulate(
+        monkeypatch, 2, ["--batch", "2", "--context", "30", "--iters", "2"], nccl_reason=why
+    )[0]
     assert rep["check"]["verdict"] == "PASS", rep["check"]
-    assert rep["paths"] == {"q_gather": "direct-unicast", "lse_reduce": "direct-unicast",
-                            "kv_gather": "direct-unicast"}
+    assert rep["paths"] == {
+        "q_gather": "direct-unicast",
+        "lse_reduce": "direct-unicast",
+        "kv_gather": "direct-unicast",
+    }
     assert rep["nccl_path"] == f"unavailable ({why})"
     assert rep["nccl_unavailable_reason"] == why
     assert rep["timing"]["nccl"] == {"skipped": f"NCCL unavailable: {why}"}
-    assert rep["timing"]["direct"]["paths"] == {"q_gather": "direct-unicast",
-                                                "lse_reduce": "direct-unicast"}
+    assert rep["timing"]["direct"]["paths"] == {
+        "q_gather": "direct-unicast",
+        "lse_reduce": "direct-unicast",
+    }
     text = demo.format_report(rep)
     assert f"NCCL path: unavailable ({why})" in text, text
     assert f"nccl path not timed: NCCL unavailable: {why}" in text, text
@@ -665,12 +844,16 @@ def test_simulated_run_without_nccl_checks_and_times_the_direct_path(monkeypatch
     assert "NCCL path: available" in demo.format_report(rep)
 
 
-@pytest.mark.parametrize("bug,what", [("lse_reduce", "max_abs_error"),
-                                      ("q_gather", "q_gather_bit_exact"),
-                                      ("kv_gather", "kv_gather_bit_exact")])
+@pytest.mark.parametrize(
+    "bug,what",
+    [
+        ("lse_reduce", "max_abs_error"),
+        ("q_gather", "q_gather_bit_exact"),
+        ("kv_gather", "kv_gather_bit_exact"),
+    ],
+)
 def test_simulated_run_catches_a_wrong_op(monkeypatch, bug, what):
-    rep = _simulate(monkeypatch, 2, ["--batch", "2", "--context", "30", "--iters", "0"],
-                    bug=bug)[0]
+    rep = _simulate(monkeypatch, 2, ["--batch", "2", "--context", "30", "--iters", "0"], bug=bug)[0]
     c = rep["check"]
     assert c["verdict"] == "FAIL", c
     if what == "max_abs_error":
@@ -693,48 +876,64 @@ def test_torch_side_math_on_cpu():
     assert q.dtype == torch.bfloat16 and q.shape == (3, 64, 576)
     np.testing.assert_array_equal(q.float().numpy(), x["q"].astype(np.float32))
 
-    class Identity:                      # one rank: q_gather and lse_reduce are identities
+    class Identity:  # one rank: q_gather and lse_reduce are identities
         def q_gather(self, q):
             return q
 
         def lse_reduce(self, out_partial, lse_partial):
             return out_partial
 
-    lens = np.array([11, 4, 0])          # the last sequence has no KV here
+    lens = np.array([11, 4, 0])  # the last sequence has no KV here
     out, q_full, out_partial, lse = side.decode(Identity(), q, kv, lens, m, dt)
     assert torch.isnan(out_partial[2].float()).all() and torch.isneginf(lse[2]).all()
     qf, kvf = demo.to_float32(x["q"]), demo.to_float32(x["kv"])
     for b in range(2):
-        o_np, l_np = demo.attention(qf[b], kvf[b, :lens[b]], m.softmax_scale, m.v_dim)
-        np.testing.assert_allclose(out_partial[b].float().numpy(), o_np,
-                                   atol=2 ** -7 * np.abs(o_np).max(), err_msg=f"sequence {b}")
+        o_np, l_np = demo.attention(qf[b], kvf[b, : lens[b]], m.softmax_scale, m.v_dim)
+        np.testing.assert_allclose(
+            out_partial[b].float().numpy(),
+            o_np,
+            atol=2**-7 * np.abs(o_np).max(),
+            err_msg=f"sequence {b}",
+        )
         np.testing.assert_allclose(lse[b].numpy(), l_np, rtol=1e-5)
-        ref = side.reference(q[b], kv[b, :lens[b]], m)
+        ref = side.reference(q[b], kv[b, : lens[b]], m)
         assert ref.shape == (64, 512) and ref.dtype == torch.float32
         np.testing.assert_allclose(ref.numpy(), o_np, rtol=1e-4, atol=1e-5)
     full = torch.arange(24.0).reshape(6, 4)
-    gathered = torch.cat([full[0::2], full[1::2]])          # 2 ranks, rank-major
+    gathered = torch.cat([full[0::2], full[1::2]])  # 2 ranks, rank-major
     assert torch.equal(demo.deinterleave(gathered, 2, 6), full)
 
 
 # ----------------------------------------------------------------------------- first-hour checks
-@pytest.mark.parametrize("argv,message", [
-    (["--seed", "-1"], "argument --seed: must be an integer >= 0 (got -1)"),
-    (["--context", "1e20"], "argument --context: must be an integer in [1, 2147483647] "
-                            "(got '1e20')"),
-    (["--context", "2147483648"], "argument --context: must be an integer in [1, 2147483647] "
-                                  "(got 2147483648)"),
-    (["--batch", "x"], "argument --batch: must be an integer in [1, 2147483647] (got 'x')"),
-    (["--iters", "2.5"], "argument --iters: must be an integer >= 0 (got '2.5')"),
-    (["--timeout-ms", "-1"], "argument --timeout-ms: must be a number of milliseconds in "
-                             "(0, 3600000] (got '-1')"),
-    (["--timeout-ms", "nan"], "argument --timeout-ms: must be a number of milliseconds in "
-                              "(0, 3600000] (got 'nan')"),
-    (["--timeout-ms", "inf"], "argument --timeout-ms: must be a number of milliseconds in "
-                              "(0, 3600000] (got 'inf')"),
-])
-def test_numeric_arguments_are_validated_when_parsed_with_a_readable_message(argv, message,
-                                                                              capsys):
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--seed", "-1"], "argument --seed: must be an integer >= 0 (got -1)"),
+        (
+            ["--context", "1e20"],
+            "argument --context: must be an integer in [1, 2147483647] (got '1e20')",
+        ),
+        (
+            ["--context", "2147483648"],
+            "argument --context: must be an integer in [1, 2147483647] (got 2147483648)",
+        ),
+        (["--batch", "x"], "argument --batch: must be an integer in [1, 2147483647] (got 'x')"),
+        (["--iters", "2.5"], "argument --iters: must be an integer >= 0 (got '2.5')"),
+        (
+            ["--timeout-ms", "-1"],
+            "argument --timeout-ms: must be a number of milliseconds in (0, 3600000] (got '-1')",
+        ),
+        (
+            ["--timeout-ms", "nan"],
+            "argument --timeout-ms: must be a number of milliseconds in (0, 3600000] (got 'nan')",
+        ),
+        (
+            ["--timeout-ms", "inf"],
+            "argument --timeout-ms: must be a number of milliseconds in (0, 3600000] (got 'inf')",
+        ),
+    ],
+)
+def test_numeric_arguments_are_validated_when_parsed_with_a_readable_message(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         demo.parse_args(argv)
     assert e.value.code == 2
@@ -753,7 +952,7 @@ def test_json_into_a_missing_folder_is_refused_before_the_run(tmp_path, capsys):
     assert demo.main(["--json", str(path)], comm=Communicator.single()) == 2
     err = capsys.readouterr().err
     assert f"--json folder '{path.parent}' must exist" in err, err
-    assert "no CUDA GPU" not in err          # refused before the environment checks
+    assert "no CUDA GPU" not in err  # refused before the environment checks
     assert demo.main(["--json", str(tmp_path)], comm=Communicator.single()) == 2
     assert "must name a file (got a folder)" in capsys.readouterr().err
 
@@ -765,16 +964,18 @@ def test_launcher_mismatch_is_one_line_and_exit_2(var, run_python):
     assert res.returncode == 2, res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, res.stderr
-    assert lines[0].startswith(f"dcpkit demo: Communicator.from_mpi: the launcher started 2 "
-                               f"processes ({var}=2)"), lines[0]
+    assert lines[0].startswith(
+        f"dcpkit demo: Communicator.from_mpi: the launcher started 2 processes ({var}=2)"
+    ), lines[0]
 
 
 def test_missing_cupy_is_reported_as_the_missing_extra(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "cupy", None)          # import cupy -> ImportError
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
     assert demo.main(["--iters", "0"], comm=Communicator.single()) == 2
     err = capsys.readouterr().err
-    assert "dcpkit demo: cupy is not installed: install it with `pip install 'dcpkit[cuda1" \
-        in err, err
+    assert (
+        "dcpkit demo: cupy is not installed: install it with `pip install 'dcpkit[cuda1" in err
+    ), err
     assert "no CUDA GPU" not in err
 
 
@@ -788,6 +989,8 @@ def test_missing_cuda_bindings_is_reported_as_the_missing_extra(monkeypatch, cap
     monkeypatch.setattr(dcpkit._cuda, "driver", no_bindings)
     assert demo.main(["--iters", "0"], comm=Communicator.single()) == 2
     err = capsys.readouterr().err
-    assert "cuda-bindings (cuda-python) is not installed: install it with `pip install " \
-        "'dcpkit[cuda12]'`" in err, err
+    assert (
+        "cuda-bindings (cuda-python) is not installed: install it with `pip install "
+        "'dcpkit[cuda12]'`" in err
+    ), err
     assert "no CUDA GPU" not in err

@@ -4,9 +4,18 @@ import pytest
 
 from dcpkit import errors
 from dcpkit._cuda import check
-from dcpkit.errors import (ClosedError, CollectiveTimeout, CompileError, ConfigMismatch,
-                           CudaError, DcpkitError, InvalidArgument, InvalidType,
-                           MissingDependency, PeerError)
+from dcpkit.errors import (
+    ClosedError,
+    CollectiveTimeout,
+    CompileError,
+    ConfigMismatch,
+    CudaError,
+    DcpkitError,
+    InvalidArgument,
+    InvalidType,
+    MissingDependency,
+    PeerError,
+)
 
 
 def test_every_public_error_is_a_dcpkit_error():
@@ -22,8 +31,10 @@ def test_every_public_error_is_a_dcpkit_error():
 def test_missing_dependency_names_the_extra():
     e = MissingDependency("mpi4py", "mpi", "No module named 'mpi4py'")
     assert (e.what, e.extra) == ("mpi4py", "mpi")
-    assert str(e) == ("mpi4py is not installed: install it with `pip install 'dcpkit[mpi]'` "
-                      "(No module named 'mpi4py')")
+    assert str(e) == (
+        "mpi4py is not installed: install it with `pip install 'dcpkit[mpi]'` "
+        "(No module named 'mpi4py')"
+    )
 
 
 def test_cuda_error():
@@ -40,23 +51,46 @@ def test_compile_error():
 
 
 def test_collective_timeout_names_rank_peer_and_epoch():
-    e = CollectiveTimeout("lse_reduce", rank=2, peer=3, expected_epoch=17, observed_epoch=16,
-                          ubatch=1, timeout_ms=2000.0)
-    assert (e.op, e.rank, e.peer, e.expected_epoch, e.observed_epoch, e.ubatch) == \
-        ("lse_reduce", 2, 3, 17, 16, 1)
+    e = CollectiveTimeout(
+        "lse_reduce",
+        rank=2,
+        peer=3,
+        expected_epoch=17,
+        observed_epoch=16,
+        ubatch=1,
+        timeout_ms=2000.0,
+    )
+    assert (e.op, e.rank, e.peer, e.expected_epoch, e.observed_epoch, e.ubatch) == (
+        "lse_reduce",
+        2,
+        3,
+        17,
+        16,
+        1,
+    )
     s = str(e)
-    for part in ("lse_reduce: rank 2", "2000 ms", "peer 3", "ubatch 1", "expected epoch 17",
-                 "observed 16", "poisoned"):
+    for part in (
+        "lse_reduce: rank 2",
+        "2000 ms",
+        "peer 3",
+        "ubatch 1",
+        "expected epoch 17",
+        "observed 16",
+        "poisoned",
+    ):
         assert part in s, (part, s)
 
 
-@pytest.mark.parametrize("values, ranks", [
-    ([8, 8, 16], [2]),          # majority 8
-    ([16, 8, 8, 8], [0]),       # rank 0 is the odd one
-    ([8, 16], [1]),             # tie: rank 0's value is the reference
-    ([1, 2, 3], [1, 2]),        # all differ: rank 0's value is the reference
-    (["a", "b", "b", "a"], [1, 2]),
-])
+@pytest.mark.parametrize(
+    "values, ranks",
+    [
+        ([8, 8, 16], [2]),  # majority 8
+        ([16, 8, 8, 8], [0]),  # rank 0 is the odd one
+        ([8, 16], [1]),  # tie: rank 0's value is the reference
+        ([1, 2, 3], [1, 2]),  # all differ: rank 0's value is the reference
+        (["a", "b", "b", "a"], [1, 2]),
+    ],
+)
 def test_config_mismatch_names_the_differing_ranks(values, ranks):
     e = ConfigMismatch("T_max", values)
     assert e.ranks == ranks
@@ -69,7 +103,9 @@ def test_config_mismatch_names_the_differing_ranks(values, ranks):
 def test_peer_error():
     e = PeerError("heap setup", {2: "OSError: x", 0: "ValueError: y"})
     assert e.failed == {0: "ValueError: y", 2: "OSError: x"}
-    assert str(e) == "heap setup failed on rank(s) [0, 2]: rank 0: ValueError: y; rank 2: OSError: x"
+    assert (
+        str(e) == "heap setup failed on rank(s) [0, 2]: rank 0: ValueError: y; rank 2: OSError: x"
+    )
 
 
 def test_closed_error_is_runtime_error():
@@ -92,7 +128,9 @@ def test_check_returns_values_and_raises_cuda_error():
     assert check(ok, "cuInit") is None
     assert check((ok, 5), "cuDeviceGet") == 5
     assert check((ok, 1, 2), "cuX") == (1, 2)
-    with pytest.raises(CudaError, match=r"^cuMemCreate failed with CUDA_ERROR_OUT_OF_MEMORY: hint$") as ei:
+    with pytest.raises(
+        CudaError, match=r"^cuMemCreate failed with CUDA_ERROR_OUT_OF_MEMORY: hint$"
+    ) as ei:
         check((_Res(2, "CUDA_ERROR_OUT_OF_MEMORY"), None), "cuMemCreate", "hint")
     assert ei.value.result == "CUDA_ERROR_OUT_OF_MEMORY"
 
@@ -104,7 +142,6 @@ def test_check_with_the_real_bindings_enum():
     assert check((drv.CUresult.CUDA_SUCCESS, 7), "cuX") == 7
 
 
-
 # ----------------------------------------------------------------------------- dcpkit's namespace
 def test_every_error_class_is_exported_from_dcpkit():
     import dcpkit
@@ -113,7 +150,10 @@ def test_every_error_class_is_exported_from_dcpkit():
     assert not missing, f"dcpkit.__all__ lacks {missing} (raised by dcpkit, listed in errors)"
     for n in errors.__all__:
         assert getattr(dcpkit, n) is getattr(errors, n), n
-    from dcpkit import ClosedError as C, InvalidArgument as A, PeerError as P
+    from dcpkit import ClosedError as C
+    from dcpkit import InvalidArgument as A
+    from dcpkit import PeerError as P
+
     assert P is PeerError and C is ClosedError and A is InvalidArgument
 
 

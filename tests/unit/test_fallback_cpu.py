@@ -15,8 +15,13 @@ import pytest
 from dcpkit import fallback, reference
 from dcpkit.comm import Communicator
 from dcpkit.errors import InvalidArgument, MissingDependency
-from dcpkit.fallback import (CopyPlan, copy_plan, heads_to_owner_plan, lse_layout,
-                             owner_to_heads_plan)
+from dcpkit.fallback import (
+    CopyPlan,
+    copy_plan,
+    heads_to_owner_plan,
+    lse_layout,
+    owner_to_heads_plan,
+)
 
 
 # ----------------------------------------------------------------------------- emulation
@@ -37,8 +42,9 @@ def as_bytes(a: np.ndarray) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- copy_plan
 def test_copy_plan_vectorises_contiguous_runs():
-    p = copy_plan((4, 3, 2, 64), (384 * 2, 128 * 2, 64 * 2, 2), (384 * 2, 128 * 2, 64 * 2, 2),
-                  2, 0, 256)
+    p = copy_plan(
+        (4, 3, 2, 64), (384 * 2, 128 * 2, 64 * 2, 2), (384 * 2, 128 * 2, 64 * 2, 2), 2, 0, 256
+    )
     assert p == CopyPlan(16, (4, 3, 2, 8), (48, 16, 8, 1), (48, 16, 8, 1))
     # a pointer 8 bytes off 16: 8-byte elements
     p = copy_plan((2, 64), (128, 2), (128, 2), 2, 8, 0)
@@ -48,7 +54,7 @@ def test_copy_plan_vectorises_contiguous_runs():
 
 
 def test_copy_plan_strided_innermost_and_errors():
-    p = copy_plan((3, 4), (8, 2), (32, 8), 2, 0, 0)             # src inner stride 8 bytes
+    p = copy_plan((3, 4), (8, 2), (32, 8), 2, 0, 0)  # src inner stride 8 bytes
     assert p == CopyPlan(2, (1, 1, 3, 4), (0, 0, 4, 1), (0, 0, 16, 4))
     with pytest.raises(InvalidArgument, match="at most 4 dimensions"):
         copy_plan((1, 1, 1, 1, 2), (2,) * 5, (2,) * 5, 2, 0, 0)
@@ -59,8 +65,15 @@ def test_copy_plan_strided_innermost_and_errors():
     assert p.elem_bytes == 16
 
 
-@pytest.mark.parametrize("W,T,H_r,D,dtype", [(2, 5, 3, 8, "bfloat16"), (4, 1, 2, 16, "float32"),
-                                             (3, 17, 1, 7, "float16"), (2, 3, 2, 5, "uint8")])
+@pytest.mark.parametrize(
+    "W,T,H_r,D,dtype",
+    [
+        (2, 5, 3, 8, "bfloat16"),
+        (4, 1, 2, 16, "float32"),
+        (3, 17, 1, 7, "float16"),
+        (2, 3, 2, 5, "uint8"),
+    ],
+)
 @pytest.mark.parametrize("layout", ["contiguous", "padded", "misaligned"])
 def test_q_gather_reorder_plan_is_all_gather_dim1(W, T, H_r, D, dtype, layout):
     """The NCCL q_gather: the all-gather result [W, T, H_r, D] put in [T, H, D] order by one
@@ -69,7 +82,7 @@ def test_q_gather_reorder_plan_is_all_gather_dim1(W, T, H_r, D, dtype, layout):
     dt = reference.resolve_dtype(dtype)
     isz = dt.itemsize
     qs = [reference.random_array(rng, (T, H_r, D), dt) for _ in range(W)]
-    gathered = np.concatenate([as_bytes(q) for q in qs])       # [W, T, H_r, D] contiguous
+    gathered = np.concatenate([as_bytes(q) for q in qs])  # [W, T, H_r, D] contiguous
     H = W * H_r
     H_pad = H + (2 if layout == "padded" else 0)
     off = 2 * isz if layout == "misaligned" else 0
@@ -80,13 +93,19 @@ def test_q_gather_reorder_plan_is_all_gather_dim1(W, T, H_r, D, dtype, layout):
     run_copy(p, dst, off, src, 16)
     got = np.ndarray((T, H, D), dtype=dt, buffer=dst, offset=off, strides=out_strides)
     want = reference.q_gather_reference(qs)
-    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), \
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (
         f"first mismatch at {np.argwhere(got.view(np.uint8) != want.view(np.uint8))[:1]}"
-    if layout == "padded":   # pad heads never written
-        pad = np.ndarray((T, 2, D * isz), np.uint8, buffer=dst, offset=off + H * D * isz,
-                         strides=(H_pad * D * isz, D * isz, 1))
+    )
+    if layout == "padded":  # pad heads never written
+        pad = np.ndarray(
+            (T, 2, D * isz),
+            np.uint8,
+            buffer=dst,
+            offset=off + H * D * isz,
+            strides=(H_pad * D * isz, D * isz, 1),
+        )
         assert (pad == 0xAB).all()
-    if T == 1:                # the layouts coincide: NCCL may gather straight into out
+    if T == 1:  # the layouts coincide: NCCL may gather straight into out
         assert np.array_equal(gathered, as_bytes(want))
 
 
@@ -96,14 +115,14 @@ def test_lse_pack_plan_is_owner_slices(W, T, H_r, D):
     contiguous blocks [W, T, H_r, D]."""
     rng = np.random.default_rng(1)
     H = W * H_r
-    big = rng.standard_normal((T, H + 1, D + 3)).astype(np.float16)   # padded storage
+    big = rng.standard_normal((T, H + 1, D + 3)).astype(np.float16)  # padded storage
     x = big[:, :H, :D]
     src = as_bytes(big)
     dst = np.zeros(W * T * H_r * D * 2, np.uint8)
     p = heads_to_owner_plan(W, T, H_r, D, 2, x.strides, 0, 0)
     run_copy(p, dst, 0, src, 0)
     got = dst.view(np.float16).reshape(W, T, H_r, D)
-    want = np.stack([x[:, s * H_r:(s + 1) * H_r] for s in range(W)])
+    want = np.stack([x[:, s * H_r : (s + 1) * H_r] for s in range(W)])
     assert np.array_equal(got, want)
 
 
@@ -178,12 +197,13 @@ def weight_kernel(lse_all, x, y, lay, W, rank, T, H, H_r, D, lse_out):
             s, j = divmod(h, H_r)
             base = s * lay.y_ss + t * lay.y_st + j * D
             if w[t, h] > 0:
-                y[base:base + D] = w[t, h] * x[t, h].astype(np.float32)
+                y[base : base + D] = w[t, h] * x[t, h].astype(np.float32)
             else:
-                y[base:base + D] = 0.0
+                y[base : base + D] = 0.0
             if lay.lse_h0 <= h < lay.lse_h1:
-                lse_out[t, h - lay.lse_h0] = m[t, h] + np.log(ssum[t, h]) \
-                    if not np.isneginf(m[t, h]) else -np.inf
+                lse_out[t, h - lay.lse_h0] = (
+                    m[t, h] + np.log(ssum[t, h]) if not np.isneginf(m[t, h]) else -np.inf
+                )
 
 
 @pytest.mark.parametrize("algorithm", ["allgather_reduce_scatter", "allgather_all_reduce"])
@@ -195,20 +215,46 @@ def test_allgather_algorithms_match_reference(algorithm, lse_base, num_requests)
     never leaking, out_lse included."""
     W, T, H, D, seed = 3, 7, 6, 4, 11
     H_r = H // W
-    ins = [reference.make_inputs(r, W, seed, op="lse_reduce", tokens=T, num_heads=H,
-                                 head_dim=D, dtype="float32", lse_base=lse_base,
-                                 num_requests=num_requests, empty_fraction=0.2,
-                                 nonfinite_fraction=0.1) for r in range(W)]
+    ins = [
+        reference.make_inputs(
+            r,
+            W,
+            seed,
+            op="lse_reduce",
+            tokens=T,
+            num_heads=H,
+            head_dim=D,
+            dtype="float32",
+            lse_base=lse_base,
+            num_requests=num_requests,
+            empty_fraction=0.2,
+            nonfinite_fraction=0.1,
+        )
+        for r in range(W)
+    ]
     qsl = ins[0]["query_start_loc"]
     ref_out, ref_lse = reference.lse_reduce_reference(
-        [i["out_partial"] for i in ins], [i["lse_partial"] for i in ins], lse_base=lse_base,
-        seq_lens=None if qsl is None else [i["seq_lens"] for i in ins], query_start_loc=qsl)
+        [i["out_partial"] for i in ins],
+        [i["lse_partial"] for i in ins],
+        lse_base=lse_base,
+        seq_lens=None if qsl is None else [i["seq_lens"] for i in ins],
+        query_start_loc=qsl,
+    )
     scale = np.float32(1.0 if lse_base == math.e else math.log(2.0))
     lse_all = np.full(W * T * H, np.nan, np.float32)
-    for r in range(W):       # every rank masks its own lse into its slot (the all-gather)
+    for r in range(W):  # every rank masks its own lse into its slot (the all-gather)
         lay = lse_layout(algorithm, r, W, T, H, D)
-        mask_kernel(ins[r]["lse_partial"], scale, qsl, ins[r]["seq_lens"], lse_all,
-                    lay.mask_offset, lay.mask_ss, lay.mask_st, H_r)
+        mask_kernel(
+            ins[r]["lse_partial"],
+            scale,
+            qsl,
+            ins[r]["seq_lens"],
+            lse_all,
+            lay.mask_offset,
+            lay.mask_ss,
+            lay.mask_st,
+            H_r,
+        )
     assert not np.isnan(lse_all).any()
     ys, lses = [], []
     for r in range(W):
@@ -218,16 +264,16 @@ def test_allgather_algorithms_match_reference(algorithm, lse_base, num_requests)
         weight_kernel(lse_all, ins[r]["out_partial"], y, lay, W, r, T, H, H_r, D, lo)
         ys.append(y)
         lses.append(lo)
-    total = np.sum(ys, axis=0)          # the fp32 sum NCCL performs
+    total = np.sum(ys, axis=0)  # the fp32 sum NCCL performs
     tol = reference.lse_reduce_tolerance("float32")
     for r in range(W):
         if algorithm == "allgather_all_reduce":
             got, want = total.reshape(T, H, D), ref_out
             want_lse = ref_lse
-        else:                           # reduce-scatter: block r of the owner-major buffer
+        else:  # reduce-scatter: block r of the owner-major buffer
             got = total.reshape(W, T, H_r, D)[r]
-            want = ref_out[:, r * H_r:(r + 1) * H_r]
-            want_lse = ref_lse[:, r * H_r:(r + 1) * H_r]
+            want = ref_out[:, r * H_r : (r + 1) * H_r]
+            want_lse = ref_lse[:, r * H_r : (r + 1) * H_r]
         assert np.isfinite(got).all(), f"rank {r}: non-finite output"
         err = np.abs(got - want).max()
         assert err <= tol, f"rank {r}: max error {err} > {tol}"
@@ -243,7 +289,7 @@ def test_all_to_all_mask_layout_is_owner_order():
     lse = np.arange(T * H, dtype=np.float32).reshape(T, H)
     dst = np.zeros(W * T * H_r, np.float32)
     mask_kernel(lse, 1.0, None, None, dst, lay.mask_offset, lay.mask_ss, lay.mask_st, H_r)
-    want = np.stack([lse[:, s * H_r:(s + 1) * H_r] for s in range(W)])   # [W, T, H_r]
+    want = np.stack([lse[:, s * H_r : (s + 1) * H_r] for s in range(W)])  # [W, T, H_r]
     assert np.array_equal(dst.reshape(W, T, H_r), want)
 
 
@@ -280,17 +326,22 @@ def test_missing_nccl_names_the_extra(monkeypatch):
     with pytest.raises(MissingDependency, match=r"dcpkit\[cuda1[23]\]"):
         fallback.NcclGroup(comm)
     with pytest.raises(MissingDependency, match=r"dcpkit\[cuda1[23]\]"):
-        fallback.NcclQGather(comm, max_tokens=4, heads_per_rank=2, head_dim=8,
-                             dtype="bfloat16")
+        fallback.NcclQGather(comm, max_tokens=4, heads_per_rank=2, head_dim=8, dtype="bfloat16")
     with pytest.raises(MissingDependency, match=r"dcpkit\[cuda1[23]\]"):
-        fallback.NcclLseReduce(comm, max_tokens=4, num_heads=2, head_dim=8, dtype="float32",
-                               algorithm="allgather_reduce_scatter")
+        fallback.NcclLseReduce(
+            comm,
+            max_tokens=4,
+            num_heads=2,
+            head_dim=8,
+            dtype="float32",
+            algorithm="allgather_reduce_scatter",
+        )
 
 
 def test_missing_cupy_nccl_module_names_the_extra(monkeypatch):
     cuda = pytest.importorskip("cupy.cuda")
     monkeypatch.delattr(cuda, "nccl", raising=False)
-    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", None)   # import fails
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", None)  # import fails
     with pytest.raises(MissingDependency, match=r"dcpkit\[cuda1[23]\]"):
         fallback.nccl_module()
 
@@ -298,16 +349,19 @@ def test_missing_cupy_nccl_module_names_the_extra(monkeypatch):
 def test_bad_constructor_arguments_before_any_gpu_work():
     comm = Communicator.single()
     with pytest.raises(InvalidArgument, match="algorithm must be one of"):
-        fallback.NcclLseReduce(comm, max_tokens=4, num_heads=2, head_dim=8, dtype="float32",
-                               algorithm="ring")
-    with pytest.raises(InvalidArgument, match="head_dim \\* itemsize must be a multiple of 16 "
-                                              "bytes for algorithm 'all_to_all'"):
+        fallback.NcclLseReduce(
+            comm, max_tokens=4, num_heads=2, head_dim=8, dtype="float32", algorithm="ring"
+        )
+    with pytest.raises(
+        InvalidArgument,
+        match="head_dim \\* itemsize must be a multiple of 16 bytes for algorithm 'all_to_all'",
+    ):
         fallback.NcclLseReduce(comm, max_tokens=4, num_heads=2, head_dim=3, dtype="float32")
     with pytest.raises(InvalidArgument, match="lse_base must be math.e or 2"):
-        fallback.NcclLseReduce(comm, max_tokens=4, num_heads=2, head_dim=8, dtype="float32",
-                               lse_base=10)
+        fallback.NcclLseReduce(
+            comm, max_tokens=4, num_heads=2, head_dim=8, dtype="float32", lse_base=10
+        )
     with pytest.raises(InvalidArgument, match="algorithm must be 'push' or 'pull'"):
-        fallback.NcclKVGather(comm, max_tokens=4, row_dim=8, dtype="bfloat16",
-                              algorithm="ring")
+        fallback.NcclKVGather(comm, max_tokens=4, row_dim=8, dtype="bfloat16", algorithm="ring")
     with pytest.raises(InvalidArgument, match="max_tokens must be >= 1"):
         fallback.NcclQGather(comm, max_tokens=0, heads_per_rank=2, head_dim=8, dtype="bfloat16")

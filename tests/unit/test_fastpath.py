@@ -27,10 +27,13 @@ _SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "host_p
 #: Every variant an op launches through its plan -> the type list the op packs for it.
 _LAUNCHED = {
     "q_gather.cu": dict.fromkeys(jit.VARIANTS["q_gather.cu"], Q_GATHER_PARAM_TYPES),
-    "kv_gather.cu": {v: KV_GATHER_PULL_PARAM_TYPES if "pull" in v else KV_GATHER_PUSH_PARAM_TYPES
-                     for v in jit.VARIANTS["kv_gather.cu"]},
-    "lse_reduce.cu": {v: LSE_REDUCE_PARAM_TYPES for v in jit.VARIANTS["lse_reduce.cu"]
-                      if "lse_reduce_kernel" in v},
+    "kv_gather.cu": {
+        v: KV_GATHER_PULL_PARAM_TYPES if "pull" in v else KV_GATHER_PUSH_PARAM_TYPES
+        for v in jit.VARIANTS["kv_gather.cu"]
+    },
+    "lse_reduce.cu": {
+        v: LSE_REDUCE_PARAM_TYPES for v in jit.VARIANTS["lse_reduce.cu"] if "lse_reduce_kernel" in v
+    },
 }
 
 
@@ -60,7 +63,7 @@ def test_plan_parameters_match_every_kernel_variant(file):
     assert variants, file
     ptx, names = _ptx(file, list(variants))
     for expr, types in variants.items():
-        assert types[:len(PROTO_PARAM_TYPES)] == PROTO_PARAM_TYPES
+        assert types[: len(PROTO_PARAM_TYPES)] == PROTO_PARAM_TYPES
         check_params_match(types, ptx, names[expr], expr)
 
 
@@ -103,13 +106,14 @@ def test_q_gather_calls_pack_what_the_kernel_takes():
         if "out" in kw:
             assert res is out and p[25] == out.data.ptr and p[26] == mod.H * mod.D_Q * 2
             assert grid == qg.ctas_for(mod.T, copy_out=True)
-        else:   # zero copy: the result is the own data slot of this call
+        else:  # zero copy: the result is the own data slot of this call
             assert p[25] == 0 and grid == qg.ctas_for(mod.T)
             slot = qg.data_slot_ptr(0, qg._calls[0] % 3)
-            assert res.data.ptr == slot and res.shape[1] == (qg.padded_num_heads if kw
-                                                              else qg.num_heads)
+            assert res.data.ptr == slot and res.shape[1] == (
+                qg.padded_num_heads if kw else qg.num_heads
+            )
             views.append(res)
-    assert qg._plans.misses == 3 and qg._plans.hits == 2       # view, out=, padded
+    assert qg._plans.misses == 3 and qg._plans.hits == 2  # view, out=, padded
     assert rec.count == 5 and qg._calls == [5]
 
 
@@ -133,8 +137,7 @@ def test_kv_gather_and_lse_reduce_calls_pack_what_the_kernel_takes():
         _, p = _params(rec)
         assert len(p) == len(LSE_REDUCE_PARAM_TYPES) and p[:17] == _proto(lr, 0)
         assert p[21] == xo.data.ptr and p[24] == lse.data.ptr and p[30] == 0  # no requests
-        assert p[31] == res.data.ptr and p[32] == 0 and p[33:] == [mod.T, mod.H, mod.H_R,
-                                                                    mod.D_V]
+        assert p[31] == res.data.ptr and p[32] == 0 and p[33:] == [mod.T, mod.H, mod.H_R, mod.D_V]
         if kw:
             assert res is o
         else:
@@ -151,15 +154,23 @@ def test_a_new_layout_under_the_same_pointer_gets_a_new_plan():
     n = rec.count
     mem = cupy.cuda.UnownedMemory(q.data.ptr, 1 << 22, None, 0)
     row = mod.H_R * mod.D_Q * 2
-    padded = cupy.ndarray((2, mod.H_R, mod.D_Q), q.dtype, cupy.cuda.MemoryPointer(mem, 0),
-                          strides=(row + 16, mod.D_Q * 2, 2))
-    qg(padded)                          # same pointer, other token stride: validated, packed
+    padded = cupy.ndarray(
+        (2, mod.H_R, mod.D_Q),
+        q.dtype,
+        cupy.cuda.MemoryPointer(mem, 0),
+        strides=(row + 16, mod.D_Q * 2, 2),
+    )
+    qg(padded)  # same pointer, other token stride: validated, packed
     _, p = _params(rec)
     assert p[20] == q.data.ptr and p[21] == row + 16 and qg._plans.misses == 2
-    bad = cupy.ndarray((2, mod.H_R, mod.D_Q), q.dtype, cupy.cuda.MemoryPointer(mem, 0),
-                       strides=(row + 8, mod.D_Q * 2, 2))
+    bad = cupy.ndarray(
+        (2, mod.H_R, mod.D_Q),
+        q.dtype,
+        cupy.cuda.MemoryPointer(mem, 0),
+        strides=(row + 8, mod.D_Q * 2, 2),
+    )
     with pytest.raises(InvalidArgument, match="token stride"):
-        qg(bad)                         # same pointer and shape, a stride the check rejects
+        qg(bad)  # same pointer and shape, a stride the check rejects
     assert rec.count == n + 1 and len(qg._plans) == 2
 
 
@@ -170,21 +181,20 @@ def test_warm_plans_never_hide_an_error():
         qg(q)
     n, calls = rec.count, list(qg._calls)
     mem = cupy.cuda.UnownedMemory(q.data.ptr, 1 << 22, None, 0)
-    same_ptr = cupy.ndarray((mod.T, mod.H_R, mod.D_Q), np.float32,
-                            cupy.cuda.MemoryPointer(mem, 0))
+    same_ptr = cupy.ndarray((mod.T, mod.H_R, mod.D_Q), np.float32, cupy.cuda.MemoryPointer(mem, 0))
     with pytest.raises(InvalidType, match="q dtype must be"):
         qg(same_ptr)
     with pytest.raises(InvalidType, match="ubatch must be an int"):
-        qg(q, ubatch=False)             # False == 0, but not the same key
+        qg(q, ubatch=False)  # False == 0, but not the same key
     with pytest.raises(InvalidType, match="return_padded must be a bool"):
         qg(q, return_padded=0)
     with pytest.raises(InvalidType, match="stream must be"):
-        qg(q, stream="s")               # checked after the plan, on every call
+        qg(q, stream="s")  # checked after the plan, on every call
     assert rec.count == n and qg._calls == calls
     qg._rec[:] = [2, OP_IDS["q_gather"], 0, 1, 7, 5, 0, 0]
     assert qg.poisoned
     with pytest.raises(CollectiveTimeout, match="waiting for peer 1"):
-        qg(q)                           # poisoned after warm-up: raises at the next call
+        qg(q)  # poisoned after warm-up: raises at the next call
     assert rec.count == n and qg._calls == calls
     qg._closed = True
     with pytest.raises(DcpkitError, match="closed"):
@@ -209,8 +219,10 @@ def test_a_launch_that_raises_leaves_the_workspace_unusable(which):
     ws, args = {
         "q": (qg, (mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16"),)),
         "kv": (kg, (mod.array((mod.T, mod.D_Q), "bfloat16"),)),
-        "lse": (lr, (mod.array((mod.T, mod.H, mod.D_V), "bfloat16"),
-                     mod.array((mod.T, mod.H), "float32"))),
+        "lse": (
+            lr,
+            (mod.array((mod.T, mod.H, mod.D_V), "bfloat16"), mod.array((mod.T, mod.H), "float32")),
+        ),
     }[which]
     ws(*args)
     good = ws._launchers
@@ -236,8 +248,15 @@ def test_host_work_does_not_grow_with_calls_or_ubatches():
     from dcpkit.ops.q_gather import QGather
 
     qg = QGather.__new__(QGather)
-    qg._check_arguments(mod.W, max_tokens=mod.T_MAX, heads_per_rank=mod.H_R, head_dim=mod.D_Q,
-                        dtype="bfloat16", num_ubatches=4, timeout_ms=5000.0)
+    qg._check_arguments(
+        mod.W,
+        max_tokens=mod.T_MAX,
+        heads_per_rank=mod.H_R,
+        head_dim=mod.D_Q,
+        dtype="bfloat16",
+        num_ubatches=4,
+        timeout_ms=5000.0,
+    )
     mod.stub_workspace(qg, stream, rec)
     q = mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16")
     for _ in range(50):
@@ -273,7 +292,7 @@ def test_dcpcomm_routes_are_memoised_and_never_hide_an_error():
     assert dcp.counters["q_gather"][dcp.last_path] == 5
     n = rec.count
     with pytest.raises(InvalidArgument, match="DCPComm.q_gather: q"):
-        dcp.q_gather(q.reshape(mod.T, mod.H_R * mod.D_Q))      # same pointer, 2-D
+        dcp.q_gather(q.reshape(mod.T, mod.H_R * mod.D_Q))  # same pointer, 2-D
     with pytest.raises(InvalidArgument, match="no path can serve|max_tokens"):
         dcp.q_gather(mod.array((mod.T_MAX + 1, mod.H_R, mod.D_Q), "bfloat16"))
     with pytest.raises(InvalidType, match="stream must be"):
@@ -295,7 +314,7 @@ def test_plans_hold_no_reference_to_the_callers_arrays():
     xo = mod.array((mod.T, mod.H, mod.D_V), "bfloat16")
     lse = mod.array((mod.T, mod.H), "float32")
     o = mod.array((mod.T, mod.H_R, mod.D_V), "bfloat16")
-    empty = q[:0]                       # T == 0: nothing launched, the plan still cached
+    empty = q[:0]  # T == 0: nothing launched, the plan still cached
     arrays = (q, qo, kv, xo, lse, o, empty)
     counts = [sys.getrefcount(a) for a in arrays]
     for _ in range(3):
@@ -306,5 +325,5 @@ def test_plans_hold_no_reference_to_the_callers_arrays():
         lr(xo, lse, out=o)
         qg(empty)
     assert [sys.getrefcount(a) for a in arrays] == counts
-    twin = o[...]                       # another object, same description: a plan hit
+    twin = o[...]  # another object, same description: a plan hit
     assert twin is not o and lr(xo, lse, out=twin) is twin

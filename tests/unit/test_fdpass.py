@@ -112,9 +112,17 @@ def test_two_groups_at_once_with_the_same_tag_do_not_meet():
 def test_socket_names_are_per_job_tag_and_rank():
     a = _fdpass.socket_name("abc123", "heap0", 0)
     assert a.startswith(b"\0dcpkit.")
-    assert len({a, _fdpass.socket_name("abc124", "heap0", 0),
+    assert (
+        len(
+            {
+                a,
+                _fdpass.socket_name("abc124", "heap0", 0),
                 _fdpass.socket_name("abc123", "heap1", 0),
-                _fdpass.socket_name("abc123", "heap0", 1)}) == 4
+                _fdpass.socket_name("abc123", "heap0", 1),
+            }
+        )
+        == 4
+    )
 
 
 @pytest.mark.timeout(30)
@@ -171,19 +179,28 @@ def test_sender_whose_receiver_dies_gets_an_error():
         lst.close()
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(token="bad token", tag="t", rank=0, world_size=2, fd=0), "token"),
-    (dict(token="abc", tag="t/x", rank=0, world_size=2, fd=0), "tag"),
-    (dict(token="abc", tag="t", rank=2, world_size=2, fd=0), "rank"),
-    (dict(token="abc", tag="t", rank=0, world_size=0, fd=0), "world_size"),
-    (dict(token="abc", tag="t", rank=0, world_size=2, fd=None), "fd"),
-    (dict(token="abc", tag="t", rank=0, world_size=2, fd=0, timeout_s=0), "timeout_s"),
-    (dict(token="abc", tag="t", rank=0, world_size=2, fd=0, senders=[5]), "senders"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(token="bad token", tag="t", rank=0, world_size=2, fd=0), "token"),
+        (dict(token="abc", tag="t/x", rank=0, world_size=2, fd=0), "tag"),
+        (dict(token="abc", tag="t", rank=2, world_size=2, fd=0), "rank"),
+        (dict(token="abc", tag="t", rank=0, world_size=0, fd=0), "world_size"),
+        (dict(token="abc", tag="t", rank=0, world_size=2, fd=None), "fd"),
+        (dict(token="abc", tag="t", rank=0, world_size=2, fd=0, timeout_s=0), "timeout_s"),
+        (dict(token="abc", tag="t", rank=0, world_size=2, fd=0, senders=[5]), "senders"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(InvalidArgument, match=match):
-        _fdpass.exchange_fds(kwargs.pop("token"), kwargs.pop("tag"), kwargs.pop("rank"),
-                             kwargs.pop("world_size"), kwargs.pop("fd"), **kwargs)
+        _fdpass.exchange_fds(
+            kwargs.pop("token"),
+            kwargs.pop("tag"),
+            kwargs.pop("rank"),
+            kwargs.pop("world_size"),
+            kwargs.pop("fd"),
+            **kwargs,
+        )
 
 
 @pytest.mark.timeout(400)
@@ -203,8 +220,9 @@ def test_three_processes_two_jobs_at_once(mpi_launcher, run_cmd, tmp_path):
         for r, x in enumerate(res):
             assert x["rank"] == r and x["world_size"] == 3, detail
             for k, rnd in enumerate(x["rounds"]):
-                want = {str(s): f"job {rnd['token']} rank {s} round {k}" for s in range(3)
-                        if s != r}
+                want = {
+                    str(s): f"job {rnd['token']} rank {s} round {k}" for s in range(3) if s != r
+                }
                 assert rnd["seen"] == want, f"job {j} rank {r} round {k}: {rnd}" + detail
                 assert rnd["none_at"] == [r]
                 tokens.append(rnd["token"])

@@ -15,8 +15,7 @@ import pytest
 
 from dcpkit import jit
 from dcpkit.comm import Communicator
-from dcpkit.errors import (ClosedError, CollectiveTimeout, DcpkitError, InvalidArgument,
-                           InvalidType)
+from dcpkit.errors import ClosedError, CollectiveTimeout, DcpkitError, InvalidArgument, InvalidType
 from dcpkit.ops._gather import DATA_SLOTS
 from dcpkit.ops._workspace import OP_IDS
 from dcpkit.ops.kv_gather import KVGather
@@ -32,8 +31,11 @@ class FakeArray:
     def __init__(self, shape, dtype, strides=None, ptr=BASE, device=0):
         dt = np.dtype(dtype)
         self.__cuda_array_interface__ = {
-            "shape": tuple(shape), "typestr": dt.str, "data": (ptr, False),
-            "strides": None if strides is None else tuple(strides), "version": 3,
+            "shape": tuple(shape),
+            "typestr": dt.str,
+            "data": (ptr, False),
+            "strides": None if strides is None else tuple(strides),
+            "version": 3,
         }
         self._dcpkit_device = device
 
@@ -49,8 +51,9 @@ def cupy_array(shape, dtype, strides=None, ptr=BASE, device=0):
             strides.insert(0, acc)
             acc *= s
     mem = cupy.cuda.UnownedMemory(ptr, 1 << 30, None, device)
-    return cupy.ndarray(tuple(shape), dtype=dt, memptr=cupy.cuda.MemoryPointer(mem, 0),
-                        strides=tuple(strides))
+    return cupy.ndarray(
+        tuple(shape), dtype=dt, memptr=cupy.cuda.MemoryPointer(mem, 0), strides=tuple(strides)
+    )
 
 
 class FakeStream:
@@ -75,8 +78,15 @@ def _workspace_state(ws, *, world_size, num_ubatches=2):
     return ws
 
 
-def make_q(*, world_size=2, max_tokens=8, heads_per_rank=4, head_dim=64, dtype="float16",
-           padded_num_heads=None):
+def make_q(
+    *,
+    world_size=2,
+    max_tokens=8,
+    heads_per_rank=4,
+    head_dim=64,
+    dtype="float16",
+    padded_num_heads=None,
+):
     ws = _workspace_state(QGather.__new__(QGather), world_size=world_size)
     ws._init_geometry(world_size, max_tokens, heads_per_rank, head_dim, dtype, padded_num_heads)
     return ws
@@ -107,11 +117,13 @@ def rejected_without_counting(ws, exc, fragment, *args, **kwargs):
 # ----------------------------------------------------------------------------- q_gather
 def test_q_gather_accepts_contiguous_padded_and_strided_inputs():
     ws = make_q()  # T_max 8, H_r 4, D 64, fp16, W 2
-    for q in (cupy_array((5, 4, 64), "float16"),
-              cupy_array((5, 6, 64), "float16")[:, 1:5],      # padded head storage
-              cupy_array((10, 4, 64), "float16")[::2],        # token-strided
-              FakeArray((8, 4, 64), "float16"),
-              FakeArray((1, 4, 64), "float16", strides=(4, 128, 2))):  # T = 1: any token stride
+    for q in (
+        cupy_array((5, 4, 64), "float16"),
+        cupy_array((5, 6, 64), "float16")[:, 1:5],  # padded head storage
+        cupy_array((10, 4, 64), "float16")[::2],  # token-strided
+        FakeArray((8, 4, 64), "float16"),
+        FakeArray((1, 4, 64), "float16", strides=(4, 128, 2)),
+    ):  # T = 1: any token stride
         T, ubatch, qi, oi = ws._validate(q, 1, None, False)
         assert (T, ubatch, oi) == (qi.shape[0], 1, None) and qi.shape[1:] == (4, 64)
         assert T in (1, 5, 8)
@@ -119,8 +131,9 @@ def test_q_gather_accepts_contiguous_padded_and_strided_inputs():
     assert ws._validate(cupy_array((5, 4, 64), "float16"), 0, out, False)[3] is not None
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "uint8", "int8",
-                                   "float8_e4m3fn"])
+@pytest.mark.parametrize(
+    "dtype", ["float32", "float16", "bfloat16", "uint8", "int8", "float8_e4m3fn"]
+)
 def test_q_gather_any_dtype(dtype):
     ws = make_q(dtype=dtype, head_dim=64)
     assert ws.dtype == resolve_dtype(dtype)
@@ -131,84 +144,247 @@ def test_q_gather_any_dtype(dtype):
 
 def test_q_gather_host_array():
     ws = make_q()
-    raises(InvalidType, "q_gather: q must be a GPU array (got host numpy.ndarray",
-           ws._validate, np.zeros((2, 4, 64), np.float16), 0, None, False)
+    raises(
+        InvalidType,
+        "q_gather: q must be a GPU array (got host numpy.ndarray",
+        ws._validate,
+        np.zeros((2, 4, 64), np.float16),
+        0,
+        None,
+        False,
+    )
     raises(InvalidType, "q_gather: q must be a GPU array", ws._validate, None, 0, None, False)
-    raises(InvalidType, "q_gather: out must be a GPU array",
-           ws._validate, cupy_array((2, 4, 64), "float16"), 0, np.zeros((2, 8, 64), np.float16),
-           False)
+    raises(
+        InvalidType,
+        "q_gather: out must be a GPU array",
+        ws._validate,
+        cupy_array((2, 4, 64), "float16"),
+        0,
+        np.zeros((2, 8, 64), np.float16),
+        False,
+    )
 
 
 def test_q_gather_shape_dtype_device():
     ws = make_q()
-    raises(InvalidArgument, "q_gather: q must have 3 dimensions [T, H_r, D] (got shape (2, 256))",
-           ws._validate, cupy_array((2, 256), "float16"), 0, None, False)
-    raises(InvalidArgument, "q_gather: q shape must be [*, 4, 64] for [T, H_r, D] (got (2, 8, 64))",
-           ws._validate, cupy_array((2, 8, 64), "float16"), 0, None, False)
-    raises(InvalidArgument, "q shape must be [*, 4, 64]",
-           ws._validate, cupy_array((2, 4, 32), "float16"), 0, None, False)
-    raises(InvalidType, "q_gather: q dtype must be one of [float16] (got bfloat16)",
-           ws._validate, cupy_array((2, 4, 64), "bfloat16"), 0, None, False)
-    raises(InvalidType, "q_gather: q dtype must be one of [float16] (got float32)",
-           ws._validate, FakeArray((2, 4, 64), "float32"), 0, None, False)
-    raises(InvalidArgument, "q_gather: q device must be the workspace's GPU 0 (got GPU 1)",
-           ws._validate, cupy_array((2, 4, 64), "float16", device=1), 0, None, False)
+    raises(
+        InvalidArgument,
+        "q_gather: q must have 3 dimensions [T, H_r, D] (got shape (2, 256))",
+        ws._validate,
+        cupy_array((2, 256), "float16"),
+        0,
+        None,
+        False,
+    )
+    raises(
+        InvalidArgument,
+        "q_gather: q shape must be [*, 4, 64] for [T, H_r, D] (got (2, 8, 64))",
+        ws._validate,
+        cupy_array((2, 8, 64), "float16"),
+        0,
+        None,
+        False,
+    )
+    raises(
+        InvalidArgument,
+        "q shape must be [*, 4, 64]",
+        ws._validate,
+        cupy_array((2, 4, 32), "float16"),
+        0,
+        None,
+        False,
+    )
+    raises(
+        InvalidType,
+        "q_gather: q dtype must be one of [float16] (got bfloat16)",
+        ws._validate,
+        cupy_array((2, 4, 64), "bfloat16"),
+        0,
+        None,
+        False,
+    )
+    raises(
+        InvalidType,
+        "q_gather: q dtype must be one of [float16] (got float32)",
+        ws._validate,
+        FakeArray((2, 4, 64), "float32"),
+        0,
+        None,
+        False,
+    )
+    raises(
+        InvalidArgument,
+        "q_gather: q device must be the workspace's GPU 0 (got GPU 1)",
+        ws._validate,
+        cupy_array((2, 4, 64), "float16", device=1),
+        0,
+        None,
+        False,
+    )
 
 
 def test_q_gather_tokens():
     ws = make_q(max_tokens=8)
-    raises(InvalidArgument, "q_gather: q tokens T must be <= max_tokens 8 (got 9)",
-           ws._validate, cupy_array((9, 4, 64), "float16"), 0, None, False)
+    raises(
+        InvalidArgument,
+        "q_gather: q tokens T must be <= max_tokens 8 (got 9)",
+        ws._validate,
+        cupy_array((9, 4, 64), "float16"),
+        0,
+        None,
+        False,
+    )
     assert ws._validate(cupy_array((0, 4, 64), "float16"), 0, None, False)[0] == 0
 
 
 def test_q_gather_layout():
     ws = make_q()
     base = cupy_array((4, 4, 128), "float16")
-    raises(InvalidArgument, "q_gather: q head_dim stride must be one element (2 bytes) "
-                            "(got 4 bytes)", ws._validate, base[:, :, ::2], 0, None, False)
-    raises(InvalidArgument, "q_gather: q head stride must be head_dim elements (128 bytes) "
-                            "(got 256 bytes)",
-           ws._validate, cupy_array((4, 8, 64), "float16")[:, ::2], 0, None, False)
-    raises(InvalidArgument, "q_gather: q head_dim stride must be one element (2 bytes) "
-                            "(got 8 bytes)",
-           ws._validate, cupy_array((4, 64, 4), "float16").transpose(0, 2, 1), 0, None, False)
-    raises(InvalidArgument, "q_gather: q token stride must be >= 512 bytes and a multiple of 16 "
-                            "bytes (got 520 bytes)",
-           ws._validate, FakeArray((3, 4, 64), "float16", strides=(520, 128, 2)), 0, None, False)
-    raises(InvalidArgument, "q_gather: q token stride must be >= 512 bytes",
-           ws._validate, FakeArray((3, 4, 64), "float16", strides=(256, 128, 2)), 0, None, False)
-    raises(InvalidArgument, "q_gather: q data pointer must be a multiple of 16 bytes "
-                            f"(got {BASE + 8})",
-           ws._validate, cupy_array((3, 4, 64), "float16", ptr=BASE + 8), 0, None, False)
+    raises(
+        InvalidArgument,
+        "q_gather: q head_dim stride must be one element (2 bytes) (got 4 bytes)",
+        ws._validate,
+        base[:, :, ::2],
+        0,
+        None,
+        False,
+    )
+    raises(
+        InvalidArgument,
+        "q_gather: q head stride must be head_dim elements (128 bytes) (got 256 bytes)",
+        ws._validate,
+        cupy_array((4, 8, 64), "float16")[:, ::2],
+        0,
+        None,
+        False,
+    )
+    raises(
+        InvalidArgument,
+        "q_gather: q head_dim stride must be one element (2 bytes) (got 8 bytes)",
+        ws._validate,
+        cupy_array((4, 64, 4), "float16").transpose(0, 2, 1),
+        0,
+        None,
+        False,
+    )
+    raises(
+        InvalidArgument,
+        "q_gather: q token stride must be >= 512 bytes and a multiple of 16 bytes (got 520 bytes)",
+        ws._validate,
+        FakeArray((3, 4, 64), "float16", strides=(520, 128, 2)),
+        0,
+        None,
+        False,
+    )
+    raises(
+        InvalidArgument,
+        "q_gather: q token stride must be >= 512 bytes",
+        ws._validate,
+        FakeArray((3, 4, 64), "float16", strides=(256, 128, 2)),
+        0,
+        None,
+        False,
+    )
+    raises(
+        InvalidArgument,
+        f"q_gather: q data pointer must be a multiple of 16 bytes (got {BASE + 8})",
+        ws._validate,
+        cupy_array((3, 4, 64), "float16", ptr=BASE + 8),
+        0,
+        None,
+        False,
+    )
 
 
 def test_q_gather_out_checks():
     ws = make_q()
     q = cupy_array((3, 4, 64), "float16")
-    raises(InvalidArgument, "q_gather: out shape must be [3, 8, 64] for [T, H, D] (got (3, 4, 64))",
-           ws._validate, q, 0, cupy_array((3, 4, 64), "float16"), False)
-    raises(InvalidType, "q_gather: out dtype must be one of [float16] (got float32)",
-           ws._validate, q, 0, cupy_array((3, 8, 64), "float32"), False)
-    raises(InvalidArgument, "q_gather: out device must be the workspace's GPU 0 (got GPU 2)",
-           ws._validate, q, 0, cupy_array((3, 8, 64), "float16", device=2), False)
-    raises(InvalidArgument, "q_gather: out token stride must be >= 1024 bytes",
-           ws._validate, q, 0, FakeArray((3, 8, 64), "float16", strides=(1000, 128, 2)), False)
-    raises(InvalidArgument, "q_gather: out data pointer must be a multiple of 16 bytes",
-           ws._validate, q, 0, cupy_array((3, 8, 64), "float16", ptr=BASE + 2), False)
-    raises(InvalidArgument, "q_gather: return_padded must be False when out= is given",
-           ws._validate, q, 0, cupy_array((3, 8, 64), "float16"), True)
+    raises(
+        InvalidArgument,
+        "q_gather: out shape must be [3, 8, 64] for [T, H, D] (got (3, 4, 64))",
+        ws._validate,
+        q,
+        0,
+        cupy_array((3, 4, 64), "float16"),
+        False,
+    )
+    raises(
+        InvalidType,
+        "q_gather: out dtype must be one of [float16] (got float32)",
+        ws._validate,
+        q,
+        0,
+        cupy_array((3, 8, 64), "float32"),
+        False,
+    )
+    raises(
+        InvalidArgument,
+        "q_gather: out device must be the workspace's GPU 0 (got GPU 2)",
+        ws._validate,
+        q,
+        0,
+        cupy_array((3, 8, 64), "float16", device=2),
+        False,
+    )
+    raises(
+        InvalidArgument,
+        "q_gather: out token stride must be >= 1024 bytes",
+        ws._validate,
+        q,
+        0,
+        FakeArray((3, 8, 64), "float16", strides=(1000, 128, 2)),
+        False,
+    )
+    raises(
+        InvalidArgument,
+        "q_gather: out data pointer must be a multiple of 16 bytes",
+        ws._validate,
+        q,
+        0,
+        cupy_array((3, 8, 64), "float16", ptr=BASE + 2),
+        False,
+    )
+    raises(
+        InvalidArgument,
+        "q_gather: return_padded must be False when out= is given",
+        ws._validate,
+        q,
+        0,
+        cupy_array((3, 8, 64), "float16"),
+        True,
+    )
 
 
 def test_q_gather_ubatch_closed_poisoned():
     ws = make_q()
     q = cupy_array((3, 4, 64), "float16")
-    raises(InvalidArgument, "q_gather: ubatch must lie in [0, 2) (got 2)", ws._validate, q, 2,
-           None, False)
-    raises(InvalidArgument, "q_gather: ubatch must lie in [0, 2) (got -1)", ws._validate, q, -1,
-           None, False)
-    raises(InvalidType, "q_gather: ubatch must be an int (got True)", ws._validate, q, True,
-           None, False)
+    raises(
+        InvalidArgument,
+        "q_gather: ubatch must lie in [0, 2) (got 2)",
+        ws._validate,
+        q,
+        2,
+        None,
+        False,
+    )
+    raises(
+        InvalidArgument,
+        "q_gather: ubatch must lie in [0, 2) (got -1)",
+        ws._validate,
+        q,
+        -1,
+        None,
+        False,
+    )
+    raises(
+        InvalidType,
+        "q_gather: ubatch must be an int (got True)",
+        ws._validate,
+        q,
+        True,
+        None,
+        False,
+    )
     ws._rec[:] = [2, OP_IDS["q_gather"], 0, 1, 7, 6, 1, 0]
     e = raises(CollectiveTimeout, "q_gather: rank 0 timed out", ws._validate, q, 0, None, False)
     assert (e.peer, e.expected_epoch, e.observed_epoch, e.ubatch) == (1, 7, 6, 1)
@@ -219,14 +395,18 @@ def test_q_gather_ubatch_closed_poisoned():
 
 def test_q_gather_rejected_call_does_not_count():
     ws = make_q()
-    rejected_without_counting(ws, InvalidArgument, "max_tokens 8 (got 9)",
-                              cupy_array((9, 4, 64), "float16"), ubatch=1)
-    rejected_without_counting(ws, InvalidType, "dtype must be one of",
-                              cupy_array((2, 4, 64), "float32"))
-    rejected_without_counting(ws, InvalidType, "must be a GPU array",
-                              np.zeros((2, 4, 64), np.float16))
-    rejected_without_counting(ws, InvalidArgument, "ubatch must lie in",
-                              cupy_array((2, 4, 64), "float16"), ubatch=3)
+    rejected_without_counting(
+        ws, InvalidArgument, "max_tokens 8 (got 9)", cupy_array((9, 4, 64), "float16"), ubatch=1
+    )
+    rejected_without_counting(
+        ws, InvalidType, "dtype must be one of", cupy_array((2, 4, 64), "float32")
+    )
+    rejected_without_counting(
+        ws, InvalidType, "must be a GPU array", np.zeros((2, 4, 64), np.float16)
+    )
+    rejected_without_counting(
+        ws, InvalidArgument, "ubatch must lie in", cupy_array((2, 4, 64), "float16"), ubatch=3
+    )
     ws._closed = True
     rejected_without_counting(ws, ClosedError, "closed", cupy_array((2, 4, 64), "float16"))
 
@@ -307,39 +487,84 @@ def test_q_gather_result_view_geometry():
 def test_q_gather_constructor_checks():
     comm = Communicator.single()
     kw = dict(max_tokens=4, heads_per_rank=4, head_dim=64, dtype="float16")
-    raises(InvalidArgument, "q_gather: heads_per_rank*head_dim*itemsize must be a multiple of 16 "
-                            "bytes (got 1*3*2 = 6)",
-           QGather, comm, **dict(kw, heads_per_rank=1, head_dim=3))
-    raises(InvalidArgument, "q_gather: padded_num_heads must be >= 4 (got 3)",
-           QGather, comm, **dict(kw, padded_num_heads=3))
-    raises(InvalidArgument, "q_gather: padded_num_heads*head_dim*itemsize must be a multiple of "
-                            "16 bytes (got 5*4*1 = 20)",
-           QGather, comm, **dict(kw, heads_per_rank=4, head_dim=4, dtype="uint8",
-                                 padded_num_heads=5))
-    raises(InvalidArgument, "q_gather: max_tokens must be >= 1 (got 0)", QGather, comm,
-           **dict(kw, max_tokens=0))
-    raises(InvalidType, "q_gather: head_dim must be an int (got float 64.0)", QGather, comm,
-           **dict(kw, head_dim=64.0))
-    raises(InvalidType, "q_gather: dtype must be a NumPy dtype or dtype name (got 'nosuchtype')",
-           QGather, comm, **dict(kw, dtype="nosuchtype"))
-    raises(InvalidType, "q_gather: dtype must be a fixed-size data type (got object)",
-           QGather, comm, **dict(kw, dtype=object))
-    raises(InvalidType, "q_gather: comm must be a dcpkit.Communicator (got NoneType)",
-           QGather, None, **kw)
+    raises(
+        InvalidArgument,
+        "q_gather: heads_per_rank*head_dim*itemsize must be a multiple of 16 bytes (got 1*3*2 = 6)",
+        QGather,
+        comm,
+        **dict(kw, heads_per_rank=1, head_dim=3),
+    )
+    raises(
+        InvalidArgument,
+        "q_gather: padded_num_heads must be >= 4 (got 3)",
+        QGather,
+        comm,
+        **dict(kw, padded_num_heads=3),
+    )
+    raises(
+        InvalidArgument,
+        "q_gather: padded_num_heads*head_dim*itemsize must be a multiple of "
+        "16 bytes (got 5*4*1 = 20)",
+        QGather,
+        comm,
+        **dict(kw, heads_per_rank=4, head_dim=4, dtype="uint8", padded_num_heads=5),
+    )
+    raises(
+        InvalidArgument,
+        "q_gather: max_tokens must be >= 1 (got 0)",
+        QGather,
+        comm,
+        **dict(kw, max_tokens=0),
+    )
+    raises(
+        InvalidType,
+        "q_gather: head_dim must be an int (got float 64.0)",
+        QGather,
+        comm,
+        **dict(kw, head_dim=64.0),
+    )
+    raises(
+        InvalidType,
+        "q_gather: dtype must be a NumPy dtype or dtype name (got 'nosuchtype')",
+        QGather,
+        comm,
+        **dict(kw, dtype="nosuchtype"),
+    )
+    raises(
+        InvalidType,
+        "q_gather: dtype must be a fixed-size data type (got object)",
+        QGather,
+        comm,
+        **dict(kw, dtype=object),
+    )
+    raises(
+        InvalidType,
+        "q_gather: comm must be a dcpkit.Communicator (got NoneType)",
+        QGather,
+        None,
+        **kw,
+    )
 
 
 def test_q_gather_attributes():
     assert QGather.launches_per_call == 1 and QGather.op_name == "q_gather"
     ws = make_q(world_size=4, heads_per_rank=8, head_dim=576, dtype="bfloat16")
-    assert (ws.num_heads, ws.padded_num_heads, ws.row_bytes, ws.slot_token_bytes) == \
-        (32, 32, 8 * 576 * 2, 32 * 576 * 2)
+    assert (ws.num_heads, ws.padded_num_heads, ws.row_bytes, ws.slot_token_bytes) == (
+        32,
+        32,
+        8 * 576 * 2,
+        32 * 576 * 2,
+    )
 
 
 # ----------------------------------------------------------------------------- kv_gather
 def test_kv_gather_accepts_contiguous():
     ws = make_kv()
-    for kv in (cupy_array((5, 64), "float16"), FakeArray((8, 64), "float16"),
-               cupy_array((4, 64), "float16")[1:2]):
+    for kv in (
+        cupy_array((5, 64), "float16"),
+        FakeArray((8, 64), "float16"),
+        cupy_array((4, 64), "float16")[1:2],
+    ):
         T, _, ki, _ = ws._validate(kv, 0, None)
         assert T == ki.shape[0] and T in (1, 5, 8)
     out = cupy_array((10, 64), "float16")
@@ -349,57 +574,155 @@ def test_kv_gather_accepts_contiguous():
 def test_kv_gather_bad_inputs():
     ws = make_kv()  # W 2, T_max 8, D_kv 64, fp16
     kv = cupy_array((5, 64), "float16")
-    raises(InvalidType, "kv_gather: kv must be a GPU array (got host numpy.ndarray",
-           ws._validate, np.zeros((5, 64), np.float16), 0, None)
-    raises(InvalidArgument, "kv_gather: kv must have 2 dimensions [T, D_kv] (got shape (5,))",
-           ws._validate, cupy_array((5,), "float16"), 0, None)
-    raises(InvalidArgument, "kv_gather: kv shape must be [*, 64] for [T, D_kv] (got (5, 32))",
-           ws._validate, cupy_array((5, 32), "float16"), 0, None)
-    raises(InvalidType, "kv_gather: kv dtype must be one of [float16] (got bfloat16)",
-           ws._validate, cupy_array((5, 64), "bfloat16"), 0, None)
-    raises(InvalidArgument, "kv_gather: kv device must be the workspace's GPU 0 (got GPU 3)",
-           ws._validate, cupy_array((5, 64), "float16", device=3), 0, None)
-    raises(InvalidArgument, "kv_gather: kv tokens T must be <= max_tokens 8 (got 9)",
-           ws._validate, cupy_array((9, 64), "float16"), 0, None)
-    raises(InvalidArgument, "kv_gather: kv must be C-contiguous with strides (128, 2) bytes "
-                            "(got strides (256, 2)",
-           ws._validate, cupy_array((5, 128), "float16")[:, :64], 0, None)
-    raises(InvalidArgument, "kv_gather: kv must be C-contiguous",
-           ws._validate, cupy_array((64, 5), "float16").T, 0, None)
-    raises(InvalidArgument, "kv_gather: kv must be C-contiguous",
-           ws._validate, cupy_array((10, 64), "float16")[::2], 0, None)
-    raises(InvalidArgument, "kv_gather: kv data pointer must be a multiple of 16 bytes",
-           ws._validate, cupy_array((5, 64), "float16", ptr=BASE + 4), 0, None)
-    raises(InvalidArgument, "kv_gather: out shape must be [10, 64] for [world_size*T, D_kv] "
-                            "(got (5, 64))", ws._validate, kv, 0, cupy_array((5, 64), "float16"))
-    raises(InvalidType, "kv_gather: out dtype must be one of [float16] (got uint8)",
-           ws._validate, kv, 0, cupy_array((10, 64), "uint8"))
-    raises(InvalidArgument, "kv_gather: out device must be the workspace's GPU 0 (got GPU 1)",
-           ws._validate, kv, 0, cupy_array((10, 64), "float16", device=1))
-    raises(InvalidArgument, "kv_gather: out must be C-contiguous",
-           ws._validate, kv, 0, cupy_array((10, 128), "float16")[:, 64:])
-    raises(InvalidType, "kv_gather: out must be a GPU array",
-           ws._validate, kv, 0, np.zeros((10, 64), np.float16))
-    raises(InvalidArgument, "kv_gather: ubatch must lie in [0, 2) (got 5)", ws._validate, kv, 5,
-           None)
+    raises(
+        InvalidType,
+        "kv_gather: kv must be a GPU array (got host numpy.ndarray",
+        ws._validate,
+        np.zeros((5, 64), np.float16),
+        0,
+        None,
+    )
+    raises(
+        InvalidArgument,
+        "kv_gather: kv must have 2 dimensions [T, D_kv] (got shape (5,))",
+        ws._validate,
+        cupy_array((5,), "float16"),
+        0,
+        None,
+    )
+    raises(
+        InvalidArgument,
+        "kv_gather: kv shape must be [*, 64] for [T, D_kv] (got (5, 32))",
+        ws._validate,
+        cupy_array((5, 32), "float16"),
+        0,
+        None,
+    )
+    raises(
+        InvalidType,
+        "kv_gather: kv dtype must be one of [float16] (got bfloat16)",
+        ws._validate,
+        cupy_array((5, 64), "bfloat16"),
+        0,
+        None,
+    )
+    raises(
+        InvalidArgument,
+        "kv_gather: kv device must be the workspace's GPU 0 (got GPU 3)",
+        ws._validate,
+        cupy_array((5, 64), "float16", device=3),
+        0,
+        None,
+    )
+    raises(
+        InvalidArgument,
+        "kv_gather: kv tokens T must be <= max_tokens 8 (got 9)",
+        ws._validate,
+        cupy_array((9, 64), "float16"),
+        0,
+        None,
+    )
+    raises(
+        InvalidArgument,
+        "kv_gather: kv must be C-contiguous with strides (128, 2) bytes (got strides (256, 2)",
+        ws._validate,
+        cupy_array((5, 128), "float16")[:, :64],
+        0,
+        None,
+    )
+    raises(
+        InvalidArgument,
+        "kv_gather: kv must be C-contiguous",
+        ws._validate,
+        cupy_array((64, 5), "float16").T,
+        0,
+        None,
+    )
+    raises(
+        InvalidArgument,
+        "kv_gather: kv must be C-contiguous",
+        ws._validate,
+        cupy_array((10, 64), "float16")[::2],
+        0,
+        None,
+    )
+    raises(
+        InvalidArgument,
+        "kv_gather: kv data pointer must be a multiple of 16 bytes",
+        ws._validate,
+        cupy_array((5, 64), "float16", ptr=BASE + 4),
+        0,
+        None,
+    )
+    raises(
+        InvalidArgument,
+        "kv_gather: out shape must be [10, 64] for [world_size*T, D_kv] (got (5, 64))",
+        ws._validate,
+        kv,
+        0,
+        cupy_array((5, 64), "float16"),
+    )
+    raises(
+        InvalidType,
+        "kv_gather: out dtype must be one of [float16] (got uint8)",
+        ws._validate,
+        kv,
+        0,
+        cupy_array((10, 64), "uint8"),
+    )
+    raises(
+        InvalidArgument,
+        "kv_gather: out device must be the workspace's GPU 0 (got GPU 1)",
+        ws._validate,
+        kv,
+        0,
+        cupy_array((10, 64), "float16", device=1),
+    )
+    raises(
+        InvalidArgument,
+        "kv_gather: out must be C-contiguous",
+        ws._validate,
+        kv,
+        0,
+        cupy_array((10, 128), "float16")[:, 64:],
+    )
+    raises(
+        InvalidType,
+        "kv_gather: out must be a GPU array",
+        ws._validate,
+        kv,
+        0,
+        np.zeros((10, 64), np.float16),
+    )
+    raises(
+        InvalidArgument, "kv_gather: ubatch must lie in [0, 2) (got 5)", ws._validate, kv, 5, None
+    )
 
 
 def test_kv_gather_capacity():
     ws = make_kv(max_tokens=8)
     ws.data_slot_bytes = 2 * 4 * ws.row_bytes  # a slot that holds T <= 4 only
-    raises(InvalidArgument, "kv_gather: world_size*T*row bytes must be <= the slot capacity 1024 "
-                            "bytes (got 2*5*128 = 1280)",
-           ws._validate, cupy_array((5, 64), "float16"), 0, None)
+    raises(
+        InvalidArgument,
+        "kv_gather: world_size*T*row bytes must be <= the slot capacity 1024 "
+        "bytes (got 2*5*128 = 1280)",
+        ws._validate,
+        cupy_array((5, 64), "float16"),
+        0,
+        None,
+    )
     assert ws._validate(cupy_array((4, 64), "float16"), 0, None)[0] == 4
 
 
 def test_kv_gather_closed_poisoned_and_not_counted():
     ws = make_kv()
     kv = cupy_array((5, 64), "float16")
-    rejected_without_counting(ws, InvalidArgument, "C-contiguous",
-                              cupy_array((5, 128), "float16")[:, :64])
-    rejected_without_counting(ws, InvalidArgument, "max_tokens 8 (got 9)",
-                              cupy_array((9, 64), "float16"), ubatch=1)
+    rejected_without_counting(
+        ws, InvalidArgument, "C-contiguous", cupy_array((5, 128), "float16")[:, :64]
+    )
+    rejected_without_counting(
+        ws, InvalidArgument, "max_tokens 8 (got 9)", cupy_array((9, 64), "float16"), ubatch=1
+    )
     ws._rec[:] = [2, OP_IDS["kv_gather"], 0, 1, 3, 2, 0, 0]
     rejected_without_counting(ws, CollectiveTimeout, "kv_gather: rank 0 timed out", kv)
     ws._rec[:] = 0
@@ -423,17 +746,42 @@ def test_kv_gather_result_view_geometry():
 def test_kv_gather_constructor_checks():
     comm = Communicator.single()
     kw = dict(max_tokens=4, row_dim=64, dtype="float16")
-    raises(InvalidArgument, "kv_gather: row bytes (row_dim*itemsize) must be a multiple of 16 "
-                            "(pad D_kv to a multiple of 16 bytes) (got 3*2 = 6 bytes)",
-           KVGather, comm, **dict(kw, row_dim=3))
-    raises(InvalidArgument, "kv_gather: algorithm must be one of ['push', 'pull'] (got 'ring')",
-           KVGather, comm, **dict(kw, algorithm="ring"))
-    raises(InvalidArgument, "kv_gather: row_dim must be >= 1 (got 0)", KVGather, comm,
-           **dict(kw, row_dim=0))
-    raises(InvalidType, "kv_gather: max_tokens must be an int (got bool True)", KVGather, comm,
-           **dict(kw, max_tokens=True))
-    raises(InvalidArgument, "kv_gather: world_size*max_tokens*row_dim*itemsize must be < 32 GiB",
-           KVGather, comm, **dict(kw, max_tokens=2**30))
+    raises(
+        InvalidArgument,
+        "kv_gather: row bytes (row_dim*itemsize) must be a multiple of 16 "
+        "(pad D_kv to a multiple of 16 bytes) (got 3*2 = 6 bytes)",
+        KVGather,
+        comm,
+        **dict(kw, row_dim=3),
+    )
+    raises(
+        InvalidArgument,
+        "kv_gather: algorithm must be one of ['push', 'pull'] (got 'ring')",
+        KVGather,
+        comm,
+        **dict(kw, algorithm="ring"),
+    )
+    raises(
+        InvalidArgument,
+        "kv_gather: row_dim must be >= 1 (got 0)",
+        KVGather,
+        comm,
+        **dict(kw, row_dim=0),
+    )
+    raises(
+        InvalidType,
+        "kv_gather: max_tokens must be an int (got bool True)",
+        KVGather,
+        comm,
+        **dict(kw, max_tokens=True),
+    )
+    raises(
+        InvalidArgument,
+        "kv_gather: world_size*max_tokens*row_dim*itemsize must be < 32 GiB",
+        KVGather,
+        comm,
+        **dict(kw, max_tokens=2**30),
+    )
     raises(InvalidType, "kv_gather: comm must be a dcpkit.Communicator", KVGather, object(), **kw)
 
 
@@ -447,11 +795,13 @@ def test_kv_gather_attributes():
 def test_gather_kernel_variants_registered():
     assert jit.VARIANTS["q_gather.cu"] == [
         "dcpkit::q_gather_kernel<dcpkit::Transport::Unicast>",
-        "dcpkit::q_gather_kernel<dcpkit::Transport::Multicast>"]
+        "dcpkit::q_gather_kernel<dcpkit::Transport::Multicast>",
+    ]
     assert set(jit.VARIANTS["kv_gather.cu"]) == {
         "dcpkit::kv_gather_push_kernel<dcpkit::Transport::Unicast>",
         "dcpkit::kv_gather_push_kernel<dcpkit::Transport::Multicast>",
-        "dcpkit::kv_gather_pull_kernel"}
+        "dcpkit::kv_gather_pull_kernel",
+    }
 
 
 def test_gather_kernels_compile_for_sm90():
@@ -473,17 +823,36 @@ def test_gather_kernels_no_spills_and_16_byte_stores(tmp_path, file):
     (st.global.v4) and no narrower global store of payload exists."""
     src = tmp_path / file
     src.write_text(jit.source(file))
-    r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-Xptxas", "-v", "-cubin", "-o",
-                        str(tmp_path / "k.cubin"), str(src)], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [
+            "nvcc",
+            "-arch=sm_90",
+            "-std=c++17",
+            "-Xptxas",
+            "-v",
+            "-cubin",
+            "-o",
+            str(tmp_path / "k.cubin"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
-    props = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "
-                       r"loads", r.stderr)
+    props = re.findall(
+        r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "
+        r"loads",
+        r.stderr,
+    )
     assert len(props) == len(jit.VARIANTS[file]), r.stderr
     assert all(p == ("0", "0", "0") for p in props), r.stderr
-    r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-ptx", "-o",
-                        str(tmp_path / "k.ptx"), str(src)], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        ["nvcc", "-arch=sm_90", "-std=c++17", "-ptx", "-o", str(tmp_path / "k.ptx"), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     ptx = (tmp_path / "k.ptx").read_text()
     assert "st.global.v4.u32" in ptx and "ld.global.nc.v4.u32" in ptx

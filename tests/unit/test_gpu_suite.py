@@ -30,9 +30,14 @@ def run_suite(repo_root, run_cmd, tmp_path):
     def run(gpus: int, stages: str):
         _fake_nvidia_smi(tmp_path / "bin", gpus)
         out = tmp_path / f"out{gpus}"
-        env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-               "CUDA_VISIBLE_DEVICES": "", "OUT": str(out), "PYTHON": sys.executable,
-               "TMPDIR": str(tmp_path), "DCPKIT_SUITE_STAGES": stages}
+        env = {
+            "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+            "CUDA_VISIBLE_DEVICES": "",
+            "OUT": str(out),
+            "PYTHON": sys.executable,
+            "TMPDIR": str(tmp_path),
+            "DCPKIT_SUITE_STAGES": stages,
+        }
         proc = run_cmd(["bash", str(script)], timeout=300, env=env)
         summary = (out / "summary.txt").read_text() if (out / "summary.txt").is_file() else ""
         return proc, summary
@@ -46,7 +51,7 @@ def test_no_gpu_exits_2_after_info(run_suite):
     assert proc.returncode == 2, f"exit {proc.returncode}\n{text}"
     assert "no GPU found on this machine" in text, text
     assert "stages after info not run" in text
-    assert "info - 0" in summary, summary          # the info stage ran, and passed
+    assert "info - 0" in summary, summary  # the info stage ran, and passed
     assert "gpus - 2 0 no GPU found" in summary, summary
     for stage in ("mpitests", "gputests", "demo", "bench"):
         assert f"{stage} N=" not in text, f"{stage} ran without a GPU:\n{text}"
@@ -67,8 +72,13 @@ def test_help_prints_usage_and_runs_nothing(repo_root, run_cmd, tmp_path):
     for flag in ("--help", "-h"):
         proc = run_cmd(["bash", str(script), flag], timeout=60, env={"OUT": str(out)})
         assert proc.returncode == 0, proc.stderr
-        for word in ("Settings (environment):", "DCPKIT_SUITE_STAGES", "DCPKIT_SUITE_BASELINE",
-                     "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "At most 8 files"):
+        for word in (
+            "Settings (environment):",
+            "DCPKIT_SUITE_STAGES",
+            "DCPKIT_SUITE_BASELINE",
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+            "At most 8 files",
+        ):
             assert word in proc.stdout, proc.stdout
         assert "[suite" not in proc.stdout and not out.exists()
     proc = run_cmd(["bash", str(script), "--bogus"], timeout=60, env={"OUT": str(out)})
@@ -84,11 +94,12 @@ def _fake_tools(bindir, calls):
     (bindir / "mpirun").write_text(
         "#!/bin/bash\n"
         "if [ \"$1\" = --version ]; then echo 'mpirun (Open MPI) 4.1.6'; exit 0; fi\n"
-        f"echo \"PWD=$PWD|PYTHONPATH=$PYTHONPATH|"
-        "PCT=${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE-unset}|COMMIT=$DCPKIT_COMMIT|ARGS=$*\" "
+        f'echo "PWD=$PWD|PYTHONPATH=$PYTHONPATH|'
+        'PCT=${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE-unset}|COMMIT=$DCPKIT_COMMIT|ARGS=$*" '
         f">>{calls}\n"
-        "prev=''; for a in \"$@\"; do [ \"$prev\" = --json ] && echo '{}' >\"$a\"; prev=$a; "
-        "done; exit 0\n")
+        'prev=\'\'; for a in "$@"; do [ "$prev" = --json ] && echo \'{}\' >"$a"; prev=$a; '
+        "done; exit 0\n"
+    )
     for name in ("nvidia-cuda-mps-control", "mpirun"):
         p = bindir / name
         p.chmod(p.stat().st_mode | stat.S_IEXEC)
@@ -101,11 +112,19 @@ def test_bench_stage_shares_the_gpu_and_runs_the_baseline_first(repo_root, run_c
     base = tmp_path / "base"
     (base / "dcpkit").mkdir(parents=True)
     (base / "dcpkit" / "__init__.py").write_text("")
-    env = {"PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", "OUT": str(out),
-           "PYTHON": sys.executable, "TMPDIR": str(tmp_path), "DCPKIT_SUITE_STAGES": "bench",
-           "DCPKIT_SUITE_NP": "2 4", "DCPKIT_SUITE_SHARED_GPU": "1", "DCPKIT_SUITE_MPS": "1",
-           "DCPKIT_SUITE_BASELINE": str(base), "DCPKIT_SUITE_BASELINE_COMMIT": "9965d55",
-           "DCPKIT_COMMIT": "cafe"}
+    env = {
+        "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "OUT": str(out),
+        "PYTHON": sys.executable,
+        "TMPDIR": str(tmp_path),
+        "DCPKIT_SUITE_STAGES": "bench",
+        "DCPKIT_SUITE_NP": "2 4",
+        "DCPKIT_SUITE_SHARED_GPU": "1",
+        "DCPKIT_SUITE_MPS": "1",
+        "DCPKIT_SUITE_BASELINE": str(base),
+        "DCPKIT_SUITE_BASELINE_COMMIT": "9965d55",
+        "DCPKIT_COMMIT": "cafe",
+    }
     proc = run_cmd(["bash", str(script)], timeout=300, env=env)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
@@ -114,15 +133,21 @@ def test_bench_stage_shares_the_gpu_and_runs_the_baseline_first(repo_root, run_c
     for n, pct in ((2, 50), (4, 25)):
         b = next(ln for ln in lines if f"bench_base_{n}.json" in ln)
         c = next(ln for ln in lines if f"bench_{n}.json" in ln)
-        assert lines.index(b) + 1 == lines.index(c)          # baseline right before
+        assert lines.index(b) + 1 == lines.index(c)  # baseline right before
         assert f"PWD={base}|PYTHONPATH={base}" in b and "COMMIT=9965d55" in b and "--quick" in b
         assert f"PYTHONPATH={repo_root}" in c and "COMMIT=cafe" in c
         for ln in (b, c):
             assert f"PCT={pct}|" in ln and "-x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in ln, ln
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8, files
-    assert {"summary.txt", "logs.tar.gz", "bench_2.json", "bench_4.json", "bench_base_2.json",
-            "bench_base_4.json"} <= set(files), files
+    assert {
+        "summary.txt",
+        "logs.tar.gz",
+        "bench_2.json",
+        "bench_4.json",
+        "bench_base_2.json",
+        "bench_base_4.json",
+    } <= set(files), files
 
 
 def test_at_most_8_files_land_in_out(repo_root, run_cmd, tmp_path):
@@ -135,17 +160,24 @@ def test_at_most_8_files_land_in_out(repo_root, run_cmd, tmp_path):
     base = tmp_path / "base"
     (base / "dcpkit").mkdir(parents=True)
     (base / "dcpkit" / "__init__.py").write_text("")
-    env = {"PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", "OUT": str(out),
-           "PYTHON": sys.executable, "TMPDIR": str(tmp_path), "DCPKIT_SUITE_STAGES": "bench",
-           "DCPKIT_SUITE_NP": "2 3 4", "DCPKIT_SUITE_SHARED_GPU": "1",
-           "DCPKIT_SUITE_BASELINE": str(base)}
+    env = {
+        "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "OUT": str(out),
+        "PYTHON": sys.executable,
+        "TMPDIR": str(tmp_path),
+        "DCPKIT_SUITE_STAGES": "bench",
+        "DCPKIT_SUITE_NP": "2 3 4",
+        "DCPKIT_SUITE_SHARED_GPU": "1",
+        "DCPKIT_SUITE_BASELINE": str(base),
+    }
     proc = run_cmd(["bash", str(script)], timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     files = sorted(p.name for p in out.iterdir())
     assert len(files) == 8, files
     with tarfile.open(out / "logs.tar.gz") as t:
         names = {os.path.basename(n) for n in t.getnames() if "/results/" in n}
-    assert {f"bench_{n}.json" for n in (2, 3, 4)} | {f"bench_base_{n}.json" for n in (2, 3, 4)} \
-        <= names
+    assert {f"bench_{n}.json" for n in (2, 3, 4)} | {
+        f"bench_base_{n}.json" for n in (2, 3, 4)
+    } <= names
     # no MPS asked for: no share set
     assert all("PCT=unset|" in ln for ln in calls.read_text().splitlines() if "bench" in ln)

@@ -13,6 +13,7 @@ pytest.importorskip("cupy")
 from dcpkit.ops.kv_gather import KV_GATHER_PUSH_PARAM_TYPES
 from dcpkit.ops.lse_reduce import LSE_REDUCE_PARAM_TYPES
 from dcpkit.ops.q_gather import Q_GATHER_PARAM_TYPES
+
 _SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "host_path_cpu.py")
 
 
@@ -28,6 +29,7 @@ def test_every_row_is_reported_and_every_call_launched_with_its_arguments(capsys
     rows = mod.run(calls=30)
     try:
         import torch  # noqa: F401
+
         expected = set(mod.ROWS)
     except ImportError:
         expected = {r for r in mod.ROWS if "torch" not in r.lower()}
@@ -36,13 +38,13 @@ def test_every_row_is_reported_and_every_call_launched_with_its_arguments(capsys
         assert r["calls"] == 30 and r["launches"] == 30, (name, r["launches"])
         assert r["median_us"] > 0 and r["p90_us"] >= r["median_us"], name
         kind, grid, args, _stream = r["last_launch"]
-        assert kind == "launcher", name          # every path: the op's packed-parameter launch
+        assert kind == "launcher", name  # every path: the op's packed-parameter launch
         args = [args[i] for i in range(len(args))]
         assert r["input_ptr"] in args, f"{name}: the launch lacks the input pointer"
         T = mod.T
         if "lse_reduce" in name:
             assert len(args) == len(LSE_REDUCE_PARAM_TYPES), name
-            assert args[-4:] == [T, mod.H, mod.H_R, mod.D_V], name   # T, H, H_r, D_v
+            assert args[-4:] == [T, mod.H, mod.H_R, mod.D_V], name  # T, H, H_r, D_v
         elif "kv_gather" in name:
             assert len(args) == len(KV_GATHER_PUSH_PARAM_TYPES), name
             assert args[-2] == T and args[-3] == T * mod.D_Q * 2 // 16, name  # tokens, vectors
@@ -74,8 +76,9 @@ def test_gpu_script_fails_with_one_clear_line_without_a_gpu():
     except Exception:  # noqa: BLE001 - no driver: what this test needs
         pass
     script = os.path.join(os.path.dirname(_SCRIPT), "host_overhead.py")
-    res = subprocess.run([sys.executable, script, "--calls", "10"], capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, script, "--calls", "10"], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 2, res
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("host_overhead: needs"), res.stderr

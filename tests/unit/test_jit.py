@@ -35,8 +35,9 @@ def test_every_variant_compiles_for_sm90(file):
 def test_every_variant_compiles_below_sm90(file, arch):
     archs = jit.nvrtc_archs()
     if archs is not None and int(arch[3:]) not in archs:
-        pytest.skip(f"this NVRTC ({jit.nvrtc_version()}) cannot target {arch} "
-                    f"(CUDA 13 starts at sm_75)")
+        pytest.skip(
+            f"this NVRTC ({jit.nvrtc_version()}) cannot target {arch} (CUDA 13 starts at sm_75)"
+        )
     res = jit.compile_only([file], arch=arch)
     assert res[file]["variants"] == len(jit.VARIANTS[file])
     assert res[file]["cubin_bytes"] > 0
@@ -52,6 +53,7 @@ def test_unit_tests_compile_each_kernel_once(kernel_compile_memo):
     jit.compile_only(["ceilings.cu"], options=["-lineinfo"])
     assert len(kernel_compile_memo) == n + 1
 
+
 def test_multimem_helpers_are_guarded_for_sm90():
     """Every multimem instruction in the header sits under an sm_90 guard that traps below."""
     text = (jit.kernels_dir() / "dcpkit_ptx.cuh").read_text()
@@ -59,8 +61,8 @@ def test_multimem_helpers_are_guarded_for_sm90():
     uses = [i for i, l in enumerate(lines) if "multimem." in l and "asm" in l]
     assert len(uses) == 2, uses
     for i in uses:
-        before = "\n".join(lines[max(0, i - 3):i])
-        after = "\n".join(lines[i:i + 6])
+        before = "\n".join(lines[max(0, i - 3) : i])
+        after = "\n".join(lines[i : i + 6])
         assert "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900" in before, before
         assert "__trap();" in after and "#endif" in after, after
     assert "sm_70" in jit.__doc__ and "sm_90" in jit.__doc__
@@ -69,8 +71,9 @@ def test_multimem_helpers_are_guarded_for_sm90():
 def test_every_kernel_file_is_registered():
     on_disk = {p.name for p in jit.kernels_dir().glob("*.cu")}
     unregistered = sorted(on_disk - set(jit.VARIANTS))
-    assert not unregistered, (f"kernels {unregistered} are not in jit.VARIANTS, so CI would "
-                              "never compile them")
+    assert not unregistered, (
+        f"kernels {unregistered} are not in jit.VARIANTS, so CI would never compile them"
+    )
 
 
 def test_multicast_variants_are_registered():
@@ -96,7 +99,8 @@ def test_ptx_header_compiles_alone(tmp_path, monkeypatch):
         "namespace probe {\n"
         "template <typename T> __global__ void k(const T* x, float* y) {\n"
         "  y[threadIdx.x] = dcpkit::to_float(x[threadIdx.x]);\n"
-        "}\n}\n")
+        "}\n}\n"
+    )
     monkeypatch.setattr(jit, "kernels_dir", lambda: tmp_path)
     exprs = ["probe::k<dcpkit::bf16_t>", "probe::k<dcpkit::fp16_t>", "probe::k<float>"]
     monkeypatch.setitem(jit.VARIANTS, "probe.cu", exprs)
@@ -117,9 +121,11 @@ def scratch_kernels(tmp_path, monkeypatch):
 
 
 def test_broken_kernel_raises_compile_error(scratch_kernels):
-    scratch_kernels("broken.cu",
-                    "namespace t {\n__global__ void b(int* p) { p[0] = undefined_symbol_xyz; }\n}\n",
-                    ["t::b"])
+    scratch_kernels(
+        "broken.cu",
+        "namespace t {\n__global__ void b(int* p) { p[0] = undefined_symbol_xyz; }\n}\n",
+        ["t::b"],
+    )
     with pytest.raises(CompileError) as ei:
         jit.compile_only(["broken.cu"], options=["-lineinfo"])
     e = ei.value
@@ -138,23 +144,28 @@ def test_warning_is_a_compile_error(scratch_kernels):
 
 
 def test_unknown_name_expression_is_a_compile_error(scratch_kernels):
-    scratch_kernels("one.cu", "template <int N> __global__ void k(int* p) { p[0] = N; }\n",
-                    ["k<1>", "k_missing<2>"])
+    scratch_kernels(
+        "one.cu",
+        "template <int N> __global__ void k(int* p) { p[0] = N; }\n",
+        ["k<1>", "k_missing<2>"],
+    )
     with pytest.raises(CompileError) as ei:
         jit.compile_only(["one.cu"])
     assert "k_missing" in ei.value.log
 
 
 def test_include_splicing(scratch_kernels):
-    scratch_kernels("a.cuh", "#pragma once\n#include \"b.cuh\"\n__device__ int a() { return b(); }\n")
+    scratch_kernels("a.cuh", '#pragma once\n#include "b.cuh"\n__device__ int a() { return b(); }\n')
     scratch_kernels("b.cuh", "#pragma once\n__device__ int b() { return 7; }\n")
-    scratch_kernels("main.cu",
-                    "// line 1\n"
-                    '#include "a.cuh"\n'
-                    '  #  include "b.cuh"\n'
-                    "#include <cuda/std/cstdint>\n"
-                    "__global__ void k(int* p) { p[0] = a(); }\n",
-                    ["k"])
+    scratch_kernels(
+        "main.cu",
+        "// line 1\n"
+        '#include "a.cuh"\n'
+        '  #  include "b.cuh"\n'
+        "#include <cuda/std/cstdint>\n"
+        "__global__ void k(int* p) { p[0] = a(); }\n",
+        ["k"],
+    )
     src = jit.source("main.cu")
     assert src.count("__device__ int b()") == 1 and src.count("__device__ int a()") == 1
     assert '#include "' not in src  # every local include was spliced ...
@@ -166,8 +177,11 @@ def test_include_splicing(scratch_kernels):
 
 def test_include_line_numbers_point_at_the_original_file(scratch_kernels):
     scratch_kernels("h.cuh", "#pragma once\n// 2\n__device__ int h() { return bad_in_header; }\n")
-    scratch_kernels("m.cu", '// 1\n#include "h.cuh"\n// 3\n__global__ void k(int* p) { p[0] = bad_in_main; }\n',
-                    ["k"])
+    scratch_kernels(
+        "m.cu",
+        '// 1\n#include "h.cuh"\n// 3\n__global__ void k(int* p) { p[0] = bad_in_main; }\n',
+        ["k"],
+    )
     with pytest.raises(CompileError) as ei:
         jit.compile_only(["m.cu"])
     assert 'h.cuh(3): error: identifier "bad_in_header"' in ei.value.log, ei.value.log
@@ -182,11 +196,15 @@ def test_missing_include_names_the_file(scratch_kernels):
 
 def test_get_kernel_refuses_unregistered_variants():
     file = next(iter(jit.VARIANTS))
-    with pytest.raises(InvalidArgument,
-                       match=r"jit.get_kernel: name_expr must be a registered variant of kernels/"):
+    with pytest.raises(
+        InvalidArgument, match=r"jit.get_kernel: name_expr must be a registered variant of kernels/"
+    ):
         jit.get_kernel(file, "dcpkit::not_a_kernel<float>")
-    with pytest.raises(InvalidArgument, match=r"jit.get_kernel: file must be one of the kernel "
-                       r"files registered in jit.VARIANTS \[.*q_gather.cu.*\] \(got 'nope.cu'\)"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"jit.get_kernel: file must be one of the kernel "
+        r"files registered in jit.VARIANTS \[.*q_gather.cu.*\] \(got 'nope.cu'\)",
+    ):
         jit.get_kernel("nope.cu", "anything")
     with pytest.raises(InvalidType, match="jit.get_kernel: file must be a kernel file name"):
         jit.get_kernel(None, "anything")
@@ -202,13 +220,19 @@ def test_get_kernel_refuses_bad_options_before_cupy(options):
 
 
 def test_compile_only_refuses_unregistered_files():
-    with pytest.raises(InvalidArgument, match=r"jit.compile_only: file must be one of the kernel "
-                       r"files registered in jit.VARIANTS \[ceilings.cu, .*\] \(got 'nope.cu'\)"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"jit.compile_only: file must be one of the kernel "
+        r"files registered in jit.VARIANTS \[ceilings.cu, .*\] \(got 'nope.cu'\)",
+    ):
         jit.compile_only(["nope.cu"])
     with pytest.raises(InvalidArgument, match=r"\(got 'nope.cu'\)"):
         jit.compile_only("nope.cu")
-    with pytest.raises(InvalidType, match=r"jit.compile_only: files must be None, a kernel file "
-                       r"name or a sequence of them \(got int 3\)"):
+    with pytest.raises(
+        InvalidType,
+        match=r"jit.compile_only: files must be None, a kernel file "
+        r"name or a sequence of them \(got int 3\)",
+    ):
         jit.compile_only(3)
     with pytest.raises(InvalidType, match=r"file must be a kernel file name \(str\)"):
         jit.compile_only([None])
@@ -222,10 +246,17 @@ def test_compile_only_takes_one_file_as_a_str():
 
 
 def test_compile_only_options_forms(scratch_kernels):
-    scratch_kernels("opt.cu", "namespace t {\n__global__ void b(int* p) { p[0] = undefined_xyz; }\n}\n",
-                    ["t::b"])
-    for options, expected in (("-lineinfo", ["-lineinfo"]), (None, []), ((), []),
-                              (["-lineinfo", "-G"], ["-lineinfo", "-G"])):
+    scratch_kernels(
+        "opt.cu",
+        "namespace t {\n__global__ void b(int* p) { p[0] = undefined_xyz; }\n}\n",
+        ["t::b"],
+    )
+    for options, expected in (
+        ("-lineinfo", ["-lineinfo"]),
+        (None, []),
+        ((), []),
+        (["-lineinfo", "-G"], ["-lineinfo", "-G"]),
+    ):
         with pytest.raises(CompileError) as ei:
             jit.compile_only("opt.cu", options=options)
         # a str is one option (not one option per character); None is no option
@@ -237,13 +268,19 @@ def test_compile_only_options_forms(scratch_kernels):
 
 def test_compile_only_arch_checks():
     for bad in ("90", "sm90", "compute_90", "sm_9x", ""):
-        with pytest.raises(InvalidArgument, match=r"jit.compile_only: arch must be a real target "
-                           r"such as 'sm_90'"):
+        with pytest.raises(
+            InvalidArgument,
+            match=r"jit.compile_only: arch must be a real target "
+            r"such as 'sm_90'",
+        ):
             jit.compile_only("ceilings.cu", arch=bad)
     with pytest.raises(InvalidType, match="jit.compile_only: arch must be a str"):
         jit.compile_only("ceilings.cu", arch=90)
-    with pytest.raises(InvalidArgument, match=r"arch must be a target this NVRTC supports \["
-                       r".*sm_90.*\] \(got 'sm_1'\)"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"arch must be a target this NVRTC supports \["
+        r".*sm_90.*\] \(got 'sm_1'\)",
+    ):
         jit.compile_only("ceilings.cu", arch="sm_1")
 
 

@@ -11,28 +11,30 @@ import struct
 import pytest
 
 from dcpkit import _launch
-from dcpkit._launch import KernelParams, Launcher, check_params_match, param_layout, \
-    ptx_param_types
+from dcpkit._launch import KernelParams, Launcher, check_params_match, param_layout, ptx_param_types
 from dcpkit.errors import CudaError, InvalidArgument
 
 
-@pytest.mark.parametrize("types,offsets,size", [
-    (["u64"], [0], 8),
-    (["u32"], [0], 4),
-    (["u32", "u64"], [0, 8], 16),                       # u64 aligned up to 8
-    (["u64", "i32", "f32", "u64"], [0, 8, 12, 16], 24),
-    (["i32", "u32", "i32"], [0, 4, 8], 12),
-    (["i32", "u64", "i32"], [0, 8, 16], 24),            # total rounded to 8
-    (["f32", "i64", "u32", "u32", "u64"], [0, 8, 16, 20, 24], 32),
-    ([], [], 0),
-])
+@pytest.mark.parametrize(
+    "types,offsets,size",
+    [
+        (["u64"], [0], 8),
+        (["u32"], [0], 4),
+        (["u32", "u64"], [0, 8], 16),  # u64 aligned up to 8
+        (["u64", "i32", "f32", "u64"], [0, 8, 12, 16], 24),
+        (["i32", "u32", "i32"], [0, 4, 8], 12),
+        (["i32", "u64", "i32"], [0, 8, 16], 24),  # total rounded to 8
+        (["f32", "i64", "u32", "u32", "u64"], [0, 8, 16, 20, 24], 32),
+        ([], [], 0),
+    ],
+)
 def test_layout_aligns_every_parameter_to_its_size(types, offsets, size):
     assert param_layout(types) == (offsets, size)
     p = KernelParams(types)
     assert p.offsets == offsets and p.size == size
     base = ctypes.addressof(p.buffer)
     assert base % 8 == 0
-    assert p.pointers()[:len(types)] == [base + o for o in offsets]
+    assert p.pointers()[: len(types)] == [base + o for o in offsets]
 
 
 def test_values_are_packed_little_endian_and_patched_in_place():
@@ -45,11 +47,11 @@ def test_values_are_packed_little_endian_and_patched_in_place():
     assert raw[24:32] == struct.pack("<q", -1)
     addr, ptrs = p.address, p.pointers()
     p[0] = 0xDEADBEEF00
-    p[3] = 2**32 + 5           # masked to 32 bits as C stores it
+    p[3] = 2**32 + 5  # masked to 32 bits as C stores it
     p[2] = 0.25
     assert (p[0], p[3], p[2]) == (0xDEADBEEF00, 5, 0.25)
-    assert p.raw()[8:12] == struct.pack("<i", -2)      # neighbours untouched
-    assert (p.address, p.pointers()) == (addr, ptrs)   # the same buffer: nothing rebuilt
+    assert p.raw()[8:12] == struct.pack("<i", -2)  # neighbours untouched
+    assert (p.address, p.pointers()) == (addr, ptrs)  # the same buffer: nothing rebuilt
     arr = (ctypes.c_void_p * 5).from_address(p.address)
     assert ctypes.c_uint64.from_address(arr[0]).value == 0xDEADBEEF00
     assert ctypes.c_float.from_address(arr[2]).value == 0.25
@@ -75,10 +77,12 @@ def _ptx(src: str) -> str:
 
 
 def test_parameter_list_from_ptx():
-    ptx = _ptx('extern "C" __global__ void k(unsigned long long a, int b, float c, '
-               'unsigned int d, long long e, const float* f) { if (b < 0) *(float*)a = '
-               'c + d + e + f[0]; }\n'
-               'extern "C" __global__ void j(int x) { if (x < 0) asm("trap;"); }')
+    ptx = _ptx(
+        'extern "C" __global__ void k(unsigned long long a, int b, float c, '
+        "unsigned int d, long long e, const float* f) { if (b < 0) *(float*)a = "
+        "c + d + e + f[0]; }\n"
+        'extern "C" __global__ void j(int x) { if (x < 0) asm("trap;"); }'
+    )
     assert ptx_param_types(ptx, "k") == ["u64", "u32", "f32", "u32", "u64", "u64"]
     assert ptx_param_types(ptx, "j") == ["u32"]
     check_params_match(["u64", "i32", "f32", "u32", "i64", "u64"], ptx, "k")
@@ -90,8 +94,10 @@ def test_parameter_list_from_ptx():
         ptx_param_types(ptx)
     with pytest.raises(InvalidArgument, match="entry must be one of"):
         ptx_param_types(ptx, "nope")
-    struct_ptx = _ptx('struct S { int a[4]; };\n'
-                      'extern "C" __global__ void s(S v) { if (v.a[0] < 0) asm("trap;"); }')
+    struct_ptx = _ptx(
+        "struct S { int a[4]; };\n"
+        'extern "C" __global__ void s(S v) { if (v.a[0] < 0) asm("trap;"); }'
+    )
     with pytest.raises(InvalidArgument, match="must be a scalar"):
         ptx_param_types(struct_ptx)
 

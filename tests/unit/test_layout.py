@@ -14,17 +14,50 @@ PKG = Path(__file__).resolve().parents[2] / "dcpkit"
 
 #: Layers from the top down; a module may import its own layer and the ones below.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("tools", {"dcpkit", "dcpkit.__main__", "dcpkit.cli", "dcpkit.demo", "dcpkit.bench",
-               "dcpkit.info", "dcpkit._report", "dcpkit._stats"}),
-    ("manager", {"dcpkit.manager", "dcpkit.selection", "dcpkit.torch", "dcpkit._torch_registry",
-                 "dcpkit.vllm"}),
+    (
+        "tools",
+        {
+            "dcpkit",
+            "dcpkit.__main__",
+            "dcpkit.cli",
+            "dcpkit.demo",
+            "dcpkit.bench",
+            "dcpkit.info",
+            "dcpkit._report",
+            "dcpkit._stats",
+        },
+    ),
+    (
+        "manager",
+        {
+            "dcpkit.manager",
+            "dcpkit.selection",
+            "dcpkit.torch",
+            "dcpkit._torch_registry",
+            "dcpkit.vllm",
+        },
+    ),
     ("ops", {"dcpkit.ops", "dcpkit.nccl", "dcpkit.fallback"}),
-    ("symmetric / multicast", {"dcpkit.symmetric", "dcpkit.multicast", "dcpkit._nvshmem",
-                               "dcpkit._fdpass"}),
+    (
+        "symmetric / multicast",
+        {"dcpkit.symmetric", "dcpkit.multicast", "dcpkit._nvshmem", "dcpkit._fdpass"},
+    ),
     ("jit", {"dcpkit.jit", "dcpkit._strided"}),
-    ("comm", {"dcpkit.comm", "dcpkit._setup", "dcpkit._checks", "dcpkit._lifecycle",
-              "dcpkit._plan", "dcpkit._launch",
-              "dcpkit._arrays", "dcpkit._cuda", "dcpkit.reference", "dcpkit.errors"}),
+    (
+        "comm",
+        {
+            "dcpkit.comm",
+            "dcpkit._setup",
+            "dcpkit._checks",
+            "dcpkit._lifecycle",
+            "dcpkit._plan",
+            "dcpkit._launch",
+            "dcpkit._arrays",
+            "dcpkit._cuda",
+            "dcpkit.reference",
+            "dcpkit.errors",
+        },
+    ),
 ]
 
 
@@ -50,12 +83,12 @@ def _imports(name: str, path: Path, known: set[str]) -> list[tuple[str, list[str
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
             names = [a.name for a in node.names]
-            for n in names:                       # from . import jit: a module
+            for n in names:  # from . import jit: a module
                 if f"{target}.{n}" in known:
                     out.append((f"{target}.{n}", []))
             rest = [n for n in names if f"{target}.{n}" not in known]
@@ -96,11 +129,12 @@ def test_every_relative_import_names_a_module_of_the_package():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level:
                 base = package.split(".")
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
                 if target not in known:
-                    bad.append(f"{m}:{node.lineno}: from {'.' * node.level}{node.module or ''} "
-                               f"-> {target}")
+                    bad.append(
+                        f"{m}:{node.lineno}: from {'.' * node.level}{node.module or ''} -> {target}"
+                    )
     assert not bad, "\n".join(bad)
 
 
@@ -117,7 +151,7 @@ def test_no_import_cycle():
         stack.append(m)
         for t in sorted(edges.get(m, ())):
             if state.get(t) == 1:
-                cycles.append(stack[stack.index(t):] + [t])
+                cycles.append(stack[stack.index(t) :] + [t])
             elif t not in state:
                 visit(t)
         stack.pop()
@@ -136,8 +170,7 @@ def test_every_layer_imports_only_itself_and_the_layers_below():
             if t.startswith(m + ".") or m == "dcpkit":
                 continue
             if _layer(t) < _layer(m):
-                upward.append(f"{m} ({LAYERS[_layer(m)][0]}) imports {t} "
-                              f"({LAYERS[_layer(t)][0]})")
+                upward.append(f"{m} ({LAYERS[_layer(m)][0]}) imports {t} ({LAYERS[_layer(t)][0]})")
     assert not upward, "\n".join(sorted(upward))
 
 
@@ -153,8 +186,7 @@ def test_no_private_name_is_imported_across_modules():
     for m, path in mods.items():
         for target, names in _imports(m, path, known):
             for n in names:
-                if n.startswith("_") and not n.startswith("__") and \
-                        (m, n) not in SHARED_WITHIN_OPS:
+                if n.startswith("_") and not n.startswith("__") and (m, n) not in SHARED_WITHIN_OPS:
                     bad.append(f"{m} imports {n} from {target}")
     assert not bad, "\n".join(bad)
 
@@ -170,27 +202,64 @@ def test_the_reader_sees_lazy_and_private_imports(tmp_path):
     assert _layer("dcpkit.nccl.base") == _layer("dcpkit.ops.q_gather") < _layer("dcpkit.jit")
 
 
-@pytest.mark.parametrize("module,names", [
-    ("dcpkit.fallback", ["NcclGroup", "NcclQGather", "NcclKVGather", "NcclLseReduce",
-                         "LSE_ALGORITHMS", "PATH_NCCL", "nccl_module", "strided_copy",
-                         "copy_plan", "CopyPlan", "owner_to_heads_plan", "heads_to_owner_plan",
-                         "lse_layout", "LseLayout"]),
-    ("dcpkit.manager", ["DCPComm", "select_path", "direct_call_blocker",
-                        "direct_geometry_blocker", "topology_blocker", "shared_gpu_blocker",
-                        "POLICIES", "OPS", "PATH_DIRECT_UNICAST", "PATH_DIRECT_MULTICAST",
-                        "PATH_NCCL", "DIRECT_LSE_DTYPES"]),
-    ("dcpkit.reference", ["resolve_dtype", "check_lse_base", "make_inputs"]),
-    ("dcpkit.ops._workspace", ["check_bool", "check_positive_int", "check_timeout_ms",
-                               "share_outcome", "guarded"]),
-    ("dcpkit.demo", ["main", "run", "parse_args", "Model", "PRESETS", "format_report"]),
-])
+@pytest.mark.parametrize(
+    "module,names",
+    [
+        (
+            "dcpkit.fallback",
+            [
+                "NcclGroup",
+                "NcclQGather",
+                "NcclKVGather",
+                "NcclLseReduce",
+                "LSE_ALGORITHMS",
+                "PATH_NCCL",
+                "nccl_module",
+                "strided_copy",
+                "copy_plan",
+                "CopyPlan",
+                "owner_to_heads_plan",
+                "heads_to_owner_plan",
+                "lse_layout",
+                "LseLayout",
+            ],
+        ),
+        (
+            "dcpkit.manager",
+            [
+                "DCPComm",
+                "select_path",
+                "direct_call_blocker",
+                "direct_geometry_blocker",
+                "topology_blocker",
+                "shared_gpu_blocker",
+                "POLICIES",
+                "OPS",
+                "PATH_DIRECT_UNICAST",
+                "PATH_DIRECT_MULTICAST",
+                "PATH_NCCL",
+                "DIRECT_LSE_DTYPES",
+            ],
+        ),
+        ("dcpkit.reference", ["resolve_dtype", "check_lse_base", "make_inputs"]),
+        (
+            "dcpkit.ops._workspace",
+            ["check_bool", "check_positive_int", "check_timeout_ms", "share_outcome", "guarded"],
+        ),
+        ("dcpkit.demo", ["main", "run", "parse_args", "Model", "PRESETS", "format_report"]),
+    ],
+)
 def test_moved_names_stay_importable(module, names):
     mod = importlib.import_module(module)
     missing = [n for n in names if not hasattr(mod, n)]
     assert not missing, f"{module} lacks {missing}"
-    assert set(getattr(mod, "__all__", names)) >= {n for n in names if not n.startswith("_")
-                                                   and module != "dcpkit.ops._workspace"
-                                                   and module != "dcpkit.reference"}
+    assert set(getattr(mod, "__all__", names)) >= {
+        n
+        for n in names
+        if not n.startswith("_")
+        and module != "dcpkit.ops._workspace"
+        and module != "dcpkit.reference"
+    }
 
 
 def test_fallback_is_the_nccl_package_under_its_old_name():
@@ -202,6 +271,9 @@ def test_fallback_is_the_nccl_package_under_its_old_name():
 
 
 def test_no_module_of_the_package_is_far_above_800_lines():
-    long = {m: n for m, p in _modules().items()
-            if (n := len(p.read_text().splitlines())) > 850 and m != "dcpkit.bench"}
+    long = {
+        m: n
+        for m, p in _modules().items()
+        if (n := len(p.read_text().splitlines())) > 850 and m != "dcpkit.bench"
+    }
     assert not long, long

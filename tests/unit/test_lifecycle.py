@@ -52,17 +52,23 @@ def test_a_resource_dropped_open_warns_naming_it_and_a_closed_one_does_not():
     assert _warnings_of(h) == []
 
 
-@pytest.mark.parametrize("cls,name", [
-    (SymmetricHeap, "SymmetricHeap"), (MulticastObject, "MulticastObject"),
-    (NcclGroup, "NcclGroup"), (NcclQGather, "q_gather (nccl)"),
-    (NcclKVGather, "kv_gather (nccl)"), (NcclLseReduce, "lse_reduce (nccl)"),
-    (DCPComm, "DCPComm"),
-])
+@pytest.mark.parametrize(
+    "cls,name",
+    [
+        (SymmetricHeap, "SymmetricHeap"),
+        (MulticastObject, "MulticastObject"),
+        (NcclGroup, "NcclGroup"),
+        (NcclQGather, "q_gather (nccl)"),
+        (NcclKVGather, "kv_gather (nccl)"),
+        (NcclLseReduce, "lse_reduce (nccl)"),
+        (DCPComm, "DCPComm"),
+    ],
+)
 def test_every_resource_class_has_the_lifecycle(cls, name):
     assert issubclass(cls, Resource)
     obj = cls.__new__(cls)
-    obj.comm = object()                  # SymmetricHeap warns only for a heap of a group
-    assert obj.closed                    # never built: holds nothing, never warns
+    obj.comm = object()  # SymmetricHeap warns only for a heap of a group
+    assert obj.closed  # never built: holds nothing, never warns
     assert _warnings_of(obj) == []
     obj._closed = False
     msgs = _warnings_of(obj)

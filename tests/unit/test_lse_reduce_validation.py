@@ -17,8 +17,13 @@ import pytest
 from dcpkit import jit
 from dcpkit.comm import Communicator
 from dcpkit.errors import ClosedError, CollectiveTimeout, InvalidArgument, InvalidType
-from dcpkit.ops.lse_reduce import (MAX_WORLD_SIZE, LseReduce, _combine_variant, _reduce_variant,
-                                   _validate_combine)
+from dcpkit.ops.lse_reduce import (
+    MAX_WORLD_SIZE,
+    LseReduce,
+    _combine_variant,
+    _reduce_variant,
+    _validate_combine,
+)
 from dcpkit.reference import resolve_dtype
 
 BF16 = resolve_dtype("bfloat16")
@@ -40,8 +45,11 @@ class FakeDev:
         FakeDev._next += 1 << 24
         self._ptr = FakeDev._next + offset
         self.__cuda_array_interface__ = {
-            "shape": self.shape, "typestr": dt.str, "data": (self._ptr, False),
-            "strides": None if strides is None else tuple(strides), "version": 3,
+            "shape": self.shape,
+            "typestr": dt.str,
+            "data": (self._ptr, False),
+            "strides": None if strides is None else tuple(strides),
+            "version": 3,
         }
         self._dcpkit_device = device
 
@@ -63,8 +71,9 @@ def cupy_fake(shape, dtype, strides=None, *, offset=0, device=DEV):
 def make_ws(*, world_size=W, rank=RANK, dtype=np.float16, num_ubatches=2, **geometry):
     """An LseReduce with the state _setup would give it, minus the GPU."""
     ws = LseReduce.__new__(LseReduce)
-    g = dict(max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype, lse_base=math.e,
-             return_lse=False)
+    g = dict(
+        max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype, lse_base=math.e, return_lse=False
+    )
     g.update(geometry)
     ws._init_geometry(world_size, **g)
     ws.rank, ws.world_size, ws.device = rank, world_size, DEV
@@ -90,8 +99,15 @@ def good(T=5, dtype=np.float16, lse_dtype=np.float32):
 
 
 def call(ws, *, out_partial, lse_partial, ubatch=0, **kw):
-    return ws._validate(out_partial, lse_partial, kw.get("seq_lens"), kw.get("query_start_loc"),
-                        ubatch, kw.get("out"), kw.get("out_lse"))
+    return ws._validate(
+        out_partial,
+        lse_partial,
+        kw.get("seq_lens"),
+        kw.get("query_start_loc"),
+        ubatch,
+        kw.get("out"),
+        kw.get("out_lse"),
+    )
 
 
 # ----------------------------------------------------------------------------- accepted calls
@@ -114,7 +130,7 @@ def test_padded_head_and_token_storage_is_accepted_without_copy(ws):
 
 
 def test_non_unit_lse_strides_are_passed_in_elements(ws):
-    lse_t = strided((5, H), np.float32, (1, 5))            # a transposed [H, T] array
+    lse_t = strided((5, H), np.float32, (1, 5))  # a transposed [H, T] array
     p = call(ws, out_partial=FakeDev((5, H, D), np.float16), lse_partial=lse_t)
     assert (p.lse_tok, p.lse_head) == (1, 5)
     lse_2 = strided((5, H), np.float16, (2 * H, 2))  # every other column
@@ -138,8 +154,7 @@ def test_size_one_dims_ignore_their_strides(ws):
 def test_masks_and_outputs_are_described(ws):
     sl, qsl = FakeDev((3,), np.int32), FakeDev((4,), np.int32)
     out, out_lse = FakeDev((5, H_R, D), np.float16), FakeDev((5, H_R), np.float32)
-    p = call(ws, **good(T=5), seq_lens=sl, query_start_loc=qsl, out=out, out_lse=out_lse,
-             ubatch=1)
+    p = call(ws, **good(T=5), seq_lens=sl, query_start_loc=qsl, out=out, out_lse=out_lse, ubatch=1)
     assert p.num_requests == 3 and p.seq_ptr == sl._ptr and p.qsl_ptr == qsl._ptr
     assert p.out.ptr == out._ptr and p.out_lse.ptr == out_lse._ptr and p.want_lse
     assert p.ubatch == 1
@@ -160,12 +175,19 @@ def test_every_lse_dtype_is_accepted(ws, lse_dtype):
 def test_bfloat16_workspace_accepts_cupy_bfloat16_arrays():
     w = make_ws(dtype="bfloat16")
     try:
-        p = call(w, out_partial=cupy_fake((3, H, D), BF16), lse_partial=cupy_fake((3, H), BF16),
-                 out=cupy_fake((3, H_R, D), BF16))
+        p = call(
+            w,
+            out_partial=cupy_fake((3, H, D), BF16),
+            lse_partial=cupy_fake((3, H), BF16),
+            out=cupy_fake((3, H_R, D), BF16),
+        )
         assert p.T == 3 and p.x.dtype == BF16
         with pytest.raises(InvalidType, match=r"out_partial dtype must be one of \[bfloat16\]"):
-            call(w, out_partial=cupy_fake((3, H, D), np.float16),
-                 lse_partial=cupy_fake((3, H), np.float32))
+            call(
+                w,
+                out_partial=cupy_fake((3, H, D), np.float16),
+                lse_partial=cupy_fake((3, H), np.float32),
+            )
     finally:
         w._closed = True
 
@@ -185,127 +207,290 @@ def _bad_calls():
     f16, f32, i32 = np.float16, np.float32, np.int32
     x, l = (lambda T=5: FakeDev((T, H, D), f16)), (lambda T=5: FakeDev((T, H), f32))
     return [
-        ("host out_partial", lambda: dict(out_partial=np.zeros((5, H, D), f16), lse_partial=l()),
-         InvalidType, "out_partial must be a GPU array"),
-        ("host lse_partial", lambda: dict(out_partial=x(), lse_partial=np.zeros((5, H), f32)),
-         InvalidType, "lse_partial must be a GPU array"),
-        ("not an array", lambda: dict(out_partial=[[1.0]], lse_partial=l()),
-         InvalidType, "out_partial must be a GPU array"),
-        ("None out_partial", lambda: dict(out_partial=None, lse_partial=l()),
-         InvalidType, "out_partial must be a GPU array"),
-        ("out_partial dtype", lambda: dict(out_partial=FakeDev((5, H, D), f32), lse_partial=l()),
-         InvalidType, "out_partial dtype must be one of [float16] (got float32)"),
-        ("lse int dtype", lambda: dict(out_partial=x(), lse_partial=FakeDev((5, H), i32)),
-         InvalidType, "lse_partial dtype must be one of"),
-        ("lse float64", lambda: dict(out_partial=x(), lse_partial=FakeDev((5, H), np.float64)),
-         InvalidType, "lse_partial dtype must be one of"),
-        ("out_partial 2-D", lambda: dict(out_partial=FakeDev((5, H * D), f16), lse_partial=l()),
-         InvalidArgument, "out_partial must have 3 dimensions [T, H, D_v]"),
-        ("out_partial heads", lambda: dict(out_partial=FakeDev((5, H_R, D), f16),
-                                           lse_partial=l()),
-         InvalidArgument, "out_partial shape must be [*, 16, 64]"),
-        ("out_partial head_dim", lambda: dict(out_partial=FakeDev((5, H, D + 8), f16),
-                                              lse_partial=l()),
-         InvalidArgument, "out_partial shape must be"),
-        ("lse tokens", lambda: dict(out_partial=x(5), lse_partial=l(4)),
-         InvalidArgument, "lse_partial shape must be [5, 16]"),
-        ("lse heads", lambda: dict(out_partial=x(), lse_partial=FakeDev((5, H_R), f32)),
-         InvalidArgument, "lse_partial shape must be"),
-        ("T > max_tokens", lambda: dict(out_partial=x(T_MAX + 1), lse_partial=l(T_MAX + 1)),
-         InvalidArgument, f"must be <= max_tokens {T_MAX} (got {T_MAX + 1})"),
-        ("pointer not 16-byte aligned", lambda: dict(out_partial=FakeDev((5, H, D), f16,
-                                                                         offset=8),
-                                                     lse_partial=l()),
-         InvalidArgument, "out_partial rows must be 16-byte aligned"),
-        ("token stride not 16-byte aligned",
-         lambda: dict(out_partial=strided((5, H, D), f16, (H * D + 4, D, 1)), lse_partial=l()),
-         InvalidArgument, "out_partial rows must be 16-byte aligned"),
-        ("head stride not 16-byte aligned",
-         lambda: dict(out_partial=strided((5, H, D), f16, (H * (D + 4), D + 4, 1)),
-                      lse_partial=l()),
-         InvalidArgument, "out_partial rows must be 16-byte aligned"),
-        ("negative stride",
-         lambda: dict(out_partial=strided((5, H, D), f16, (-H * D, D, 1)), lse_partial=l()),
-         InvalidArgument, "out_partial strides must be non-negative"),
-        ("negative lse stride",
-         lambda: dict(out_partial=x(), lse_partial=strided((5, H), f32, (H, -1))),
-         InvalidArgument, "lse_partial strides must be non-negative"),
-        ("lse stride not a multiple of its itemsize",
-         lambda: dict(out_partial=x(), lse_partial=FakeDev((5, H), f32, (H * 4 + 2, 4))),
-         InvalidArgument, "lse_partial pointer and strides must be multiples of its itemsize"),
-        ("out_partial on another GPU",
-         lambda: dict(out_partial=FakeDev((5, H, D), f16, device=DEV + 1), lse_partial=l()),
-         InvalidArgument, "out_partial device must be the workspace's GPU 0 (got GPU 1)"),
-        ("lse_partial on another GPU",
-         lambda: dict(out_partial=x(), lse_partial=FakeDev((5, H), f32, device=DEV + 1)),
-         InvalidArgument, "lse_partial device must be the workspace's GPU 0 (got GPU 1)"),
-        ("seq_lens without query_start_loc",
-         lambda: dict(out_partial=x(), lse_partial=l(), seq_lens=FakeDev((3,), i32)),
-         InvalidArgument, "seq_lens requires query_start_loc"),
-        ("seq_lens int64",
-         lambda: dict(out_partial=x(), lse_partial=l(), seq_lens=FakeDev((3,), np.int64),
-                      query_start_loc=FakeDev((4,), i32)),
-         InvalidType, "seq_lens dtype must be one of [int32] (got int64)"),
-        ("query_start_loc float",
-         lambda: dict(out_partial=x(), lse_partial=l(), query_start_loc=FakeDev((4,), f32)),
-         InvalidType, "query_start_loc dtype must be one of [int32]"),
-        ("seq_lens length",
-         lambda: dict(out_partial=x(), lse_partial=l(), seq_lens=FakeDev((3,), i32),
-                      query_start_loc=FakeDev((3,), i32)),
-         InvalidArgument, "seq_lens length must be len(query_start_loc) - 1 = 2 (got 3)"),
-        ("query_start_loc empty",
-         lambda: dict(out_partial=x(), lse_partial=l(), query_start_loc=FakeDev((0,), i32)),
-         InvalidArgument, "query_start_loc length must be >= 1"),
-        ("query_start_loc 2-D",
-         lambda: dict(out_partial=x(), lse_partial=l(), query_start_loc=FakeDev((2, 2), i32)),
-         InvalidArgument, "query_start_loc must have 1 dimensions [S+1]"),
-        ("query_start_loc strided",
-         lambda: dict(out_partial=x(), lse_partial=l(),
-                      query_start_loc=strided((4,), i32, (2,))),
-         InvalidArgument, "query_start_loc must be C-contiguous"),
-        ("host seq_lens",
-         lambda: dict(out_partial=x(), lse_partial=l(), seq_lens=np.zeros(3, i32),
-                      query_start_loc=FakeDev((4,), i32)),
-         InvalidType, "seq_lens must be a GPU array"),
-        ("seq_lens on another GPU",
-         lambda: dict(out_partial=x(), lse_partial=l(), seq_lens=FakeDev((3,), i32, device=3),
-                      query_start_loc=FakeDev((4,), i32)),
-         InvalidArgument, "seq_lens device must be the workspace's GPU 0 (got GPU 3)"),
-        ("out dtype", lambda: dict(out_partial=x(), lse_partial=l(),
-                                   out=FakeDev((5, H_R, D), f32)),
-         InvalidType, "out dtype must be one of [float16]"),
-        ("out shape (all heads)", lambda: dict(out_partial=x(), lse_partial=l(),
-                                               out=FakeDev((5, H, D), f16)),
-         InvalidArgument, "out shape must be [5, 4, 64] for [T, H_r, D_v]"),
-        ("out strided", lambda: dict(out_partial=x(), lse_partial=l(),
-                                     out=strided((5, H_R, D), f16, (H_R * D * 2, D, 1))),
-         InvalidArgument, "out must be C-contiguous"),
-        ("out misaligned", lambda: dict(out_partial=x(), lse_partial=l(),
-                                        out=FakeDev((5, H_R, D), f16, offset=2)),
-         InvalidArgument, "out data pointer must be 16-byte aligned"),
-        ("host out", lambda: dict(out_partial=x(), lse_partial=l(),
-                                  out=np.zeros((5, H_R, D), f16)),
-         InvalidType, "out must be a GPU array"),
-        ("out on another GPU", lambda: dict(out_partial=x(), lse_partial=l(),
-                                            out=FakeDev((5, H_R, D), f16, device=2)),
-         InvalidArgument, "out device must be the workspace's GPU 0 (got GPU 2)"),
-        ("out_lse dtype", lambda: dict(out_partial=x(), lse_partial=l(),
-                                       out_lse=FakeDev((5, H_R), f16)),
-         InvalidType, "out_lse dtype must be one of [float32]"),
-        ("out_lse shape", lambda: dict(out_partial=x(), lse_partial=l(),
-                                       out_lse=FakeDev((5, H), f32)),
-         InvalidArgument, "out_lse shape must be [5, 4]"),
-        ("out_lse strided", lambda: dict(out_partial=x(), lse_partial=l(),
-                                         out_lse=strided((5, H_R), f32, (1, 5))),
-         InvalidArgument, "out_lse must be C-contiguous"),
-        ("ubatch out of range", lambda: dict(out_partial=x(), lse_partial=l(), ubatch=2),
-         InvalidArgument, "ubatch must lie in [0, 2) (got 2)"),
-        ("negative ubatch", lambda: dict(out_partial=x(), lse_partial=l(), ubatch=-1),
-         InvalidArgument, "ubatch must lie in [0, 2) (got -1)"),
-        ("ubatch not an int", lambda: dict(out_partial=x(), lse_partial=l(), ubatch="0"),
-         InvalidType, "ubatch must be an int"),
-        ("ubatch bool", lambda: dict(out_partial=x(), lse_partial=l(), ubatch=True),
-         InvalidType, "ubatch must be an int"),
+        (
+            "host out_partial",
+            lambda: dict(out_partial=np.zeros((5, H, D), f16), lse_partial=l()),
+            InvalidType,
+            "out_partial must be a GPU array",
+        ),
+        (
+            "host lse_partial",
+            lambda: dict(out_partial=x(), lse_partial=np.zeros((5, H), f32)),
+            InvalidType,
+            "lse_partial must be a GPU array",
+        ),
+        (
+            "not an array",
+            lambda: dict(out_partial=[[1.0]], lse_partial=l()),
+            InvalidType,
+            "out_partial must be a GPU array",
+        ),
+        (
+            "None out_partial",
+            lambda: dict(out_partial=None, lse_partial=l()),
+            InvalidType,
+            "out_partial must be a GPU array",
+        ),
+        (
+            "out_partial dtype",
+            lambda: dict(out_partial=FakeDev((5, H, D), f32), lse_partial=l()),
+            InvalidType,
+            "out_partial dtype must be one of [float16] (got float32)",
+        ),
+        (
+            "lse int dtype",
+            lambda: dict(out_partial=x(), lse_partial=FakeDev((5, H), i32)),
+            InvalidType,
+            "lse_partial dtype must be one of",
+        ),
+        (
+            "lse float64",
+            lambda: dict(out_partial=x(), lse_partial=FakeDev((5, H), np.float64)),
+            InvalidType,
+            "lse_partial dtype must be one of",
+        ),
+        (
+            "out_partial 2-D",
+            lambda: dict(out_partial=FakeDev((5, H * D), f16), lse_partial=l()),
+            InvalidArgument,
+            "out_partial must have 3 dimensions [T, H, D_v]",
+        ),
+        (
+            "out_partial heads",
+            lambda: dict(out_partial=FakeDev((5, H_R, D), f16), lse_partial=l()),
+            InvalidArgument,
+            "out_partial shape must be [*, 16, 64]",
+        ),
+        (
+            "out_partial head_dim",
+            lambda: dict(out_partial=FakeDev((5, H, D + 8), f16), lse_partial=l()),
+            InvalidArgument,
+            "out_partial shape must be",
+        ),
+        (
+            "lse tokens",
+            lambda: dict(out_partial=x(5), lse_partial=l(4)),
+            InvalidArgument,
+            "lse_partial shape must be [5, 16]",
+        ),
+        (
+            "lse heads",
+            lambda: dict(out_partial=x(), lse_partial=FakeDev((5, H_R), f32)),
+            InvalidArgument,
+            "lse_partial shape must be",
+        ),
+        (
+            "T > max_tokens",
+            lambda: dict(out_partial=x(T_MAX + 1), lse_partial=l(T_MAX + 1)),
+            InvalidArgument,
+            f"must be <= max_tokens {T_MAX} (got {T_MAX + 1})",
+        ),
+        (
+            "pointer not 16-byte aligned",
+            lambda: dict(out_partial=FakeDev((5, H, D), f16, offset=8), lse_partial=l()),
+            InvalidArgument,
+            "out_partial rows must be 16-byte aligned",
+        ),
+        (
+            "token stride not 16-byte aligned",
+            lambda: dict(out_partial=strided((5, H, D), f16, (H * D + 4, D, 1)), lse_partial=l()),
+            InvalidArgument,
+            "out_partial rows must be 16-byte aligned",
+        ),
+        (
+            "head stride not 16-byte aligned",
+            lambda: dict(
+                out_partial=strided((5, H, D), f16, (H * (D + 4), D + 4, 1)), lse_partial=l()
+            ),
+            InvalidArgument,
+            "out_partial rows must be 16-byte aligned",
+        ),
+        (
+            "negative stride",
+            lambda: dict(out_partial=strided((5, H, D), f16, (-H * D, D, 1)), lse_partial=l()),
+            InvalidArgument,
+            "out_partial strides must be non-negative",
+        ),
+        (
+            "negative lse stride",
+            lambda: dict(out_partial=x(), lse_partial=strided((5, H), f32, (H, -1))),
+            InvalidArgument,
+            "lse_partial strides must be non-negative",
+        ),
+        (
+            "lse stride not a multiple of its itemsize",
+            lambda: dict(out_partial=x(), lse_partial=FakeDev((5, H), f32, (H * 4 + 2, 4))),
+            InvalidArgument,
+            "lse_partial pointer and strides must be multiples of its itemsize",
+        ),
+        (
+            "out_partial on another GPU",
+            lambda: dict(out_partial=FakeDev((5, H, D), f16, device=DEV + 1), lse_partial=l()),
+            InvalidArgument,
+            "out_partial device must be the workspace's GPU 0 (got GPU 1)",
+        ),
+        (
+            "lse_partial on another GPU",
+            lambda: dict(out_partial=x(), lse_partial=FakeDev((5, H), f32, device=DEV + 1)),
+            InvalidArgument,
+            "lse_partial device must be the workspace's GPU 0 (got GPU 1)",
+        ),
+        (
+            "seq_lens without query_start_loc",
+            lambda: dict(out_partial=x(), lse_partial=l(), seq_lens=FakeDev((3,), i32)),
+            InvalidArgument,
+            "seq_lens requires query_start_loc",
+        ),
+        (
+            "seq_lens int64",
+            lambda: dict(
+                out_partial=x(),
+                lse_partial=l(),
+                seq_lens=FakeDev((3,), np.int64),
+                query_start_loc=FakeDev((4,), i32),
+            ),
+            InvalidType,
+            "seq_lens dtype must be one of [int32] (got int64)",
+        ),
+        (
+            "query_start_loc float",
+            lambda: dict(out_partial=x(), lse_partial=l(), query_start_loc=FakeDev((4,), f32)),
+            InvalidType,
+            "query_start_loc dtype must be one of [int32]",
+        ),
+        (
+            "seq_lens length",
+            lambda: dict(
+                out_partial=x(),
+                lse_partial=l(),
+                seq_lens=FakeDev((3,), i32),
+                query_start_loc=FakeDev((3,), i32),
+            ),
+            InvalidArgument,
+            "seq_lens length must be len(query_start_loc) - 1 = 2 (got 3)",
+        ),
+        (
+            "query_start_loc empty",
+            lambda: dict(out_partial=x(), lse_partial=l(), query_start_loc=FakeDev((0,), i32)),
+            InvalidArgument,
+            "query_start_loc length must be >= 1",
+        ),
+        (
+            "query_start_loc 2-D",
+            lambda: dict(out_partial=x(), lse_partial=l(), query_start_loc=FakeDev((2, 2), i32)),
+            InvalidArgument,
+            "query_start_loc must have 1 dimensions [S+1]",
+        ),
+        (
+            "query_start_loc strided",
+            lambda: dict(
+                out_partial=x(), lse_partial=l(), query_start_loc=strided((4,), i32, (2,))
+            ),
+            InvalidArgument,
+            "query_start_loc must be C-contiguous",
+        ),
+        (
+            "host seq_lens",
+            lambda: dict(
+                out_partial=x(),
+                lse_partial=l(),
+                seq_lens=np.zeros(3, i32),
+                query_start_loc=FakeDev((4,), i32),
+            ),
+            InvalidType,
+            "seq_lens must be a GPU array",
+        ),
+        (
+            "seq_lens on another GPU",
+            lambda: dict(
+                out_partial=x(),
+                lse_partial=l(),
+                seq_lens=FakeDev((3,), i32, device=3),
+                query_start_loc=FakeDev((4,), i32),
+            ),
+            InvalidArgument,
+            "seq_lens device must be the workspace's GPU 0 (got GPU 3)",
+        ),
+        (
+            "out dtype",
+            lambda: dict(out_partial=x(), lse_partial=l(), out=FakeDev((5, H_R, D), f32)),
+            InvalidType,
+            "out dtype must be one of [float16]",
+        ),
+        (
+            "out shape (all heads)",
+            lambda: dict(out_partial=x(), lse_partial=l(), out=FakeDev((5, H, D), f16)),
+            InvalidArgument,
+            "out shape must be [5, 4, 64] for [T, H_r, D_v]",
+        ),
+        (
+            "out strided",
+            lambda: dict(
+                out_partial=x(), lse_partial=l(), out=strided((5, H_R, D), f16, (H_R * D * 2, D, 1))
+            ),
+            InvalidArgument,
+            "out must be C-contiguous",
+        ),
+        (
+            "out misaligned",
+            lambda: dict(out_partial=x(), lse_partial=l(), out=FakeDev((5, H_R, D), f16, offset=2)),
+            InvalidArgument,
+            "out data pointer must be 16-byte aligned",
+        ),
+        (
+            "host out",
+            lambda: dict(out_partial=x(), lse_partial=l(), out=np.zeros((5, H_R, D), f16)),
+            InvalidType,
+            "out must be a GPU array",
+        ),
+        (
+            "out on another GPU",
+            lambda: dict(out_partial=x(), lse_partial=l(), out=FakeDev((5, H_R, D), f16, device=2)),
+            InvalidArgument,
+            "out device must be the workspace's GPU 0 (got GPU 2)",
+        ),
+        (
+            "out_lse dtype",
+            lambda: dict(out_partial=x(), lse_partial=l(), out_lse=FakeDev((5, H_R), f16)),
+            InvalidType,
+            "out_lse dtype must be one of [float32]",
+        ),
+        (
+            "out_lse shape",
+            lambda: dict(out_partial=x(), lse_partial=l(), out_lse=FakeDev((5, H), f32)),
+            InvalidArgument,
+            "out_lse shape must be [5, 4]",
+        ),
+        (
+            "out_lse strided",
+            lambda: dict(out_partial=x(), lse_partial=l(), out_lse=strided((5, H_R), f32, (1, 5))),
+            InvalidArgument,
+            "out_lse must be C-contiguous",
+        ),
+        (
+            "ubatch out of range",
+            lambda: dict(out_partial=x(), lse_partial=l(), ubatch=2),
+            InvalidArgument,
+            "ubatch must lie in [0, 2) (got 2)",
+        ),
+        (
+            "negative ubatch",
+            lambda: dict(out_partial=x(), lse_partial=l(), ubatch=-1),
+            InvalidArgument,
+            "ubatch must lie in [0, 2) (got -1)",
+        ),
+        (
+            "ubatch not an int",
+            lambda: dict(out_partial=x(), lse_partial=l(), ubatch="0"),
+            InvalidType,
+            "ubatch must be an int",
+        ),
+        (
+            "ubatch bool",
+            lambda: dict(out_partial=x(), lse_partial=l(), ubatch=True),
+            InvalidType,
+            "ubatch must be an int",
+        ),
     ]
 
 
@@ -337,37 +522,65 @@ def test_poisoned_workspace_raises_the_timeout_naming_the_peer(ws):
     with pytest.raises(CollectiveTimeout) as info:
         ws(**good())
     e = info.value
-    assert (e.op, e.rank, e.peer, e.expected_epoch, e.observed_epoch, e.ubatch) == \
-        ("lse_reduce", RANK, 3, 7, 6, 1)
+    assert (e.op, e.rank, e.peer, e.expected_epoch, e.observed_epoch, e.ubatch) == (
+        "lse_reduce",
+        RANK,
+        3,
+        7,
+        6,
+        1,
+    )
     assert "waiting for peer 3" in str(e)
     assert ws._calls == [0, 0]
     assert ws.poisoned
 
 
 # ----------------------------------------------------------------------------- constructor
-@pytest.mark.parametrize("geometry,world,exc,fragment", [
-    (dict(num_heads=6), 4, InvalidArgument, "num_heads must be a multiple of world_size 4 (got 6)"),
-    (dict(head_dim=6, dtype=np.float32), 4, InvalidArgument,
-     "head_dim * itemsize must be a multiple of 16 bytes (got 6 * 4 = 24)"),
-    (dict(head_dim=4, dtype="bfloat16"), 4, InvalidArgument, "head_dim * itemsize"),
-    (dict(dtype=np.int8), 4, InvalidType, "dtype must be one of [bfloat16, float16, float32]"),
-    (dict(dtype=np.float64), 4, InvalidType, "dtype must be one of"),
-    (dict(dtype="no_such_type"), 4, InvalidType, "dtype must be one of"),
-    (dict(lse_base=10), 4, InvalidArgument, "lse_base must be math.e or 2 (got 10)"),
-    (dict(lse_base=2.7), 4, InvalidArgument, "lse_base must be math.e or 2"),
-    (dict(lse_base=True), 4, InvalidType, "lse_base must be a real number"),
-    (dict(max_tokens=0), 4, InvalidArgument, "max_tokens must be >= 1 (got 0)"),
-    (dict(max_tokens=2.5), 4, InvalidType, "max_tokens must be an int"),
-    (dict(num_heads=0), 4, InvalidArgument, "num_heads must be >= 1"),
-    (dict(head_dim=-8), 4, InvalidArgument, "head_dim must be >= 1"),
-    (dict(return_lse="yes"), 4, InvalidType, "return_lse must be a bool"),
-    (dict(num_heads=128), MAX_WORLD_SIZE * 2, InvalidArgument,
-     f"world_size must be <= {MAX_WORLD_SIZE} (got {MAX_WORLD_SIZE * 2})"),
-    (dict(max_tokens=2**22, num_heads=4096), 4, InvalidArgument, "must be < 2**31"),
-])
+@pytest.mark.parametrize(
+    "geometry,world,exc,fragment",
+    [
+        (
+            dict(num_heads=6),
+            4,
+            InvalidArgument,
+            "num_heads must be a multiple of world_size 4 (got 6)",
+        ),
+        (
+            dict(head_dim=6, dtype=np.float32),
+            4,
+            InvalidArgument,
+            "head_dim * itemsize must be a multiple of 16 bytes (got 6 * 4 = 24)",
+        ),
+        (dict(head_dim=4, dtype="bfloat16"), 4, InvalidArgument, "head_dim * itemsize"),
+        (dict(dtype=np.int8), 4, InvalidType, "dtype must be one of [bfloat16, float16, float32]"),
+        (dict(dtype=np.float64), 4, InvalidType, "dtype must be one of"),
+        (dict(dtype="no_such_type"), 4, InvalidType, "dtype must be one of"),
+        (dict(lse_base=10), 4, InvalidArgument, "lse_base must be math.e or 2 (got 10)"),
+        (dict(lse_base=2.7), 4, InvalidArgument, "lse_base must be math.e or 2"),
+        (dict(lse_base=True), 4, InvalidType, "lse_base must be a real number"),
+        (dict(max_tokens=0), 4, InvalidArgument, "max_tokens must be >= 1 (got 0)"),
+        (dict(max_tokens=2.5), 4, InvalidType, "max_tokens must be an int"),
+        (dict(num_heads=0), 4, InvalidArgument, "num_heads must be >= 1"),
+        (dict(head_dim=-8), 4, InvalidArgument, "head_dim must be >= 1"),
+        (dict(return_lse="yes"), 4, InvalidType, "return_lse must be a bool"),
+        (
+            dict(num_heads=128),
+            MAX_WORLD_SIZE * 2,
+            InvalidArgument,
+            f"world_size must be <= {MAX_WORLD_SIZE} (got {MAX_WORLD_SIZE * 2})",
+        ),
+        (dict(max_tokens=2**22, num_heads=4096), 4, InvalidArgument, "must be < 2**31"),
+    ],
+)
 def test_bad_constructor_arguments(geometry, world, exc, fragment):
-    g = dict(max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=np.float16, lse_base=math.e,
-             return_lse=False)
+    g = dict(
+        max_tokens=T_MAX,
+        num_heads=H,
+        head_dim=D,
+        dtype=np.float16,
+        lse_base=math.e,
+        return_lse=False,
+    )
     g.update(geometry)
     ws = LseReduce.__new__(LseReduce)
     with pytest.raises(exc) as info:
@@ -375,19 +588,29 @@ def test_bad_constructor_arguments(geometry, world, exc, fragment):
     assert fragment in str(info.value), str(info.value)
 
 
-@pytest.mark.parametrize("dtype,expected", [
-    ("bfloat16", BF16), ("bf16", BF16), (BF16, BF16), (BF16.type, BF16),
-    (np.float16, np.dtype(np.float16)), ("float16", np.dtype(np.float16)),
-    (np.dtype("float32"), np.dtype(np.float32)), ("fp32", np.dtype(np.float32)),
-])
+@pytest.mark.parametrize(
+    "dtype,expected",
+    [
+        ("bfloat16", BF16),
+        ("bf16", BF16),
+        (BF16, BF16),
+        (BF16.type, BF16),
+        (np.float16, np.dtype(np.float16)),
+        ("float16", np.dtype(np.float16)),
+        (np.dtype("float32"), np.dtype(np.float32)),
+        ("fp32", np.dtype(np.float32)),
+    ],
+)
 def test_dtype_spellings(dtype, expected):
     w = make_ws(dtype=dtype, head_dim=64)
     w._closed = True
     assert w.dtype == expected
 
 
-@pytest.mark.parametrize("base,scale", [(math.e, 1.0), (2, math.log(2.0)), (2.0, math.log(2.0)),
-                                        (np.float64(math.e), 1.0)])
+@pytest.mark.parametrize(
+    "base,scale",
+    [(math.e, 1.0), (2, math.log(2.0)), (2.0, math.log(2.0)), (np.float64(math.e), 1.0)],
+)
 def test_lse_base_spellings(base, scale):
     w = make_ws(lse_base=base)
     w._closed = True
@@ -396,8 +619,9 @@ def test_lse_base_spellings(base, scale):
 
 
 def test_layout_of_slots_and_outputs():
-    w = make_ws(world_size=4, dtype="bfloat16", max_tokens=8, num_heads=128, head_dim=512,
-                return_lse=True)
+    w = make_ws(
+        world_size=4, dtype="bfloat16", max_tokens=8, num_heads=128, head_dim=512, return_lse=True
+    )
     w._closed = True
     H_r = 32
     assert w.heads_per_rank == H_r and w.launches_per_call == 1
@@ -425,9 +649,12 @@ def test_constructor_raises_the_argument_error_before_any_allocation():
 
 # ----------------------------------------------------------------------------- lse_combine
 def _combine_args(W_=3, T=4, H_r=2, D_=64, dtype=np.float16):
-    return dict(src_out=FakeDev((W_, T, H_r, D_), dtype), src_lse=FakeDev((W_, T, H_r),
-                                                                          np.float32),
-                out=FakeDev((T, H_r, D_), dtype), out_lse=FakeDev((T, H_r), np.float32))
+    return dict(
+        src_out=FakeDev((W_, T, H_r, D_), dtype),
+        src_lse=FakeDev((W_, T, H_r), np.float32),
+        out=FakeDev((T, H_r, D_), dtype),
+        out_lse=FakeDev((T, H_r), np.float32),
+    )
 
 
 def test_combine_plan():
@@ -435,26 +662,44 @@ def test_combine_plan():
     assert (p.W, p.T, p.H_r, p.D) == (3, 4, 2, 64)
 
 
-@pytest.mark.parametrize("change,exc,fragment", [
-    (dict(src_out=np.zeros((3, 4, 2, 64), np.float16)), InvalidType,
-     "src_out must be a GPU array"),
-    (dict(src_out=FakeDev((3, 4, 2, 64), np.float64)), InvalidType, "src_out dtype"),
-    (dict(src_out=FakeDev((4, 2, 64), np.float16)), InvalidArgument,
-     "src_out must have 4 dimensions"),
-    (dict(src_out=FakeDev((MAX_WORLD_SIZE + 1, 4, 2, 64), np.float16)), InvalidArgument,
-     f"src_out sources W must lie in [1, {MAX_WORLD_SIZE}]"),
-    (dict(src_out=FakeDev((3, 4, 2, 4), np.float16),
-          out=FakeDev((4, 2, 4), np.float16)), InvalidArgument, "D_v * itemsize"),
-    (dict(src_out=strided((3, 4, 2, 64), np.float16, (4 * 2 * 128, 2 * 128, 128, 1))),
-     InvalidArgument, "src_out must be C-contiguous"),
-    (dict(src_lse=FakeDev((3, 4, 2), np.float16)), InvalidType, "src_lse dtype"),
-    (dict(src_lse=FakeDev((2, 4, 2), np.float32)), InvalidArgument, "src_lse shape"),
-    (dict(out=FakeDev((4, 2, 64), np.float32)), InvalidType, "out dtype"),
-    (dict(out=FakeDev((4, 3, 64), np.float16)), InvalidArgument, "out shape"),
-    (dict(out=FakeDev((4, 2, 64), np.float16, device=1)), InvalidArgument, "out device"),
-    (dict(out=FakeDev((4, 2, 64), np.float16, offset=4)), InvalidArgument, "16-byte aligned"),
-    (dict(out_lse=FakeDev((4, 2), np.float16)), InvalidType, "out_lse dtype"),
-])
+@pytest.mark.parametrize(
+    "change,exc,fragment",
+    [
+        (
+            dict(src_out=np.zeros((3, 4, 2, 64), np.float16)),
+            InvalidType,
+            "src_out must be a GPU array",
+        ),
+        (dict(src_out=FakeDev((3, 4, 2, 64), np.float64)), InvalidType, "src_out dtype"),
+        (
+            dict(src_out=FakeDev((4, 2, 64), np.float16)),
+            InvalidArgument,
+            "src_out must have 4 dimensions",
+        ),
+        (
+            dict(src_out=FakeDev((MAX_WORLD_SIZE + 1, 4, 2, 64), np.float16)),
+            InvalidArgument,
+            f"src_out sources W must lie in [1, {MAX_WORLD_SIZE}]",
+        ),
+        (
+            dict(src_out=FakeDev((3, 4, 2, 4), np.float16), out=FakeDev((4, 2, 4), np.float16)),
+            InvalidArgument,
+            "D_v * itemsize",
+        ),
+        (
+            dict(src_out=strided((3, 4, 2, 64), np.float16, (4 * 2 * 128, 2 * 128, 128, 1))),
+            InvalidArgument,
+            "src_out must be C-contiguous",
+        ),
+        (dict(src_lse=FakeDev((3, 4, 2), np.float16)), InvalidType, "src_lse dtype"),
+        (dict(src_lse=FakeDev((2, 4, 2), np.float32)), InvalidArgument, "src_lse shape"),
+        (dict(out=FakeDev((4, 2, 64), np.float32)), InvalidType, "out dtype"),
+        (dict(out=FakeDev((4, 3, 64), np.float16)), InvalidArgument, "out shape"),
+        (dict(out=FakeDev((4, 2, 64), np.float16, device=1)), InvalidArgument, "out device"),
+        (dict(out=FakeDev((4, 2, 64), np.float16, offset=4)), InvalidArgument, "16-byte aligned"),
+        (dict(out_lse=FakeDev((4, 2), np.float16)), InvalidType, "out_lse dtype"),
+    ],
+)
 def test_combine_bad_arguments(change, exc, fragment):
     args = _combine_args()
     args.update(change)

@@ -25,10 +25,24 @@ KILL = [name for name, _ in mc.KILL_SWITCHES]
 
 # Values tried for each variable, with whether the value forbids multicast (independent table,
 # written from the design notes and NOTE [dcpkit multicast guard], not from the code).
-NCCL_VALUES = {None: False, "": False, "0": True, "1": False, "2": False, "off": True,
-               "bogus": True}
-DISABLE_VALUES = {None: False, "": False, "1": True, "0": False, "true": True, "no": False,
-                  "bogus": True}
+NCCL_VALUES = {
+    None: False,
+    "": False,
+    "0": True,
+    "1": False,
+    "2": False,
+    "off": True,
+    "bogus": True,
+}
+DISABLE_VALUES = {
+    None: False,
+    "": False,
+    "1": True,
+    "0": False,
+    "true": True,
+    "no": False,
+    "bogus": True,
+}
 OPT_IN_VALUES = {None: False, "0": False, "1": True, "yes": True, "bogus": False}
 
 
@@ -54,6 +68,7 @@ class _EnvOs:
     """Stands in for the ``os`` module of dcpkit.multicast, so that the guard reads ``environ``
     from a dict the test controls (per thread, for ranks that disagree). The process's own
     environment is never changed: its disabling variables stay as they are."""
+
     tls = threading.local()
 
     def __getattr__(self, attr):
@@ -88,8 +103,12 @@ def _env(opt_var, values):
 
 
 def test_kill_switches_are_the_design_ones():
-    assert set(KILL) == {"NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS",
-                         "TORCH_SYMM_MEM_DISABLE_MULTICAST", "DCPKIT_DISABLE_MULTICAST"}
+    assert set(KILL) == {
+        "NCCL_NVLS_ENABLE",
+        "NVSHMEM_DISABLE_NVLS",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+        "DCPKIT_DISABLE_MULTICAST",
+    }
 
 
 def test_guard_table_exhaustive():
@@ -97,7 +116,8 @@ def test_guard_table_exhaustive():
     per_var = [list(NCCL_VALUES)] + [list(DISABLE_VALUES)] * (len(KILL) - 1)
     count = 0
     for opt_in, opt_var, dev_ok, *values in itertools.product(
-            (True, False, None), list(OPT_IN_VALUES), (True, False), *per_var):
+        (True, False, None), list(OPT_IN_VALUES), (True, False), *per_var
+    ):
         env = _env(opt_var, values)
         calls = []
 
@@ -107,15 +127,19 @@ def test_guard_table_exhaustive():
 
         got, reason = mc.multicast_decision(opt_in, env, device)
         opted = opt_in if opt_in is not None else OPT_IN_VALUES[opt_var]
-        forbidding = [name for name, v in zip(KILL, values)
-                      if (NCCL_VALUES if name == "NCCL_NVLS_ENABLE" else DISABLE_VALUES)[v]]
+        forbidding = [
+            name
+            for name, v in zip(KILL, values)
+            if (NCCL_VALUES if name == "NCCL_NVLS_ENABLE" else DISABLE_VALUES)[v]
+        ]
         expected = bool(opted and not forbidding and dev_ok)
         case = f"opt_in={opt_in} env={env} device_supported={dev_ok}"
         assert got is expected, f"{case}: got {got} ({reason})"
         assert isinstance(reason, str) and reason, case
         if not opted:
-            assert ("multicast=False" in reason) if opt_in is False \
-                else (mc.OPT_IN_VARIABLE in reason), f"{case}: reason {reason!r}"
+            assert (
+                ("multicast=False" in reason) if opt_in is False else (mc.OPT_IN_VARIABLE in reason)
+            ), f"{case}: reason {reason!r}"
         elif forbidding:
             for name in forbidding:
                 assert name in reason, f"{case}: reason {reason!r} must name {name}"
@@ -129,36 +153,80 @@ def test_guard_table_exhaustive():
     assert count == 3 * len(OPT_IN_VALUES) * 2 * len(NCCL_VALUES) * len(DISABLE_VALUES) ** 3
 
 
-@pytest.mark.parametrize("value,forbids", [
-    ("0", True), (" 0 ", True), ("false", True), ("FALSE", True), ("no", True), ("off", True),
-    ("n", True), ("f", True), ("garbage", True), ("-", True),
-    ("1", False), ("2", False), ("true", False), ("True", False), ("yes", False), ("on", False),
-    ("", False), ("  ", False),
-])
+@pytest.mark.parametrize(
+    "value,forbids",
+    [
+        ("0", True),
+        (" 0 ", True),
+        ("false", True),
+        ("FALSE", True),
+        ("no", True),
+        ("off", True),
+        ("n", True),
+        ("f", True),
+        ("garbage", True),
+        ("-", True),
+        ("1", False),
+        ("2", False),
+        ("true", False),
+        ("True", False),
+        ("yes", False),
+        ("on", False),
+        ("", False),
+        ("  ", False),
+    ],
+)
 def test_nccl_nvls_enable_spellings(value, forbids):
     assert bool(mc.kill_switches_set({"NCCL_NVLS_ENABLE": value})) is forbids
 
 
 @pytest.mark.parametrize("name", KILL[1:])
-@pytest.mark.parametrize("value,forbids", [
-    ("1", True), ("true", True), ("TRUE", True), ("yes", True), ("on", True), ("y", True),
-    ("2", True), ("garbage", True),
-    ("0", False), ("false", False), ("no", False), ("off", False), ("n", False), ("f", False),
-    ("", False), (" ", False),
-])
+@pytest.mark.parametrize(
+    "value,forbids",
+    [
+        ("1", True),
+        ("true", True),
+        ("TRUE", True),
+        ("yes", True),
+        ("on", True),
+        ("y", True),
+        ("2", True),
+        ("garbage", True),
+        ("0", False),
+        ("false", False),
+        ("no", False),
+        ("off", False),
+        ("n", False),
+        ("f", False),
+        ("", False),
+        (" ", False),
+    ],
+)
 def test_disable_variable_spellings(name, value, forbids):
     assert bool(mc.kill_switches_set({name: value})) is forbids
 
 
-@pytest.mark.parametrize("value,opted", [("1", True), ("true", True), ("ON", True), ("7", True),
-                                         ("0", False), ("", False), ("maybe", False)])
+@pytest.mark.parametrize(
+    "value,opted",
+    [
+        ("1", True),
+        ("true", True),
+        ("ON", True),
+        ("7", True),
+        ("0", False),
+        ("", False),
+        ("maybe", False),
+    ],
+)
 def test_opt_in_variable_spellings(value, opted):
     ok, reason = mc.multicast_decision(None, {mc.OPT_IN_VARIABLE: value}, True)
     assert ok is opted, reason
 
 
-@pytest.mark.parametrize("value", ["1", "true", "yes", "on", "y", "t", " Yes ", "TRUE", "0",
-                                   "false", "no", "off", "", "maybe"])
+@pytest.mark.parametrize(
+    "value",
+    ["1", "true", "yes", "on", "y", "t", " Yes ", "TRUE", "0", "false", "no", "off", "", "maybe"],
+)
 def test_naive_equivalent_of_the_docstring_matches_the_opt_in(value):
     """The "naive equivalent" in multicast_decision's docstring is the opt-in rule (for the
     words it lists; integers other than 0/1 are covered by test_opt_in_variable_spellings)."""
@@ -193,6 +261,7 @@ def test_decision_rejects_non_bool_opt_in():
 
 def test_agree_multicast_every_combination_of_three_ranks():
     for votes in itertools.product((True, False), repeat=3):
+
         def body(comm):
             yes = votes[comm.rank]
             return mc.agree_multicast(comm, (yes, f"reason-of-rank-{comm.rank}"))
@@ -215,9 +284,15 @@ def test_agree_multicast_accepts_bare_bool():
     assert mc.agree_multicast(Communicator.single(), False)[0] is False
 
 
-@pytest.mark.parametrize("name,value", [("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
-                                        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                                        ("DCPKIT_DISABLE_MULTICAST", "1")])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("NCCL_NVLS_ENABLE", "0"),
+        ("NVSHMEM_DISABLE_NVLS", "1"),
+        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+        ("DCPKIT_DISABLE_MULTICAST", "1"),
+    ],
+)
 def test_multicast_object_refuses_before_any_driver_call(guard_env, no_driver, name, value):
     guard_env({name: value, mc.OPT_IN_VARIABLE: "1"})  # an opt-in does not override it
     with pytest.raises(MulticastDisabled, match=name):
@@ -225,9 +300,15 @@ def test_multicast_object_refuses_before_any_driver_call(guard_env, no_driver, n
     assert no_driver.touched == []
 
 
-@pytest.mark.parametrize("name,value", [("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
-                                        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                                        ("DCPKIT_DISABLE_MULTICAST", "1")])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("NCCL_NVLS_ENABLE", "0"),
+        ("NVSHMEM_DISABLE_NVLS", "1"),
+        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+        ("DCPKIT_DISABLE_MULTICAST", "1"),
+    ],
+)
 def test_granularity_query_refuses_before_any_driver_call(guard_env, no_driver, name, value):
     guard_env({name: value})
     with pytest.raises(MulticastDisabled, match=name):
@@ -235,9 +316,9 @@ def test_granularity_query_refuses_before_any_driver_call(guard_env, no_driver, 
     assert no_driver.touched == []
 
 
-def test_multicast_object_refuses_on_every_rank_when_one_rank_is_forbidden(guard_env,
-                                                                           no_driver):
+def test_multicast_object_refuses_on_every_rank_when_one_rank_is_forbidden(guard_env, no_driver):
     """Rank 1 alone has NVSHMEM_DISABLE_NVLS=1: all three ranks refuse, none calls the driver."""
+
     def body(comm):
         guard_env({"NVSHMEM_DISABLE_NVLS": "1"} if comm.rank == 1 else {})
         mc.MulticastObject(comm, 2 << 20, 0, mem_handle=object())
@@ -245,8 +326,7 @@ def test_multicast_object_refuses_on_every_rank_when_one_rank_is_forbidden(guard
     res = run_group(3, body)
     for r, (kind, value) in enumerate(res):
         assert kind == "err" and isinstance(value, MulticastDisabled), f"rank {r}: {value!r}"
-        assert "rank 1" in str(value) and "NVSHMEM_DISABLE_NVLS" in str(value), \
-            f"rank {r}: {value}"
+        assert "rank 1" in str(value) and "NVSHMEM_DISABLE_NVLS" in str(value), f"rank {r}: {value}"
     assert no_driver.touched == []
 
 

@@ -53,10 +53,10 @@ class FakeNvshmem:
         self.lock = threading.Lock()
         self.tls = threading.local()
         self.calls = []
-        self.uids = {}       # pe -> uid bytes given to init
-        self.live = {}       # (pe, addr) -> size
+        self.uids = {}  # pe -> uid bytes given to init
+        self.live = {}  # (pe, addr) -> size
         self.peer_bufs = []  # every peer buffer handed out
-        self._offsets = {}   # pe -> counter of symmetric offsets
+        self._offsets = {}  # pe -> counter of symmetric offsets
 
     def _pe(self):
         return getattr(self.tls, "pe", None)
@@ -68,8 +68,9 @@ class FakeNvshmem:
             ctypes.memmove(uid.ptr, os.urandom(UID_BYTES), UID_BYTES)
         return uid
 
-    def init(self, device=None, uid=None, rank=None, nranks=None, mpi_comm=None,
-             initializer_method=""):
+    def init(
+        self, device=None, uid=None, rank=None, nranks=None, mpi_comm=None, initializer_method=""
+    ):
         assert initializer_method == "uid" and mpi_comm is None and device is not None
         assert self._pe() is None, "NVSHMEM initialised twice in one process"
         self.tls.pe, self.tls.npes = rank, nranks
@@ -154,8 +155,11 @@ def fake_nv(monkeypatch):
     nv = FakeNvshmem()
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setitem(sys.modules, "nvshmem", types.ModuleType("nvshmem"))
-    monkeypatch.setitem(sys.modules, "nvshmem.bindings", types.SimpleNamespace(
-        uniqueid_dtype=types.SimpleNamespace(itemsize=UID_BYTES)))
+    monkeypatch.setitem(
+        sys.modules,
+        "nvshmem.bindings",
+        types.SimpleNamespace(uniqueid_dtype=types.SimpleNamespace(itemsize=UID_BYTES)),
+    )
     core = types.ModuleType("cuda.core")
 
     class Device:
@@ -180,6 +184,7 @@ def _device_body(fn):
     def body(comm):
         sys.modules["cupy"].cuda.Device(comm.rank).use()
         return fn(comm)
+
     return body
 
 
@@ -190,8 +195,15 @@ def test_heaps_over_nvshmem(fake_nv):
         out = []
         for nbytes in (1000, 4096):
             with SymmetricHeap(comm, nbytes, backend="nvshmem") as heap:
-                out.append((heap.handle_type, heap.nbytes, heap.local_ptr, list(heap.peer_ptrs),
-                            heap.mc_ptr))
+                out.append(
+                    (
+                        heap.handle_type,
+                        heap.nbytes,
+                        heap.local_ptr,
+                        list(heap.peer_ptrs),
+                        heap.mc_ptr,
+                    )
+                )
         out.append(nvs.finalize(comm))
         return out
 
@@ -199,8 +211,7 @@ def test_heaps_over_nvshmem(fake_nv):
     for r, (kind, got) in enumerate(res):
         assert kind == "ok", f"rank {r}: {got!r}"
         (t0, n0, l0, p0, m0), (t1, n1, l1, p1, m1), finalized = got
-        assert (t0, n0, m0, t1, n1, m1, finalized) == ("nvshmem", 1024, 0, "nvshmem", 4096, 0,
-                                                       True)
+        assert (t0, n0, m0, t1, n1, m1, finalized) == ("nvshmem", 1024, 0, "nvshmem", 4096, 0, True)
         assert l0 == BASE + r * SPAN and p0[r] == l0
         assert p0 == [l0 if p == r else BASE + p * SPAN + (1 << 35) for p in range(W)], p0
         assert l1 == BASE + r * SPAN + 1024 and p1[r] == l1
@@ -214,7 +225,8 @@ def test_heaps_over_nvshmem(fake_nv):
     # every rank zeroed its own copy of each heap before use
     assert sorted((d, p, v, n) for d, p, v, n in cupy.memsets) == sorted(
         [(r, BASE + r * SPAN, 0, 1024) for r in range(W)]
-        + [(r, BASE + r * SPAN + 1024, 0, 4096) for r in range(W)])
+        + [(r, BASE + r * SPAN + 1024, 0, 4096) for r in range(W)]
+    )
     # NVSHMEM must not create multicast objects of its own when dcpkit does not use multicast
     assert _EnvOs.env.get("NVSHMEM_DISABLE_NVLS") == "1"
 
@@ -249,8 +261,7 @@ def test_fault_in_nvshmem_setup_unwinds_every_rank(fake_nv, monkeypatch, step):
     assert nv.live == {}, nv.live  # every rank freed its buffer (collectively)
 
 
-def test_allocation_failing_on_one_rank_never_leaves_a_rank_alone_in_free(fake_nv,
-                                                                           monkeypatch):
+def test_allocation_failing_on_one_rank_never_leaves_a_rank_alone_in_free(fake_nv, monkeypatch):
     nv, _ = fake_nv
     real_buffer = nv.buffer
 

@@ -7,31 +7,36 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_selection import GEOM, FakeArray, FakeDCPComm, fake_comm
 
 from dcpkit.comm import Communicator
 from dcpkit.errors import InvalidArgument, InvalidType
 from dcpkit.nccl import NcclKVGather, NcclLseReduce, NcclQGather
 from dcpkit.ops import KVGather, LseReduce, QGather
 
-from test_selection import GEOM, FakeArray, FakeDCPComm, fake_comm
-
 
 # ----------------------------------------------------------------------------- check_arguments
-@pytest.mark.parametrize("cls,kw", [
-    (QGather, dict(max_tokens=8, heads_per_rank=2, head_dim=64, dtype="float16")),
-    (KVGather, dict(max_tokens=8, row_dim=64, dtype="bfloat16")),
-    (LseReduce, dict(max_tokens=8, num_heads=4, head_dim=64, dtype="float16")),
-    (NcclQGather, dict(max_tokens=8, heads_per_rank=2, head_dim=64, dtype="float16")),
-    (NcclKVGather, dict(max_tokens=8, row_dim=64, dtype="bfloat16")),
-    (NcclLseReduce, dict(max_tokens=8, num_heads=4, head_dim=64, dtype="float16")),
-])
+@pytest.mark.parametrize(
+    "cls,kw",
+    [
+        (QGather, dict(max_tokens=8, heads_per_rank=2, head_dim=64, dtype="float16")),
+        (KVGather, dict(max_tokens=8, row_dim=64, dtype="bfloat16")),
+        (LseReduce, dict(max_tokens=8, num_heads=4, head_dim=64, dtype="float16")),
+        (NcclQGather, dict(max_tokens=8, heads_per_rank=2, head_dim=64, dtype="float16")),
+        (NcclKVGather, dict(max_tokens=8, row_dim=64, dtype="bfloat16")),
+        (NcclLseReduce, dict(max_tokens=8, num_heads=4, head_dim=64, dtype="float16")),
+    ],
+)
 def test_check_arguments_returns_the_agreed_geometry_and_rejects_like_the_constructor(cls, kw):
     agreed = cls.check_arguments(2, **kw)
     assert isinstance(agreed, tuple) and agreed[0] == 8
-    assert cls.check_arguments(2, **kw) == agreed                   # pure: same every time
+    assert cls.check_arguments(2, **kw) == agreed  # pure: same every time
     assert cls.check_arguments(2, **dict(kw, max_tokens=9)) != agreed
-    with pytest.raises(InvalidArgument, match=rf"^{cls.op_name}: max_tokens must be >= 1 "
-                                              rf"\(got 0\)$"):
+    with pytest.raises(
+        InvalidArgument,
+        match=rf"^{cls.op_name}: max_tokens must be >= 1 "
+        rf"\(got 0\)$",
+    ):
         cls.check_arguments(2, **dict(kw, max_tokens=0))
     with pytest.raises(InvalidType, match=rf"^{cls.op_name}: max_tokens must be an int"):
         cls.check_arguments(2, **dict(kw, max_tokens="8"))
@@ -44,43 +49,60 @@ def test_check_arguments_returns_the_agreed_geometry_and_rejects_like_the_constr
 
 
 def test_check_arguments_of_the_direct_ops_ends_with_their_symmetric_bytes():
-    small = QGather.check_arguments(2, max_tokens=8, heads_per_rank=2, head_dim=64,
-                                    dtype="float16")
-    big = QGather.check_arguments(2, max_tokens=16, heads_per_rank=2, head_dim=64,
-                                  dtype="float16")
+    small = QGather.check_arguments(2, max_tokens=8, heads_per_rank=2, head_dim=64, dtype="float16")
+    big = QGather.check_arguments(2, max_tokens=16, heads_per_rank=2, head_dim=64, dtype="float16")
     assert big[-1] > small[-1] > 0
 
 
 def test_check_arguments_checks_multicast():
-    for cls, kw in ((QGather, dict(heads_per_rank=2, head_dim=64)),
-                    (NcclQGather, dict(heads_per_rank=2, head_dim=64)),
-                    (NcclKVGather, dict(row_dim=64))):
-        with pytest.raises(InvalidType, match=r"multicast must be True, False or None "
-                                              r"\(got 'x'\)"):
+    for cls, kw in (
+        (QGather, dict(heads_per_rank=2, head_dim=64)),
+        (NcclQGather, dict(heads_per_rank=2, head_dim=64)),
+        (NcclKVGather, dict(row_dim=64)),
+    ):
+        with pytest.raises(
+            InvalidType,
+            match=r"multicast must be True, False or None "
+            r"\(got 'x'\)",
+        ):
             cls.check_arguments(2, max_tokens=8, dtype="float16", multicast="x", **kw)
 
 
 # ----------------------------------------------------------------------------- NCCL heap=
-@pytest.mark.parametrize("build", [
-    lambda c, **k: NcclQGather(c, max_tokens=4, heads_per_rank=2, head_dim=8, dtype="float16",
-                               **k),
-    lambda c, **k: NcclKVGather(c, max_tokens=4, row_dim=8, dtype="float16", **k),
-])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda c, **k: NcclQGather(
+            c, max_tokens=4, heads_per_rank=2, head_dim=8, dtype="float16", **k
+        ),
+        lambda c, **k: NcclKVGather(c, max_tokens=4, row_dim=8, dtype="float16", **k),
+    ],
+)
 def test_nccl_ops_reject_a_heap_or_multicast_of_the_wrong_type(build):
     comm = Communicator.single()
-    with pytest.raises(InvalidType, match=r"heap must be None or a dcpkit.SymmetricHeap "
-                                          r"\(got str\)"):
+    with pytest.raises(
+        InvalidType,
+        match=r"heap must be None or a dcpkit.SymmetricHeap "
+        r"\(got str\)",
+    ):
         build(comm, heap="x")
-    with pytest.raises(InvalidType, match=r"multicast must be True, False or None "
-                                          r"\(got 'x'\)"):
+    with pytest.raises(
+        InvalidType,
+        match=r"multicast must be True, False or None "
+        r"\(got 'x'\)",
+    ):
         build(comm, multicast="x")
 
 
 def test_nccl_lse_reduce_rejects_a_heap_of_the_wrong_type():
-    with pytest.raises(InvalidType, match=r"^lse_reduce: heap must be None or a "
-                                          r"dcpkit.SymmetricHeap \(got int\)$"):
-        NcclLseReduce(Communicator.single(), max_tokens=4, num_heads=2, head_dim=8,
-                      dtype="float32", heap=3)
+    with pytest.raises(
+        InvalidType,
+        match=r"^lse_reduce: heap must be None or a "
+        r"dcpkit.SymmetricHeap \(got int\)$",
+    ):
+        NcclLseReduce(
+            Communicator.single(), max_tokens=4, num_heads=2, head_dim=8, dtype="float32", heap=3
+        )
 
 
 # ----------------------------------------------------------------------------- accepts_layout
@@ -113,9 +135,12 @@ def test_kv_gather_accepts_only_aligned_contiguous_rows():
 
 def test_lse_reduce_layouts():
     op = _probe(LseReduce, max_tokens=8, num_heads=4, head_dim=64, dtype="float16")
-    assert op.accepts_layout(out_partial=FakeArray((4, 4, 64)),
-                             lse_partial=FakeArray((4, 4), np.float32),
-                             out=FakeArray((4, 2, 64)), out_lse=FakeArray((4, 2), np.float32))
+    assert op.accepts_layout(
+        out_partial=FakeArray((4, 4, 64)),
+        lse_partial=FakeArray((4, 4), np.float32),
+        out=FakeArray((4, 2, 64)),
+        out_lse=FakeArray((4, 2), np.float32),
+    )
     # a strided innermost dimension is copied by the op itself: still in place for DCPComm
     assert op.accepts_layout(out_partial=FakeArray((4, 4, 64), strides=(1024, 256, 4)))
     assert not op.accepts_layout(out_partial=FakeArray((4, 4, 64), ptr=(1 << 20) + 2))
@@ -138,9 +163,10 @@ def test_dcpcomm_builds_one_heap_for_its_three_direct_ops():
 
     dcp = Spy(fake_comm(), **GEOM)
     assert len(seen) == 3 and all(h is dcp.heap for h in seen) and dcp.heap is not None
-    regions = [cls.check_arguments(2, **{k: v for k, v in kw.items() if k != "heap"})[-1]
-               for cls, kw in (dcp._direct_spec(op) for op in ("q_gather", "lse_reduce",
-                                                               "kv_gather"))]
+    regions = [
+        cls.check_arguments(2, **{k: v for k, v in kw.items() if k != "heap"})[-1]
+        for cls, kw in (dcp._direct_spec(op) for op in ("q_gather", "lse_reduce", "kv_gather"))
+    ]
     assert dcp.heap_nbytes == sum(-(-r // 256) * 256 for r in regions)
     assert "heap: one SymmetricHeap" in dcp.describe()
     heap = dcp.heap
@@ -183,12 +209,21 @@ def test_an_nccl_op_built_from_checked_arguments_makes_no_second_check_or_exchan
         NcclQGather.prepare(2, **dict(kw, max_tokens=0))
 
     exchanges = []
-    comm = Communicator(0, 1, allgather=lambda o: exchanges.append(o) or [o],
-                        broadcast=lambda o, root: o, barrier=lambda: None, backend="fake")
-    exchanges.clear()                          # the Communicator's own host exchange
+    comm = Communicator(
+        0,
+        1,
+        allgather=lambda o: exchanges.append(o) or [o],
+        broadcast=lambda o, root: o,
+        barrier=lambda: None,
+        backend="fake",
+    )
+    exchanges.clear()  # the Communicator's own host exchange
     built = []
-    monkeypatch.setattr(NcclQGather, "_build", lambda self, group: built.append(
-        (group, self.max_tokens, self.num_heads, self.dtype)))
+    monkeypatch.setattr(
+        NcclQGather,
+        "_build",
+        lambda self, group: built.append((group, self.max_tokens, self.num_heads, self.dtype)),
+    )
     group = NcclGroup.__new__(NcclGroup)
     op = NcclQGather.from_checked(comm, checked, group)
     assert built == [(group, 8, 2, np.dtype(np.float16))] and exchanges == []
@@ -206,11 +241,19 @@ def test_dcpcomm_checks_each_nccl_op_once_and_builds_it_from_that_check():
 
     class Spy(FakeDCPComm):
         def _build_nccl(self, op, group):
-            seen.append((op, self._nccl_checked[op].cls.op_name,
-                         self._nccl_checked[op].geometry["max_tokens"]))
+            seen.append(
+                (
+                    op,
+                    self._nccl_checked[op].cls.op_name,
+                    self._nccl_checked[op].geometry["max_tokens"],
+                )
+            )
             return super()._build_nccl(op, group)
 
     dcp = Spy(fake_comm(), nccl_max_tokens=32, **GEOM)
-    assert sorted(seen) == [("kv_gather", "kv_gather", 32), ("lse_reduce", "lse_reduce", 32),
-                            ("q_gather", "q_gather", 32)]
+    assert sorted(seen) == [
+        ("kv_gather", "kv_gather", 32),
+        ("lse_reduce", "lse_reduce", 32),
+        ("q_gather", "q_gather", 32),
+    ]
     dcp.close()

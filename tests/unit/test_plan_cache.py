@@ -30,8 +30,7 @@ class Cai:
 
 
 def cai(**change):
-    d = {"shape": (4, 8), "typestr": "<f2", "data": (PTR, False), "strides": None,
-         "version": 3}
+    d = {"shape": (4, 8), "typestr": "<f2", "data": (PTR, False), "strides": None, "version": 3}
     d.update(change)
     return d
 
@@ -39,14 +38,16 @@ def cai(**change):
 # ----------------------------------------------------------------------------- keys
 def test_cupy_key_is_the_whole_description():
     a = cp((4, 8))
-    assert array_key(a) == array_key(cp((4, 8)))             # another object, same memory
+    assert array_key(a) == array_key(cp((4, 8)))  # another object, same memory
     i = array_info(a, "op", "a")
     assert array_key(a)[1:] == (i.ptr, i.shape, i.strides, i.dtype, i.device)
-    different = [cp((4, 8), strides=(32, 2)),                 # same pointer, padded rows
-                 cp((8, 4)),                                  # same pointer, other shape
-                 cp((4, 8), np.uint16),                       # same pointer, other dtype
-                 cp((4, 8), device=1),                        # same address, other GPU
-                 cp((4, 8), ptr=PTR + 256)]
+    different = [
+        cp((4, 8), strides=(32, 2)),  # same pointer, padded rows
+        cp((8, 4)),  # same pointer, other shape
+        cp((4, 8), np.uint16),  # same pointer, other dtype
+        cp((4, 8), device=1),  # same address, other GPU
+        cp((4, 8), ptr=PTR + 256),
+    ]
     keys = {array_key(x) for x in different}
     assert len(keys) == len(different) and array_key(a) not in keys
 
@@ -54,12 +55,18 @@ def test_cupy_key_is_the_whole_description():
 def test_cai_key_carries_the_type_of_every_value():
     base = array_key(Cai(cai()))
     assert base is not None and base == array_key(Cai(cai()))
-    for other in (cai(shape=(True, 8)), cai(shape=[4, 8]), cai(data=(PTR, 0)),
-                  cai(strides=(16, 2)), cai(typestr="<u2"), cai(mask=None),
-                  cai(shape=(np.int64(4), 8))):
+    for other in (
+        cai(shape=(True, 8)),
+        cai(shape=[4, 8]),
+        cai(data=(PTR, 0)),
+        cai(strides=(16, 2)),
+        cai(typestr="<u2"),
+        cai(mask=None),
+        cai(shape=(np.int64(4), 8)),
+    ):
         assert array_key(Cai(other)) != base, other
     assert array_key(Cai(cai(), device=1)) != base
-    assert array_key(Cai(cai(), device=None)) is None    # device unknown: never cached
+    assert array_key(Cai(cai(), device=None)) is None  # device unknown: never cached
     assert array_key(Cai(cai(shape=[[4], 8]))) is not None
     assert array_key(Cai(cai(descr=[{"a", "b"}]))) is None  # unhashable inside: never cached
     assert array_key(np.zeros(3)) is None and array_key(object()) is None
@@ -94,9 +101,9 @@ def test_a_failed_validation_stores_nothing_and_raises_again():
             c.lookup(("k", -1), -1)
     assert len(c) == 1 and len(calls) == 3
     assert c.lookup(None, 5) == ("plan", 5) and c.lookup(None, 5) == ("plan", 5)
-    assert len(c) == 1 and c.misses == 3   # uncacheable: validated every time
+    assert len(c) == 1 and c.misses == 3  # uncacheable: validated every time
     c.lookup(("k", 2), 2)
-    c.lookup(("k", 3), 3)                  # bound 2: the oldest goes
+    c.lookup(("k", 3), 3)  # bound 2: the oldest goes
     assert len(c) == 2 and c.lookup(("k", 1), 1) and c.misses == 6
     c.clear()
     assert len(c) == 0
@@ -140,6 +147,17 @@ def test_a_cached_q_gather_plan_never_hides_an_error():
         _cached_validate(ws, cache, good, True)
     # a fake array at the cached address with another layout (freed and reused memory)
     with pytest.raises(InvalidArgument, match="head stride"):
-        _cached_validate(ws, cache, Cai({"shape": (5, 4, 64), "typestr": "<f2",
-                                         "data": (PTR, False), "strides": (1024, 256, 2)}), 1)
+        _cached_validate(
+            ws,
+            cache,
+            Cai(
+                {
+                    "shape": (5, 4, 64),
+                    "typestr": "<f2",
+                    "data": (PTR, False),
+                    "strides": (1024, 256, 2),
+                }
+            ),
+            1,
+        )
     assert len(cache) == 1

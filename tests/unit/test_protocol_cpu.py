@@ -53,8 +53,9 @@ def _ptx(file: str, options=()) -> str:
         for e in jit.VARIANTS[file]:
             (r,) = nvrtc.nvrtcAddNameExpression(prog, e.encode())
             assert int(r) == 0
-        opts = [o.encode() for o in list(jit.DEFAULT_OPTIONS) + ["-arch=compute_90"]
-                + list(options)]
+        opts = [
+            o.encode() for o in list(jit.DEFAULT_OPTIONS) + ["-arch=compute_90"] + list(options)
+        ]
         (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         if int(res) != 0:
             _, n = nvrtc.nvrtcGetProgramLogSize(prog)
@@ -75,7 +76,7 @@ def _entries(ptx: str):
     for m in re.finditer(r"\.entry\s+(\S+)\s*\(", ptx):
         start = m.end()
         nxt = ptx.find(".entry", start)
-        body = ptx[start: nxt if nxt >= 0 else len(ptx)]
+        body = ptx[start : nxt if nxt >= 0 else len(ptx)]
         out.append((m.group(1), [ln.strip() for ln in body.splitlines()]))
     return out
 
@@ -113,21 +114,25 @@ def test_publish_order_in_every_variant(file, self_check):
         bar = _index(lines, r"^(bar\.sync|barrier\.sync)\b", before=atom)
         assert bar is not None, f"{name}: no CTA barrier before the arrival"
         # the payload loop (16-byte stores) comes before the barrier
-        assert any(re.match(r"^st\.global\.v4", ln) for ln in lines[:bar]), \
+        assert any(re.match(r"^st\.global\.v4", ln) for ln in lines[:bar]), (
             f"{name}: no payload store before the barrier"
+        )
         # exactly one fence in the publish step: the one before the first signal store
         assert sum(1 for ln in lines[atom:first] if ln.startswith("fence.")) == 1, name
         # the wait: relaxed polling, then one acquire of the same word
         poll = _index(lines, r"^ld\.relaxed\.sys\.global\.u64")
         acq = _index(lines, r"^ld\.acquire\.sys\.global\.u64")
         assert poll is not None and acq is not None, f"{name}: relaxed poll / acquire missing"
-        first_acq = next(i for i, ln in enumerate(lines)
-                         if ln.startswith("ld.acquire.sys.global.u64"))
-        first_poll = next(i for i, ln in enumerate(lines)
-                          if ln.startswith("ld.relaxed.sys.global.u64"))
+        first_acq = next(
+            i for i, ln in enumerate(lines) if ln.startswith("ld.acquire.sys.global.u64")
+        )
+        first_poll = next(
+            i for i, ln in enumerate(lines) if ln.startswith("ld.relaxed.sys.global.u64")
+        )
         assert first_poll < first_acq, f"{name}: the acquire comes before the relaxed poll"
-        assert not any(ln.startswith("ld.acquire.sys.global.u32") for ln in lines), \
+        assert not any(ln.startswith("ld.acquire.sys.global.u32") for ln in lines), (
             f"{name}: 32-bit acquire polls of the old protocol"
+        )
 
 
 # ----------------------------------------------------------------------------- fingerprint
@@ -135,8 +140,15 @@ def test_fingerprint_fields_match_the_kernel_macros():
     text = _header()
     macros = dict(re.findall(r"#define DCPKIT_FP_(\w+) (\d+)", text))
     for field, (shift, bits) in proto.FP_FIELDS.items():
-        key = {"op": "OP", "ubatch": "UBATCH", "dtype": "DTYPE", "lse": "LSE", "qsl": "QSL",
-               "seq": "SEQ", "T": "T"}[field]
+        key = {
+            "op": "OP",
+            "ubatch": "UBATCH",
+            "dtype": "DTYPE",
+            "lse": "LSE",
+            "qsl": "QSL",
+            "seq": "SEQ",
+            "T": "T",
+        }[field]
         assert int(macros[f"{key}_SHIFT"]) == shift, field
         if f"{key}_BITS" in macros:
             assert int(macros[f"{key}_BITS"]) == bits, field
@@ -151,8 +163,7 @@ def test_fingerprint_fields_match_the_kernel_macros():
 
 def test_lse_codes_match_the_kernel():
     src = (jit.kernels_dir() / "lse_reduce.cu").read_text()
-    found = dict(re.findall(r"struct lse_code<(\w+)> \{ static constexpr u32 value = (\d+);",
-                            src))
+    found = dict(re.findall(r"struct lse_code<(\w+)> \{ static constexpr u32 value = (\d+);", src))
     names = {"bf16_t": "bfloat16", "fp16_t": "float16", "float": "float32"}
     assert {names[k]: int(v) for k, v in found.items()} == proto.LSE_CODES
 
@@ -165,8 +176,15 @@ def test_fingerprint_round_trip_and_limits():
                     for u in (0, 1, 15):
                         fp = proto.fingerprint(OP_IDS[op], u, "bfloat16", T, lse, qsl, seq)
                         d = proto.decode_fingerprint(fp)
-                        assert d == {"op": op, "ubatch": u, "dtype": "bfloat16",
-                                     "lse": lse or "none", "qsl": qsl, "seq": seq, "T": T}
+                        assert d == {
+                            "op": op,
+                            "ubatch": u,
+                            "dtype": "bfloat16",
+                            "lse": lse or "none",
+                            "qsl": qsl,
+                            "seq": seq,
+                            "T": T,
+                        }
                         assert fp != 0  # a signal is never the zero word
     # beyond the field widths: compared modulo 2**17 (T) and 2**4 (ubatch), documented
     assert proto.decode_fingerprint(proto.fingerprint(2, 0, "float16", 2**17 + 5))["T"] == 5
@@ -210,18 +228,21 @@ def test_record_layout_matches_the_cuda_struct():
         assert typ == "u32", (typ, name)
         n = 1
         if count is not None:
-            n = int(re.search(r"#define %s (\d+)" % count, text).group(1)) if not \
-                count.isdigit() else int(count)
+            n = (
+                int(re.search(r"#define %s (\d+)" % count, text).group(1))
+                if not count.isdigit()
+                else int(count)
+            )
         offsets[name] = off
         off += 4 * n
         names += [name] if n == 1 or name == "seen_fp" else [f"{name}{i}" for i in range(n)]
     assert off == proto.RECORD_BYTES
     assert tuple(n for n in names if n != "seen_fp") == proto.RECORD_FIELDS
     assert offsets["seen_fp"] == 4 * len(proto.RECORD_FIELDS)
-    assert int(re.search(r"#define DCPKIT_REC_SOURCES (\d+)", text).group(1)) == \
-        proto.RECORD_SOURCES
-    assert int(re.search(r"#define DCPKIT_REC_MISMATCH (\d+)", text).group(1)) == \
-        proto.REC_MISMATCH
+    assert (
+        int(re.search(r"#define DCPKIT_REC_SOURCES (\d+)", text).group(1)) == proto.RECORD_SOURCES
+    )
+    assert int(re.search(r"#define DCPKIT_REC_MISMATCH (\d+)", text).group(1)) == proto.REC_MISMATCH
     assert _workspace.TIMEOUT_RECORD_FIELDS == proto.RECORD_FIELDS[:8]
 
 
@@ -253,8 +274,9 @@ class _Heap:
 
 def test_protocol_tuple_matches_the_kernel_parameters():
     ws = QGather.__new__(QGather)
-    ws._check_arguments(4, max_tokens=8, heads_per_rank=2, head_dim=64, dtype="bfloat16",
-                        num_ubatches=2)
+    ws._check_arguments(
+        4, max_tokens=8, heads_per_rank=2, head_dim=64, dtype="bfloat16", num_ubatches=2
+    )
     ws.rank, ws.world_size, ws.multicast, ws.heap, ws._base = 1, 4, False, _Heap(), 0
     ws._epoch, ws._ctl, ws._peer_sig = _Arr(1 << 30), _Arr(2 << 30), _Arr(3 << 30)
     ws._rec_ptr = 4 << 30
@@ -280,11 +302,14 @@ class FakeStream:
         return self.capturing
 
 
-@pytest.mark.parametrize("cls,kw", [
-    (QGather, dict(max_tokens=4, heads_per_rank=4, head_dim=64, dtype="float16")),
-    (KVGather, dict(max_tokens=4, row_dim=64, dtype="float16")),
-    (LseReduce, dict(max_tokens=4, num_heads=4, head_dim=64, dtype="float16")),
-])
+@pytest.mark.parametrize(
+    "cls,kw",
+    [
+        (QGather, dict(max_tokens=4, heads_per_rank=4, head_dim=64, dtype="float16")),
+        (KVGather, dict(max_tokens=4, row_dim=64, dtype="float16")),
+        (LseReduce, dict(max_tokens=4, num_heads=4, head_dim=64, dtype="float16")),
+    ],
+)
 def test_constructor_refuses_a_capturing_stream(monkeypatch, cls, kw):
     """Checked inside the agreed setup exchange (so every rank raises), before any GPU work."""
     monkeypatch.setattr(dcpkit._cuda, "require_device", lambda what, device=None: 0)
@@ -293,8 +318,7 @@ def test_constructor_refuses_a_capturing_stream(monkeypatch, cls, kw):
     monkeypatch.setattr(cls, "_init_region", lambda self, *a: called.append(1))
     with pytest.raises(DcpkitError) as info:
         cls(Communicator.single(), **kw)
-    assert "construction must not happen while a CUDA graph is being captured" in \
-        str(info.value)
+    assert "construction must not happen while a CUDA graph is being captured" in str(info.value)
     assert not called
 
 
@@ -312,11 +336,10 @@ def test_first_call_while_capturing_is_refused_before_counting():
     ws = _fake(QGather.__new__(QGather))
     with pytest.raises(DcpkitError) as info:
         ws.begin_call(0, FakeStream(True), ())
-    assert "the first call must not happen while a CUDA graph is being captured" in \
-        str(info.value)
+    assert "the first call must not happen while a CUDA graph is being captured" in str(info.value)
     assert ws._calls == [0, 0] and ws._captured == [False, False]
     assert ws.begin_call(0, FakeStream(False), ()) == (1, False, True)  # eager first call
-    assert ws.begin_call(1, FakeStream(True), ())[1] is True             # then capture is fine
+    assert ws.begin_call(1, FakeStream(True), ())[1] is True  # then capture is fine
 
 
 def test_return_padded_must_be_a_bool():
@@ -343,7 +366,7 @@ def test_poisoned_and_check_read_the_record_without_a_device():
     n = len(proto.RECORD_FIELDS)
     ws._rec[:] = 0
     ws._rec[:n] = [2, 1, 1, 0, 9, 9, 0, proto.REC_MISMATCH, t6, t2, 4, 0, 0, 0, 0, 0]
-    ws._rec[n:n + 4] = [t2, t6, t6, t6]
+    ws._rec[n : n + 4] = [t2, t6, t6, t6]
     with pytest.raises(ConfigMismatch) as info:
         ws.check()
     msg = str(info.value)
@@ -351,7 +374,7 @@ def test_poisoned_and_check_read_the_record_without_a_device():
     assert info.value.ranks == [0]
     # rank 0's own view, where ranks 2 and 3 had not arrived yet
     ws._rec[:n] = [2, 1, 0, 1, 9, 9, 0, proto.REC_MISMATCH, t2, t6, 4, 0, 0, 0, 0, 0]
-    ws._rec[n:n + 4] = [t2, t6, 0, 0]
+    ws._rec[n : n + 4] = [t2, t6, 0, 0]
     with pytest.raises(ConfigMismatch) as info:
         ws.check()
     assert "T=2 on rank 0, T=6 on rank 1 (ranks 2-3 not seen)" in str(info.value)
@@ -379,8 +402,9 @@ def test_ctas_for_matches_the_launch_rule():
     assert q.ctas_for(128, copy_out=True) == 33
     assert q.THREADS == 512
     r = _fake(LseReduce.__new__(LseReduce), W=4)
-    r._init_geometry(4, max_tokens=8, num_heads=8, head_dim=64, dtype="float16",
-                     lse_base=np.e, return_lse=False)
+    r._init_geometry(
+        4, max_tokens=8, num_heads=8, head_dim=64, dtype="float16", lse_base=np.e, return_lse=False
+    )
     r.max_ctas = 10
     assert r.ctas_for(1) == 1 and r.ctas_for(8) == min(10, 4 * 8 * 2 // 8)
     assert r.THREADS == 256

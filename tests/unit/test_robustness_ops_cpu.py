@@ -27,7 +27,6 @@ import numpy as np
 import pytest
 
 import dcpkit._cuda
-from _threadgroup import run_group
 from dcpkit.comm import Communicator
 from dcpkit.errors import ClosedError, DcpkitError, InvalidArgument, InvalidType, PeerError
 from dcpkit.fallback import NcclKVGather, NcclLseReduce, NcclQGather, strided_copy
@@ -36,36 +35,60 @@ from dcpkit.ops._workspace import MAX_TIMEOUT_MS, check_timeout_ms, default_time
 from dcpkit.ops.lse_reduce import _validate_combine, lse_combine
 from dcpkit.symmetric import SymmetricHeap
 
+from _threadgroup import run_group
+
 W = 3
 BAD_RANK = 1
 
 # Constructors of every collective op, with good arguments for any world size (H_r = 2).
 BUILDERS = {
-    "LseReduce": lambda c, **kw: LseReduce(c, max_tokens=8, num_heads=2 * c.world_size,
-                                           head_dim=64, dtype="float16", **kw),
-    "QGather": lambda c, **kw: QGather(c, max_tokens=8, heads_per_rank=2, head_dim=64,
-                                       dtype="float16", **kw),
+    "LseReduce": lambda c, **kw: LseReduce(
+        c, max_tokens=8, num_heads=2 * c.world_size, head_dim=64, dtype="float16", **kw
+    ),
+    "QGather": lambda c, **kw: QGather(
+        c, max_tokens=8, heads_per_rank=2, head_dim=64, dtype="float16", **kw
+    ),
     "KVGather": lambda c, **kw: KVGather(c, max_tokens=8, row_dim=64, dtype="float16", **kw),
-    "NcclQGather": lambda c, **kw: NcclQGather(c, max_tokens=8, heads_per_rank=2, head_dim=64,
-                                               dtype="float16", **kw),
-    "NcclKVGather": lambda c, **kw: NcclKVGather(c, max_tokens=8, row_dim=64, dtype="float16",
-                                                 **kw),
-    "NcclLseReduce": lambda c, **kw: NcclLseReduce(c, max_tokens=8, num_heads=2 * c.world_size,
-                                                   head_dim=64, dtype="float16", **kw),
+    "NcclQGather": lambda c, **kw: NcclQGather(
+        c, max_tokens=8, heads_per_rank=2, head_dim=64, dtype="float16", **kw
+    ),
+    "NcclKVGather": lambda c, **kw: NcclKVGather(
+        c, max_tokens=8, row_dim=64, dtype="float16", **kw
+    ),
+    "NcclLseReduce": lambda c, **kw: NcclLseReduce(
+        c, max_tokens=8, num_heads=2 * c.world_size, head_dim=64, dtype="float16", **kw
+    ),
 }
 DIRECT = ("LseReduce", "QGather", "KVGather")
-OP_NAME = {"LseReduce": "lse_reduce", "QGather": "q_gather", "KVGather": "kv_gather",
-           "NcclQGather": "q_gather", "NcclKVGather": "kv_gather",
-           "NcclLseReduce": "lse_reduce"}
+OP_NAME = {
+    "LseReduce": "lse_reduce",
+    "QGather": "q_gather",
+    "KVGather": "kv_gather",
+    "NcclQGather": "q_gather",
+    "NcclKVGather": "kv_gather",
+    "NcclLseReduce": "lse_reduce",
+}
 
 # (keyword, bad value, error class, message fragment) passed by rank 1 only.
 BAD_ON_ONE_RANK = [
-    ("timeout_ms", -5, InvalidArgument, "timeout_ms must lie in (0, 3600000] milliseconds "
-                                        "(got -5)"),
-    ("timeout_ms", "soon", InvalidType, "timeout_ms must be a real number of milliseconds "
-                                        "(got str 'soon')"),
-    ("timeout_ms", True, InvalidType, "timeout_ms must be a real number of milliseconds "
-                                      "(got bool True)"),
+    (
+        "timeout_ms",
+        -5,
+        InvalidArgument,
+        "timeout_ms must lie in (0, 3600000] milliseconds (got -5)",
+    ),
+    (
+        "timeout_ms",
+        "soon",
+        InvalidType,
+        "timeout_ms must be a real number of milliseconds (got str 'soon')",
+    ),
+    (
+        "timeout_ms",
+        True,
+        InvalidType,
+        "timeout_ms must be a real number of milliseconds (got bool True)",
+    ),
     ("timeout_ms", float("nan"), InvalidArgument, "timeout_ms must lie in"),
     ("num_ubatches", 0, InvalidArgument, "num_ubatches must be >= 1 (got 0)"),
     ("num_ubatches", 1.5, InvalidType, "num_ubatches must be an int"),
@@ -109,40 +132,51 @@ def _assert_one_rank_failed(res, exc, fragment, what=""):
 
 # ----------------------------------------------------------------------------- 1. one rank
 @pytest.mark.parametrize("name", list(BUILDERS))
-@pytest.mark.parametrize("key,bad,exc,fragment", BAD_ON_ONE_RANK,
-                         ids=[f"{k}={v!r}" for k, v, _, _ in BAD_ON_ONE_RANK])
-def test_bad_argument_on_one_rank_raises_on_every_rank(gpu_everywhere, nccl_everywhere, name,
-                                                       key, bad, exc, fragment):
+@pytest.mark.parametrize(
+    "key,bad,exc,fragment", BAD_ON_ONE_RANK, ids=[f"{k}={v!r}" for k, v, _, _ in BAD_ON_ONE_RANK]
+)
+def test_bad_argument_on_one_rank_raises_on_every_rank(
+    gpu_everywhere, nccl_everywhere, name, key, bad, exc, fragment
+):
     build = BUILDERS[name]
 
     def body(comm):
         kw = {key: bad} if comm.rank == BAD_RANK else {}
         build(comm, **kw)
 
-    res = run_group(W, body, timeout_s=10)   # asserts that no thread hangs
+    res = run_group(W, body, timeout_s=10)  # asserts that no thread hangs
     _assert_one_rank_failed(res, exc, f"{OP_NAME[name]}: {fragment}", name)
 
 
 @pytest.mark.parametrize("name", DIRECT)
 @pytest.mark.parametrize("heap_of", ["str", "other group", "closed", "no room", "swapped rank"])
-def test_bad_heap_on_one_rank_raises_on_every_rank_and_reserves_nothing(gpu_everywhere, name,
-                                                                        heap_of):
+def test_bad_heap_on_one_rank_raises_on_every_rank_and_reserves_nothing(
+    gpu_everywhere, name, heap_of
+):
     heaps = [SymmetricHeap._unbacked(1 << 20, world_size=W, rank=r) for r in range(W)]
-    bad = {"str": "x",
-           "other group": SymmetricHeap._unbacked(1 << 20, world_size=W + 1, rank=BAD_RANK),
-           "closed": SymmetricHeap._unbacked(1 << 20, world_size=W, rank=BAD_RANK),
-           "no room": SymmetricHeap._unbacked(1024, world_size=W, rank=BAD_RANK),
-           "swapped rank": heaps[0]}[heap_of]
+    bad = {
+        "str": "x",
+        "other group": SymmetricHeap._unbacked(1 << 20, world_size=W + 1, rank=BAD_RANK),
+        "closed": SymmetricHeap._unbacked(1 << 20, world_size=W, rank=BAD_RANK),
+        "no room": SymmetricHeap._unbacked(1024, world_size=W, rank=BAD_RANK),
+        "swapped rank": heaps[0],
+    }[heap_of]
     if heap_of == "closed":
         bad._closed = True
     exc, fragment = {
         "str": (InvalidType, "heap must be a dcpkit.SymmetricHeap (got str)"),
-        "other group": (InvalidArgument, "heap must belong to the group of comm: heap "
-                                         "world_size and rank must be 3 and 1 (got 4 and 1)"),
+        "other group": (
+            InvalidArgument,
+            "heap must belong to the group of comm: heap "
+            "world_size and rank must be 3 and 1 (got 4 and 1)",
+        ),
         "closed": (ClosedError, "heap must be open (got a closed SymmetricHeap)"),
         "no room": (InvalidArgument, "heap free bytes must be >= "),
-        "swapped rank": (InvalidArgument, "heap must belong to the group of comm: heap "
-                                          "world_size and rank must be 3 and 1 (got 3 and 0)"),
+        "swapped rank": (
+            InvalidArgument,
+            "heap must belong to the group of comm: heap "
+            "world_size and rank must be 3 and 1 (got 3 and 0)",
+        ),
     }[heap_of]
 
     def body(comm):
@@ -174,8 +208,7 @@ def test_missing_gpu_on_one_rank_raises_on_every_rank(monkeypatch, nccl_everywhe
         BUILDERS[name](comm)
 
     res = run_group(W, body, timeout_s=10)
-    _assert_one_rank_failed(res, DcpkitError, f"{OP_NAME[name]}: no CUDA GPU is visible (",
-                            name)
+    _assert_one_rank_failed(res, DcpkitError, f"{OP_NAME[name]}: no CUDA GPU is visible (", name)
 
 
 class _Unhashable:
@@ -188,15 +221,19 @@ class _Unhashable:
 
 
 @pytest.mark.parametrize("name", ["KVGather", "NcclKVGather"])
-def test_odd_argument_raising_a_non_dcpkit_error_on_one_rank_is_shared(gpu_everywhere,
-                                                                        nccl_everywhere, name):
+def test_odd_argument_raising_a_non_dcpkit_error_on_one_rank_is_shared(
+    gpu_everywhere, nccl_everywhere, name
+):
     def body(comm):
         BUILDERS[name](comm, **({"algorithm": _Unhashable()} if comm.rank == BAD_RANK else {}))
 
     res = run_group(W, body, timeout_s=10)
-    _assert_one_rank_failed(res, InvalidArgument, "kv_gather: checking the constructor "
-                                                  "arguments failed (TypeError: cannot compare)",
-                            name)
+    _assert_one_rank_failed(
+        res,
+        InvalidArgument,
+        "kv_gather: checking the constructor arguments failed (TypeError: cannot compare)",
+        name,
+    )
 
 
 def test_dcpkit_timeout_variable_on_one_rank_raises_on_every_rank(gpu_everywhere, monkeypatch):
@@ -206,8 +243,10 @@ def test_dcpkit_timeout_variable_on_one_rank_raises_on_every_rank(gpu_everywhere
     res = run_group(W, lambda comm: BUILDERS["QGather"](comm), timeout_s=10)
     for r, (kind, err) in enumerate(res):
         assert kind == "err" and isinstance(err, InvalidArgument), f"rank {r}: {err!r}"
-        assert "q_gather: DCPKIT_TIMEOUT_MS must be a number of milliseconds in (0, 3600000] " \
-               "(got 'abc')" in str(err)
+        assert (
+            "q_gather: DCPKIT_TIMEOUT_MS must be a number of milliseconds in (0, 3600000] "
+            "(got 'abc')" in str(err)
+        )
 
 
 def test_differing_timeouts_raise_config_mismatch_naming_the_rank(gpu_everywhere):
@@ -230,8 +269,9 @@ def test_no_gpu_gives_one_clear_error_on_every_rank(nccl_everywhere, name):
     builders = dict(BUILDERS)
     builders["SymmetricHeap"] = lambda c: SymmetricHeap(c, 4096)
     builders["NcclGroup"] = NcclGroup
-    builders["DCPComm"] = lambda c: DCPComm(c, max_tokens=8, num_heads=2 * c.world_size,
-                                            q_head_dim=64, v_head_dim=64, dtype="float16")
+    builders["DCPComm"] = lambda c: DCPComm(
+        c, max_tokens=8, num_heads=2 * c.world_size, q_head_dim=64, v_head_dim=64, dtype="float16"
+    )
     what = OP_NAME.get(name, name)
     res = run_group(2, builders[name], timeout_s=10)
     for r, (kind, err) in enumerate(res):
@@ -255,9 +295,13 @@ def test_require_device_names_the_caller(monkeypatch):
     import types
 
     monkeypatch.setattr(dcpkit._cuda, "driver_library_loads", lambda: True)
-    for rt, fragment in [(Runtime(0), "x: no CUDA GPU is visible (cudaGetDeviceCount: 0 devices)"),
-                         (Runtime(1, "cudaErrorNoDevice: no CUDA-capable device is detected"),
-                          "x: no CUDA GPU is visible (cudaGetDeviceCount: cudaErrorNoDevice")]:
+    for rt, fragment in [
+        (Runtime(0), "x: no CUDA GPU is visible (cudaGetDeviceCount: 0 devices)"),
+        (
+            Runtime(1, "cudaErrorNoDevice: no CUDA-capable device is detected"),
+            "x: no CUDA GPU is visible (cudaGetDeviceCount: cudaErrorNoDevice",
+        ),
+    ]:
         fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt))
         monkeypatch.setattr(dcpkit._cuda, "require_cupy", lambda fake=fake: fake)
         with pytest.raises(DcpkitError) as ei:
@@ -350,7 +394,9 @@ def test_missing_cupy_names_the_extra_everywhere(run_python):
 
 
 def test_argument_errors_come_before_the_missing_cupy(run_python):
-    proc = run_python(_NO_CUPY.split("from dcpkit.comm")[0] + """
+    proc = run_python(
+        _NO_CUPY.split("from dcpkit.comm")[0]
+        + """
 from dcpkit.comm import Communicator
 from dcpkit.errors import InvalidArgument
 from dcpkit.ops import QGather
@@ -359,7 +405,8 @@ try:
             dtype="bfloat16")
 except InvalidArgument as e:
     print("ok", e)
-""")
+"""
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("ok q_gather: max_tokens must be >= 1"), proc.stdout
 
@@ -419,8 +466,13 @@ class FakeArray:
 
     def __init__(self, shape, dtype=np.float16, ptr=1 << 32, device=0):
         dt = np.dtype(dtype)
-        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": dt.str,
-                                         "data": (ptr, False), "strides": None, "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape),
+            "typestr": dt.str,
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+        }
         self._dcpkit_device = device
 
 
@@ -457,8 +509,15 @@ def _kv():
 
 def _lse():
     ws = LseReduce.__new__(LseReduce)
-    ws._init_geometry(2, max_tokens=8, num_heads=4, head_dim=64, dtype="float16",
-                      lse_base=math.e, return_lse=False)
+    ws._init_geometry(
+        2,
+        max_tokens=8,
+        num_heads=4,
+        head_dim=64,
+        dtype="float16",
+        lse_base=math.e,
+        return_lse=False,
+    )
     _direct_state(ws)
     ws._head_args = [(0,) * 21] * ws.num_ubatches
     ws._tail_args, ws._grids = (4, 2, 64), [(1,)] * 9
@@ -471,12 +530,17 @@ def test_bad_stream_raises_before_anything_is_counted(make, stream):
     ws, args = make()
     with pytest.raises(InvalidType) as ei:
         ws(*args, stream=stream)
-    assert str(ei.value) == (f"{ws.op_name}: stream must be a cupy.cuda.Stream (got "
-                             f"{type(stream).__name__})")
+    assert str(ei.value) == (
+        f"{ws.op_name}: stream must be a cupy.cuda.Stream (got {type(stream).__name__})"
+    )
     assert ws._calls == [0, 0] and ws._captured == [False, False]
     # also an empty call (T == 0), which launches nothing
-    empty = tuple(FakeArray((0,) + a.__cuda_array_interface__["shape"][1:],
-                            a.__cuda_array_interface__["typestr"]) for a in args)
+    empty = tuple(
+        FakeArray(
+            (0,) + a.__cuda_array_interface__["shape"][1:], a.__cuda_array_interface__["typestr"]
+        )
+        for a in args
+    )
     with pytest.raises(InvalidType, match="stream must be a cupy.cuda.Stream"):
         ws(*empty, stream=stream)
     with pytest.raises(InvalidType, match="stream must be a cupy.cuda.Stream"):
@@ -500,8 +564,11 @@ def test_nccl_op_bad_stream_raises_before_anything_is_counted():
     ws._check_arguments(2, max_tokens=8, heads_per_rank=2, head_dim=64, dtype="float16")
     ws.device, ws._closed, ws._cupy, ws._debug = 0, False, cupy, False
     ws._calls, ws._captured = [0], [False]
-    with pytest.raises(InvalidType, match=r"^q_gather: stream must be a cupy.cuda.Stream "
-                                          r"\(got str\)$"):
+    with pytest.raises(
+        InvalidType,
+        match=r"^q_gather: stream must be a cupy.cuda.Stream "
+        r"\(got str\)$",
+    ):
         ws(FakeArray((4, 2, 64)), stream="x")
     assert ws._calls == [0]
     assert ws.get_stream(cupy.cuda.Stream.null) is cupy.cuda.Stream.null
@@ -509,26 +576,38 @@ def test_nccl_op_bad_stream_raises_before_anything_is_counted():
 
 
 def test_local_functions_check_the_stream():
-    args = dict(src_out=FakeArray((2, 4, 2, 64)), src_lse=FakeArray((2, 4, 2), np.float32),
-                out=FakeArray((4, 2, 64)))
-    with pytest.raises(InvalidType, match=r"^lse_combine: stream must be a cupy.cuda.Stream "
-                                          r"\(got str\)$"):
+    args = dict(
+        src_out=FakeArray((2, 4, 2, 64)),
+        src_lse=FakeArray((2, 4, 2), np.float32),
+        out=FakeArray((4, 2, 64)),
+    )
+    with pytest.raises(
+        InvalidType,
+        match=r"^lse_combine: stream must be a cupy.cuda.Stream "
+        r"\(got str\)$",
+    ):
         lse_combine(stream="x", **args)
     with pytest.raises(InvalidType, match=r"^strided_copy: stream must be a cupy.cuda.Stream"):
         strided_copy(FakeArray((4, 64)), FakeArray((4, 64)), stream="x")
 
 
 # ----------------------------------------------------------------------------- 7. view bounds
-@pytest.mark.parametrize("shape,exc,fragment", [
-    ((2**32, 2**32), InvalidArgument, "offset + view bytes must be <= nbytes 1048576 (got 0 + "
-                                      f"{2**64} = {2**64})"),
-    ((2**63,), InvalidArgument, f"(got 0 + {2**63} = {2**63})"),
-    ((2**62, 4, 0), None, None),                      # zero bytes: fits
-    ((2**31, 2**31, 4), InvalidArgument, "offset + view bytes must be <= nbytes"),
-    ((-1, 4), InvalidArgument, "shape entry must be >= 0 (got -1)"),
-    ((4, 2.0), InvalidType, "shape entry must be an int (got float 2.0)"),
-    ((np.int64(2**40), np.int64(2**40)), InvalidArgument, "offset + view bytes"),
-])
+@pytest.mark.parametrize(
+    "shape,exc,fragment",
+    [
+        (
+            (2**32, 2**32),
+            InvalidArgument,
+            f"offset + view bytes must be <= nbytes 1048576 (got 0 + {2**64} = {2**64})",
+        ),
+        ((2**63,), InvalidArgument, f"(got 0 + {2**63} = {2**63})"),
+        ((2**62, 4, 0), None, None),  # zero bytes: fits
+        ((2**31, 2**31, 4), InvalidArgument, "offset + view bytes must be <= nbytes"),
+        ((-1, 4), InvalidArgument, "shape entry must be >= 0 (got -1)"),
+        ((4, 2.0), InvalidType, "shape entry must be an int (got float 2.0)"),
+        ((np.int64(2**40), np.int64(2**40)), InvalidArgument, "offset + view bytes"),
+    ],
+)
 def test_view_bounds_use_exact_integers(shape, exc, fragment):
     h = SymmetricHeap._unbacked(1 << 20)
     if exc is None:
@@ -540,7 +619,7 @@ def test_view_bounds_use_exact_integers(shape, exc, fragment):
             h.view(0, shape, np.uint8)
         assert fragment in str(ei.value), str(ei.value)
     with pytest.raises(InvalidArgument, match="offset \\+ view bytes"):
-        h.view(16, (2**61,), np.float64)     # 2**64 bytes: overflows int64 to 0
+        h.view(16, (2**61,), np.float64)  # 2**64 bytes: overflows int64 to 0
     h._closed = True
 
 
@@ -551,24 +630,34 @@ def test_timeout_accepts_any_real_number_and_names_the_variable(monkeypatch):
     for v in (np.float32(2.5), np.float64(2.5), np.int64(3), 7, 2.5):
         assert check_timeout_ms(v, "op") == float(v)
     assert check_timeout_ms(MAX_TIMEOUT_MS, "op") == MAX_TIMEOUT_MS
-    for v, exc in ((True, InvalidType), (np.bool_(True), InvalidType), ("5", InvalidType),
-                   (None.__class__, InvalidType), (0, InvalidArgument), (-5, InvalidArgument),
-                   (math.inf, InvalidArgument), (MAX_TIMEOUT_MS + 1, InvalidArgument)):
+    for v, exc in (
+        (True, InvalidType),
+        (np.bool_(True), InvalidType),
+        ("5", InvalidType),
+        (None.__class__, InvalidType),
+        (0, InvalidArgument),
+        (-5, InvalidArgument),
+        (math.inf, InvalidArgument),
+        (MAX_TIMEOUT_MS + 1, InvalidArgument),
+    ):
         with pytest.raises(exc, match=r"^op: timeout_ms must"):
             check_timeout_ms(v, "op")
     for raw in ("-5", "abc", "0", "nan", "1e12"):
         monkeypatch.setenv("DCPKIT_TIMEOUT_MS", raw)
         with pytest.raises(InvalidArgument) as ei:
             check_timeout_ms(None, "kv_gather")
-        assert str(ei.value) == ("kv_gather: DCPKIT_TIMEOUT_MS must be a number of "
-                                 f"milliseconds in (0, 3600000] (got {raw!r})")
+        assert str(ei.value) == (
+            "kv_gather: DCPKIT_TIMEOUT_MS must be a number of "
+            f"milliseconds in (0, 3600000] (got {raw!r})"
+        )
     monkeypatch.setenv("DCPKIT_TIMEOUT_MS", "250")
     assert check_timeout_ms(None, "op") == 250.0
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))
-def test_float32_timeout_is_accepted_by_every_op(gpu_everywhere, nccl_everywhere, name,
-                                                 monkeypatch):
+def test_float32_timeout_is_accepted_by_every_op(
+    gpu_everywhere, nccl_everywhere, name, monkeypatch
+):
     """np.float32 passes the argument checks; construction then goes on to the GPU part."""
     import dcpkit.nccl.base as fb
     import dcpkit.ops._workspace as wsmod
@@ -586,27 +675,58 @@ def test_float32_timeout_is_accepted_by_every_op(gpu_everywhere, nccl_everywhere
     assert seen == [250.0]
 
 
-@pytest.mark.parametrize("build,fragment", [
-    (lambda c: LseReduce(c, max_tokens=8, num_heads=8, head_dim=2**40, dtype="bfloat16"),
-     "lse_reduce: head_dim must be <= 2**31 - 1 (got 1099511627776)"),
-    (lambda c: LseReduce(c, max_tokens=8, num_heads=8, head_dim=64, dtype="bfloat16",
-                         num_ubatches=2**30),
-     "lse_reduce: num_ubatches * symmetric bytes per ubatch must be <= 2**40 (got 1073741824 "
-     "* "),
-    (lambda c: QGather(c, max_tokens=2**16, heads_per_rank=64, head_dim=2**11, dtype="uint8",
-                       num_ubatches=2**7),
-     "lower max_tokens, heads_per_rank, head_dim, padded_num_heads or num_ubatches"),
-    (lambda c: KVGather(c, max_tokens=2**20, row_dim=2**14, dtype="uint8",
-                        num_ubatches=2**12),
-     "kv_gather: num_ubatches * symmetric bytes per ubatch must be <= 2**40"),
-    (lambda c: NcclQGather(c, max_tokens=2**16, heads_per_rank=64, head_dim=2**11,
-                           dtype="uint8", num_ubatches=2**7),
-     "q_gather: num_ubatches * buffer bytes per ubatch must be <= 2**40"),
-    (lambda c: NcclLseReduce(c, max_tokens=8, num_heads=8, head_dim=2**40, dtype="bfloat16"),
-     "lse_reduce: head_dim must be <= 2**31 - 1"),
-    (lambda c: NcclKVGather(c, max_tokens=2**31, row_dim=8, dtype="uint8"),
-     "kv_gather: max_tokens must be <= 2**31 - 1"),
-])
+@pytest.mark.parametrize(
+    "build,fragment",
+    [
+        (
+            lambda c: LseReduce(c, max_tokens=8, num_heads=8, head_dim=2**40, dtype="bfloat16"),
+            "lse_reduce: head_dim must be <= 2**31 - 1 (got 1099511627776)",
+        ),
+        (
+            lambda c: LseReduce(
+                c, max_tokens=8, num_heads=8, head_dim=64, dtype="bfloat16", num_ubatches=2**30
+            ),
+            "lse_reduce: num_ubatches * symmetric bytes per ubatch must be <= 2**40 (got 1073741824 "
+            "* ",
+        ),
+        (
+            lambda c: QGather(
+                c,
+                max_tokens=2**16,
+                heads_per_rank=64,
+                head_dim=2**11,
+                dtype="uint8",
+                num_ubatches=2**7,
+            ),
+            "lower max_tokens, heads_per_rank, head_dim, padded_num_heads or num_ubatches",
+        ),
+        (
+            lambda c: KVGather(
+                c, max_tokens=2**20, row_dim=2**14, dtype="uint8", num_ubatches=2**12
+            ),
+            "kv_gather: num_ubatches * symmetric bytes per ubatch must be <= 2**40",
+        ),
+        (
+            lambda c: NcclQGather(
+                c,
+                max_tokens=2**16,
+                heads_per_rank=64,
+                head_dim=2**11,
+                dtype="uint8",
+                num_ubatches=2**7,
+            ),
+            "q_gather: num_ubatches * buffer bytes per ubatch must be <= 2**40",
+        ),
+        (
+            lambda c: NcclLseReduce(c, max_tokens=8, num_heads=8, head_dim=2**40, dtype="bfloat16"),
+            "lse_reduce: head_dim must be <= 2**31 - 1",
+        ),
+        (
+            lambda c: NcclKVGather(c, max_tokens=2**31, row_dim=8, dtype="uint8"),
+            "kv_gather: max_tokens must be <= 2**31 - 1",
+        ),
+    ],
+)
 def test_absurd_sizes_name_the_op_arguments(build, fragment):
     with pytest.raises(InvalidArgument) as ei:
         build(Communicator.single())
@@ -621,20 +741,29 @@ def test_workspace_larger_than_the_gpu_names_the_op_arguments():
     ws._closed = True
     ws._check_arguments(1, max_tokens=8, num_heads=8, head_dim=2**29, dtype="bfloat16")
     props = {"totalGlobalMem": 80 << 30}
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(
-        getDeviceProperties=lambda d: props)))
+    fake = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(
+            runtime=types.SimpleNamespace(getDeviceProperties=lambda d: props)
+        )
+    )
     with pytest.raises(InvalidArgument) as ei:
         ws._check_fits(fake, 3)
-    assert str(ei.value).startswith("lse_reduce: num_ubatches * symmetric bytes per ubatch must "
-                                    f"be <= the memory of GPU 3, {80 << 30} bytes (got 1 * ")
+    assert str(ei.value).startswith(
+        "lse_reduce: num_ubatches * symmetric bytes per ubatch must "
+        f"be <= the memory of GPU 3, {80 << 30} bytes (got 1 * "
+    )
     assert "lower max_tokens, num_heads, head_dim or num_ubatches" in str(ei.value)
     props["totalGlobalMem"] = 1 << 40
     ws._check_fits(fake, 3)  # fits
 
 
 def test_lse_combine_device_error_names_src_out_not_a_workspace():
-    args = dict(src_out=FakeArray((2, 4, 2, 64)), src_lse=FakeArray((2, 4, 2), np.float32),
-                out=FakeArray((4, 2, 64), device=1), out_lse=None)
+    args = dict(
+        src_out=FakeArray((2, 4, 2, 64)),
+        src_lse=FakeArray((2, 4, 2), np.float32),
+        out=FakeArray((4, 2, 64), device=1),
+        out_lse=None,
+    )
     with pytest.raises(InvalidArgument) as ei:
         _validate_combine(**args)
     assert str(ei.value) == "lse_combine: out device must be src_out's GPU 0 (got GPU 1)"

@@ -12,13 +12,32 @@ import warnings
 import numpy as np
 import pytest
 
-from _threadgroup import run_group
 from dcpkit.comm import Communicator
-from dcpkit.errors import (ClosedError, CompileError, ConfigMismatch, CudaError, DcpkitError,
-                           InvalidArgument, InvalidType, MissingDependency, PeerError)
-from dcpkit.manager import (DCPComm, PATH_DIRECT_MULTICAST, PATH_DIRECT_UNICAST, PATH_NCCL,
-                            POLICIES, direct_call_blocker, direct_geometry_blocker,
-                            select_path, shared_gpu_blocker, topology_blocker)
+from dcpkit.errors import (
+    ClosedError,
+    CompileError,
+    ConfigMismatch,
+    CudaError,
+    DcpkitError,
+    InvalidArgument,
+    InvalidType,
+    MissingDependency,
+    PeerError,
+)
+from dcpkit.manager import (
+    PATH_DIRECT_MULTICAST,
+    PATH_DIRECT_UNICAST,
+    PATH_NCCL,
+    POLICIES,
+    DCPComm,
+    direct_call_blocker,
+    direct_geometry_blocker,
+    select_path,
+    shared_gpu_blocker,
+    topology_blocker,
+)
+
+from _threadgroup import run_group
 
 
 # ----------------------------------------------------------------------------- select_path
@@ -27,9 +46,11 @@ from dcpkit.manager import (DCPComm, PATH_DIRECT_MULTICAST, PATH_DIRECT_UNICAST,
 @pytest.mark.parametrize("nccl_ok", [True, False])
 def test_select_path_table(policy, direct_ok, nccl_ok):
     """Every policy against every availability: the path, or an error naming the reason."""
-    kw = dict(direct_path=PATH_DIRECT_UNICAST,
-              direct_blocker=None if direct_ok else "T must be <= max_tokens 8 (got 9)",
-              nccl_blocker=None if nccl_ok else "MissingDependency: NCCL ... dcpkit[cuda12]")
+    kw = dict(
+        direct_path=PATH_DIRECT_UNICAST,
+        direct_blocker=None if direct_ok else "T must be <= max_tokens 8 (got 9)",
+        nccl_blocker=None if nccl_ok else "MissingDependency: NCCL ... dcpkit[cuda12]",
+    )
     if policy == "direct":
         expect = PATH_DIRECT_UNICAST if direct_ok else "error"
     elif policy == "nccl":
@@ -50,31 +71,48 @@ def test_select_path_table(policy, direct_ok, nccl_ok):
 
 
 def test_select_path_multicast_and_missing_direct_op():
-    assert select_path("op", "auto", direct_path=PATH_DIRECT_MULTICAST, direct_blocker=None,
-                       nccl_blocker=None) == PATH_DIRECT_MULTICAST
+    assert (
+        select_path(
+            "op", "auto", direct_path=PATH_DIRECT_MULTICAST, direct_blocker=None, nccl_blocker=None
+        )
+        == PATH_DIRECT_MULTICAST
+    )
     # no direct op at all and no reason given: never a silent direct path
-    assert select_path("op", "auto", direct_path=None, direct_blocker=None,
-                       nccl_blocker=None) == PATH_NCCL
+    assert (
+        select_path("op", "auto", direct_path=None, direct_blocker=None, nccl_blocker=None)
+        == PATH_NCCL
+    )
     with pytest.raises(InvalidArgument, match="no direct op was built"):
         select_path("op", "direct", direct_path=None, direct_blocker=None, nccl_blocker=None)
-    with pytest.raises(InvalidArgument, match=r"policy must be one of \['auto', 'direct', "
-                                              r"'nccl'\] \(got 'fast'\)"):
-        select_path("op", "fast", direct_path=PATH_DIRECT_UNICAST, direct_blocker=None,
-                    nccl_blocker=None)
+    with pytest.raises(
+        InvalidArgument,
+        match=r"policy must be one of \['auto', 'direct', "
+        r"'nccl'\] \(got 'fast'\)",
+    ):
+        select_path(
+            "op", "fast", direct_path=PATH_DIRECT_UNICAST, direct_blocker=None, nccl_blocker=None
+        )
 
 
 # ----------------------------------------------------------------------------- blockers
 @pytest.mark.parametrize("op", ["q_gather", "kv_gather", "lse_reduce"])
 def test_call_blocker_capacity(op):
     assert direct_call_blocker(op, tokens=1, max_tokens=16) is None
-    assert direct_call_blocker(op, tokens=16, max_tokens=16) is None       # at capacity
-    why = direct_call_blocker(op, tokens=17, max_tokens=16)                 # past capacity
+    assert direct_call_blocker(op, tokens=16, max_tokens=16) is None  # at capacity
+    why = direct_call_blocker(op, tokens=17, max_tokens=16)  # past capacity
     assert why == "T must be <= max_tokens 16, the direct op's capacity (got 17)"
 
 
-@pytest.mark.parametrize("lse_dtype,ok", [("bfloat16", True), (np.float16, True),
-                                          (np.float32, True), (np.float64, False),
-                                          (np.int32, False)])
+@pytest.mark.parametrize(
+    "lse_dtype,ok",
+    [
+        ("bfloat16", True),
+        (np.float16, True),
+        (np.float32, True),
+        (np.float64, False),
+        (np.int32, False),
+    ],
+)
 def test_call_blocker_lse_dtype(lse_dtype, ok):
     why = direct_call_blocker("lse_reduce", tokens=1, max_tokens=4, lse_dtype=lse_dtype)
     if ok:
@@ -89,20 +127,25 @@ def test_geometry_blocker():
     assert direct_geometry_blocker("q_gather", dtype="bfloat16", row_bytes=8 * 576 * 2) is None
     assert direct_geometry_blocker("kv_gather", dtype="float8_e4m3fn", row_bytes=576) is None
     why = direct_geometry_blocker("kv_gather", dtype="bfloat16", row_bytes=2 * 65)
-    assert why == ("kv_row_dim * itemsize must be a multiple of 16 bytes for the direct "
-                   "kernel's 16-byte stores (got 130)")
+    assert why == (
+        "kv_row_dim * itemsize must be a multiple of 16 bytes for the direct "
+        "kernel's 16-byte stores (got 130)"
+    )
     why = direct_geometry_blocker("q_gather", dtype=np.float32, row_bytes=12)
     assert why.startswith("heads_per_rank * q_head_dim * itemsize must be a multiple of 16")
     why = direct_geometry_blocker("lse_reduce", dtype=np.float64, row_bytes=512 * 8)
-    assert why == ("dtype must be one of [bfloat16, float16, float32] for the direct kernel "
-                   "(got float64)")
+    assert why == (
+        "dtype must be one of [bfloat16, float16, float32] for the direct kernel (got float64)"
+    )
 
 
 def test_topology_blocker():
     assert topology_blocker(hosts=["a/1"] * 4) is None
     why = topology_blocker(hosts=["a/1", "a/1", "b/2", "b/2"])
-    assert why == ("the group spans 2 hosts (ranks [0, 1]; ranks [2, 3]): the direct ops need "
-                   "every rank in one NVLink domain")
+    assert why == (
+        "the group spans 2 hosts (ranks [0, 1]; ranks [2, 3]): the direct ops need "
+        "every rank in one NVLink domain"
+    )
     why = topology_blocker(hosts=["a"] * 3, p2p_missing=[(0, 2), (0, 2), (1, 2)])
     assert why == "no GPU peer access between ranks 0-2, 1-2"
 
@@ -122,9 +165,13 @@ class FakeArray:
             strides = tuple(reversed(st))
         self.strides = tuple(strides)
         self._dcpkit_device = 0
-        self.__cuda_array_interface__ = {"shape": self.shape, "typestr": self.dtype.str,
-                                         "strides": self.strides, "data": (ptr, False),
-                                         "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "strides": self.strides,
+            "data": (ptr, False),
+            "version": 3,
+        }
 
 
 class FakeStream:
@@ -167,8 +214,10 @@ class FakeOp:
     def accepts_layout(self, **arrays):
         """The fake's layout rule: 16-byte aligned data pointers, and token strides of 3-D
         arrays."""
-        return all(a.ptr % 16 == 0 and (len(a.shape) < 3 or a.shape[0] <= 1
-                                        or a.strides[0] % 16 == 0) for a in arrays.values())
+        return all(
+            a.ptr % 16 == 0 and (len(a.shape) < 3 or a.shape[0] <= 1 or a.strides[0] % 16 == 0)
+            for a in arrays.values()
+        )
 
 
 def fake_comm(world_size=2, rank=0, *, peer_policy=None, peer_host=None):
@@ -182,14 +231,24 @@ def fake_comm(world_size=2, rank=0, *, peer_policy=None, peer_host=None):
             if r != rank:
                 if isinstance(obj, str) and peer_host is not None:
                     v = peer_host
-                elif peer_policy is not None and isinstance(obj, tuple) and len(obj) == 2 \
-                        and obj[1] in POLICIES:
+                elif (
+                    peer_policy is not None
+                    and isinstance(obj, tuple)
+                    and len(obj) == 2
+                    and obj[1] in POLICIES
+                ):
                     v = (None, peer_policy(r))
             out.append(v)
         return out
 
-    return Communicator(rank, world_size, allgather=allgather, broadcast=lambda o, root: o,
-                        barrier=lambda: None, backend="fake")
+    return Communicator(
+        rank,
+        world_size,
+        allgather=allgather,
+        broadcast=lambda o, root: o,
+        barrier=lambda: None,
+        backend="fake",
+    )
 
 
 class FakeDCPComm(DCPComm):
@@ -203,7 +262,7 @@ class FakeDCPComm(DCPComm):
         return 0
 
     def _pci_bus_id(self):
-        return None     # unknown: never counted as shared (the echo comm would repeat it)
+        return None  # unknown: never counted as shared (the echo comm would repeat it)
 
     def _probe_topology(self):
         return topology_blocker(hosts=self.comm.hosts)
@@ -234,8 +293,7 @@ class FakeDCPComm(DCPComm):
         return stream if stream is not None else FakeStream()
 
 
-GEOM = dict(max_tokens=8, num_heads=4, q_head_dim=64, v_head_dim=64, kv_row_dim=64,
-            dtype="float16")
+GEOM = dict(max_tokens=8, num_heads=4, q_head_dim=64, v_head_dim=64, kv_row_dim=64, dtype="float16")
 
 
 def q_input(T, W=2):
@@ -256,7 +314,7 @@ def test_auto_direct_at_capacity_nccl_past_it():
     assert dcp.kv_gather(FakeArray((8, 64))) == ("result", "direct", "kv_gather")
     assert dcp.kv_gather(FakeArray((9, 64))) == ("result", "nccl", "kv_gather")
     out = dcp.lse_reduce(*lse_inputs(8))
-    assert out == ("result", "direct", "lse_reduce")          # no lse unless asked
+    assert out == ("result", "direct", "lse_reduce")  # no lse unless asked
     out = dcp.lse_reduce(*lse_inputs(9))
     assert out == ("result", "nccl", "lse_reduce")
     assert dcp.counters == {
@@ -268,9 +326,14 @@ def test_auto_direct_at_capacity_nccl_past_it():
     assert "policy 'auto'" in text and "one NVLink domain" in text
     assert "q_gather: direct direct-unicast (T <= 8); nccl" in text
     assert "direct-unicast=1, nccl=1" in text
-    built = [o for o in list(dcp.direct_ops.values()) + list(dcp.nccl_ops.values())
-             + [dcp.nccl_group, dcp.heap] if o is not None]
-    assert len(built) == 8          # 3 direct, 3 NCCL ops, the NCCL group, the one heap
+    built = [
+        o
+        for o in list(dcp.direct_ops.values())
+        + list(dcp.nccl_ops.values())
+        + [dcp.nccl_group, dcp.heap]
+        if o is not None
+    ]
+    assert len(built) == 8  # 3 direct, 3 NCCL ops, the NCCL group, the one heap
     dcp.close()
     assert all(o.closed for o in built)
     assert dcp.direct_ops == {"q_gather": None, "lse_reduce": None, "kv_gather": None}
@@ -285,13 +348,18 @@ def test_policy_direct_raises_past_capacity_never_falls_back():
     assert dcp.q_gather(q_input(8))[1] == "direct"
     with pytest.raises(InvalidArgument) as ei:
         dcp.q_gather(q_input(9))
-    assert str(ei.value) == ("DCPComm.q_gather: policy 'direct' cannot serve this call: T must "
-                             "be <= max_tokens 8, the direct op's capacity (got 9) "
-                             "(policy='auto' falls back to NCCL)")
+    assert str(ei.value) == (
+        "DCPComm.q_gather: policy 'direct' cannot serve this call: T must "
+        "be <= max_tokens 8, the direct op's capacity (got 9) "
+        "(policy='auto' falls back to NCCL)"
+    )
     with pytest.raises(InvalidArgument, match="lse_partial dtype must be one of"):
         dcp.lse_reduce(*lse_inputs(2, np.float64))
-    assert dcp.counters["q_gather"] == {PATH_DIRECT_UNICAST: 1, PATH_DIRECT_MULTICAST: 0,
-                                        PATH_NCCL: 0}
+    assert dcp.counters["q_gather"] == {
+        PATH_DIRECT_UNICAST: 1,
+        PATH_DIRECT_MULTICAST: 0,
+        PATH_NCCL: 0,
+    }
     assert dcp.last_path == PATH_DIRECT_UNICAST
     dcp.close()
 
@@ -314,7 +382,7 @@ def test_unsupported_lse_dtype_goes_to_nccl_in_auto():
 
 
 def test_unsupported_geometry_goes_to_nccl_or_raises_with_direct_policy():
-    geom = dict(GEOM, kv_row_dim=65)                     # 130 bytes per row
+    geom = dict(GEOM, kv_row_dim=65)  # 130 bytes per row
     dcp = FakeDCPComm(fake_comm(), **geom)
     assert dcp.direct_ops["kv_gather"] is None
     assert dcp.direct_reason["kv_gather"].startswith("kv_row_dim * itemsize must be a multiple")
@@ -322,8 +390,10 @@ def test_unsupported_geometry_goes_to_nccl_or_raises_with_direct_policy():
     assert dcp.q_gather(q_input(2))[1] == "direct"
     assert "kv_gather: direct none: kv_row_dim * itemsize" in dcp.describe()
     dcp.close()
-    with pytest.raises(InvalidArgument, match="policy 'direct' cannot serve kv_gather: "
-                                              "kv_row_dim \\* itemsize must be a multiple"):
+    with pytest.raises(
+        InvalidArgument,
+        match="policy 'direct' cannot serve kv_gather: kv_row_dim \\* itemsize must be a multiple",
+    ):
         FakeDCPComm(fake_comm(), policy="direct", **geom)
 
 
@@ -336,10 +406,10 @@ def test_multi_host_group_uses_nccl_and_refuses_direct_policy():
         assert dcp.lse_reduce(*lse_inputs(T))[1] == "nccl"
     assert "spans 2 hosts" in dcp.describe()
     dcp.close()
-    with pytest.raises(InvalidArgument, match="policy 'direct' cannot serve q_gather: the "
-                                              "group spans 2 hosts"):
-        FakeDCPComm(fake_comm(world_size=2, peer_host="other-host/boot"), policy="direct",
-                    **GEOM)
+    with pytest.raises(
+        InvalidArgument, match="policy 'direct' cannot serve q_gather: the group spans 2 hosts"
+    ):
+        FakeDCPComm(fake_comm(world_size=2, peer_host="other-host/boot"), policy="direct", **GEOM)
 
 
 def test_multicast_path_name():
@@ -371,16 +441,22 @@ def test_nccl_missing():
         nccl_error = missing
 
     # auto: the direct path still serves what it can; past capacity the error names the extra
-    with pytest.warns(RuntimeWarning, match="DCPComm: NCCL is unavailable, the direct ops "
-                                            "serve every call they can: .*MissingDependency"):
+    with pytest.warns(
+        RuntimeWarning,
+        match="DCPComm: NCCL is unavailable, the direct ops "
+        "serve every call they can: .*MissingDependency",
+    ):
         dcp = NoNccl(fake_comm(), **GEOM)
     assert dcp.q_gather(q_input(1))[1] == "direct"
     with pytest.raises(InvalidArgument) as ei:
         dcp.q_gather(q_input(9))
-    assert "NCCL is unavailable" in str(ei.value) and "pip install 'dcpkit[cuda12]'" in \
-        str(ei.value)
-    assert "nccl: unavailable: building the NCCL group and ops failed on every rank: " \
+    assert "NCCL is unavailable" in str(ei.value) and "pip install 'dcpkit[cuda12]'" in str(
+        ei.value
+    )
+    assert (
+        "nccl: unavailable: building the NCCL group and ops failed on every rank: "
         "MissingDependency" in dcp.describe()
+    )
     dcp.close()
     # nccl policy: the construction itself raises MissingDependency
     with pytest.raises(MissingDependency, match=r"dcpkit\[cuda12\]"):
@@ -397,11 +473,17 @@ def test_policy_mismatch_names_the_ranks():
 
 
 def test_bad_policy_and_geometry():
-    with pytest.raises(InvalidArgument, match=r"DCPComm: policy must be one of \['auto', "
-                                              r"'direct', 'nccl'\] \(got 'fastest'\)"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"DCPComm: policy must be one of \['auto', "
+        r"'direct', 'nccl'\] \(got 'fastest'\)",
+    ):
         FakeDCPComm(fake_comm(), policy="fastest", **GEOM)
-    with pytest.raises(InvalidArgument, match="num_heads must be a multiple of world_size 2 "
-                                              r"\(got 5\)"):
+    with pytest.raises(
+        InvalidArgument,
+        match="num_heads must be a multiple of world_size 2 "
+        r"\(got 5\)",
+    ):
         FakeDCPComm(fake_comm(), **dict(GEOM, num_heads=5))
     with pytest.raises(InvalidArgument, match="lse_base must be math.e or 2"):
         FakeDCPComm(fake_comm(), lse_base=10.0, **GEOM)
@@ -440,8 +522,10 @@ def test_layout_decisions_do_not_change_the_path():
     misaligned = FakeArray((2, 2, 64), ptr=(1 << 20) + 2)
     with pytest.raises(InvalidArgument) as ei:
         dcp.q_gather(misaligned, stream=FakeStream(capturing=True))
-    assert str(ei.value).startswith("DCPComm.q_gather: q layout must be C-contiguous and "
-                                    "16-byte aligned while a CUDA graph is being captured")
+    assert str(ei.value).startswith(
+        "DCPComm.q_gather: q layout must be C-contiguous and "
+        "16-byte aligned while a CUDA graph is being captured"
+    )
     assert dcp.counters["q_gather"][PATH_NCCL] == 0
     # an aligned input with padded token stride is passed through untouched
     padded = FakeArray((2, 2, 64), strides=(2 * 64 * 2 + 32, 128, 2))
@@ -466,8 +550,9 @@ def test_lse_base_two_reaches_both_ops():
 def test_shared_gpu_blocker():
     assert shared_gpu_blocker(hosts=["a"] * 4, bus_ids=["0:1", "0:2", "0:3", "0:4"]) is None
     why = shared_gpu_blocker(hosts=["a"] * 4, bus_ids=["0:1", "0:1", "0:2", "0:2"])
-    assert why == ("NCCL needs one GPU per rank: ranks [0, 1] share GPU 0:1; ranks [2, 3] "
-                   "share GPU 0:2")
+    assert why == (
+        "NCCL needs one GPU per rank: ranks [0, 1] share GPU 0:1; ranks [2, 3] share GPU 0:2"
+    )
     # the same bus id on two hosts is two GPUs; an unknown bus id is never shared
     assert shared_gpu_blocker(hosts=["a", "b"], bus_ids=["0:1", "0:1"]) is None
     assert shared_gpu_blocker(hosts=["a", "a"], bus_ids=[None, None]) is None
@@ -485,9 +570,9 @@ class GroupDCPComm(FakeDCPComm):
     the failing ones, PeerError on the others, like NcclGroup) and records who entered it."""
 
     bus_of = staticmethod(lambda rank: f"0000:{rank + 0x10:02x}:00.0")
-    group_fails_on = ()         # ranks whose ncclCommInitRank fails
-    op_fails_on = ()            # ranks whose NCCL op build fails, locally (no collective)
-    entered = None              # set of ranks that entered the NCCL group build (per test)
+    group_fails_on = ()  # ranks whose ncclCommInitRank fails
+    op_fails_on = ()  # ranks whose NCCL op build fails, locally (no collective)
+    entered = None  # set of ranks that entered the NCCL group build (per test)
     lock = threading.Lock()
 
     def _pci_bus_id(self):
@@ -501,8 +586,10 @@ class GroupDCPComm(FakeDCPComm):
         if mine:
             raise NcclError("NCCL_ERROR_INVALID_USAGE: invalid usage")
         if failed:
-            raise PeerError("NcclGroup: ncclCommInitRank",
-                            dict.fromkeys(failed, "NcclError: NCCL_ERROR_INVALID_USAGE"))
+            raise PeerError(
+                "NcclGroup: ncclCommInitRank",
+                dict.fromkeys(failed, "NcclError: NCCL_ERROR_INVALID_USAGE"),
+            )
         return FakeOp("group", "nccl")
 
     def _build_nccl(self, op, group):
@@ -519,14 +606,19 @@ def _make(cls, **kw):
 
 def _direct_only_checks(comm, dcp, reason):
     """What every rank of a direct-only DCPComm must show (returns facts for the test)."""
-    facts = {"reason": dcp.nccl_reason, "group": dcp.nccl_group,
-             "nccl_ops": dict(dcp.nccl_ops), "describe": dcp.describe()}
+    facts = {
+        "reason": dcp.nccl_reason,
+        "group": dcp.nccl_group,
+        "nccl_ops": dict(dcp.nccl_ops),
+        "describe": dcp.describe(),
+    }
     H = 2 * comm.world_size
     facts["small"] = dcp.q_gather(FakeArray((8, 2, 64)))[1]
-    for call in (lambda: dcp.q_gather(FakeArray((9, 2, 64))),
-                 lambda: dcp.kv_gather(FakeArray((9, 64))),
-                 lambda: dcp.lse_reduce(FakeArray((2, H, 64)),
-                                        FakeArray((2, H), np.float64))):
+    for call in (
+        lambda: dcp.q_gather(FakeArray((9, 2, 64))),
+        lambda: dcp.kv_gather(FakeArray((9, 64))),
+        lambda: dcp.lse_reduce(FakeArray((2, H, 64)), FakeArray((2, H), np.float64)),
+    ):
         try:
             call()
             facts.setdefault("errors", []).append(None)
@@ -555,8 +647,7 @@ def test_ranks_sharing_a_gpu_auto_is_direct_only_and_never_enters_nccl(world):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        res = run_group(world, lambda comm: _direct_only_checks(
-            comm, _make(Shared)(comm), None))
+        res = run_group(world, lambda comm: _direct_only_checks(comm, _make(Shared)(comm), None))
     _assert_direct_only(res, "NCCL needs one GPU per rank: ranks [0, 1] share GPU 0000:19:00.0")
     assert Shared.entered == set(), "a rank entered ncclCommInitRank although ranks share a GPU"
 
@@ -568,17 +659,23 @@ def test_ranks_sharing_a_gpu_policy_nccl_raises_on_every_rank():
     res = run_group(2, _make(Shared, policy="nccl"))
     for rank, (kind, e) in enumerate(res):
         assert kind == "err" and isinstance(e, InvalidArgument), (rank, e)
-        assert str(e) == ("DCPComm: policy 'nccl' cannot be served: NCCL is unavailable (NCCL "
-                          "needs one GPU per rank: ranks [0, 1] share GPU 0000:19:00.0)")
+        assert str(e) == (
+            "DCPComm: policy 'nccl' cannot be served: NCCL is unavailable (NCCL "
+            "needs one GPU per rank: ranks [0, 1] share GPU 0000:19:00.0)"
+        )
     assert Shared.entered == set()
 
 
 def test_one_gpu_per_rank_builds_nccl():
     """Distinct GPUs: nothing is weakened, NCCL serves what the direct ops cannot."""
+
     def body(comm):
         dcp = _make(GroupDCPComm)(comm)
-        facts = (dcp.nccl_reason, dcp.q_gather(FakeArray((9, 2, 64)))[1],
-                 dcp.q_gather(FakeArray((8, 2, 64)))[1])
+        facts = (
+            dcp.nccl_reason,
+            dcp.q_gather(FakeArray((9, 2, 64)))[1],
+            dcp.q_gather(FakeArray((8, 2, 64)))[1],
+        )
         dcp.close()
         return facts
 
@@ -593,8 +690,10 @@ def test_nccl_init_fails_auto_is_direct_only_on_every_rank(fails_on):
         group_fails_on = fails_on
 
     where = "every rank" if len(fails_on) == 3 else f"rank(s) {list(fails_on)}"
-    reason = (f"building the NCCL group and ops failed on {where}: NcclError: "
-              f"NCCL_ERROR_INVALID_USAGE: invalid usage")
+    reason = (
+        f"building the NCCL group and ops failed on {where}: NcclError: "
+        f"NCCL_ERROR_INVALID_USAGE: invalid usage"
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         res = run_group(3, lambda comm: _direct_only_checks(comm, _make(Broken)(comm), None))
@@ -615,8 +714,10 @@ def test_nccl_op_build_fails_on_one_rank_only():
             built.append(o)
             return o
 
-    reason = ("building the NCCL group and ops failed on rank(s) [2]: NcclError: "
-              "NCCL_ERROR_UNHANDLED_CUDA_ERROR: out of memory")
+    reason = (
+        "building the NCCL group and ops failed on rank(s) [2]: NcclError: "
+        "NCCL_ERROR_UNHANDLED_CUDA_ERROR: out of memory"
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         res = run_group(3, lambda comm: _direct_only_checks(comm, _make(Broken)(comm), None))
@@ -652,14 +753,17 @@ def test_nccl_op_fails_on_one_rank_policy_nccl_raises_on_every_rank():
 def test_precondition_failing_on_one_rank_never_enters_nccl():
     """Rank 1 cannot read its GPU: no rank enters the (collective) NCCL init, so none is left
     waiting inside it; auto goes direct-only, policy 'nccl' raises on every rank."""
+
     class NoBus(GroupDCPComm):
         def _pci_bus_id(self):
             if self.rank == 1:
                 raise RuntimeError("cudaErrorNoDevice")
             return super()._pci_bus_id()
 
-    reason = ("reading the PCI bus id of the GPU failed on rank(s) [1]: rank 1: RuntimeError: "
-              "cudaErrorNoDevice")
+    reason = (
+        "reading the PCI bus id of the GPU failed on rank(s) [1]: rank 1: RuntimeError: "
+        "cudaErrorNoDevice"
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         res = run_group(3, lambda comm: _direct_only_checks(comm, _make(NoBus)(comm), None))
@@ -677,26 +781,53 @@ def test_precondition_failing_on_one_rank_never_enters_nccl():
 # DCPComm validates every argument itself, also as each op it may build will check it: wrong
 # arguments raise on every rank instead of silently sending every call to NCCL. Only
 # environment failures (CUDA, NVRTC, memory, missing packages) make the other path serve.
-@pytest.mark.parametrize("change,exc,fragment", [
-    (dict(timeout_ms=-5), InvalidArgument,
-     "DCPComm: timeout_ms must lie in (0, 3600000] milliseconds (got -5)"),
-    (dict(timeout_ms="soon"), InvalidType,
-     "DCPComm: timeout_ms must be a real number of milliseconds (got str 'soon')"),
-    (dict(timeout_ms=False), InvalidType, "DCPComm: timeout_ms must be a real number"),
-    (dict(max_tokens=2**40), InvalidArgument,
-     "DCPComm: max_tokens must be <= 2**31 - 1 (got 1099511627776)"),
-    (dict(nccl_max_tokens=2**31), InvalidArgument,
-     "DCPComm: nccl_max_tokens must be <= 2**31 - 1 (got 2147483648)"),
-    (dict(max_tokens=2**28), InvalidArgument,
-     "DCPComm: direct q_gather op: max_tokens*H*head_dim*itemsize must be < 32 GiB"),
-    (dict(max_tokens=2**30, policy="nccl"), InvalidArgument,
-     "DCPComm: NCCL q_gather op: num_ubatches * buffer bytes per ubatch must be <= 2**40"),
-    (dict(num_ubatches=2**27), InvalidArgument,
-     "DCPComm: direct q_gather op: num_ubatches * symmetric bytes per ubatch must be <= 2**40"),
-    (dict(dtype="float64"), InvalidType,
-     "DCPComm: NCCL lse_reduce op: dtype must be one of [bfloat16, float16, float32] (got "
-     "float64)"),
-])
+@pytest.mark.parametrize(
+    "change,exc,fragment",
+    [
+        (
+            dict(timeout_ms=-5),
+            InvalidArgument,
+            "DCPComm: timeout_ms must lie in (0, 3600000] milliseconds (got -5)",
+        ),
+        (
+            dict(timeout_ms="soon"),
+            InvalidType,
+            "DCPComm: timeout_ms must be a real number of milliseconds (got str 'soon')",
+        ),
+        (dict(timeout_ms=False), InvalidType, "DCPComm: timeout_ms must be a real number"),
+        (
+            dict(max_tokens=2**40),
+            InvalidArgument,
+            "DCPComm: max_tokens must be <= 2**31 - 1 (got 1099511627776)",
+        ),
+        (
+            dict(nccl_max_tokens=2**31),
+            InvalidArgument,
+            "DCPComm: nccl_max_tokens must be <= 2**31 - 1 (got 2147483648)",
+        ),
+        (
+            dict(max_tokens=2**28),
+            InvalidArgument,
+            "DCPComm: direct q_gather op: max_tokens*H*head_dim*itemsize must be < 32 GiB",
+        ),
+        (
+            dict(max_tokens=2**30, policy="nccl"),
+            InvalidArgument,
+            "DCPComm: NCCL q_gather op: num_ubatches * buffer bytes per ubatch must be <= 2**40",
+        ),
+        (
+            dict(num_ubatches=2**27),
+            InvalidArgument,
+            "DCPComm: direct q_gather op: num_ubatches * symmetric bytes per ubatch must be <= 2**40",
+        ),
+        (
+            dict(dtype="float64"),
+            InvalidType,
+            "DCPComm: NCCL lse_reduce op: dtype must be one of [bfloat16, float16, float32] (got "
+            "float64)",
+        ),
+    ],
+)
 def test_bad_arguments_raise_instead_of_routing_to_nccl(change, exc, fragment):
     with pytest.raises(exc) as ei:
         FakeDCPComm(fake_comm(), **dict(GEOM, **change))
@@ -712,8 +843,11 @@ def test_timeouts_of_any_real_type_and_the_variable(monkeypatch):
     assert dcp.timeout_ms == 5000.0
     dcp.close()
     monkeypatch.setenv("DCPKIT_TIMEOUT_MS", "-5")
-    with pytest.raises(InvalidArgument, match=r"^DCPComm: DCPKIT_TIMEOUT_MS must be a number of "
-                                              r"milliseconds in \(0, 3600000\] \(got '-5'\)$"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"^DCPComm: DCPKIT_TIMEOUT_MS must be a number of "
+        r"milliseconds in \(0, 3600000\] \(got '-5'\)$",
+    ):
         FakeDCPComm(fake_comm(), **GEOM)
 
 
@@ -729,16 +863,19 @@ def test_direct_ops_get_the_validated_timeout():
     dcp.close()
 
 
-@pytest.mark.parametrize("error,falls_back", [
-    (InvalidArgument("q_gather: max_tokens must be >= 1 (got 0)"), False),
-    (InvalidType("q_gather: dtype must be a fixed-size data type (got object)"), False),
-    (CudaError("cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY"), True),
-    (CompileError("q_gather.cu", ["-arch=sm_90"], "error: something"), True),
-    (MissingDependency("cuda-bindings (cuda-python)", "cuda12"), True),
-    (DcpkitError("q_gather: no CUDA GPU is visible (cudaGetDeviceCount: ...)"), True),
-    (RuntimeError("cupy OutOfMemoryError: out of memory allocating 1024 bytes"), True),
-    (PeerError("q_gather: workspace state", {1: "CudaError: cuMemCreate failed"}), True),
-])
+@pytest.mark.parametrize(
+    "error,falls_back",
+    [
+        (InvalidArgument("q_gather: max_tokens must be >= 1 (got 0)"), False),
+        (InvalidType("q_gather: dtype must be a fixed-size data type (got object)"), False),
+        (CudaError("cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY"), True),
+        (CompileError("q_gather.cu", ["-arch=sm_90"], "error: something"), True),
+        (MissingDependency("cuda-bindings (cuda-python)", "cuda12"), True),
+        (DcpkitError("q_gather: no CUDA GPU is visible (cudaGetDeviceCount: ...)"), True),
+        (RuntimeError("cupy OutOfMemoryError: out of memory allocating 1024 bytes"), True),
+        (PeerError("q_gather: workspace state", {1: "CudaError: cuMemCreate failed"}), True),
+    ],
+)
 def test_direct_build_user_errors_raise_environment_errors_fall_back(error, falls_back):
     class Broken(FakeDCPComm):
         direct_error = error
@@ -770,7 +907,7 @@ class OpAgreedDCPComm(GroupDCPComm):
     """Direct op builds that fail like the real ones: every rank at once (one allgather),
     the failing rank with its own error, the others with PeerError."""
 
-    direct_fails_on = {}      # rank -> exception
+    direct_fails_on = {}  # rank -> exception
 
     def _build_direct(self, op):
         mine = self.direct_fails_on.get(self.rank)
@@ -806,16 +943,21 @@ def test_direct_environment_error_on_one_rank_falls_back_on_every_rank():
         return facts
 
     res = run_group(3, body)
-    reason = ("building the direct op failed on rank(s) [1]: CudaError: cuMemCreate failed "
-              "with CUDA_ERROR_OUT_OF_MEMORY")
+    reason = (
+        "building the direct op failed on rank(s) [1]: CudaError: cuMemCreate failed "
+        "with CUDA_ERROR_OUT_OF_MEMORY"
+    )
     assert res == [("ok", (reason, "nccl"))] * 3, res
 
 
-@pytest.mark.parametrize("change,exc,fragment", [
-    (dict(timeout_ms=-5), InvalidArgument, "DCPComm: timeout_ms must lie in"),
-    (dict(max_tokens=2**40), InvalidArgument, "DCPComm: max_tokens must be <= 2**31 - 1"),
-    (dict(num_ubatches=0), InvalidArgument, "DCPComm: num_ubatches must be >= 1 (got 0)"),
-])
+@pytest.mark.parametrize(
+    "change,exc,fragment",
+    [
+        (dict(timeout_ms=-5), InvalidArgument, "DCPComm: timeout_ms must lie in"),
+        (dict(max_tokens=2**40), InvalidArgument, "DCPComm: max_tokens must be <= 2**31 - 1"),
+        (dict(num_ubatches=0), InvalidArgument, "DCPComm: num_ubatches must be >= 1 (got 0)"),
+    ],
+)
 def test_bad_argument_on_one_rank_raises_on_every_rank(change, exc, fragment):
     def body(comm):
         return _make(GroupDCPComm, **(change if comm.rank == 1 else {}))(comm)
@@ -832,8 +974,9 @@ def test_missing_gpu_on_one_rank_raises_on_every_rank():
     class NoGpu(GroupDCPComm):
         def _current_device(self):
             if self.rank == 1:
-                raise DcpkitError("DCPComm: no CUDA GPU is visible (cudaGetDeviceCount: "
-                                  "cudaErrorNoDevice)")
+                raise DcpkitError(
+                    "DCPComm: no CUDA GPU is visible (cudaGetDeviceCount: cudaErrorNoDevice)"
+                )
             return 0
 
     res = run_group(3, _make(NoGpu))
@@ -847,8 +990,11 @@ def test_missing_gpu_on_one_rank_raises_on_every_rank():
 
 def test_stream_must_be_a_cupy_stream():
     dcp = FakeDCPComm(fake_comm(), **GEOM)
-    with pytest.raises(InvalidType, match=r"^DCPComm: stream must be a cupy.cuda.Stream "
-                                          r"\(got str\)$"):
+    with pytest.raises(
+        InvalidType,
+        match=r"^DCPComm: stream must be a cupy.cuda.Stream "
+        r"\(got str\)$",
+    ):
         DCPComm._stream(dcp, "x")
     cupy = pytest.importorskip("cupy")
     assert DCPComm._stream(dcp, cupy.cuda.Stream.null) is cupy.cuda.Stream.null
@@ -856,11 +1002,13 @@ def test_stream_must_be_a_cupy_stream():
 
 
 def test_world_size_past_the_direct_merge_goes_to_nccl():
-    assert direct_geometry_blocker("lse_reduce", dtype="bfloat16", row_bytes=128,
-                                   world_size=65) == \
-        "world_size must be <= 64 for the direct kernel's merge (got 65)"
-    assert direct_geometry_blocker("q_gather", dtype="bfloat16", row_bytes=128,
-                                   world_size=65) is None
+    assert (
+        direct_geometry_blocker("lse_reduce", dtype="bfloat16", row_bytes=128, world_size=65)
+        == "world_size must be <= 64 for the direct kernel's merge (got 65)"
+    )
+    assert (
+        direct_geometry_blocker("q_gather", dtype="bfloat16", row_bytes=128, world_size=65) is None
+    )
     dcp = FakeDCPComm(fake_comm(world_size=65), **dict(GEOM, num_heads=130))
     assert dcp.direct_reason["lse_reduce"].startswith("world_size must be <= 64")
     assert dcp.direct_reason["q_gather"] is None

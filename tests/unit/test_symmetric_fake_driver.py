@@ -17,8 +17,8 @@ import threading
 import pytest
 
 import dcpkit._cuda
-import dcpkit.multicast as mcmod
 import dcpkit._setup as setup
+import dcpkit.multicast as mcmod
 import dcpkit.symmetric as sym
 from dcpkit.errors import InvalidArgument, PeerError
 from dcpkit.symmetric import SymmetricHeap
@@ -27,8 +27,19 @@ from _fake_cuda import GRAN, FakeCupy, FakeDriver
 from _threadgroup import run_group
 
 W = 3
-STEPS = ["context", "p2p_check", "granularity", "create", "export", "exchange", "import",
-         "reserve", "map", "access", "zero"]
+STEPS = [
+    "context",
+    "p2p_check",
+    "granularity",
+    "create",
+    "export",
+    "exchange",
+    "import",
+    "reserve",
+    "map",
+    "access",
+    "zero",
+]
 
 
 def _gpu_visible():
@@ -69,9 +80,11 @@ def _assert_nothing_left(drv, fds_before):
 
 def _device_body(fn):
     """Run fn(comm) with the thread's fake device current (as the mpi fixture does)."""
+
     def body(comm):
         sys.modules["cupy"].cuda.Device(comm.rank).use()
         return fn(comm)
+
     return body
 
 
@@ -81,10 +94,15 @@ def test_every_rank_maps_every_peer_at_its_slot(fake):
 
     def fn(comm):
         heap = SymmetricHeap(comm, (1 << 20) + 3)
-        got = dict(nbytes=heap.nbytes, handle_type=heap.handle_type, mc=heap.mc_ptr,
-                   owners=[drv.owner_of(p) for p in heap.peer_ptrs],
-                   local_is_own=heap.local_ptr == heap.peer_ptrs[comm.rank],
-                   reason=heap.multicast_reason, refusal=heap.fabric_refusal)
+        got = dict(
+            nbytes=heap.nbytes,
+            handle_type=heap.handle_type,
+            mc=heap.mc_ptr,
+            owners=[drv.owner_of(p) for p in heap.peer_ptrs],
+            local_is_own=heap.local_ptr == heap.peer_ptrs[comm.rank],
+            reason=heap.multicast_reason,
+            refusal=heap.fabric_refusal,
+        )
         heap.close()
         heap.close()  # idempotent
         return got
@@ -105,6 +123,7 @@ def test_every_rank_maps_every_peer_at_its_slot(fake):
 class _OnRank(str):
     """A fault point that matches on one rank's thread only (the module global is shared by the
     thread ranks)."""
+
     tls = threading.local()
 
     def __new__(cls, value, rank):
@@ -138,9 +157,18 @@ def test_fault_after_every_step_unwinds_every_rank(fake, monkeypatch, step):
     _assert_nothing_left(drv, fds0)
 
 
-@pytest.mark.parametrize("call", ["cuMemCreate", "cuMemExportToShareableHandle",
-                                  "cuMemImportFromShareableHandle", "cuMemAddressReserve",
-                                  "cuMemMap", "cuMemSetAccess", "cuMemsetD8"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        "cuMemCreate",
+        "cuMemExportToShareableHandle",
+        "cuMemImportFromShareableHandle",
+        "cuMemAddressReserve",
+        "cuMemMap",
+        "cuMemSetAccess",
+        "cuMemsetD8",
+    ],
+)
 def test_driver_failure_on_one_rank_unwinds_every_rank(fake, call):
     drv = fake(fail={(call, 2): "CUDA_ERROR_OUT_OF_MEMORY"})
     fds0 = _fds()
@@ -229,12 +257,14 @@ def test_group_across_hosts_needs_fabric_and_says_so(fake):
 _MC_SKIP = pytest.mark.skipif(
     _gpu_visible() or bool(mcmod.kill_switches_set(os.environ)),
     reason="multicast paths run only against the fake driver on machines with no GPU and no "
-           "multicast-disabling variable")
+    "multicast-disabling variable",
+)
 
 
 class _EnvProxy:
     """Stands in for the ``os`` module of dcpkit.symmetric / dcpkit.multicast: the guard reads
     ``environ`` from here (a per-rank dict), never the process's environment."""
+
     tls = threading.local()
 
     def __getattr__(self, name):

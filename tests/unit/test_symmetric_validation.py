@@ -14,8 +14,14 @@ import dcpkit._cuda
 import dcpkit._nvshmem
 import dcpkit._setup as setup
 from dcpkit.comm import Communicator
-from dcpkit.errors import (ClosedError, ConfigMismatch, InvalidArgument, InvalidType,
-                           MissingDependency, PeerError)
+from dcpkit.errors import (
+    ClosedError,
+    ConfigMismatch,
+    InvalidArgument,
+    InvalidType,
+    MissingDependency,
+    PeerError,
+)
 from dcpkit.symmetric import SymmetricHeap
 
 from _threadgroup import run_group
@@ -50,8 +56,11 @@ BAD_ARGS = [
     (dict(nbytes=4096, backend="nccl"), InvalidArgument, "backend must be one of"),
     (dict(nbytes=4096, backend=None), InvalidType, "backend must be a str"),
     (dict(nbytes=4096, handle_type="dmabuf"), InvalidArgument, "handle_type must be one of"),
-    (dict(nbytes=4096, backend="nvshmem", handle_type="fabric"), InvalidArgument,
-     "handle_type must be one of"),
+    (
+        dict(nbytes=4096, backend="nvshmem", handle_type="fabric"),
+        InvalidArgument,
+        "handle_type must be one of",
+    ),
     (dict(nbytes=4096, multicast="yes"), InvalidType, "multicast must be True, False or None"),
     (dict(nbytes=4096, timeout_s=0), InvalidArgument, r"timeout_s must lie in \(0, 3600\]"),
     (dict(nbytes=4096, timeout_s=1e9), InvalidArgument, "timeout_s must lie in"),
@@ -105,6 +114,7 @@ def test_backend_that_differs_across_ranks_raises_config_mismatch(no_driver):
 def test_one_rank_with_bad_arguments_makes_every_rank_raise(no_driver):
     """Rank 1 passes nbytes=-1: it raises InvalidArgument, ranks 0 and 2 raise PeerError naming
     rank 1 (nobody is left waiting in a later collective)."""
+
     def body(comm):
         SymmetricHeap(comm, -1 if comm.rank == 1 else 4096)
 
@@ -135,21 +145,24 @@ def heap():
     h._closed = True
 
 
-@pytest.mark.parametrize("args,kwargs,exc,match", [
-    ((1 << 20, (1,), np.uint8), {}, InvalidArgument, r"offset \+ view bytes must be <= nbytes"),
-    ((0, (1 << 18) + 1, np.float32), {}, InvalidArgument, "must be <= nbytes 1048576"),
-    ((2, (4,), np.float32), {}, InvalidArgument, r"offset must be a multiple of the itemsize"),
-    ((8, (4,), np.float64), {}, None, None),
-    ((12, (4,), np.float64), {}, InvalidArgument, "itemsize of float64"),
-    ((-4, (4,), np.float32), {}, InvalidArgument, "offset must be >= 0"),
-    ((0.0, (4,), np.float32), {}, InvalidType, "offset must be an int"),
-    ((0, (4, -1), np.float32), {}, InvalidArgument, "shape entry must be >= 0"),
-    ((0, "4", np.float32), {}, InvalidType, "shape must be an int or a tuple"),
-    ((0, (4,), "not-a-dtype"), {}, InvalidType, "dtype must be"),
-    ((0, (4,), object), {}, InvalidType, "fixed-size numeric dtype"),
-    ((0, (4,), np.float32), {"rank": 4}, InvalidArgument, r"rank must lie in \[0, 4\)"),
-    ((0, (4,), np.float32), {"rank": -1}, InvalidArgument, "rank must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "args,kwargs,exc,match",
+    [
+        ((1 << 20, (1,), np.uint8), {}, InvalidArgument, r"offset \+ view bytes must be <= nbytes"),
+        ((0, (1 << 18) + 1, np.float32), {}, InvalidArgument, "must be <= nbytes 1048576"),
+        ((2, (4,), np.float32), {}, InvalidArgument, r"offset must be a multiple of the itemsize"),
+        ((8, (4,), np.float64), {}, None, None),
+        ((12, (4,), np.float64), {}, InvalidArgument, "itemsize of float64"),
+        ((-4, (4,), np.float32), {}, InvalidArgument, "offset must be >= 0"),
+        ((0.0, (4,), np.float32), {}, InvalidType, "offset must be an int"),
+        ((0, (4, -1), np.float32), {}, InvalidArgument, "shape entry must be >= 0"),
+        ((0, "4", np.float32), {}, InvalidType, "shape must be an int or a tuple"),
+        ((0, (4,), "not-a-dtype"), {}, InvalidType, "dtype must be"),
+        ((0, (4,), object), {}, InvalidType, "fixed-size numeric dtype"),
+        ((0, (4,), np.float32), {"rank": 4}, InvalidArgument, r"rank must lie in \[0, 4\)"),
+        ((0, (4,), np.float32), {"rank": -1}, InvalidArgument, "rank must be >= 0"),
+    ],
+)
 def test_view_checks(heap, args, kwargs, exc, match):
     if exc is None:
         pytest.importorskip("cupy")
@@ -165,13 +178,21 @@ def test_view_checks(heap, args, kwargs, exc, match):
 
 
 def test_reserve_is_deterministic_and_aligned(heap):
-    offs = [heap.reserve(100), heap.reserve(1), heap.reserve(4096, align=4096),
-            heap.reserve(8, align=8)]
+    offs = [
+        heap.reserve(100),
+        heap.reserve(1),
+        heap.reserve(4096, align=4096),
+        heap.reserve(8, align=8),
+    ]
     assert offs == [0, 256, 4096, 8192]
     other = SymmetricHeap._unbacked(1 << 20, world_size=4, rank=3)
     try:
-        assert [other.reserve(100), other.reserve(1), other.reserve(4096, align=4096),
-                other.reserve(8, align=8)] == offs
+        assert [
+            other.reserve(100),
+            other.reserve(1),
+            other.reserve(4096, align=4096),
+            other.reserve(8, align=8),
+        ] == offs
     finally:
         other._closed = True
     assert heap.reserved_bytes == 8200
@@ -186,12 +207,15 @@ def test_reserve_beyond_capacity(heap):
         heap.reserve(1)
 
 
-@pytest.mark.parametrize("nbytes,align,exc,match", [
-    (0, 256, InvalidArgument, "nbytes must be >= 1"),
-    (16, 3, InvalidArgument, "align must be a power of two"),
-    (16, 0, InvalidArgument, "align must be >= 1"),
-    (16.0, 256, InvalidType, "nbytes must be an int"),
-])
+@pytest.mark.parametrize(
+    "nbytes,align,exc,match",
+    [
+        (0, 256, InvalidArgument, "nbytes must be >= 1"),
+        (16, 3, InvalidArgument, "align must be a power of two"),
+        (16, 0, InvalidArgument, "align must be >= 1"),
+        (16.0, 256, InvalidType, "nbytes must be an int"),
+    ],
+)
 def test_reserve_bad_arguments(heap, nbytes, align, exc, match):
     with pytest.raises(exc, match=match):
         heap.reserve(nbytes, align=align)
@@ -213,11 +237,13 @@ def test_transaction_unwinds_every_rank_in_reverse_when_one_rank_fails():
         tx = setup.Transaction(comm, "test")
         log = logs[comm.rank]
         for step in ("a", "b", "c"):
+
             def fn(step=step):
                 if step == "c" and comm.rank == 1:
                     raise ValueError("rank 1 breaks at c")
                 tx.add_undo(step, lambda: log.append(f"undo {step}"))
                 log.append(f"do {step}")
+
             tx.step(step, fn)
         return tx.commit()
 

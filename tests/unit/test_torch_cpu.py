@@ -13,8 +13,10 @@ import pytest
 from dcpkit.errors import ClosedError, InvalidType, MissingDependency
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
-needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed here "
-                                 "(pip install 'dcpkit[torch]'); the GPU machines have it")
+needs_torch = pytest.mark.skipif(
+    not HAVE_TORCH,
+    reason="torch is not installed here (pip install 'dcpkit[torch]'); the GPU machines have it",
+)
 
 
 @pytest.fixture
@@ -25,18 +27,24 @@ def no_torch(monkeypatch):
 
 
 def test_import_needs_no_torch(no_torch, monkeypatch):
-    monkeypatch.delitem(sys.modules, "dcpkit.torch", raising=False)   # import it afresh
+    monkeypatch.delitem(sys.modules, "dcpkit.torch", raising=False)  # import it afresh
     mod = importlib.import_module("dcpkit.torch")
     assert hasattr(mod, "TorchOps") and hasattr(mod, "to_cupy")
 
 
-@pytest.mark.parametrize("call", ["to_cupy", "from_cupy", "TorchOps", "register_custom_ops",
-                                  "cupy_stream"])
+@pytest.mark.parametrize(
+    "call", ["to_cupy", "from_cupy", "TorchOps", "register_custom_ops", "cupy_stream"]
+)
 def test_without_torch_names_the_extra(no_torch, call):
     import dcpkit.torch as dt
 
-    args = {"to_cupy": (object(),), "from_cupy": (object(),), "TorchOps": (object(),),
-            "register_custom_ops": (), "cupy_stream": ()}[call]
+    args = {
+        "to_cupy": (object(),),
+        "from_cupy": (object(),),
+        "TorchOps": (object(),),
+        "register_custom_ops": (),
+        "cupy_stream": (),
+    }[call]
     with pytest.raises(MissingDependency) as ei:
         getattr(dt, call)(*args)
     assert ei.value.extra == "torch"
@@ -58,8 +66,9 @@ def test_cpu_tensor_is_refused():
 
     with pytest.raises(InvalidType) as ei:
         dt.to_cupy(torch.zeros(4, dtype=torch.bfloat16), name="q")
-    assert str(ei.value) == ("dcpkit.torch: q must be a CUDA tensor (got device cpu): move it "
-                             "to the GPU with .cuda()")
+    assert str(ei.value) == (
+        "dcpkit.torch: q must be a CUDA tensor (got device cpu): move it to the GPU with .cuda()"
+    )
     with pytest.raises(InvalidType, match="q must be a torch.Tensor"):
         dt.to_cupy([1, 2], name="q")
 
@@ -72,7 +81,7 @@ def test_custom_ops_register_and_refuse_unknown_handles():
 
     ops = dt.register_custom_ops()
     assert set(ops) == {"q_gather", "kv_gather", "lse_reduce"}
-    assert dt.register_custom_ops() is ops          # once per process
+    assert dt.register_custom_ops() is ops  # once per process
     q = torch.zeros(2, 2, 4)
     with pytest.raises(ClosedError, match="handle 987654 must name a live"):
         torch.ops.dcpkit.q_gather(987654, q, torch.zeros(2, 4, 4), 0)
@@ -101,9 +110,16 @@ def test_converter_describes_each_tensor_exactly_and_memoises_per_description():
 
     conv = TensorConverter(None, check=_cpu_check)
     base = torch.zeros(8, 16, dtype=torch.bfloat16)
-    views = [base, base[2:], base[:, 4:], base[1::2], base.t(),
-             base.as_strided((4, 16), (32, 1)),                  # same pointer, other strides
-             base.view(torch.int16), base.view(16, 8)]           # same pointer, other dtype/shape
+    views = [
+        base,
+        base[2:],
+        base[:, 4:],
+        base[1::2],
+        base.t(),
+        base.as_strided((4, 16), (32, 1)),  # same pointer, other strides
+        base.view(torch.int16),
+        base.view(16, 8),
+    ]  # same pointer, other dtype/shape
     arrays = [conv(v, "x") for v in views]
     for v, a in zip(views, arrays):
         i = array_info(a, "op", "x")
@@ -111,12 +127,12 @@ def test_converter_describes_each_tensor_exactly_and_memoises_per_description():
         assert i.shape == tuple(v.shape)
         assert i.strides == tuple(s * v.element_size() for s in v.stride())
         assert i.itemsize == v.element_size()
-    assert len({id(a) for a in arrays}) == len(views)   # every layout its own array
+    assert len({id(a) for a in arrays}) == len(views)  # every layout its own array
     assert conv.misses == len(views) and conv.hits == 0
-    again = base[2:]                                     # another tensor, same description
+    again = base[2:]  # another tensor, same description
     assert conv(again, "x") is arrays[1] and conv.hits == 1
     with pytest.raises(InvalidType, match="x dtype must be"):
-        conv(torch.zeros(2, dtype=torch.complex64), "x")   # a refused tensor is never stored
+        conv(torch.zeros(2, dtype=torch.complex64), "x")  # a refused tensor is never stored
     with pytest.raises(InvalidType, match="x dtype must be"):
         conv(torch.zeros(2, dtype=torch.complex64), "x")
     with pytest.raises(InvalidType, match="must be a torch.Tensor"):

@@ -10,14 +10,15 @@ torch = pytest.importorskip(
     "torch", reason="torch is not installed here (pip install 'dcpkit[torch]')"
 )
 
-from _threadgroup import run_group  # noqa: E402
-
 import dcpkit.vllm as dv  # noqa: E402
 from dcpkit.errors import DcpkitError  # noqa: E402
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
-                                reason="torch reaches a CUDA GPU here: the GPU tests run these "
-                                       "classes for real")
+from _threadgroup import run_group  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="torch reaches a CUDA GPU here: the GPU tests run these classes for real",
+)
 
 
 def _builders():
@@ -25,14 +26,30 @@ def _builders():
         ("DirectDCPQGatherWorkspace", lambda c, d: dv.DirectDCPQGatherWorkspace(c, d, 8, 16, 576)),
         ("DirectDCPKVGatherWorkspace", lambda c, d: dv.DirectDCPKVGatherWorkspace(c, d, 16, 576)),
         ("DirectDCPA2AWorkspace", lambda c, d: dv.DirectDCPA2AWorkspace(c, d, 8, 4, 512)),
-        ("MLADCPManager", lambda c, d: dv.MLADCPManager(
-            c, d, 4, 576, 512, torch.bfloat16, torch.bfloat16, None, True, False,
-            max_num_tokens=8)),
+        (
+            "MLADCPManager",
+            lambda c, d: dv.MLADCPManager(
+                c,
+                d,
+                4,
+                576,
+                512,
+                torch.bfloat16,
+                torch.bfloat16,
+                None,
+                True,
+                False,
+                max_num_tokens=8,
+            ),
+        ),
     ]
 
 
-@pytest.mark.parametrize("device", [0, "cuda", "cuda:0", torch.device("cuda", 0)],
-                         ids=["int", "cuda", "cuda:0", "torch.device"])
+@pytest.mark.parametrize(
+    "device",
+    [0, "cuda", "cuda:0", torch.device("cuda", 0)],
+    ids=["int", "cuda", "cuda:0", "torch.device"],
+)
 @pytest.mark.parametrize("name,build", _builders(), ids=[n for n, _ in _builders()])
 def test_no_torch_cuda_is_one_clear_error(name, build, device):
     """An int is a CUDA ordinal (as the message of a wrong device type says); without CUDA in

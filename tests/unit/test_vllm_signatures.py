@@ -94,7 +94,7 @@ EXTRA_KEYWORDS = {
         ("return_lse", False),
         ("out", None),
         ("out_lse", None),
-    ],
+    ]
 }
 
 

@@ -33,8 +33,11 @@ from reliability_cases import OpCase, context_usable, set_device, write_line
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("outdir")
-    ap.add_argument("--ops", default="lse_reduce,q_gather,kv_gather:push,kv_gather:pull",
-                    help="op[:kv_gather algorithm], comma separated")
+    ap.add_argument(
+        "--ops",
+        default="lse_reduce,q_gather,kv_gather:push,kv_gather:pull",
+        help="op[:kv_gather algorithm], comma separated",
+    )
     ap.add_argument("--timeout-ms", type=float, default=300.0)
     ap.add_argument("--dead-rank", type=int, default=-1, help="default: the last rank")
     ap.add_argument("--alarm-s", type=int, default=150)
@@ -57,8 +60,9 @@ def main() -> None:
     cases = []
     for i, spec in enumerate(args.ops.split(",")):
         name, _, algorithm = spec.partition(":")
-        case = OpCase(name, comm, max_tokens=16, timeout_ms=args.timeout_ms,
-                      algorithm=algorithm or "push")
+        case = OpCase(
+            name, comm, max_tokens=16, timeout_ms=args.timeout_ms, algorithm=algorithm or "push"
+        )
         dev, exp = case.prepare(1234 + i, T)
         res = case.call(dev, out=case.poisoned_out(T))
         case.op.synchronize()
@@ -69,7 +73,7 @@ def main() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     comm.barrier()
     if rank == dead:
-        time.sleep(0.05)      # the survivors launch their first call around now
+        time.sleep(0.05)  # the survivors launch their first call around now
         os._exit(3)
 
     record(phase="survivor", dead=dead)
@@ -80,11 +84,11 @@ def main() -> None:
             case.call(dev)
             case.op.synchronize()
         except CollectiveTimeout as e:
-            info.update(raised="CollectiveTimeout", peer=e.peer, expected=e.expected_epoch,
-                        message=str(e))
+            info.update(
+                raised="CollectiveTimeout", peer=e.peer, expected=e.expected_epoch, message=str(e)
+            )
         except Exception as e:  # noqa: BLE001 - reported
-            info.update(raised=type(e).__name__, message=str(e),
-                        tb=traceback.format_exc(limit=5))
+            info.update(raised=type(e).__name__, message=str(e), tb=traceback.format_exc(limit=5))
         info["elapsed_s"] = time.monotonic() - t0
         try:
             case.call(dev)

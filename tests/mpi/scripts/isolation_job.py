@@ -53,8 +53,9 @@ def main() -> int:
     t_start = t_end = None
     try:
         cases = [OpCase(n, comm, max_tokens=16, timeout_ms=args.timeout_ms) for n in OPS]
-        cases.append(OpCase("kv_gather", comm, max_tokens=16, timeout_ms=args.timeout_ms,
-                            algorithm="pull"))
+        cases.append(
+            OpCase("kv_gather", comm, max_tokens=16, timeout_ms=args.timeout_ms, algorithm="pull")
+        )
         sets = []
         for s in range(4):
             T = (3, 8, 16, 1)[s]
@@ -85,11 +86,24 @@ def main() -> int:
             c.op.close()
     except Exception as e:  # noqa: BLE001 - reported below and in the exit status
         errors.append(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}")
-    write_line(outdir / f"{args.job}_rank{rank}.jsonl",
-               json.dumps({"job": args.job, "rank": rank, "world_size": W, "device": device,
-                           "pci_bus_id": pci, "calls": calls, "wrong": wrong,
-                           "first_failures": first, "errors": errors, "t_start": t_start,
-                           "t_end": t_end}))
+    write_line(
+        outdir / f"{args.job}_rank{rank}.jsonl",
+        json.dumps(
+            {
+                "job": args.job,
+                "rank": rank,
+                "world_size": W,
+                "device": device,
+                "pci_bus_id": pci,
+                "calls": calls,
+                "wrong": wrong,
+                "first_failures": first,
+                "errors": errors,
+                "t_start": t_start,
+                "t_end": t_end,
+            }
+        ),
+    )
     return 0 if (not errors and wrong == 0) else 1
 
 

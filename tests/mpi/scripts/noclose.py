@@ -39,7 +39,7 @@ def main() -> int:
     ap.add_argument("--alarm-s", type=int, default=240)
     args = ap.parse_args()
     signal.alarm(args.alarm_s)
-    warnings.simplefilter("default", ResourceWarning)   # let the exit-time warnings show
+    warnings.simplefilter("default", ResourceWarning)  # let the exit-time warnings show
 
     from dcpkit.comm import Communicator
 
@@ -82,10 +82,19 @@ def main() -> int:
     fresh.op.close()
     comm.barrier()
 
-    write_line(Path(args.outdir) / f"rank{rank}.jsonl",
-               json.dumps({"rank": rank, "world_size": W, "problems": problems,
-                           "warned": warned, "reached_exit": True}))
-    return 0   # exit without closing `kept` (nor the other ranks' copies of `dropped`)
+    write_line(
+        Path(args.outdir) / f"rank{rank}.jsonl",
+        json.dumps(
+            {
+                "rank": rank,
+                "world_size": W,
+                "problems": problems,
+                "warned": warned,
+                "reached_exit": True,
+            }
+        ),
+    )
+    return 0  # exit without closing `kept` (nor the other ranks' copies of `dropped`)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -35,8 +35,13 @@ except ImportError:  # pragma: no cover - depends on how the job was started
     sys.path.insert(0, str(REPO_ROOT))
 
 from dcpkit.reference import (  # noqa: E402
-    kv_gather_reference, lse_reduce_reference, lse_reduce_tolerance, make_inputs,
-    q_gather_reference, resolve_dtype)
+    kv_gather_reference,
+    lse_reduce_reference,
+    lse_reduce_tolerance,
+    make_inputs,
+    q_gather_reference,
+    resolve_dtype,
+)
 
 OPS = ("lse_reduce", "q_gather", "kv_gather")
 
@@ -44,8 +49,12 @@ OPS = ("lse_reduce", "q_gather", "kv_gather")
 H_R, HEAD_DIM, ROW_DIM, HEAD_DIM_V = 2, 64, 256, 64
 
 #: Variables that keep multicast off on shared machines: never cleared, also not for children.
-KILL_SWITCHES = ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                 "DCPKIT_DISABLE_MULTICAST")
+KILL_SWITCHES = (
+    "NCCL_NVLS_ENABLE",
+    "NVSHMEM_DISABLE_NVLS",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+    "DCPKIT_DISABLE_MULTICAST",
+)
 
 
 def bits_dtype(dt: np.dtype) -> np.dtype:
@@ -96,9 +105,20 @@ class OpCase:
     Collective: construction and :meth:`call`.
     """
 
-    def __init__(self, name: str, comm, *, max_tokens: int = 16, dtype="bfloat16",
-                 num_ubatches: int = 1, timeout_ms: float | None = None, heap=None,
-                 algorithm: str = "push", num_requests: int = 0, **op_kwargs):
+    def __init__(
+        self,
+        name: str,
+        comm,
+        *,
+        max_tokens: int = 16,
+        dtype="bfloat16",
+        num_ubatches: int = 1,
+        timeout_ms: float | None = None,
+        heap=None,
+        algorithm: str = "push",
+        num_requests: int = 0,
+        **op_kwargs,
+    ):
         from dcpkit.ops import KVGather, LseReduce, QGather
 
         if name not in OPS:
@@ -112,31 +132,72 @@ class OpCase:
         self.num_requests = num_requests if name == "lse_reduce" else 0
         self.label = name if name != "kv_gather" else f"kv_gather[{algorithm}]"
         if name == "lse_reduce":
-            self.op = LseReduce(comm, max_tokens=max_tokens, num_heads=H_R * self.W,
-                                head_dim=HEAD_DIM_V, dtype=self.dtype, num_ubatches=num_ubatches,
-                                timeout_ms=timeout_ms, heap=heap, **op_kwargs)
+            self.op = LseReduce(
+                comm,
+                max_tokens=max_tokens,
+                num_heads=H_R * self.W,
+                head_dim=HEAD_DIM_V,
+                dtype=self.dtype,
+                num_ubatches=num_ubatches,
+                timeout_ms=timeout_ms,
+                heap=heap,
+                **op_kwargs,
+            )
         elif name == "q_gather":
-            self.op = QGather(comm, max_tokens=max_tokens, heads_per_rank=H_R,
-                              head_dim=HEAD_DIM, dtype=self.dtype, num_ubatches=num_ubatches,
-                              timeout_ms=timeout_ms, heap=heap, **op_kwargs)
+            self.op = QGather(
+                comm,
+                max_tokens=max_tokens,
+                heads_per_rank=H_R,
+                head_dim=HEAD_DIM,
+                dtype=self.dtype,
+                num_ubatches=num_ubatches,
+                timeout_ms=timeout_ms,
+                heap=heap,
+                **op_kwargs,
+            )
         else:
-            self.op = KVGather(comm, max_tokens=max_tokens, row_dim=ROW_DIM, dtype=self.dtype,
-                               num_ubatches=num_ubatches, algorithm=algorithm,
-                               timeout_ms=timeout_ms, heap=heap, **op_kwargs)
+            self.op = KVGather(
+                comm,
+                max_tokens=max_tokens,
+                row_dim=ROW_DIM,
+                dtype=self.dtype,
+                num_ubatches=num_ubatches,
+                algorithm=algorithm,
+                timeout_ms=timeout_ms,
+                heap=heap,
+                **op_kwargs,
+            )
 
     # ------------------------------------------------------------------ inputs
     def host_inputs(self, seed: int, T: int, rank: int | None = None) -> dict:
         """Rank ``rank``'s (default: this rank's) host inputs for ``T`` tokens."""
         r = self.rank if rank is None else rank
         if self.name == "lse_reduce":
-            return make_inputs(r, self.W, seed, op="lse_reduce", tokens=T, num_heads=H_R * self.W,
-                               head_dim=HEAD_DIM_V, dtype=self.dtype,
-                               num_requests=self.num_requests)
+            return make_inputs(
+                r,
+                self.W,
+                seed,
+                op="lse_reduce",
+                tokens=T,
+                num_heads=H_R * self.W,
+                head_dim=HEAD_DIM_V,
+                dtype=self.dtype,
+                num_requests=self.num_requests,
+            )
         if self.name == "q_gather":
-            return make_inputs(r, self.W, seed, op="q_gather", tokens=T, num_heads=H_R * self.W,
-                               head_dim=HEAD_DIM, dtype=self.dtype)
-        return make_inputs(r, self.W, seed, op="kv_gather", tokens=T, row_dim=ROW_DIM,
-                           dtype=self.dtype)
+            return make_inputs(
+                r,
+                self.W,
+                seed,
+                op="q_gather",
+                tokens=T,
+                num_heads=H_R * self.W,
+                head_dim=HEAD_DIM,
+                dtype=self.dtype,
+            )
+        return make_inputs(
+            r, self.W, seed, op="kv_gather", tokens=T, row_dim=ROW_DIM, dtype=self.dtype
+        )
 
     def all_host_inputs(self, seed: int, T: int) -> list[dict]:
         return [self.host_inputs(seed, T, r) for r in range(self.W)]
@@ -153,10 +214,13 @@ class OpCase:
             return kv_gather_reference([h["kv"] for h in all_host])
         qsl = all_host[0]["query_start_loc"]
         seq = None if qsl is None else [h["seq_lens"] for h in all_host]
-        out, _ = lse_reduce_reference([h["out_partial"] for h in all_host],
-                                      [h["lse_partial"] for h in all_host],
-                                      seq_lens=seq, query_start_loc=qsl)
-        return out[:, self.rank * H_R:(self.rank + 1) * H_R]
+        out, _ = lse_reduce_reference(
+            [h["out_partial"] for h in all_host],
+            [h["lse_partial"] for h in all_host],
+            seq_lens=seq,
+            query_start_loc=qsl,
+        )
+        return out[:, self.rank * H_R : (self.rank + 1) * H_R]
 
     def prepare(self, seed: int, T: int):
         """``(device inputs of this rank, expected result)`` for a fresh seeded input."""
@@ -183,9 +247,15 @@ class OpCase:
     def call(self, dev: dict, *, ubatch: int = 0, out=None, stream=None):
         """One collective call of the op on ``dev`` (from :meth:`upload`)."""
         if self.name == "lse_reduce":
-            return self.op(dev["out_partial"], dev["lse_partial"], seq_lens=dev.get("seq_lens"),
-                           query_start_loc=dev.get("query_start_loc"), ubatch=ubatch, out=out,
-                           stream=stream)
+            return self.op(
+                dev["out_partial"],
+                dev["lse_partial"],
+                seq_lens=dev.get("seq_lens"),
+                query_start_loc=dev.get("query_start_loc"),
+                ubatch=ubatch,
+                out=out,
+                stream=stream,
+            )
         if self.name == "q_gather":
             return self.op(dev["q"], ubatch=ubatch, out=out, stream=stream)
         return self.op(dev["kv"], ubatch=ubatch, out=out, stream=stream)
@@ -209,8 +279,10 @@ class OpCase:
             idx = first_mismatch(bad)
             if idx is None:
                 return None
-            return (f"{where}: {int(bad.sum())} of {bad.size} elements differ (bit-exact check); "
-                    f"first at index {idx}: got bits {int(g[idx]):#x}, expected {int(e[idx]):#x}")
+            return (
+                f"{where}: {int(bad.sum())} of {bad.size} elements differ (bit-exact check); "
+                f"first at index {idx}: got bits {int(g[idx]):#x}, expected {int(e[idx]):#x}"
+            )
         g = host.astype(np.float64)
         tol = lse_reduce_tolerance(self.dtype)
         with np.errstate(invalid="ignore"):
@@ -218,9 +290,11 @@ class OpCase:
         idx = first_mismatch(bad)
         if idx is None:
             return None
-        return (f"{where}: {int(bad.sum())} of {bad.size} elements off by more than "
-                f"{tol:g}*(1+|ref|); first at index {idx}: got {g[idx]!r}, "
-                f"expected {expected[idx]!r}")
+        return (
+            f"{where}: {int(bad.sum())} of {bad.size} elements off by more than "
+            f"{tol:g}*(1+|ref|); first at index {idx}: got {g[idx]!r}, "
+            f"expected {expected[idx]!r}"
+        )
 
 
 def gather_failures(comm, msg: str | None) -> list[str]:
@@ -300,8 +374,9 @@ def mpi_flavor(exe: str) -> str:
     return "other"
 
 
-def mpirun_command(exe: str, flavor: str, n: int, args: Sequence[str], *,
-                   tolerate_death: bool = False) -> list[str]:
+def mpirun_command(
+    exe: str, flavor: str, n: int, args: Sequence[str], *, tolerate_death: bool = False
+) -> list[str]:
     """``mpirun -np n python args...``. ``tolerate_death``: a rank that exits early does not
     get its peers killed at once (Open MPI: 5 s before SIGTERM, 10 s before SIGKILL; MPICH:
     no automatic cleanup), so survivors can report."""
@@ -321,8 +396,11 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment for a child job: unchanged, except that the variables of an
     enclosing MPI launcher are dropped (so the child mpirun starts a fresh job) and the dcpkit
     this process imports is put first on PYTHONPATH. The multicast kill switches stay set."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_LAUNCHER_PREFIXES) or k.startswith(_KEEP_PREFIXES)}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(_LAUNCHER_PREFIXES) or k.startswith(_KEEP_PREFIXES)
+    }
     import dcpkit as _d
 
     root = str(Path(_d.__file__).resolve().parent.parent)
@@ -345,9 +423,15 @@ class Job:
         self.err_path = Path(str(log_prefix) + ".stderr")
         self._out = open(self.out_path, "w")
         self._err = open(self.err_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=self._out,
-                                     stderr=self._err, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=str(cwd),
+            env=env,
+            stdout=self._out,
+            stderr=self._err,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.returncode: int | None = None
         self.timed_out = False
         self.wall_s = 0.0
@@ -372,7 +456,9 @@ class Job:
     def output(self, limit: int = 6000) -> str:
         out = self.out_path.read_text(errors="replace")
         err = self.err_path.read_text(errors="replace")
-        return (f"$ {' '.join(self.cmd)}\nreturn code {self.returncode}, "
-                f"{self.wall_s:.1f} s{' (KILLED: timed out)' if self.timed_out else ''}\n"
-                f"--- stdout (last {limit} chars)\n{out[-limit:]}\n"
-                f"--- stderr (last {limit} chars)\n{err[-limit:]}")
+        return (
+            f"$ {' '.join(self.cmd)}\nreturn code {self.returncode}, "
+            f"{self.wall_s:.1f} s{' (KILLED: timed out)' if self.timed_out else ''}\n"
+            f"--- stdout (last {limit} chars)\n{out[-limit:]}\n"
+            f"--- stderr (last {limit} chars)\n{err[-limit:]}"
+        )

@@ -17,14 +17,22 @@ from pathlib import Path
 
 
 def _err(e):
-    return {"type": type(e).__name__, "message": str(e),
-            "cause": type(e.__cause__).__name__ if e.__cause__ is not None else None}
+    return {
+        "type": type(e).__name__,
+        "message": str(e),
+        "cause": type(e.__cause__).__name__ if e.__cause__ is not None else None,
+    }
 
 
 def basic(comm, outdir):
     r, n = comm.rank, comm.world_size
-    res = {"local_rank": comm.local_rank, "local_world_size": comm.local_world_size,
-           "backend": comm.backend, "hosts": comm.hosts, "host": comm.host}
+    res = {
+        "local_rank": comm.local_rank,
+        "local_world_size": comm.local_world_size,
+        "backend": comm.backend,
+        "hosts": comm.hosts,
+        "host": comm.host,
+    }
     # allgather of a structured object, and of a large one (1 MiB per rank)
     res["allgather"] = comm.allgather({"rank": r, "payload": [r] * (r + 1)})
     big = comm.allgather(bytes([r % 256]) * (1 << 20))
@@ -111,10 +119,16 @@ def single(comm, outdir):
     from dcpkit.comm import Communicator
     from dcpkit.errors import PeerError
 
-    res = {"rank": comm.rank, "world_size": comm.world_size, "backend": comm.backend,
-           "local_rank": comm.local_rank, "local_world_size": comm.local_world_size,
-           "allgather": comm.allgather({"x": 1}), "broadcast": comm.broadcast("b", root=0),
-           "agree": comm.agree("x", 3)}
+    res = {
+        "rank": comm.rank,
+        "world_size": comm.world_size,
+        "backend": comm.backend,
+        "local_rank": comm.local_rank,
+        "local_world_size": comm.local_world_size,
+        "allgather": comm.allgather({"x": 1}),
+        "broadcast": comm.broadcast("b", root=0),
+        "agree": comm.agree("x", 3),
+    }
     comm.barrier()
     comm.all_ok("noop", None)
     try:
@@ -123,8 +137,13 @@ def single(comm, outdir):
     except PeerError as e:
         res["all_ok_error"] = _err(e)
     s = Communicator.single()
-    res["single"] = {"rank": s.rank, "world_size": s.world_size, "backend": s.backend,
-                     "allgather": s.allgather(5), "broadcast": s.broadcast(6)}
+    res["single"] = {
+        "rank": s.rank,
+        "world_size": s.world_size,
+        "backend": s.backend,
+        "allgather": s.allgather(5),
+        "broadcast": s.broadcast(6),
+    }
     return res
 
 
@@ -138,8 +157,9 @@ def main():
 
         comm = Communicator.from_mpi()
     except Exception as e:  # noqa: BLE001
-        (outdir / f"setup-error-{os.getpid()}.json").write_text(json.dumps(
-            {"error": _err(e), "traceback": traceback.format_exc()}))
+        (outdir / f"setup-error-{os.getpid()}.json").write_text(
+            json.dumps({"error": _err(e), "traceback": traceback.format_exc()})
+        )
         return
     res = {"rank": comm.rank, "world_size": comm.world_size}
     try:

@@ -40,17 +40,20 @@ def main():
             seen[s] = read_fd(rfd)
             os.close(rfd)
         os.close(fd)
-        result["rounds"].append({"token": token, "none_at": [s for s, f in enumerate(got)
-                                                             if f is None],
-                                 "seen": seen})
+        result["rounds"].append(
+            {"token": token, "none_at": [s for s, f in enumerate(got) if f is None], "seen": seen}
+        )
     token = comm.job_token()
     fd = None
     if rank == 0:
         fd = os.memfd_create("dcpkit-test-bcast")
         os.write(fd, f"broadcast {token}".encode())
     got = _fdpass.exchange_fds(token, "bcast", rank, world, fd, senders=[0], timeout_s=30)
-    result["broadcast"] = {"token": token, "value": read_fd(got[0]) if got[0] is not None
-                           else None, "none_at": [s for s, f in enumerate(got) if f is None]}
+    result["broadcast"] = {
+        "token": token,
+        "value": read_fd(got[0]) if got[0] is not None else None,
+        "none_at": [s for s, f in enumerate(got) if f is None],
+    }
     for f in got:
         if f is not None:
             os.close(f)
