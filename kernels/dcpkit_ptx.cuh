@@ -25,7 +25,7 @@
 //      until its low half equals (u32)e, then read it once more with ld.acquire.sys and compare
 //      the fingerprint; then the CTA synchronises before any thread reads the payload.
 //   4. Copy-out / combine: the waiters, and every other CTA that finds all the signals of
-//      the call within a bounded spin (kHelpNs; it never blocks), claim units of the work from
+//      the call within a bounded spin (help_budget_ns; it never blocks), claim units of the work from
 //      a per-call work counter (parity e & 1, reset for the next call by the elected CTA) until
 //      none is left. The waiters alone guarantee completion; the helpers add parallelism.
 // Why this is enough (PTX ISA, "Memory Consistency Model": morally strong operations,
@@ -62,10 +62,10 @@
 // compare the epoch only.
 //
 // Co-residency rule (no deadlock whatever the launch order). Only waiter CTAs ever block, and a
-// kernel has at most K of them; every other CTA stores, arrives, spins at most kHelpNs, maybe
+// kernel has at most K of them; every other CTA stores, arrives, spins at most kHelpMaxNs, maybe
 // helps (bounded work, no wait) and exits in bounded time. The
-// host keeps K <= waiter_ctas = max(1, SM share // MAX_LIVE_KERNELS) (SM share = SMs / ranks
-// sharing the GPU; MAX_LIVE_KERNELS = 8 dcpkit kernels of one rank in flight at once, e.g. four
+// host keeps K <= waiter_ctas = max(1, SM share // MAX_LIVE_KERNELS) (SM share: this rank's
+// part of the SMs when ranks share the GPU, dcpkit/_sm_share.py; MAX_LIVE_KERNELS = 8 dcpkit kernels of one rank in flight at once, e.g. four
 // workspaces x two ubatches), and every kernel's launch bounds let two of its CTAs fit on one
 // SM. So the waiters of all dcpkit kernels in flight on a GPU never exceed its SM count, the GPU
 // has room for one more dcpkit CTA than its waiters take, and a CTA that does not wait can
@@ -549,21 +549,39 @@ __device__ __forceinline__ int arrive_and_publish(const Proto& p, u64 e, int slo
 }
 
 // Helping (step 4 of NOTE [dcpkit epoch signalling]): a CTA that is not a waiter polls every
-// source's signal for at most kHelpNs (a bounded spin: it never blocks, so the co-residency rule
-// is unaffected); if all are there with the right fingerprint it takes one acquire each and
-// helps with the copy-out / combine. CTA-uniform; records nothing (the waiters do).
+// source's signal for a bounded time (it never blocks, so the co-residency rule is unaffected);
+// if all are there with the right fingerprint it takes one acquire each and helps with the
+// copy-out / combine. CTA-uniform; records nothing (the waiters do).
+// The bound is what helping can save: kHelpNs, plus kHelpNsPerUnit for every unit of work the K
+// waiters would do alone (`units` / K each), at most kHelpMaxNs. A small call gives up after
+// about kHelpNs (waiting longer than the waiters' whole copy gains nothing); a large one waits
+// out the usual skew between ranks (tens of microseconds, more on a shared GPU), so that the
+// whole grid shares the work instead of K CTAs alone. The spin also ends as soon as the call's
+// work counter shows every unit claimed (nothing left to help with).
 constexpr u64 kHelpNs = 20000;
-__device__ __forceinline__ bool try_all_sources(const Proto& p, int slot, u32 expected, u32 fp) {
+constexpr u64 kHelpNsPerUnit = 1000;
+constexpr u64 kHelpMaxNs = 400000;
+__device__ __forceinline__ u64 help_budget_ns(u32 units, u32 k_waiters) {
+  const u64 k = k_waiters < gridDim.x ? k_waiters : gridDim.x;
+  const u64 b = kHelpNs + kHelpNsPerUnit * (static_cast<u64>(units) / (k > 0ull ? k : 1ull));
+  return b < kHelpMaxNs ? b : kHelpMaxNs;
+}
+__device__ __forceinline__ bool try_all_sources(const Proto& p, int slot, u32 expected, u32 fp,
+                                                u32 units) {
   int ok = 1;
   const int src = static_cast<int>(threadIdx.x);
   if (src < p.world) {
     const u64* sig = p.signals + slot * p.world + src;
     u64 v = ld_relaxed_sys_u64(sig);
     if (static_cast<u32>(v) != expected) {
+      const u64 budget = help_budget_ns(units, p.waiters);
+      const volatile u32* work = p.work + slot;
       const u64 start = globaltimer_ns();
+      u32 spins = 0;
       do {
         v = ld_relaxed_sys_u64(sig);
-      } while (static_cast<u32>(v) != expected && globaltimer_ns() - start < kHelpNs);
+        if ((++spins & 63u) == 0u && *work >= units) break;  // every unit already claimed
+      } while (static_cast<u32>(v) != expected && globaltimer_ns() - start < budget);
     }
     ok = static_cast<u32>(v) == expected ? 1 : 0;
     if (ok) {

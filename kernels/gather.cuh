@@ -181,15 +181,23 @@ __device__ __forceinline__ void gather_push(const Proto& P, const u64* peer_data
 // sources so that every link (pull) or slot region (push) is busy at once.
 // kFromPeers: source s's part is read from rank s's own slot over NVLink (pull); otherwise from
 // this rank's slot, where the peers pushed it (copy-out after a push).
+__device__ __forceinline__ u32 gather_units_per_src(const GatherGeom& g) {
+  const u32 n = g.rows * g.row_vecs;
+  const u32 per_unit = blockDim.x * static_cast<u32>(kGatherUnroll);
+  return (n + per_unit - 1u) / per_unit;
+}
+// The units of gather_collect of a call (help_budget_ns and the helpers' early exit).
+__device__ __forceinline__ u32 gather_units(const Proto& P, const GatherGeom& g) {
+  return gather_units_per_src(g) * static_cast<u32>(P.world - 1);
+}
+
 template <bool kFromPeers>
 __device__ __forceinline__ void gather_collect(const Proto& P, const u64* peer_data, u64 slot_off,
                                                const GatherGeom& g, char* dst,
                                                long long dst_stride, int slot) {
   const long long part_bytes = static_cast<long long>(g.row_vecs) * 16ll;
   const u32 W = static_cast<u32>(P.world);
-  const u32 n = g.rows * g.row_vecs;
-  const u32 per_unit = blockDim.x * static_cast<u32>(kGatherUnroll);
-  const u32 units_per_src = (n + per_unit - 1u) / per_unit;
+  const u32 units_per_src = gather_units_per_src(g);
   const u32 units = units_per_src * (W - 1u);
   for (u32 c = claim_work(P, slot); c < units;) {
     const u32 next = claim_issue(P, slot);  // in flight while unit c is copied
@@ -228,7 +236,8 @@ __device__ __forceinline__ void gather_poison(const Proto& P, const GatherGeom& 
 //               g.out_stride) are written to `out`.
 // Zero copy: one waiter (the last CTA to arrive), so kernel completion implies that every rank's
 // block is in the local slot. Copy-out: the last min(grid, P.waiters) CTAs wait, then share the
-// copy with the other CTAs that find every signal within kHelpNs (work claimed unit by unit).
+// copy with the other CTAs that find every signal within help_budget_ns (work claimed unit by
+// unit).
 // In a poisoned workspace, or after a failed wait, the elected CTA fills the whole result with
 // 0xFF bytes (NOTE [dcpkit epoch signalling]).
 template <Transport TR>
@@ -250,7 +259,9 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
   bool published;
   const int w = arrive_and_publish<TR>(P, e, sig_slot, fp, k, dead, published);
   if (w < 0) {  // not a waiter: help with the copy-out if every source is there soon
-    if (out == nullptr || dead || !try_all_sources(P, sig_slot, e32, fp)) return;
+    if (out == nullptr || dead || !try_all_sources(P, sig_slot, e32, fp, gather_units(P, g))) {
+      return;
+    }
     gather_collect<false>(P, peer_data, slot_off, g, out, g.out_stride, sig_slot);
     return;
   }
@@ -271,7 +282,7 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
 //       into `out` with copy-out);
 //   (b) publish: this rank's signal now means "my block is staged in my slot";
 //   (c) the last min(grid, P.waiters) CTAs wait for every source (the others help if every
-//       source is there within kHelpNs), then they load source s's block from rank s's slot
+//       source is there within help_budget_ns), then they load source s's block from rank s's slot
 //       over NVLink into the same place of the own slot (or of `out`), unit by unit.
 // Slot reuse stays safe (same argument as NOTE [dcpkit epoch signalling], reads instead of
 // writes): this rank rewrites its data slot k (staging, step a) only at call n + 3; that call
@@ -302,7 +313,7 @@ __device__ __forceinline__ void gather_pull_call(const Proto& P, const u64* peer
   const int w = arrive_and_publish<Transport::Unicast>(P, e, sig_slot, fp, P.waiters, dead,
                                                     published);
   if (w < 0) {  // not a waiter: help with the loads if every source is there soon
-    if (dead || !try_all_sources(P, sig_slot, e32, fp)) return;
+    if (dead || !try_all_sources(P, sig_slot, e32, fp, gather_units(P, g))) return;
     gather_collect<true>(P, peer_data, slot_off, g, result, result_stride, sig_slot);
     return;
   }

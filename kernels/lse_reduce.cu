@@ -13,7 +13,8 @@
 //               (this one included) after one fence.acq_rel.sys.
 //   3. combine  the last K CTAs to arrive (K = min(grid, waiter_ctas)) wait for all sources
 //               (its own rank included: that signal says every CTA of this kernel finished its
-//               stores); the other CTAs help if every signal is there within kHelpNs, else exit.
+//               stores); the other CTAs help if every signal is there within help_budget_ns, else
+//               exit.
 //               They claim units of kWarps items (t, h) from the call's work counter:
 //               out = sum_s w_s * payload_s in fp32, rounded once; merged lse = m + log(sum).
 // See NOTE [dcpkit epoch signalling] in dcpkit_ptx.cuh for why slots can be reused without a
@@ -277,8 +278,9 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   bool published;
   const int w = arrive_and_publish<Transport::Unicast>(P, e, slot, fp, P.waiters, dead,
                                                     published);
+  const int units = (T * H_r + kWarps - 1) / kWarps;  // of the combine, kWarps items each
   if (w < 0) {  // not a waiter: help with the combine if every source is there soon
-    if (dead || !try_all_sources(P, slot, e32, fp)) return;
+    if (dead || !try_all_sources(P, slot, e32, fp, static_cast<u32>(units))) return;
   } else {
     const int nw = static_cast<int>(P.waiters < gridDim.x ? P.waiters : gridDim.x);
     const bool elected = w == nw - 1;
@@ -291,7 +293,6 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   }
   // The combine, in units of kWarps items claimed from the call's work counter.
   const char* own = reinterpret_cast<const char*>(peer_data[rank]) + slot_off;
-  const int units = (T * H_r + kWarps - 1) / kWarps;
   for (int c = static_cast<int>(claim_work(P, slot)); c < units;
        c = static_cast<int>(claim_work(P, slot))) {
     combine_rows<OUT_T>(own, static_cast<u64>(T_max) * H_r * row_bytes,

@@ -67,6 +67,7 @@ from .._checks import (
 from .._launch import Launcher
 from .._plan import PlanCache
 from .._setup import debug_enabled, guarded, share_outcome
+from .._sm_share import sm_share
 from ..comm import Communicator
 from ..errors import (
     ClosedError,
@@ -352,11 +353,9 @@ class OpWorkspace:
             self.heap = None
             raise
         # Ranks of this group on this very GPU (more than one only in functional runs where
-        # ranks share a GPU, e.g. under MPS). Every CTA of a dcpkit kernel that waits must be
-        # co-resident with the CTAs it waits for, the other ranks' included when they share
-        # the SMs: each rank takes at most its share of the SMs.
+        # ranks share a GPU, e.g. under MPS): each rank takes at most its share of the SMs.
         self.ranks_on_gpu = sum(1 for hb in every if hb == (comm.host, bus))
-        self.max_ctas = max(1, self.sm_count // self.ranks_on_gpu)
+        self.max_ctas = sm_share(self.sm_count, self.ranks_on_gpu)
         # Waiting CTAs per kernel (NOTE [dcpkit epoch signalling], co-residency rule).
         wc = getattr(self, "_waiter_ctas_arg", None)
         self.waiter_ctas = min(
