@@ -16,7 +16,7 @@
 //               stores); the other CTAs help if every signal is there within help_budget_ns, else
 //               exit.
 //               They claim units of kWarps items (t, h) from the call's work counter (the
-//               next claim overlapping the unit in hand):
+//               next claim overlapping the unit in hand when there are more units than CTAs):
 //               out = sum_s w_s * payload_s in fp32, rounded once; merged lse = m + log(sum).
 // See NOTE [dcpkit epoch signalling] in dcpkit_ptx.cuh for why slots can be reused without a
 // barrier, and for the co-residency rule that bounds the waiting CTAs.
@@ -294,13 +294,24 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   }
   // The combine, in units of kWarps items claimed from the call's work counter.
   const char* own = reinterpret_cast<const char*>(peer_data[rank]) + slot_off;
-  // The next claim is in flight while the unit in hand is merged (claim_issue / claim_publish).
-  for (int c = static_cast<int>(claim_work(P, slot)); c < units;) {
-    const u32 next = claim_issue(P, slot);
-    combine_rows<OUT_T>(own, static_cast<u64>(T_max) * H_r * row_bytes,
-                        reinterpret_cast<const float*>(own + lse_offset),
-                        static_cast<u64>(T_max) * H_r, W, T, H_r, D_v, out, out_lse, c, units);
-    c = static_cast<int>(claim_publish(next));
+  const u64 src_stride = static_cast<u64>(T_max) * H_r * row_bytes;
+  const float* ls = reinterpret_cast<const float*>(own + lse_offset);
+  const u64 lse_stride = static_cast<u64>(T_max) * H_r;
+  if (units > static_cast<int>(gridDim.x)) {
+    // Several units per CTA: the next claim is in flight while the unit in hand is merged
+    // (claim_issue / claim_publish; measured 4-5 % faster at T=128).
+    for (int c = static_cast<int>(claim_work(P, slot)); c < units;) {
+      const u32 next = claim_issue(P, slot);
+      combine_rows<OUT_T>(own, src_stride, ls, lse_stride, W, T, H_r, D_v, out, out_lse, c, units);
+      c = static_cast<int>(claim_publish(next));
+    }
+  } else {
+    // About one unit per CTA (small T): the plain claim, which measured about 1 us faster at
+    // T=8 than the overlapped one.
+    for (int c = static_cast<int>(claim_work(P, slot)); c < units;
+         c = static_cast<int>(claim_work(P, slot))) {
+      combine_rows<OUT_T>(own, src_stride, ls, lse_stride, W, T, H_r, D_v, out, out_lse, c, units);
+    }
   }
 }
 
