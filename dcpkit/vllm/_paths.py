@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..errors import InvalidArgument
 from ._collectives import merge_weights, natural_lse, to_base, weighted
-from ._common import check_bool, check_masks, check_outputs, check_tensor
+from ._common import check_bool, check_combine_inputs, check_tensor
 from ._workspaces import on_device
 
 __all__ = ["CollectivePaths"]
@@ -38,7 +38,6 @@ class CollectivePaths:
         out_lse,
     ):
         """The call checks every combine path shares; returns ``(T, H)``."""
-        torch = self._torch
         self._check_open(what)
         check_bool(return_lse, what, "return_lse")
         check_tensor(
@@ -55,21 +54,10 @@ class CollectivePaths:
                 f"{what}: partial_output head_dim must be output_head_dim "
                 f"{self.output_head_dim} (got {D})"
             )
-        check_tensor(
-            partial_lse,
-            what,
-            "partial_lse",
-            device=self.device,
-            dtypes=(torch.float32, torch.float16, torch.bfloat16),
-            ndim=2,
+        masks, outs, out_shape = (seq_lens, query_start_loc), (out, out_lse), (T, heads_out(H), D)
+        check_combine_inputs(
+            what, self.device, partial_lse, (T, H), masks, outs, out_shape, self.output_dtype
         )
-        if tuple(partial_lse.shape) != (T, H):
-            raise InvalidArgument(
-                f"{what}: partial_lse shape must be [{T}, {H}] (got {list(partial_lse.shape)})"
-            )
-        check_masks(what, seq_lens, query_start_loc, self.device)
-        h = heads_out(H)
-        check_outputs(what, out, out_lse, (T, h, D), self.output_dtype, self.device)
         return T, H
 
     def _a2a_heads(self, what):
