@@ -75,7 +75,7 @@ def json_problem(path: str | None) -> str | None:
 def parser() -> argparse.ArgumentParser:
     """The demo's argument parser; every numeric argument is validated when parsed."""
     p = CommandParser(
-        prog="python -m dcpkit demo",
+        prog="dcpkit demo",
         description="One MLA decode attention layer with decode context parallelism "
         "(q_gather -> partial attention -> lse_reduce), checked against a reference "
         "over the whole KV and timed against NCCL. Run it as "
