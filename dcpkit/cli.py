@@ -72,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, args = argv[0], argv[1:]
     if command not in _COMMANDS:
-        print(f"{_usage()}\n\ndcpkit: unknown command {command!r}", file=sys.stderr)
+        print(
+            f"dcpkit: unknown command {command!r}: must be one of {', '.join(_COMMANDS)} "
+            f"(see dcpkit --help)",
+            file=sys.stderr,
+        )
         return 2
     mod_name = _COMMANDS[command][0]
     try:
