@@ -3,6 +3,8 @@ with the vLLM config turned into explicit keywords."""
 
 from __future__ import annotations
 
+import functools
+
 from ..errors import ClosedError, InvalidArgument, InvalidType
 from ._collectives import GroupCollectives
 from ._common import (
@@ -20,7 +22,7 @@ from ._common import (
     resolve_torch_dtype,
 )
 from ._gathers import DirectDCPKVGatherWorkspace, DirectDCPQGatherWorkspace
-from ._paths import CollectivePaths
+from ._paths import CollectivePaths, CombineCall
 from ._workspaces import A2A_DTYPES, KV_GATHER_DTYPES, DirectDCPA2AWorkspace
 
 __all__ = ["MLADCPManager", "COMM_BACKENDS"]
@@ -359,45 +361,27 @@ class MLADCPManager(CollectivePaths):
             raise ClosedError(f"{what}: the manager is closed")
 
     # ------------------------------------------------------------------ combine
-    def _combine_direct(
-        self,
-        partial_output,
-        partial_lse,
-        *,
-        seq_lens=None,
-        query_start_loc=None,
-        return_lse=False,
-        out=None,
-        out_lse=None,
-    ):
-        """The direct A2A combine; calls with ``T > max_num_tokens`` take the all-to-all."""
+    #: The direct A2A combine; calls with ``T > max_num_tokens`` take the all-to-all.
+    _combine_direct = functools.partialmethod(CollectivePaths._combine_on, "direct")
+
+    def _direct_combine(self, call: CombineCall):
         self._check_open("MLADCPManager.combine")
-        if (
-            getattr(partial_output, "ndim", 0) >= 1
-            and partial_output.shape[0] > self.max_num_tokens
-        ):
+        po = call.partial_output
+        if getattr(po, "ndim", 0) >= 1 and po.shape[0] > self.max_num_tokens:
             log_once(
                 f"{_WHAT}.combine: calls with T > max_num_tokens={self.max_num_tokens} "
                 f"use the all-to-all on the {self._coll.backend} group"
             )
-            return self._combine_a2a(
-                partial_output,
-                partial_lse,
-                seq_lens=seq_lens,
-                query_start_loc=query_start_loc,
-                return_lse=return_lse,
-                out=out,
-                out_lse=out_lse,
-            )
+            return self._a2a_combine(call)
         res = self._a2a.lse_reduce(
-            partial_output,
-            partial_lse,
+            po,
+            call.partial_lse,
             self.is_lse_base_on_e,
-            seq_lens,
-            query_start_loc,
-            return_lse=return_lse,
-            out=out,
-            out_lse=out_lse,
+            call.seq_lens,
+            call.query_start_loc,
+            return_lse=call.return_lse,
+            out=call.out,
+            out_lse=call.out_lse,
         )
         self._count("combine:direct-a2a")
         return res
