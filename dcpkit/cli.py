@@ -13,13 +13,24 @@ on a machine without CuPy, MPI or a GPU.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 import warnings
 
 from .errors import DcpkitError, MissingDependency
 
-__all__ = ["main"]
+__all__ = ["main", "CommandParser"]
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The argument parser of a subcommand: a usage error is one line on stderr naming the
+    argument, ``<prog>: <message> (see <prog> --help)``, and exit status 2 (no usage block)."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"{self.prog}: {message} (see {self.prog} --help)\n")
+        sys.exit(2)
+
 
 _COMMANDS = {
     "info": ("dcpkit.info", "print versions, GPUs, P2P access and the multicast decision"),
@@ -61,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, args = argv[0], argv[1:]
     if command not in _COMMANDS:
-        print(f"{_usage()}\n\ndcpkit: unknown command {command!r}", file=sys.stderr)
+        print(
+            f"dcpkit: unknown command {command!r}: must be one of {', '.join(_COMMANDS)} "
+            f"(see dcpkit --help)",
+            file=sys.stderr,
+        )
         return 2
     mod_name = _COMMANDS[command][0]
     try:

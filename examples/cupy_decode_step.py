@@ -1,6 +1,7 @@
 """One decode step of attention with decode context parallelism: CuPy arrays, no framework.
 
-Run with one process per GPU (ranks may share a GPU under MPS)::
+Needs the CUDA and MPI extras: ``pip install 'dcpkit[cuda12,mpi]'`` (``cuda13`` instead of
+``cuda12`` to match the driver). Run with one process per GPU (ranks may share a GPU under MPS)::
 
     mpirun -np 2 python examples/cupy_decode_step.py
 

@@ -1,6 +1,7 @@
 """DCPComm: the three exchanges of decode context parallelism behind one object.
 
-Run with one process per GPU (ranks may share a GPU under MPS)::
+Needs the CUDA and MPI extras: ``pip install 'dcpkit[cuda12,mpi]'`` (``cuda13`` instead of
+``cuda12`` to match the driver). Run with one process per GPU (ranks may share a GPU under MPS)::
 
     mpirun -np 2 python examples/dcpcomm_step.py
 

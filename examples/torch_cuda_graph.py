@@ -1,6 +1,8 @@
 """A decode step with decode context parallelism in torch, captured once in a CUDA graph.
 
-Run with one process per GPU (ranks may share a GPU under MPS); needs torch with CUDA::
+Needs the CUDA, MPI and torch extras: ``pip install 'dcpkit[cuda12,mpi,torch]'`` (``cuda13``
+instead of ``cuda12`` to match the driver; torch must be a CUDA build). Run with one process
+per GPU (ranks may share a GPU under MPS)::
 
     mpirun -np 2 python examples/torch_cuda_graph.py
 
@@ -96,6 +98,28 @@ def reference(q, kv, rank: int, scale: float) -> np.ndarray:
     return out
 
 
+def torch_problem(torch) -> str:
+    """What keeps this example from running torch on a GPU here ("" when nothing does)."""
+    if torch is None:
+        return "torch is not installed: install it with pip install 'dcpkit[torch]'"
+    if torch.version.cuda is None:
+        return (
+            f"torch {torch.__version__} is a CPU build: install a CUDA build of torch "
+            f"(matching the cuda12 / cuda13 extra)"
+        )
+    return "" if torch.cuda.is_available() else "torch sees no CUDA GPU"
+
+
+def missing(e: ImportError) -> str:
+    """The one line for a missing module, naming the extra that brings it."""
+    top = (e.name or "").split(".")[0]
+    if top == "torch":
+        return torch_problem(None)
+    if top == "cupy":
+        return "CuPy is not installed: install it with pip install 'dcpkit[cuda12]' (or cuda13)"
+    return f"a module is missing ({e})"
+
+
 def main() -> int:
     comm = dcpkit.Communicator.from_mpi()
     W, r = comm.world_size, comm.rank
@@ -109,9 +133,9 @@ def main() -> int:
         from dcpkit.torch import TorchOps
     except ImportError as e:
         torch = None
-        why = f"needs torch and CuPy ({e})"
+        why = missing(e)
     else:
-        why = "" if torch.cuda.is_available() else "torch sees no CUDA GPU"
+        why = torch_problem(torch)
     if not all(comm.allgather(not why)):
         say(comm, f"torch_cuda_graph: could not run on every rank: {why or 'another rank'}")
         return 2

@@ -2,7 +2,9 @@
 calls its DCP manager, on dcpkit's vLLM-shaped classes; checked against full attention of the
 whole KV (``torch.nn.functional.scaled_dot_product_attention``).
 
-Run (one process per GPU; ranks may share a GPU for a functional run)::
+Needs the CUDA, MPI and torch extras: ``pip install 'dcpkit[cuda12,mpi,torch]'`` (``cuda13``
+instead of ``cuda12`` to match the driver; torch must be a CUDA build). Run (one process per
+GPU; ranks may share a GPU for a functional run)::
 
     mpirun -np 2 python examples/vllm_api.py          # Open MPI as root: --allow-run-as-root
     mpirun -np 4 python examples/vllm_api.py --comm-backend ag_rs
@@ -230,6 +232,28 @@ def say(comm, *args) -> None:
         print(*args, flush=True)
 
 
+def torch_problem(torch) -> str:
+    """What keeps this example from running torch on a GPU here ("" when nothing does)."""
+    if torch is None:
+        return "torch is not installed: install it with pip install 'dcpkit[torch]'"
+    if torch.version.cuda is None:
+        return (
+            f"torch {torch.__version__} is a CPU build: install a CUDA build of torch "
+            f"(matching the cuda12 / cuda13 extra)"
+        )
+    return "" if torch.cuda.is_available() else "torch sees no CUDA GPU"
+
+
+def missing(e: ImportError) -> str:
+    """The one line for a missing module, naming the extra that brings it."""
+    top = (e.name or "").split(".")[0]
+    if top == "torch":
+        return torch_problem(None)
+    if top == "cupy":
+        return "CuPy is not installed: install it with pip install 'dcpkit[cuda12]' (or cuda13)"
+    return f"a module is missing ({e})"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0)
@@ -249,9 +273,9 @@ def main(argv=None) -> int:
         from dcpkit import vllm  # noqa: F401 - the classes need torch and CuPy
     except ImportError as e:
         torch = None
-        why = f"needs torch and CuPy ({e})"
+        why = missing(e)
     else:
-        why = "" if torch.cuda.is_available() else "torch sees no CUDA GPU"
+        why = torch_problem(torch)
     if not all(comm.allgather(not why)):
         say(comm, f"vllm_api: could not run on every rank: {why or 'another rank'}")
         return 2

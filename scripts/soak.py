@@ -31,7 +31,6 @@ the wrap; 2, with one line saying why, where there is no GPU.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -521,20 +520,66 @@ def problems(summary: dict) -> str | None:
     return "\n".join(out) or None
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calls", type=int, default=100_000)
-    ap.add_argument("--check-every", type=int, default=1000)
-    ap.add_argument("--seed", type=int, default=None, help="default: random (printed)")
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--dtype", default="bfloat16")
+def parser():
+    """The soak's argument parser: every value is checked when parsed (one line, exit 2)."""
+    from dcpkit.cli import CommandParser
+    from dcpkit.demo.cli import integer, milliseconds
+
+    ap = CommandParser(
+        prog="scripts/soak.py",
+        description=__doc__.split("\n\n")[0]
+        + " Run it as 'mpirun -np N python scripts/soak.py' with one GPU per rank (or ranks "
+        "sharing one GPU under MPS); exit status 0 only when every rank passed.",
+    )
+    ap.add_argument(
+        "--calls",
+        type=integer(1),
+        default=100_000,
+        help="op calls to make; a graph replay counts three, one per op (default: 100000)",
+    )
+    ap.add_argument(
+        "--check-every",
+        type=integer(1),
+        default=1000,
+        help="calls between checkpoints: fresh inputs, and every op, ubatch and path checked "
+        "on the host against the reference (default: 1000)",
+    )
+    ap.add_argument(
+        "--seed",
+        type=integer(0),
+        default=None,
+        help="seed of the call sequence and the inputs, >= 0 (default: random, printed)",
+    )
+    ap.add_argument(
+        "--max-tokens",
+        type=integer(1),
+        default=32,
+        help="T_max of the workspaces; calls use T in {1, 5, 17, T_max} (default: 32)",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default="bfloat16",
+        help="dtype of every op's inputs and outputs (default: bfloat16)",
+    )
     ap.add_argument(
         "--timeout-ms",
-        type=float,
+        type=milliseconds,
         default=None,
-        help="wait deadline of the ops (default: DCPKIT_TIMEOUT_MS or 5000)",
+        help="deadline of every wait of the ops, in (0, 3600000] ms (default: "
+        "DCPKIT_TIMEOUT_MS or 5000)",
     )
-    ap.add_argument("--json", default=None, help="write the summary here (rank 0)")
+    ap.add_argument(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="also write the summary as JSON to PATH (rank 0; missing folders are created)",
+    )
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     _gpu_or_exit("soak")
 

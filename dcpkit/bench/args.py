@@ -12,10 +12,10 @@ import argparse
 import math
 import os
 import re
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..cli import CommandParser
 from .common import ALL_MODES, ALL_OPS, ALL_PATHS, GEOMETRY, KiB, MiB
 
 __all__ = [
@@ -39,12 +39,8 @@ MAX_TOKENS = 65536
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
 
 
-class BenchParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line on stderr (exit status 2), no usage block."""
-
-    def error(self, message: str):
-        sys.stderr.write(f"{self.prog}: {message} (see {self.prog} --help)\n")
-        sys.exit(2)
+#: The bench's parser class: errors are one line on stderr (exit status 2), no usage block.
+BenchParser = CommandParser
 
 
 def parse_size(text: str) -> int:

@@ -277,26 +277,18 @@ def plot_results(result: Mapping[str, Any], path: str, dpi: int = 80) -> str | N
                 )
                 if not pts:
                     continue
-                x = [p[0] for p in pts]
-                ax_t.plot(
-                    x,
-                    [p[1] for p in pts],
-                    ls,
-                    marker="o",
-                    ms=3,
-                    color=colors.get(name),
-                    label=f"{name} {mode}",
-                )
-                bw = [(p[0], p[2]) for p in pts if p[2]]
-                ax_b.plot(
-                    [q[0] for q in bw],
-                    [q[1] for q in bw],
-                    ls,
-                    marker="o",
-                    ms=3,
-                    color=colors.get(name),
-                    label=f"{name} {mode}",
-                )
+                times = [(p[0], p[1]) for p in pts]
+                bandwidths = [(p[0], p[2]) for p in pts if p[2]]
+                for ax, series in ((ax_t, times), (ax_b, bandwidths)):
+                    ax.plot(
+                        [q[0] for q in series],
+                        [q[1] for q in series],
+                        ls,
+                        marker="o",
+                        ms=3,
+                        color=colors.get(name),
+                        label=f"{name} {mode}",
+                    )
         fl = sorted(
             {(r["bytes_per_rank"], r["floor_us"]) for r in mine if r.get("floor_us") is not None}
         )

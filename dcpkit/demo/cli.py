@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .._checks import INT32_MAX, MAX_TIMEOUT_MS
+from ..cli import CommandParser
 from ..errors import DcpkitError
 from . import environment
 from .model import PRESETS
@@ -73,8 +74,8 @@ def json_problem(path: str | None) -> str | None:
 
 def parser() -> argparse.ArgumentParser:
     """The demo's argument parser; every numeric argument is validated when parsed."""
-    p = argparse.ArgumentParser(
-        prog="python -m dcpkit demo",
+    p = CommandParser(
+        prog="dcpkit demo",
         description="One MLA decode attention layer with decode context parallelism "
         "(q_gather -> partial attention -> lse_reduce), checked against a reference "
         "over the whole KV and timed against NCCL. Run it as "
@@ -161,6 +162,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.print_help = lambda file=None: None  # type: ignore[method-assign]
         p.print_usage = lambda file=None: None  # type: ignore[method-assign]
         p.exit = lambda status=0, message=None: sys.exit(status)  # type: ignore[method-assign]
+        p.error = lambda message: sys.exit(2)  # type: ignore[method-assign]
     return p.parse_args(None if argv is None else list(argv))
 
 

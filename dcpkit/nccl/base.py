@@ -50,11 +50,11 @@ def check_heap_type(heap, op: str) -> None:
 class NcclOp(Resource):
     """What the three NCCL ops share: the NCCL group, call counters, buffers, lifetime.
 
-    A subclass implements ``_check_geometry(world_size, **geometry keywords)`` (a
-    classmethod: every check that needs no GPU and no collective, returning what every rank must
-    agree on and the derived geometry), ``_warmup_call(T)`` and ``_free_buffers()``; its
-    constructor calls :meth:`_agree_geometry`, :meth:`_setup_nccl`, :meth:`_allocate` and
-    :meth:`_finish`.
+    A subclass names its ``agreed_names`` and implements ``_check_geometry(world_size,
+    **geometry keywords)`` (a classmethod: every check that needs no GPU and no collective,
+    returning what every rank must agree on and the checked geometry with the sizes derived
+    from it), ``_make_buffers()``, ``_warmup_call(T)`` and ``_free_buffers()``; its constructor
+    passes its arguments to :meth:`_construct`.
     """
 
     op_name = "op"
@@ -68,7 +68,31 @@ class NcclOp(Resource):
     multicast = False
     transport = "nccl"
 
+    #: The geometry keywords every rank must pass equal, as a ConfigMismatch names them.
+    agreed_names = ""
+
     # ------------------------------------------------------------------ construction
+    def _construct(self, arguments: dict) -> None:
+        """The constructor of every NCCL op, given all its arguments (``locals()`` of its
+        ``__init__``, so that no keyword can be left out of the checks): the geometry keywords
+        go to :meth:`_agree_geometry` with ``heap`` / ``multicast`` (type-checked only), then
+        :meth:`_build` (collective)."""
+        geometry = {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
+        comm, nccl_group = geometry.pop("comm"), geometry.pop("nccl_group")
+        unused = {k: geometry.pop(k) for k in ("heap", "multicast") if k in geometry}
+        self._agree_geometry(comm, geometry, self.agreed_names, nccl_group, **unused)
+        self._build(nccl_group)
+
+    def _build(self, nccl_group: NcclGroup | None) -> None:
+        """The NCCL group, kernels, buffers and warm-up of a checked geometry (collective)."""
+        self._setup_nccl(nccl_group)
+        self._allocate(self._make_buffers)
+        self._finish()
+
+    def _make_buffers(self) -> None:
+        """Allocate the op's device buffers with :meth:`_alloc` (run by :meth:`_allocate`)."""
+        raise NotImplementedError
+
     def _agree_geometry(
         self,
         comm: Communicator,

@@ -51,6 +51,7 @@ class NcclKVGather(NcclOp):
     op_name = "kv_gather"
     algorithm = "all_gather"
     launches_per_call = 1
+    agreed_names = "max_tokens, row_dim, dtype, num_ubatches"
 
     def __init__(
         self,
@@ -66,35 +67,12 @@ class NcclKVGather(NcclOp):
         multicast: bool | None = None,
         nccl_group: NcclGroup | None = None,
     ):
-        self._agree_geometry(
-            comm,
-            dict(
-                max_tokens=max_tokens,
-                row_dim=row_dim,
-                dtype=dtype,
-                num_ubatches=num_ubatches,
-                algorithm=algorithm,
-                timeout_ms=timeout_ms,
-            ),
-            "max_tokens, row_dim, dtype, num_ubatches",
-            nccl_group,
-            heap=heap,
-            multicast=multicast,
-        )
-        self._build(nccl_group)
+        self._construct(locals())  # every keyword: none is left unchecked
 
-    def _build(self, nccl_group: NcclGroup | None) -> None:
-        """The NCCL group, kernels, buffers and warm-up of a checked geometry (collective)."""
-        self._setup_nccl(nccl_group)
-        self.row_bytes = self.row_dim * self.dtype.itemsize
-        T, W, U = self.max_tokens, self.world_size, self.num_ubatches
-
-        def build():
-            self._send = [self._alloc(T * self.row_bytes) for _ in range(U)]
-            self._outs = [[self._alloc(W * T * self.row_bytes) for _ in range(3)] for _ in range(U)]
-
-        self._allocate(build)
-        self._finish()
+    def _make_buffers(self) -> None:
+        T, W, U, row = self.max_tokens, self.world_size, self.num_ubatches, self.row_bytes
+        self._send = [self._alloc(T * row) for _ in range(U)]
+        self._outs = [[self._alloc(W * T * row) for _ in range(3)] for _ in range(U)]
 
     @classmethod
     def _check_geometry(
@@ -117,10 +95,9 @@ class NcclKVGather(NcclOp):
         if algorithm not in ("push", "pull"):
             raise InvalidArgument(f"{op}: algorithm must be 'push' or 'pull' (got {algorithm!r})")
         T = g["max_tokens"]
+        g["row_bytes"] = g["row_dim"] * dt.itemsize
         cls._check_buffer_bytes(
-            g["num_ubatches"],
-            T * g["row_dim"] * dt.itemsize * (1 + 3 * g["world_size"]),
-            "max_tokens, row_dim",
+            g["num_ubatches"], T * g["row_bytes"] * (1 + 3 * g["world_size"]), "max_tokens, row_dim"
         )
         return (T, g["row_dim"], str(dt), g["num_ubatches"]), g
 

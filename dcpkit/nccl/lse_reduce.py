@@ -153,6 +153,9 @@ class NcclLseReduce(NcclOp):
     """
 
     op_name = "lse_reduce"
+    agreed_names = (
+        "max_tokens, num_heads, head_dim, dtype, lse_base, return_lse, algorithm, num_ubatches"
+    )
 
     def __init__(
         self,
@@ -170,57 +173,27 @@ class NcclLseReduce(NcclOp):
         algorithm: str = "all_to_all",
         nccl_group: NcclGroup | None = None,
     ):
-        self._agree_geometry(
-            comm,
-            dict(
-                max_tokens=max_tokens,
-                num_heads=num_heads,
-                head_dim=head_dim,
-                dtype=dtype,
-                num_ubatches=num_ubatches,
-                lse_base=lse_base,
-                return_lse=return_lse,
-                timeout_ms=timeout_ms,
-                algorithm=algorithm,
-            ),
-            "max_tokens, num_heads, head_dim, dtype, lse_base, return_lse, algorithm, num_ubatches",
-            nccl_group,
-            heap=heap,
-        )
-        self._build(nccl_group)
+        self._construct(locals())  # every keyword: none is left unchecked
 
-    def _build(self, nccl_group: NcclGroup | None) -> None:
-        """The NCCL group, kernels, buffers and warm-up of a checked geometry (collective)."""
-        self._setup_nccl(nccl_group)
+    def _make_buffers(self) -> None:
         W, T, U = self.world_size, self.max_tokens, self.num_ubatches
-        H, D = self.num_heads, self.head_dim
-        H_r = self.heads_per_rank = H // W
-        self.out_heads = H if self.algorithm == "allgather_all_reduce" else H_r
-        self.launches_per_call = 6 if self.algorithm == "all_to_all" else 5
-        self._scale = np.float32(1.0 if self.lse_base == math.e else math.log(2.0))
+        H, H_r, Ho, D = self.num_heads, self.heads_per_rank, self.out_heads, self.head_dim
         isz = self.dtype.itemsize
-        self._row_bytes = D * isz
-        Ho = self.out_heads
+        if self.algorithm == "all_to_all":
+            from ..ops.lse_reduce import lse_combine
 
-        def build():
-            if self.algorithm == "all_to_all":
-                from ..ops.lse_reduce import lse_combine
-
-                self._combine = lse_combine
-                self._send_out = [self._alloc(T * H * D * isz) for _ in range(U)]
-                self._recv_out = [self._alloc(T * H * D * isz) for _ in range(U)]
-                self._send_lse = [self._alloc(T * H * 4) for _ in range(U)]
-                self._recv_lse = [self._alloc(T * H * 4) for _ in range(U)]
-            else:
-                self._lse_all = [self._alloc(W * T * H * 4) for _ in range(U)]
-                self._y = [self._alloc(T * H * D * 4) for _ in range(U)]
-                if self.algorithm == "allgather_reduce_scatter":
-                    self._rs = [self._alloc(T * H_r * D * 4) for _ in range(U)]
-            self._outs = [[self._alloc(T * Ho * D * isz) for _ in range(3)] for _ in range(U)]
-            self._lse_outs = [[self._alloc(T * Ho * 4) for _ in range(3)] for _ in range(U)]
-
-        self._allocate(build)
-        self._finish()
+            self._combine = lse_combine
+            self._send_out = [self._alloc(T * H * D * isz) for _ in range(U)]
+            self._recv_out = [self._alloc(T * H * D * isz) for _ in range(U)]
+            self._send_lse = [self._alloc(T * H * 4) for _ in range(U)]
+            self._recv_lse = [self._alloc(T * H * 4) for _ in range(U)]
+        else:
+            self._lse_all = [self._alloc(W * T * H * 4) for _ in range(U)]
+            self._y = [self._alloc(T * H * D * 4) for _ in range(U)]
+            if self.algorithm == "allgather_reduce_scatter":
+                self._rs = [self._alloc(T * H_r * D * 4) for _ in range(U)]
+        self._outs = [[self._alloc(T * Ho * D * isz) for _ in range(3)] for _ in range(U)]
+        self._lse_outs = [[self._alloc(T * Ho * 4) for _ in range(3)] for _ in range(U)]
 
     @classmethod
     def _check_geometry(
@@ -260,7 +233,11 @@ class NcclLseReduce(NcclOp):
             )
         g["lse_base"] = check_lse_base(lse_base, op)
         g["return_lse"] = check_bool(return_lse, op, "return_lse")
-        Ho = H if algorithm == "allgather_all_reduce" else H // W
+        g["heads_per_rank"] = H // W
+        Ho = g["out_heads"] = H if algorithm == "allgather_all_reduce" else H // W
+        g["launches_per_call"] = 6 if algorithm == "all_to_all" else 5
+        g["_scale"] = np.float32(1.0 if g["lse_base"] == math.e else math.log(2.0))
+        g["_row_bytes"] = D * isz
         if algorithm == "all_to_all":
             scratch = 2 * T * H * D * isz + 2 * T * H * 4
         else:

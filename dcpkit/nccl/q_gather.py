@@ -68,6 +68,7 @@ class NcclQGather(NcclOp):
     op_name = "q_gather"
     algorithm = "all_gather"
     launches_per_call = 2
+    agreed_names = "max_tokens, heads_per_rank, head_dim, dtype, padded_num_heads, num_ubatches"
 
     def __init__(
         self,
@@ -84,39 +85,13 @@ class NcclQGather(NcclOp):
         multicast: bool | None = None,
         nccl_group: NcclGroup | None = None,
     ):
-        self._agree_geometry(
-            comm,
-            dict(
-                max_tokens=max_tokens,
-                heads_per_rank=heads_per_rank,
-                head_dim=head_dim,
-                dtype=dtype,
-                num_ubatches=num_ubatches,
-                padded_num_heads=padded_num_heads,
-                timeout_ms=timeout_ms,
-            ),
-            "max_tokens, heads_per_rank, head_dim, dtype, padded_num_heads, num_ubatches",
-            nccl_group,
-            heap=heap,
-            multicast=multicast,
-        )
-        self._build(nccl_group)
+        self._construct(locals())  # every keyword: none is left unchecked
 
-    def _build(self, nccl_group: NcclGroup | None) -> None:
-        """The NCCL group, kernels, buffers and warm-up of a checked geometry (collective)."""
-        self._setup_nccl(nccl_group)
-        isz = self.dtype.itemsize
-        self.row_bytes = self.heads_per_rank * self.head_dim * isz
-        self._token_bytes = self.padded_num_heads * self.head_dim * isz
-        T, W, U = self.max_tokens, self.world_size, self.num_ubatches
-
-        def build():
-            self._send = [self._alloc(T * self.row_bytes) for _ in range(U)]
-            self._gather = [self._alloc(W * T * self.row_bytes) for _ in range(U)]
-            self._outs = [[self._alloc(T * self._token_bytes) for _ in range(3)] for _ in range(U)]
-
-        self._allocate(build)
-        self._finish()
+    def _make_buffers(self) -> None:
+        T, U = self.max_tokens, self.num_ubatches
+        self._send = [self._alloc(T * self.row_bytes) for _ in range(U)]
+        self._gather = [self._alloc(self.world_size * T * self.row_bytes) for _ in range(U)]
+        self._outs = [[self._alloc(T * self._token_bytes) for _ in range(3)] for _ in range(U)]
 
     @classmethod
     def _check_geometry(
@@ -143,10 +118,11 @@ class NcclQGather(NcclOp):
         H = g["num_heads"] = g["heads_per_rank"] * W
         pad = H if padded_num_heads is None else padded_num_heads
         g["padded_num_heads"] = check_positive_int(pad, op, "padded_num_heads", minimum=H)
-        row = g["heads_per_rank"] * g["head_dim"] * dt.itemsize
+        row = g["row_bytes"] = g["heads_per_rank"] * g["head_dim"] * dt.itemsize
+        g["_token_bytes"] = g["padded_num_heads"] * g["head_dim"] * dt.itemsize
         cls._check_buffer_bytes(
             g["num_ubatches"],
-            T * row * (1 + W) + 3 * T * g["padded_num_heads"] * g["head_dim"] * dt.itemsize,
+            T * row * (1 + W) + 3 * T * g["_token_bytes"],
             "max_tokens, heads_per_rank, head_dim, padded_num_heads",
         )
         return (

@@ -376,6 +376,30 @@ def check_outputs(what: str, out, out_lse, out_shape: tuple, out_dtype, device) 
             )
 
 
+def check_combine_inputs(
+    what: str, device, partial_lse, shape: tuple, masks: tuple, outs: tuple, out_shape, out_dtype
+) -> None:
+    """What every combine checks after its ``partial_output [T, H, D]``: ``partial_lse`` of
+    ``shape = (T, H)`` (float32, float16 or bfloat16, on ``device``), ``masks = (seq_lens,
+    query_start_loc)`` (:func:`check_masks`) and ``outs = (out, out_lse)`` (:func:`check_outputs`
+    with ``out_shape`` and ``out_dtype``)."""
+    torch = require_torch(what)
+    check_tensor(
+        partial_lse,
+        what,
+        "partial_lse",
+        device=device,
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        ndim=2,
+    )
+    if tuple(partial_lse.shape) != tuple(shape):
+        raise InvalidArgument(
+            f"{what}: partial_lse shape must be {list(shape)} (got {list(partial_lse.shape)})"
+        )
+    check_masks(what, *masks, device)
+    check_outputs(what, *outs, out_shape, out_dtype, device)
+
+
 def check_masks(what: str, seq_lens, query_start_loc, device) -> bool:
     """vLLM's rule for the empty-shard masks, then dcpkit's: both or neither, ``seq_lens [S]`` and
     ``query_start_loc [S+1]`` int32, 1-D, contiguous, on ``device``. Returns whether they are

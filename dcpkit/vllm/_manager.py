@@ -3,6 +3,8 @@ with the vLLM config turned into explicit keywords."""
 
 from __future__ import annotations
 
+import functools
+
 from ..errors import ClosedError, InvalidArgument, InvalidType
 from ._collectives import GroupCollectives
 from ._common import (
@@ -20,7 +22,7 @@ from ._common import (
     resolve_torch_dtype,
 )
 from ._gathers import DirectDCPKVGatherWorkspace, DirectDCPQGatherWorkspace
-from ._paths import CollectivePaths
+from ._paths import CollectivePaths, CombineCall
 from ._workspaces import A2A_DTYPES, KV_GATHER_DTYPES, DirectDCPA2AWorkspace
 
 __all__ = ["MLADCPManager", "COMM_BACKENDS"]
@@ -244,11 +246,18 @@ class MLADCPManager(CollectivePaths):
             )
             self.combine = self._combine_ag_ar if self.use_pcp else self._combine_ag_rs
         else:
-            bad = self._direct_refusal(W, one_host)
-            if bad is None and _name(odt) not in A2A_DTYPES:
-                bad = f"output_dtype {odt} is not one of {list(A2A_DTYPES)}"
-            if bad is None and (Dv * odt.itemsize) % 16:
-                bad = f"output_head_dim * itemsize = {Dv * odt.itemsize} is not a multiple of 16"
+            bad = self._direct_refusal(
+                W,
+                one_host,
+                (
+                    _name(odt) not in A2A_DTYPES,
+                    f"output_dtype {odt} is not one of {list(A2A_DTYPES)}",
+                ),
+                (
+                    (Dv * odt.itemsize) % 16,
+                    f"output_head_dim * itemsize = {Dv * odt.itemsize} is not a multiple of 16",
+                ),
+            )
             if bad is None:
                 self._a2a = DirectDCPA2AWorkspace(
                     self.comm,
@@ -283,11 +292,15 @@ class MLADCPManager(CollectivePaths):
             return
         qdt, Dq, H_r = self.query_dtype, self.query_head_dim, self.num_heads
         storage = W * H_r if self.padded_num_heads is None else self.padded_num_heads
-        bad = self._direct_refusal(W, one_host)
-        if bad is None and movable_view_dtype(qdt) is None:
-            bad = f"query_dtype {qdt} cannot be moved by dcpkit"
-        if bad is None and ((H_r * Dq * qdt.itemsize) % 16 or (storage * Dq * qdt.itemsize) % 16):
-            bad = "query rows are not multiples of 16 bytes"
+        bad = self._direct_refusal(
+            W,
+            one_host,
+            (movable_view_dtype(qdt) is None, f"query_dtype {qdt} cannot be moved by dcpkit"),
+            (
+                (H_r * Dq * qdt.itemsize) % 16 or (storage * Dq * qdt.itemsize) % 16,
+                "query rows are not multiples of 16 bytes",
+            ),
+        )
         if bad is None:
             self._qg = DirectDCPQGatherWorkspace(
                 self.comm,
@@ -314,12 +327,15 @@ class MLADCPManager(CollectivePaths):
             self.query_gather = self._gather_query
         self.paths["query_gather"], self.reasons["query_gather"] = path, why
 
-    def _direct_refusal(self, W: int, one_host: bool) -> str | None:
+    def _direct_refusal(self, W: int, one_host: bool, *checks: tuple[object, str]) -> str | None:
+        """Why a direct workspace cannot serve (None when it can): fewer than 2 ranks, a group
+        that spans hosts, else the reason of the first ``(refused, reason)`` of ``checks``
+        whose ``refused`` is true."""
         if W < 2:
             return f"world_size {W} < 2"
         if not one_host:
             return "the group spans hosts"
-        return None
+        return next((reason for refused, reason in checks if refused), None)
 
     def _warm_merge(self) -> None:
         """Load dcpkit's merge kernel now, so that no compile or module load can fall inside a
@@ -345,45 +361,27 @@ class MLADCPManager(CollectivePaths):
             raise ClosedError(f"{what}: the manager is closed")
 
     # ------------------------------------------------------------------ combine
-    def _combine_direct(
-        self,
-        partial_output,
-        partial_lse,
-        *,
-        seq_lens=None,
-        query_start_loc=None,
-        return_lse=False,
-        out=None,
-        out_lse=None,
-    ):
-        """The direct A2A combine; calls with ``T > max_num_tokens`` take the all-to-all."""
+    #: The direct A2A combine; calls with ``T > max_num_tokens`` take the all-to-all.
+    _combine_direct = functools.partialmethod(CollectivePaths._combine_on, "direct")
+
+    def _direct_combine(self, call: CombineCall):
         self._check_open("MLADCPManager.combine")
-        if (
-            getattr(partial_output, "ndim", 0) >= 1
-            and partial_output.shape[0] > self.max_num_tokens
-        ):
+        po = call.partial_output
+        if getattr(po, "ndim", 0) >= 1 and po.shape[0] > self.max_num_tokens:
             log_once(
                 f"{_WHAT}.combine: calls with T > max_num_tokens={self.max_num_tokens} "
                 f"use the all-to-all on the {self._coll.backend} group"
             )
-            return self._combine_a2a(
-                partial_output,
-                partial_lse,
-                seq_lens=seq_lens,
-                query_start_loc=query_start_loc,
-                return_lse=return_lse,
-                out=out,
-                out_lse=out_lse,
-            )
+            return self._a2a_combine(call)
         res = self._a2a.lse_reduce(
-            partial_output,
-            partial_lse,
+            po,
+            call.partial_lse,
             self.is_lse_base_on_e,
-            seq_lens,
-            query_start_loc,
-            return_lse=return_lse,
-            out=out,
-            out_lse=out_lse,
+            call.seq_lens,
+            call.query_start_loc,
+            return_lse=call.return_lse,
+            out=call.out,
+            out_lse=call.out_lse,
         )
         self._count("combine:direct-a2a")
         return res
@@ -481,11 +479,15 @@ class MLADCPManager(CollectivePaths):
         if self._kv is not None:
             self._kv.close()
             self._kv = None
-        bad = self._direct_refusal(W, not self.comm.spans_hosts)
-        if bad is None and _name(dt) not in KV_GATHER_DTYPES:
-            bad = f"dtype {dt} is not one of {list(KV_GATHER_DTYPES)}"
-        if bad is None and (D * dt.itemsize) % 16:
-            bad = f"rows of {D * dt.itemsize} bytes are not a multiple of 16"
+        bad = self._direct_refusal(
+            W,
+            not self.comm.spans_hosts,
+            (
+                _name(dt) not in KV_GATHER_DTYPES,
+                f"dtype {dt} is not one of {list(KV_GATHER_DTYPES)}",
+            ),
+            ((D * dt.itemsize) % 16, f"rows of {D * dt.itemsize} bytes are not a multiple of 16"),
+        )
         if bad is None:
             self._kv = DirectDCPKVGatherWorkspace(
                 self.comm, self.device, M, D, dt, self.num_ubatches

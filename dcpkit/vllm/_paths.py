@@ -10,35 +10,73 @@ the data travels and the merge.
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 from ..errors import InvalidArgument
 from ._collectives import merge_weights, natural_lse, to_base, weighted
-from ._common import check_bool, check_masks, check_outputs, check_tensor
+from ._common import check_bool, check_combine_inputs, check_tensor
 from ._workspaces import on_device
 
-__all__ = ["CollectivePaths"]
+__all__ = ["CollectivePaths", "CombineCall"]
 
 
 def _name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+class CombineCall(NamedTuple):
+    """One combine's arguments, as ``MLADCPManager.combine`` takes them."""
+
+    partial_output: object
+    partial_lse: object
+    seq_lens: object
+    query_start_loc: object
+    return_lse: object
+    out: object
+    out_lse: object
+
+
 class CollectivePaths:
     """The combine and query-gather paths that run on the group's collectives."""
 
-    def _check_combine(
+    def _combine_on(
         self,
-        what,
+        path: str,
         partial_output,
         partial_lse,
-        seq_lens,
-        query_start_loc,
-        heads_out,
-        return_lse,
-        out,
-        out_lse,
+        *,
+        seq_lens=None,
+        query_start_loc=None,
+        return_lse=False,
+        out=None,
+        out_lse=None,
     ):
+        """``combine`` on ``path`` (``"a2a"``, ``"ag-rs"``, ``"ag-ar"`` or ``"direct"``), with
+        vLLM's signature; every path below takes the arguments as one :class:`CombineCall`."""
+        call = CombineCall(
+            partial_output, partial_lse, seq_lens, query_start_loc, return_lse, out, out_lse
+        )
+        if path == "a2a":
+            return self._a2a_combine(call)
+        if path == "direct":
+            return self._direct_combine(call)
+        return self._ag_combine(call, scatter=path == "ag-rs")
+
+    #: All-to-all of the owned head slices and lses on the group, then dcpkit's merge.
+    _combine_a2a = functools.partialmethod(_combine_on, "a2a")
+    #: All-gather of the lse, reduce-scatter of the weighted partials: ``[T, H, D]`` ->
+    #: ``[T, H / world_size, D]``.
+    _combine_ag_rs = functools.partialmethod(_combine_on, "ag-rs")
+    #: All-gather of the lse, all-reduce of the weighted partials: ``[T, H, D]`` -> ``[T, H, D]``.
+    _combine_ag_ar = functools.partialmethod(_combine_on, "ag-ar")
+
+    def _direct_combine(self, call: CombineCall):  # the manager's
+        raise NotImplementedError
+
+    def _check_combine(self, what, call: CombineCall, heads_out):
         """The call checks every combine path shares; returns ``(T, H)``."""
-        torch = self._torch
+        partial_output, partial_lse, seq_lens, query_start_loc, return_lse, out, out_lse = call
         self._check_open(what)
         check_bool(return_lse, what, "return_lse")
         check_tensor(
@@ -55,21 +93,10 @@ class CollectivePaths:
                 f"{what}: partial_output head_dim must be output_head_dim "
                 f"{self.output_head_dim} (got {D})"
             )
-        check_tensor(
-            partial_lse,
-            what,
-            "partial_lse",
-            device=self.device,
-            dtypes=(torch.float32, torch.float16, torch.bfloat16),
-            ndim=2,
+        masks, outs, out_shape = (seq_lens, query_start_loc), (out, out_lse), (T, heads_out(H), D)
+        check_combine_inputs(
+            what, self.device, partial_lse, (T, H), masks, outs, out_shape, self.output_dtype
         )
-        if tuple(partial_lse.shape) != (T, H):
-            raise InvalidArgument(
-                f"{what}: partial_lse shape must be [{T}, {H}] (got {list(partial_lse.shape)})"
-            )
-        check_masks(what, seq_lens, query_start_loc, self.device)
-        h = heads_out(H)
-        check_outputs(what, out, out_lse, (T, h, D), self.output_dtype, self.device)
         return T, H
 
     def _a2a_heads(self, what):
@@ -85,30 +112,10 @@ class CollectivePaths:
 
         return heads
 
-    def _combine_a2a(
-        self,
-        partial_output,
-        partial_lse,
-        *,
-        seq_lens=None,
-        query_start_loc=None,
-        return_lse=False,
-        out=None,
-        out_lse=None,
-    ):
-        """All-to-all of the owned head slices and lses on the group, then dcpkit's merge."""
+    def _a2a_combine(self, call: CombineCall):
         what = "MLADCPManager.combine"
-        T, _ = self._check_combine(
-            what,
-            partial_output,
-            partial_lse,
-            seq_lens,
-            query_start_loc,
-            self._a2a_heads(what),
-            return_lse,
-            out,
-            out_lse,
-        )
+        T, _ = self._check_combine(what, call, self._a2a_heads(what))
+        partial_output, partial_lse, seq_lens, query_start_loc, return_lse, out, out_lse = call
         self._coll.check_not_capturing(what)
         torch, W, H_r, D = self._torch, self.world_size, self.num_heads, self.output_head_dim
         lse = natural_lse(partial_lse, self.is_lse_base_on_e, seq_lens, query_start_loc)
@@ -159,18 +166,8 @@ class CollectivePaths:
                 stream=cupy_stream(idx),
             )
 
-    def _combine_ag(
-        self,
-        what,
-        partial_output,
-        partial_lse,
-        seq_lens,
-        query_start_loc,
-        return_lse,
-        out,
-        out_lse,
-        scatter: bool,
-    ):
+    def _ag_combine(self, call: CombineCall, scatter: bool):
+        what = "MLADCPManager.combine"
         W, r = self.world_size, self.rank
 
         def heads(H):
@@ -180,17 +177,8 @@ class CollectivePaths:
                 )
             return H // W if scatter else H
 
-        T, H = self._check_combine(
-            what,
-            partial_output,
-            partial_lse,
-            seq_lens,
-            query_start_loc,
-            heads,
-            return_lse,
-            out,
-            out_lse,
-        )
+        T, H = self._check_combine(what, call, heads)
+        partial_output, partial_lse, seq_lens, query_start_loc, return_lse, out, out_lse = call
         self._coll.check_not_capturing(what)
         torch, D = self._torch, self.output_head_dim
         lse = natural_lse(partial_lse, self.is_lse_base_on_e, seq_lens, query_start_loc)
@@ -213,56 +201,6 @@ class CollectivePaths:
             out_lse = to_base(merged, self.is_lse_base_on_e).contiguous()
         self._count(f"combine:{'ag-rs' if scatter else 'ag-ar'}")
         return (out, out_lse) if return_lse else out
-
-    def _combine_ag_rs(
-        self,
-        partial_output,
-        partial_lse,
-        *,
-        seq_lens=None,
-        query_start_loc=None,
-        return_lse=False,
-        out=None,
-        out_lse=None,
-    ):
-        """All-gather of the lse, reduce-scatter of the weighted partials: ``[T, H, D]`` ->
-        ``[T, H / world_size, D]``."""
-        return self._combine_ag(
-            "MLADCPManager.combine",
-            partial_output,
-            partial_lse,
-            seq_lens,
-            query_start_loc,
-            return_lse,
-            out,
-            out_lse,
-            scatter=True,
-        )
-
-    def _combine_ag_ar(
-        self,
-        partial_output,
-        partial_lse,
-        *,
-        seq_lens=None,
-        query_start_loc=None,
-        return_lse=False,
-        out=None,
-        out_lse=None,
-    ):
-        """All-gather of the lse, all-reduce of the weighted partials: ``[T, H, D]`` ->
-        ``[T, H, D]``."""
-        return self._combine_ag(
-            "MLADCPManager.combine",
-            partial_output,
-            partial_lse,
-            seq_lens,
-            query_start_loc,
-            return_lse,
-            out,
-            out_lse,
-            scatter=False,
-        )
 
     def _gather_query(self, local_query):
         """All-gather of the query heads on the group into new storage of ``padded_num_heads``

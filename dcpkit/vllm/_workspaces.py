@@ -20,9 +20,8 @@ from ._common import (
     UnsupportedDtype,
     agree,
     check_bool,
+    check_combine_inputs,
     check_int,
-    check_masks,
-    check_outputs,
     check_tensor,
     check_ubatch,
     device_index,
@@ -380,20 +379,10 @@ class DirectDCPA2AWorkspace(Workspace):
             )
         if T:
             rows_aligned(what, "partial_output", partial_output, H)
-        check_tensor(
-            partial_lse,
-            what,
-            "partial_lse",
-            device=self.device,
-            dtypes=(torch.float32, torch.float16, torch.bfloat16),
-            ndim=2,
+        masks, outs = (seq_lens, query_start_loc), (out, out_lse)
+        check_combine_inputs(
+            what, self.device, partial_lse, (T, H), masks, outs, (T, H_r, D), self.dtype
         )
-        if tuple(partial_lse.shape) != (T, H):
-            raise InvalidArgument(
-                f"{what}: partial_lse shape must be [{T}, {H}] (got {list(partial_lse.shape)})"
-            )
-        check_masks(what, seq_lens, query_start_loc, self.device)
-        check_outputs(what, out, out_lse, (T, H_r, D), self.dtype, self.device)
         if out is None:
             out = torch.empty((T, H_r, D), dtype=self.dtype, device=self.device)
         if want_lse and out_lse is None:

@@ -162,7 +162,10 @@ def test_usage_and_unknown_command(capsys):
     assert cli.main(["--help"]) == 0
     assert "usage: dcpkit" in capsys.readouterr().out
     assert cli.main(["frobnicate"]) == 2
-    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # one line, as every other usage error of the command: no usage block
+    assert err.count("\n") == 1 and "usage:" not in err, err
+    assert "unknown command 'frobnicate'" in err and "info, demo, bench" in err, err
 
 
 def test_missing_subcommand_module(monkeypatch, capsys):

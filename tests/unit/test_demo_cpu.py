@@ -85,10 +85,15 @@ def test_kimi_k2_preset():
     ],
 )
 def test_bad_arguments_exit_2(argv, capsys):
+    """As ``dcpkit bench``: one line naming the argument and pointing at --help, no usage
+    block."""
     with pytest.raises(SystemExit) as e:
         demo.parse_args(argv)
     assert e.value.code == 2
-    assert "usage" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "usage:" not in err, err
+    assert err.startswith("dcpkit demo: ") and err.rstrip().endswith("--help)"), err
+    assert argv[0] in err, err
     assert demo.main(argv, comm=Communicator.single()) == 2
 
 

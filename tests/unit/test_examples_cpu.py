@@ -39,3 +39,44 @@ def test_example_without_a_gpu_says_so_and_exits_2(examples_dir, mpi_launcher, r
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"{name}: "), proc.stdout
     assert "PASS" not in proc.stdout and "Traceback" not in proc.stderr, proc.stderr
+
+
+#: The extras each example needs, as its docstring must name them (``pip install`` line).
+EXTRAS = {
+    "cupy_decode_step": {"mpi"},
+    "dcpcomm_step": {"mpi"},
+    "torch_cuda_graph": {"mpi", "torch"},
+    "vllm_api": {"mpi", "torch"},
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_docstring_names_the_extras_to_install(examples_dir, name):
+    """A reader learns what to install from the extras, not from bare module names."""
+    import ast
+    import re
+
+    doc = ast.get_docstring(ast.parse((examples_dir / f"{name}.py").read_text()))
+    found = re.findall(r"pip install '(?:dcpkit|\.)\[([a-z0-9_,-]+)\]'", doc)
+    assert found, f"{name}: the docstring gives no pip install line with the extras"
+    extras = set(found[0].split(","))
+    assert extras >= EXTRAS[name] and extras & {"cuda12", "cuda13"}, (name, extras)
+
+
+@pytest.mark.parametrize("name", ["torch_cuda_graph", "vllm_api"])
+def test_torch_example_without_a_cuda_torch_names_the_extra(
+    examples_dir, mpi_launcher, run_cmd, name
+):
+    """Without torch, or with a CPU build of torch, the one line says what to install."""
+    if info.collect()["gpu_count"] > 0:
+        pytest.skip("this machine has a GPU: tests/gpu/test_examples.py runs the examples")
+    cmd = mpi_launcher.command(2, sys.executable, str(examples_dir / f"{name}.py"))
+    proc = run_cmd(cmd, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    try:
+        import torch
+    except ImportError:
+        assert "dcpkit[torch" in proc.stdout, proc.stdout
+    else:
+        if torch.version.cuda is None:
+            assert "CPU build" in proc.stdout and "CUDA build of torch" in proc.stdout, proc.stdout

@@ -40,7 +40,13 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("ops", {"dcpkit.ops", "dcpkit.nccl", "dcpkit.fallback"}),
     (
         "symmetric / multicast",
-        {"dcpkit.symmetric", "dcpkit.multicast", "dcpkit._nvshmem", "dcpkit._fdpass"},
+        {
+            "dcpkit.symmetric",
+            "dcpkit._cumem",
+            "dcpkit.multicast",
+            "dcpkit._nvshmem",
+            "dcpkit._fdpass",
+        },
     ),
     ("jit", {"dcpkit.jit", "dcpkit._strided"}),
     (
