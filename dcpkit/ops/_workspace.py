@@ -64,7 +64,7 @@ from .._checks import (
     check_timeout_ms,
     default_timeout_ms,
 )
-from .._launch import Launcher
+from .._launch import Launcher, default_backend
 from .._plan import PlanCache
 from .._setup import debug_enabled, guarded, share_outcome
 from ..comm import Communicator
@@ -583,8 +583,6 @@ class OpWorkspace:
         """Device address of the workspace output buffer for this call (``out=None``): a graph
         output buffer of its own while capturing (taken for good), else one of the two eager
         buffers of the ubatch."""
-        import cupy
-
         if capturing:
             k = self._graph_next
             if k >= self.graph_outputs:  # begin_call checked; an internal invariant
@@ -593,6 +591,8 @@ class OpWorkspace:
             return self._graph_out.data.ptr + k * self._out_bytes
         buf = self._eager_out[ubatch]
         if buf is None:
+            import cupy
+
             with cupy.cuda.Device(self.device):
                 buf = cupy.empty(2 * max(self._out_bytes, 1), dtype=cupy.uint8)
             self._eager_out[ubatch] = buf
@@ -655,18 +655,18 @@ class OpWorkspace:
     #: Set when a launch raised after the call was counted (see :meth:`_run`).
     _launch_failed: str | None = None
 
-    def _init_fast_path(self, functions: dict[Any, Any], backend: str = "ctypes") -> None:
+    def _init_fast_path(self, functions: dict[Any, Any], backend: str | None = None) -> None:
         """The call-plan cache (:mod:`dcpkit._plan`, built by the subclass's ``_plan``) and one
         :class:`~dcpkit._launch.Launcher` per loaded kernel (``functions``: key -> the loaded
-        ``cupy.cuda.function.Function``; the subclass picks the key per plan)."""
+        ``cupy.cuda.function.Function``; the subclass picks the key per plan), launching through
+        ``backend`` (default: cuda.bindings where it loads, else ctypes)."""
         import cupy
 
         self._plans = PlanCache(self._plan)
-        self._launchers = {
-            k: Launcher(fn, self.THREADS, backend=backend) for k, fn in functions.items()
-        }
         self._functions = dict(functions)
+        self._set_launch_backend(backend)
         self._get_device = cupy.cuda.runtime.getDevice
+        self._current_stream = cupy.cuda.get_current_stream
 
     def __getattr__(self, name: str):
         # Only for attributes not set yet: the plan cache of a workspace whose setup did not
@@ -674,13 +674,19 @@ class OpWorkspace:
         if name == "_plans":
             plans = self.__dict__["_plans"] = PlanCache(self._plan)
             return plans
+        if name == "_current_stream":
+            import cupy
+
+            return cupy.cuda.get_current_stream
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def _set_launch_backend(self, backend: str) -> None:
-        """Test and benchmark hook: launch through ``backend`` ("ctypes" or "bindings")."""
+    def _set_launch_backend(self, backend: str | None) -> None:
+        """Launch through ``backend`` ("bindings", "ctypes"; None: the default); also the
+        benchmark's hook to compare them."""
         self._launchers = {
             k: Launcher(fn, self.THREADS, backend=backend) for k, fn in self._functions.items()
         }
+        self.launch_backend = backend or default_backend()
 
     def _run(self, kernel_key, grid: int, params, stream) -> None:
         """Launch kernel ``kernel_key`` with the packed ``params`` on ``stream`` (a device
