@@ -104,6 +104,18 @@ def array_info(x, op: str, name: str) -> ArrayInfo:
 _CUPY_CLASSES: set = set()
 
 
+def is_cupy_array(x) -> bool:
+    """Whether ``x`` is described the way :func:`array_info` describes CuPy arrays (its class
+    is then remembered in ``_CUPY_CLASSES``, where the hot path looks it up)."""
+    cls = type(x)
+    if cls in _CUPY_CLASSES:
+        return True
+    if cls.__module__.startswith("cupy") and hasattr(x, "data") and hasattr(x, "strides"):
+        _CUPY_CLASSES.add(cls)
+        return True
+    return False
+
+
 def array_key(x) -> tuple | None:
     """A hashable key that determines :func:`array_info` of ``x`` (everything but ``obj``), or
     None where that cannot be read cheaply and exactly.
@@ -117,10 +129,7 @@ def array_key(x) -> tuple | None:
     call.
     """
     cls = type(x)
-    if cls in _CUPY_CLASSES or (
-        cls.__module__.startswith("cupy") and hasattr(x, "data") and hasattr(x, "strides")
-    ):
-        _CUPY_CLASSES.add(cls)
+    if is_cupy_array(x):
         mem = x.data
         return (cls, mem.ptr, x.shape, x.strides, x.dtype, mem.device_id)
     device = getattr(x, "_dcpkit_device", None)

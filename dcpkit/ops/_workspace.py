@@ -493,7 +493,7 @@ class OpWorkspace:
         """Raise if the workspace is closed or poisoned by a timeout or a mismatch."""
         if self._closed:
             raise ClosedError(f"{self.op_name}: the workspace is closed")
-        if self._rec[0] != 0:
+        if self._rec_head[0] != 0:
             self._raise_failure()
         if self._launch_failed is not None:
             self._raise_launch_failure()
@@ -645,11 +645,26 @@ class OpWorkspace:
         )
 
     @property
+    def _rec(self):
+        """The failure record: ``uint32`` words of mapped pinned host memory (NumPy)."""
+        try:
+            return self.__dict__["_rec_words"]
+        except KeyError:
+            raise AttributeError("_rec") from None
+
+    @_rec.setter
+    def _rec(self, words) -> None:
+        # The hot path reads word 0 through a memoryview of the same memory (an int, no NumPy
+        # scalar made per call).
+        self.__dict__["_rec_words"] = words
+        self.__dict__["_rec_head"] = memoryview(words)
+
+    @property
     def poisoned(self) -> bool:
         """True once a wait of this workspace timed out or found a peer's call differing (a read
         of host-mapped memory: no device sync), or a launch failed after its call was counted
         (a host flag). Then :meth:`check` raises the error."""
-        return (not self._closed) and (self._rec[0] != 0 or self._launch_failed is not None)
+        return (not self._closed) and (self._rec_head[0] != 0 or self._launch_failed is not None)
 
     # ------------------------------------------------------------------ fast path
     #: Set when a launch raised after the call was counted (see :meth:`_run`).
@@ -666,7 +681,7 @@ class OpWorkspace:
         self._functions = dict(functions)
         self._set_launch_backend(backend)
         self._get_device = cupy.cuda.runtime.getDevice
-        self._current_stream = cupy.cuda.get_current_stream
+        self._current_stream_fn = cupy.cuda.get_current_stream
 
     def __getattr__(self, name: str):
         # Only for attributes not set yet: the plan cache of a workspace whose setup did not
@@ -674,7 +689,7 @@ class OpWorkspace:
         if name == "_plans":
             plans = self.__dict__["_plans"] = PlanCache(self._plan)
             return plans
-        if name == "_current_stream":
+        if name == "_current_stream_fn":
             import cupy
 
             return cupy.cuda.get_current_stream

@@ -16,7 +16,7 @@ Kernel: ``kernels/kv_gather.cu`` (device code in ``kernels/gather.cuh``); refere
 from __future__ import annotations
 
 from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
-from .._plan import call_key
+from .._plan import pair_key
 from ..comm import Communicator
 from ..errors import InvalidArgument
 from ._gather import MAX_VECTORS, GatherPlan, GatherWorkspace, resolve_gather_dtype
@@ -292,15 +292,9 @@ class KVGather(GatherWorkspace):
             The workspace's first call is being captured, or every graph output buffer is
             taken and ``out`` is None while capturing.
         """
-        self.check_open()  # closed or poisoned: every call, cached plan or not
-        plan = self._plans.lookup(call_key((kv, out), (ubatch,)), kv, ubatch, out)
-        if stream is not None:
-            self._check_stream(stream)
-        if plan.T == 0:
-            return self._empty_call(plan, out)
-        return self._gather_call(plan, out, stream)
+        return self._call_keyed(pair_key(kv, out, ubatch, False), kv, ubatch, out, stream, False)
 
-    def _plan(self, kv, ubatch, out) -> GatherPlan:
+    def _plan(self, kv, ubatch, out, _flag: bool = False) -> GatherPlan:
         """The full validation of a call (:meth:`_validate`: every check, every message), then
         everything its key determines: grids and the packed kernel parameters."""
         T, ubatch, ki, oi = self._validate(kv, ubatch, out)

@@ -490,6 +490,7 @@ def _direct_state(ws, world_size=2, num_ubatches=2):
     ws._proto = [(0,) * 17] * num_ubatches
     ws._peer_data = types.SimpleNamespace(data=types.SimpleNamespace(ptr=1 << 30))
     ws.multicast, ws.max_ctas = False, 8
+    ws.heap, ws._base = types.SimpleNamespace(local_ptr=1 << 31, mc_ptr=0), 0
     return ws
 
 
