@@ -30,7 +30,7 @@ call per part. For the common call, CuPy arrays (of a class :func:`~dcpkit._arra
 accepted before) and scalars of their exact expected types, an op builds a flat key instead:
 per array ``(pointer, shape, strides, dtype, device)`` read once each (a CuPy array's ``shape``
 can be reassigned in place, so the shape is always read, never remembered), then the scalars
-(:func:`pair_key`). It keys exactly what the validation reads, as :func:`call_key` does, so the
+(:func:`pair_key`, :func:`arrays_key`). It keys exactly what the validation reads, as :func:`call_key` does, so the
 same reasoning holds (a freed and reused address with the same layout is validated the same
 way; any other layout is another key). A flat key never equals a :func:`call_key` key (its
 first element is an int, theirs a tuple), so both live in one :class:`PlanCache`.
@@ -43,7 +43,7 @@ from typing import Any
 
 from ._arrays import _CUPY_CLASSES, array_key, is_cupy_array
 
-__all__ = ["PlanCache", "call_key", "scalar_key", "pair_key", "ABSENT"]
+__all__ = ["PlanCache", "call_key", "scalar_key", "pair_key", "arrays_key", "ABSENT"]
 
 #: Key part of an optional argument that was not given (None).
 ABSENT = ("absent",)
@@ -121,6 +121,27 @@ def pair_key(x, out, ubatch, flag) -> tuple | None:
         ubatch,
         flag,
     )
+
+
+def arrays_key(arrays, ubatch) -> tuple | None:
+    """The flat key of a call with the array arguments ``arrays`` (each a CuPy array or None)
+    and an int ``ubatch``; None when an argument is not of those exact types. An absent array
+    contributes one None, a present one five values starting with its pointer (an int), so the
+    key reads back unambiguously."""
+    if type(ubatch) is not int:
+        return None
+    fast = _CUPY_CLASSES
+    key: list = []
+    for a in arrays:
+        if a is None:
+            key.append(None)
+        elif type(a) in fast or is_cupy_array(a):
+            m = a.data
+            key += (m.ptr, a.shape, a.strides, a.dtype, m.device_id)
+        else:
+            return None
+    key.append(ubatch)
+    return tuple(key)
 
 
 class PlanCache:

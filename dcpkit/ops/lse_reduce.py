@@ -45,7 +45,7 @@ from .._arrays import (
     dtype_name,
 )
 from .._launch import KernelParams
-from .._plan import call_key
+from .._plan import arrays_key
 from ..comm import Communicator
 from ..errors import InvalidArgument, InvalidType
 from ..reference import check_lse_base, resolve_dtype
@@ -191,7 +191,10 @@ class _CallPlan(NamedTuple):
     lse_key: object  # the lse dtype: which kernel
     grid: int
     params: KernelParams | None
+    out_field: object  # the ``out`` field of params (ctypes), patched per call
+    lse_field: object  # the ``out_lse`` field
     debug_key: tuple
+    views: dict  # workspace output buffer address -> (out view, lse view), memoised
 
 
 class LseReduce(OpWorkspace):
@@ -592,26 +595,73 @@ class LseReduce(OpWorkspace):
         Every check runs before anything is launched or counted: after a rejected call the
         workspace is unchanged and usable.
         """
-        self.check_open()  # closed or poisoned: every call, cached plan or not
-        plan = self._plans.lookup(
-            call_key(
-                (out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse), (ubatch,)
-            ),
-            out_partial,
-            lse_partial,
-            seq_lens,
-            query_start_loc,
-            ubatch,
-            out,
-            out_lse,
-        )
-        if stream is not None and not isinstance(
-            stream, _cuda._STREAM_TYPES or _cuda.stream_types()
-        ):
+        arrays = (out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse)
+        return self._call_keyed(arrays_key(arrays, ubatch), arrays, ubatch, stream)
+
+    def _call_keyed(self, key, arrays: tuple, ubatch, stream):
+        """A call whose flat key (:func:`dcpkit._plan.arrays_key` of ``arrays``, the call's
+        arrays in the order of :meth:`__call__`) is ``key`` (None: keyed in full): the closed /
+        poisoned check, the plan (the full validation on a miss), the stream check (every check
+        runs before anything is counted or launched); then :meth:`_empty_result` (``T == 0``),
+        :meth:`_launch` (a capturing stream, ``DCPKIT_DEBUG``, an input copy), or the eager hot
+        path: the bookkeeping, the output fields patched, one launch, the result."""
+        if self._closed or self._rec_head[0] or self._launch_failed is not None:
+            self.check_open()  # raises: closed or poisoned, every call
+        plans = self._plans
+        plan = plans._plans.get(key)
+        if plan is None:
+            x, lse, seq, qsl, out, out_lse = arrays
+            plan = plans.get(key, arrays, (ubatch,), x, lse, seq, qsl, ubatch, out, out_lse)
+        else:
+            plans.hits += 1
+        if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES):
             _cuda.check_stream(stream, self.op_name)  # raises InvalidType
+        out, out_lse = arrays[4], arrays[5]
         if plan.T == 0:
             return self._empty_result(plan.want_lse, out, out_lse)
-        return self._launch(plan, out_partial, out, out_lse, stream)
+        if stream is None:
+            stream = self._current_stream_fn()
+        if plan.copy_input or self._debug or stream.is_capturing():
+            return self._launch(plan, arrays[0], out, out_lse, stream)
+        ub = plan.ubatch
+        calls = self._calls
+        calls[ub] += 1  # counted: a launch that raises below leaves the workspace unusable
+        out_ptr, lse_ptr = plan.out_ptr, plan.out_lse_ptr
+        res, lse_res = out, out_lse
+        if plan.needs_output:  # one of the two eager output buffers of the ubatch
+            base = self.output_ptr(ub, False)
+            views = plan.views.get(base)
+            if views is None:
+                views = plan.views[base] = self._output_views(plan, base, self._eager_out[ub])
+            if not out_ptr:
+                out_ptr, res = base, views[0]
+            if plan.want_lse and not lse_ptr:
+                lse_ptr, lse_res = base + self._out_part_bytes, views[1]
+        plan.out_field.value = out_ptr
+        plan.lse_field.value = lse_ptr
+        if self._get_device() == self.device:
+            try:
+                self._launchers[plan.lse_key].launch(plan.grid, plan.params, stream.ptr)
+            except BaseException as e:
+                self._launch_failed = f"{type(e).__name__}: {e}"
+                raise
+        else:
+            self._run(plan.lse_key, plan.grid, plan.params, stream)
+        return (res, lse_res) if plan.want_lse else res
+
+    def _output_views(self, plan, base: int, owner) -> tuple:
+        """The result views over the workspace output buffer at ``base`` that ``plan`` returns
+        (None for the others): ``out [T, H_r, D_v]``, then the merged lse ``[T, H_r]`` float32
+        after it."""
+        T, H_r = plan.T, self.heads_per_rank
+        res = lse = None
+        if not plan.out_ptr:
+            shape, nbytes = (T, H_r, self.head_dim), T * H_r * self._row_bytes
+            res = self._memo_view(base, shape, self.dtype, nbytes, owner)
+        if plan.want_lse and not plan.out_lse_ptr:
+            lse_ptr = base + self._out_part_bytes
+            lse = self._memo_view(lse_ptr, (T, H_r), _F32, T * H_r * 4, owner)
+        return res, lse
 
     def _plan(
         self, out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out, out_lse
@@ -638,7 +688,10 @@ class LseReduce(OpWorkspace):
                 v.lse.dtype,
                 0,
                 None,
+                None,
+                None,
                 debug_key,
+                {},
             )
         in_tok, in_head = v.in_tok, v.in_head
         if v.copy_input:  # the contiguous copy made per call
@@ -674,7 +727,10 @@ class LseReduce(OpWorkspace):
             v.lse.dtype,
             self._grids[T][0],
             params,
+            params.field(_OUT),
+            params.field(_OUT_LSE),
             debug_key,
+            {},
         )
 
     def _validate(
@@ -829,8 +885,6 @@ class LseReduce(OpWorkspace):
         """A validated call (``T > 0``): the input copy if needed, bookkeeping, the per-call
         fields patched, one launch; returns the result."""
         cupy = self._cupy
-        if stream is None:
-            stream = cupy.cuda.get_current_stream()
         params = plan.params
         if plan.copy_input:  # documented slow path: innermost stride != itemsize
             with cupy.cuda.Device(self.device), stream:  # bytes only, through an unsigned
