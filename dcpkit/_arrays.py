@@ -29,6 +29,8 @@ __all__ = [
     "check_shape",
     "dtype_name",
     "array_key",
+    "is_cupy_array",
+    "CUPY_CLASSES",
     "dlpack_info",
     "DLPackInfo",
 ]
@@ -101,17 +103,17 @@ def array_info(x, op: str, name: str) -> ArrayInfo:
 
 
 #: Array classes that passed array_info's CuPy test (their description is read the same way).
-_CUPY_CLASSES: set = set()
+CUPY_CLASSES: set = set()
 
 
 def is_cupy_array(x) -> bool:
     """Whether ``x`` is described the way :func:`array_info` describes CuPy arrays (its class
-    is then remembered in ``_CUPY_CLASSES``, where the hot path looks it up)."""
+    is then remembered in ``CUPY_CLASSES``, where the hot path looks it up)."""
     cls = type(x)
-    if cls in _CUPY_CLASSES:
+    if cls in CUPY_CLASSES:
         return True
     if cls.__module__.startswith("cupy") and hasattr(x, "data") and hasattr(x, "strides"):
-        _CUPY_CLASSES.add(cls)
+        CUPY_CLASSES.add(cls)
         return True
     return False
 

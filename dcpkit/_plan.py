@@ -30,10 +30,11 @@ call per part. For the common call, CuPy arrays (of a class :func:`~dcpkit._arra
 accepted before) and scalars of their exact expected types, an op builds a flat key instead:
 per array ``(pointer, shape, strides, dtype, device)`` read once each (a CuPy array's ``shape``
 can be reassigned in place, so the shape is always read, never remembered), then the scalars
-(:func:`pair_key`, :func:`arrays_key`). It keys exactly what the validation reads, as :func:`call_key` does, so the
-same reasoning holds (a freed and reused address with the same layout is validated the same
-way; any other layout is another key). A flat key never equals a :func:`call_key` key (its
-first element is an int, theirs a tuple), so both live in one :class:`PlanCache`.
+(:func:`pair_key`, :func:`arrays_key`). It keys exactly what the validation reads, as
+:func:`call_key` does, so the same reasoning holds (a freed and reused address with the same
+layout is validated the same way; any other layout is another key). A flat key never equals a
+:func:`call_key` key (its first element is an int or None, theirs a tuple), so both live in
+one :class:`PlanCache`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from ._arrays import _CUPY_CLASSES, array_key, is_cupy_array
+from ._arrays import CUPY_CLASSES, array_key, is_cupy_array
 
 __all__ = ["PlanCache", "call_key", "scalar_key", "pair_key", "arrays_key", "ABSENT"]
 
@@ -96,7 +97,7 @@ def pair_key(x, out, ubatch, flag) -> tuple | None:
     """The flat key of a call with one input array ``x``, an optional ``out`` and two scalars,
     an int ``ubatch`` and a bool ``flag``; None when an argument is not of those exact types
     (the caller then keys the call with :func:`call_key`)."""
-    fast = _CUPY_CLASSES
+    fast = CUPY_CLASSES
     if type(ubatch) is not int or type(flag) is not bool:
         return None
     if type(x) not in fast and not is_cupy_array(x):
@@ -130,7 +131,7 @@ def arrays_key(arrays, ubatch) -> tuple | None:
     key reads back unambiguously."""
     if type(ubatch) is not int:
         return None
-    fast = _CUPY_CLASSES
+    fast = CUPY_CLASSES
     key: list = []
     for a in arrays:
         if a is None:
