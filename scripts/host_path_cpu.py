@@ -124,7 +124,7 @@ def stub_workspace(ws, stream, rec: Recorder, *, rank: int = RANK, world_size: i
     made-up addresses, with every launch going to ``rec`` and ``stream`` as the current
     stream."""
     from dcpkit._plan import PlanCache
-    from dcpkit.ops.lse_reduce import _float_dtypes
+    from dcpkit.ops._lse_checks import float_dtypes
 
     U = ws.num_ubatches
     ws.rank, ws.world_size, ws.device = rank, world_size, 0
@@ -159,7 +159,7 @@ def stub_workspace(ws, stream, rec: Recorder, *, rank: int = RANK, world_size: i
     if ws.op_name == "lse_reduce":
         T_max, H_r = ws.max_tokens, ws.heads_per_rank
         ws._cupy = _cupy_shim(stream)
-        ws._fn = dict.fromkeys(_float_dtypes(), rec.function)
+        ws._fn = dict.fromkeys(float_dtypes(), rec.function)
         ws._head_args = [
             ws._proto[u]
             + (

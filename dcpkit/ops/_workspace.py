@@ -50,7 +50,6 @@ without synchronising. A replay-only loop detects it like this::
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -65,17 +64,11 @@ from .._checks import (
     default_timeout_ms,
 )
 from .._launch import Launcher, default_backend
+from .._lifecycle import Resource
 from .._plan import PlanCache
 from .._setup import debug_enabled, guarded, share_outcome
 from ..comm import Communicator
-from ..errors import (
-    ClosedError,
-    CollectiveTimeout,
-    ConfigMismatch,
-    DcpkitError,
-    InvalidArgument,
-    InvalidType,
-)
+from ..errors import ClosedError, DcpkitError, InvalidArgument, InvalidType
 from ..symmetric import MAX_NBYTES
 from . import _protocol
 
@@ -188,7 +181,7 @@ def check_heap(heap, comm: Communicator, op: str, nbytes: int) -> None:
         )
 
 
-class OpWorkspace:
+class OpWorkspace(Resource):
     """Base class of the direct ops (:class:`~dcpkit.ops.LseReduce`, ``QGather``, ``KVGather``).
 
     A subclass implements ``_check_arguments(world_size, **constructor keywords)``: every
@@ -300,6 +293,16 @@ class OpWorkspace:
         self._debug = debug_enabled()
         self._init_region(heap, multicast)
         self._closed = False
+
+    def _setup_with(self, comm, keywords: dict, what: str, *, heap=None, multicast=None):
+        """:meth:`_setup` with ``_check_arguments`` bound to the constructor's keywords
+        (``keywords``: its ``locals()``; ``_self_check`` goes as ``self_check``)."""
+        skip = ("self", "comm", "heap", "multicast", "__class__")
+        kw = {k: v for k, v in keywords.items() if k not in skip}
+        kw["self_check"] = kw.pop("_self_check", True)
+        self._setup(
+            comm, lambda W: self._check_arguments(W, **kw), what, heap=heap, multicast=multicast
+        )
 
     def _check_fits(self, cupy, device: int) -> None:
         """The workspace's own heap must fit in the GPU's memory (an error naming the op's
@@ -611,37 +614,10 @@ class OpWorkspace:
             self._raise_failure()
 
     def _raise_failure(self) -> None:
-        """Raise what the record holds: :class:`CollectiveTimeout` or :class:`ConfigMismatch`."""
-        rec = self._rec
-        f = dict(zip(TIMEOUT_RECORD_FIELDS, (int(v) for v in rec[:8])))
-        op = OP_NAMES.get(f["op"], self.op_name)
-        if f["kind"] == _protocol.REC_MISMATCH and len(rec) >= _protocol.RECORD_WORDS:
-            raise self._mismatch_error(op, rec)
-        raise CollectiveTimeout(
-            op,
-            f["rank"],
-            f["peer"],
-            f["expected"],
-            f["observed"],
-            ubatch=f["ubatch"],
-            timeout_ms=self.timeout_ms,
-        )
-
-    def _mismatch_error(self, op: str, rec) -> ConfigMismatch:
-        """The :class:`ConfigMismatch` of a mismatch record: the values this rank saw."""
-        n = len(_protocol.RECORD_FIELDS)
-        f = dict(zip(_protocol.RECORD_FIELDS, (int(v) for v in rec[:n])))
-        W = min(int(f["world"]) or self.world_size, _protocol.RECORD_SOURCES)
-        seen = [int(v) or None for v in rec[n : n + W]]
-        for r, fp in ((f["rank"], f["own_fp"]), (f["peer"], f["peer_fp"])):
-            if r < W:
-                seen[r] = fp
-        summary, per_rank = _protocol.describe_mismatch(seen)
-        return ConfigMismatch(
-            f"{op}: call arguments ({summary}; seen by rank {f['rank']} in ubatch "
-            f"{f['ubatch']}, epoch {f['expected']}; the workspace is poisoned: close it and "
-            f"build a new one)",
-            per_rank,
+        """Raise what the record holds: :class:`CollectiveTimeout` or :class:`ConfigMismatch`
+        (:func:`~dcpkit.ops._protocol.failure_error`)."""
+        raise _protocol.failure_error(
+            self._rec, OP_NAMES, self.op_name, self.world_size, self.timeout_ms
         )
 
     @property
@@ -774,17 +750,24 @@ class OpWorkspace:
             self.comm.barrier()
 
     # ------------------------------------------------------------------ teardown
+    #: :class:`~dcpkit._lifecycle.Resource`: the warning of a workspace dropped open.
+    _unclosed_hint = "call close() on every rank (GPU memory is returned at process exit)"
+
+    @property
+    def _resource_name(self) -> str:
+        return f"{self.op_name} workspace"
+
     def close(self) -> None:
         """Release the workspace (collective, idempotent).
 
         Waits for the device, then frees local state and, if the workspace created its own
         heap, closes the heap (collective). Later calls raise :class:`ClosedError`.
         """
-        if getattr(self, "_closed", True):
-            return
+        super().close()
+
+    def _close(self) -> None:
         import cupy
 
-        self._closed = True
         self.__dict__.pop("_view_cache", None)  # views over memory about to be freed
         self._clear_plans()
         errors: list[BaseException] = []
@@ -805,24 +788,6 @@ class OpWorkspace:
                 errors.append(e)
         if errors:
             raise errors[0]
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):  # never collective work here: warn only
-        if getattr(self, "_closed", True) is False:
-            try:
-                warnings.warn(
-                    f"dcpkit {self.op_name} workspace was not closed; call close() "
-                    f"on every rank (GPU memory is returned at process exit)",
-                    ResourceWarning,
-                    stacklevel=1,
-                )
-            except Exception:  # noqa: BLE001 - interpreter shutdown
-                pass
 
 
 def launch_config(total_items: int, items_per_cta: int, max_ctas: int) -> int:

@@ -165,21 +165,9 @@ class QGather(GatherWorkspace):
     ):
         self._closed = True  # until the setup completes
         # One exchange: arguments, CuPy, the GPU or room in the heap, equal geometries.
-        self._setup(
+        self._setup_with(
             comm,
-            lambda W: self._check_arguments(
-                W,
-                max_tokens=max_tokens,
-                heads_per_rank=heads_per_rank,
-                head_dim=head_dim,
-                dtype=dtype,
-                num_ubatches=num_ubatches,
-                padded_num_heads=padded_num_heads,
-                timeout_ms=timeout_ms,
-                graph_outputs=graph_outputs,
-                waiter_ctas=waiter_ctas,
-                self_check=_self_check,
-            ),
+            locals(),
             "max_tokens, heads_per_rank, head_dim, dtype, padded_num_heads",
             heap=heap,
             multicast=multicast,

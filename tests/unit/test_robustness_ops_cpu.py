@@ -31,8 +31,9 @@ from dcpkit.comm import Communicator
 from dcpkit.errors import ClosedError, DcpkitError, InvalidArgument, InvalidType, PeerError
 from dcpkit.fallback import NcclKVGather, NcclLseReduce, NcclQGather, strided_copy
 from dcpkit.ops import KVGather, LseReduce, QGather
+from dcpkit.ops._lse_checks import validate_combine as _validate_combine
 from dcpkit.ops._workspace import MAX_TIMEOUT_MS, check_timeout_ms, default_timeout_ms
-from dcpkit.ops.lse_reduce import _validate_combine, lse_combine
+from dcpkit.ops.lse_reduce import lse_combine
 from dcpkit.symmetric import SymmetricHeap
 
 from _threadgroup import run_group
