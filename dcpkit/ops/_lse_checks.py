@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import _strided
 from .._arrays import ArrayInfo, array_info, check_device, check_dtype, check_ndim, check_shape
 from ..errors import InvalidArgument
 from ..reference import resolve_dtype
@@ -69,13 +70,10 @@ def combine_variant(out_dt: np.dtype) -> str:
 
 
 def c_contiguous(info: ArrayInfo) -> bool:
-    """C-contiguous (dims of extent 1 may have any stride)."""
-    want = info.itemsize
-    for n, s in zip(reversed(info.shape), reversed(info.strides)):
-        if n != 1 and s != want:
-            return False
-        want *= n
-    return True
+    """C-contiguous (:func:`dcpkit._strided.c_contiguous`); an array without elements is
+    contiguous whatever its strides, as NumPy and CuPy say (CuPy gives a fresh empty array zero
+    strides)."""
+    return 0 in info.shape or _strided.c_contiguous(info)
 
 
 def check_contiguous(info: ArrayInfo, op: str, name: str) -> None:
