@@ -24,10 +24,8 @@ from .selection import OPS, PATH_NCCL, direct_call_blocker, select_path
 
 __all__ = ["DCPCalls"]
 
-#: The array arguments of the direct ``lse_reduce`` in its call order, and those DCPComm
-#: checks itself (indices into that order).
+#: The array arguments of ``lse_reduce`` that DCPComm checks itself.
 _LSE_NAMES = ("out_partial", "lse_partial", "out", "out_lse")
-_LSE_CHECKED = (0, 1, 4, 5)
 
 
 class DCPCalls:
@@ -94,10 +92,11 @@ class DCPCalls:
     def _routes(self, op: str) -> PlanCache:
         """The route plans of ``op`` (one cache per op: the same arrays may be a valid call of
         one op and a bad call of another)."""
-        caches = self.__dict__.get("_route_caches")
-        if caches is None:
+        try:
+            return self.__dict__["_route_caches"][op]
+        except KeyError:
             caches = self.__dict__["_route_caches"] = {o: PlanCache(self._route) for o in OPS}
-        return caches[op]
+            return caches[op]
 
     def _route(self, op: str, arrays: tuple) -> tuple:
         """``(path, in_place, ok)``: the path of the call, whether the direct op takes every
@@ -220,7 +219,14 @@ class DCPCalls:
             self._check_open(op)
         arrays = (out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse)
         key = arrays_key(arrays, ubatch)
-        path, in_place, ok = self._route_of(op, key, tuple(arrays[i] for i in _LSE_CHECKED))
+        routes = self._routes(op)
+        route = routes._plans.get(key)
+        if route is None:
+            checked = (out_partial, lse_partial, out, out_lse)
+            route = routes.get(key, checked, (op,), op, checked)
+        else:
+            routes.hits += 1
+        path, in_place, ok = route
         if in_place:  # the direct op's keyed entry: its result has DCPComm's form
             if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES):
                 stream = self._stream(stream)  # raises InvalidType

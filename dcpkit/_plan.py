@@ -124,25 +124,42 @@ def pair_key(x, out, ubatch, flag) -> tuple | None:
     )
 
 
+def _part(a, fast) -> tuple | None:
+    """One array's part of a flat key: ``(None,)`` when absent, five values starting with its
+    pointer when a CuPy array, None otherwise."""
+    if a is None:
+        return (None,)
+    if type(a) in fast or is_cupy_array(a):
+        m = a.data
+        return (m.ptr, a.shape, a.strides, a.dtype, m.device_id)
+    return None
+
+
 def arrays_key(arrays, ubatch) -> tuple | None:
-    """The flat key of a call with the array arguments ``arrays`` (each a CuPy array or None)
-    and an int ``ubatch``; None when an argument is not of those exact types. An absent array
-    contributes one None, a present one five values starting with its pointer (an int), so the
-    key reads back unambiguously."""
+    """The flat key of a call with the array arguments ``arrays`` (the first two CuPy arrays,
+    the others CuPy arrays or None) and an int ``ubatch``; None when an argument is not of
+    those exact types. An absent array contributes one None, a present one five values
+    starting with its pointer (an int), so the key reads back unambiguously."""
     if type(ubatch) is not int:
         return None
     fast = CUPY_CLASSES
-    key: list = []
-    for a in arrays:
+    x, y = arrays[0], arrays[1]
+    if (type(x) not in fast and not is_cupy_array(x)) or (
+        type(y) not in fast and not is_cupy_array(y)
+    ):
+        return None
+    m, n = x.data, y.data
+    key = (m.ptr, x.shape, x.strides, x.dtype, m.device_id, n.ptr, y.shape, y.strides, y.dtype)
+    key += (n.device_id,)
+    for a in arrays[2:]:
         if a is None:
-            key.append(None)
-        elif type(a) in fast or is_cupy_array(a):
-            m = a.data
-            key += (m.ptr, a.shape, a.strides, a.dtype, m.device_id)
+            key += (None,)
         else:
-            return None
-    key.append(ubatch)
-    return tuple(key)
+            part = _part(a, fast)
+            if part is None:
+                return None
+            key += part
+    return key + (ubatch,)
 
 
 class PlanCache:
