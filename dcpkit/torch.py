@@ -60,7 +60,7 @@ import weakref
 from typing import Any
 
 from . import _torch_registry as _reg
-from ._arrays import CUPY_CLASSES
+from ._arrays import CUPY_CLASSES, is_cupy_array
 from .errors import ClosedError, InvalidArgument, InvalidType, MissingDependency
 
 __all__ = [
@@ -553,7 +553,7 @@ class TorchOps:
         once per description of the view, then a fresh alias (``detach()``) of that tensor (a
         caller that changes the returned tensor's metadata in place changes its own alias
         only)."""
-        if type(res) in CUPY_CLASSES:
+        if type(res) in CUPY_CLASSES or is_cupy_array(res):
             m = res.data
             key = (m.ptr, res.shape, res.strides, res.dtype, m.device_id)
         else:
