@@ -106,15 +106,8 @@ class KVGather(GatherWorkspace):
     launches_per_call : int
         1.
 
-    Collective: construction (compiles the kernel, then a barrier), every call, :meth:`close`.
-
-    Poisoned workspace: after a timeout or a :class:`ConfigMismatch` every later kernel of the
-    workspace (graph replays included) fills its result with 0xFF bytes (NaN for float
-    dtypes, all-ones bytes for the others). A graph-replay loop checks it without a device sync::
-
-        graph.launch(stream)
-        if kg.poisoned:
-            kg.check()      # raises CollectiveTimeout or ConfigMismatch
+    Collective, and the poisoned workspace (results of 0xFF bytes, ``poisoned`` / ``check()``
+    without a device sync): as :class:`~dcpkit.ops.QGather`.
 
     Raises
     ------
