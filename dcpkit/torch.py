@@ -494,6 +494,7 @@ class TorchOps:
         self._results: dict[tuple, Any] = {}  # result description -> torch tensor
         self._raw_stream = _raw_stream_fn()
         self._get_device = _cupy().cuda.runtime.getDevice
+        self._cupy_stream_now = _cupy().cuda.get_current_stream
         torch = _torch()
         self._tensor_type = torch.Tensor
         # where torch cannot tell, every out= call goes through the custom op
@@ -602,8 +603,11 @@ class TorchOps:
         if stream is None:
             stream = self._stream()
         if self._get_device() == self.device:
-            with stream:
+            if self._cupy_stream_now().ptr == ptr:  # CuPy's current stream is torch's already
                 res = fn(*cargs, stream=stream, **ckw)
+            else:  # made CuPy's current for the call: what the op allocates is ordered on it
+                with stream:
+                    res = fn(*cargs, stream=stream, **ckw)
         else:
             with _cupy().cuda.Device(self.device), stream:
                 res = fn(*cargs, stream=stream, **ckw)

@@ -313,6 +313,7 @@ def torch_on_cpu(stream):
         cuda=types.SimpleNamespace(
             Device=lambda d=None: contextlib.nullcontext(),
             runtime=runtime,
+            get_current_stream=lambda: stream,
             UnownedMemory=cupy.cuda.UnownedMemory,
             MemoryPointer=cupy.cuda.MemoryPointer,
         ),
