@@ -29,6 +29,8 @@ __all__ = [
     "check_shape",
     "dtype_name",
     "array_key",
+    "is_cupy_array",
+    "CUPY_CLASSES",
     "dlpack_info",
     "DLPackInfo",
 ]
@@ -101,7 +103,19 @@ def array_info(x, op: str, name: str) -> ArrayInfo:
 
 
 #: Array classes that passed array_info's CuPy test (their description is read the same way).
-_CUPY_CLASSES: set = set()
+CUPY_CLASSES: set = set()
+
+
+def is_cupy_array(x) -> bool:
+    """Whether ``x`` is described the way :func:`array_info` describes CuPy arrays (its class
+    is then remembered in ``CUPY_CLASSES``, where the hot path looks it up)."""
+    cls = type(x)
+    if cls in CUPY_CLASSES:
+        return True
+    if cls.__module__.startswith("cupy") and hasattr(x, "data") and hasattr(x, "strides"):
+        CUPY_CLASSES.add(cls)
+        return True
+    return False
 
 
 def array_key(x) -> tuple | None:
@@ -117,10 +131,7 @@ def array_key(x) -> tuple | None:
     call.
     """
     cls = type(x)
-    if cls in _CUPY_CLASSES or (
-        cls.__module__.startswith("cupy") and hasattr(x, "data") and hasattr(x, "strides")
-    ):
-        _CUPY_CLASSES.add(cls)
+    if is_cupy_array(x):
         mem = x.data
         return (cls, mem.ptr, x.shape, x.strides, x.dtype, mem.device_id)
     device = getattr(x, "_dcpkit_device", None)

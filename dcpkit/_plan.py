@@ -24,6 +24,17 @@ The key is the whole input of the validation, not a handle to an allocation:
 
 What the key cannot carry is checked on every call, outside the plan: whether the workspace is
 closed or poisoned, whether the stream is capturing, the debug-mode agreement.
+
+The hot path's key. :func:`call_key` is general (any array type, any scalar) and costs a Python
+call per part. For the common call, CuPy arrays (of a class :func:`~dcpkit._arrays.array_key`
+accepted before) and scalars of their exact expected types, an op builds a flat key instead:
+per array ``(pointer, shape, strides, dtype, device)`` read once each (a CuPy array's ``shape``
+can be reassigned in place, so the shape is always read, never remembered), then the scalars
+(:func:`pair_key`, :func:`arrays_key`). It keys exactly what the validation reads, as
+:func:`call_key` does, so the same reasoning holds (a freed and reused address with the same
+layout is validated the same way; any other layout is another key). A flat key never equals a
+:func:`call_key` key (its first element is an int or None, theirs a tuple), so both live in
+one :class:`PlanCache`.
 """
 
 from __future__ import annotations
@@ -31,9 +42,9 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from ._arrays import array_key
+from ._arrays import CUPY_CLASSES, array_key, is_cupy_array
 
-__all__ = ["PlanCache", "call_key", "scalar_key", "ABSENT"]
+__all__ = ["PlanCache", "call_key", "scalar_key", "pair_key", "arrays_key", "ABSENT"]
 
 #: Key part of an optional argument that was not given (None).
 ABSENT = ("absent",)
@@ -82,6 +93,75 @@ def call_key(arrays, scalars=()) -> tuple | None:
     return tuple(parts)
 
 
+def pair_key(x, out, ubatch, flag) -> tuple | None:
+    """The flat key of a call with one input array ``x``, an optional ``out`` and two scalars,
+    an int ``ubatch`` and a bool ``flag``; None when an argument is not of those exact types
+    (the caller then keys the call with :func:`call_key`)."""
+    fast = CUPY_CLASSES
+    if type(ubatch) is not int or type(flag) is not bool:
+        return None
+    if type(x) not in fast and not is_cupy_array(x):
+        return None
+    m = x.data
+    if out is None:
+        return (m.ptr, x.shape, x.strides, x.dtype, m.device_id, ubatch, flag)
+    if type(out) not in fast and not is_cupy_array(out):
+        return None
+    o = out.data
+    return (
+        m.ptr,
+        x.shape,
+        x.strides,
+        x.dtype,
+        m.device_id,
+        o.ptr,
+        out.shape,
+        out.strides,
+        out.dtype,
+        o.device_id,
+        ubatch,
+        flag,
+    )
+
+
+def _part(a, fast) -> tuple | None:
+    """One array's part of a flat key: ``(None,)`` when absent, five values starting with its
+    pointer when a CuPy array, None otherwise."""
+    if a is None:
+        return (None,)
+    if type(a) in fast or is_cupy_array(a):
+        m = a.data
+        return (m.ptr, a.shape, a.strides, a.dtype, m.device_id)
+    return None
+
+
+def arrays_key(arrays, ubatch) -> tuple | None:
+    """The flat key of a call with the array arguments ``arrays`` (the first two CuPy arrays,
+    the others CuPy arrays or None) and an int ``ubatch``; None when an argument is not of
+    those exact types. An absent array contributes one None, a present one five values
+    starting with its pointer (an int), so the key reads back unambiguously."""
+    if type(ubatch) is not int:
+        return None
+    fast = CUPY_CLASSES
+    x, y = arrays[0], arrays[1]
+    if (type(x) not in fast and not is_cupy_array(x)) or (
+        type(y) not in fast and not is_cupy_array(y)
+    ):
+        return None
+    m, n = x.data, y.data
+    key = (m.ptr, x.shape, x.strides, x.dtype, m.device_id, n.ptr, y.shape, y.strides, y.dtype)
+    key += (n.device_id,)
+    for a in arrays[2:]:
+        if a is None:
+            key += (None,)
+        else:
+            part = _part(a, fast)
+            if part is None:
+                return None
+            key += part
+    return key + (ubatch,)
+
+
 class PlanCache:
     """Validated plans of an op's calls, at most ``max_entries`` of them (oldest dropped).
 
@@ -126,6 +206,17 @@ class PlanCache:
             if len(plans) >= self.max_entries:
                 del plans[next(iter(plans))]
             plans[key] = plan
+        return plan
+
+    def get(self, key: Hashable | None, arrays, scalars, *args):
+        """:meth:`lookup` with a flat key (:func:`pair_key`); ``key=None``: keyed by
+        :func:`call_key` of ``arrays`` and ``scalars``."""
+        if key is None:
+            return self.lookup(call_key(arrays, scalars), *args)
+        plan = self._plans.get(key)
+        if plan is None:
+            return self.lookup(key, *args)
+        self.hits += 1
         return plan
 
     def clear(self) -> None:

@@ -48,10 +48,8 @@ from __future__ import annotations
 import math
 import warnings
 
-import numpy as np
-
 from . import _cuda
-from ._arrays import ArrayInfo, array_info, check_ndim, dtype_name
+from ._arrays import dtype_name
 from ._checks import (
     INT32_MAX,
     check_bool,
@@ -60,12 +58,11 @@ from ._checks import (
     check_positive_int,
     check_timeout_ms,
     resolve_dtype,
-    resolve_stream,
 )
+from ._dcp_calls import DCPCalls
 from ._lifecycle import Resource
-from ._plan import PlanCache, call_key
 from ._setup import collective_step, error_text, guarded, share_outcome
-from ._strided import copy_arrays, load_copy_kernels, strided_copy
+from ._strided import load_copy_kernels
 from .comm import Communicator
 from .errors import ClosedError, ConfigMismatch, InvalidArgument, InvalidType, PeerError
 from .nccl import LSE_ALGORITHMS
@@ -105,7 +102,7 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- manager
-class DCPComm(Resource):
+class DCPComm(DCPCalls, Resource):
     """The three DCP exchanges of one geometry, each served by its direct op or its NCCL op.
 
     Naive equivalent::
@@ -652,239 +649,6 @@ class DCPComm(Resource):
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise ClosedError(f"DCPComm.{what}: DCPComm is closed")
-
-    def _check_built(self, op: str) -> None:
-        if op not in self.ops:
-            raise InvalidArgument(
-                f"DCPComm.{op}: kv_row_dim must be given at construction to "
-                f"use kv_gather (got kv_row_dim=None)"
-            )
-
-    def path_for(self, op: str, tokens: int, lse_dtype=None) -> str:
-        """The path a call of ``op`` with ``T = tokens`` (and ``lse_dtype``) takes; raises
-        where :meth:`lse_reduce` etc. would."""
-        blocker = self.direct_reason[op] or direct_call_blocker(
-            op, tokens=tokens, max_tokens=self.max_tokens, lse_dtype=lse_dtype
-        )
-        nccl_blocker = None
-        if self.nccl_ops[op] is None:
-            nccl_blocker = self.nccl_reason or "no NCCL op was built"
-        return select_path(
-            f"DCPComm.{op}",
-            self.policy,
-            direct_path=self._direct_path[op],
-            direct_blocker=blocker,
-            nccl_blocker=nccl_blocker,
-        )
-
-    def _record(self, op: str, path: str) -> None:
-        self.last_path = path
-        self.counters[op][path] += 1
-
-    def _stream(self, stream):
-        """``stream``, or the current CuPy stream for None; :class:`InvalidType` unless a CuPy
-        stream."""
-        return resolve_stream(stream, "DCPComm")
-
-    def _normalised(self, arr, info: ArrayInfo, ok: bool, name: str, op: str, stream):
-        """``arr`` itself when the direct kernel reads its layout, else a C-contiguous copy
-        (eager only: the copy allocates)."""
-        if ok:
-            return arr
-        if stream.is_capturing():
-            raise InvalidArgument(
-                f"DCPComm.{op}: {name} layout must be C-contiguous and 16-byte aligned while a "
-                f"CUDA graph is being captured (got strides {info.strides} bytes, pointer "
-                f"offset {info.ptr % 16}): the copy that fixes it would allocate"
-            )
-        import cupy
-
-        with cupy.cuda.Device(self.device), stream:
-            nbytes = int(np.prod(info.shape)) * info.itemsize
-            fresh = cupy.empty(max(nbytes, 16), dtype=cupy.uint8)[:nbytes]
-            c = fresh.view(info.dtype).reshape(info.shape)
-        copy_arrays(array_info(c, f"DCPComm.{op}", name), info, stream)
-        return c
-
-    def _copy_out(self, dst, src, stream) -> None:
-        strided_copy(dst, src, stream)
-
-    def q_gather(self, q, *, ubatch: int = 0, out=None, stream=None):
-        """``q [T, H_r, D_q]`` on every rank -> ``[T, H, D_q]``: see
-        :class:`~dcpkit.ops.QGather` (same arguments, same result, same output lifetime).
-
-        Collective: every rank, same ``T`` and ubatch. Stream: on ``stream``.
-
-        Raises
-        ------
-        InvalidArgument
-            ``policy="direct"`` and the direct op cannot serve the call; bad arguments (from
-            the op that serves the call).
-        """
-        return self._gather("q_gather", q, "q", (3, "T, H_r, D"), ubatch, out, stream)
-
-    def kv_gather(self, kv, *, ubatch: int = 0, out=None, stream=None):
-        """``kv [T, D_kv]`` on every rank -> ``[world_size*T, D_kv]``: see
-        :class:`~dcpkit.ops.KVGather` (same arguments, same result, same output lifetime).
-        Collective, stream and errors as :meth:`q_gather`; also :class:`InvalidArgument` when
-        ``kv_row_dim`` was not given at construction.
-        """
-        self._check_open("kv_gather")
-        self._check_built("kv_gather")
-        return self._gather("kv_gather", kv, "kv", (2, "T, D_kv"), ubatch, out, stream)
-
-    # Route plans. DCPComm's own checks of a call (array_info, ndim, path_for, the layouts the
-    # direct op takes in place) read only the call's arrays' descriptions and values fixed at
-    # construction, equal on every rank: their outcome is memoised per call key (dcpkit._plan;
-    # a failed check stores nothing, so a bad call raises every time). On a hit the call goes
-    # straight to the op, whose own plan cache validates it.
-    def _routes(self) -> PlanCache:
-        routes = self.__dict__.get("_route_cache")
-        if routes is None:
-            routes = self.__dict__["_route_cache"] = PlanCache(self._route)
-        return routes
-
-    def _route(self, op: str, arrays: tuple) -> tuple:
-        """``(path, in_place...)``: the path of the call and, on a direct path, whether the
-        direct op takes each array in place (None arrays: True)."""
-        name = f"DCPComm.{op}"
-        if op == "lse_reduce":
-            names = ("out_partial", "lse_partial", "out", "out_lse")
-            x = array_info(arrays[0], name, "out_partial")
-            check_ndim(x, 3, "T, H, D_v", name, "out_partial")
-            li = array_info(arrays[1], name, "lse_partial")
-            check_ndim(li, 2, "T, H", name, "lse_partial")
-            path = self.path_for(op, x.shape[0], lse_dtype=li.dtype)
-        else:
-            names = ("q" if op == "q_gather" else "kv", "out")
-            dims = (3, "T, H_r, D") if op == "q_gather" else (2, "T, D_kv")
-            x = array_info(arrays[0], name, names[0])
-            check_ndim(x, dims[0], dims[1], name, names[0])
-            path = self.path_for(op, x.shape[0])
-        if path == PATH_NCCL:
-            return (path,)
-        direct = self.direct_ops[op]
-        ok = tuple(
-            a is None or direct.accepts_layout(**{n: array_info(a, name, n)})
-            for n, a in zip(names, arrays)
-        )
-        return (path,) + ok
-
-    def _gather(self, op: str, x, name: str, dims: tuple[int, str], ubatch, out, stream):
-        """One gather call (``q_gather`` or ``kv_gather``) on the path :meth:`path_for` picks;
-        an input or ``out=`` the direct op cannot take in place is copied (module docstring)."""
-        self._check_open(op)
-        route = self._routes().lookup(call_key((x, out), (op,)), op, (x, out))
-        path = route[0]
-        if path == PATH_NCCL:
-            res = self.nccl_ops[op](x, ubatch=ubatch, out=out, stream=stream)
-        elif route[1] and route[2]:  # the direct op takes both in place (its own checks)
-            if stream is not None:
-                stream = self._stream(stream)
-            res = self.direct_ops[op](x, ubatch=ubatch, out=out, stream=stream)
-        else:
-            stream = self._stream(stream)
-            direct = self.direct_ops[op]
-            x = self._normalised(
-                x, array_info(x, f"DCPComm.{op}", name), route[1], name, op, stream
-            )
-            if not route[2]:
-                res = direct(x, ubatch=ubatch, stream=stream)
-                self._copy_out(out, res, stream)
-                res = out
-            else:
-                res = direct(x, ubatch=ubatch, out=out, stream=stream)
-        self._record(op, path)
-        return res
-
-    def lse_reduce(
-        self,
-        out_partial,
-        lse_partial,
-        *,
-        seq_lens=None,
-        query_start_loc=None,
-        ubatch: int = 0,
-        out=None,
-        out_lse=None,
-        stream=None,
-    ):
-        """Merge every rank's partial attention into this rank's heads: see
-        :class:`~dcpkit.ops.LseReduce` (same arguments, same result within
-        :func:`~dcpkit.reference.lse_reduce_tolerance`, same output lifetime).
-
-        Returns ``out [T, H_r, D_v]``, or ``(out, out_lse [T, H_r] float32)`` with ``out_lse=``
-        or ``return_lse=True``.
-
-        Collective: every rank, same ``T``, dtypes, masks present or not, ubatch.
-        Stream: on ``stream``.
-
-        Raises
-        ------
-        InvalidArgument
-            ``policy="direct"`` and the direct op cannot serve the call; bad arguments.
-        """
-        op = "lse_reduce"
-        self._check_open(op)
-        arrays = (out_partial, lse_partial, out, out_lse)
-        route = self._routes().lookup(call_key(arrays, (op,)), op, arrays)
-        path = route[0]
-        want_lse = self.return_lse or out_lse is not None
-        kw = dict(seq_lens=seq_lens, query_start_loc=query_start_loc, ubatch=ubatch)
-        if path == PATH_NCCL:
-            res, lse = self.nccl_ops[op](
-                out_partial, lse_partial, out=out, out_lse=out_lse, stream=stream, **kw
-            )
-        elif all(route[1:]):  # the direct op takes every array in place (its own checks)
-            if stream is not None:
-                stream = self._stream(stream)
-            r = self.direct_ops[op](
-                out_partial, lse_partial, stream=stream, out=out, out_lse=out_lse, **kw
-            )
-            res, lse = r if want_lse else (r, None)
-        else:
-            name = f"DCPComm.{op}"
-            stream = self._stream(stream)
-            direct = self.direct_ops[op]
-            out_partial = self._normalised(
-                out_partial,
-                array_info(out_partial, name, "out_partial"),
-                route[1],
-                "out_partial",
-                op,
-                stream,
-            )
-            lse_partial = self._normalised(
-                lse_partial,
-                array_info(lse_partial, name, "lse_partial"),
-                route[2],
-                "lse_partial",
-                op,
-                stream,
-            )
-            o_fix, l_fix = not route[3], not route[4]
-            lse_tmp = None
-            if l_fix and not self.return_lse:  # the op needs an out_lse it can write
-                lse_tmp = self._normalised(
-                    out_lse, array_info(out_lse, name, "out_lse"), False, "out_lse", op, stream
-                )
-            r = direct(
-                out_partial,
-                lse_partial,
-                stream=stream,
-                out=None if o_fix else out,
-                out_lse=lse_tmp if l_fix else out_lse,
-                **kw,
-            )
-            res, lse = r if want_lse else (r, None)
-            if o_fix:
-                self._copy_out(out, res, stream)
-                res = out
-            if l_fix:
-                self._copy_out(out_lse, lse, stream)
-                lse = out_lse
-        self._record(op, path)
-        return (res, lse) if want_lse else res
 
     # ------------------------------------------------------------------ info
     def describe(self) -> str:

@@ -34,14 +34,17 @@ event.
 Conversions. A :class:`TorchOps` call does not go through DLPack for its inputs: it describes
 each tensor to the op as a CuPy array over ``data_ptr()`` (which already counts the storage
 offset) with the tensor's shape, strides and dtype, memoised per description (data pointer,
-shape, strides, dtype, device, tensor class; see :class:`TensorConverter` for why this key and
-not the tensor's identity). Results that are views of workspace memory cross back through
-DLPack once per description of the view, then as a fresh ``detach()`` alias of the first.
-:func:`to_cupy` and :func:`from_cupy` stay plain DLPack round trips.
+shape, strides, storage offset, dtype, device, tensor class; see :class:`TensorConverter` for
+why this key and not the tensor's identity). Results that are views of workspace memory cross
+back through DLPack once per description of the view, then as a fresh ``detach()`` alias of the
+first. :func:`to_cupy` and :func:`from_cupy` stay plain DLPack round trips.
 
 Outputs. With ``out=`` (and, for ``lse_reduce``, ``out_lse=`` or ``return_lse`` unset) the call
-goes through the custom op (``torch.ops.dcpkit.q_gather`` etc., which writes into the
-caller's tensors and allocates nothing: capture-safe) and returns the caller's tensors.
+writes into the caller's tensors, allocates nothing (capture-safe) and returns them. It is the
+custom op (``torch.ops.dcpkit.q_gather`` etc.) whenever torch must see it as one: under
+``torch.compile`` tracing, under a torch dispatch mode, with tensor subclasses (fake or
+functional tensors). A plain eager call does the custom op's work directly (the same call, then
+the same version bump of the tensors written), without the dispatcher's cost.
 Without ``out=`` the result is the op's own output (a view of workspace memory, with the op's
 lifetime rule) wrapped as a torch tensor without a copy.
 
@@ -57,7 +60,7 @@ import weakref
 from typing import Any
 
 from . import _torch_registry as _reg
-from ._arrays import array_key
+from ._arrays import CUPY_CLASSES, is_cupy_array
 from .errors import ClosedError, InvalidArgument, InvalidType, MissingDependency
 
 __all__ = [
@@ -230,17 +233,19 @@ class TensorConverter:
 
     Naive equivalent: ``cupy.from_dlpack(t.detach())`` after :func:`to_cupy`'s checks.
 
-    The key is ``(class, data_ptr(), shape, stride(), dtype, device index)``: exactly what the
-    CuPy array describes, so two tensors with equal keys get equal arrays. Why not the tensor's
-    identity (``id(t)``, ``t._cdata``, the version counter): an identity is reused once the
-    tensor is freed, and a live tensor's shape or strides can change under it (``as_strided_``,
-    ``set_``, ``resize_``), so an identity key could hand out an array that describes other
-    memory or another layout. With the description as the key, memory freed and reused at the
-    same address with the same layout is described rightly by the cached array, and any other
-    layout is a new key, checked in full (:func:`to_cupy`'s checks) before it is stored. The
-    cached arrays own nothing (they do not keep a tensor alive): an array is only handed out
-    for a live tensor of its very description, for the duration of a call. The data pointer is
-    ``data_ptr()``, which counts the storage offset: a slice's array starts at the slice.
+    The key is ``(class, data_ptr(), shape, stride(), storage_offset(), dtype, device index)``:
+    what the CuPy array describes (the storage offset is already in ``data_ptr()``; it is keyed
+    too so that the key alone says which element the array starts at), so two tensors with equal
+    keys get equal arrays. Why not the tensor's identity (``id(t)``, ``t._cdata``, the version
+    counter): an identity is reused once the tensor is freed, and a live tensor's shape or
+    strides can change under it (``as_strided_``, ``set_``, ``resize_``), so an identity key
+    could hand out an array that describes other memory or another layout. With the description
+    as the key, memory freed and reused at the same address with the same layout is described
+    rightly by the cached array, and any other layout is a new key, checked in full
+    (:func:`to_cupy`'s checks) before it is stored. The cached arrays own nothing (they do not
+    keep a tensor alive): an array is only handed out for a live tensor of its very description,
+    for the duration of a call. The data pointer is ``data_ptr()``, which counts the storage
+    offset: a slice's array starts at the slice.
 
     Parameters
     ----------
@@ -273,7 +278,15 @@ class TensorConverter:
     def __call__(self, t, name: str = "tensor"):
         """The CuPy array of ``t`` (raises as :func:`to_cupy` does)."""
         try:
-            key = (type(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device())
+            key = (
+                type(t),
+                t.data_ptr(),
+                t.shape,
+                t.stride(),
+                t.storage_offset(),
+                t.dtype,
+                t.get_device(),
+            )
         except (AttributeError, TypeError, RuntimeError):
             key = None
         a = self._arrays.get(key) if key is not None else None
@@ -480,6 +493,14 @@ class TorchOps:
         self._streams: dict[int, Any] = {}  # stream handle -> CuPy stream object
         self._results: dict[tuple, Any] = {}  # result description -> torch tensor
         self._raw_stream = _raw_stream_fn()
+        self._get_device = _cupy().cuda.runtime.getDevice
+        self._cupy_stream_now = _cupy().cuda.get_current_stream
+        torch = _torch()
+        self._tensor_type = torch.Tensor
+        # where torch cannot tell, every out= call goes through the custom op
+        self._dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
+        self._compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: True)
+        self._returns_lse = bool(getattr(target, "return_lse", False))
         self._closed = True
         with _LOCK:
             self.handle = next(_NEXT_HANDLE)
@@ -530,8 +551,14 @@ class TorchOps:
 
     def _to_torch(self, res):
         """A torch tensor over the CuPy result ``res`` (a view of workspace memory): DLPack
-        once per description of the view, then a fresh alias (``detach()``) of that tensor."""
-        key = array_key(res)
+        once per description of the view, then a fresh alias (``detach()``) of that tensor (a
+        caller that changes the returned tensor's metadata in place changes its own alias
+        only)."""
+        if type(res) in CUPY_CLASSES or is_cupy_array(res):
+            m = res.data
+            key = (m.ptr, res.shape, res.strides, res.dtype, m.device_id)
+        else:
+            key = None
         t = self._results.get(key) if key is not None else None
         if t is None:
             t = from_cupy(res)
@@ -545,28 +572,50 @@ class TorchOps:
     def _invoke(self, op: str, args, kwargs: dict[str, Any]):
         """Run ``op`` on torch's current stream with every tensor described as a CuPy array;
         convert the result back (returning the caller's tensors where they were the
-        destinations)."""
-        fn = self._fn(op)
+        destinations).
+
+        ``args``: ``((name, tensor), ...)``, the positional tensors; ``kwargs``: the keywords,
+        tensors among them converted."""
+        fn = self._fns.get(op) if not self._closed else None
+        if fn is None:
+            fn = self._fn(op)  # raises: closed, or an op the target does not serve
         conv = self._conv
-        cargs = [conv(t, n) for n, t in args]
+        if len(args) == 1:
+            ((n, t),) = args
+            cargs = (conv(t, n),)
+        else:
+            cargs = tuple(conv(t, n) for n, t in args)
         ckw = {}
-        back = {}
+        back = None  # id of a converted destination -> the caller's tensor
         for k, v in kwargs.items():
             if v is not None and k in _TENSOR_KEYWORDS:
                 c = conv(v, k)
+                if back is None:
+                    back = {}
                 back[id(c)] = v
                 ckw[k] = c
             else:
                 ckw[k] = v
-        stream = self._stream()
-        cupy = _cupy()
-        if cupy.cuda.runtime.getDevice() == self.device:
-            with stream:
+        # torch's current stream on the op's GPU as a CuPy stream (one object per handle: the
+        # handle is the stream, so a handle seen again is the same stream)
+        ptr = self._raw_stream(self.device)
+        stream = self._streams.get(ptr)
+        if stream is None:
+            stream = self._stream()
+        if self._get_device() == self.device:
+            if self._cupy_stream_now().ptr == ptr:  # CuPy's current stream is torch's already
                 res = fn(*cargs, stream=stream, **ckw)
+            else:  # made CuPy's current for the call: what the op allocates is ordered on it
+                with stream:
+                    res = fn(*cargs, stream=stream, **ckw)
         else:
-            with cupy.cuda.Device(self.device), stream:
+            with _cupy().cuda.Device(self.device), stream:
                 res = fn(*cargs, stream=stream, **ckw)
-        if isinstance(res, tuple):
+        if back is None:
+            if type(res) is tuple:
+                return tuple(self._to_torch(r) for r in res)
+            return self._to_torch(res)
+        if type(res) is tuple:
             return tuple(back[id(r)] if id(r) in back else self._to_torch(r) for r in res)
         return back[id(res)] if id(res) in back else self._to_torch(res)
 
@@ -574,23 +623,41 @@ class TorchOps:
         return self._custom_ops[op]
 
     # ------------------------------------------------------------------ ops
+    def _eager(self, *tensors) -> bool:
+        """Whether a call with ``out=`` may skip the custom op: plain tensors (no tensor
+        subclass such as a fake or functional tensor), no torch dispatch mode active and no
+        ``torch.compile`` tracing. The custom op's kernel does then exactly what the direct
+        call does (:meth:`_invoke`, then the version bump of what it wrote), without the
+        dispatcher."""
+        T = self._tensor_type
+        for t in tensors:
+            if t is not None and type(t) is not T:
+                return False
+        return not self._dispatch_modes() and not self._compiling()
+
     def q_gather(self, q, *, ubatch: int = 0, out=None):
-        """``q`` torch ``[T, H_r, D]`` -> ``[T, H, D]`` (see :class:`~dcpkit.ops.QGather`).
-        With ``out`` the call is the custom op ``torch.ops.dcpkit.q_gather`` (capture-safe)."""
-        self._fn("q_gather")
-        if out is not None:
-            self._custom("q_gather")(self.handle, q, out, int(ubatch))
-            return out
-        return self._invoke("q_gather", [("q", q)], {"ubatch": ubatch})
+        """``q`` torch ``[T, H_r, D]`` -> ``[T, H, D]``: see :meth:`QGather.__call__
+        <dcpkit.ops.QGather.__call__>`. With ``out`` the call is the custom op
+        ``torch.ops.dcpkit.q_gather`` (capture-safe) when traced or under a dispatch mode, the
+        same work called directly otherwise (:meth:`_eager`)."""
+        return self._gather("q_gather", "q", q, ubatch, out)
 
     def kv_gather(self, kv, *, ubatch: int = 0, out=None):
-        """``kv`` torch ``[T, D_kv]`` -> ``[world_size*T, D_kv]`` (see
-        :class:`~dcpkit.ops.KVGather`). With ``out`` the call is the custom op."""
-        self._fn("kv_gather")
-        if out is not None:
-            self._custom("kv_gather")(self.handle, kv, out, int(ubatch))
-            return out
-        return self._invoke("kv_gather", [("kv", kv)], {"ubatch": ubatch})
+        """``kv`` torch ``[T, D_kv]`` -> ``[world_size*T, D_kv]``: see :meth:`KVGather.__call__
+        <dcpkit.ops.KVGather.__call__>`; ``out`` as in :meth:`q_gather`."""
+        return self._gather("kv_gather", "kv", kv, ubatch, out)
+
+    def _gather(self, op: str, name: str, x, ubatch, out):
+        if self._closed or op not in self._fns:
+            self._fn(op)  # raises
+        if out is None:
+            return self._invoke(op, ((name, x),), {"ubatch": ubatch})
+        if self._eager(x, out):
+            self._invoke(op, ((name, x),), {"ubatch": int(ubatch), "out": out})
+            _bump(out)
+        else:
+            self._custom(op)(self.handle, x, out, int(ubatch))
+        return out
 
     def lse_reduce(
         self,
@@ -603,36 +670,33 @@ class TorchOps:
         out=None,
         out_lse=None,
     ):
-        """Merge partial attention (see :class:`~dcpkit.ops.LseReduce`): torch
-        ``out_partial [T, H, D_v]``, ``lse_partial [T, H]`` -> ``out [T, H_r, D_v]`` (and
-        ``out_lse [T, H_r]`` float32 with ``out_lse=`` or a target built with
-        ``return_lse=True``). With ``out`` (and every returned tensor caller-provided) the call
-        is the custom op ``torch.ops.dcpkit.lse_reduce``."""
-        self._fn("lse_reduce")
-        returns_lse = bool(getattr(self.target, "return_lse", False))
-        if out is not None and (out_lse is not None or not returns_lse):
-            self._custom("lse_reduce")(
-                self.handle,
-                out_partial,
-                lse_partial,
-                seq_lens,
-                query_start_loc,
-                out,
-                out_lse,
-                int(ubatch),
-            )
-            return out if out_lse is None else (out, out_lse)
-        return self._invoke(
-            "lse_reduce",
-            [("out_partial", out_partial), ("lse_partial", lse_partial)],
-            {
-                "seq_lens": seq_lens,
-                "query_start_loc": query_start_loc,
-                "ubatch": ubatch,
-                "out": out,
-                "out_lse": out_lse,
-            },
-        )
+        """Merge partial attention: see :meth:`LseReduce.__call__
+        <dcpkit.ops.LseReduce.__call__>` (torch tensors, same shapes; returns ``out``, or
+        ``(out, out_lse)`` with ``out_lse=`` or a target built with ``return_lse=True``). With
+        ``out`` (and every returned tensor caller-provided) the call is the custom op
+        ``torch.ops.dcpkit.lse_reduce``, or the same work called directly, as in
+        :meth:`q_gather`."""
+        op = "lse_reduce"
+        if self._closed or op not in self._fns:
+            self._fn(op)  # raises
+        kw = {
+            "seq_lens": seq_lens,
+            "query_start_loc": query_start_loc,
+            "ubatch": ubatch,
+            "out": out,
+            "out_lse": out_lse,
+        }
+        inputs = (("out_partial", out_partial), ("lse_partial", lse_partial))
+        if out is None or (out_lse is None and self._returns_lse):
+            return self._invoke(op, inputs, kw)
+        tensors = (out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse)
+        if self._eager(*tensors):
+            kw["ubatch"] = int(ubatch)
+            self._invoke(op, inputs, kw)
+            _bump(out, out_lse)
+        else:
+            self._custom(op)(self.handle, *tensors, int(ubatch))
+        return out if out_lse is None else (out, out_lse)
 
     def __call__(self, *args, **kwargs):
         """For a single-op target: the op's method (``q_gather``, ``kv_gather`` or

@@ -124,7 +124,7 @@ def stub_workspace(ws, stream, rec: Recorder, *, rank: int = RANK, world_size: i
     made-up addresses, with every launch going to ``rec`` and ``stream`` as the current
     stream."""
     from dcpkit._plan import PlanCache
-    from dcpkit.ops.lse_reduce import _float_dtypes
+    from dcpkit.ops._lse_checks import float_dtypes
 
     U = ws.num_ubatches
     ws.rank, ws.world_size, ws.device = rank, world_size, 0
@@ -140,7 +140,9 @@ def stub_workspace(ws, stream, rec: Recorder, *, rank: int = RANK, world_size: i
     ws._base = 0
     ws.heap = types.SimpleNamespace(local_ptr=_buffer(ws._region).data.ptr, mc_ptr=0)
     ws.get_stream = lambda s: stream if s is None else s
-    ws._graph_out = _buffer(max(ws._out_bytes, 1) * U)
+    ws._current_stream_fn = lambda: stream
+    ws._graph_out = _buffer(max(ws._out_bytes, 1) * max(ws.graph_outputs, 1))
+    ws._graph_next = 0
     ws._eager_out = [_buffer(2 * max(ws._out_bytes, 1)) for _ in range(U)]
     # The local state _init_local_state would allocate, over made-up addresses; the protocol
     # parameters built by the op's own _make_proto (the kernels' DCPKIT_PROTO_PARAMS).
@@ -158,7 +160,7 @@ def stub_workspace(ws, stream, rec: Recorder, *, rank: int = RANK, world_size: i
     if ws.op_name == "lse_reduce":
         T_max, H_r = ws.max_tokens, ws.heads_per_rank
         ws._cupy = _cupy_shim(stream)
-        ws._fn = dict.fromkeys(_float_dtypes(), rec.function)
+        ws._fn = dict.fromkeys(float_dtypes(), rec.function)
         ws._head_args = [
             ws._proto[u]
             + (
@@ -311,6 +313,7 @@ def torch_on_cpu(stream):
         cuda=types.SimpleNamespace(
             Device=lambda d=None: contextlib.nullcontext(),
             runtime=runtime,
+            get_current_stream=lambda: stream,
             UnownedMemory=cupy.cuda.UnownedMemory,
             MemoryPointer=cupy.cuda.MemoryPointer,
         ),

@@ -68,7 +68,8 @@ class GatherPlan(NamedTuple):
     grid_copy: int  # CTAs when the kernel copies out (out=, capture, after a capture)
     grid_zero_copy: int  # CTAs when the result is read from the own data slot
     params: object  # KernelParams, the ``out`` field patched per call
-    out_index: int  # index of the kernel's ``out`` parameter
+    out_field: object  # that field (ctypes), patched without a Python call
+    slots: tuple[int, ...]  # addresses of the ubatch's data slots (data slot = epoch % 3)
     shape: tuple[int, ...]  # the result view
     strides: tuple[int, ...]
     debug_key: tuple  # what DCPKIT_DEBUG compares across ranks
@@ -146,10 +147,61 @@ class GatherWorkspace(OpWorkspace):
         copy."""
         return self.local_slot_ptr(ubatch, 0) + index * self.data_slot_bytes
 
+    def _call_keyed(self, key, x, ubatch, out, stream, flag):
+        """A call whose flat key (:func:`dcpkit._plan.pair_key`) is ``key`` (None: keyed in
+        full): the closed / poisoned check, the plan (the full validation on a miss), the
+        stream check (every check runs before anything is counted or launched); then
+        :meth:`_empty_call` (``T == 0``), :meth:`_gather_call_general` (a capturing stream or
+        ``DCPKIT_DEBUG``), or the eager hot path: the bookkeeping, the ``out`` field patched,
+        one launch, the result (``out`` itself, or a memoised view of workspace memory)."""
+        if self._closed or self._rec_head[0] or self._launch_failed is not None:
+            self.check_open()  # raises: closed or poisoned, every call
+        plans = self._plans
+        plan = plans._plans.get(key)
+        if plan is None:
+            plan = plans.get(key, (x, out), (ubatch, flag), x, ubatch, out, flag)
+        else:
+            plans.hits += 1
+        if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES):
+            self._check_stream(stream)  # raises InvalidType unless a CuPy stream
+        if plan.T == 0:
+            return self._empty_call(plan, out)
+        # The hot path (eager, DCPKIT_DEBUG off), inline: every address it needs is in the plan.
+        if stream is None:
+            stream = self._current_stream_fn()
+        if self._debug or stream.is_capturing():
+            return self._gather_call_general(plan, out, stream)
+        ub = plan.ubatch
+        calls = self._calls
+        n = calls[ub] + 1
+        calls[ub] = n  # counted: a launch that raises below leaves the workspace unusable
+        if out is not None:
+            kout, grid = plan.out_ptr, plan.grid_copy
+        elif self._captured[ub]:  # the device parity is unknown: copy out
+            kout, grid = self.output_ptr(ub, False), plan.grid_copy
+        else:  # zero copy: the result is this call's data slot
+            kout, grid = 0, plan.grid_zero_copy
+        plan.out_field.value = kout
+        if self._get_device() == self.device:
+            try:
+                self._launchers[0].launch(grid, plan.params, stream.ptr)
+            except BaseException as e:
+                self._launch_failed = f"{type(e).__name__}: {e}"
+                raise
+        else:
+            self._run(0, grid, plan.params, stream)
+        if out is not None:
+            return out
+        result = kout or plan.slots[n % DATA_SLOTS]
+        v = plan.views.get(result)
+        if v is None:
+            v = plan.views[result] = self._view(result, plan.shape, plan.strides)
+        return v
+
     def _destination(self, ubatch: int, stream, debug_key: tuple, out_ptr: int) -> tuple[int, int]:
-        """Call bookkeeping (advances the host shadow of the epoch). Returns ``(kernel_out,
-        result_ptr)``: the ``out`` pointer the kernel gets (0 = zero copy) and the address of the
-        result (``out_ptr`` when the caller gave ``out=``)."""
+        """Call bookkeeping through :meth:`begin_call` (advances the host shadow of the epoch).
+        Returns ``(kernel_out, result_ptr)``: the ``out`` pointer the kernel gets (0 = zero
+        copy) and the address of the result (``out_ptr`` when the caller gave ``out=``)."""
         _, capturing, exact = self.begin_call(ubatch, stream, debug_key, needs_output=not out_ptr)
         if out_ptr:
             return out_ptr, out_ptr
@@ -158,17 +210,14 @@ class GatherWorkspace(OpWorkspace):
         ptr = self.output_ptr(ubatch, capturing)
         return ptr, ptr
 
-    def _gather_call(self, plan: GatherPlan, out, stream):
-        """A validated call (``T > 0``): bookkeeping, the ``out`` field patched, one launch, the
-        result (``out`` itself, or a memoised view of workspace memory)."""
-        if stream is None:
-            stream = self.get_stream(None)
+    def _gather_call_general(self, plan: GatherPlan, out, stream):
+        """A validated call (``T > 0``) through :meth:`_destination`: the debug-mode agreement,
+        the capture checks and the graph output buffers."""
         kout, result = self._destination(
             plan.ubatch, stream, plan.debug_key if self._debug else (), plan.out_ptr
         )
-        params = plan.params
-        params[plan.out_index] = kout
-        self._run(0, plan.grid_copy if kout else plan.grid_zero_copy, params, stream)
+        plan.out_field.value = kout
+        self._run(0, plan.grid_copy if kout else plan.grid_zero_copy, plan.params, stream)
         if out is not None:
             return out
         v = plan.views.get(result)
@@ -200,12 +249,13 @@ class GatherWorkspace(OpWorkspace):
         field at ``out_index`` is patched per call."""
         from .._launch import KernelParams
 
-        params, grids = None, (0, 0)
+        params, grids, field = None, (0, 0), None
         if T > 0:  # T == 0 launches nothing
             head = self._head_args(ubatch)
             if not mc_arg:
                 head = head[:-1]
             params = KernelParams(types, [int(v) for v in head + tail])
+            field = params.field(out_index)
             grids = (self._grid(self._vectors(T, True)), self._grid(self._vectors(T, False)))
         return GatherPlan(
             T,
@@ -213,7 +263,8 @@ class GatherWorkspace(OpWorkspace):
             out_info.ptr if out_info is not None else 0,
             *grids,
             params,
-            out_index,
+            field,
+            tuple(self.data_slot_ptr(ubatch, i) for i in range(DATA_SLOTS)),
             shape,
             strides,
             (T, str(self.dtype), ubatch),

@@ -35,7 +35,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..errors import CollectiveTimeout, ConfigMismatch
+
 __all__ = [
+    "failure_error",
     "FP_FIELDS",
     "DTYPE_CODES",
     "LSE_CODES",
@@ -242,3 +245,35 @@ def describe_mismatch(fps: Sequence[int | None]):
                 or f"fingerprint 0x{fp:08x}"
             )
     return summary, per_rank
+
+
+def failure_error(rec, op_names: dict, op_name: str, world_size: int, timeout_ms: float):
+    """The error a failure record holds (``rec``: its ``uint32`` words): a
+    :class:`CollectiveTimeout`, or a :class:`ConfigMismatch` with the values this rank saw.
+    ``op_names`` maps the record's op id to a name (default ``op_name``)."""
+    n = len(RECORD_FIELDS)
+    f = dict(zip(RECORD_FIELDS[:8], (int(v) for v in rec[:8])))
+    op = op_names.get(f["op"], op_name)
+    if f["kind"] != REC_MISMATCH or len(rec) < RECORD_WORDS:
+        return CollectiveTimeout(
+            op,
+            f["rank"],
+            f["peer"],
+            f["expected"],
+            f["observed"],
+            ubatch=f["ubatch"],
+            timeout_ms=timeout_ms,
+        )
+    f = dict(zip(RECORD_FIELDS, (int(v) for v in rec[:n])))
+    W = min(int(f["world"]) or world_size, RECORD_SOURCES)
+    seen = [int(v) or None for v in rec[n : n + W]]
+    for r, fp in ((f["rank"], f["own_fp"]), (f["peer"], f["peer_fp"])):
+        if r < W:
+            seen[r] = fp
+    summary, per_rank = describe_mismatch(seen)
+    return ConfigMismatch(
+        f"{op}: call arguments ({summary}; seen by rank {f['rank']} in ubatch "
+        f"{f['ubatch']}, epoch {f['expected']}; the workspace is poisoned: close it and "
+        f"build a new one)",
+        per_rank,
+    )

@@ -50,7 +50,6 @@ without synchronising. A replay-only loop detects it like this::
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -64,19 +63,13 @@ from .._checks import (
     check_timeout_ms,
     default_timeout_ms,
 )
-from .._launch import Launcher
+from .._launch import Launcher, default_backend
+from .._lifecycle import Resource
 from .._plan import PlanCache
 from .._setup import debug_enabled, guarded, share_outcome
 from .._sm_share import sm_share
 from ..comm import Communicator
-from ..errors import (
-    ClosedError,
-    CollectiveTimeout,
-    ConfigMismatch,
-    DcpkitError,
-    InvalidArgument,
-    InvalidType,
-)
+from ..errors import ClosedError, DcpkitError, InvalidArgument, InvalidType
 from ..symmetric import MAX_NBYTES
 from . import _protocol
 
@@ -189,7 +182,7 @@ def check_heap(heap, comm: Communicator, op: str, nbytes: int) -> None:
         )
 
 
-class OpWorkspace:
+class OpWorkspace(Resource):
     """Base class of the direct ops (:class:`~dcpkit.ops.LseReduce`, ``QGather``, ``KVGather``).
 
     A subclass implements ``_check_arguments(world_size, **constructor keywords)``: every
@@ -301,6 +294,16 @@ class OpWorkspace:
         self._debug = debug_enabled()
         self._init_region(heap, multicast)
         self._closed = False
+
+    def _setup_with(self, comm, keywords: dict, what: str, *, heap=None, multicast=None):
+        """:meth:`_setup` with ``_check_arguments`` bound to the constructor's keywords
+        (``keywords``: its ``locals()``; ``_self_check`` goes as ``self_check``)."""
+        skip = ("self", "comm", "heap", "multicast", "__class__")
+        kw = {k: v for k, v in keywords.items() if k not in skip}
+        kw["self_check"] = kw.pop("_self_check", True)
+        self._setup(
+            comm, lambda W: self._check_arguments(W, **kw), what, heap=heap, multicast=multicast
+        )
 
     def _check_fits(self, cupy, device: int) -> None:
         """The workspace's own heap must fit in the GPU's memory (an error naming the op's
@@ -492,7 +495,7 @@ class OpWorkspace:
         """Raise if the workspace is closed or poisoned by a timeout or a mismatch."""
         if self._closed:
             raise ClosedError(f"{self.op_name}: the workspace is closed")
-        if self._rec[0] != 0:
+        if self._rec_head[0] != 0:
             self._raise_failure()
         if self._launch_failed is not None:
             self._raise_launch_failure()
@@ -582,8 +585,6 @@ class OpWorkspace:
         """Device address of the workspace output buffer for this call (``out=None``): a graph
         output buffer of its own while capturing (taken for good), else one of the two eager
         buffers of the ubatch."""
-        import cupy
-
         if capturing:
             k = self._graph_next
             if k >= self.graph_outputs:  # begin_call checked; an internal invariant
@@ -592,6 +593,8 @@ class OpWorkspace:
             return self._graph_out.data.ptr + k * self._out_bytes
         buf = self._eager_out[ubatch]
         if buf is None:
+            import cupy
+
             with cupy.cuda.Device(self.device):
                 buf = cupy.empty(2 * max(self._out_bytes, 1), dtype=cupy.uint8)
             self._eager_out[ubatch] = buf
@@ -610,62 +613,50 @@ class OpWorkspace:
             self._raise_failure()
 
     def _raise_failure(self) -> None:
-        """Raise what the record holds: :class:`CollectiveTimeout` or :class:`ConfigMismatch`."""
-        rec = self._rec
-        f = dict(zip(TIMEOUT_RECORD_FIELDS, (int(v) for v in rec[:8])))
-        op = OP_NAMES.get(f["op"], self.op_name)
-        if f["kind"] == _protocol.REC_MISMATCH and len(rec) >= _protocol.RECORD_WORDS:
-            raise self._mismatch_error(op, rec)
-        raise CollectiveTimeout(
-            op,
-            f["rank"],
-            f["peer"],
-            f["expected"],
-            f["observed"],
-            ubatch=f["ubatch"],
-            timeout_ms=self.timeout_ms,
+        """Raise what the record holds: :class:`CollectiveTimeout` or :class:`ConfigMismatch`
+        (:func:`~dcpkit.ops._protocol.failure_error`)."""
+        raise _protocol.failure_error(
+            self._rec, OP_NAMES, self.op_name, self.world_size, self.timeout_ms
         )
 
-    def _mismatch_error(self, op: str, rec) -> ConfigMismatch:
-        """The :class:`ConfigMismatch` of a mismatch record: the values this rank saw."""
-        n = len(_protocol.RECORD_FIELDS)
-        f = dict(zip(_protocol.RECORD_FIELDS, (int(v) for v in rec[:n])))
-        W = min(int(f["world"]) or self.world_size, _protocol.RECORD_SOURCES)
-        seen = [int(v) or None for v in rec[n : n + W]]
-        for r, fp in ((f["rank"], f["own_fp"]), (f["peer"], f["peer_fp"])):
-            if r < W:
-                seen[r] = fp
-        summary, per_rank = _protocol.describe_mismatch(seen)
-        return ConfigMismatch(
-            f"{op}: call arguments ({summary}; seen by rank {f['rank']} in ubatch "
-            f"{f['ubatch']}, epoch {f['expected']}; the workspace is poisoned: close it and "
-            f"build a new one)",
-            per_rank,
-        )
+    @property
+    def _rec(self):
+        """The failure record: ``uint32`` words of mapped pinned host memory (NumPy)."""
+        try:
+            return self.__dict__["_rec_words"]
+        except KeyError:
+            raise AttributeError("_rec") from None
+
+    @_rec.setter
+    def _rec(self, words) -> None:
+        # The hot path reads word 0 through a memoryview of the same memory (an int, no NumPy
+        # scalar made per call).
+        self.__dict__["_rec_words"] = words
+        self.__dict__["_rec_head"] = memoryview(words)
 
     @property
     def poisoned(self) -> bool:
         """True once a wait of this workspace timed out or found a peer's call differing (a read
         of host-mapped memory: no device sync), or a launch failed after its call was counted
         (a host flag). Then :meth:`check` raises the error."""
-        return (not self._closed) and (self._rec[0] != 0 or self._launch_failed is not None)
+        return (not self._closed) and (self._rec_head[0] != 0 or self._launch_failed is not None)
 
     # ------------------------------------------------------------------ fast path
     #: Set when a launch raised after the call was counted (see :meth:`_run`).
     _launch_failed: str | None = None
 
-    def _init_fast_path(self, functions: dict[Any, Any], backend: str = "ctypes") -> None:
+    def _init_fast_path(self, functions: dict[Any, Any], backend: str | None = None) -> None:
         """The call-plan cache (:mod:`dcpkit._plan`, built by the subclass's ``_plan``) and one
         :class:`~dcpkit._launch.Launcher` per loaded kernel (``functions``: key -> the loaded
-        ``cupy.cuda.function.Function``; the subclass picks the key per plan)."""
+        ``cupy.cuda.function.Function``; the subclass picks the key per plan), launching through
+        ``backend`` (default: cuda.bindings where it loads, else ctypes)."""
         import cupy
 
         self._plans = PlanCache(self._plan)
-        self._launchers = {
-            k: Launcher(fn, self.THREADS, backend=backend) for k, fn in functions.items()
-        }
         self._functions = dict(functions)
+        self._set_launch_backend(backend)
         self._get_device = cupy.cuda.runtime.getDevice
+        self._current_stream_fn = cupy.cuda.get_current_stream
 
     def __getattr__(self, name: str):
         # Only for attributes not set yet: the plan cache of a workspace whose setup did not
@@ -673,13 +664,19 @@ class OpWorkspace:
         if name == "_plans":
             plans = self.__dict__["_plans"] = PlanCache(self._plan)
             return plans
+        if name == "_current_stream_fn":
+            import cupy
+
+            return cupy.cuda.get_current_stream
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def _set_launch_backend(self, backend: str) -> None:
-        """Test and benchmark hook: launch through ``backend`` ("ctypes" or "bindings")."""
+    def _set_launch_backend(self, backend: str | None) -> None:
+        """Launch through ``backend`` ("bindings", "ctypes"; None: the default); also the
+        benchmark's hook to compare them."""
         self._launchers = {
             k: Launcher(fn, self.THREADS, backend=backend) for k, fn in self._functions.items()
         }
+        self.launch_backend = backend or default_backend()
 
     def _run(self, kernel_key, grid: int, params, stream) -> None:
         """Launch kernel ``kernel_key`` with the packed ``params`` on ``stream`` (a device
@@ -752,17 +749,24 @@ class OpWorkspace:
             self.comm.barrier()
 
     # ------------------------------------------------------------------ teardown
+    #: :class:`~dcpkit._lifecycle.Resource`: the warning of a workspace dropped open.
+    _unclosed_hint = "call close() on every rank (GPU memory is returned at process exit)"
+
+    @property
+    def _resource_name(self) -> str:
+        return f"{self.op_name} workspace"
+
     def close(self) -> None:
         """Release the workspace (collective, idempotent).
 
         Waits for the device, then frees local state and, if the workspace created its own
         heap, closes the heap (collective). Later calls raise :class:`ClosedError`.
         """
-        if getattr(self, "_closed", True):
-            return
+        super().close()
+
+    def _close(self) -> None:
         import cupy
 
-        self._closed = True
         self.__dict__.pop("_view_cache", None)  # views over memory about to be freed
         self._clear_plans()
         errors: list[BaseException] = []
@@ -783,24 +787,6 @@ class OpWorkspace:
                 errors.append(e)
         if errors:
             raise errors[0]
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):  # never collective work here: warn only
-        if getattr(self, "_closed", True) is False:
-            try:
-                warnings.warn(
-                    f"dcpkit {self.op_name} workspace was not closed; call close() "
-                    f"on every rank (GPU memory is returned at process exit)",
-                    ResourceWarning,
-                    stacklevel=1,
-                )
-            except Exception:  # noqa: BLE001 - interpreter shutdown
-                pass
 
 
 def launch_config(total_items: int, items_per_cta: int, max_ctas: int) -> int:

@@ -16,7 +16,7 @@ Kernel: ``kernels/kv_gather.cu`` (device code in ``kernels/gather.cuh``); refere
 from __future__ import annotations
 
 from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
-from .._plan import call_key
+from .._plan import pair_key
 from ..comm import Communicator
 from ..errors import InvalidArgument
 from ._gather import MAX_VECTORS, GatherPlan, GatherWorkspace, resolve_gather_dtype
@@ -106,15 +106,8 @@ class KVGather(GatherWorkspace):
     launches_per_call : int
         1.
 
-    Collective: construction (compiles the kernel, then a barrier), every call, :meth:`close`.
-
-    Poisoned workspace: after a timeout or a :class:`ConfigMismatch` every later kernel of the
-    workspace (graph replays included) fills its result with 0xFF bytes (NaN for float
-    dtypes, all-ones bytes for the others). A graph-replay loop checks it without a device sync::
-
-        graph.launch(stream)
-        if kg.poisoned:
-            kg.check()      # raises CollectiveTimeout or ConfigMismatch
+    Collective, and the poisoned workspace (results of 0xFF bytes, ``poisoned`` / ``check()``
+    without a device sync): as :class:`~dcpkit.ops.QGather`.
 
     Raises
     ------
@@ -157,23 +150,8 @@ class KVGather(GatherWorkspace):
     ):
         self._closed = True  # until the setup completes
         # One exchange: arguments, CuPy, the GPU or room in the heap, equal geometries.
-        self._setup(
-            comm,
-            lambda W: self._check_arguments(
-                W,
-                max_tokens=max_tokens,
-                row_dim=row_dim,
-                dtype=dtype,
-                num_ubatches=num_ubatches,
-                algorithm=algorithm,
-                timeout_ms=timeout_ms,
-                graph_outputs=graph_outputs,
-                waiter_ctas=waiter_ctas,
-                self_check=_self_check,
-            ),
-            "max_tokens, row_dim, dtype, algorithm",
-            heap=heap,
-            multicast=multicast,
+        self._setup_with(
+            comm, locals(), "max_tokens, row_dim, dtype, algorithm", heap=heap, multicast=multicast
         )
         if self.algorithm == "pull":
             self.transport = "unicast"
@@ -263,44 +241,15 @@ class KVGather(GatherWorkspace):
         GPU array [world_size*T, D_kv], the workspace dtype, C-contiguous
             ``out``, or a view of workspace memory: the own symmetric data slot (zero copy)
             when the ubatch was never captured in a CUDA graph, else a workspace output buffer.
-            **Lifetime**: a view returned by call ``n`` stays valid while it is consumed on the
-            same stream before call ``n + 2`` of the same ubatch is issued (call ``n + 3``, or
-            a peer's call ``n + 3``, may reuse its storage); a view returned while capturing
-            lives in a graph output buffer of its own, valid until the next replay of the graph
-            that captured it. Views are invalid after :meth:`close`. ``T == 0`` returns an
-            empty array without launching. After the workspace is poisoned the result is 0xFF
-            bytes (see the class docstring).
+            The lifetime of a view, the ``T == 0`` and the poisoned results are those of
+            :meth:`QGather.__call__ <dcpkit.ops.QGather.__call__>`.
 
-        Collective: every rank calls with the same ``T``, dtype and ubatch, in the same order.
-
-        Stream: one kernel on ``stream``; never blocks the host; capture-safe.
-
-        Raises
-        ------
-        InvalidArgument, InvalidType
-            A bad shape, dtype, layout, alignment, device, ``T``, ubatch, a host array, or a
-            ``stream`` that is not a CuPy stream; raised before anything is launched and
-            before the call counts.
-        ClosedError
-            The workspace is closed.
-        CollectiveTimeout
-            A previous wait of this workspace expired (the workspace is poisoned).
-        ConfigMismatch
-            A previous call found that the ranks called with different ``T`` / dtype / ubatch
-            (the workspace is poisoned); the message names the ranks and values.
-        DcpkitError
-            The workspace's first call is being captured, or every graph output buffer is
-            taken and ``out`` is None while capturing.
+        Collective, Stream, Raises: as :meth:`QGather.__call__ <dcpkit.ops.QGather.__call__>`
+        (a non-contiguous ``kv`` or ``out`` is an ``InvalidArgument`` here).
         """
-        self.check_open()  # closed or poisoned: every call, cached plan or not
-        plan = self._plans.lookup(call_key((kv, out), (ubatch,)), kv, ubatch, out)
-        if stream is not None:
-            self._check_stream(stream)
-        if plan.T == 0:
-            return self._empty_call(plan, out)
-        return self._gather_call(plan, out, stream)
+        return self._call_keyed(pair_key(kv, out, ubatch, False), kv, ubatch, out, stream, False)
 
-    def _plan(self, kv, ubatch, out) -> GatherPlan:
+    def _plan(self, kv, ubatch, out, _flag: bool = False) -> GatherPlan:
         """The full validation of a call (:meth:`_validate`: every check, every message), then
         everything its key determines: grids and the packed kernel parameters."""
         T, ubatch, ki, oi = self._validate(kv, ubatch, out)

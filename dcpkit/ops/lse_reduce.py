@@ -35,20 +35,26 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _cuda, jit
-from .._arrays import (
-    ArrayInfo,
-    array_info,
-    check_device,
-    check_dtype,
-    check_ndim,
-    check_shape,
-    dtype_name,
-)
+from .._arrays import dtype_name
 from .._launch import KernelParams
-from .._plan import call_key
+from .._plan import arrays_key
 from ..comm import Communicator
 from ..errors import InvalidArgument, InvalidType
 from ..reference import check_lse_base, resolve_dtype
+from ._lse_checks import (
+    F32,
+    FILE,
+    INT32_MAX,
+    MAX_WORLD_SIZE,
+    THREADS,
+    UINT,
+    WARPS_PER_CTA,
+    CallArgs,
+    c_contiguous,
+    float_dtypes,
+    reduce_variant,
+    validate_call,
+)
 from ._workspace import (
     PROTO_PARAM_TYPES,
     OpWorkspace,
@@ -57,6 +63,7 @@ from ._workspace import (
     check_positive_int,
     launch_config,
 )
+from .lse_combine import lse_combine
 
 __all__ = ["LseReduce", "lse_combine", "LSE_REDUCE_PARAM_TYPES"]
 
@@ -89,94 +96,6 @@ LSE_REDUCE_PARAM_TYPES = PROTO_PARAM_TYPES + (
 _P = len(PROTO_PARAM_TYPES)
 _IN, _OUT, _OUT_LSE = _P + 4, _P + 14, _P + 15  # fields patched per call
 
-#: Threads per CTA of both kernels (``lse_detail::kThreads`` in the kernel).
-THREADS = 256
-WARPS_PER_CTA = THREADS // 32
-#: Largest world_size the merge handles (``lse_detail::kMaxSources``).
-MAX_WORLD_SIZE = 64
-
-_FILE = "lse_reduce.cu"
-_BLOCK = (THREADS,)
-_INT32_MAX = 2**31 - 1
-_F32 = np.dtype(np.float32)
-_I32 = np.dtype(np.int32)
-_UINT = {2: np.uint16, 4: np.uint32}  # byte containers of the float dtypes (copies, empties)
-
-
-def _float_dtypes() -> tuple[np.dtype, np.dtype, np.dtype]:
-    """bfloat16, float16, float32: the output and lse dtypes the kernels are built for."""
-    return (resolve_dtype("bfloat16"), np.dtype(np.float16), _F32)
-
-
-def _cxx_type(dt: np.dtype) -> str:
-    bf16, fp16, fp32 = _float_dtypes()
-    return {bf16: "dcpkit::bf16_t", fp16: "dcpkit::fp16_t", fp32: "float"}[dt]
-
-
-def _reduce_variant(out_dt: np.dtype, lse_dt: np.dtype) -> str:
-    return f"dcpkit::lse_reduce_kernel<{_cxx_type(out_dt)}, {_cxx_type(lse_dt)}>"
-
-
-def _combine_variant(out_dt: np.dtype) -> str:
-    return f"dcpkit::lse_combine_kernel<{_cxx_type(out_dt)}>"
-
-
-def _c_contiguous(info: ArrayInfo) -> bool:
-    """C-contiguous (dims of extent 1 may have any stride)."""
-    want = info.itemsize
-    for n, s in zip(reversed(info.shape), reversed(info.strides)):
-        if n != 1 and s != want:
-            return False
-        want *= n
-    return True
-
-
-def _check_contiguous(info: ArrayInfo, op: str, name: str) -> None:
-    if not _c_contiguous(info):
-        raise InvalidArgument(
-            f"{op}: {name} must be C-contiguous (got shape {info.shape}, "
-            f"strides {info.strides} bytes)"
-        )
-
-
-def _check_nonneg_strides(info: ArrayInfo, op: str, name: str) -> None:
-    for n, s in zip(info.shape, info.strides):
-        if n > 1 and s < 0:
-            raise InvalidArgument(
-                f"{op}: {name} strides must be non-negative (got {info.strides} bytes)"
-            )
-
-
-def _check_index_array(x, op: str, name: str, dims: str, device: int) -> ArrayInfo:
-    """An int32, 1-D, contiguous array on ``device`` (seq_lens, query_start_loc)."""
-    info = array_info(x, op, name)
-    if info.dtype != _I32:
-        check_dtype(info, (np.int32,), op, name)
-    check_ndim(info, 1, dims, op, name)
-    _check_contiguous(info, op, name)
-    check_device(info, device, op, name)
-    return info
-
-
-class _Plan(NamedTuple):
-    """A validated call: everything the launch needs, nothing launched yet."""
-
-    T: int
-    ubatch: int
-    x: ArrayInfo  # out_partial
-    copy_input: bool  # innermost stride != itemsize: copy to a contiguous array first
-    in_tok: int  # out_partial strides in elements (valid when not copy_input)
-    in_head: int
-    lse: ArrayInfo
-    lse_tok: int  # lse_partial strides in elements
-    lse_head: int
-    seq_ptr: int
-    qsl_ptr: int
-    num_requests: int
-    out: ArrayInfo | None
-    out_lse: ArrayInfo | None
-    want_lse: bool
-
 
 class _CallPlan(NamedTuple):
     """A validated call, all its key determines (:mod:`dcpkit._plan`); no caller's array."""
@@ -191,7 +110,10 @@ class _CallPlan(NamedTuple):
     lse_key: object  # the lse dtype: which kernel
     grid: int
     params: KernelParams | None
+    out_field: object  # the ``out`` field of params (ctypes), patched per call
+    lse_field: object  # the ``out_lse`` field
     debug_key: tuple
+    views: dict  # workspace output buffer address -> (out view, lse view), memoised
 
 
 class LseReduce(OpWorkspace):
@@ -330,29 +252,16 @@ class LseReduce(OpWorkspace):
         waiter_ctas: int | None = None,
         _self_check: bool = True,
     ):
-        op = self.op_name
         self._closed = True
         # One exchange: which ranks rejected their arguments (or miss CuPy, a GPU, room in the
         # heap), and whether the geometries agree.
-        self._setup(
+        self._setup_with(
             comm,
-            lambda W: self._check_arguments(
-                W,
-                max_tokens=max_tokens,
-                num_heads=num_heads,
-                head_dim=head_dim,
-                dtype=dtype,
-                num_ubatches=num_ubatches,
-                lse_base=lse_base,
-                return_lse=return_lse,
-                timeout_ms=timeout_ms,
-                graph_outputs=graph_outputs,
-                waiter_ctas=waiter_ctas,
-                self_check=_self_check,
-            ),
+            locals(),
             "max_tokens, num_heads, head_dim, dtype, lse_base, return_lse",
             heap=heap,
         )
+        op = self.op_name
         err = None
         try:
             self._load_kernels()
@@ -420,7 +329,7 @@ class LseReduce(OpWorkspace):
         self.num_heads = check_positive_int(num_heads, op, "num_heads")
         self.head_dim = check_positive_int(head_dim, op, "head_dim")
         for name, v in (("num_heads", self.num_heads), ("head_dim", self.head_dim)):
-            if v > _INT32_MAX:  # int parameters of the kernel
+            if v > INT32_MAX:  # int parameters of the kernel
                 raise InvalidArgument(f"{op}: {name} must be <= 2**31 - 1 (got {v})")
         W = int(world_size)
         if W > MAX_WORLD_SIZE:
@@ -435,7 +344,7 @@ class LseReduce(OpWorkspace):
             raise InvalidType(
                 f"{op}: dtype must be one of [bfloat16, float16, float32] (got {dtype!r})"
             ) from None
-        if dt not in _float_dtypes():
+        if dt not in float_dtypes():
             raise InvalidType(
                 f"{op}: dtype must be one of [bfloat16, float16, float32] (got {dtype_name(dt)})"
             )
@@ -451,7 +360,7 @@ class LseReduce(OpWorkspace):
 
         H_r = self.num_heads // W
         self.heads_per_rank = H_r
-        if W * self.max_tokens * H_r > _INT32_MAX:
+        if W * self.max_tokens * H_r > INT32_MAX:
             raise InvalidArgument(
                 f"{op}: world_size * max_tokens * heads_per_rank must be "
                 f"< 2**31 (got {W * self.max_tokens * H_r})"
@@ -467,7 +376,7 @@ class LseReduce(OpWorkspace):
             self._out_lse_bytes if self.return_lse else 0
         )
         self._lse_scale = np.float32(1.0 if self.lse_base == math.e else math.log(2.0))
-        self._lse_dtypes = _float_dtypes()
+        self._lse_dtypes = float_dtypes()
 
     def _load_kernels(self) -> None:
         """Compile (one NVRTC run for the file, cached) and load the kernel of every lse dtype,
@@ -479,7 +388,7 @@ class LseReduce(OpWorkspace):
         with cupy.cuda.Device(self.device):
             for lse_dt in self._lse_dtypes:
                 raw = jit.get_kernel(
-                    _FILE, _reduce_variant(self.dtype, lse_dt), self._kernel_options()
+                    FILE, reduce_variant(self.dtype, lse_dt), self._kernel_options()
                 )
                 self._fn[lse_dt] = raw.kernel  # the loaded cupy.cuda.function.Function
             self._init_fast_path(self._fn)
@@ -592,26 +501,73 @@ class LseReduce(OpWorkspace):
         Every check runs before anything is launched or counted: after a rejected call the
         workspace is unchanged and usable.
         """
-        self.check_open()  # closed or poisoned: every call, cached plan or not
-        plan = self._plans.lookup(
-            call_key(
-                (out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse), (ubatch,)
-            ),
-            out_partial,
-            lse_partial,
-            seq_lens,
-            query_start_loc,
-            ubatch,
-            out,
-            out_lse,
-        )
-        if stream is not None and not isinstance(
-            stream, _cuda._STREAM_TYPES or _cuda.stream_types()
-        ):
+        arrays = (out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse)
+        return self._call_keyed(arrays_key(arrays, ubatch), arrays, ubatch, stream)
+
+    def _call_keyed(self, key, arrays: tuple, ubatch, stream):
+        """A call whose flat key (:func:`dcpkit._plan.arrays_key` of ``arrays``, the call's
+        arrays in the order of :meth:`__call__`) is ``key`` (None: keyed in full): the closed /
+        poisoned check, the plan (the full validation on a miss), the stream check (every check
+        runs before anything is counted or launched); then :meth:`_empty_result` (``T == 0``),
+        :meth:`_launch` (a capturing stream, ``DCPKIT_DEBUG``, an input copy), or the eager hot
+        path: the bookkeeping, the output fields patched, one launch, the result."""
+        if self._closed or self._rec_head[0] or self._launch_failed is not None:
+            self.check_open()  # raises: closed or poisoned, every call
+        plans = self._plans
+        plan = plans._plans.get(key)
+        if plan is None:
+            x, lse, seq, qsl, out, out_lse = arrays
+            plan = plans.get(key, arrays, (ubatch,), x, lse, seq, qsl, ubatch, out, out_lse)
+        else:
+            plans.hits += 1
+        if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES):
             _cuda.check_stream(stream, self.op_name)  # raises InvalidType
+        out, out_lse = arrays[4], arrays[5]
         if plan.T == 0:
             return self._empty_result(plan.want_lse, out, out_lse)
-        return self._launch(plan, out_partial, out, out_lse, stream)
+        if stream is None:
+            stream = self._current_stream_fn()
+        if plan.copy_input or self._debug or stream.is_capturing():
+            return self._launch(plan, arrays[0], out, out_lse, stream)
+        ub = plan.ubatch
+        calls = self._calls
+        calls[ub] += 1  # counted: a launch that raises below leaves the workspace unusable
+        out_ptr, lse_ptr = plan.out_ptr, plan.out_lse_ptr
+        res, lse_res = out, out_lse
+        if plan.needs_output:  # one of the two eager output buffers of the ubatch
+            base = self.output_ptr(ub, False)
+            views = plan.views.get(base)
+            if views is None:
+                views = plan.views[base] = self._output_views(plan, base, self._eager_out[ub])
+            if not out_ptr:
+                out_ptr, res = base, views[0]
+            if plan.want_lse and not lse_ptr:
+                lse_ptr, lse_res = base + self._out_part_bytes, views[1]
+        plan.out_field.value = out_ptr
+        plan.lse_field.value = lse_ptr
+        if self._get_device() == self.device:
+            try:
+                self._launchers[plan.lse_key].launch(plan.grid, plan.params, stream.ptr)
+            except BaseException as e:
+                self._launch_failed = f"{type(e).__name__}: {e}"
+                raise
+        else:
+            self._run(plan.lse_key, plan.grid, plan.params, stream)
+        return (res, lse_res) if plan.want_lse else res
+
+    def _output_views(self, plan, base: int, owner) -> tuple:
+        """The result views over the workspace output buffer at ``base`` that ``plan`` returns
+        (None for the others): ``out [T, H_r, D_v]``, then the merged lse ``[T, H_r]`` float32
+        after it."""
+        T, H_r = plan.T, self.heads_per_rank
+        res = lse = None
+        if not plan.out_ptr:
+            shape, nbytes = (T, H_r, self.head_dim), T * H_r * self._row_bytes
+            res = self._memo_view(base, shape, self.dtype, nbytes, owner)
+        if plan.want_lse and not plan.out_lse_ptr:
+            lse_ptr = base + self._out_part_bytes
+            lse = self._memo_view(lse_ptr, (T, H_r), F32, T * H_r * 4, owner)
+        return res, lse
 
     def _plan(
         self, out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out, out_lse
@@ -638,7 +594,10 @@ class LseReduce(OpWorkspace):
                 v.lse.dtype,
                 0,
                 None,
+                None,
+                None,
                 debug_key,
+                {},
             )
         in_tok, in_head = v.in_tok, v.in_head
         if v.copy_input:  # the contiguous copy made per call
@@ -674,135 +633,18 @@ class LseReduce(OpWorkspace):
             v.lse.dtype,
             self._grids[T][0],
             params,
+            params.field(_OUT),
+            params.field(_OUT_LSE),
             debug_key,
+            {},
         )
 
     def _validate(
         self, out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out, out_lse
-    ) -> _Plan:
-        """Every argument check of a call; needs no GPU (tests call it on CPU machines)."""
-        op = self.op_name
-        self.check_open()
-        ub = self.check_ubatch(ubatch)
-        H, H_r, D = self.num_heads, self.heads_per_rank, self.head_dim
-        dt = self.dtype
-
-        x = array_info(out_partial, op, "out_partial")
-        if x.dtype != dt:
-            check_dtype(x, (dt,), op, "out_partial")
-        if len(x.shape) != 3 or x.shape[1] != H or x.shape[2] != D:
-            check_shape(x, (None, H, D), "T, H, D_v", op, "out_partial")
-        if x.device != self.device:
-            check_device(x, self.device, op, "out_partial")
-        T = x.shape[0]
-        if T > self.max_tokens:
-            raise InvalidArgument(
-                f"{op}: out_partial tokens T must be <= max_tokens {self.max_tokens} (got {T})"
-            )
-        _check_nonneg_strides(x, op, "out_partial")
-        isz = dt.itemsize
-        s_tok, s_head, s_elem = x.strides
-        copy_input = D > 1 and s_elem != isz
-        in_tok = in_head = 0
-        if not copy_input:
-            s_tok = s_tok if T > 1 else 0
-            s_head = s_head if H > 1 else 0
-            if x.ptr % 16 or s_tok % 16 or s_head % 16:
-                raise InvalidArgument(
-                    f"{op}: out_partial rows must be 16-byte aligned: data pointer, token "
-                    f"stride and head stride multiples of 16 bytes (got pointer offset "
-                    f"{x.ptr % 16}, strides {x.strides} bytes)"
-                )
-            in_tok, in_head = s_tok // isz, s_head // isz
-
-        lse = array_info(lse_partial, op, "lse_partial")
-        if lse.dtype not in self._lse_dtypes:
-            check_dtype(lse, self._lse_dtypes, op, "lse_partial")
-        if lse.shape != (T, H):
-            check_shape(lse, (T, H), "T, H", op, "lse_partial")
-        if lse.device != self.device:
-            check_device(lse, self.device, op, "lse_partial")
-        _check_nonneg_strides(lse, op, "lse_partial")
-        li = lse.itemsize
-        l_tok = lse.strides[0] if T > 1 else 0
-        l_head = lse.strides[1] if H > 1 else 0
-        if lse.ptr % li or l_tok % li or l_head % li:
-            raise InvalidArgument(
-                f"{op}: lse_partial pointer and strides must be multiples of "
-                f"its itemsize {li} bytes (got pointer offset {lse.ptr % li}, "
-                f"strides {lse.strides} bytes)"
-            )
-
-        seq_ptr = qsl_ptr = 0
-        S = 0
-        if query_start_loc is None:
-            if seq_lens is not None:
-                raise InvalidArgument(
-                    f"{op}: seq_lens requires query_start_loc (got query_start_loc=None)"
-                )
-        else:
-            q = _check_index_array(query_start_loc, op, "query_start_loc", "S+1", self.device)
-            if q.shape[0] < 1:
-                raise InvalidArgument(
-                    f"{op}: query_start_loc length must be >= 1 for [S+1] (got 0)"
-                )
-            S = q.shape[0] - 1
-            qsl_ptr = q.ptr
-            if seq_lens is not None:
-                sl = _check_index_array(seq_lens, op, "seq_lens", "S", self.device)
-                if sl.shape[0] != S:
-                    raise InvalidArgument(
-                        f"{op}: seq_lens length must be len(query_start_loc) - 1 = {S} "
-                        f"(got {sl.shape[0]})"
-                    )
-                seq_ptr = sl.ptr
-
-        o = None
-        if out is not None:
-            o = array_info(out, op, "out")
-            if o.dtype != dt:
-                check_dtype(o, (dt,), op, "out")
-            if o.shape != (T, H_r, D):
-                check_shape(o, (T, H_r, D), "T, H_r, D_v", op, "out")
-            if o.device != self.device:
-                check_device(o, self.device, op, "out")
-            _check_contiguous(o, op, "out")
-            if o.ptr % 16:
-                raise InvalidArgument(
-                    f"{op}: out data pointer must be 16-byte aligned "
-                    f"(got pointer offset {o.ptr % 16})"
-                )
-        ol = None
-        if out_lse is not None:
-            ol = array_info(out_lse, op, "out_lse")
-            if ol.dtype != _F32:
-                check_dtype(ol, (np.float32,), op, "out_lse")
-            if ol.shape != (T, H_r):
-                check_shape(ol, (T, H_r), "T, H_r", op, "out_lse")
-            if ol.device != self.device:
-                check_device(ol, self.device, op, "out_lse")
-            _check_contiguous(ol, op, "out_lse")
-            if ol.ptr % 4:
-                raise InvalidArgument(
-                    f"{op}: out_lse data pointer must be 4-byte aligned "
-                    f"(got pointer offset {ol.ptr % 4})"
-                )
-        return _Plan(
-            T,
-            ub,
-            x,
-            copy_input,
-            in_tok,
-            in_head,
-            lse,
-            l_tok // li,
-            l_head // li,
-            seq_ptr,
-            qsl_ptr,
-            S,
-            o,
-            ol,
-            self.return_lse or ol is not None,
+    ) -> CallArgs:
+        """Every argument check of a call (:func:`~dcpkit.ops._lse_checks.validate_call`)."""
+        return validate_call(
+            self, out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out, out_lse
         )
 
     def _empty_result(self, want_lse: bool, out, out_lse):
@@ -813,7 +655,7 @@ class LseReduce(OpWorkspace):
                 out
                 if out is not None
                 else cupy.empty(
-                    (0, self.heads_per_rank, self.head_dim), dtype=_UINT[self.dtype.itemsize]
+                    (0, self.heads_per_rank, self.head_dim), dtype=UINT[self.dtype.itemsize]
                 ).view(self.dtype)
             )
             if not want_lse:
@@ -829,8 +671,6 @@ class LseReduce(OpWorkspace):
         """A validated call (``T > 0``): the input copy if needed, bookkeeping, the per-call
         fields patched, one launch; returns the result."""
         cupy = self._cupy
-        if stream is None:
-            stream = cupy.cuda.get_current_stream()
         params = plan.params
         if plan.copy_input:  # documented slow path: innermost stride != itemsize
             with cupy.cuda.Device(self.device), stream:  # bytes only, through an unsigned
@@ -840,7 +680,7 @@ class LseReduce(OpWorkspace):
                     if isinstance(out_partial, cupy.ndarray)
                     else cupy.asarray(out_partial)
                 )
-                xc = cupy.ascontiguousarray(src.view(_UINT[self.dtype.itemsize]))
+                xc = cupy.ascontiguousarray(src.view(UINT[self.dtype.itemsize]))
             params[_IN] = xc.data.ptr
         T, ub = plan.T, plan.ubatch
         _parity, capturing, _exact = self.begin_call(
@@ -866,7 +706,7 @@ class LseReduce(OpWorkspace):
                 base = self.output_ptr(ub, capturing)
             owner = self._graph_out if capturing else self._eager_out[ub]
             lse_ptr = base + self._out_part_bytes
-            lse_res = self._memo_view(lse_ptr, (T, H_r), _F32, T * H_r * 4, owner)
+            lse_res = self._memo_view(lse_ptr, (T, H_r), F32, T * H_r * 4, owner)
         params[_OUT] = out_ptr
         params[_OUT_LSE] = lse_ptr
         self._run(plan.lse_key, plan.grid, params, stream)
@@ -918,152 +758,6 @@ class LseReduce(OpWorkspace):
                 ):
                     return False
             elif name in ("out", "out_lse"):
-                if not _c_contiguous(i) or i.ptr % (16 if name == "out" else 4):
+                if not c_contiguous(i) or i.ptr % (16 if name == "out" else 4):
                     return False
         return True
-
-
-# ----------------------------------------------------------------------------- local merge
-class _CombinePlan(NamedTuple):
-    W: int
-    T: int
-    H_r: int
-    D: int
-    src_out: ArrayInfo
-    src_lse: ArrayInfo
-    out: ArrayInfo
-    out_lse: ArrayInfo | None
-
-
-def _check_same_gpu(info: ArrayInfo, src_out: ArrayInfo, name: str) -> None:
-    """lse_combine has no workspace: every array must live on ``src_out``'s GPU."""
-    if info.device != src_out.device:
-        raise InvalidArgument(
-            f"lse_combine: {name} device must be src_out's GPU "
-            f"{src_out.device} (got GPU {info.device})"
-        )
-
-
-def _validate_combine(src_out, src_lse, out, out_lse) -> _CombinePlan:
-    """Argument checks of :func:`lse_combine` (no GPU needed)."""
-    op = "lse_combine"
-    so = array_info(src_out, op, "src_out")
-    check_dtype(so, _float_dtypes(), op, "src_out")
-    check_ndim(so, 4, "W, T, H_r, D_v", op, "src_out")
-    W, T, H_r, D = so.shape
-    if not 1 <= W <= MAX_WORLD_SIZE:
-        raise InvalidArgument(
-            f"{op}: src_out sources W must lie in [1, {MAX_WORLD_SIZE}] (got {W})"
-        )
-    if (D * so.itemsize) % 16:
-        raise InvalidArgument(
-            f"{op}: src_out D_v * itemsize must be a multiple of 16 bytes "
-            f"(got {D} * {so.itemsize} = {D * so.itemsize})"
-        )
-    _check_contiguous(so, op, "src_out")
-    if so.ptr % 16:
-        raise InvalidArgument(
-            f"{op}: src_out data pointer must be 16-byte aligned (got pointer offset {so.ptr % 16})"
-        )
-    sl = array_info(src_lse, op, "src_lse")
-    check_dtype(sl, (np.float32,), op, "src_lse")
-    check_shape(sl, (W, T, H_r), "W, T, H_r", op, "src_lse")
-    _check_contiguous(sl, op, "src_lse")
-    _check_same_gpu(sl, so, "src_lse")
-    o = array_info(out, op, "out")
-    check_dtype(o, (so.dtype,), op, "out")
-    check_shape(o, (T, H_r, D), "T, H_r, D_v", op, "out")
-    _check_contiguous(o, op, "out")
-    _check_same_gpu(o, so, "out")
-    if o.ptr % 16:
-        raise InvalidArgument(
-            f"{op}: out data pointer must be 16-byte aligned (got pointer offset {o.ptr % 16})"
-        )
-    ol = None
-    if out_lse is not None:
-        ol = array_info(out_lse, op, "out_lse")
-        check_dtype(ol, (np.float32,), op, "out_lse")
-        check_shape(ol, (T, H_r), "T, H_r", op, "out_lse")
-        _check_contiguous(ol, op, "out_lse")
-        _check_same_gpu(ol, so, "out_lse")
-    if sl.ptr % 4 or (ol is not None and ol.ptr % 4):
-        raise InvalidArgument(f"{op}: src_lse and out_lse must be 4-byte aligned")
-    return _CombinePlan(W, T, H_r, D, so, sl, o, ol)
-
-
-def lse_combine(src_out, src_lse, out, out_lse=None, stream=None):
-    """Merge ``W`` partial outputs with their lse values, on one GPU (no communication).
-
-    Naive equivalent::
-
-        l   = where(isnan(src_lse) | (src_lse == +inf), -inf, src_lse)    # [W, T, H_r]
-        m   = l.max(0);  w = exp(l - m) / exp(l - m).sum(0)
-        out = sum(w[s] * src_out[s] for s with w[s] > 0)   # fp32, rounded once; 0 if m == -inf
-        out_lse = m + log(exp(l - m).sum(0))               # -inf if m == -inf
-
-    The same merge (same kernel code) as :class:`LseReduce`, for the NCCL fallback: after an
-    ``all_to_all`` has gathered every source's slice of the owned heads.
-
-    Parameters
-    ----------
-    src_out : array [W, T, H_r, D_v], bfloat16, float16 or float32
-        C-contiguous, 16-byte aligned; ``D_v * itemsize`` a multiple of 16; ``W <= 64``.
-    src_lse : float32 array [W, T, H_r]
-        Natural-log lse of every source, C-contiguous.
-    out : array [T, H_r, D_v], dtype of ``src_out``
-        C-contiguous, 16-byte aligned destination.
-    out_lse : float32 array [T, H_r], optional
-        C-contiguous destination of the merged lse.
-    stream : cupy.cuda.Stream, optional
-        Stream of the launch (default: the current CuPy stream).
-
-    Returns
-    -------
-    out, or (out, out_lse) when ``out_lse`` is given.
-
-    Collective: no (local). Stream: enqueued on ``stream``; the host does not wait.
-
-    Raises
-    ------
-    InvalidType, InvalidArgument
-        A host array, a wrong dtype, shape, layout or alignment, arrays on different GPUs, a
-        ``stream`` that is not a CuPy stream.
-    MissingDependency
-        CuPy is not installed.
-    DcpkitError
-        No CUDA GPU is visible.
-    """
-    plan = _validate_combine(src_out, src_lse, out, out_lse)
-    if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES or _cuda.stream_types()):
-        _cuda.check_stream(stream, "lse_combine")  # raises InvalidType
-    if plan.T == 0 or plan.H_r == 0:
-        return out if out_lse is None else (out, out_lse)
-    cupy = _cuda.require_cupy()
-    dev = plan.src_out.device
-    key = (dev, plan.src_out.dtype)
-    fn = _COMBINE_FNS.get(key)
-    if fn is None:
-        _cuda.require_device("lse_combine", dev)
-        with cupy.cuda.Device(dev):
-            fn = _COMBINE_FNS[key] = jit.get_kernel(_FILE, _combine_variant(key[1])).kernel
-    grid = (launch_config(plan.T * plan.H_r, WARPS_PER_CTA, 1 << 16),)
-    args = (
-        plan.src_out.ptr,
-        plan.src_lse.ptr,
-        plan.out.ptr,  # pointers: 8-byte ints
-        0 if plan.out_lse is None else plan.out_lse.ptr,
-        np.int32(plan.W),
-        np.int32(plan.T),
-        np.int32(plan.H_r),
-        np.int32(plan.D),
-    )
-    if cupy.cuda.runtime.getDevice() == dev:
-        fn(grid, _BLOCK, args, shared_mem=0, stream=stream)  # None: the current stream
-    else:
-        with cupy.cuda.Device(dev):
-            fn(grid, _BLOCK, args, shared_mem=0, stream=stream)
-    return out if out_lse is None else (out, out_lse)
-
-
-#: (device, output dtype) -> loaded lse_combine kernel (cupy.cuda.function.Function).
-_COMBINE_FNS: dict = {}

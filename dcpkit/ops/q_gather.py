@@ -16,7 +16,7 @@ Kernel: ``kernels/q_gather.cu`` (device code in ``kernels/gather.cuh``); referen
 from __future__ import annotations
 
 from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
-from .._plan import call_key
+from .._plan import pair_key
 from ..comm import Communicator
 from ..errors import InvalidArgument
 from ._gather import MAX_VECTORS, GatherPlan, GatherWorkspace, resolve_gather_dtype
@@ -165,21 +165,9 @@ class QGather(GatherWorkspace):
     ):
         self._closed = True  # until the setup completes
         # One exchange: arguments, CuPy, the GPU or room in the heap, equal geometries.
-        self._setup(
+        self._setup_with(
             comm,
-            lambda W: self._check_arguments(
-                W,
-                max_tokens=max_tokens,
-                heads_per_rank=heads_per_rank,
-                head_dim=head_dim,
-                dtype=dtype,
-                num_ubatches=num_ubatches,
-                padded_num_heads=padded_num_heads,
-                timeout_ms=timeout_ms,
-                graph_outputs=graph_outputs,
-                waiter_ctas=waiter_ctas,
-                self_check=_self_check,
-            ),
+            locals(),
             "max_tokens, heads_per_rank, head_dim, dtype, padded_num_heads",
             heap=heap,
             multicast=multicast,
@@ -325,15 +313,9 @@ class QGather(GatherWorkspace):
             The workspace's first call is being captured, or every graph output buffer is
             taken and ``out`` is None while capturing.
         """
-        self.check_open()  # closed or poisoned: every call, cached plan or not
-        plan = self._plans.lookup(
-            call_key((q, out), (ubatch, return_padded)), q, ubatch, out, return_padded
+        return self._call_keyed(
+            pair_key(q, out, ubatch, return_padded), q, ubatch, out, stream, return_padded
         )
-        if stream is not None:
-            self._check_stream(stream)
-        if plan.T == 0:
-            return self._empty_call(plan, out)
-        return self._gather_call(plan, out, stream)
 
     def _plan(self, q, ubatch, out, return_padded) -> GatherPlan:
         """The full validation of a call (:meth:`_validate`: every check, every message), then

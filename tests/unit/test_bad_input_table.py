@@ -712,8 +712,28 @@ def make_callable(kind):
     return mod.stub_workspace(ws, mod._cpu_stream(), rec, rank=RANK, world_size=W), rec
 
 
-def _warm_up_calls(kind, bad, mode):
-    """The good calls made before the bad one."""
+def _as_cupy(x):
+    """A CuPy array with the description of the ``Dev`` ``x`` (anything else, or a description
+    CuPy cannot hold, as it is): the ops' hot path keys CuPy arrays by their own fields."""
+    if not isinstance(x, Dev):
+        return x
+    import cupy
+
+    cai = x.__cuda_array_interface__
+    try:
+        mem = cupy.cuda.UnownedMemory(cai["data"][0], 1 << 32, None, int(x._dcpkit_device))
+        return cupy.ndarray(
+            cai["shape"],
+            np.dtype(cai["typestr"]),
+            cupy.cuda.MemoryPointer(mem, 0),
+            strides=cai["strides"],
+        )
+    except Exception:  # noqa: BLE001 - a description only a Dev can carry
+        return x
+
+
+def _warm_up_calls(kind, bad, mode, convert=lambda x: x):
+    """The good calls made before the bad one (every array through ``convert``)."""
     args = dict(bad.args)
     for name in bad.bad:
         if name in GOOD[kind]:
@@ -724,27 +744,36 @@ def _warm_up_calls(kind, bad, mode):
                 if mode == "reused addresses" and isinstance(old, Dev)
                 else None
             )
-            args[name] = Dev(shape, dt, ptr=ptr)
+            args[name] = convert(Dev(shape, dt, ptr=ptr))
         else:
             args.pop(name)  # a bad scalar (ubatch, return_padded): the default
     if kind == "lse" and "seq_lens" in args and "query_start_loc" not in args:
         args["query_start_loc"] = Dev((4,), I32)
+    args = {k: convert(v) for k, v in args.items()}
     pos = [args.pop(k) for k in bad.positional]
     calls = [lambda ws: ws(*pos, **args)]
     if "out" not in args:  # also the out= form
         shape, dt = GOOD[kind]["out"]
-        out = Dev(shape, dt)
+        out = convert(Dev(shape, dt))
         calls.append(lambda ws: ws(*pos, out=out, **args))
     return calls
 
 
+@pytest.mark.parametrize("arrays", ["interface objects", "cupy arrays"])
 @pytest.mark.parametrize("mode", ["same arrays", "reused addresses"])
 @pytest.mark.parametrize(
     "kind,change,bad,exc,fragment", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS]
 )
-def test_bad_call_after_warm_up_raises_before_launch(kind, change, bad, exc, fragment, mode):
+def test_bad_call_after_warm_up_raises_before_launch(
+    kind, change, bad, exc, fragment, mode, arrays
+):
+    """``arrays``: the table's ``__cuda_array_interface__`` objects (keyed in full), or CuPy
+    arrays of the same descriptions (the hot path's flat key)."""
     ws, rec = make_callable(kind)
-    warm = _warm_up_calls(kind, bad, mode)
+    convert = _as_cupy if arrays == "cupy arrays" else (lambda x: x)
+    warm = _warm_up_calls(kind, bad, mode, convert)
+    if arrays == "cupy arrays":
+        bad.args.update({k: _as_cupy(v) for k, v in bad.args.items()})
     for _ in range(3):
         for call in warm:
             call(ws)

@@ -286,8 +286,8 @@ def test_dcpcomm_routes_are_memoised_and_never_hide_an_error():
     for _ in range(5):
         dcp.q_gather(q)
         dcp.lse_reduce(xo, lse, out=o)
-    routes = dcp._routes()
-    assert routes.misses == 2 and routes.hits == 8 and rec.count == 10
+    routes = [dcp._routes(op) for op in ("q_gather", "lse_reduce")]
+    assert [(r.misses, r.hits) for r in routes] == [(1, 4), (1, 4)] and rec.count == 10
     assert dcp.direct_ops["q_gather"]._plans.hits == 4
     assert dcp.counters["q_gather"][dcp.last_path] == 5
     n = rec.count
@@ -327,3 +327,51 @@ def test_plans_hold_no_reference_to_the_callers_arrays():
     assert [sys.getrefcount(a) for a in arrays] == counts
     twin = o[...]  # another object, same description: a plan hit
     assert twin is not o and lr(xo, lse, out=twin) is twin
+
+
+class _Capturing:
+    """A stream that says it is capturing (the op's capture path), with a made-up handle."""
+
+    ptr = 0
+
+    def __init__(self, capturing: bool):
+        self._capturing = capturing
+
+    def is_capturing(self):
+        return self._capturing
+
+
+@pytest.mark.parametrize("which", ["q", "lse"])
+def test_eager_calls_after_a_capture_copy_out_and_alternate(which, monkeypatch):
+    """Once a ubatch was captured the host no longer knows the device parity: the eager hot path
+    copies the result into the two workspace output buffers, alternating, never a data slot."""
+    from dcpkit import _cuda
+
+    mod, rec, qg, _, lr = _setup()
+    monkeypatch.setattr(_cuda, "_STREAM_TYPES", _cuda.stream_types() + (_Capturing,))
+    if which == "q":
+        ws, args = qg, (mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16"),)
+    else:
+        ws = lr
+        args = (
+            mod.array((mod.T, mod.H, mod.D_V), "bfloat16"),
+            mod.array((mod.T, mod.H), "float32"),
+        )
+    ws(*args)  # eager first call (a capture may not be the first)
+    graph_res = ws(*args, stream=_Capturing(True))
+    assert ws._captured[0] and ws._graph_next == 1
+    assert graph_res.data.ptr == ws._graph_out.data.ptr  # the graph output buffer
+    got = []
+    for _ in range(4):
+        res = ws(*args)
+        grid, p = _params(rec)
+        kout = p[25] if which == "q" else p[31]
+        assert kout == res.data.ptr != 0  # the kernel copies out to the result
+        got.append(res.data.ptr)
+    buf = ws._eager_out[0].data.ptr
+    assert got[0] == got[2] != got[1] == got[3]
+    assert {got[0], got[1]} == {buf, buf + ws._out_bytes}
+    if which == "q":
+        assert grid == qg.ctas_for(mod.T, copy_out=True)
+        assert not set(got) & {qg.data_slot_ptr(0, i) for i in range(3)}
+    assert ws._calls == [6]

@@ -119,10 +119,78 @@ def test_launcher_calls_cuLaunchKernel_with_the_buffer(monkeypatch):
 
     monkeypatch.setattr(_launch, "_LIBCUDA", (fake_launch, fake_name))
     p = KernelParams(["u64", "u32"], [1, 2])
-    ln = Launcher(_FakeFunction(), block=512, shared_mem=64)
+    ln = Launcher(_FakeFunction(), block=512, shared_mem=64, backend="ctypes")
     ln.launch(7, p, 0xABC)
     assert calls == [(0xF00D, 7, 1, 1, 512, 1, 1, 64, 0xABC, p.address, None)]
     with pytest.raises(CudaError, match="cuLaunchKernel failed with CUDA_ERROR_ILLEGAL_ADDRESS"):
         ln.launch(7, p, 0xABC)
     with pytest.raises(InvalidArgument, match="backend must be"):
         Launcher(1, block=32, backend="cupy")
+
+
+class _FakeDriver:
+    """cuda.bindings.driver as far as the launcher uses it: handle types and cuLaunchKernel."""
+
+    class CUresult(int):
+        pass
+
+    class CUfunction(int):
+        pass
+
+    class CUstream(int):
+        made = 0
+
+        def __new__(cls, v):
+            cls.made += 1
+            return int.__new__(cls, v)
+
+    def __init__(self):
+        self.calls = []
+        self.CUresult.CUDA_SUCCESS = self.CUresult(0)
+
+    def cuLaunchKernel(self, *args):
+        self.calls.append(args)
+        return (self.CUresult.CUDA_SUCCESS if len(self.calls) < 3 else self.CUresult(700),)
+
+
+def test_bindings_launcher_wraps_function_and_streams_once(monkeypatch):
+    from dcpkit import _cuda
+
+    drv = _FakeDriver()
+    monkeypatch.setattr(_cuda, "driver", lambda: drv)
+    p = KernelParams(["u64", "u32"], [1, 2])
+    ln = Launcher(_FakeFunction(), block=256, backend="bindings")
+    ln.launch(3, p, 0xABC)
+    ln.launch(4, p, 0xABC)  # the same handle: no new CUstream
+    assert drv.CUstream.made == 1
+    (f, *dims, smem, s, params, extra) = drv.calls[0]
+    assert (int(f), dims, smem, int(s), params, extra) == (
+        0xF00D,
+        [3, 1, 1, 256, 1, 1],
+        0,
+        0xABC,
+        p.address,
+        0,
+    )
+    assert drv.calls[1][0] is f and drv.calls[1][8] is s  # the same wrapped objects
+    with pytest.raises(CudaError, match="cuLaunchKernel"):
+        ln.launch(3, p, 0xABC)
+
+
+def test_default_backend_is_bindings_where_they_load_else_ctypes(monkeypatch):
+    from dcpkit import _cuda
+    from dcpkit.errors import MissingDependency
+
+    monkeypatch.setattr(_launch, "_DEFAULT_BACKEND", None)
+    monkeypatch.setattr(_cuda, "driver", lambda: _FakeDriver())
+    assert _launch.default_backend() == "bindings"
+    assert Launcher(_FakeFunction(), block=32).backend == "bindings"
+
+    def missing():
+        raise MissingDependency("cuda-bindings", "cuda12", "not installed")
+
+    monkeypatch.setattr(_launch, "_DEFAULT_BACKEND", None)
+    monkeypatch.setattr(_cuda, "driver", missing)
+    monkeypatch.setattr(_launch, "_LIBCUDA", (lambda *a: 0, lambda c, o: 1))
+    assert _launch.default_backend() == "ctypes"
+    assert Launcher(_FakeFunction(), block=32).backend == "ctypes"

@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "manager",
         {
             "dcpkit.manager",
+            "dcpkit._dcp_calls",
             "dcpkit.selection",
             "dcpkit.torch",
             "dcpkit._torch_registry",

@@ -17,13 +17,10 @@ import pytest
 from dcpkit import jit
 from dcpkit.comm import Communicator
 from dcpkit.errors import ClosedError, CollectiveTimeout, InvalidArgument, InvalidType
-from dcpkit.ops.lse_reduce import (
-    MAX_WORLD_SIZE,
-    LseReduce,
-    _combine_variant,
-    _reduce_variant,
-    _validate_combine,
-)
+from dcpkit.ops._lse_checks import combine_variant as _combine_variant
+from dcpkit.ops._lse_checks import reduce_variant as _reduce_variant
+from dcpkit.ops._lse_checks import validate_combine as _validate_combine
+from dcpkit.ops.lse_reduce import MAX_WORLD_SIZE, LseReduce
 from dcpkit.reference import resolve_dtype
 
 BF16 = resolve_dtype("bfloat16")

@@ -161,3 +161,43 @@ def test_a_cached_q_gather_plan_never_hides_an_error():
             1,
         )
     assert len(cache) == 1
+
+
+def test_flat_keys_are_the_whole_description_and_only_for_exact_types():
+    """The hot path's keys (pair_key, arrays_key): every field array_info reads, once per
+    array; an argument of another type (an interface object, a bool ubatch, an int flag) gives
+    no flat key (the call is keyed by call_key instead); absent arrays cannot shift a key."""
+    from dcpkit._plan import arrays_key, pair_key
+
+    a, b = cp((2, 4, 8)), cp((2, 8, 8), ptr=PTR + 4096)
+    base = pair_key(a, b, 0, False)
+    assert base == pair_key(cp((2, 4, 8)), cp((2, 8, 8), ptr=PTR + 4096), 0, False)
+    variants = [
+        pair_key(cp((2, 4, 8), strides=(128, 16, 2)), b, 0, False),  # a padded token stride
+        pair_key(cp((2, 4, 8), np.float32), b, 0, False),
+        pair_key(cp((2, 4, 8), device=1), b, 0, False),
+        pair_key(cp((2, 4, 8), ptr=PTR + 16), b, 0, False),
+        pair_key(a, None, 0, False),
+        pair_key(a, b, 1, False),
+        pair_key(a, b, 0, True),
+    ]
+    assert base is not None and None not in variants
+    assert len({base, *variants}) == len(variants) + 1
+    moved = cp((2, 4, 8))
+    moved.shape = (2, 32)  # reshaped in place: the key reads the shape every time
+    assert pair_key(moved, b, 0, False) != base
+    cai = Cai({"shape": (2, 4, 8), "typestr": "<f2", "data": (PTR, False), "version": 3})
+    assert pair_key(cai, b, 0, False) is None and pair_key(a, cai, 0, False) is None
+    assert pair_key(a, b, True, False) is None and pair_key(a, b, 0, 0) is None
+    x, y, s = cp((2, 8, 8)), cp((2, 8), np.float32, ptr=PTR + 8192), cp((3,), np.int32)
+    keys = [
+        arrays_key((x, y, s, None, None, None), 0),
+        arrays_key((x, y, None, s, None, None), 0),
+        arrays_key((x, y, None, None, s, None), 0),
+        arrays_key((x, y, None, None, None, s), 0),
+        arrays_key((x, y, None, None, None, None), 0),
+    ]
+    assert None not in keys and len(set(keys)) == len(keys)  # position is part of the key
+    assert arrays_key((x, y, cai, None, None, None), 0) is None
+    assert arrays_key((x, y, None, None, None, None), False) is None
+    assert all(k[0] != call_key((x,))[0] for k in keys)  # never a call_key key

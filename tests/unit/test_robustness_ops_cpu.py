@@ -31,8 +31,9 @@ from dcpkit.comm import Communicator
 from dcpkit.errors import ClosedError, DcpkitError, InvalidArgument, InvalidType, PeerError
 from dcpkit.fallback import NcclKVGather, NcclLseReduce, NcclQGather, strided_copy
 from dcpkit.ops import KVGather, LseReduce, QGather
+from dcpkit.ops._lse_checks import validate_combine as _validate_combine
 from dcpkit.ops._workspace import MAX_TIMEOUT_MS, check_timeout_ms, default_timeout_ms
-from dcpkit.ops.lse_reduce import _validate_combine, lse_combine
+from dcpkit.ops.lse_reduce import lse_combine
 from dcpkit.symmetric import SymmetricHeap
 
 from _threadgroup import run_group
@@ -490,6 +491,7 @@ def _direct_state(ws, world_size=2, num_ubatches=2):
     ws._proto = [(0,) * 17] * num_ubatches
     ws._peer_data = types.SimpleNamespace(data=types.SimpleNamespace(ptr=1 << 30))
     ws.multicast, ws.max_ctas = False, 8
+    ws.heap, ws._base = types.SimpleNamespace(local_ptr=1 << 31, mc_ptr=0), 0
     return ws
 
 

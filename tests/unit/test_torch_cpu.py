@@ -183,3 +183,43 @@ def test_custom_ops_bump_the_version_of_what_they_write_and_trace():
     ops.close()
     with pytest.raises(ClosedError, match="must name a live"):
         torch.ops.dcpkit.q_gather(ops.handle, q, out, 0)
+
+
+@needs_torch
+def test_eager_out_calls_skip_the_dispatcher_only_where_torch_need_not_see_them():
+    """A plain eager ``out=`` call does the custom op's work directly (the same call, the same
+    version bump); under a dispatch mode, or with a tensor subclass, it is the custom op."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import dcpkit.torch as dt
+
+    dt.register_custom_ops()
+
+    class Target:
+        op_name = "q_gather"
+        device = 0
+
+    ops = dt.TorchOps(Target())
+    seen, custom = [], []
+    ops._invoke = lambda op, args, kw: seen.append((op, [n for n, _ in args], sorted(kw)))
+    real_custom = ops._custom
+    ops._custom = lambda op: (custom.append(op), real_custom(op))[1]
+    q, out = torch.zeros(2, 2, 4), torch.zeros(2, 4, 4)
+    v = out._version
+    assert ops.q_gather(q, out=out) is out
+    assert seen == [("q_gather", ["q"], ["out", "ubatch"])] and custom == []
+    assert out._version == v + 1, "autograd must see that out was written"
+
+    class Watch(TorchDispatchMode):
+        ops_seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops_seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        ops.q_gather(q, out=out)
+    assert custom == ["q_gather"] and any("dcpkit.q_gather" in f for f in Watch.ops_seen)
+    assert len(seen) == 2 and out._version == v + 2
+    ops.close()
