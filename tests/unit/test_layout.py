@@ -61,6 +61,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "dcpkit._launch",
             "dcpkit._arrays",
             "dcpkit._cuda",
+            "dcpkit._sm_share",
             "dcpkit.reference",
             "dcpkit.errors",
         },
@@ -281,6 +282,6 @@ def test_no_module_of_the_package_is_far_above_800_lines():
     long = {
         m: n
         for m, p in _modules().items()
-        if (n := len(p.read_text().splitlines())) > 850 and m != "dcpkit.bench"
+        if (n := len(p.read_text().splitlines())) > 800 and m != "dcpkit.bench"
     }
     assert not long, long
