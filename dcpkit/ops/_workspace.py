@@ -630,9 +630,10 @@ class OpWorkspace(Resource):
     @_rec.setter
     def _rec(self, words) -> None:
         # The hot path reads word 0 through a memoryview of the same memory (an int, no NumPy
-        # scalar made per call).
+        # scalar made per call). Cast to the native 'I' format: an array over ctypes memory (the
+        # mapped record) exports '<I', which a memoryview cannot index.
         self.__dict__["_rec_words"] = words
-        self.__dict__["_rec_head"] = memoryview(words)
+        self.__dict__["_rec_head"] = memoryview(words).cast("B").cast("I")
 
     @property
     def poisoned(self) -> bool:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import re
 
 import numpy as np
@@ -348,6 +349,24 @@ def test_return_padded_must_be_a_bool():
     with pytest.raises(InvalidType) as info:
         ws._validate(None, 0, None, "no")
     assert "q_gather: return_padded must be a bool (got 'no')" in str(info.value)
+
+
+def test_the_hot_path_reads_a_record_over_ctypes_memory():
+    """The mapped record is a NumPy view of ctypes memory (format '<I'), as on the GPU: the
+    hot path's memoryview of it must index (a plain memoryview of it raises
+    NotImplementedError, which failed every call on the GPU)."""
+    ws = _fake(QGather.__new__(QGather))
+    buf = (ctypes.c_uint32 * proto.RECORD_WORDS)()
+    ws._rec = np.ctypeslib.as_array(
+        (ctypes.c_uint32 * proto.RECORD_WORDS).from_address(ctypes.addressof(buf))
+    )
+    ws._launch_failed = None
+    assert not ws.poisoned
+    ws.check_open()  # clean: nothing raised
+    ws._rec[:8] = [2, OP_IDS["q_gather"], 0, 1, 7, 5, 0, proto.REC_TIMEOUT]
+    assert ws.poisoned
+    with pytest.raises(CollectiveTimeout):
+        ws.check_open()
 
 
 def test_poisoned_and_check_read_the_record_without_a_device():
