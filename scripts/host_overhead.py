@@ -378,11 +378,15 @@ def main(argv=None) -> int:
             what, allow = TARGETS[row["kind"]]
             ok = med <= base + allow
             verdicts[name] = ok
+            row["target"] = f"<= empty + {allow:g} us"
+            row["limit_us"] = base + allow
             judged = f"<= empty + {allow:g} us ({base + allow:.1f}): {'met' if ok else 'MISSED'}"
         elif row["kind"] == "growth":
             ref = max(results["q_gather view"]["median_us"])
             grows = med - ref > max(GROWTH_US, 0.1 * ref)
             verdicts[name] = not grows
+            row["target"] = f"within {GROWTH_US:g} us or 10 % of q_gather view"
+            row["limit_us"] = ref + max(GROWTH_US, 0.1 * ref)
             judged = (
                 f"vs q_gather view {ref:.2f}: {med - ref:+.2f} us: "
                 f"{'GROWS' if grows else 'no growth'}"

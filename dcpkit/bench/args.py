@@ -274,6 +274,14 @@ def build_parser() -> BenchParser:
         default=None,
         help="with --render-md: a markdown file kept by hand, shown under 'Notes'",
     )
+    g.add_argument(
+        "--host-overhead",
+        nargs="+",
+        metavar="JSON",
+        default=None,
+        help="with --render-md: JSON files of scripts/host_overhead.py --json (one per world "
+        "size), shown as the host-time section",
+    )
     return p
 
 
@@ -291,7 +299,7 @@ def _out_file_problem(path: str) -> str | None:
 def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Checks across arguments (``parser.error`` on the first problem: one line, exit 2)."""
     if args.render_md is None:
-        for opt in ("md_out", "notes", "baseline"):
+        for opt in ("md_out", "notes", "baseline", "host_overhead"):
             if getattr(args, opt) is not None:
                 parser.error(f"argument --{opt.replace('_', '-')}: needs --render-md")
         for opt in ("json", "plot"):

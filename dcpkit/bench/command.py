@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import DcpkitError, MissingDependency
-from . import markdown
+from . import host_md, markdown
 from .args import build_parser, check_args, resolve_config
 from .common import SCHEMA, SCHEMAS_READ
 from .device import CupyDevice
@@ -56,6 +56,8 @@ def render_command(args: argparse.Namespace) -> str:
         parts += ["--baseline"] + [_shown_path(p) for p in args.baseline]
     if args.notes:
         parts += ["--notes", _shown_path(args.notes)]
+    if getattr(args, "host_overhead", None):
+        parts += ["--host-overhead"] + [_shown_path(p) for p in args.host_overhead]
     if args.md_out:
         parts += ["--md-out", _shown_path(args.md_out)]
     return " ".join(shlex.quote(p) for p in parts)
@@ -107,6 +109,17 @@ def render_md_main(args: argparse.Namespace) -> int:
         baselines, _ = _load(args.baseline or [], out_dir, "--baseline ")
     except _RenderError as e:
         return _fail(str(e))
+    host = []
+    for path in getattr(args, "host_overhead", None) or []:
+        try:
+            with open(path, encoding="utf-8") as f:
+                run = json.load(f)
+            host_md.check_host_overhead(run)
+        except (OSError, UnicodeDecodeError) as e:
+            return _fail(f"cannot read --host-overhead {path}: {_oserror_text(e)}")
+        except ValueError as e:  # not JSON, or not host_overhead.py's
+            return _fail(f"--host-overhead {path} is not a scripts/host_overhead.py JSON ({e})")
+        host.append(run)
     notes = None
     if args.notes:
         try:
@@ -117,7 +130,12 @@ def render_md_main(args: argparse.Namespace) -> int:
     bad_types = (KeyError, TypeError, ValueError, AttributeError, IndexError)
     try:
         md = markdown.render_markdown(
-            results, notes=notes, plots=plots, command=render_command(args), baselines=baselines
+            results,
+            notes=notes,
+            plots=plots,
+            command=render_command(args),
+            baselines=baselines,
+            host_overhead=host,
         )
     except bad_types as e:
         # name the file that does not render on its own, if one does not
