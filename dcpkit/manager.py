@@ -102,6 +102,14 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- manager
+#: The constructor arguments of :class:`DCPComm` that every rank must pass equal (checked and
+#: agreed in one exchange, :meth:`DCPComm._init_geometry`'s parameters).
+GEOMETRY_ARGUMENTS = (
+    "max_tokens, num_heads, q_head_dim, v_head_dim, kv_row_dim, dtype, num_ubatches, lse_base, "
+    "nccl_lse_algorithm, nccl_max_tokens, return_lse, timeout_ms"
+)
+
+
 class DCPComm(DCPCalls, Resource):
     """The three DCP exchanges of one geometry, each served by its direct op or its NCCL op.
 
@@ -231,28 +239,12 @@ class DCPComm(DCPCalls, Resource):
         self.policy = policy
 
         # 2. every argument (also as the ops will see them), CuPy and the GPU: one exchange
-        def init():
-            return self._init_geometry(
-                max_tokens,
-                num_heads,
-                q_head_dim,
-                v_head_dim,
-                kv_row_dim,
-                dtype,
-                num_ubatches,
-                lse_base,
-                nccl_lse_algorithm,
-                nccl_max_tokens,
-                return_lse,
-                timeout_ms,
-            )
-
+        given = locals()
+        geometry = {name: given[name] for name in GEOMETRY_ARGUMENTS.split(", ")}
         comm.agree_setup(
             "DCPComm",
-            guarded("DCPComm", init),
-            "geometry (max_tokens, num_heads, q_head_dim, v_head_dim, kv_row_dim, dtype, "
-            "num_ubatches, lse_base, nccl_lse_algorithm, nccl_max_tokens, return_lse, "
-            "timeout_ms)",
+            guarded("DCPComm", lambda: self._init_geometry(**geometry)),
+            f"geometry ({GEOMETRY_ARGUMENTS})",
         )
         self.last_path: str | None = None
         self.counters: dict[str, dict[str, int]] = {op: dict.fromkeys(PATHS, 0) for op in self.ops}

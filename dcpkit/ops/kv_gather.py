@@ -115,17 +115,9 @@ class KVGather(GatherWorkspace):
     DcpkitError
         The current stream is capturing a CUDA graph (on every rank).
     InvalidArgument, InvalidType
-        A geometry argument is out of range, the row bytes are not a multiple of 16,
-        ``algorithm`` is unknown, the workspace would exceed 2**40 bytes, a bad
-        ``timeout_ms`` / ``DCPKIT_TIMEOUT_MS`` / ``multicast``, a ``heap`` of another group or
-        without room.
-    MissingDependency
-        CuPy is not installed (names the ``cuda12`` / ``cuda13`` extra).
-    DcpkitError
-        No CUDA GPU is visible.
-    PeerError
-        Another rank rejected its arguments, missed CuPy or a GPU, or failed to compile the
-        kernel.
+        As :class:`~dcpkit.ops.QGather`, and an unknown ``algorithm``.
+    MissingDependency, DcpkitError, PeerError
+        As :class:`~dcpkit.ops.QGather`.
     ConfigMismatch
         Ranks passed different geometries, ``num_ubatches`` or ``timeout_ms`` or algorithms.
     """

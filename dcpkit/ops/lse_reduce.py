@@ -174,8 +174,7 @@ class LseReduce(LseReduceCall, OpWorkspace):
         least 1; NOTE [dcpkit epoch signalling]). A measuring knob: more combine parallelism at
         large ``T``, but the co-residency rule holds only for the default.
     _self_check : bool
-        Benchmark only: ``False`` compiles the variant whose waits compare the epoch only (no
-        fingerprint check), to measure what the check costs.
+        Benchmark only: as in :class:`~dcpkit.ops.QGather`.
 
     Attributes
     ----------
@@ -219,15 +218,10 @@ class LseReduce(LseReduceCall, OpWorkspace):
         unsupported dtype or ``lse_base``, ``world_size > 64``, a workspace over 2**40 bytes,
         a bad ``timeout_ms`` or ``DCPKIT_TIMEOUT_MS``, a ``heap`` of another group or without
         room).
-    MissingDependency
-        CuPy is not installed (names the ``cuda12`` / ``cuda13`` extra).
-    DcpkitError
-        No CUDA GPU is visible.
-    PeerError
-        Another rank rejected its arguments, missed CuPy or a GPU, or failed to compile the
-        kernels.
-    ConfigMismatch
-        The ranks passed different geometries, ``num_ubatches`` or ``timeout_ms``.
+    MissingDependency, DcpkitError, PeerError, ConfigMismatch
+        As :class:`~dcpkit.ops.QGather`: CuPy missing, no CUDA GPU, another rank failing
+        (its arguments, CuPy, its GPU or compiling the kernels), different geometries,
+        ``num_ubatches`` or ``timeout_ms``.
     """
 
     op_name = "lse_reduce"
