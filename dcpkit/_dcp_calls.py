@@ -254,21 +254,12 @@ class DCPCalls:
         op, name = "lse_reduce", "DCPComm.lse_reduce"
         stream = self._stream(stream)
         direct = self.direct_ops[op]
-        out_partial = self._normalised(
-            out_partial,
-            array_info(out_partial, name, "out_partial"),
-            ok[0],
-            "out_partial",
-            op,
-            stream,
-        )
-        lse_partial = self._normalised(
-            lse_partial,
-            array_info(lse_partial, name, "lse_partial"),
-            ok[1],
-            "lse_partial",
-            op,
-            stream,
+        out_partial, lse_partial = (
+            self._normalised(a, array_info(a, name, arg), in_place, arg, op, stream)
+            for a, arg, in_place in (
+                (out_partial, "out_partial", ok[0]),
+                (lse_partial, "lse_partial", ok[1]),
+            )
         )
         o_fix, l_fix = not ok[2], not ok[3]
         lse_tmp = None

@@ -102,6 +102,14 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- manager
+#: The constructor arguments of :class:`DCPComm` that every rank must pass equal (checked and
+#: agreed in one exchange, :meth:`DCPComm._init_geometry`'s parameters).
+GEOMETRY_ARGUMENTS = (
+    "max_tokens, num_heads, q_head_dim, v_head_dim, kv_row_dim, dtype, num_ubatches, lse_base, "
+    "nccl_lse_algorithm, nccl_max_tokens, return_lse, timeout_ms"
+)
+
+
 class DCPComm(DCPCalls, Resource):
     """The three DCP exchanges of one geometry, each served by its direct op or its NCCL op.
 
@@ -231,28 +239,12 @@ class DCPComm(DCPCalls, Resource):
         self.policy = policy
 
         # 2. every argument (also as the ops will see them), CuPy and the GPU: one exchange
-        def init():
-            return self._init_geometry(
-                max_tokens,
-                num_heads,
-                q_head_dim,
-                v_head_dim,
-                kv_row_dim,
-                dtype,
-                num_ubatches,
-                lse_base,
-                nccl_lse_algorithm,
-                nccl_max_tokens,
-                return_lse,
-                timeout_ms,
-            )
-
+        given = locals()
+        geometry = {name: given[name] for name in GEOMETRY_ARGUMENTS.split(", ")}
         comm.agree_setup(
             "DCPComm",
-            guarded("DCPComm", init),
-            "geometry (max_tokens, num_heads, q_head_dim, v_head_dim, kv_row_dim, dtype, "
-            "num_ubatches, lse_base, nccl_lse_algorithm, nccl_max_tokens, return_lse, "
-            "timeout_ms)",
+            guarded("DCPComm", lambda: self._init_geometry(**geometry)),
+            f"geometry ({GEOMETRY_ARGUMENTS})",
         )
         self.last_path: str | None = None
         self.counters: dict[str, dict[str, int]] = {op: dict.fromkeys(PATHS, 0) for op in self.ops}
@@ -371,51 +363,37 @@ class DCPComm(DCPCalls, Resource):
         """The direct op class of ``op`` and the constructor keywords DCPComm gives it."""
         from .ops import KVGather, LseReduce, QGather
 
-        common = dict(
-            max_tokens=self.max_tokens,
-            dtype=self.dtype,
-            num_ubatches=self.num_ubatches,
-            timeout_ms=self.timeout_ms,
-            heap=self.heap,
-        )
-        if op == "q_gather":
-            return QGather, dict(
-                heads_per_rank=self.heads_per_rank, head_dim=self.q_head_dim, **common
-            )
-        if op == "lse_reduce":
-            # return_lse as asked: a merged lse nobody reads would take a graph output buffer
-            # of the op's bounded pool for every call captured with out= alone.
-            return LseReduce, dict(
-                num_heads=self.num_heads,
-                head_dim=self.v_head_dim,
-                lse_base=self.lse_base,
-                return_lse=self.return_lse,
-                **common,
-            )
-        return KVGather, dict(row_dim=self.kv_row_dim, **common)
+        # return_lse as asked: a merged lse nobody reads would take a graph output buffer
+        # of the op's bounded pool for every call captured with out= alone.
+        lse = {"return_lse": self.return_lse}
+        common = dict(max_tokens=self.max_tokens, timeout_ms=self.timeout_ms, heap=self.heap)
+        classes = {"q_gather": QGather, "lse_reduce": LseReduce, "kv_gather": KVGather}
+        return classes[op], self._op_keywords(op, lse, **common)
 
     def _nccl_spec(self, op: str):
         """The NCCL op class of ``op`` and the constructor keywords DCPComm gives it (without
         ``nccl_group``)."""
         from .nccl import NcclKVGather, NcclLseReduce, NcclQGather
 
-        common = dict(
-            max_tokens=self.nccl_max_tokens, dtype=self.dtype, num_ubatches=self.num_ubatches
-        )
+        lse = {"return_lse": True, "algorithm": self.nccl_lse_algorithm}
+        classes = {"q_gather": NcclQGather, "lse_reduce": NcclLseReduce, "kv_gather": NcclKVGather}
+        return classes[op], self._op_keywords(op, lse, max_tokens=self.nccl_max_tokens)
+
+    def _op_keywords(self, op: str, lse: dict, **common) -> dict:
+        """The constructor keywords of either path's ``op``: its geometry, dtype and
+        num_ubatches, the path's ``common`` ones, and ``lse`` for ``lse_reduce``."""
+        common.update(dtype=self.dtype, num_ubatches=self.num_ubatches)
         if op == "q_gather":
-            return NcclQGather, dict(
-                heads_per_rank=self.heads_per_rank, head_dim=self.q_head_dim, **common
-            )
+            return dict(heads_per_rank=self.heads_per_rank, head_dim=self.q_head_dim, **common)
         if op == "lse_reduce":
-            return NcclLseReduce, dict(
+            return dict(
                 num_heads=self.num_heads,
                 head_dim=self.v_head_dim,
                 lse_base=self.lse_base,
-                return_lse=True,
-                algorithm=self.nccl_lse_algorithm,
+                **lse,
                 **common,
             )
-        return NcclKVGather, dict(row_dim=self.kv_row_dim, **common)
+        return dict(row_dim=self.kv_row_dim, **common)
 
     def _row_bytes(self, op: str) -> int:
         isz = self.dtype.itemsize

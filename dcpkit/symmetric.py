@@ -53,7 +53,7 @@ from ._setup import collective_step, run_undo
 from .errors import ClosedError, ConfigMismatch, DcpkitError, InvalidArgument, InvalidType
 from .multicast import agree_multicast, multicast_decision
 
-__all__ = ["SymmetricHeap", "BACKENDS", "HANDLE_TYPES", "MAX_NBYTES"]
+__all__ = ["SymmetricHeap", "BACKENDS", "HANDLE_TYPES", "MAX_NBYTES", "check_heap"]
 
 log = logging.getLogger("dcpkit")
 
@@ -545,3 +545,25 @@ class SymmetricHeap(Resource):
         self.comm = None
         self._closed = False
         return self
+
+
+def check_heap(heap, comm, op: str, nbytes: int) -> None:
+    """Checks of a ``heap=`` argument (no collective): an open :class:`SymmetricHeap` of this
+    very group (same world_size, same rank) with ``nbytes`` free after its last reservation."""
+    if not isinstance(heap, SymmetricHeap):
+        raise InvalidType(f"{op}: heap must be a dcpkit.SymmetricHeap (got {type(heap).__name__})")
+    if heap.closed:
+        raise ClosedError(f"{op}: heap must be open (got a closed SymmetricHeap)")
+    if (heap.world_size, heap.rank) != (comm.world_size, comm.rank):
+        raise InvalidArgument(
+            f"{op}: heap must belong to the group of comm: heap world_size and "
+            f"rank must be {comm.world_size} and {comm.rank} (got "
+            f"{heap.world_size} and {heap.rank})"
+        )
+    off = -(-heap.reserved_bytes // 256) * 256  # where reserve() would place it
+    if off + nbytes > heap.nbytes:
+        raise InvalidArgument(
+            f"{op}: heap free bytes must be >= {nbytes}, the size of the "
+            f"workspace (got {max(heap.nbytes - off, 0)} bytes free after "
+            f"offset {off} of {heap.nbytes})"
+        )

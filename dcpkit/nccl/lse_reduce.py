@@ -21,6 +21,7 @@ from .._checks import (
     lse_dtypes,
     resolve_float_dtype,
 )
+from .._lse_call import LseReduceCall
 from .._strided import KERNEL_FILE, THREADS, c_contiguous, grid, heads_to_owner_plan, launch_copy
 from ..comm import Communicator
 from ..errors import InvalidArgument
@@ -98,7 +99,7 @@ def load_lse_kernels(device: int) -> LseKernels:
     return k
 
 
-class NcclLseReduce(NcclOp):
+class NcclLseReduce(LseReduceCall, NcclOp):
     """``lse_reduce`` on NCCL, with a choice of three algorithms.
 
     Naive equivalent (every rank ``r``)::
@@ -143,6 +144,19 @@ class NcclLseReduce(NcclOp):
     launches_per_call : int
         Kernels plus NCCL calls per call (all_to_all: mask, pack, 2 copies, 1 NCCL group,
         combine = 6; the all-gather variants: mask, all-gather, weight, reduce, cast = 5).
+
+    Calls
+    -----
+    ``op(out_partial, lse_partial, *, seq_lens=None, query_start_loc=None, ubatch=0, out=None,
+    out_lse=None, stream=None)`` takes the arguments of :meth:`LseReduce.__call__
+    <dcpkit.ops.LseReduce.__call__>`, and more layouts: ``out_partial [T, H, D_v]`` (the
+    workspace dtype) with any strides; ``lse_partial [T, H]`` bfloat16, float16, float32 or
+    float64, any strides; ``out [T, H_out, D_v]`` and float32 ``out_lse [T, H_out]``
+    (``H_out = out_heads``) with any strides. The result holds heads ``[rank*H_r,
+    (rank+1)*H_r)`` (all heads for ``allgather_all_reduce``): ``out=`` or a view of a
+    workspace buffer (lifetime: module docstring). Stream: on ``stream``, the host does not
+    wait, capture-safe for ``T <= max_tokens``. A call raises :class:`InvalidArgument`,
+    :class:`InvalidType` or :class:`ClosedError`.
 
     Collective: construction, every call, :meth:`close`.
 
@@ -275,61 +289,12 @@ class NcclLseReduce(NcclOp):
         lse = cupy.zeros((T, self.num_heads), dtype=cupy.float32)
         self._call(x, lse, None, None, 0, None, None, None)
 
-    def __call__(
-        self,
-        out_partial,
-        lse_partial,
-        *,
-        seq_lens=None,
-        query_start_loc=None,
-        ubatch: int = 0,
-        out=None,
-        out_lse=None,
-        stream=None,
-    ):
-        """Merge every rank's partial attention (see the class docstring).
-
-        Parameters
-        ----------
-        out_partial : array [T, H, D_v], the workspace dtype
-            Any strides.
-        lse_partial : array [T, H], bfloat16, float16, float32 or float64
-            Base ``lse_base``; any strides; NaN and +inf count as -inf.
-        seq_lens : int32 array [S], optional
-            This rank's KV length per request (0: the request's rows are empty here).
-            Contiguous. Requires ``query_start_loc``.
-        query_start_loc : int32 array [S+1], optional
-            Row offsets of the requests, non-decreasing, equal on every rank; rows at or past
-            ``query_start_loc[S]`` are padding (empty on every rank). Contiguous.
-        ubatch : int
-        out : array [T, H_out, D_v], optional
-            ``H_out = out_heads``; any strides.
-        out_lse : float32 array [T, H_out], optional
-            Any strides; passing it makes the call return ``(out, out_lse)``.
-        stream : cupy.cuda.Stream, optional
-
-        Returns
-        -------
-        out : array [T, H_out, D_v]
-            Heads ``[rank*H_r, (rank+1)*H_r)`` (all heads for ``allgather_all_reduce``);
-            ``out=`` or a view of a workspace buffer (lifetime: module docstring). Rows whose
-            sources are all empty are 0.
-        out_lse : float32 array [T, H_out]
-            With ``return_lse=True`` or ``out_lse=``: the merged natural-log lse, -inf for
-            all-empty rows.
-
-        Collective: every rank, same ``T``, dtypes, masks present or not, ubatch, same order.
-
-        Stream: on ``stream``; the host does not wait; capture-safe for ``T <= max_tokens``.
-
-        Raises
-        ------
-        InvalidArgument, InvalidType, ClosedError
-        """
+    def _call_keyed(self, key, arrays: tuple, ubatch, stream):
+        """:class:`~dcpkit._lse_call.LseReduceCall`'s entry (``key`` unused): the open check,
+        then :meth:`_call`."""
         self.check_open()
-        return self._call(
-            out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out, out_lse, stream
-        )
+        x, lse, seq, qsl, out, out_lse = arrays
+        return self._call(x, lse, seq, qsl, ubatch, out, out_lse, stream)
 
     def _call(
         self, out_partial, lse_partial, seq_lens, query_start_loc, ubatch, out, out_lse, stream

@@ -24,13 +24,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
-
 from .. import _cuda
-from ..errors import InvalidType
 from ._workspace import OpWorkspace, _round_up, launch_config
 
-__all__ = ["GatherWorkspace", "GatherPlan", "DATA_SLOTS", "THREADS", "resolve_gather_dtype"]
+__all__ = ["GatherWorkspace", "GatherPlan", "DATA_SLOTS", "THREADS"]
 
 #: Data slots per ubatch (kernels/gather.cuh kGatherDataSlots).
 DATA_SLOTS = 3
@@ -38,22 +35,6 @@ DATA_SLOTS = 3
 THREADS = 512
 #: Largest number of 16-byte vectors one call may move into a slot (u32 indices in the kernel).
 MAX_VECTORS = 2**31 - 1
-
-
-def resolve_gather_dtype(dtype, op: str) -> np.dtype:
-    """The NumPy dtype of a gather workspace: any fixed-size, non-object dtype (the kernels move
-    bytes). Names such as ``"bfloat16"`` and ``"float8_e4m3fn"`` map to ml_dtypes."""
-    from ..reference import resolve_dtype
-
-    try:
-        dt = resolve_dtype(dtype)
-    except (TypeError, ValueError, AttributeError, ImportError):
-        raise InvalidType(
-            f"{op}: dtype must be a NumPy dtype or dtype name (got {dtype!r})"
-        ) from None
-    if dt.hasobject or dt.itemsize == 0:
-        raise InvalidType(f"{op}: dtype must be a fixed-size data type (got {dt})")
-    return dt
 
 
 class GatherPlan(NamedTuple):
@@ -104,20 +85,14 @@ class GatherWorkspace(OpWorkspace):
     #: Threads per CTA of the gather kernels (kernels/gather.cuh kGatherThreads).
     THREADS = THREADS
 
-    def _check_gather_common(
-        self, world_size: int, *, data_slot_bytes: int, out_bytes: int, num_ubatches, timeout_ms
-    ) -> tuple:
-        """:meth:`OpWorkspace._check_common` for a gather: the two base slots hold
-        ``DATA_SLOTS`` data slots of ``data_slot_bytes`` (rounded up), back to back."""
-        slot = _round_up(max(int(data_slot_bytes), 16))
+    def _region_bytes(self) -> tuple[int, int]:
+        """The two base slots hold ``DATA_SLOTS`` data slots of ``_data_bytes()`` (rounded up),
+        back to back; the output buffers hold ``_data_bytes()`` each. Sets
+        ``data_slot_bytes``."""
+        nbytes = self._data_bytes()
+        slot = _round_up(max(int(nbytes), 16))
         self.data_slot_bytes = slot
-        return self._check_common(
-            world_size,
-            slot_bytes=-(-DATA_SLOTS * slot // 2),
-            out_bytes=out_bytes,
-            num_ubatches=num_ubatches,
-            timeout_ms=timeout_ms,
-        )
+        return -(-DATA_SLOTS * slot // 2), nbytes
 
     def _compile(self, file: str, name_expr: str):
         """Compile (or fetch) the kernel on every rank; a failure anywhere closes the workspace

@@ -202,35 +202,15 @@ def validate_call(
                 )
             seq_ptr = sl.ptr
 
-    o = None
-    if out is not None:
-        o = array_info(out, op, "out")
-        if o.dtype != dt:
-            check_dtype(o, (dt,), op, "out")
-        if o.shape != (T, H_r, D):
-            check_shape(o, (T, H_r, D), "T, H_r, D_v", op, "out")
-        if o.device != self.device:
-            check_device(o, self.device, op, "out")
-        check_contiguous(o, op, "out")
-        if o.ptr % 16:
-            raise InvalidArgument(
-                f"{op}: out data pointer must be 16-byte aligned (got pointer offset {o.ptr % 16})"
-            )
-    ol = None
-    if out_lse is not None:
-        ol = array_info(out_lse, op, "out_lse")
-        if ol.dtype != F32:
-            check_dtype(ol, (np.float32,), op, "out_lse")
-        if ol.shape != (T, H_r):
-            check_shape(ol, (T, H_r), "T, H_r", op, "out_lse")
-        if ol.device != self.device:
-            check_device(ol, self.device, op, "out_lse")
-        check_contiguous(ol, op, "out_lse")
-        if ol.ptr % 4:
-            raise InvalidArgument(
-                f"{op}: out_lse data pointer must be 4-byte aligned "
-                f"(got pointer offset {ol.ptr % 4})"
-            )
+    def on_gpu(info: ArrayInfo, name: str) -> None:
+        if info.device != self.device:
+            check_device(info, self.device, op, name)
+
+    o, ol = check_destinations(op, out, out_lse, dt, (T, H_r, D), on_gpu)
+    if ol is not None and ol.ptr % 4:
+        raise InvalidArgument(
+            f"{op}: out_lse data pointer must be 4-byte aligned (got pointer offset {ol.ptr % 4})"
+        )
     return CallArgs(
         T,
         ub,
@@ -248,6 +228,35 @@ def validate_call(
         ol,
         self.return_lse or ol is not None,
     )
+
+
+def check_destinations(op: str, out, out_lse, dtype, shape: tuple, on_gpu) -> tuple:
+    """``(ArrayInfo of out, ArrayInfo of out_lse)`` (None for an absent one) of a merge into
+    ``out [T, H_r, D_v]`` of ``dtype`` (16-byte aligned) and float32 ``out_lse [T, H_r]``, each
+    C-contiguous on the GPU ``on_gpu(info, name)`` checks. ``out_lse``'s alignment is left to
+    the caller."""
+    o = ol = None
+    if out is not None:
+        o = array_info(out, op, "out")
+        if o.dtype != dtype:
+            check_dtype(o, (dtype,), op, "out")
+        if o.shape != shape:
+            check_shape(o, shape, "T, H_r, D_v", op, "out")
+        on_gpu(o, "out")
+        check_contiguous(o, op, "out")
+        if o.ptr % 16:
+            raise InvalidArgument(
+                f"{op}: out data pointer must be 16-byte aligned (got pointer offset {o.ptr % 16})"
+            )
+    if out_lse is not None:
+        ol = array_info(out_lse, op, "out_lse")
+        if ol.dtype != F32:
+            check_dtype(ol, (np.float32,), op, "out_lse")
+        if ol.shape != shape[:2]:
+            check_shape(ol, shape[:2], "T, H_r", op, "out_lse")
+        on_gpu(ol, "out_lse")
+        check_contiguous(ol, op, "out_lse")
+    return o, ol
 
 
 class CombinePlan(NamedTuple):
@@ -296,22 +305,9 @@ def validate_combine(src_out, src_lse, out, out_lse) -> CombinePlan:
     check_shape(sl, (W, T, H_r), "W, T, H_r", op, "src_lse")
     check_contiguous(sl, op, "src_lse")
     check_same_gpu(sl, so, "src_lse")
-    o = array_info(out, op, "out")
-    check_dtype(o, (so.dtype,), op, "out")
-    check_shape(o, (T, H_r, D), "T, H_r, D_v", op, "out")
-    check_contiguous(o, op, "out")
-    check_same_gpu(o, so, "out")
-    if o.ptr % 16:
-        raise InvalidArgument(
-            f"{op}: out data pointer must be 16-byte aligned (got pointer offset {o.ptr % 16})"
-        )
-    ol = None
-    if out_lse is not None:
-        ol = array_info(out_lse, op, "out_lse")
-        check_dtype(ol, (np.float32,), op, "out_lse")
-        check_shape(ol, (T, H_r), "T, H_r", op, "out_lse")
-        check_contiguous(ol, op, "out_lse")
-        check_same_gpu(ol, so, "out_lse")
+    o, ol = check_destinations(
+        op, out, out_lse, so.dtype, (T, H_r, D), lambda info, name: check_same_gpu(info, so, name)
+    )
     if sl.ptr % 4 or (ol is not None and ol.ptr % 4):
         raise InvalidArgument(f"{op}: src_lse and out_lse must be 4-byte aligned")
     return CombinePlan(W, T, H_r, D, so, sl, o, ol)

@@ -70,7 +70,7 @@ from .._setup import debug_enabled, guarded, share_outcome
 from .._sm_share import sm_share
 from ..comm import Communicator
 from ..errors import ClosedError, DcpkitError, InvalidArgument, InvalidType
-from ..symmetric import MAX_NBYTES
+from ..symmetric import MAX_NBYTES, check_heap
 from . import _protocol
 
 __all__ = [
@@ -158,36 +158,13 @@ def _current_stream(cupy, device: int):
         return None
 
 
-def check_heap(heap, comm: Communicator, op: str, nbytes: int) -> None:
-    """Checks of a ``heap=`` argument (no collective): an open :class:`SymmetricHeap` of this
-    very group (same world_size, same rank) with ``nbytes`` free after its last reservation."""
-    from ..symmetric import SymmetricHeap
-
-    if not isinstance(heap, SymmetricHeap):
-        raise InvalidType(f"{op}: heap must be a dcpkit.SymmetricHeap (got {type(heap).__name__})")
-    if heap.closed:
-        raise ClosedError(f"{op}: heap must be open (got a closed SymmetricHeap)")
-    if (heap.world_size, heap.rank) != (comm.world_size, comm.rank):
-        raise InvalidArgument(
-            f"{op}: heap must belong to the group of comm: heap world_size and "
-            f"rank must be {comm.world_size} and {comm.rank} (got "
-            f"{heap.world_size} and {heap.rank})"
-        )
-    off = _round_up(heap.reserved_bytes, _ALIGN)
-    if off + nbytes > heap.nbytes:
-        raise InvalidArgument(
-            f"{op}: heap free bytes must be >= {nbytes}, the size of the "
-            f"workspace (got {max(heap.nbytes - off, 0)} bytes free after "
-            f"offset {off} of {heap.nbytes})"
-        )
-
-
 class OpWorkspace(Resource):
     """Base class of the direct ops (:class:`~dcpkit.ops.LseReduce`, ``QGather``, ``KVGather``).
 
-    A subclass implements ``_check_arguments(world_size, **constructor keywords)``: every
-    check of its arguments that needs no GPU and no collective, ending with
-    :meth:`_check_common`, returning the values every rank must agree on. Its constructor calls
+    A subclass implements ``_init_geometry(world_size, **geometry keywords)`` (every check of
+    its own arguments that needs no GPU and no collective, returning the values every rank must
+    agree on) and ``_region_bytes()`` (the slot and output bytes the geometry needs);
+    :meth:`_check_arguments` runs them with the checks every op shares. Its constructor calls
     :meth:`_setup` with that function bound to its arguments; :meth:`_setup` runs it on every
     rank inside one agreed exchange. The subclass then launches its kernels with
     :meth:`proto_args` first, and calls :meth:`begin_call` at the start of every call.
@@ -200,12 +177,28 @@ class OpWorkspace(Resource):
     size_arguments = "the geometry"
 
     # ------------------------------------------------------------------ construction
-    def _check_common(
-        self, world_size: int, *, slot_bytes: int, out_bytes: int, num_ubatches, timeout_ms
+    def _check_arguments(
+        self,
+        world_size: int,
+        *,
+        num_ubatches=1,
+        timeout_ms=None,
+        graph_outputs=None,
+        waiter_ctas=None,
+        self_check=True,
+        **geometry,
     ) -> tuple:
-        """The checks every direct op shares, no GPU, no collective: ``num_ubatches``,
-        ``timeout_ms`` (or ``DCPKIT_TIMEOUT_MS``) and the size of the symmetric region. Sets the
-        layout; returns ``(num_ubatches, timeout_ms, region bytes)``."""
+        """Every check of the constructor arguments that needs no GPU and no collective (the
+        constructor's keywords): the protocol options, the op's ``_init_geometry(world_size,
+        **geometry)``, ``num_ubatches``, ``timeout_ms`` (or ``DCPKIT_TIMEOUT_MS``) and the size of
+        the symmetric region (from the op's ``_region_bytes()``). Sets the layout; returns what
+        every rank must agree on: the geometry, then ``(num_ubatches, timeout_ms, region
+        bytes)``."""
+        self._check_protocol_options(
+            graph_outputs=graph_outputs, waiter_ctas=waiter_ctas, self_check=self_check
+        )
+        agreed = self._init_geometry(world_size, **geometry)
+        slot_bytes, out_bytes = self._region_bytes()
         op = self.op_name
         self.num_ubatches = check_positive_int(num_ubatches, op, "num_ubatches")
         self.timeout_ms = check_timeout_ms(timeout_ms, op)
@@ -221,7 +214,7 @@ class OpWorkspace(Resource):
                 f"{U} * {self._ubatch_stride} = {self._region}): lower {self.size_arguments} "
                 f"or num_ubatches"
             )
-        return (U, self.timeout_ms, self._region)
+        return agreed + (U, self.timeout_ms, self._region)
 
     def _check_protocol_options(self, *, graph_outputs, waiter_ctas, self_check) -> None:
         """The protocol knobs every op takes (no GPU, no collective; need not agree across

@@ -16,10 +16,11 @@ Kernel: ``kernels/kv_gather.cu`` (device code in ``kernels/gather.cuh``); refere
 from __future__ import annotations
 
 from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
+from .._checks import resolve_bytes_dtype
 from .._plan import pair_key
 from ..comm import Communicator
 from ..errors import InvalidArgument
-from ._gather import MAX_VECTORS, GatherPlan, GatherWorkspace, resolve_gather_dtype
+from ._gather import MAX_VECTORS, GatherPlan, GatherWorkspace
 from ._workspace import PROTO_PARAM_TYPES, check_positive_int
 
 __all__ = ["KVGather", "ALGORITHMS", "KV_GATHER_PUSH_PARAM_TYPES", "KV_GATHER_PULL_PARAM_TYPES"]
@@ -114,17 +115,9 @@ class KVGather(GatherWorkspace):
     DcpkitError
         The current stream is capturing a CUDA graph (on every rank).
     InvalidArgument, InvalidType
-        A geometry argument is out of range, the row bytes are not a multiple of 16,
-        ``algorithm`` is unknown, the workspace would exceed 2**40 bytes, a bad
-        ``timeout_ms`` / ``DCPKIT_TIMEOUT_MS`` / ``multicast``, a ``heap`` of another group or
-        without room.
-    MissingDependency
-        CuPy is not installed (names the ``cuda12`` / ``cuda13`` extra).
-    DcpkitError
-        No CUDA GPU is visible.
-    PeerError
-        Another rank rejected its arguments, missed CuPy or a GPU, or failed to compile the
-        kernel.
+        As :class:`~dcpkit.ops.QGather`, and an unknown ``algorithm``.
+    MissingDependency, DcpkitError, PeerError
+        As :class:`~dcpkit.ops.QGather`.
     ConfigMismatch
         Ranks passed different geometries, ``num_ubatches`` or ``timeout_ms`` or algorithms.
     """
@@ -163,42 +156,19 @@ class KVGather(GatherWorkspace):
         self._kernel = self._compile("kv_gather.cu", name)
         self._finish_setup()
 
-    def _check_arguments(
-        self,
-        world_size: int,
-        *,
-        max_tokens,
-        row_dim,
-        dtype,
-        num_ubatches=1,
-        algorithm="push",
-        timeout_ms=None,
-        graph_outputs=None,
-        waiter_ctas=None,
-        self_check=True,
-    ) -> tuple:
-        """Every check of the constructor arguments that needs no GPU and no collective (the
-        constructor's keywords); returns what every rank must agree on."""
-        self._check_protocol_options(
-            graph_outputs=graph_outputs, waiter_ctas=waiter_ctas, self_check=self_check
-        )
-        geometry = self._init_geometry(world_size, max_tokens, row_dim, dtype, algorithm)
-        nbytes = self.world_size * self.max_tokens * self.row_bytes
-        return geometry + self._check_gather_common(
-            world_size,
-            data_slot_bytes=nbytes,
-            out_bytes=nbytes,
-            num_ubatches=num_ubatches,
-            timeout_ms=timeout_ms,
-        )
+    def _data_bytes(self) -> int:
+        """Bytes of one data slot and one output buffer: every rank's ``max_tokens`` rows."""
+        return self.world_size * self.max_tokens * self.row_bytes
 
-    def _init_geometry(self, world_size: int, max_tokens, row_dim, dtype, algorithm) -> tuple:
+    def _init_geometry(
+        self, world_size: int, max_tokens, row_dim, dtype, algorithm="push"
+    ) -> tuple:
         """Check and record the geometry (no GPU, no collective); returns it."""
         op = self.op_name
         self.world_size = int(world_size)
         self.max_tokens = check_positive_int(max_tokens, op, "max_tokens")
         self.row_dim = check_positive_int(row_dim, op, "row_dim")
-        self.dtype = resolve_gather_dtype(dtype, op)
+        self.dtype = resolve_bytes_dtype(dtype, op)
         if algorithm not in ALGORITHMS:
             raise InvalidArgument(
                 f"{op}: algorithm must be one of {list(ALGORITHMS)} (got {algorithm!r})"

@@ -37,7 +37,7 @@ import numpy as np
 from .. import _cuda, jit
 from .._arrays import dtype_name
 from .._launch import KernelParams
-from .._plan import arrays_key
+from .._lse_call import LseReduceCall
 from ..comm import Communicator
 from ..errors import InvalidArgument, InvalidType
 from ..reference import check_lse_base, resolve_dtype
@@ -116,7 +116,7 @@ class _CallPlan(NamedTuple):
     views: dict  # workspace output buffer address -> (out view, lse view), memoised
 
 
-class LseReduce(OpWorkspace):
+class LseReduce(LseReduceCall, OpWorkspace):
     """The direct ``lse_reduce`` op: all-to-all of partial attention plus the LSE-weighted merge.
 
     Naive equivalent (every rank ``r``, ``W = world_size``, ``H_r = H / W``)::
@@ -174,8 +174,7 @@ class LseReduce(OpWorkspace):
         least 1; NOTE [dcpkit epoch signalling]). A measuring knob: more combine parallelism at
         large ``T``, but the co-residency rule holds only for the default.
     _self_check : bool
-        Benchmark only: ``False`` compiles the variant whose waits compare the epoch only (no
-        fingerprint check), to measure what the check costs.
+        Benchmark only: as in :class:`~dcpkit.ops.QGather`.
 
     Attributes
     ----------
@@ -219,15 +218,10 @@ class LseReduce(OpWorkspace):
         unsupported dtype or ``lse_base``, ``world_size > 64``, a workspace over 2**40 bytes,
         a bad ``timeout_ms`` or ``DCPKIT_TIMEOUT_MS``, a ``heap`` of another group or without
         room).
-    MissingDependency
-        CuPy is not installed (names the ``cuda12`` / ``cuda13`` extra).
-    DcpkitError
-        No CUDA GPU is visible.
-    PeerError
-        Another rank rejected its arguments, missed CuPy or a GPU, or failed to compile the
-        kernels.
-    ConfigMismatch
-        The ranks passed different geometries, ``num_ubatches`` or ``timeout_ms``.
+    MissingDependency, DcpkitError, PeerError, ConfigMismatch
+        As :class:`~dcpkit.ops.QGather`: CuPy missing, no CUDA GPU, another rank failing
+        (its arguments, CuPy, its GPU or compiling the kernels), different geometries,
+        ``num_ubatches`` or ``timeout_ms``.
     """
 
     op_name = "lse_reduce"
@@ -274,7 +268,12 @@ class LseReduce(OpWorkspace):
             raise
         self._finish_setup()
 
-    def _check_arguments(
+    def _region_bytes(self) -> tuple[int, int]:
+        """The slot and output bytes :meth:`_init_geometry` derived."""
+        return self._slot_bytes_needed, self._out_bytes_needed
+
+    # ------------------------------------------------------------------ construction helpers
+    def _init_geometry(
         self,
         world_size: int,
         *,
@@ -282,48 +281,11 @@ class LseReduce(OpWorkspace):
         num_heads,
         head_dim,
         dtype,
-        num_ubatches=1,
         lse_base=math.e,
         return_lse=False,
-        timeout_ms=None,
-        graph_outputs=None,
-        waiter_ctas=None,
-        self_check=True,
     ) -> tuple:
-        """Every check of the constructor arguments that needs no GPU and no collective (the
-        constructor's keywords); returns what every rank must agree on."""
-        self._check_protocol_options(
-            graph_outputs=graph_outputs, waiter_ctas=waiter_ctas, self_check=self_check
-        )
-        self._init_geometry(
-            world_size,
-            max_tokens=max_tokens,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            dtype=dtype,
-            lse_base=lse_base,
-            return_lse=return_lse,
-        )
-        return (
-            self.max_tokens,
-            self.num_heads,
-            self.head_dim,
-            str(self.dtype),
-            self.lse_base,
-            self.return_lse,
-        ) + self._check_common(
-            world_size,
-            slot_bytes=self._slot_bytes_needed,
-            out_bytes=self._out_bytes_needed,
-            num_ubatches=num_ubatches,
-            timeout_ms=timeout_ms,
-        )
-
-    # ------------------------------------------------------------------ construction helpers
-    def _init_geometry(
-        self, world_size: int, *, max_tokens, num_heads, head_dim, dtype, lse_base, return_lse
-    ) -> None:
-        """Validate the constructor arguments and derive the layout (no GPU, no collective)."""
+        """Validate the constructor arguments and derive the layout (no GPU, no collective);
+        returns the geometry every rank must agree on."""
         op = self.op_name
         self.max_tokens = check_positive_int(max_tokens, op, "max_tokens")
         self.num_heads = check_positive_int(num_heads, op, "num_heads")
@@ -377,6 +339,14 @@ class LseReduce(OpWorkspace):
         )
         self._lse_scale = np.float32(1.0 if self.lse_base == math.e else math.log(2.0))
         self._lse_dtypes = float_dtypes()
+        return (
+            self.max_tokens,
+            self.num_heads,
+            self.head_dim,
+            str(self.dtype),
+            self.lse_base,
+            self.return_lse,
+        )
 
     def _load_kernels(self) -> None:
         """Compile (one NVRTC run for the file, cached) and load the kernel of every lse dtype,
@@ -419,91 +389,6 @@ class LseReduce(OpWorkspace):
         )
 
     # ------------------------------------------------------------------ the call
-    def __call__(
-        self,
-        out_partial,
-        lse_partial,
-        *,
-        seq_lens=None,
-        query_start_loc=None,
-        ubatch: int = 0,
-        out=None,
-        out_lse=None,
-        stream=None,
-    ):
-        """Merge every rank's partial attention into this rank's heads.
-
-        Parameters
-        ----------
-        out_partial : array [T, H, D_v], dtype of the workspace
-            This rank's partial attention output of all heads. ``1 <= T <= max_tokens`` (``T ==
-            0`` returns empty arrays and launches nothing). Rows must be 16-byte aligned: data
-            pointer, token stride and head stride multiples of 16 bytes (padded head or token
-            storage is fine). An innermost stride other than the itemsize costs a copy to a
-            contiguous array first (on ``stream``; it allocates, so avoid it under graph capture).
-        lse_partial : array [T, H], float32, float16 or bfloat16
-            This rank's partial log-sum-exp (base ``lse_base``), any non-negative strides. NaN
-            and +inf count as -inf (an empty or invalid shard).
-        seq_lens : int32 array [S], optional
-            This rank's KV length of every request, contiguous; a request with 0 here counts as
-            empty on this rank. Requires ``query_start_loc``.
-        query_start_loc : int32 array [S+1], optional
-            Row offsets of the requests (non-decreasing, equal on every rank), contiguous; rows
-            at or past ``query_start_loc[S]`` are padding, empty on every rank. Rows before
-            ``query_start_loc[0]`` belong to no request.
-        ubatch : int
-            Which ubatch's epochs, signals and slots to use, in ``[0, num_ubatches)``.
-        out : array [T, H_r, D_v], dtype of the workspace, optional
-            C-contiguous, 16-byte aligned destination (required for allocation-free capture
-            of a result that must outlive the next replay).
-        out_lse : float32 array [T, H_r], optional
-            C-contiguous destination of the merged natural-log lse; passing it makes the call
-            return ``(out, out_lse)``.
-        stream : cupy.cuda.Stream, optional
-            Stream of the launch (default: the current CuPy stream).
-
-        Returns
-        -------
-        out : array [T, H_r, D_v]
-            Output of heads ``[rank*H_r, (rank+1)*H_r)``: ``out=`` or a view of a workspace
-            output buffer (lifetime: see the class docstring). Rows whose sources are all empty
-            are 0.
-        out_lse : float32 array [T, H_r]
-            Only with ``return_lse=True`` or ``out_lse=``: the merged natural-log lse, -inf for
-            rows whose sources are all empty.
-
-        Collective: every rank calls with the same ``T``, dtypes, masks present or not and
-        ubatch, in the same order.
-
-        Stream: enqueued on ``stream``; the host does not wait.
-
-        Raises
-        ------
-        InvalidType
-            A host array or a non-array, a wrong dtype, a non-integer ubatch, a ``stream`` that
-            is not a CuPy stream.
-        InvalidArgument
-            A wrong shape, ``T > max_tokens``, rows not 16-byte aligned, negative strides, an
-            array on another GPU, ``seq_lens`` without ``query_start_loc`` or of the wrong
-            length, a non-contiguous ``seq_lens`` / ``query_start_loc`` / ``out`` / ``out_lse``,
-            a ubatch out of range.
-        ClosedError
-            The workspace is closed.
-        CollectiveTimeout
-            An earlier call timed out waiting for a peer (the workspace is poisoned).
-        ConfigMismatch
-            An earlier call found that the ranks called with a different ``T``, lse dtype, mask
-            presence or ubatch (the workspace is poisoned); names the ranks and values.
-        DcpkitError
-            The workspace's first call is being captured, or every graph output buffer is taken
-            while capturing a call that needs one.
-
-        Every check runs before anything is launched or counted: after a rejected call the
-        workspace is unchanged and usable.
-        """
-        arrays = (out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse)
-        return self._call_keyed(arrays_key(arrays, ubatch), arrays, ubatch, stream)
-
     def _call_keyed(self, key, arrays: tuple, ubatch, stream):
         """A call whose flat key (:func:`dcpkit._plan.arrays_key` of ``arrays``, the call's
         arrays in the order of :meth:`__call__`) is ``key`` (None: keyed in full): the closed /

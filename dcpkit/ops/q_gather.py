@@ -16,10 +16,11 @@ Kernel: ``kernels/q_gather.cu`` (device code in ``kernels/gather.cuh``); referen
 from __future__ import annotations
 
 from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
+from .._checks import resolve_bytes_dtype
 from .._plan import pair_key
 from ..comm import Communicator
 from ..errors import InvalidArgument
-from ._gather import MAX_VECTORS, GatherPlan, GatherWorkspace, resolve_gather_dtype
+from ._gather import MAX_VECTORS, GatherPlan, GatherWorkspace
 from ._workspace import PROTO_PARAM_TYPES, check_bool, check_positive_int
 
 __all__ = ["QGather", "Q_GATHER_PARAM_TYPES"]
@@ -179,40 +180,12 @@ class QGather(GatherWorkspace):
         )
         self._finish_setup()
 
-    def _check_arguments(
-        self,
-        world_size: int,
-        *,
-        max_tokens,
-        heads_per_rank,
-        head_dim,
-        dtype,
-        num_ubatches=1,
-        padded_num_heads=None,
-        timeout_ms=None,
-        graph_outputs=None,
-        waiter_ctas=None,
-        self_check=True,
-    ) -> tuple:
-        """Every check of the constructor arguments that needs no GPU and no collective (the
-        constructor's keywords); returns what every rank must agree on."""
-        self._check_protocol_options(
-            graph_outputs=graph_outputs, waiter_ctas=waiter_ctas, self_check=self_check
-        )
-        geometry = self._init_geometry(
-            world_size, max_tokens, heads_per_rank, head_dim, dtype, padded_num_heads
-        )
-        nbytes = self.max_tokens * self.slot_token_bytes
-        return geometry + self._check_gather_common(
-            world_size,
-            data_slot_bytes=nbytes,
-            out_bytes=nbytes,
-            num_ubatches=num_ubatches,
-            timeout_ms=timeout_ms,
-        )
+    def _data_bytes(self) -> int:
+        """Bytes of one data slot and one output buffer: ``max_tokens`` padded tokens."""
+        return self.max_tokens * self.slot_token_bytes
 
     def _init_geometry(
-        self, world_size: int, max_tokens, heads_per_rank, head_dim, dtype, padded_num_heads
+        self, world_size: int, max_tokens, heads_per_rank, head_dim, dtype, padded_num_heads=None
     ) -> tuple:
         """Check and record the geometry (no GPU, no collective); returns it."""
         op = self.op_name
@@ -220,7 +193,7 @@ class QGather(GatherWorkspace):
         self.max_tokens = check_positive_int(max_tokens, op, "max_tokens")
         self.heads_per_rank = check_positive_int(heads_per_rank, op, "heads_per_rank")
         self.head_dim = check_positive_int(head_dim, op, "head_dim")
-        self.dtype = resolve_gather_dtype(dtype, op)
+        self.dtype = resolve_bytes_dtype(dtype, op)
         self.num_heads = self.heads_per_rank * self.world_size
         if padded_num_heads is None:
             padded_num_heads = self.num_heads

@@ -58,6 +58,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "dcpkit._checks",
             "dcpkit._lifecycle",
             "dcpkit._plan",
+            "dcpkit._lse_call",
             "dcpkit._launch",
             "dcpkit._arrays",
             "dcpkit._cuda",

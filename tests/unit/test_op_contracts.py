@@ -257,3 +257,32 @@ def test_dcpcomm_checks_each_nccl_op_once_and_builds_it_from_that_check():
         ("q_gather", "q_gather", 32),
     ]
     dcp.close()
+
+
+# ----------------------------------------------------------------------------- one lse_reduce call
+def test_both_lse_reduce_ops_take_one_call_signature_and_check_they_are_open():
+    """The direct and the NCCL lse_reduce are called through one ``__call__``: the same
+    explicit signature, and each op's own entry behind it (a closed op raises ClosedError)."""
+    import inspect
+
+    from dcpkit.errors import ClosedError
+
+    assert NcclLseReduce.__call__ is LseReduce.__call__
+    sig = inspect.signature(LseReduce.__call__)
+    assert list(sig.parameters) == [
+        "self",
+        "out_partial",
+        "lse_partial",
+        "seq_lens",
+        "query_start_loc",
+        "ubatch",
+        "out",
+        "out_lse",
+        "stream",
+    ]
+    assert [p.default for p in list(sig.parameters.values())[3:]] == [None, None, 0] + [None] * 3
+    for cls in (LseReduce, NcclLseReduce):
+        op = cls.__new__(cls)
+        op._closed = True
+        with pytest.raises(ClosedError, match=r"^lse_reduce: the workspace is closed"):
+            op(FakeArray((1, 2, 8)), FakeArray((1, 2)))
