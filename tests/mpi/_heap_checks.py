@@ -123,14 +123,20 @@ def run_checked(comm, body: Callable[[list[str]], None]) -> list[str]:
     return errors
 
 
-def free_bytes() -> int:
-    """Free memory of the current device, after CuPy's pools returned their cached blocks."""
+def free_bytes(comm) -> int:
+    """Free memory of the current device, after CuPy's pools returned their cached blocks on
+    every rank. Collective: when ranks share a GPU the figure is device-wide, so every rank
+    returns its blocks before any rank reads it (else a peer returning its blocks between this
+    rank's two readings shows up as memory freed by the code under test)."""
     import cupy
 
     cupy.get_default_memory_pool().free_all_blocks()
     cupy.get_default_pinned_memory_pool().free_all_blocks()
     cupy.cuda.runtime.deviceSynchronize()
-    return int(cupy.cuda.runtime.memGetInfo()[0])
+    comm.barrier()
+    free = int(cupy.cuda.runtime.memGetInfo()[0])
+    comm.barrier()  # every rank has read before any rank goes on
+    return free
 
 
 def open_fds() -> int:

@@ -128,7 +128,7 @@ def test_alloc_close_cycles_leave_memory_and_fds_where_they_were(comm):
         for _ in range(2):  # warm-up: lazy driver and MPI state is created once
             SymmetricHeap(comm, CYCLE_BYTES).close()
         comm.barrier()
-        mem0, fds0 = free_bytes(), open_fds()
+        mem0, fds0 = free_bytes(comm), open_fds()
         t0 = time.perf_counter()
         for i in range(CYCLES):
             h = SymmetricHeap(comm, CYCLE_BYTES)
@@ -138,7 +138,7 @@ def test_alloc_close_cycles_leave_memory_and_fds_where_they_were(comm):
             if not h.closed:
                 errors.append(f"cycle {i}: closed is False after close()")
         comm.barrier()
-        mem1, fds1 = free_bytes(), open_fds()
+        mem1, fds1 = free_bytes(comm), open_fds()
         if comm.rank == 0:
             print(
                 f"\n[symmetric] {CYCLES} cycles of {CYCLE_BYTES >> 20} MiB x {comm.world_size} "
@@ -181,7 +181,7 @@ def test_fault_injection_unwinds_everywhere(comm, point):
     faulty = comm.world_size - 1
     SymmetricHeap(comm, 8 << 20).close()  # warm-up
     comm.barrier()
-    mem0, fds0 = free_bytes(), open_fds()
+    mem0, fds0 = free_bytes(comm), open_fds()
     if comm.rank == faulty:
         setup.FAULT_POINT = point
     t0 = time.perf_counter()
@@ -202,7 +202,7 @@ def test_fault_injection_unwinds_everywhere(comm, point):
     else:
         if not (isinstance(err, PeerError) and set(err.failed) == {faulty}):
             errors.append(f"raised {err!r}, expected PeerError naming rank {faulty}")
-    mem1, fds1 = free_bytes(), open_fds()
+    mem1, fds1 = free_bytes(comm), open_fds()
     if mem1 != mem0:
         errors.append(f"free GPU memory changed by {mem1 - mem0} bytes after the failed setup")
     if fds1 != fds0:
@@ -366,11 +366,11 @@ def test_alloc_close_cycles_nvshmem_do_not_grow(comm):
     try:
         SymmetricHeap(comm, CYCLE_BYTES, backend="nvshmem").close()
         comm.barrier()
-        mem0, fds0 = free_bytes(), open_fds()
+        mem0, fds0 = free_bytes(comm), open_fds()
         for _ in range(CYCLES):
             SymmetricHeap(comm, CYCLE_BYTES, backend="nvshmem").close()
         comm.barrier()
-        mem1, fds1 = free_bytes(), open_fds()
+        mem1, fds1 = free_bytes(comm), open_fds()
         if comm.rank == 0:
             print(
                 f"\n[symmetric] nvshmem {CYCLES} cycles: free memory {mem0} -> {mem1}, "
