@@ -395,6 +395,22 @@ if [[ $STAGES == *,demo,* ]]; then
 fi
 
 BASE="${DCPKIT_SUITE_BASELINE:-}"
+stamp_commit() {  # stamp_commit JSON COMMIT: meta.commit of a bench JSON set to COMMIT
+    [ -f "$1" ] && [ -n "$2" ] && [ "$2" != unknown ] || return 0
+    "$PY" - "$1" "$2" <<'PYEOF' || say "could not stamp commit $2 into $1"
+import json, sys
+path, commit = sys.argv[1], sys.argv[2]
+with open(path, encoding="utf-8") as f:
+    res = json.load(f)
+meta = res.setdefault("meta", {})
+if meta.get("commit") != commit:  # what git said described another tree: its state too
+    meta["commit"] = commit
+    meta["commit_dirty"] = None
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(res, f, indent=1)
+PYEOF
+}
+
 if [[ $STAGES == *,bench,* ]] && [ -n "$BASE" ]; then
     if [ ! -f "$BASE/dcpkit/__init__.py" ]; then
         say "DCPKIT_SUITE_BASELINE=$BASE holds no dcpkit checkout: baseline not run"
@@ -419,6 +435,8 @@ if [[ $STAGES == *,bench,* ]]; then
                 env PYTHONPATH="$BASE_PYTHONPATH" DCPKIT_COMMIT="$BASE_COMMIT" \
                 ${BENCH_ENV[@]+"${BENCH_ENV[@]}"} \
                 "${MPICMD[@]}" "$PY" -m dcpkit bench --quick --json "$WORK/bench_base_$n.json"
+            # an older dcpkit may not read DCPKIT_COMMIT: the JSON names the baseline's commit
+            stamp_commit "$WORK/bench_base_$n.json" "$BASE_COMMIT"
         fi
         mpicmd "$n" "bench_$n" ${BENCH_VARS[@]+"${BENCH_VARS[@]}"}
         # shellcheck disable=SC2086
