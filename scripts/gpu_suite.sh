@@ -9,7 +9,7 @@
 #   bench_N.json      `dcpkit bench --json` for each world size N (BENCHMARKS.md is made from these)
 #   bench_base_N.json the same from the baseline checkout (DCPKIT_SUITE_BASELINE)
 #   demo_N.json       `dcpkit demo --json` for each N
-#   bench_N.png       the bench plots
+#   bench_N.png       the bench plots (where matplotlib is installed: the `bench` extra)
 # At most DCPKIT_SUITE_MAX_FILES files (default 8) land in $OUT, in the order above, so that
 # $OUT stays a short list to read and to copy off the machine; logs.tar.gz holds every result.
 #
@@ -421,6 +421,12 @@ if [[ $STAGES == *,bench,* ]] && [ -n "$BASE" ]; then
 fi
 
 if [[ $STAGES == *,bench,* ]]; then
+    # dcpkit bench refuses --plot without matplotlib: without it, the tables and JSON only
+    PLOT=1
+    if ! "$PY" -c "import matplotlib" >/dev/null 2>&1; then
+        PLOT=""
+        say "bench: matplotlib is not installed (pip install 'dcpkit[bench]'): no bench_N.png"
+    fi
     for n in ${DCPKIT_SUITE_BENCH_NP:-$NPS}; do
         bench_env "$n"
         if [ -n "$BASE" ]; then
@@ -437,7 +443,7 @@ if [[ $STAGES == *,bench,* ]]; then
         run_stage bench "$n" 400 "$LOGS/bench_$n.log" \
             env ${BENCH_ENV[@]+"${BENCH_ENV[@]}"} \
             "${MPICMD[@]}" "$PY" -m dcpkit bench --json "$WORK/bench_$n.json" \
-            --plot "$WORK/bench_$n.png" ${DCPKIT_BENCH_ARGS:-}
+            ${PLOT:+--plot "$WORK/bench_$n.png"} ${DCPKIT_BENCH_ARGS:-}
         # the compact part of the bench output: ceilings, target counts, the last line
         grep -E '^# (ceilings|targets:|dcpkit bench:)|^#   ' "$LOGS/bench_$n.log" \
             | cut -c1-160 | tail -n 12

@@ -208,10 +208,14 @@ def build_parser() -> BenchParser:
     p.add_argument(
         "--json",
         default=None,
-        help="write the results as JSON here (rank 0; the folder must exist)",
+        help="write the results as JSON into this file (rank 0; its folder must exist)",
     )
     p.add_argument(
-        "--plot", default=None, help="draw the PNG plots here (rank 0; the folder must exist)"
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="draw the plots into this PNG file, a path ending in .png (rank 0; its folder "
+        "must exist; needs matplotlib: pip install 'dcpkit[bench]')",
     )
     p.add_argument("--quick", action="store_true", help="a ~30 s smoke run")
     p.add_argument(
@@ -296,6 +300,15 @@ def _out_file_problem(path: str) -> str | None:
     return None
 
 
+def _matplotlib_problem() -> str | None:
+    """Why matplotlib cannot draw the plots, or None (asked at parse time, not after the run)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        return str(e)
+    return None
+
+
 def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Checks across arguments (``parser.error`` on the first problem: one line, exit 2)."""
     if args.render_md is None:
@@ -308,6 +321,14 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
                 why = _out_file_problem(v)
                 if why:
                     parser.error(f"argument --{opt}: {v} {why}")
+        if args.plot is not None:
+            if not args.plot.lower().endswith(".png"):
+                parser.error(f"argument --plot: must name a .png file (got {args.plot!r})")
+            why = _matplotlib_problem()
+            if why:
+                parser.error(
+                    f"argument --plot: needs matplotlib ({why}): pip install 'dcpkit[bench]'"
+                )
     else:
         if args.baseline is not None and len(args.baseline) != len(args.render_md):
             parser.error(

@@ -206,3 +206,40 @@ def test_at_most_max_files_land_in_out(repo_root, run_cmd, tmp_path, max_files):
     } <= names
     # no MPS asked for: no share set
     assert all("PCT=unset|" in ln for ln in calls.read_text().splitlines() if "bench" in ln)
+
+
+@pytest.mark.parametrize("with_matplotlib", [False, True])
+def test_bench_stage_asks_for_plots_only_where_matplotlib_imports(
+    repo_root, run_cmd, tmp_path, with_matplotlib
+):
+    """dcpkit bench refuses --plot without matplotlib, so the suite passes it only where it
+    imports (and says so where it does not): the tables and JSON are still made."""
+    script = repo_root / "scripts" / "gpu_suite.sh"
+    bindir, calls, out = tmp_path / "bin", tmp_path / "calls.txt", tmp_path / "out"
+    _fake_tools(bindir, calls)
+    fake = tmp_path / "site"
+    (fake / "matplotlib").mkdir(parents=True)
+    (fake / "matplotlib" / "__init__.py").write_text("")
+    blocker = tmp_path / "block"  # a matplotlib that fails to import, whatever is installed
+    (blocker / "matplotlib").mkdir(parents=True)
+    (blocker / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib')\n")
+    py = bindir / "python"  # the suite sets PYTHONPATH itself: put the fake in front here
+    first = fake if with_matplotlib else blocker
+    py.write_text(f'#!/bin/sh\nPYTHONPATH="{first}:$PYTHONPATH" exec "{sys.executable}" "$@"\n')
+    py.chmod(py.stat().st_mode | stat.S_IEXEC)
+    env = {
+        "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "OUT": str(out),
+        "PYTHON": str(py),
+        "TMPDIR": str(tmp_path),
+        "DCPKIT_SUITE_STAGES": "bench",
+        "DCPKIT_SUITE_NP": "2",
+        "DCPKIT_SUITE_SHARED_GPU": "1",
+    }
+    proc = run_cmd(["bash", str(script)], timeout=300, env=env)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    lines = [ln for ln in calls.read_text().splitlines() if "dcpkit bench" in ln]
+    assert len(lines) == 1, lines
+    assert ("--plot" in lines[0]) == with_matplotlib, lines[0]
+    assert ("matplotlib is not installed" in text) != with_matplotlib, text
