@@ -141,6 +141,18 @@ BAD_ARGS = [
         "argument --plot: {missing}/b.png is in a folder that does not exist",
     ),
     (["--json", "{tmp}"], "argument --json: {tmp} is a directory"),
+    # an empty path was taken as "no JSON" / "no plot": the run would end without its file
+    (["--json", ""], "argument --json: must name a file (got '')"),
+    (["--plot", ""], "argument --plot: must name a file (got '')"),
+    (["--tokens", "1,,8"], "argument --tokens: must not have an empty item (got '1,,8')"),
+    (["--tokens", "8,1,8"], "argument --tokens: must not repeat an item (got '8,1,8')"),
+    (["--ops", "q_gather,q_gather"], "argument --ops: must not repeat an item (got 'q_gather,"),
+    (["--ops", "q_gather,"], "argument --ops: must not have an empty item (got 'q_gather,')"),
+    (["--modes", "graph,,eager"], "argument --modes: must not have an empty item"),
+    (
+        ["--timeout-ms", "0"],
+        "argument --timeout-ms: must be a number of milliseconds in (0, 3600000] (got '0')",
+    ),
     (["--plot", "{tmp}"], "argument --plot: {tmp} is a directory"),
     # --plot names the PNG file, not a folder to draw into
     (["--plot", "{missing}"], "argument --plot: must name a .png file (got '{missing}')"),
