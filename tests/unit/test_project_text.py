@@ -26,3 +26,24 @@ def test_no_development_machine_words(repo_root):
                 if PHRASES.search(line):
                     hits.append(f"{path.relative_to(repo_root)}:{n}: {line.strip()}")
     assert not hits, "\n".join(hits)
+
+
+def test_the_readme_virtual_environments_are_ignored_by_git(repo_root):
+    """The Quick start makes its environments inside the checkout: git must not list them."""
+    import shutil
+    import subprocess
+
+    readme = repo_root / "README.md"
+    if not readme.is_file() or not (repo_root / ".git").exists() or not shutil.which("git"):
+        pytest.skip("no git checkout with its README here")
+    venvs = sorted(set(re.findall(r"python3? -m venv (\S+)", readme.read_text())))
+    assert venvs, "the README creates no virtual environment"
+    for venv in venvs:
+        probe = f"{venv.rstrip('/')}/bin/python"
+        proc = subprocess.run(
+            ["git", "-C", str(repo_root), "check-ignore", "-q", "--no-index", probe],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert proc.returncode == 0, f"{venv} is not in .gitignore ({proc.stderr.strip()})"
