@@ -20,7 +20,7 @@ import warnings
 
 from .errors import DcpkitError, MissingDependency
 
-__all__ = ["main", "CommandParser"]
+__all__ = ["main", "CommandParser", "file_path"]
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -30,6 +30,14 @@ class CommandParser(argparse.ArgumentParser):
     def error(self, message: str):
         sys.stderr.write(f"{self.prog}: {message} (see {self.prog} --help)\n")
         sys.exit(2)
+
+
+def file_path(text: str) -> str:
+    """An argparse ``type=`` for a file to write (``--json``, ``--plot``, ...): refuses the
+    empty path, which would otherwise read as "no file" and end the run without it."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must name a file (got {text!r})")
+    return text
 
 
 _COMMANDS = {

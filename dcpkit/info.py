@@ -16,7 +16,6 @@ and outside ``mpirun``.
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata as _md
 import json
 import os
@@ -25,6 +24,7 @@ import sys
 from typing import Any
 
 from ._cuda import NO_DRIVER as _NO_DRIVER
+from .cli import CommandParser
 
 __all__ = [
     "collect",
@@ -571,7 +571,7 @@ def format_text(info: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m dcpkit info [--json] [--all-ranks]``; returns the exit status
     (0). Under an MPI launcher, ranks other than 0 print nothing unless ``--all-ranks``."""
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="dcpkit info",
         description="Print what dcpkit finds on this machine: versions, GPUs, P2P access, "
         "and whether multicast would be used (and why not). Needs no GPU.",

@@ -19,12 +19,13 @@ Every rank holds the queries of its own ``H_r`` heads and one shard of every seq
 Every rank builds the whole problem from one seed, so it can check its own heads against full
 attention over the whole KV cache (float64, NumPy) and ``q_all`` bit for bit; the ranks agree
 on the verdict. Prints PASS or FAIL on rank 0. Exit status: 0 PASS, 1 FAIL, 2 could not run
-(no GPU, fewer than 2 ranks).
+(no GPU, fewer than 2 ranks, the mpirun of another MPI library than mpi4py's).
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 
 import cupy
 import numpy as np
@@ -96,8 +97,23 @@ def gpu_count() -> int:
         return 0
 
 
+def connect(name: str):
+    """The ``mpirun`` world, or None after one line saying why it cannot be had (no mpi4py, or
+    the launcher of another MPI library: it started several processes but MPI sees one)."""
+    try:
+        with warnings.catch_warnings():
+            # mpi4py's multi-line warning of that mismatch: from_mpi names it in one line
+            warnings.filterwarnings("ignore", "suspicious MPI execution environment")
+            return dcpkit.Communicator.from_mpi()
+    except dcpkit.DcpkitError as e:
+        print(f"{name}: {' '.join(str(e).split())}", flush=True)
+        return None
+
+
 def main() -> int:
-    comm = dcpkit.Communicator.from_mpi()
+    comm = connect("cupy_decode_step")
+    if comm is None:
+        return 2
     W, r = comm.world_size, comm.rank
     if W < 2:
         say(comm, "cupy_decode_step: run under mpirun with 2 or more ranks (mpirun -np 2 ...)")

@@ -17,12 +17,13 @@ ran). Here every rank holds chunk ``r`` of the context of every sequence (tokens
    (``-> [B, H_r, D]`` and ``[B, H_r]``), checked against full attention over the gathered KV.
 
 Prints the paths, ``dcp.describe()`` and PASS or FAIL on rank 0. Exit status: 0 PASS, 1 FAIL,
-2 could not run (no GPU, fewer than 2 ranks).
+2 could not run (no GPU, fewer than 2 ranks, the mpirun of another MPI library than mpi4py's).
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 
 import cupy
 import numpy as np
@@ -70,8 +71,23 @@ def gpu_count() -> int:
         return 0
 
 
+def connect(name: str):
+    """The ``mpirun`` world, or None after one line saying why it cannot be had (no mpi4py, or
+    the launcher of another MPI library: it started several processes but MPI sees one)."""
+    try:
+        with warnings.catch_warnings():
+            # mpi4py's multi-line warning of that mismatch: from_mpi names it in one line
+            warnings.filterwarnings("ignore", "suspicious MPI execution environment")
+            return dcpkit.Communicator.from_mpi()
+    except dcpkit.DcpkitError as e:
+        print(f"{name}: {' '.join(str(e).split())}", flush=True)
+        return None
+
+
 def main() -> int:
-    comm = dcpkit.Communicator.from_mpi()
+    comm = connect("dcpcomm_step")
+    if comm is None:
+        return 2
     W, r = comm.world_size, comm.rank
     if W < 2:
         say(comm, "dcpcomm_step: run under mpirun with 2 or more ranks (mpirun -np 2 ...)")

@@ -18,12 +18,14 @@ NaN partial output, which ``lse_reduce`` never reads.
 
 Every replay is checked on every rank against full attention over the whole KV cache (float64,
 NumPy), ``q_gather`` bit for bit; the ranks agree on the verdict. Prints PASS or FAIL on
-rank 0. Exit status: 0 PASS, 1 FAIL, 2 could not run (no torch, no GPU, fewer than 2 ranks).
+rank 0. Exit status: 0 PASS, 1 FAIL, 2 could not run (no torch, no GPU, fewer than 2 ranks, the
+mpirun of another MPI library than mpi4py's).
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 
 import numpy as np
 
@@ -120,8 +122,23 @@ def missing(e: ImportError) -> str:
     return f"a module is missing ({e})"
 
 
+def connect(name: str):
+    """The ``mpirun`` world, or None after one line saying why it cannot be had (no mpi4py, or
+    the launcher of another MPI library: it started several processes but MPI sees one)."""
+    try:
+        with warnings.catch_warnings():
+            # mpi4py's multi-line warning of that mismatch: from_mpi names it in one line
+            warnings.filterwarnings("ignore", "suspicious MPI execution environment")
+            return dcpkit.Communicator.from_mpi()
+    except dcpkit.DcpkitError as e:
+        print(f"{name}: {' '.join(str(e).split())}", flush=True)
+        return None
+
+
 def main() -> int:
-    comm = dcpkit.Communicator.from_mpi()
+    comm = connect("torch_cuda_graph")
+    if comm is None:
+        return 2
     W, r = comm.world_size, comm.rank
     if W < 2:
         say(comm, "torch_cuda_graph: run under mpirun with 2 or more ranks (mpirun -np 2 ...)")

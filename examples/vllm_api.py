@@ -27,7 +27,8 @@ Every rank
    it bit for bit.
 
 Rank 0 prints every rank's lines, then PASS or FAIL (agreed across ranks). Exit status 0 PASS,
-1 FAIL, 2 could not run (no torch, no GPU, fewer than 2 ranks), with one line saying why.
+1 FAIL, 2 could not run (no torch, no GPU, fewer than 2 ranks, the mpirun of another MPI library
+than mpi4py's), with one line saying why.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import datetime
 import math
 import socket
 import sys
+import warnings
 
 import dcpkit
 
@@ -254,6 +256,19 @@ def missing(e: ImportError) -> str:
     return f"a module is missing ({e})"
 
 
+def connect(name: str):
+    """The ``mpirun`` world, or None after one line saying why it cannot be had (no mpi4py, or
+    the launcher of another MPI library: it started several processes but MPI sees one)."""
+    try:
+        with warnings.catch_warnings():
+            # mpi4py's multi-line warning of that mismatch: from_mpi names it in one line
+            warnings.filterwarnings("ignore", "suspicious MPI execution environment")
+            return dcpkit.Communicator.from_mpi()
+    except dcpkit.DcpkitError as e:
+        print(f"{name}: {' '.join(str(e).split())}", flush=True)
+        return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0)
@@ -261,7 +276,9 @@ def main(argv=None) -> int:
     p.add_argument("--comm-backend", choices=("a2a", "ag_rs"), default="a2a")
     p.add_argument("--max-num-tokens", type=int, default=16)
     args = p.parse_args(argv)
-    comm = dcpkit.Communicator.from_mpi()
+    comm = connect("vllm_api")
+    if comm is None:
+        return 2
     if comm.world_size < 2:
         say(comm, "vllm_api: run under mpirun with 2 or more ranks (mpirun -np 2 ...)")
         return 2

@@ -5,13 +5,13 @@
 #
 #   summary.txt       one line per stage (name, world size, exit status, seconds) + env facts
 #   logs.tar.gz       every stage's log, per-rank logs of the mpirun stages, and every result
-#                     file below (results/ inside it), also those that did not fit in $OUT
+#                     file below (results/ inside it), also those left out of $OUT
 #   bench_N.json      `dcpkit bench --json` for each world size N (BENCHMARKS.md is made from these)
 #   bench_base_N.json the same from the baseline checkout (DCPKIT_SUITE_BASELINE)
 #   demo_N.json       `dcpkit demo --json` for each N
-#   bench_N.png       the bench plots
-# At most 8 files land in $OUT, in the order above (the machines return no more); the rest are
-# in logs.tar.gz.
+#   bench_N.png       the bench plots (where matplotlib is installed: the `bench` extra)
+# At most DCPKIT_SUITE_MAX_FILES files (default 8) land in $OUT, in the order above, so that
+# $OUT stays a short list to read and to copy off the machine; logs.tar.gz holds every result.
 #
 # Settings (environment):
 #   DCPKIT_SUITE_STAGES   comma list of info,tests,demo,bench        (default: all four)
@@ -34,7 +34,10 @@
 #                         same world size (bench_base_N.json), so one call gives before/after;
 #                         DCPKIT_SUITE_BASELINE_COMMIT names its commit where it is not a git
 #                         checkout (default: its git HEAD, else "unknown")
-#   DCPKIT_SUITE_BUDGET_S seconds the whole script may take           (default 570: one 600 s call)
+#   DCPKIT_SUITE_BUDGET_S seconds the whole script may take           (default 570); each stage is
+#                         bounded by what is left of it, and skipped when too little is left
+#   DCPKIT_SUITE_MAX_FILES  the most files in $OUT, summary.txt and logs.tar.gz included
+#                         (default 8, at least 2)
 #   DCPKIT_BENCH_ARGS     extra arguments of `dcpkit bench`, e.g. "--quick"
 #   DCPKIT_PYTEST_ARGS    extra arguments of the pytest runs, e.g. "-k lse"
 #   DCPKIT_SUITE_MPI_XFLAG  "-x" (default: stop the mpi tests at the first failure) or ""
@@ -67,10 +70,19 @@ esac
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 2
 OUT="${OUT:-$ROOT/out}"
-mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 STAGES=",${DCPKIT_SUITE_STAGES:-info,tests,demo,bench},"
 BUDGET_S="${DCPKIT_SUITE_BUDGET_S:-570}"
+MAX_FILES="${DCPKIT_SUITE_MAX_FILES:-8}"
+if ! [[ "$BUDGET_S" =~ ^[0-9]+$ ]] || [ "$BUDGET_S" -lt 1 ]; then
+    echo "gpu_suite.sh: DCPKIT_SUITE_BUDGET_S must be a whole number of seconds >= 1" \
+         "(got '$BUDGET_S')" >&2; exit 2
+fi
+if ! [[ "$MAX_FILES" =~ ^[0-9]+$ ]] || [ "$MAX_FILES" -lt 2 ]; then
+    echo "gpu_suite.sh: DCPKIT_SUITE_MAX_FILES must be a whole number >= 2 (summary.txt and" \
+         "logs.tar.gz) (got '$MAX_FILES')" >&2; exit 2
+fi
+mkdir -p "$OUT"
 START_S=$(date +%s)
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/dcpkit_suite.XXXXXX")"
 LOGS="$WORK/logs"
@@ -112,18 +124,18 @@ finish() {
         cat "$LOGS/env.txt" 2>/dev/null
     } >"$SUMMARY"
     cp "$SUMMARY" "$OUT/summary.txt"
-    # every result goes into the tarball; the first 6 (in the order of the header) also into
-    # $OUT, beside summary.txt and logs.tar.gz: 8 files at most
+    # every result goes into the tarball; the first MAX_FILES - 2 (in the order of the header)
+    # also into $OUT, beside summary.txt and logs.tar.gz
     mkdir -p "$LOGS/results"
     local f kept=0 left=()
     for f in "$WORK"/bench_[0-9]*.json "$WORK"/bench_base_*.json "$WORK"/demo_*.json \
              "$WORK"/bench_*.png "$WORK"/soak_*.json; do
         [ -f "$f" ] || continue
         cp "$f" "$LOGS/results/"
-        if [ "$kept" -lt 6 ]; then cp "$f" "$OUT/"; kept=$((kept + 1))
+        if [ "$kept" -lt $(( MAX_FILES - 2 )) ]; then cp "$f" "$OUT/"; kept=$((kept + 1))
         else left+=("$(basename "$f")"); fi
     done
-    [ "${#left[@]}" -gt 0 ] && echo "results only in logs.tar.gz (8-file limit of \$OUT):" \
+    [ "${#left[@]}" -gt 0 ] && echo "results only in logs.tar.gz (DCPKIT_SUITE_MAX_FILES=$MAX_FILES):" \
         "${left[*]}" >>"$SUMMARY" && cp "$SUMMARY" "$OUT/summary.txt"
     tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null
     # the tail of a log can be huge; the tarball keeps everything, the table stays short
@@ -425,6 +437,12 @@ if [[ $STAGES == *,bench,* ]] && [ -n "$BASE" ]; then
 fi
 
 if [[ $STAGES == *,bench,* ]]; then
+    # dcpkit bench refuses --plot without matplotlib: without it, the tables and JSON only
+    PLOT=1
+    if ! "$PY" -c "import matplotlib" >/dev/null 2>&1; then
+        PLOT=""
+        say "bench: matplotlib is not installed (pip install 'dcpkit[bench]'): no bench_N.png"
+    fi
     for n in ${DCPKIT_SUITE_BENCH_NP:-$NPS}; do
         bench_env "$n"
         if [ -n "$BASE" ]; then
@@ -443,7 +461,7 @@ if [[ $STAGES == *,bench,* ]]; then
         run_stage bench "$n" 400 "$LOGS/bench_$n.log" \
             env ${BENCH_ENV[@]+"${BENCH_ENV[@]}"} \
             "${MPICMD[@]}" "$PY" -m dcpkit bench --json "$WORK/bench_$n.json" \
-            --plot "$WORK/bench_$n.png" ${DCPKIT_BENCH_ARGS:-}
+            ${PLOT:+--plot "$WORK/bench_$n.png"} ${DCPKIT_BENCH_ARGS:-}
         # the compact part of the bench output: ceilings, target counts, the last line
         grep -E '^# (ceilings|targets:|dcpkit bench:)|^#   ' "$LOGS/bench_$n.log" \
             | cut -c1-160 | tail -n 12

@@ -27,7 +27,6 @@ clear line and status 2 on a machine without a GPU.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -285,16 +284,57 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
     return rows, b2b, closers, qg.launch_backend
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calls", type=int, default=10000)
-    ap.add_argument("--json", default=None)
+def parser():
+    """The script's argument parser: every value is checked when parsed (one line, exit 2)."""
+    from dcpkit.cli import CommandParser, file_path
+    from dcpkit.demo.cli import integer
+
+    ap = CommandParser(
+        prog="scripts/host_overhead.py",
+        description=" ".join(__doc__.split("\n\n")[0].split())
+        + " Run it as 'mpirun -np N python scripts/host_overhead.py', one GPU per rank or ranks "
+        "sharing one GPU under MPS.",
+    )
+    ap.add_argument(
+        "--calls",
+        type=integer(1),
+        default=10000,
+        help="timed calls of every row, each timed alone (default: 10000)",
+    )
+    ap.add_argument(
+        "--json",
+        metavar="PATH",
+        type=file_path,
+        default=None,
+        help="also write the results as JSON to PATH, the input of dcpkit bench --render-md "
+        "--host-overhead (rank 0; its folder must exist)",
+    )
     ap.add_argument(
         "--profile",
         action="store_true",
         help="rank 0 prints a cProfile table of 2000 calls of every row",
     )
+    return ap
+
+
+def _json_problem(path: str) -> str | None:
+    """Why ``path`` cannot take the JSON at the end of the run, or None."""
+    if os.path.isdir(path):
+        return f"{path} is a directory"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"folder {folder} must exist (got {path!r})"
+    if not os.access(folder, os.W_OK):
+        return f"folder {folder} must be writable (got {path!r})"
+    return None
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
+    why = _json_problem(args.json) if args.json is not None else None
+    if why:
+        ap.error(f"argument --json: {why}")
     cupy, why = _gpu_or_reason()
     if cupy is None:
         return _fail(why)

@@ -3,12 +3,24 @@
 #
 #   bash scripts/lint.sh            # check the whole checkout: ruff check and ruff format --check
 #   bash scripts/lint.sh PATH...    # only these files or folders
+#   bash scripts/lint.sh --help     # this text
 #
 # Exit status 0 when both pass, 1 when either finds something, 2 when ruff is not installed
-# (pip install '.[lint]'). Changes nothing; to apply the fixes ruff can make by itself:
+# (pip install '.[lint]') or an option is unknown. Changes nothing; to apply the fixes ruff can
+# make by itself:
 #   ruff check --fix PATH... && ruff format PATH...
 # Findings are listed one a line (--output-format concise); ruff check PATH shows each in full.
 set -uo pipefail
+
+usage() {  # the comment block at the top of this file
+    sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+}
+for a in "$@"; do
+    case "$a" in
+        -h|--help) usage; exit 0 ;;
+        -*) echo "lint.sh: unknown option '$a' (see bash scripts/lint.sh --help)" >&2; exit 2 ;;
+    esac
+done
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

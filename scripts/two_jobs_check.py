@@ -13,7 +13,6 @@ of the job saw correct heaps (2 where there is no GPU, with one line saying why)
 tests/gpu/test_two_jobs.py starts two of these at the same time.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -52,20 +51,54 @@ def _gpu_or_exit(what: str) -> None:
         sys.exit(2)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--job", default="job", help="name printed with the results")
-    ap.add_argument("--rounds", type=int, default=20, help="heaps built one after the other")
-    ap.add_argument("--nbytes", type=int, default=8 << 20, help="bytes of each rank's copy")
-    ap.add_argument("--device-offset", type=int, default=0, help="GPU of local rank 0")
-    ap.add_argument("--ready-file", help="created once this job is set up")
+def parser():
+    """The script's argument parser: every value is checked when parsed (one line, exit 2)."""
+    _use_this_checkout_if_not_installed()
+    from dcpkit.cli import CommandParser
+    from dcpkit.demo.cli import integer
+
+    ap = CommandParser(
+        prog="scripts/two_jobs_check.py",
+        description=__doc__.split("\n\n")[0]
+        + " Start two jobs at once under mpirun, the first with --ready-file F and the second "
+        "with --wait-file F, so that their heaps are built side by side.",
+    )
+    ap.add_argument("--job", default="job", help="name printed with the results (default: job)")
+    ap.add_argument(
+        "--rounds",
+        type=integer(1),
+        default=20,
+        help="heaps built one after the other (default: 20)",
+    )
+    ap.add_argument(
+        "--nbytes",
+        type=integer(1),
+        default=8 << 20,
+        help="bytes of each rank's copy (default: 8388608)",
+    )
+    ap.add_argument(
+        "--device-offset",
+        type=integer(0),
+        default=0,
+        help="GPU of local rank 0; local rank i uses GPU (offset + i) mod the GPU count "
+        "(default: 0)",
+    )
+    ap.add_argument(
+        "--ready-file",
+        metavar="PATH",
+        help="rank 0 creates this file once the job is set up (default: none)",
+    )
     ap.add_argument(
         "--wait-file",
-        help="start the rounds only once this file exists (another "
-        "job's --ready-file), so that the two jobs overlap",
+        metavar="PATH",
+        help="start the rounds only once this file exists (another job's --ready-file), so "
+        "that the two jobs overlap; waits at most 300 s (default: none)",
     )
-    args = ap.parse_args()
-    _use_this_checkout_if_not_installed()
+    return ap
+
+
+def main() -> int:
+    args = parser().parse_args()
     _gpu_or_exit("two_jobs_check")
 
     import cupy

@@ -15,7 +15,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..cli import CommandParser
+from .._checks import MAX_TIMEOUT_MS
+from ..cli import CommandParser, file_path
 from .common import ALL_MODES, ALL_OPS, ALL_PATHS, GEOMETRY, KiB, MiB
 
 __all__ = [
@@ -109,8 +110,9 @@ def _positive_float(hi: float, unit: str) -> Callable[[str], float]:
         except ValueError:
             v = math.nan
         if not (math.isfinite(v) and 0 < v <= hi):
+            top = str(int(hi)) if float(hi).is_integer() else f"{hi:g}"
             raise argparse.ArgumentTypeError(
-                f"must be a number of {unit} in (0, {hi:g}] (got {text!r})"
+                f"must be a number of {unit} in (0, {top}] (got {text!r})"
             )
         return v
 
@@ -118,14 +120,29 @@ def _positive_float(hi: float, unit: str) -> Callable[[str], float]:
     return parse
 
 
+def _items(text: str, what: str) -> list[str]:
+    """The items of a comma list, none of them empty (``1,,8`` is a typo, not ``1,8``)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must be a comma list of {what} (got {text!r})")
+    items = [t.strip() for t in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"must not have an empty item (got {text!r})")
+    return items
+
+
+def _no_repeats(values: Sequence[Any], text: str) -> None:
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"must not repeat an item (got {text!r})")
+
+
 def _csv(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    what = ", ".join(allowed)
+
     def parse(text: str) -> list[str]:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [t for t in items if t not in allowed]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(
-                f"must be a comma list of {', '.join(allowed)} (got {text!r})"
-            )
+        items = _items(text, what)
+        if any(t not in allowed for t in items):
+            raise argparse.ArgumentTypeError(f"must be a comma list of {what} (got {text!r})")
+        _no_repeats(items, text)
         return items
 
     parse.__name__ = "list"
@@ -133,14 +150,15 @@ def _csv(allowed: Sequence[str]) -> Callable[[str], list[str]]:
 
 
 def _int_list(text: str) -> list[int]:
+    what = f"integers in [1, {MAX_TOKENS}]"
+    items = _items(text, what)
     try:
-        v = [int(t) for t in text.split(",") if t.strip()]
+        v = [int(t, 10) for t in items]
     except ValueError:
         v = []
     if not v or any(not 1 <= x <= MAX_TOKENS for x in v):
-        raise argparse.ArgumentTypeError(
-            f"must be a comma list of integers in [1, {MAX_TOKENS}] (got {text!r})"
-        )
+        raise argparse.ArgumentTypeError(f"must be a comma list of {what} (got {text!r})")
+    _no_repeats(v, text)
     return v
 
 
@@ -207,11 +225,17 @@ def build_parser() -> BenchParser:
     )
     p.add_argument(
         "--json",
+        type=file_path,
         default=None,
-        help="write the results as JSON here (rank 0; the folder must exist)",
+        help="write the results as JSON into this file (rank 0; its folder must exist)",
     )
     p.add_argument(
-        "--plot", default=None, help="draw the PNG plots here (rank 0; the folder must exist)"
+        "--plot",
+        type=file_path,
+        default=None,
+        metavar="PNG",
+        help="draw the plots into this PNG file, a path ending in .png (rank 0; its folder "
+        "must exist; needs matplotlib: pip install 'dcpkit[bench]')",
     )
     p.add_argument("--quick", action="store_true", help="a ~30 s smoke run")
     p.add_argument(
@@ -228,7 +252,7 @@ def build_parser() -> BenchParser:
     )
     p.add_argument(
         "--timeout-ms",
-        type=_positive_float(3.6e6, "milliseconds"),
+        type=_positive_float(MAX_TIMEOUT_MS, "milliseconds"),
         default=10000.0,
         help="deadline of every device wait (ops and ceilings), ms (default 10000)",
     )
@@ -268,7 +292,9 @@ def build_parser() -> BenchParser:
         help="with --render-md: JSON files of an older commit at the same world "
         "sizes, shown as before/after",
     )
-    g.add_argument("--md-out", default=None, help="with --render-md: write the markdown here")
+    g.add_argument(
+        "--md-out", type=file_path, default=None, help="with --render-md: write the markdown here"
+    )
     g.add_argument(
         "--notes",
         default=None,
@@ -296,6 +322,15 @@ def _out_file_problem(path: str) -> str | None:
     return None
 
 
+def _matplotlib_problem() -> str | None:
+    """Why matplotlib cannot draw the plots, or None (asked at parse time, not after the run)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        return str(e)
+    return None
+
+
 def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Checks across arguments (``parser.error`` on the first problem: one line, exit 2)."""
     if args.render_md is None:
@@ -308,6 +343,14 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
                 why = _out_file_problem(v)
                 if why:
                     parser.error(f"argument --{opt}: {v} {why}")
+        if args.plot is not None:
+            if not args.plot.lower().endswith(".png"):
+                parser.error(f"argument --plot: must name a .png file (got {args.plot!r})")
+            why = _matplotlib_problem()
+            if why:
+                parser.error(
+                    f"argument --plot: needs matplotlib ({why}): pip install 'dcpkit[bench]'"
+                )
     else:
         if args.baseline is not None and len(args.baseline) != len(args.render_md):
             parser.error(

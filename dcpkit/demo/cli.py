@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .._checks import INT32_MAX, MAX_TIMEOUT_MS
-from ..cli import CommandParser
+from ..cli import CommandParser, file_path
 from ..errors import DcpkitError
 from . import environment
 from .model import PRESETS
@@ -23,12 +23,15 @@ from .report import format_report
 from .runner import run
 from .steps import EXIT_CANNOT_RUN, EXIT_FAIL, EXIT_PASS, Say
 
-__all__ = ["main", "parse_args", "parser", "integer", "milliseconds", "json_problem"]
+__all__ = ["main", "parse_args", "parser", "integer", "milliseconds", "json_problem", "MAX_ITERS"]
+
+#: Most timed repeats per measurement (the bench's cap on its samples, too).
+MAX_ITERS = 10000
 
 
 def integer(minimum: int, maximum: int | None = None):
     """An argparse ``type=`` for a decimal integer in ``[minimum, maximum]``, with a readable
-    message (``must be an integer >= 1 (got '1e20')``)."""
+    message (``must be an integer in [1, 2147483647] (got '1e20')``), worded as the bench's."""
     bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
 
     def parse(text: str) -> int:
@@ -39,7 +42,7 @@ def integer(minimum: int, maximum: int | None = None):
                 f"must be an integer {bounds} (got {text!r})"
             ) from None
         if value < minimum or (maximum is not None and value > maximum):
-            raise argparse.ArgumentTypeError(f"must be an integer {bounds} (got {value})")
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds} (got {text!r})")
         return value
 
     return parse
@@ -108,17 +111,21 @@ def parser() -> argparse.ArgumentParser:
         help="dtype of queries, KV and outputs (default: bfloat16)",
     )
     p.add_argument(
-        "--seed", type=integer(0), default=0, help="random seed of the inputs, >= 0 (default: 0)"
+        "--seed",
+        type=integer(0, INT32_MAX),
+        default=0,
+        help=f"random seed of the inputs, 0 to {INT32_MAX} (default: 0)",
     )
     p.add_argument(
         "--iters",
-        type=integer(0),
+        type=integer(0, MAX_ITERS),
         default=200,
-        help="timed repeats per measurement; 0 skips the timings (default: 200)",
+        help=f"timed repeats per measurement, 0 to {MAX_ITERS}; 0 skips the timings (default: 200)",
     )
     p.add_argument(
         "--json",
         metavar="PATH",
+        type=file_path,
         default=None,
         help="also write the report as JSON to PATH (written by rank 0; its folder must exist)",
     )

@@ -141,6 +141,22 @@ BAD_ARGS = [
         "argument --plot: {missing}/b.png is in a folder that does not exist",
     ),
     (["--json", "{tmp}"], "argument --json: {tmp} is a directory"),
+    # an empty path was taken as "no JSON" / "no plot": the run would end without its file
+    (["--json", ""], "argument --json: must name a file (got '')"),
+    (["--plot", ""], "argument --plot: must name a file (got '')"),
+    (["--tokens", "1,,8"], "argument --tokens: must not have an empty item (got '1,,8')"),
+    (["--tokens", "8,1,8"], "argument --tokens: must not repeat an item (got '8,1,8')"),
+    (["--ops", "q_gather,q_gather"], "argument --ops: must not repeat an item (got 'q_gather,"),
+    (["--ops", "q_gather,"], "argument --ops: must not have an empty item (got 'q_gather,')"),
+    (["--modes", "graph,,eager"], "argument --modes: must not have an empty item"),
+    (
+        ["--timeout-ms", "0"],
+        "argument --timeout-ms: must be a number of milliseconds in (0, 3600000] (got '0')",
+    ),
+    (["--plot", "{tmp}"], "argument --plot: {tmp} is a directory"),
+    # --plot names the PNG file, not a folder to draw into
+    (["--plot", "{missing}"], "argument --plot: must name a .png file (got '{missing}')"),
+    (["--plot", "/etc/passwd"], "argument --plot: must name a .png file (got '/etc/passwd')"),
     (["--md-out", "B.md"], "argument --md-out: needs --render-md"),
     (["--notes", "n.md"], "argument --notes: needs --render-md"),
     (["--baseline", "b.json"], "argument --baseline: needs --render-md"),
@@ -248,3 +264,29 @@ def test_entry_points(run_python):
     ):
         r = run_python(args)
         assert r.returncode == 0 and "--render-md" in r.stdout, r.stderr
+
+
+def test_plot_help_names_a_png_file():
+    text = " ".join(bench.build_parser().format_help().split())
+    start = text.index("--plot PNG draw")
+    assert "into this PNG file" in text[start : start + 200] and "plots here" not in text, text
+
+
+def test_plot_without_matplotlib_is_refused_at_parse_time(tmp_path, capsys, monkeypatch):
+    """Not at the end of a long run: one line naming the extra, exit status 2, before MPI."""
+    import sys
+
+    from dcpkit import comm as comm_mod
+
+    def no_mpi(cls):
+        raise AssertionError("MPI was started for arguments that must be refused first")
+
+    monkeypatch.setattr(comm_mod.Communicator, "from_mpi", classmethod(no_mpi))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit) as ei:
+        bench.main(["--plot", str(tmp_path / "b.png")])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("dcpkit bench: argument --plot: needs matplotlib"), err
+    assert "pip install 'dcpkit[bench]'" in err, err

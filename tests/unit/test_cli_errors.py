@@ -39,3 +39,16 @@ def test_an_unhandled_dcpkit_error_of_a_subcommand_is_one_line(monkeypatch, caps
         err.startswith("dcpkit demo: demo arguments must be equal on every rank")
         and err.count("\n") == 1
     ), err
+
+
+@pytest.mark.parametrize("module", ["dcpkit", "dcpkit.info"])
+def test_a_bad_info_option_is_one_line_and_exit_2(module, run_python):
+    """``dcpkit info --bogus`` (or ``python -m dcpkit.info --bogus``) says so in one line, as
+    ``dcpkit demo`` and ``dcpkit bench`` do: no usage block."""
+    args = ["-m", module] + (["info"] if module == "dcpkit" else []) + ["--bogus"]
+    res = run_python(args)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr == (
+        "dcpkit info: unrecognized arguments: --bogus (see dcpkit info --help)\n"
+    ), res.stderr
+    assert res.stdout == ""

@@ -913,17 +913,26 @@ def test_torch_side_math_on_cpu():
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--seed", "-1"], "argument --seed: must be an integer >= 0 (got -1)"),
+        (["--seed", "-1"], "argument --seed: must be an integer in [0, 2147483647] (got '-1')"),
+        (
+            ["--seed", "2147483648"],
+            "argument --seed: must be an integer in [0, 2147483647] (got '2147483648')",
+        ),
+        (
+            ["--iters", "1000000000000"],
+            "argument --iters: must be an integer in [0, 10000] (got '1000000000000')",
+        ),
+        (["--json", ""], "argument --json: must name a file (got '')"),
         (
             ["--context", "1e20"],
             "argument --context: must be an integer in [1, 2147483647] (got '1e20')",
         ),
         (
             ["--context", "2147483648"],
-            "argument --context: must be an integer in [1, 2147483647] (got 2147483648)",
+            "argument --context: must be an integer in [1, 2147483647] (got '2147483648')",
         ),
         (["--batch", "x"], "argument --batch: must be an integer in [1, 2147483647] (got 'x')"),
-        (["--iters", "2.5"], "argument --iters: must be an integer >= 0 (got '2.5')"),
+        (["--iters", "2.5"], "argument --iters: must be an integer in [0, 10000] (got '2.5')"),
         (
             ["--timeout-ms", "-1"],
             "argument --timeout-ms: must be a number of milliseconds in (0, 3600000] (got '-1')",

@@ -80,3 +80,24 @@ def test_torch_example_without_a_cuda_torch_names_the_extra(
     else:
         if torch.version.cuda is None:
             assert "CPU build" in proc.stdout and "CUDA build of torch" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_example_under_a_launcher_of_another_mpi_says_so_and_exits_2(
+    examples_dir, run_cmd, skip_or_fail, name
+):
+    """A launcher that started 2 processes while mpi4py sees a 1-rank world (the launcher of
+    another MPI library): one line naming the mismatch, exit status 2, no traceback."""
+    import importlib.util
+
+    if importlib.util.find_spec("mpi4py") is None:
+        skip_or_fail("mpi4py is not installed: pip install 'dcpkit[mpi]'")
+    proc = run_cmd(
+        [sys.executable, str(examples_dir / f"{name}.py")],
+        timeout=120,
+        env={"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"},
+    )
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1, (proc.stdout, proc.stderr)
+    assert lines[0].startswith(f"{name}: ") and "launcher started 2 processes" in lines[0], lines

@@ -77,7 +77,8 @@ def test_help_prints_usage_and_runs_nothing(repo_root, run_cmd, tmp_path):
             "DCPKIT_SUITE_STAGES",
             "DCPKIT_SUITE_BASELINE",
             "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
-            "At most 8 files",
+            "DCPKIT_SUITE_MAX_FILES files (default 8)",
+            "(default 570)",
         ):
             assert word in proc.stdout, proc.stdout
         assert "[suite" not in proc.stdout and not out.exists()
@@ -150,8 +151,29 @@ def test_bench_stage_shares_the_gpu_and_runs_the_baseline_first(repo_root, run_c
     } <= set(files), files
 
 
-def test_at_most_8_files_land_in_out(repo_root, run_cmd, tmp_path):
-    """W = 2, 3, 4 and a baseline give 6 JSON files: the others only in logs.tar.gz."""
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("DCPKIT_SUITE_MAX_FILES", "1"),
+        ("DCPKIT_SUITE_MAX_FILES", "x"),
+        ("DCPKIT_SUITE_BUDGET_S", "0"),
+    ],
+)
+def test_bad_settings_are_one_line_and_exit_2(repo_root, run_cmd, tmp_path, name, value):
+    script = repo_root / "scripts" / "gpu_suite.sh"
+    out = tmp_path / "out"
+    proc = run_cmd(["bash", str(script)], timeout=60, env={"OUT": str(out), name: value})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (
+        proc.stderr.startswith(f"gpu_suite.sh: {name} must ") and f"(got '{value}')" in proc.stderr
+    )
+    assert len(proc.stderr.splitlines()) == 1 and not out.exists(), proc.stderr
+
+
+@pytest.mark.parametrize("max_files", [None, "4"])
+def test_at_most_max_files_land_in_out(repo_root, run_cmd, tmp_path, max_files):
+    """W = 2, 3, 4 and a baseline give 6 JSON files: those beyond DCPKIT_SUITE_MAX_FILES (default
+    8, summary.txt and logs.tar.gz included) only in logs.tar.gz."""
     import tarfile
 
     script = repo_root / "scripts" / "gpu_suite.sh"
@@ -170,10 +192,13 @@ def test_at_most_8_files_land_in_out(repo_root, run_cmd, tmp_path):
         "DCPKIT_SUITE_SHARED_GPU": "1",
         "DCPKIT_SUITE_BASELINE": str(base),
     }
+    if max_files is not None:
+        env["DCPKIT_SUITE_MAX_FILES"] = max_files
     proc = run_cmd(["bash", str(script)], timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     files = sorted(p.name for p in out.iterdir())
-    assert len(files) == 8, files
+    assert len(files) == int(max_files or 8), files
+    assert {"summary.txt", "logs.tar.gz"} <= set(files), files
     with tarfile.open(out / "logs.tar.gz") as t:
         names = {os.path.basename(n) for n in t.getnames() if "/results/" in n}
     assert {f"bench_{n}.json" for n in (2, 3, 4)} | {
@@ -181,3 +206,40 @@ def test_at_most_8_files_land_in_out(repo_root, run_cmd, tmp_path):
     } <= names
     # no MPS asked for: no share set
     assert all("PCT=unset|" in ln for ln in calls.read_text().splitlines() if "bench" in ln)
+
+
+@pytest.mark.parametrize("with_matplotlib", [False, True])
+def test_bench_stage_asks_for_plots_only_where_matplotlib_imports(
+    repo_root, run_cmd, tmp_path, with_matplotlib
+):
+    """dcpkit bench refuses --plot without matplotlib, so the suite passes it only where it
+    imports (and says so where it does not): the tables and JSON are still made."""
+    script = repo_root / "scripts" / "gpu_suite.sh"
+    bindir, calls, out = tmp_path / "bin", tmp_path / "calls.txt", tmp_path / "out"
+    _fake_tools(bindir, calls)
+    fake = tmp_path / "site"
+    (fake / "matplotlib").mkdir(parents=True)
+    (fake / "matplotlib" / "__init__.py").write_text("")
+    blocker = tmp_path / "block"  # a matplotlib that fails to import, whatever is installed
+    (blocker / "matplotlib").mkdir(parents=True)
+    (blocker / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib')\n")
+    py = bindir / "python"  # the suite sets PYTHONPATH itself: put the fake in front here
+    first = fake if with_matplotlib else blocker
+    py.write_text(f'#!/bin/sh\nPYTHONPATH="{first}:$PYTHONPATH" exec "{sys.executable}" "$@"\n')
+    py.chmod(py.stat().st_mode | stat.S_IEXEC)
+    env = {
+        "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "OUT": str(out),
+        "PYTHON": str(py),
+        "TMPDIR": str(tmp_path),
+        "DCPKIT_SUITE_STAGES": "bench",
+        "DCPKIT_SUITE_NP": "2",
+        "DCPKIT_SUITE_SHARED_GPU": "1",
+    }
+    proc = run_cmd(["bash", str(script)], timeout=300, env=env)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    lines = [ln for ln in calls.read_text().splitlines() if "dcpkit bench" in ln]
+    assert len(lines) == 1, lines
+    assert ("--plot" in lines[0]) == with_matplotlib, lines[0]
+    assert ("matplotlib is not installed" in text) != with_matplotlib, text

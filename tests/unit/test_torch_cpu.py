@@ -1,5 +1,5 @@
 """dcpkit.torch on CPU: importing it never needs torch; without torch every entry point raises
-MissingDependency naming the ``torch`` extra; with torch (GPU machines), CPU tensors are
+MissingDependency naming the ``torch`` extra; with torch, CPU tensors are
 refused with a clear message and the custom ops register and refuse unknown handles."""
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from dcpkit.errors import ClosedError, InvalidType, MissingDependency
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 needs_torch = pytest.mark.skipif(
-    not HAVE_TORCH,
-    reason="torch is not installed here (pip install 'dcpkit[torch]'); the GPU machines have it",
+    not HAVE_TORCH, reason="torch is not installed (pip install 'dcpkit[torch]')"
 )
 
 

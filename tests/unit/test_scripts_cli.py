@@ -1,0 +1,82 @@
+"""The command lines of scripts/ on a CPU machine: ``--help`` says what every option does, and
+a bad value is one line naming it and exit status 2, before anything looks for a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+import pytest
+
+
+def _script(repo_root, name):
+    path = repo_root / "scripts" / name
+    if not path.is_file():
+        pytest.skip(f"no {path} (tests run from an installed copy without the checkout)")
+    return path
+
+
+def _load(path):
+    spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("name", ["host_overhead.py", "two_jobs_check.py", "soak.py"])
+def test_every_option_has_a_help_text(repo_root, name):
+    ap = _load(_script(repo_root, name)).parser()
+    missing = [a.option_strings for a in ap._actions if a.option_strings and not a.help]
+    assert not missing, missing
+    assert ap.description.rstrip().endswith("."), ap.description  # a whole sentence
+
+
+@pytest.mark.parametrize(
+    "name, argv, fragment",
+    [
+        ("host_overhead.py", ["--calls", "-5"], "argument --calls: must be an integer >= 1"),
+        ("host_overhead.py", ["--calls", "x"], "argument --calls: must be an integer >= 1"),
+        ("host_overhead.py", ["--json", ""], "argument --json: must name a file (got '')"),
+        (
+            "host_overhead.py",
+            ["--json", "{missing}/h.json"],
+            "argument --json: folder {missing} must exist",
+        ),
+        ("two_jobs_check.py", ["--rounds", "0"], "argument --rounds: must be an integer >= 1"),
+        ("two_jobs_check.py", ["--nbytes", "-1"], "argument --nbytes: must be an integer >= 1"),
+        ("soak.py", ["--json", ""], "argument --json: must name a file (got '')"),
+    ],
+)
+def test_a_bad_value_is_one_line_before_the_gpu_check(
+    repo_root, run_python, tmp_path, name, argv, fragment
+):
+    path = _script(repo_root, name)
+    argv = [a.format(missing=tmp_path / "missing") for a in argv]
+    proc = run_python([str(path), *argv], timeout=120)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"scripts/{name}: ") and "GPU" not in lines[0], lines[0]
+    assert fragment.format(missing=tmp_path / "missing") in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_lint_help_prints_the_usage_even_without_ruff(repo_root, run_cmd, tmp_path, flag):
+    script = _script(repo_root, "lint.sh")
+    bindir = tmp_path / "bin"  # bash and the tools the script uses, but no ruff
+    bindir.mkdir()
+    for tool in ("bash", "dirname", "sed"):
+        found = shutil.which(tool)
+        if found:
+            os.symlink(found, bindir / tool)
+    proc = run_cmd(["bash", str(script), flag], timeout=60, env={"PATH": str(bindir)})
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "bash scripts/lint.sh PATH..." in proc.stdout and "Exit status" in proc.stdout
+    assert "lint: ruff is not installed" not in proc.stdout + proc.stderr
+
+
+def test_lint_refuses_an_unknown_option(repo_root, run_cmd):
+    proc = run_cmd(["bash", str(_script(repo_root, "lint.sh")), "--bogus"], timeout=60)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.startswith("lint.sh: unknown option '--bogus'"), proc.stderr
