@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-import warnings
 
 from .errors import DcpkitError, MissingDependency
 
@@ -100,11 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dcpkit {command}: {e}", file=sys.stderr)
         return 2
     try:
-        with warnings.catch_warnings():
-            # mpi4py's multi-line warning of a launcher of another MPI library: the
-            # Communicator names that mismatch in one line (and stops) where it matters
-            warnings.filterwarnings("ignore", "suspicious MPI execution environment")
-            rc = mod.main(args)
+        rc = mod.main(args)
     except DcpkitError as e:  # MissingDependency included
         print(f"dcpkit {command}: {e}", file=sys.stderr)
         return 2

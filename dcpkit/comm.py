@@ -21,6 +21,7 @@ import os
 import pickle
 import socket
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -272,7 +273,11 @@ class Communicator(Resource):
             the one of the ``mpirun`` used.
         """
         try:
-            from mpi4py import MPI
+            with warnings.catch_warnings():
+                # mpi4py's multi-line warning when another MPI library's launcher started this
+                # process: _check_launcher_world_size below raises that mismatch in one line
+                warnings.filterwarnings("ignore", "suspicious MPI execution environment")
+                from mpi4py import MPI
         except ImportError as e:  # pragma: no cover - exercised by a subprocess test
             raise MissingDependency("mpi4py", "mpi", str(e)) from None
         except RuntimeError as e:  # mpi4py present but no MPI library found

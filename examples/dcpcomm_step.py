@@ -23,7 +23,6 @@ Prints the paths, ``dcp.describe()`` and PASS or FAIL on rank 0. Exit status: 0 
 from __future__ import annotations
 
 import sys
-import warnings
 
 import cupy
 import numpy as np
@@ -75,10 +74,7 @@ def connect(name: str):
     """The ``mpirun`` world, or None after one line saying why it cannot be had (no mpi4py, or
     the launcher of another MPI library: it started several processes but MPI sees one)."""
     try:
-        with warnings.catch_warnings():
-            # mpi4py's multi-line warning of that mismatch: from_mpi names it in one line
-            warnings.filterwarnings("ignore", "suspicious MPI execution environment")
-            return dcpkit.Communicator.from_mpi()
+        return dcpkit.Communicator.from_mpi()
     except dcpkit.DcpkitError as e:
         print(f"{name}: {' '.join(str(e).split())}", flush=True)
         return None

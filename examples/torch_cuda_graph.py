@@ -25,7 +25,6 @@ mpirun of another MPI library than mpi4py's).
 from __future__ import annotations
 
 import sys
-import warnings
 
 import numpy as np
 
@@ -126,10 +125,7 @@ def connect(name: str):
     """The ``mpirun`` world, or None after one line saying why it cannot be had (no mpi4py, or
     the launcher of another MPI library: it started several processes but MPI sees one)."""
     try:
-        with warnings.catch_warnings():
-            # mpi4py's multi-line warning of that mismatch: from_mpi names it in one line
-            warnings.filterwarnings("ignore", "suspicious MPI execution environment")
-            return dcpkit.Communicator.from_mpi()
+        return dcpkit.Communicator.from_mpi()
     except dcpkit.DcpkitError as e:
         print(f"{name}: {' '.join(str(e).split())}", flush=True)
         return None

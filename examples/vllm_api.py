@@ -38,7 +38,6 @@ import datetime
 import math
 import socket
 import sys
-import warnings
 
 import dcpkit
 
@@ -260,10 +259,7 @@ def connect(name: str):
     """The ``mpirun`` world, or None after one line saying why it cannot be had (no mpi4py, or
     the launcher of another MPI library: it started several processes but MPI sees one)."""
     try:
-        with warnings.catch_warnings():
-            # mpi4py's multi-line warning of that mismatch: from_mpi names it in one line
-            warnings.filterwarnings("ignore", "suspicious MPI execution environment")
-            return dcpkit.Communicator.from_mpi()
+        return dcpkit.Communicator.from_mpi()
     except dcpkit.DcpkitError as e:
         print(f"{name}: {' '.join(str(e).split())}", flush=True)
         return None

@@ -8,7 +8,6 @@ import json
 import os
 import shlex
 import sys
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -178,13 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..comm import Communicator
 
     try:
-        with warnings.catch_warnings():
-            # mpi4py's own multi-line note on a foreign launcher's variables: the one line
-            # below says the same, with what to do
-            warnings.filterwarnings(
-                "ignore", message="suspicious MPI execution environment", category=RuntimeWarning
-            )
-            comm = Communicator.from_mpi()
+        comm = Communicator.from_mpi()
     except (DcpkitError, MissingDependency) as e:
         # e.g. a launcher started several processes but MPI sees one (another MPI library)
         print(f"dcpkit bench: {' '.join(str(e).split())}", file=sys.stderr)

@@ -8,7 +8,6 @@ import os
 import platform
 import sys
 import traceback
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -219,11 +218,7 @@ def main(argv: Sequence[str] | None = None, *, comm=None) -> int:
         try:
             from ..comm import Communicator
 
-            with warnings.catch_warnings():
-                # mpi4py's own multi-line warning of the launcher mismatch that from_mpi names
-                # in one line below
-                warnings.filterwarnings("ignore", "suspicious MPI execution environment")
-                comm = Communicator.from_mpi()
+            comm = Communicator.from_mpi()
         except DcpkitError as e:  # no mpi4py / MPI, or a launcher of another MPI library
             print(f"dcpkit demo: {e}", file=sys.stderr, flush=True)
             return EXIT_CANNOT_RUN
