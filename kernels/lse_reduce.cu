@@ -40,7 +40,8 @@ namespace lse_detail {
 constexpr int kThreads = 256;                 // block size of both kernels (host: THREADS)
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxSources = 64;               // world_size limit of the merge (host checks)
-constexpr int kSendRows = 4;                  // rows a warp sends at once
+constexpr int kSendBatch = 4;                 // 16-byte vectors per lane in flight (one row per warp)
+constexpr int kSendRows = 4;                  // rows a warp sends at once (batched send)
 constexpr int kSendVec = 2;                   // 16-byte vectors per lane per row and step
 constexpr int kVecPerLane = 2;                // 16-byte vectors per lane per merge step
 constexpr int kSrcBatch = 4;                  // sources per merge step (loads in flight: 8)
@@ -258,92 +259,143 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   const u32 fp = call_fingerprint(P, static_cast<u32>(T), lse_code<LSE_T>::value,
                                   query_start_loc != nullptr, seq_lens != nullptr);
 
-  // 1. Send. The own rows stay where they are when `out` does not overlap the input: the
-  // combine reads them from out_partial (no copy into the own slot). When it does overlap (an
-  // in-place call), the own rows go through the own slot first, as the peers' rows do.
+  // 1. Send. Two ways, by size:
+  //   * at most one row per warp (small T): each warp sends one row to its destination, this
+  //     rank included, with its lse (fewest dependent rounds; measured faster at T=1);
+  //   * more rows than warps: the own rows stay in the input, the combine reads them there (no
+  //     copy into the own slot), unless `out` overlaps the input (an in-place call); the rows
+  //     for the peers go kSendRows per warp at once, the lse values one per thread.
   const char* in_bytes = reinterpret_cast<const char*>(out_partial);
   const long long isz = static_cast<long long>(sizeof(OUT_T));
-  const bool own_in = !extents_overlap(in_bytes, in_tok_stride * isz, in_head_stride * isz, T, H,
-                                       static_cast<long long>(row_bytes),
-                                       reinterpret_cast<const char*>(out),
-                                       static_cast<long long>(T) * H_r * row_bytes);
-  // The lse of every row (natural log, sanitised, -inf when masked), this rank's included, one
-  // row per thread: row i of world * T * H_r -> destination d = i / (T * H_r), so the stores of
-  // consecutive threads are contiguous. Each thread's first lse load is issued here, in flight
-  // with the payload of 1a (at small T that is the only one: no extra round).
-  const int lrows = dead ? 0 : W * T * H_r;
-  const int per_dst = T * H_r;
-  const int lse_first = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
-  const int lse_step = static_cast<int>(gridDim.x * blockDim.x);
-  auto lse_index = [&](int i) {
-    const int d = i / per_dst;
-    const int j = i - d * per_dst;
-    const int t = j / H_r;
-    return static_cast<long long>(t) * lse_tok_stride +
-           (static_cast<long long>(d) * H_r + (j - t * H_r)) * lse_head_stride;
-  };
-  LSE_T lse0{};
-  if (lse_first < lrows) lse0 = lse_partial[lse_index(lse_first)];
-  // 1a. Payload. Row i of the nd * T * H_r rows that move -> destination
-  // d = (rank + 1 + i % nd) % world (ranks start on different destinations; nd = world - 1
-  // when the own rows stay, else world, the own rank last), token t, head h. A warp moves
-  // kSendRows rows at once (kSendVec vectors per lane each, all loads before the stores).
-  // Padding rows (t >= query_start_loc[num_requests]) move nothing: no rank reads them.
-  const int nd = own_in ? W - 1 : W;
-  const int prows = dead ? 0 : nd * T * H_r;
-  const int t_end = query_start_loc != nullptr ? __ldg(query_start_loc + num_requests) : T;
-  for (int i0 = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x >> 5);
-       i0 < prows; i0 += nwarps * kSendRows) {
-    const char* from[kSendRows];
-    char* to[kSendRows];
+  const bool own_in =
+      W * T * H_r > nwarps &&
+      !extents_overlap(in_bytes, in_tok_stride * isz, in_head_stride * isz, T, H,
+                       static_cast<long long>(row_bytes), reinterpret_cast<const char*>(out),
+                       static_cast<long long>(T) * H_r * row_bytes);
+  if (!own_in) {
+    // Row i -> destination d (ranks start on different destinations), token t, head h. A row
+    // whose lse is -inf sends no payload.
+    const int rows = dead ? 0 : W * T * H_r;
+    for (int i = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x >> 5);
+         i < rows; i += nwarps) {
+      const int d = (rank + 1 + i % W) % W;
+      const int j = i / W;
+      const int t = j / H_r;
+      const int h = j - t * H_r;
+      const long long hg = static_cast<long long>(d) * H_r + h;
+      const char* in_row = reinterpret_cast<const char*>(
+          out_partial + static_cast<long long>(t) * in_tok_stride + hg * in_head_stride);
+      // The first loads are issued before the lse is known (the row is valid memory either way).
+      uint4 r[kSendBatch];
 #pragma unroll
-    for (int r = 0; r < kSendRows; ++r) {
-      const int i = i0 + r * nwarps;
-      from[r] = nullptr;
-      to[r] = nullptr;
-      if (i < prows) {
-        const int j = i / nd;
-        const int dj = i - j * nd;
-        const int d = (rank + 1 + dj) % W;
-        const int t = j / H_r;
-        const int h = j - t * H_r;
-        if (t < t_end) {
-          from[r] = in_bytes + (static_cast<long long>(t) * in_tok_stride +
-                                (static_cast<long long>(d) * H_r + h) * in_head_stride) * isz;
-          to[r] = reinterpret_cast<char*>(peer_data[d]) + slot_off +
-                  ((static_cast<u64>(rank) * T_max + t) * H_r + h) * row_bytes;
+      for (int u = 0; u < kSendBatch; ++u) {
+        const int v = lane + u * 32;
+        if (v < nvec) r[u] = ld16_nc(in_row + static_cast<u64>(v) * 16);
+      }
+      float l = to_float(lse_partial[static_cast<long long>(t) * lse_tok_stride +
+                                     hg * lse_head_stride]) * lse_scale;
+      l = sanitize_lse(l);
+      if (row_masked(t, query_start_loc, seq_lens, num_requests)) l = neg_inf();
+      char* base = reinterpret_cast<char*>(peer_data[d]) + slot_off;
+      const u64 srow = (static_cast<u64>(rank) * T_max + t) * H_r + h;
+      if (l != neg_inf()) {
+        char* dst = base + srow * row_bytes;
+        for (int v0 = lane;;) {
+#pragma unroll
+          for (int u = 0; u < kSendBatch; ++u) {
+            const int v = v0 + u * 32;
+            if (v < nvec) st16(dst + static_cast<u64>(v) * 16, r[u]);
+          }
+          v0 += 32 * kSendBatch;
+          if (v0 >= nvec) break;
+#pragma unroll
+          for (int u = 0; u < kSendBatch; ++u) {
+            const int v = v0 + u * 32;
+            if (v < nvec) r[u] = ld16_nc(in_row + static_cast<u64>(v) * 16);
+          }
         }
       }
+      if (lane == 0) reinterpret_cast<float*>(base + lse_offset)[srow] = l;
     }
-    for (int v0 = lane; v0 < nvec; v0 += 32 * kSendVec) {
-      uint4 x[kSendRows][kSendVec];
+  } else {
+    // The lse of every row (natural log, sanitised, -inf when masked), this rank's included, one
+    // row per thread: row i of world * T * H_r -> destination d = i / (T * H_r), so the stores of
+    // consecutive threads are contiguous. Each thread's first lse load is issued here, in flight
+    // with the payload of 1a.
+    const int lrows = dead ? 0 : W * T * H_r;
+    const int per_dst = T * H_r;
+    const int lse_first = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+    const int lse_step = static_cast<int>(gridDim.x * blockDim.x);
+    auto lse_index = [&](int i) {
+      const int d = i / per_dst;
+      const int j = i - d * per_dst;
+      const int t = j / H_r;
+      return static_cast<long long>(t) * lse_tok_stride +
+             (static_cast<long long>(d) * H_r + (j - t * H_r)) * lse_head_stride;
+    };
+    LSE_T lse0{};
+    if (lse_first < lrows) lse0 = lse_partial[lse_index(lse_first)];
+    // 1a. Payload. Row i of the (world - 1) * T * H_r rows for the peers -> destination
+    // d = (rank + 1 + i % (world - 1)) % world (ranks start on different destinations), token
+    // t, head h. A warp moves kSendRows rows at once (kSendVec vectors per lane each, all loads
+    // before the stores). Padding rows (t >= query_start_loc[num_requests]) move nothing: no
+    // rank reads them.
+    const int nd = W - 1;
+    const int prows = dead ? 0 : nd * T * H_r;
+    const int t_end = query_start_loc != nullptr ? __ldg(query_start_loc + num_requests) : T;
+    for (int i0 = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x >> 5);
+         i0 < prows; i0 += nwarps * kSendRows) {
+      const char* from[kSendRows];
+      char* to[kSendRows];
 #pragma unroll
-      for (int r = 0; r < kSendRows; ++r)
-#pragma unroll
-        for (int c = 0; c < kSendVec; ++c) {
-          const int v = v0 + c * 32;
-          if (to[r] != nullptr && v < nvec) x[r][c] = ld16_nc(from[r] + static_cast<u64>(v) * 16);
+      for (int r = 0; r < kSendRows; ++r) {
+        const int i = i0 + r * nwarps;
+        from[r] = nullptr;
+        to[r] = nullptr;
+        if (i < prows) {
+          const int j = i / nd;
+          const int dj = i - j * nd;
+          const int d = (rank + 1 + dj) % W;
+          const int t = j / H_r;
+          const int h = j - t * H_r;
+          if (t < t_end) {
+            from[r] = in_bytes + (static_cast<long long>(t) * in_tok_stride +
+                                  (static_cast<long long>(d) * H_r + h) * in_head_stride) * isz;
+            to[r] = reinterpret_cast<char*>(peer_data[d]) + slot_off +
+                    ((static_cast<u64>(rank) * T_max + t) * H_r + h) * row_bytes;
+          }
         }
+      }
+      for (int v0 = lane; v0 < nvec; v0 += 32 * kSendVec) {
+        uint4 x[kSendRows][kSendVec];
 #pragma unroll
-      for (int r = 0; r < kSendRows; ++r)
+        for (int r = 0; r < kSendRows; ++r)
 #pragma unroll
-        for (int c = 0; c < kSendVec; ++c) {
-          const int v = v0 + c * 32;
-          if (to[r] != nullptr && v < nvec) st16(to[r] + static_cast<u64>(v) * 16, x[r][c]);
-        }
+          for (int c = 0; c < kSendVec; ++c) {
+            const int v = v0 + c * 32;
+            if (to[r] != nullptr && v < nvec) x[r][c] = ld16_nc(from[r] + static_cast<u64>(v) * 16);
+          }
+#pragma unroll
+        for (int r = 0; r < kSendRows; ++r)
+#pragma unroll
+          for (int c = 0; c < kSendVec; ++c) {
+            const int v = v0 + c * 32;
+            if (to[r] != nullptr && v < nvec) st16(to[r] + static_cast<u64>(v) * 16, x[r][c]);
+          }
+      }
     }
-  }
-  // 1b. The lse rows, stored after the payload (the first one was loaded before it).
-  for (int i = lse_first; i < lrows; i += lse_step) {
-    const int d = i / per_dst;
-    const int j = i - d * per_dst;
-    const int t = j / H_r;
-    const int h = j - t * H_r;
-    float l = to_float(i == lse_first ? lse0 : lse_partial[lse_index(i)]) * lse_scale;
-    l = sanitize_lse(l);
-    if (row_masked(t, query_start_loc, seq_lens, num_requests)) l = neg_inf();
-    char* base = reinterpret_cast<char*>(peer_data[d]) + slot_off;
-    reinterpret_cast<float*>(base + lse_offset)[(static_cast<u64>(rank) * T_max + t) * H_r + h] = l;
+    // 1b. The lse rows, stored after the payload (the first one was loaded before it).
+    for (int i = lse_first; i < lrows; i += lse_step) {
+      const int d = i / per_dst;
+      const int j = i - d * per_dst;
+      const int t = j / H_r;
+      const int h = j - t * H_r;
+      float l = to_float(i == lse_first ? lse0 : lse_partial[lse_index(i)]) * lse_scale;
+      l = sanitize_lse(l);
+      if (row_masked(t, query_start_loc, seq_lens, num_requests)) l = neg_inf();
+      char* base = reinterpret_cast<char*>(peer_data[d]) + slot_off;
+      reinterpret_cast<float*>(base + lse_offset)[(static_cast<u64>(rank) * T_max + t) * H_r + h] = l;
+    }
   }
 
   // 2. Arrive, elect, publish (NOTE [dcpkit epoch signalling], steps 2 and 4).
