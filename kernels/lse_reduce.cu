@@ -44,6 +44,7 @@ constexpr int kSendBatch = 4;                 // 16-byte vectors per lane in fli
 constexpr int kSendRows = 4;                  // rows a warp sends at once (batched send)
 constexpr int kSendVec = 2;                   // 16-byte vectors per lane per row and step
 constexpr int kVecPerLane = 2;                // 16-byte vectors per lane per merge step
+constexpr int kCombineItems = 2;             // items per warp at once in a wide combine
 constexpr int kSrcBatch = 4;                  // sources per merge step (loads in flight: 8)
 
 // NaN and +inf mean an empty or invalid shard: both become -inf.
@@ -203,6 +204,150 @@ __device__ __forceinline__ void combine_rows(const char* payload, u64 src_stride
     }
     __syncwarp();  // wv / src are rewritten by the next item
   }
+}
+
+// The merge of kItems items per warp at once (large T): unit `unit` covers items
+// [unit * kWarps * kItems, (unit + 1) * kWarps * kItems); warp w of the CTA takes items
+// unit * kWarps * kItems + r * kWarps + w, r < kItems. Same arithmetic per item as combine_rows
+// (max, exp, sum, weight = x / sum, fma over the read sources in source order, one rounding; a
+// zero-weight source is never read), but the lse loads of all kItems items are issued together,
+// and every payload batch holds kSrcBatch / kItems sources of each item, so a lane keeps
+// kSrcBatch x kVecPerLane loads in flight even when the world is 2.
+template <typename OUT_T, int kItems>
+__device__ __forceinline__ void combine_unit(const char* payload, u64 src_stride_bytes,
+                                             const float* lse, u64 src_lse_stride, int W, int T,
+                                             int H_r, int D_v, OUT_T* out, float* out_lse,
+                                             int unit, int own_src, const char* own_rows,
+                                             long long own_tok_bytes, long long own_head_bytes) {
+  constexpr int E = vec_elems<OUT_T>::value;
+  static_assert(kMaxSources <= 64, "two lse values per lane");
+  __shared__ float s_w[kWarps][kItems][kMaxSources];  // weights of the sources that are read
+  __shared__ int s_src[kWarps][kItems][kMaxSources];  // ... and their source index
+  const int lane = static_cast<int>(threadIdx.x & 31u);
+  const int wib = static_cast<int>(threadIdx.x >> 5);
+  const int items = T * H_r;
+  const u64 row_bytes = static_cast<u64>(D_v) * sizeof(OUT_T);
+  const int nvec = static_cast<int>(row_bytes / 16);
+
+  int item[kItems];
+  float lv[kItems][2];
+#pragma unroll
+  for (int r = 0; r < kItems; ++r) {
+    item[r] = (unit * kItems + r) * kWarps + wib;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int s = b * 32 + lane;
+      lv[r][b] = (item[r] < items && s < W)
+                     ? sanitize_lse(ld_cg_f32(lse + static_cast<u64>(s) * src_lse_stride + item[r]))
+                     : neg_inf();
+    }
+  }
+  constexpr int kPer = kSrcBatch / kItems;  // sources of each item per batch
+  static_assert(kPer >= 1, "kSrcBatch >= kItems");
+  int n[kItems];  // sources read per item
+  int n_max = 0;
+#pragma unroll
+  for (int r = 0; r < kItems; ++r) {
+    n[r] = 0;
+    if (item[r] >= items) continue;  // warp-uniform
+    char* orow = reinterpret_cast<char*>(out) + static_cast<u64>(item[r]) * row_bytes;
+    const float m = warp_max(fmaxf(lv[r][0], lv[r][1]));
+    if (m == neg_inf()) {  // every source empty: output 0, merged lse -inf, nothing read
+      uint4 z;
+      z.x = z.y = z.z = z.w = 0u;
+      for (int v = lane; v < nvec; v += 32) st16(orow + static_cast<u64>(v) * 16, z);
+      if (out_lse != nullptr && lane == 0) out_lse[item[r]] = neg_inf();
+      continue;
+    }
+    const float x0 = expf(lv[r][0] - m), x1 = expf(lv[r][1] - m);  // exp(-inf) = 0
+    const float sum = warp_sum(x0 + x1);  // >= 1: the max term is exp(0)
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int s = b * 32 + lane;
+      const float w = (s < W) ? (b == 0 ? x0 : x1) / sum : 0.f;
+      const bool keep = w > 0.f;
+      const u32 bal = __ballot_sync(0xffffffffu, keep);
+      if (keep) {
+        const int pos = n[r] + __popc(bal & ((1u << lane) - 1u));
+        s_w[wib][r][pos] = w;
+        s_src[wib][r][pos] = s;
+      }
+      n[r] += __popc(bal);
+    }
+    if (out_lse != nullptr && lane == 0) out_lse[item[r]] = m + logf(sum);
+    n_max = n[r] > n_max ? n[r] : n_max;
+  }
+  __syncwarp();
+  if (n_max == 0) return;
+
+  // Row addresses of every item (source s at prow + s * src_stride; the own source in the input).
+  const char* prow[kItems];
+  const char* orow_in[kItems];
+#pragma unroll
+  for (int r = 0; r < kItems; ++r) {
+    const int it = item[r] < items ? item[r] : 0;
+    prow[r] = payload + static_cast<u64>(it) * row_bytes;
+    orow_in[r] = nullptr;
+    if (own_src >= 0) {
+      const int t = it / H_r;
+      orow_in[r] = own_rows + t * own_tok_bytes + (it - t * H_r) * own_head_bytes;
+    }
+  }
+  for (int v0 = lane; v0 < nvec; v0 += 32 * kVecPerLane) {
+    float acc[kItems][kVecPerLane][E];
+#pragma unroll
+    for (int r = 0; r < kItems; ++r)
+#pragma unroll
+      for (int c = 0; c < kVecPerLane; ++c)
+#pragma unroll
+        for (int k = 0; k < E; ++k) acc[r][c][k] = 0.f;
+    // Batches of kPer sources of every item: slot (r, q) is source k0 + q of item r.
+    for (int k0 = 0; k0 < n_max; k0 += kPer) {
+      uint4 x[kItems][kPer][kVecPerLane];
+      // Issue every load of the batch before using any of them.
+#pragma unroll
+      for (int r = 0; r < kItems; ++r)
+#pragma unroll
+        for (int q = 0; q < kPer; ++q) {
+          const bool ks = k0 + q < n[r];
+          const int sk = ks ? s_src[wib][r][k0 + q] : 0;
+          const char* sp =
+              sk == own_src ? orow_in[r] : prow[r] + static_cast<u64>(sk) * src_stride_bytes;
+#pragma unroll
+          for (int c = 0; c < kVecPerLane; ++c) {
+            const int v = v0 + c * 32;
+            x[r][q][c].x = x[r][q][c].y = x[r][q][c].z = x[r][q][c].w = 0u;
+            if (ks && v < nvec) x[r][q][c] = ld16(sp + static_cast<u64>(v) * 16);
+          }
+        }
+#pragma unroll
+      for (int r = 0; r < kItems; ++r)
+#pragma unroll
+        for (int q = 0; q < kPer; ++q) {
+          if (k0 + q < n[r]) {
+            const float w = s_w[wib][r][k0 + q];
+#pragma unroll
+            for (int c = 0; c < kVecPerLane; ++c) {
+              float f[E];
+              unpack16<OUT_T>(x[r][q][c], f);
+#pragma unroll
+              for (int k = 0; k < E; ++k) acc[r][c][k] = fmaf(w, f[k], acc[r][c][k]);
+            }
+          }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < kItems; ++r) {
+      if (n[r] == 0) continue;  // past the end or every source empty (zeros written above)
+      char* orow = reinterpret_cast<char*>(out) + static_cast<u64>(item[r]) * row_bytes;
+#pragma unroll
+      for (int c = 0; c < kVecPerLane; ++c) {
+        const int v = v0 + c * 32;
+        if (v < nvec) st16(orow + static_cast<u64>(v) * 16, pack16<OUT_T>(acc[r][c]));
+      }
+    }
+  }
+  __syncwarp();  // s_w / s_src are rewritten by the next unit
 }
 
 // Fingerprint code of the lse_partial dtype (dcpkit/ops/_protocol.py LSE_CODES).
@@ -404,7 +549,11 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   bool published;
   const int w = arrive_and_publish<Transport::Unicast>(P, e, slot, fp, P.waiters, dead,
                                                     published);
-  const int units = (T * H_r + kWarps - 1) / kWarps;  // of the combine, kWarps items each
+  // Units of the combine: kWarps items each, or kWarps * kCombineItems when every CTA has at
+  // least two such units (`wide`).
+  const bool wide = T * H_r >= 2 * kCombineItems * kWarps * static_cast<int>(gridDim.x);
+  const int per_unit = wide ? kWarps * kCombineItems : kWarps;
+  const int units = (T * H_r + per_unit - 1) / per_unit;
   if (w < 0) {  // not a waiter: help with the combine if every source is there soon
     if (dead || !try_all_sources(P, slot, e32, fp, static_cast<u32>(units))) return;
   } else {
@@ -417,7 +566,8 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
       return;
     }
   }
-  // The combine, in units of kWarps items claimed from the call's work counter.
+  // The combine, in units claimed from the call's work counter: kWarps items per unit, or
+  // kWarps * kCombineItems at large T (every CTA has at least two such units to merge).
   const char* own = reinterpret_cast<const char*>(peer_data[rank]) + slot_off;
   const u64 src_stride = static_cast<u64>(T_max) * H_r * row_bytes;
   const float* ls = reinterpret_cast<const float*>(own + lse_offset);
@@ -425,7 +575,14 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   const int own_src = own_in ? rank : -1;  // read from the input, not the own slot
   const char* own_rows = in_bytes + static_cast<long long>(rank) * H_r * in_head_stride * isz;
   const long long own_tok = in_tok_stride * isz, own_head = in_head_stride * isz;
-  if (units > static_cast<int>(gridDim.x)) {
+  if (wide) {
+    for (int c = static_cast<int>(claim_work(P, slot)); c < units;) {
+      const u32 next = claim_issue(P, slot);
+      combine_unit<OUT_T, kCombineItems>(own, src_stride, ls, lse_stride, W, T, H_r, D_v, out,
+                                         out_lse, c, own_src, own_rows, own_tok, own_head);
+      c = static_cast<int>(claim_publish(next));
+    }
+  } else if (units > static_cast<int>(gridDim.x)) {
     // Several units per CTA: the next claim is in flight while the unit in hand is merged
     // (claim_issue / claim_publish; measured 4-5 % faster at T=128).
     for (int c = static_cast<int>(claim_work(P, slot)); c < units;) {

@@ -277,7 +277,7 @@ def test_out_overlapping_the_input(comm, seed, where):
     with LseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype) as ws:
         H_r = ws.heads_per_rank
         for k, T in enumerate((1, 7, T_MAX)):
-            case = Case(comm, seed + 700 + k, T=T, H=H, D=D, dtype=dtype)
+            case = Case(comm, seed + 800 + k, T=T, H=H, D=D, dtype=dtype)
             x, lse, kw = case.gpu_args()
             n_out = T * H_r * D
             if where == "own_heads":  # head-major storage [H, T, D]; own heads are contiguous
@@ -295,6 +295,46 @@ def test_out_overlapping_the_input(comm, seed, where):
             errors.append(case.check(r, out, where=f"out= overlapping the input ({where})"))
     errors = [e for e in errors if e]
     ok, msg = agree(comm, errors, f"lse_reduce out= overlapping the input ({where}), W={W}")
+    assert ok, msg
+
+
+@pytest.mark.parametrize("dtype,H", [("bfloat16", 128), ("float32", 64)])
+def test_large_t_matches_reference(comm, seed, dtype, H):
+    """Calls large enough for the batched send and the wide combine (several units of two items
+    per warp on every CTA): plain, with masks and the merged lse, with padded head storage, and
+    with out= overlapping the input."""
+    D, T_max = 512, 128
+    geometry_ok(comm, H)
+    errors = []
+    with LseReduce(
+        comm, max_tokens=T_max, num_heads=H, head_dim=D, dtype=dtype, return_lse=True
+    ) as ws:
+        H_r = ws.heads_per_rank
+        for k, (T, S) in enumerate(((48, 0), (T_max, 0), (T_max, 3), (97, 2))):
+            case = Case(comm, seed + 900 + k, T=T, H=H, D=D, dtype=dtype, num_requests=S)
+            x, lse, kw = case.gpu_args()
+            out = empty_poisoned((T, H_r, D), dtype)
+            out_lse = empty_poisoned((T, H_r), "float32")
+            ws(x, lse, out=out, out_lse=out_lse, **kw)
+            ws.synchronize()
+            errors.append(case.check(comm.rank, out, out_lse, where=f"T={T} S={S}"))
+            # padded head storage
+            u = _uint(resolve_dtype(dtype))
+            big = cupy.full((T, H + 3, D), np.iinfo(u).max, dtype=u)
+            big[:, :H] = x.view(u)
+            xp = big[:, :H].view(resolve_dtype(dtype))
+            out = empty_poisoned((T, H_r, D), dtype)
+            ws(xp, lse, out=out, **kw)
+            ws.synchronize()
+            errors.append(case.check(comm.rank, out, where=f"T={T} S={S}, padded heads"))
+            # out= over the input's first bytes (an in-place call)
+            flat = x.view(u).reshape(-1)
+            out = flat[: T * H_r * D].view(resolve_dtype(dtype)).reshape(T, H_r, D)
+            ws(x, lse, out=out, **kw)
+            ws.synchronize()
+            errors.append(case.check(comm.rank, out, where=f"T={T} S={S}, out= over the input"))
+    errors = [e for e in errors if e]
+    ok, msg = agree(comm, errors, f"lse_reduce large T {dtype} H={H}")
     assert ok, msg
 
 
