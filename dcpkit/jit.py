@@ -54,8 +54,8 @@ _COPY_ELEMENTS = ("unsigned char", "unsigned short", "unsigned int", "uint2", "u
 
 def _lse_reduce_variants() -> list[str]:
     out = [
-        f"dcpkit::lse_reduce_kernel<{out_t}, {lse_t}>"
-        for out_t, lse_t in itertools.product(_FLOAT_TYPES, _FLOAT_TYPES)
+        f"dcpkit::lse_reduce_kernel<{out_t}, {lse_t}, {large}>"
+        for out_t, lse_t, large in itertools.product(_FLOAT_TYPES, _FLOAT_TYPES, ("false", "true"))
     ]
     out += [f"dcpkit::lse_combine_kernel<{out_t}>" for out_t in _FLOAT_TYPES]
     return out

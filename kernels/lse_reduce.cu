@@ -378,7 +378,7 @@ __device__ __forceinline__ void poison_result(char* out, float* out_lse, int T, 
 // aligned, world_size <= kMaxSources, blockDim.x == kThreads. Any grid: the last
 // min(grid, P.waiters) CTAs to arrive wait and combine, the others send and exit (NOTE [dcpkit
 // epoch signalling], co-residency rule; two CTAs fit on one SM by the launch bounds).
-template <typename OUT_T, typename LSE_T>
+template <typename OUT_T, typename LSE_T, bool kLarge>
 __global__ void __launch_bounds__(lse_detail::kThreads, 2)
 lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64 lse_offset,
                   int T_max, const OUT_T* out_partial, long long in_tok_stride,
@@ -415,7 +415,7 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   const char* in_bytes = reinterpret_cast<const char*>(out_partial);
   const long long isz = static_cast<long long>(sizeof(OUT_T));
   const bool own_in =
-      W * T * H_r >= kSendRows * nwarps &&
+      kLarge && W * T * H_r >= kSendRows * nwarps &&
       !extents_overlap(in_bytes, in_tok_stride * isz, in_head_stride * isz, T, H,
                        static_cast<long long>(row_bytes), reinterpret_cast<const char*>(out),
                        static_cast<long long>(T) * H_r * row_bytes);
@@ -551,7 +551,7 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
                                                     published);
   // Units of the combine: kWarps items each, or kWarps * kCombineItems when every CTA has at
   // least two such units (`wide`).
-  const bool wide = T * H_r >= 2 * kCombineItems * kWarps * static_cast<int>(gridDim.x);
+  const bool wide = kLarge && T * H_r >= 2 * kCombineItems * kWarps * static_cast<int>(gridDim.x);
   const int per_unit = wide ? kWarps * kCombineItems : kWarps;
   const int units = (T * H_r + per_unit - 1) / per_unit;
   if (w < 0) {  // not a waiter: help with the combine if every source is there soon

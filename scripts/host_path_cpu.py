@@ -172,9 +172,9 @@ def stub_workspace(ws, stream, rec: Recorder, *, rank: int = RANK, world_size: i
             for u in range(U)
         ]
         ws._tail_args = (np.int32(ws.num_heads), np.int32(H_r), np.int32(ws.head_dim))
-        ws._grids = [
-            (max(1, min(ws.max_ctas, -(-world_size * t * H_r // 8))),) for t in range(T_max + 1)
-        ]
+        from dcpkit.ops.lse_reduce import launch_table
+
+        ws._grids = launch_table(world_size, H_r, T_max, ws.max_ctas)
     return ws
 
 

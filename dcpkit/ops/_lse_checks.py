@@ -19,6 +19,7 @@ from ..reference import resolve_dtype
 __all__ = [
     "THREADS",
     "WARPS_PER_CTA",
+    "SEND_ROWS",
     "MAX_WORLD_SIZE",
     "FILE",
     "BLOCK",
@@ -40,6 +41,8 @@ __all__ = [
 #: Threads per CTA of both kernels (``lse_detail::kThreads`` in the kernel).
 THREADS = 256
 WARPS_PER_CTA = THREADS // 32
+#: Rows per warp from which a call takes the large kernel instance (``lse_detail::kSendRows``).
+SEND_ROWS = 4
 #: Largest world_size the merge handles (``lse_detail::kMaxSources``).
 MAX_WORLD_SIZE = 64
 
@@ -61,8 +64,11 @@ def cxx_type(dt: np.dtype) -> str:
     return {bf16: "dcpkit::bf16_t", fp16: "dcpkit::fp16_t", fp32: "float"}[dt]
 
 
-def reduce_variant(out_dt: np.dtype, lse_dt: np.dtype) -> str:
-    return f"dcpkit::lse_reduce_kernel<{cxx_type(out_dt)}, {cxx_type(lse_dt)}>"
+def reduce_variant(out_dt: np.dtype, lse_dt: np.dtype, large: bool = False) -> str:
+    """The lse_reduce kernel of these dtypes; ``large``: the instance with the batched send and
+    the wide combine (kernels/lse_reduce.cu ``kLarge``)."""
+    flag = "true" if large else "false"
+    return f"dcpkit::lse_reduce_kernel<{cxx_type(out_dt)}, {cxx_type(lse_dt)}, {flag}>"
 
 
 def combine_variant(out_dt: np.dtype) -> str:

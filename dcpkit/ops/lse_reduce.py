@@ -46,6 +46,7 @@ from ._lse_checks import (
     FILE,
     INT32_MAX,
     MAX_WORLD_SIZE,
+    SEND_ROWS,
     THREADS,
     UINT,
     WARPS_PER_CTA,
@@ -97,6 +98,17 @@ _P = len(PROTO_PARAM_TYPES)
 _IN, _OUT, _OUT_LSE = _P + 4, _P + 14, _P + 15  # fields patched per call
 
 
+def launch_table(W: int, H_r: int, max_tokens: int, max_ctas: int) -> list[tuple[int, bool]]:
+    """Per T in ``[0, max_tokens]``: the grid of a call, and whether it takes the large kernel
+    instance (at least ``SEND_ROWS`` rows per warp: the batched send and the wide combine of
+    kernels/lse_reduce.cu; the kernel checks the same bound, so either instance is correct)."""
+    table = []
+    for T in range(max_tokens + 1):
+        grid = launch_config(W * T * H_r, WARPS_PER_CTA, max_ctas)
+        table.append((grid, W * T * H_r >= SEND_ROWS * WARPS_PER_CTA * grid))
+    return table
+
+
 class _CallPlan(NamedTuple):
     """A validated call, all its key determines (:mod:`dcpkit._plan`); no caller's array."""
 
@@ -107,7 +119,7 @@ class _CallPlan(NamedTuple):
     out_lse_ptr: int  # the caller's out_lse= (0: none)
     want_lse: bool
     needs_output: bool  # a workspace output buffer is used
-    lse_key: object  # the lse dtype: which kernel
+    lse_key: object  # (lse dtype, large instance): which kernel
     grid: int
     params: KernelParams | None
     out_field: object  # the ``out`` field of params (ctypes), patched per call
@@ -357,10 +369,12 @@ class LseReduce(LseReduceCall, OpWorkspace):
         self._fn = {}
         with cupy.cuda.Device(self.device):
             for lse_dt in self._lse_dtypes:
-                raw = jit.get_kernel(
-                    FILE, reduce_variant(self.dtype, lse_dt), self._kernel_options()
-                )
-                self._fn[lse_dt] = raw.kernel  # the loaded cupy.cuda.function.Function
+                for large in (False, True):
+                    raw = jit.get_kernel(
+                        FILE, reduce_variant(self.dtype, lse_dt, large), self._kernel_options()
+                    )
+                    # the loaded cupy.cuda.function.Function
+                    self._fn[lse_dt, large] = raw.kernel
             self._init_fast_path(self._fn)
         W, H_r = self.world_size, self.heads_per_rank
         # DCPKIT_PROTO_PARAMS, peer_data, slot_bytes, lse_offset, T_max (per ubatch).
@@ -376,10 +390,7 @@ class LseReduce(LseReduceCall, OpWorkspace):
         ]
         # H, H_r, D_v (every call).
         self._tail_args = (np.int32(self.num_heads), np.int32(H_r), np.int32(self.head_dim))
-        self._grids = [
-            (launch_config(W * T * H_r, WARPS_PER_CTA, self.max_ctas),)
-            for T in range(self.max_tokens + 1)
-        ]
+        self._grids = launch_table(W, H_r, self.max_tokens, self.max_ctas)
 
     def ctas_for(self, T: int) -> int:
         """The grid (CTA count, :attr:`THREADS` threads each) of a call with ``T`` tokens; the
@@ -476,7 +487,7 @@ class LseReduce(LseReduceCall, OpWorkspace):
                 lse_ptr,
                 v.want_lse,
                 needs_output,
-                v.lse.dtype,
+                (v.lse.dtype, False),
                 0,
                 None,
                 None,
@@ -515,7 +526,7 @@ class LseReduce(LseReduceCall, OpWorkspace):
             lse_ptr,
             v.want_lse,
             needs_output,
-            v.lse.dtype,
+            (v.lse.dtype, self._grids[T][1]),
             self._grids[T][0],
             params,
             params.field(_OUT),

@@ -712,8 +712,9 @@ def test_every_kernel_the_op_launches_is_registered():
     for out_dt in dts:
         assert _combine_variant(out_dt) in names
         for lse_dt in dts:
-            assert _reduce_variant(out_dt, lse_dt) in names
-    assert len(names) == 12
+            for large in (False, True):
+                assert _reduce_variant(out_dt, lse_dt, large) in names
+    assert len(names) == 21
 
 
 def test_kernels_compile_for_sm90():
@@ -722,7 +723,7 @@ def test_kernels_compile_for_sm90():
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"NVRTC not available here: {e}")
     res = jit.compile_only(["lse_reduce.cu"])
-    assert res["lse_reduce.cu"]["variants"] == 12 and res["lse_reduce.cu"]["cubin_bytes"] > 0
+    assert res["lse_reduce.cu"]["variants"] == 21 and res["lse_reduce.cu"]["cubin_bytes"] > 0
 
 
 def test_lse_combine_is_public_in_dcpkit_ops():
@@ -748,3 +749,26 @@ def test_host_constants_match_the_kernel():
     consts = dict(re.findall(r"constexpr int (k\w+) = (\d+);", src))
     assert int(consts["kThreads"]) == lr.THREADS
     assert "constexpr int kWarps = kThreads / 32;" in src and lr.WARPS_PER_CTA == lr.THREADS // 32
+
+
+def test_large_instance_only_where_every_warp_has_send_rows_rows():
+    """The per-T launch table: a call takes the large kernel instance (batched send, wide
+    combine) exactly where its rows fill SEND_ROWS per warp of its grid, and SEND_ROWS is the
+    kernel's kSendRows."""
+    import re
+
+    from dcpkit.ops._lse_checks import SEND_ROWS, WARPS_PER_CTA
+    from dcpkit.ops.lse_reduce import launch_table
+
+    m = re.search(r"constexpr int kSendRows = (\d+);", jit.source("lse_reduce.cu"))
+    assert m and int(m.group(1)) == SEND_ROWS
+    for W, H_r, max_ctas in ((2, 64, 66), (4, 32, 33), (8, 16, 132)):
+        table = launch_table(W, H_r, 256, max_ctas)
+        assert len(table) == 257 and table[0] == (1, False)
+        for T, (grid, large) in enumerate(table):
+            rows = W * T * H_r
+            assert 1 <= grid <= max_ctas
+            assert large == (rows >= SEND_ROWS * WARPS_PER_CTA * grid)
+            if T <= 8:
+                assert not large, (W, T)  # decode sizes keep the small instance
+        assert table[256][1], (W, H_r)

@@ -522,7 +522,7 @@ def _lse():
     )
     _direct_state(ws)
     ws._head_args = [(0,) * 21] * ws.num_ubatches
-    ws._tail_args, ws._grids = (4, 2, 64), [(1,)] * 9
+    ws._tail_args, ws._grids = (4, 2, 64), [(1, False)] * 9
     return ws, (FakeArray((4, 4, 64)), FakeArray((4, 4), np.float32))
 
 
