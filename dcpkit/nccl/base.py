@@ -63,6 +63,7 @@ class NcclOp(Resource):
     def _resource_name(self) -> str:  # the name in the unclosed-resource warning
         return f"{self.op_name} (nccl)"
 
+    _noun = "workspace"
     path = PATH_NCCL
     algorithm = ""
     multicast = False
@@ -320,8 +321,7 @@ class NcclOp(Resource):
 
     # ------------------------------------------------------------------ per call
     def check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"{self.op_name}: the workspace is closed")
+        self._check_open(self.op_name)
 
     def check_ubatch(self, ubatch) -> int:
         """``ubatch`` as an int in ``[0, num_ubatches)``."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 
-from ..errors import ClosedError, InvalidArgument
+from .._lifecycle import Resource
+from ..errors import InvalidArgument
 from ._common import (
     BFLOAT16,
     LN2,
@@ -104,10 +105,11 @@ def rows_aligned(what: str, name: str, t, heads: int) -> None:
         )
 
 
-class Workspace:
+class Workspace(Resource):
     """What the three share: the group, the device, ubatch slots, one dcpkit op, ``close()``."""
 
     _what = "workspace"
+    _noun = "workspace"
 
     def _setup(self, group, device, check) -> tuple:
         """Resolve the group, run every argument check on every rank in one exchange, and
@@ -164,27 +166,18 @@ class Workspace:
         """``"unicast"`` or ``"multicast"``: what every call of the dcpkit op launches."""
         return getattr(self._op, "transport", "unicast")
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _check_open(self, what: str) -> None:
-        if self.closed:
-            raise ClosedError(f"{what}: the workspace is closed")
-
     def close(self) -> None:
         """Release the dcpkit op and its symmetric memory (collective, idempotent)."""
-        self._closed = True
+        super().close()
+
+    def _close(self) -> None:
         if self._ops is not None:
             self._ops.close()
         if self._op is not None:
             self._op.close()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _left_open(self) -> bool:
+        return False  # the dcpkit op holds the memory, and warns for itself when dropped open
 
 
 # ----------------------------------------------------------------------------- A2A combine
