@@ -24,7 +24,7 @@ from ..errors import ClosedError, InvalidArgument, InvalidType
 from ..symmetric import MAX_NBYTES, SymmetricHeap
 from .group import NcclGroup, nccl_module
 
-__all__ = ["NcclOp", "CheckedArguments", "PATH_NCCL", "check_heap_type"]
+__all__ = ["NcclOp", "NcclGather", "CheckedArguments", "PATH_NCCL", "check_heap_type"]
 
 #: Name of the path every NCCL op records (``DCPComm.last_path``).
 PATH_NCCL = "nccl"
@@ -298,6 +298,15 @@ class NcclOp(Resource):
         with cupy.cuda.Device(self.device):
             return cupy.empty(max(int(nbytes), 256), dtype=cupy.uint8)
 
+    def _per_ubatch(self, nbytes: int) -> list:
+        """One buffer of ``nbytes`` per ubatch (:meth:`_alloc`)."""
+        return [self._alloc(nbytes) for _ in range(self.num_ubatches)]
+
+    def _result_slots(self, nbytes: int) -> list:
+        """Per ubatch, the three result buffers of ``nbytes`` that :meth:`_begin`'s index picks
+        (0 and 1 alternate for eager calls, 2 is the graph's)."""
+        return [[self._alloc(nbytes) for _ in range(3)] for _ in range(self.num_ubatches)]
+
     def _view(self, buf, shape: tuple[int, ...], dtype, offset: int = 0):
         """A C-contiguous typed view of ``buf`` (a uint8 CuPy array) at byte ``offset``."""
         return self._cupy.ndarray(tuple(shape), dtype, memptr=buf.data + int(offset))
@@ -424,3 +433,16 @@ class NcclOp(Resource):
         with cupy.cuda.Device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
         self._release()
+
+
+class NcclGather(NcclOp):
+    """The buffers the two NCCL gathers share: per ubatch, a send buffer of ``max_tokens`` rows
+    of ``row_bytes`` and the three result slots (:meth:`NcclOp._result_slots`) of
+    ``_result_bytes``, both set by the subclass's ``_check_geometry``."""
+
+    def _make_buffers(self) -> None:
+        self._send = self._per_ubatch(self.max_tokens * self.row_bytes)
+        self._outs = self._result_slots(self._result_bytes)
+
+    def _free_buffers(self) -> None:
+        self._send = self._outs = None
