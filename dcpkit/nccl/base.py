@@ -53,8 +53,9 @@ class NcclOp(Resource):
     A subclass names its ``agreed_names`` and implements ``_check_geometry(world_size,
     **geometry keywords)`` (a classmethod: every check that needs no GPU and no collective,
     returning what every rank must agree on and the checked geometry with the sizes derived
-    from it), ``_make_buffers()``, ``_warmup_call(T)`` and ``_free_buffers()``; its constructor
-    passes its arguments to :meth:`_construct`.
+    from it), ``_make_buffers()``, ``_warmup_call(T)`` and ``_free_buffers()`` (the two
+    gathers take the buffer pair from :class:`NcclGather`); its constructor passes its arguments
+    to :meth:`_construct`.
     """
 
     op_name = "op"
