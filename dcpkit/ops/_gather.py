@@ -231,7 +231,10 @@ class GatherWorkspace(OpWorkspace):
                 head = head[:-1]
             params = KernelParams(types, [int(v) for v in head + tail])
             field = params.field(out_index)
-            grids = (self._grid(self._vectors(T, True)), self._grid(self._vectors(T, False)))
+            grids = (
+                self._grid(self._vectors(T, True)),
+                self._grid_zero_copy(self._vectors(T, False)),
+            )
         return GatherPlan(
             T,
             ubatch,
@@ -277,10 +280,20 @@ class GatherWorkspace(OpWorkspace):
         """The grid (CTA count, :attr:`THREADS` threads each) of a call with ``T`` tokens:
         zero copy (eager, never captured) or ``copy_out`` (``out=``, graph capture, eager after
         a capture)."""
-        return self._grid(self._vectors(int(T), bool(copy_out)))
+        if copy_out:
+            return self._grid(self._vectors(int(T), True))
+        return self._grid_zero_copy(self._vectors(int(T), False))
 
     def _grid(self, vectors: int) -> int:
         return launch_config(vectors, max(1, int(self.vectors_per_cta)), self.max_ctas)
+
+    def _grid_zero_copy(self, vectors: int) -> int:
+        """The grid of a zero-copy call. Only its last CTA waits, so the others just stream their
+        stores; where ranks share a GPU (all of them bound by its memory) half the SM share
+        measured faster than the whole share at 16 MiB per rank (8 % at W=2, 4 % at W=4, one
+        H200; docs/performance.md). With one GPU per rank the grid may take the whole share."""
+        cap = self.max_ctas if getattr(self, "ranks_on_gpu", 1) <= 1 else max(1, self.max_ctas // 2)
+        return launch_config(vectors, max(1, int(self.vectors_per_cta)), cap)
 
     def _view(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...]):
         """A CuPy array over workspace memory at ``ptr`` (no copy). It keeps the workspace object

@@ -264,6 +264,40 @@ def test_noncontiguous_inputs(comm, seed, H, D):
     assert ok, msg
 
 
+@pytest.mark.parametrize("where", ["own_heads", "start", "tail"])
+def test_out_overlapping_the_input(comm, seed, where):
+    """out= inside out_partial's own memory (an in-place call): the result still equals the
+    reference of the input as it was before the call. ``own_heads``: out is the storage of this
+    rank's heads of a head-major input; ``start`` / ``tail``: out is the first / last bytes of
+    the input's buffer (rows of other heads and tokens)."""
+    H, D, dtype = 128, 512, "bfloat16"
+    geometry_ok(comm, H)
+    W, r = comm.world_size, comm.rank
+    errors = []
+    with LseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype) as ws:
+        H_r = ws.heads_per_rank
+        for k, T in enumerate((1, 7, T_MAX)):
+            case = Case(comm, seed + 700 + k, T=T, H=H, D=D, dtype=dtype)
+            x, lse, kw = case.gpu_args()
+            n_out = T * H_r * D
+            if where == "own_heads":  # head-major storage [H, T, D]; own heads are contiguous
+                hm = cupy.ascontiguousarray(x.view(cupy.uint16).transpose(1, 0, 2))
+                xin = hm.transpose(1, 0, 2).view(BF16)
+                out = hm[r * H_r : (r + 1) * H_r].reshape(-1)[:n_out].view(BF16)
+            else:
+                flat = x.reshape(-1)
+                lo = 0 if where == "start" else flat.size - n_out
+                xin = x
+                out = flat[lo : lo + n_out].view(BF16)
+            out = out.reshape(T, H_r, D)
+            ws(xin, lse, out=out, **kw)
+            ws.synchronize()
+            errors.append(case.check(r, out, where=f"out= overlapping the input ({where})"))
+    errors = [e for e in errors if e]
+    ok, msg = agree(comm, errors, f"lse_reduce out= overlapping the input ({where}), W={W}")
+    assert ok, msg
+
+
 @pytest.mark.parametrize("num_requests", [1, 3])
 def test_masks(comm, seed, num_requests):
     """seq_lens with zeros (empty requests on some ranks) and padding rows; and

@@ -41,3 +41,23 @@ def test_percentage_parsing():
     assert mps_thread_percentage({MPS: " 25 "}) == 25.0
     assert mps_thread_percentage({MPS: "101"}) is None
     assert mps_thread_percentage({MPS: "-5"}) is None
+
+
+@pytest.mark.parametrize("ranks_on_gpu, zero_copy", [(1, 132), (2, 33), (4, 33)])
+def test_gather_zero_copy_grid_takes_half_the_share_only_where_ranks_share_a_gpu(
+    ranks_on_gpu, zero_copy
+):
+    """A zero-copy gather call (one waiter) takes half the SM share where ranks share a GPU,
+    the whole share with one GPU per rank; a copy-out call always takes the whole share."""
+    from dcpkit.ops.kv_gather import KVGather
+
+    kv = KVGather.__new__(KVGather)
+    kv.max_ctas = 132 if ranks_on_gpu == 1 else 66
+    kv.ranks_on_gpu = ranks_on_gpu
+    kv.world_size = 2
+    kv.algorithm = "push"
+    kv.row_bytes = 1024
+    T = 16 * 1024  # 16 MiB per rank: far more vectors than any grid
+    assert kv.ctas_for(T) == zero_copy
+    assert kv.ctas_for(T, copy_out=True) == kv.max_ctas
+    assert kv.ctas_for(1) == 1  # a small call is sized by its vectors alone
