@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import warnings
 
+from .errors import ClosedError
+
 __all__ = ["Resource"]
 
 
@@ -20,17 +22,25 @@ class Resource:
 
     A subclass sets ``self._closed = False`` once it holds the resource, and implements
     :meth:`_close` (called once, with ``_closed`` already True). ``_resource_name`` names it in
-    the warning; ``_unclosed_hint`` says what to do.
+    the warning; ``_unclosed_hint`` says what to do; ``_noun`` is what :meth:`_check_open`
+    calls it.
     """
 
     _closed = True
     _resource_name = "resource"
     _unclosed_hint = "call close() on every rank"
+    _noun = "resource"
 
     @property
     def closed(self) -> bool:
         """True after :meth:`close` (or when construction did not complete)."""
         return self._closed
+
+    def _check_open(self, what: str) -> None:
+        """Raise :class:`~dcpkit.errors.ClosedError` ``"<what>: the <noun> is closed"`` once the
+        resource is closed (``what`` names the method called)."""
+        if self._closed:
+            raise ClosedError(f"{what}: the {self._noun} is closed")
 
     def close(self) -> None:
         """Release the resource (idempotent; collective where the class says so)."""

@@ -27,7 +27,6 @@ from typing import Any
 
 from ._lifecycle import Resource
 from .errors import (
-    ClosedError,
     ConfigMismatch,
     DcpkitError,
     InvalidArgument,
@@ -220,6 +219,8 @@ class Communicator(Resource):
     All methods are collective: every rank of the group calls them in the same order.
     """
 
+    _noun = "communicator"
+
     def __init__(
         self,
         rank: int,
@@ -361,8 +362,7 @@ class Communicator(Resource):
 
     # ------------------------------------------------------------------ collectives
     def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise ClosedError(f"Communicator.{what}: the communicator is closed")
+        super()._check_open(f"Communicator.{what}")
 
     def _gather(self, method: str, obj: Any, shown: Any = None) -> list[Any]:
         """allgather on behalf of ``method``: an object that does not pickle on some rank makes

@@ -28,6 +28,12 @@ class DcpkitError(Exception):
     """Base class of every error dcpkit raises on purpose."""
 
 
+def _with_detail(message: str, detail: str, form: str) -> str:
+    """``message``, followed by ``detail`` written in ``form`` (for example ``" ({})"``) when
+    there is one."""
+    return message + form.format(detail) if detail else message
+
+
 class InvalidArgument(DcpkitError, ValueError):
     """An argument has a wrong value, shape, stride, alignment, device or size."""
 
@@ -43,9 +49,7 @@ class MissingDependency(DcpkitError, ImportError):
         self.what = what
         self.extra = extra
         msg = f"{what} is not installed: install it with `pip install 'dcpkit[{extra}]'`"
-        if detail:
-            msg += f" ({detail})"
-        super().__init__(msg)
+        super().__init__(_with_detail(msg, detail, " ({})"))
 
 
 class CudaError(DcpkitError, RuntimeError):
@@ -62,10 +66,7 @@ class CudaError(DcpkitError, RuntimeError):
     def __init__(self, call: str, result: str, hint: str = ""):
         self.call = call
         self.result = result
-        msg = f"{call} failed with {result}"
-        if hint:
-            msg += f": {hint}"
-        super().__init__(msg)
+        super().__init__(_with_detail(f"{call} failed with {result}", hint, ": {}"))
 
 
 class CompileError(DcpkitError, RuntimeError):

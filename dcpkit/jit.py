@@ -29,6 +29,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from ._cuda import require_cupy
 from .errors import CompileError, InvalidArgument, InvalidType, MissingDependency
 
 __all__ = [
@@ -196,16 +197,6 @@ def _options_arg(options, op: str) -> tuple[str, ...]:
     return items
 
 
-def _cupy():
-    try:
-        import cupy
-    except ImportError as e:
-        from ._cuda import cuda_extra
-
-        raise MissingDependency("cupy", cuda_extra(), str(e)) from None
-    return cupy
-
-
 def get_kernel(file: str, name_expr: str, options: Sequence[str] = ()):
     """The ``cupy.RawKernel`` for one template variant of ``kernels/<file>``, on the current
     device.
@@ -242,7 +233,7 @@ def get_kernel(file: str, name_expr: str, options: Sequence[str] = ()):
             f"one of jit.VARIANTS[{file!r}] (got {name_expr!r})"
         )
     opts = tuple(DEFAULT_OPTIONS) + _options_arg(options, op)
-    cupy = _cupy()
+    cupy = require_cupy()
     from ._cuda import require_device
 
     require_device("jit.get_kernel")

@@ -231,6 +231,7 @@ class SymmetricHeap(Resource):
     """
 
     _resource_name = "SymmetricHeap"
+    _noun = "heap"
     _unclosed_hint = "call close() on every rank (its GPU memory is returned at process exit)"
 
     def __init__(
@@ -342,10 +343,6 @@ class SymmetricHeap(Resource):
     def world_size(self) -> int:
         """Number of ranks of the heap's group (read-only)."""
         return self._world_size
-
-    def _check_open(self, op: str) -> None:
-        if self._closed:
-            raise ClosedError(f"{op}: the heap is closed")
 
     def view(self, offset, shape, dtype, rank=None):
         """A CuPy array over ``[offset, offset + size)`` of this rank's or a peer's copy.

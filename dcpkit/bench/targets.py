@@ -126,6 +126,25 @@ _SMALL_OPS = ("q_gather", "lse_reduce", "kv_gather")
 _BOTH = ("eager", "graph")
 _G = ("graph",)
 
+#: The NVLink latency targets of one call at T=1 in a CUDA graph: op -> limit in us.
+_NVLINK_T1_US = {"q_gather": 3.0, "lse_reduce": 3.5}
+
+
+def _nvlink_t1(op: str, limit_us: float) -> Target:
+    """The NVLink target "``op`` T=1, graph: median <= ``limit_us``"."""
+    return Target(
+        f"nvlink.{op}_t1",
+        f"NVLink: {op} T=1, graph: <= {limit_us:g} us",
+        (op,),
+        _G,
+        lambda r: r.get("T") == 1,
+        "median_us",
+        _const(limit_us),
+        "<=",
+        nvlink_only=True,
+    )
+
+
 #: The targets, in the order of the table.
 TARGETS: list[Target] = [
     Target(
@@ -206,28 +225,7 @@ TARGETS: list[Target] = [
         ">=",
         missing="no NVSHMEM row of this case",
     ),
-    Target(
-        "nvlink.q_gather_t1",
-        "NVLink: q_gather T=1, graph: <= 3 us",
-        ("q_gather",),
-        _G,
-        lambda r: r.get("T") == 1,
-        "median_us",
-        _const(3.0),
-        "<=",
-        nvlink_only=True,
-    ),
-    Target(
-        "nvlink.lse_reduce_t1",
-        "NVLink: lse_reduce T=1, graph: <= 3.5 us",
-        ("lse_reduce",),
-        _G,
-        lambda r: r.get("T") == 1,
-        "median_us",
-        _const(3.5),
-        "<=",
-        nvlink_only=True,
-    ),
+    *(_nvlink_t1(op, limit_us) for op, limit_us in _NVLINK_T1_US.items()),
     Target(
         "nvlink.nccl_default",
         "NVLink: T <= 8 (kv_gather <= 256 KiB), graph: >= 4x NCCL's default path",

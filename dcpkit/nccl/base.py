@@ -24,7 +24,7 @@ from ..errors import ClosedError, InvalidArgument, InvalidType
 from ..symmetric import MAX_NBYTES, SymmetricHeap
 from .group import NcclGroup, nccl_module
 
-__all__ = ["NcclOp", "CheckedArguments", "PATH_NCCL", "check_heap_type"]
+__all__ = ["NcclOp", "NcclGather", "CheckedArguments", "PATH_NCCL", "check_heap_type"]
 
 #: Name of the path every NCCL op records (``DCPComm.last_path``).
 PATH_NCCL = "nccl"
@@ -53,8 +53,9 @@ class NcclOp(Resource):
     A subclass names its ``agreed_names`` and implements ``_check_geometry(world_size,
     **geometry keywords)`` (a classmethod: every check that needs no GPU and no collective,
     returning what every rank must agree on and the checked geometry with the sizes derived
-    from it), ``_make_buffers()``, ``_warmup_call(T)`` and ``_free_buffers()``; its constructor
-    passes its arguments to :meth:`_construct`.
+    from it), ``_make_buffers()``, ``_warmup_call(T)`` and ``_free_buffers()`` (the two
+    gathers take the buffer pair from :class:`NcclGather`); its constructor passes its arguments
+    to :meth:`_construct`.
     """
 
     op_name = "op"
@@ -63,6 +64,7 @@ class NcclOp(Resource):
     def _resource_name(self) -> str:  # the name in the unclosed-resource warning
         return f"{self.op_name} (nccl)"
 
+    _noun = "workspace"
     path = PATH_NCCL
     algorithm = ""
     multicast = False
@@ -297,6 +299,15 @@ class NcclOp(Resource):
         with cupy.cuda.Device(self.device):
             return cupy.empty(max(int(nbytes), 256), dtype=cupy.uint8)
 
+    def _per_ubatch(self, nbytes: int) -> list:
+        """One buffer of ``nbytes`` per ubatch (:meth:`_alloc`)."""
+        return [self._alloc(nbytes) for _ in range(self.num_ubatches)]
+
+    def _result_slots(self, nbytes: int) -> list:
+        """Per ubatch, the three result buffers of ``nbytes`` that :meth:`_begin`'s index picks
+        (0 and 1 alternate for eager calls, 2 is the graph's)."""
+        return [[self._alloc(nbytes) for _ in range(3)] for _ in range(self.num_ubatches)]
+
     def _view(self, buf, shape: tuple[int, ...], dtype, offset: int = 0):
         """A C-contiguous typed view of ``buf`` (a uint8 CuPy array) at byte ``offset``."""
         return self._cupy.ndarray(tuple(shape), dtype, memptr=buf.data + int(offset))
@@ -320,8 +331,7 @@ class NcclOp(Resource):
 
     # ------------------------------------------------------------------ per call
     def check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"{self.op_name}: the workspace is closed")
+        self._check_open(self.op_name)
 
     def check_ubatch(self, ubatch) -> int:
         """``ubatch`` as an int in ``[0, num_ubatches)``."""
@@ -424,3 +434,16 @@ class NcclOp(Resource):
         with cupy.cuda.Device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
         self._release()
+
+
+class NcclGather(NcclOp):
+    """The buffers the two NCCL gathers share: per ubatch, a send buffer of ``max_tokens`` rows
+    of ``row_bytes`` and the three result slots (:meth:`NcclOp._result_slots`) of
+    ``_result_bytes``, both set by the subclass's ``_check_geometry``."""
+
+    def _make_buffers(self) -> None:
+        self._send = self._per_ubatch(self.max_tokens * self.row_bytes)
+        self._outs = self._result_slots(self._result_bytes)
+
+    def _free_buffers(self) -> None:
+        self._send = self._outs = None

@@ -6,13 +6,13 @@ from .._checks import COPY_ITEMSIZES, check_positive_int, resolve_bytes_dtype
 from .._strided import c_contiguous
 from ..comm import Communicator
 from ..errors import InvalidArgument
-from .base import NcclOp
+from .base import NcclGather
 from .group import NcclGroup
 
 __all__ = ["NcclKVGather"]
 
 
-class NcclKVGather(NcclOp):
+class NcclKVGather(NcclGather):
     """``kv_gather`` on NCCL: one ``ncclAllGather``.
 
     Naive equivalent::
@@ -69,11 +69,6 @@ class NcclKVGather(NcclOp):
     ):
         self._construct(locals())  # every keyword: none is left unchecked
 
-    def _make_buffers(self) -> None:
-        T, W, U, row = self.max_tokens, self.world_size, self.num_ubatches, self.row_bytes
-        self._send = [self._alloc(T * row) for _ in range(U)]
-        self._outs = [[self._alloc(W * T * row) for _ in range(3)] for _ in range(U)]
-
     @classmethod
     def _check_geometry(
         cls,
@@ -96,13 +91,11 @@ class NcclKVGather(NcclOp):
             raise InvalidArgument(f"{op}: algorithm must be 'push' or 'pull' (got {algorithm!r})")
         T = g["max_tokens"]
         g["row_bytes"] = g["row_dim"] * dt.itemsize
+        g["_result_bytes"] = g["world_size"] * T * g["row_bytes"]
         cls._check_buffer_bytes(
             g["num_ubatches"], T * g["row_bytes"] * (1 + 3 * g["world_size"]), "max_tokens, row_dim"
         )
         return (T, g["row_dim"], str(dt), g["num_ubatches"]), g
-
-    def _free_buffers(self) -> None:
-        self._send = self._outs = None
 
     def _warmup_call(self, T: int) -> None:
         cupy = self._cupy

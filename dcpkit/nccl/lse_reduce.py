@@ -190,24 +190,24 @@ class NcclLseReduce(LseReduceCall, NcclOp):
         self._construct(locals())  # every keyword: none is left unchecked
 
     def _make_buffers(self) -> None:
-        W, T, U = self.world_size, self.max_tokens, self.num_ubatches
+        W, T = self.world_size, self.max_tokens
         H, H_r, Ho, D = self.num_heads, self.heads_per_rank, self.out_heads, self.head_dim
         isz = self.dtype.itemsize
         if self.algorithm == "all_to_all":
             from ..ops.lse_reduce import lse_combine
 
             self._combine = lse_combine
-            self._send_out = [self._alloc(T * H * D * isz) for _ in range(U)]
-            self._recv_out = [self._alloc(T * H * D * isz) for _ in range(U)]
-            self._send_lse = [self._alloc(T * H * 4) for _ in range(U)]
-            self._recv_lse = [self._alloc(T * H * 4) for _ in range(U)]
+            self._send_out = self._per_ubatch(T * H * D * isz)
+            self._recv_out = self._per_ubatch(T * H * D * isz)
+            self._send_lse = self._per_ubatch(T * H * 4)
+            self._recv_lse = self._per_ubatch(T * H * 4)
         else:
-            self._lse_all = [self._alloc(W * T * H * 4) for _ in range(U)]
-            self._y = [self._alloc(T * H * D * 4) for _ in range(U)]
+            self._lse_all = self._per_ubatch(W * T * H * 4)
+            self._y = self._per_ubatch(T * H * D * 4)
             if self.algorithm == "allgather_reduce_scatter":
-                self._rs = [self._alloc(T * H_r * D * 4) for _ in range(U)]
-        self._outs = [[self._alloc(T * Ho * D * isz) for _ in range(3)] for _ in range(U)]
-        self._lse_outs = [[self._alloc(T * Ho * 4) for _ in range(3)] for _ in range(U)]
+                self._rs = self._per_ubatch(T * H_r * D * 4)
+        self._outs = self._result_slots(T * Ho * D * isz)
+        self._lse_outs = self._result_slots(T * Ho * 4)
 
     @classmethod
     def _check_geometry(

@@ -6,13 +6,13 @@ from .._checks import COPY_ITEMSIZES, check_positive_int, resolve_bytes_dtype
 from .._strided import c_contiguous, launch_copy, owner_to_heads_plan
 from ..comm import Communicator
 from ..errors import InvalidArgument
-from .base import NcclOp
+from .base import NcclGather
 from .group import NcclGroup
 
 __all__ = ["NcclQGather"]
 
 
-class NcclQGather(NcclOp):
+class NcclQGather(NcclGather):
     """``q_gather`` on NCCL: an all-gather of ``q`` plus the head reorder.
 
     Naive equivalent::
@@ -88,10 +88,8 @@ class NcclQGather(NcclOp):
         self._construct(locals())  # every keyword: none is left unchecked
 
     def _make_buffers(self) -> None:
-        T, U = self.max_tokens, self.num_ubatches
-        self._send = [self._alloc(T * self.row_bytes) for _ in range(U)]
-        self._gather = [self._alloc(self.world_size * T * self.row_bytes) for _ in range(U)]
-        self._outs = [[self._alloc(T * self._token_bytes) for _ in range(3)] for _ in range(U)]
+        super()._make_buffers()
+        self._gather = self._per_ubatch(self.world_size * self.max_tokens * self.row_bytes)
 
     @classmethod
     def _check_geometry(
@@ -120,6 +118,7 @@ class NcclQGather(NcclOp):
         g["padded_num_heads"] = check_positive_int(pad, op, "padded_num_heads", minimum=H)
         row = g["row_bytes"] = g["heads_per_rank"] * g["head_dim"] * dt.itemsize
         g["_token_bytes"] = g["padded_num_heads"] * g["head_dim"] * dt.itemsize
+        g["_result_bytes"] = T * g["_token_bytes"]
         cls._check_buffer_bytes(
             g["num_ubatches"],
             T * row * (1 + W) + 3 * T * g["_token_bytes"],
@@ -135,7 +134,8 @@ class NcclQGather(NcclOp):
         ), g
 
     def _free_buffers(self) -> None:
-        self._send = self._gather = self._outs = None
+        super()._free_buffers()
+        self._gather = None
 
     def _warmup_call(self, T: int) -> None:
         cupy = self._cupy

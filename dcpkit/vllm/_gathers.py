@@ -9,18 +9,17 @@ from ._common import (
     InvalidGeometry,
     UnsupportedDtype,
     check_int,
-    check_tensor,
-    check_ubatch,
     movable_view_dtype,
     resolve_torch_dtype,
 )
 from ._workspaces import (
     KV_GATHER_DTYPES,
     Workspace,
-    check_ubatches,
+    check_row_bytes,
+    check_sizes,
+    check_two_ranks,
     dtype_in,
-    positive,
-    rows_aligned,
+    head_sizes,
 )
 
 __all__ = ["DirectDCPQGatherWorkspace", "DirectDCPKVGatherWorkspace"]
@@ -92,11 +91,7 @@ class DirectDCPQGatherWorkspace(Workspace):
         what = self._what
 
         def check(W: int):
-            U = check_ubatches(what, num_ubatches)
-            T = check_int(max_num_tokens, what, "max_num_tokens")
-            H_r = check_int(heads_per_rank, what, "heads_per_rank")
-            D = check_int(head_dim, what, "head_dim")
-            positive(what, T=T, H=H_r, D=D)
+            U, T, H_r, D = head_sizes(what, num_ubatches, max_num_tokens, heads_per_rank, head_dim)
             dt = resolve_torch_dtype(dtype, what)
             if movable_view_dtype(dt) is None:
                 raise UnsupportedDtype(
@@ -118,11 +113,7 @@ class DirectDCPQGatherWorkspace(Workspace):
                     f"bytes (got {H_r}*{D}*{isz} = {H_r * D * isz} and {storage}*{D}*{isz} = "
                     f"{storage * D * isz})"
                 )
-            if W <= 1:
-                raise InvalidGeometry(
-                    f"{what}: world_size must be >= 2: the q-gather requires "
-                    f"at least two ranks (got {W})"
-                )
+            check_two_ranks(what, W, "q-gather")
             if storage < H:
                 raise InvalidGeometry(
                     f"{what}: padded_num_heads must cover the gathered heads "
@@ -192,29 +183,20 @@ class DirectDCPQGatherWorkspace(Workspace):
             The workspace is closed.
         """
         what = "DirectDCPQGatherWorkspace.gather"
-        self._check_open(what)
-        u = check_ubatch(what, self.num_ubatches)
+        u = self._begin(what)
         H_r, D, H = self.heads_per_rank, self.head_dim, self.gathered_num_heads
         if getattr(local_query, "ndim", None) == 3 and local_query.shape[1] != H_r:
             raise InvalidGeometry(
                 f"{what}: local_query must have heads_per_rank = {H_r} local "
                 f"query heads (got {local_query.shape[1]})"
             )
-        check_tensor(
-            local_query, what, "local_query", device=self.device, dtypes=(self.dtype,), ndim=3
-        )
+        self._check_tensor(local_query, what, "local_query", ndim=3)
         T = local_query.shape[0]
         if local_query.shape[2] != D:
             raise InvalidArgument(
                 f"{what}: local_query head_dim must be {D} (got {local_query.shape[2]})"
             )
-        if T > self.max_num_tokens:
-            raise InvalidArgument(
-                f"{what}: local_query tokens must be <= max_num_tokens "
-                f"{self.max_num_tokens} (got {T})"
-            )
-        if T:
-            rows_aligned(what, "local_query", local_query, H_r)
+        self._check_rows(what, "local_query", local_query, H_r)
         output = self._torch.as_strided(self.final_query[u], (T, H, D), (H * D, D, 1))
         if T:
             vd = self._view_dtype
@@ -280,23 +262,15 @@ class DirectDCPKVGatherWorkspace(Workspace):
         what = self._what
 
         def check(W: int):
-            dt = resolve_torch_dtype(dtype, what)
-            dtype_in(what, dt, KV_GATHER_DTYPES)
-            U = check_ubatches(what, num_ubatches)
-            T = check_int(max_gathered_tokens, what, "max_gathered_tokens")
-            D = check_int(token_dim, what, "token_dim")
-            positive(what, T=T, D=D)
-            if (D * dt.itemsize) % 16:
-                raise InvalidGeometry(
-                    f"{what}: KV rows must be 16-byte aligned: token_dim * "
-                    f"itemsize must be a multiple of 16 bytes (got {D} * "
-                    f"{dt.itemsize} = {D * dt.itemsize})"
-                )
-            if W <= 1:
-                raise InvalidGeometry(
-                    f"{what}: world_size must be >= 2: the kv-gather requires "
-                    f"at least two ranks (got {W})"
-                )
+            dt = dtype_in(what, dtype, KV_GATHER_DTYPES)
+            U, T, D = check_sizes(
+                what,
+                num_ubatches,
+                T=("max_gathered_tokens", max_gathered_tokens),
+                D=("token_dim", token_dim),
+            )
+            check_row_bytes(what, "token_dim", D, dt.itemsize, "KV rows must be 16-byte aligned: ")
+            check_two_ranks(what, W, "kv-gather")
             if T % W:
                 raise InvalidGeometry(
                     f"{what}: max_gathered_tokens must divide evenly across "
@@ -350,18 +324,9 @@ class DirectDCPKVGatherWorkspace(Workspace):
             The workspace is closed.
         """
         what = "DirectDCPKVGatherWorkspace.gather"
-        self._check_open(what)
-        u = check_ubatch(what, self.num_ubatches)
+        u = self._begin(what)
         W, D = self.world_size, self.token_dim
-        check_tensor(
-            local_kv,
-            what,
-            "local_kv",
-            device=self.device,
-            dtypes=(self.dtype,),
-            ndim=2,
-            contiguous=True,
-        )
+        self._check_tensor(local_kv, what, "local_kv", ndim=2, contiguous=True)
         T = local_kv.shape[0]
         if T < 1 or local_kv.shape[1] != D:
             raise InvalidArgument(
@@ -373,15 +338,7 @@ class DirectDCPKVGatherWorkspace(Workspace):
                 f"max_gathered_tokens {self.max_gathered_tokens} (got {W} * "
                 f"{T} = {W * T})"
             )
-        check_tensor(
-            gathered_kv,
-            what,
-            "gathered_kv",
-            device=self.device,
-            dtypes=(self.dtype,),
-            ndim=2,
-            contiguous=True,
-        )
+        self._check_tensor(gathered_kv, what, "gathered_kv", ndim=2, contiguous=True)
         if tuple(gathered_kv.shape) != (W * T, D):
             raise InvalidArgument(
                 f"{what}: gathered_kv shape must be [world_size*T, D] = "

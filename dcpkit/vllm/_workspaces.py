@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 
-from ..errors import ClosedError, InvalidArgument
+from .._lifecycle import Resource
+from ..errors import InvalidArgument
 from ._common import (
     BFLOAT16,
     LN2,
@@ -59,26 +60,61 @@ def on_device(index: int):
             dev.__exit__(None, None, None)
 
 
-def positive(what: str, **dims) -> None:
-    bad = {k: v for k, v in dims.items() if v < 1}
-    if bad:
-        got = ", ".join(f"{k}={v}" for k, v in dims.items())
-        raise InvalidGeometry(f"{what}: dimensions must be positive (got {got})")
-
-
-def check_ubatches(what: str, num_ubatches) -> int:
+def check_sizes(what: str, num_ubatches, **sizes) -> tuple[int, ...]:
+    """The size arguments of a workspace constructor: ``num_ubatches`` an int >= 1, then every
+    size an int, then all of them >= 1. ``sizes`` maps the name a message gives a dimension
+    (``T``, ``H``, ``D``) to ``(argument name, value)``, in the constructor's order. Returns
+    ``(num_ubatches, *sizes)``."""
     u = check_int(num_ubatches, what, "num_ubatches")
     if u < 1:
         raise InvalidGeometry(
             f"{what}: num_ubatches must be >= 1: at least one ubatch slot (got {u})"
         )
-    return u
+    dims = {k: check_int(value, what, name) for k, (name, value) in sizes.items()}
+    if any(v < 1 for v in dims.values()):
+        got = ", ".join(f"{k}={v}" for k, v in dims.items())
+        raise InvalidGeometry(f"{what}: dimensions must be positive (got {got})")
+    return (u, *dims.values())
 
 
-def dtype_in(what: str, dtype, names) -> None:
-    if str(dtype).replace("torch.", "") not in names:
+def head_sizes(what: str, num_ubatches, max_num_tokens, heads_per_rank, head_dim) -> tuple:
+    """:func:`check_sizes` of a workspace over ``[T, H_r, D]`` rows (the A2A combine, the query
+    gather); returns ``(num_ubatches, T, H_r, D)``."""
+    return check_sizes(
+        what,
+        num_ubatches,
+        T=("max_num_tokens", max_num_tokens),
+        H=("heads_per_rank", heads_per_rank),
+        D=("head_dim", head_dim),
+    )
+
+
+def check_row_bytes(what: str, name: str, dim: int, itemsize: int, why: str = "") -> None:
+    """``dim * itemsize`` (the bytes of one row the kernel moves) a multiple of 16; ``why``
+    opens the message."""
+    if (dim * itemsize) % 16:
+        raise InvalidGeometry(
+            f"{what}: {why}{name} * itemsize must be a multiple of 16 bytes (got {dim} * "
+            f"{itemsize} = {dim * itemsize})"
+        )
+
+
+def check_two_ranks(what: str, world_size: int, op: str) -> None:
+    """A gather needs a peer: ``world_size >= 2``."""
+    if world_size <= 1:
+        raise InvalidGeometry(
+            f"{what}: world_size must be >= 2: the {op} requires at least two ranks "
+            f"(got {world_size})"
+        )
+
+
+def dtype_in(what: str, dtype, names):
+    """``dtype`` as a ``torch.dtype`` (:func:`resolve_torch_dtype`), one of ``names``."""
+    dt = resolve_torch_dtype(dtype, what)
+    if str(dt).replace("torch.", "") not in names:
         want = ", ".join(f"torch.{n}" for n in names)
-        raise UnsupportedDtype(f"{what}: dtype must be one of [{want}] (got {dtype})")
+        raise UnsupportedDtype(f"{what}: dtype must be one of [{want}] (got {dt})")
+    return dt
 
 
 def rows_aligned(what: str, name: str, t, heads: int) -> None:
@@ -104,10 +140,11 @@ def rows_aligned(what: str, name: str, t, heads: int) -> None:
         )
 
 
-class Workspace:
+class Workspace(Resource):
     """What the three share: the group, the device, ubatch slots, one dcpkit op, ``close()``."""
 
     _what = "workspace"
+    _noun = "workspace"
 
     def _setup(self, group, device, check) -> tuple:
         """Resolve the group, run every argument check on every rank in one exchange, and
@@ -154,6 +191,36 @@ class Workspace:
         self._ops = TorchOps(self._op)
         self._closed = False
 
+    # ------------------------------------------------------------------ per call
+    def _begin(self, what: str) -> int:
+        """The checks every call starts with: the workspace open, the current ubatch in range;
+        returns the ubatch."""
+        self._check_open(what)
+        return check_ubatch(what, self.num_ubatches)
+
+    def _check_tensor(self, t, what: str, name: str, ndim: int, contiguous: bool = False):
+        """:func:`check_tensor` of a tensor of the workspace dtype on its device."""
+        return check_tensor(
+            t,
+            what,
+            name,
+            device=self.device,
+            dtypes=(self.dtype,),
+            ndim=ndim,
+            contiguous=contiguous,
+        )
+
+    def _check_rows(self, what: str, name: str, t, heads: int) -> None:
+        """``t [T, heads, D]`` (``T = t.shape[0]``): ``T <= max_num_tokens`` and, for ``T >= 1``,
+        rows the kernel can read in place (:func:`rows_aligned`)."""
+        T = t.shape[0]
+        if T > self.max_num_tokens:
+            raise InvalidArgument(
+                f"{what}: {name} tokens must be <= max_num_tokens {self.max_num_tokens} (got {T})"
+            )
+        if T:
+            rows_aligned(what, name, t, heads)
+
     @property
     def op(self):
         """The dcpkit op under this workspace (its ``transport`` says unicast or multicast)."""
@@ -164,27 +231,18 @@ class Workspace:
         """``"unicast"`` or ``"multicast"``: what every call of the dcpkit op launches."""
         return getattr(self._op, "transport", "unicast")
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _check_open(self, what: str) -> None:
-        if self.closed:
-            raise ClosedError(f"{what}: the workspace is closed")
-
     def close(self) -> None:
         """Release the dcpkit op and its symmetric memory (collective, idempotent)."""
-        self._closed = True
+        super().close()
+
+    def _close(self) -> None:
         if self._ops is not None:
             self._ops.close()
         if self._op is not None:
             self._op.close()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _left_open(self) -> bool:
+        return False  # the dcpkit op holds the memory, and warns for itself when dropped open
 
 
 # ----------------------------------------------------------------------------- A2A combine
@@ -261,18 +319,9 @@ class DirectDCPA2AWorkspace(Workspace):
         what = self._what
 
         def check(W: int):
-            dt = resolve_torch_dtype(dtype, what)
-            dtype_in(what, dt, A2A_DTYPES)
-            U = check_ubatches(what, num_ubatches)
-            T = check_int(max_num_tokens, what, "max_num_tokens")
-            H_r = check_int(heads_per_rank, what, "heads_per_rank")
-            D = check_int(head_dim, what, "head_dim")
-            positive(what, T=T, H=H_r, D=D)
-            if (D * dt.itemsize) % 16:
-                raise InvalidGeometry(
-                    f"{what}: head_dim * itemsize must be a multiple of 16 "
-                    f"bytes (got {D} * {dt.itemsize} = {D * dt.itemsize})"
-                )
+            dt = dtype_in(what, dtype, A2A_DTYPES)
+            U, T, H_r, D = head_sizes(what, num_ubatches, max_num_tokens, heads_per_rank, head_dim)
+            check_row_bytes(what, "head_dim", D, dt.itemsize)
             if W > 64:
                 raise InvalidGeometry(f"{what}: world_size must be <= 64 (got {W})")
             return T, H_r, D, dt, U
@@ -356,15 +405,12 @@ class DirectDCPA2AWorkspace(Workspace):
             The workspace is closed.
         """
         what = "DirectDCPA2AWorkspace.lse_reduce"
-        self._check_open(what)
-        u = check_ubatch(what, self.num_ubatches)
+        u = self._begin(what)
         torch = self._torch
         base_e = check_bool(is_lse_base_on_e, what, "is_lse_base_on_e")
         want_lse = check_bool(return_lse, what, "return_lse")
         H_r, D, H = self.heads_per_rank, self.head_dim, self.world_size * self.heads_per_rank
-        check_tensor(
-            partial_output, what, "partial_output", device=self.device, dtypes=(self.dtype,), ndim=3
-        )
+        self._check_tensor(partial_output, what, "partial_output", ndim=3)
         T = partial_output.shape[0]
         if tuple(partial_output.shape[1:]) != (H, D):
             raise InvalidArgument(
@@ -372,13 +418,7 @@ class DirectDCPA2AWorkspace(Workspace):
                 f"([T, world_size*heads_per_rank, head_dim]) (got "
                 f"{list(partial_output.shape)})"
             )
-        if T > self.max_num_tokens:
-            raise InvalidArgument(
-                f"{what}: partial_output tokens must be <= max_num_tokens "
-                f"{self.max_num_tokens} (got {T})"
-            )
-        if T:
-            rows_aligned(what, "partial_output", partial_output, H)
+        self._check_rows(what, "partial_output", partial_output, H)
         masks, outs = (seq_lens, query_start_loc), (out, out_lse)
         check_combine_inputs(
             what, self.device, partial_lse, (T, H), masks, outs, (T, H_r, D), self.dtype

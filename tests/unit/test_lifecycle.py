@@ -10,10 +10,12 @@ import pytest
 
 from dcpkit._lifecycle import Resource
 from dcpkit.comm import Communicator
+from dcpkit.errors import ClosedError
 from dcpkit.manager import DCPComm
 from dcpkit.multicast import MulticastObject
 from dcpkit.nccl import NcclGroup, NcclKVGather, NcclLseReduce, NcclQGather
 from dcpkit.symmetric import SymmetricHeap
+from dcpkit.vllm import DirectDCPA2AWorkspace, DirectDCPKVGatherWorkspace, DirectDCPQGatherWorkspace
 
 
 class Held(Resource):
@@ -83,3 +85,65 @@ def test_a_communicator_is_a_resource_that_never_warns():
     c.close()
     c.close()
     assert c.closed
+
+
+def test_check_open_names_the_call_and_the_resource_once_closed():
+    h = Held()
+    h._noun = "held thing"
+    h._check_open("Held.use")  # open: nothing raised
+    h.close()
+    with pytest.raises(ClosedError, match=r"^Held\.use: the held thing is closed$"):
+        h._check_open("Held.use")
+
+
+def _closed(cls):
+    obj = cls.__new__(cls)
+    obj._closed = True
+    return obj
+
+
+@pytest.mark.parametrize(
+    "check,message",
+    [
+        (
+            lambda: _closed(SymmetricHeap)._check_open("SymmetricHeap.view"),
+            "SymmetricHeap.view: the heap is closed",
+        ),
+        (
+            lambda: _closed(Communicator)._check_open("barrier"),
+            "Communicator.barrier: the communicator is closed",
+        ),
+        (lambda: _closed(NcclQGather).check_open(), "q_gather: the workspace is closed"),
+        (lambda: _closed(NcclLseReduce).check_open(), "lse_reduce: the workspace is closed"),
+        (
+            lambda: _closed(DirectDCPQGatherWorkspace)._check_open(
+                "DirectDCPQGatherWorkspace.gather"
+            ),
+            "DirectDCPQGatherWorkspace.gather: the workspace is closed",
+        ),
+    ],
+)
+def test_every_resource_says_what_is_closed(check, message):
+    with pytest.raises(ClosedError) as got:
+        check()
+    assert str(got.value) == message
+
+
+@pytest.mark.parametrize(
+    "cls", [DirectDCPA2AWorkspace, DirectDCPQGatherWorkspace, DirectDCPKVGatherWorkspace]
+)
+def test_a_vllm_workspace_closes_its_op_once_and_leaves_the_warning_to_it(cls):
+    class Op:
+        closes = 0
+
+        def close(self):
+            Op.closes += 1
+
+    ws = cls.__new__(cls)
+    ws._op, ws._ops, ws._closed = Op(), Op(), False
+    assert isinstance(ws, Resource) and not ws.closed
+    assert _warnings_of(ws) == []  # the dcpkit op under it warns for itself
+    with ws:
+        pass
+    ws.close()
+    assert ws.closed and Op.closes == 2  # the op and its torch front end, once each

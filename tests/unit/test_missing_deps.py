@@ -72,6 +72,36 @@ def test_missing_dependency_names_the_extra(run_python, case):
     assert not got["chained"] and not got["context_shown"], got
 
 
+def test_a_broken_cupy_gives_the_kernel_loader_the_same_clear_error(run_python):
+    """A CuPy that is installed but fails to import (CUDA libraries of another major version)
+    is reported as MissingDependency by the kernel loader too, as by every other entry point."""
+    code = """
+import importlib.abc, json, sys
+
+class Broken(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "cupy":
+            raise OSError("libcudart.so.12: cannot open shared object file")
+
+sys.meta_path.insert(0, Broken())
+from dcpkit import jit
+from dcpkit.errors import MissingDependency
+f = next(iter(jit.VARIANTS))
+try:
+    jit.get_kernel(f, jit.VARIANTS[f][0])
+    print(json.dumps({"raised": None}))
+except MissingDependency as e:
+    print(json.dumps({"raised": "MissingDependency", "message": str(e)}))
+except BaseException as e:
+    print(json.dumps({"raised": type(e).__name__, "message": str(e)}))
+"""
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["raised"] == "MissingDependency", got
+    assert "importing it failed: OSError: libcudart.so.12" in got["message"], got
+
+
 def test_cuda_extra_follows_the_installed_wheels(monkeypatch):
     from importlib import metadata
 

@@ -56,6 +56,8 @@ def test_q_gather_buffers_and_sizes(stubbed):
     assert op.row_bytes == 2 * 64 * 2 and op._token_bytes == 10 * 64 * 2
     assert op._send == [8 * op.row_bytes] and op._gather == [4 * 8 * op.row_bytes]
     assert op._outs == [[8 * op._token_bytes] * 3]
+    op._free_buffers()
+    assert op._send is None and op._gather is None and op._outs is None
 
 
 def test_kv_gather_buffers_and_sizes(stubbed):
@@ -64,6 +66,8 @@ def test_kv_gather_buffers_and_sizes(stubbed):
     assert op.row_bytes == 576 * 2
     assert op._send == [5 * op.row_bytes] * 2
     assert op._outs == [[4 * 5 * op.row_bytes] * 3] * 2
+    op._free_buffers()
+    assert op._send is None and op._outs is None
 
 
 @pytest.mark.parametrize(

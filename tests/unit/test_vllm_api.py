@@ -322,6 +322,78 @@ def _no_alloc(*a, **k):
     raise AssertionError("allocated before the checks")
 
 
+# (world_size, build(comm), the whole message): the geometry checks the three workspaces share.
+CTOR_MESSAGES = [
+    (
+        2,
+        lambda c: A2A(c, CUDA0, 8, 4, 512, torch.float32),
+        "DirectDCPA2AWorkspace: dtype must be one of [torch.float16, torch.bfloat16] "
+        "(got torch.float32)",
+    ),
+    (
+        2,
+        lambda c: A2A(c, CUDA0, 8, 4.0, 512),
+        "DirectDCPA2AWorkspace: heads_per_rank must be an int (got float 4.0)",
+    ),
+    (
+        2,
+        lambda c: A2A(c, CUDA0, 8, 4, 4),
+        "DirectDCPA2AWorkspace: head_dim * itemsize must be a multiple of 16 bytes (got 4 * 2 = 8)",
+    ),
+    (
+        2,
+        lambda c: QG(c, CUDA0, 8, 4, 576, BF16, 0),
+        "DirectDCPQGatherWorkspace: num_ubatches must be >= 1: at least one ubatch slot (got 0)",
+    ),
+    (
+        2,
+        lambda c: QG(c, CUDA0, 8, 0, 576),
+        "DirectDCPQGatherWorkspace: dimensions must be positive (got T=8, H=0, D=576)",
+    ),
+    (
+        1,
+        lambda c: QG(c, CUDA0, 8, 4, 576),
+        "DirectDCPQGatherWorkspace: world_size must be >= 2: the q-gather requires at least "
+        "two ranks (got 1)",
+    ),
+    (
+        2,
+        lambda c: KV(c, CUDA0, 8, 576, torch.float32),
+        "DirectDCPKVGatherWorkspace: dtype must be one of [torch.float16, torch.bfloat16, "
+        "torch.float8_e4m3fn] (got torch.float32)",
+    ),
+    (
+        2,
+        lambda c: KV(c, CUDA0, 0, 576),
+        "DirectDCPKVGatherWorkspace: dimensions must be positive (got T=0, D=576)",
+    ),
+    (
+        2,
+        lambda c: KV(c, CUDA0, 8, "576"),
+        "DirectDCPKVGatherWorkspace: token_dim must be an int (got str '576')",
+    ),
+    (
+        2,
+        lambda c: KV(c, CUDA0, 8, 12),
+        "DirectDCPKVGatherWorkspace: KV rows must be 16-byte aligned: token_dim * itemsize "
+        "must be a multiple of 16 bytes (got 12 * 2 = 24)",
+    ),
+    (
+        1,
+        lambda c: KV(c, CUDA0, 8, 576),
+        "DirectDCPKVGatherWorkspace: world_size must be >= 2: the kv-gather requires at least "
+        "two ranks (got 1)",
+    ),
+]
+
+
+@pytest.mark.parametrize("W,build,message", CTOR_MESSAGES)
+def test_the_shared_geometry_checks_give_each_workspace_its_whole_message(W, build, message):
+    for r, (kind, e) in enumerate(on_ranks(lambda c, r: build(c), W)):
+        assert kind == "err", f"rank {r} built it"
+        assert str(e) == message, f"rank {r}"
+
+
 def test_valid_arguments_without_a_gpu_raise_a_clear_error_on_every_rank():
     if _have_gpu():
         pytest.skip("a GPU is visible here: construction would succeed")
