@@ -272,6 +272,81 @@ def _variant_runner(ctx: Ctx, op: str, paths: Sequence[str], factory, cases, max
     return runner
 
 
+#: Variants of the paired rows: the op as shipped and without self-checking signals, timed in
+#: alternating samples of one stage (self_check.cost judges these where present).
+PAIRED = ("paired", "paired_" + _VARIANT)
+
+
+def paired_graph(ctx: Ctx, a: Runner, b: Runner, case, data) -> list[BenchRow]:
+    """Graph rows of two builds of one op at one case, timed in alternating samples (A B B A
+    ...) of one stage, so that a drift of the machine during the run weighs on both alike:
+    the fair A/B of the self-check cost. Both use the timed inputs; each output is poisoned
+    before the first replay and checked after it and after the timing. Rows: variants
+    ``PAIRED`` (``a``, then ``b``)."""
+    dev, cfg = ctx.dev, ctx.cfg
+    B = data["timed"]
+    runners = (a, b)
+    rows = [_new_row(ctx, case, r, "graph") for r in runners]
+    for row, name in zip(rows, PAIRED):
+        row.variant = name
+    label = f"{case['op']} T={case['T']} direct (paired)"
+    box: dict[str, Any] = {}
+
+    def setup():
+        ests = []
+        for i, r in enumerate(runners):
+            r.bind(B["dev"], case, B["refs"])
+            box[f"refs{i}"] = r.own_refs() or B["refs"]
+            r.calls(3)
+            ests.append(dev.sample(r.stream, lambda r=r: r.calls(5)) / 5)
+        return max(ests)
+
+    def capture(pg):
+        for i, r in enumerate(runners):
+            box[f"g{i}"] = r.capture(pg["graph_calls"])
+            dev.poison(box[f"g{i}"][1])
+
+    def timed(pg):
+        out = {"times": ([], []), "first": [], "final": []}
+        for i, r in enumerate(runners):
+            launch, last = box[f"g{i}"]
+            launch()
+            dev.wait_stream(r.stream, f"{label} first replay")
+            out["first"].append(dev.compare(last, box[f"refs{i}"]))
+        for k in range(pg["samples"]):
+            for i in (0, 1) if k % 2 == 0 else (1, 0):
+                launch, r = box[f"g{i}"][0], runners[i]
+                t = dev.sample(r.stream, lambda: [launch() for _ in range(pg["replays"])])
+                out["times"][i].append(t / (pg["replays"] * pg["graph_calls"]))
+        for i in (0, 1):
+            out["final"].append(dev.compare(box[f"g{i}"][1], box[f"refs{i}"]))
+        return out
+
+    try:
+        est = max(stage(ctx, f"{label}: bind and warm up", setup))
+        pg = plan(est, cfg, graph=True)
+        try:
+            stage(ctx, f"{label}: graph capture", lambda: capture(pg))
+            per = stage(ctx, f"{label}: graph", lambda: timed(pg))
+        finally:
+            box.clear()  # drops the graphs
+    except StageFailed as e:
+        for row in rows:
+            row.error = str(e)
+        return rows
+    for i, row in enumerate(rows):
+        row.times_us = max_over_ranks([p["times"][i] for p in per])
+        row.plan = pg
+        for st, key in (
+            ("graph, first replay (poisoned)", "first"),
+            ("graph, after timing", "final"),
+        ):
+            rec = _check_record(st, [p[key][i] for p in per])
+            row.checks.append(rec)
+            row.wrong += rec["wrong"]
+    return rows
+
+
 def _error_rows(ctx: Ctx, case, path: str, modes, error: str, variant=None) -> list[BenchRow]:
     return [
         BenchRow.for_case(case, path, m, ctx.world, variant=variant, error=error) for m in modes
@@ -281,7 +356,8 @@ def _error_rows(ctx: Ctx, case, path: str, modes, error: str, variant=None) -> l
 def run_op(ctx: Ctx, op: str, paths: Sequence[str], factory, base_seed: int) -> None:
     """Every case of ``op`` on every path: build the runners once, share each case's inputs.
     The floor path runs after dcpkit's paths (it takes the op's CTA count); the op without
-    self-checking signals runs at T=1 in a graph, right after the op."""
+    self-checking signals runs at T=1 in a graph, right after the op, then both again in
+    alternating samples (:func:`paired_graph`)."""
     cases = cases_for(op, ctx.cfg, ctx.world)
     if ctx.cfg["geometry"]["H"] % ctx.world and op != "kv_gather":
         # a property of the geometry at this world size, not a failure of the run
@@ -350,6 +426,13 @@ def run_op(ctx: Ctx, op: str, paths: Sequence[str], factory, base_seed: int) -> 
                         with contextlib.suppress(StageFailed):
                             stage(ctx, f"{op} {p} ({_VARIANT}): close", variant.close)
                         variant = None
+                    elif runners[p] is not None:
+                        pair = paired_graph(ctx, runners[p], variant, case, box)
+                        ctx.rows.extend(pair)
+                        ctx.log(
+                            f"{op} T=1 direct, graph, paired: "
+                            + ", ".join(f"{r.variant} {_summary_line([r])}" for r in pair)
+                        )
             box.clear()
             ctx.dev.free_memory()
             ctx.save()

@@ -596,3 +596,23 @@ def test_render_md_names_a_malformed_baseline(tmp_path, one_result, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1, err
     assert f"--render-md: {bad} is a malformed dcpkit-bench/2 JSON" in err, err
+
+
+def test_self_check_cost_is_judged_on_the_paired_rows_where_present():
+    """Sequential rows say 7.0 against 6.0 (missed); the paired rows of the same run, timed in
+    alternating samples, 6.5 against 6.45 (met): the target reads the paired ones."""
+    base = [
+        _row("q_gather", "direct", "graph", 1, [7.0] * 5),
+        _row("q_gather", "direct", "graph", 1, [6.0] * 5, variant="no_self_check"),
+    ]
+    items = _targets.evaluate_targets(annotated(base), True)
+    seq = _by(items, "self_check.cost", op="q_gather")[0]
+    assert seq["met"] is False and math.isclose(seq["value"], 7.0)
+    paired = base + [
+        _row("q_gather", "direct", "graph", 1, [6.5, 6.6, 6.4, 6.5, 6.5], variant="paired"),
+        _row("q_gather", "direct", "graph", 1, [6.45] * 5, variant="paired_no_self_check"),
+    ]
+    items = _targets.evaluate_targets(annotated(paired), True)
+    sc = _by(items, "self_check.cost", op="q_gather")
+    assert len(sc) == 1  # one item: the shipped row, valued by its paired row
+    assert sc[0]["met"] is True and math.isclose(sc[0]["value"], 6.5)

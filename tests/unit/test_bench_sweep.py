@@ -387,6 +387,21 @@ def test_fake_sweep_self_check_variant(tmp_path, capsys):
     }
     sc = [i for i in res["targets"] if i["target"] == "self_check.cost"]
     assert len(sc) == 2 and all(i["met"] is not None for i in sc)
+    # both builds again, timed in alternating samples of one stage, checked like every row
+    pair = [r for r in res["rows"] if r["variant"] in ("paired", "paired_no_self_check")]
+    assert sorted((r["op"], r["variant"]) for r in pair) == [
+        ("lse_reduce", "paired"),
+        ("lse_reduce", "paired_no_self_check"),
+        ("q_gather", "paired"),
+        ("q_gather", "paired_no_self_check"),
+    ]
+    for r in pair:
+        assert r["mode"] == "graph" and r["T"] == 1 and not r["error"] and r["wrong"] == 0
+        assert r["times_us"] and len(r["checks"]) == 2
+        assert r["plan"]["samples"] == len(r["times_us"])
+    for i in sc:  # judged on the paired rows
+        p = next(r for r in pair if r["op"] == i["op"] and r["variant"] == "paired")
+        assert math.isclose(i["value"], p["median_us"])
     rcs, res = _fake_run(tmp_path, 2, {}, ["--ops", "q_gather", "--paths", "direct"])
     assert rcs == [0, 0]
     assert not [r for r in res["rows"] if r["variant"]]
