@@ -139,7 +139,11 @@ def arrays_key(arrays, ubatch) -> tuple | None:
     """The flat key of a call with the array arguments ``arrays`` (the first two CuPy arrays,
     the others CuPy arrays or None) and an int ``ubatch``; None when an argument is not of
     those exact types. An absent array contributes one None, a present one five values
-    starting with its pointer (an int), so the key reads back unambiguously."""
+    starting with its pointer (an int), so the key reads back unambiguously.
+
+    The two calls of a decode loop, ``lse_reduce``'s six arrays with only ``out`` or nothing
+    after the first two, are built in one expression (each attribute read once, no
+    intermediate tuples); any other call part by part, to the same key."""
     if type(ubatch) is not int:
         return None
     fast = CUPY_CLASSES
@@ -149,17 +153,63 @@ def arrays_key(arrays, ubatch) -> tuple | None:
     ):
         return None
     m, n = x.data, y.data
-    key = (m.ptr, x.shape, x.strides, x.dtype, m.device_id, n.ptr, y.shape, y.strides, y.dtype)
-    key += (n.device_id,)
+    if len(arrays) == 6:
+        _, _, s, q, o, w = arrays
+        if s is None and q is None and w is None:
+            if o is None:
+                return (
+                    m.ptr,
+                    x.shape,
+                    x.strides,
+                    x.dtype,
+                    m.device_id,
+                    n.ptr,
+                    y.shape,
+                    y.strides,
+                    y.dtype,
+                    n.device_id,
+                    None,
+                    None,
+                    None,
+                    None,
+                    ubatch,
+                )
+            if type(o) in fast or is_cupy_array(o):
+                p = o.data
+                return (
+                    m.ptr,
+                    x.shape,
+                    x.strides,
+                    x.dtype,
+                    m.device_id,
+                    n.ptr,
+                    y.shape,
+                    y.strides,
+                    y.dtype,
+                    n.device_id,
+                    None,
+                    None,
+                    p.ptr,
+                    o.shape,
+                    o.strides,
+                    o.dtype,
+                    p.device_id,
+                    None,
+                    ubatch,
+                )
+            return None
+    key = [m.ptr, x.shape, x.strides, x.dtype, m.device_id, n.ptr, y.shape, y.strides, y.dtype]
+    key.append(n.device_id)
     for a in arrays[2:]:
         if a is None:
-            key += (None,)
+            key.append(None)
         else:
             part = _part(a, fast)
             if part is None:
                 return None
             key += part
-    return key + (ubatch,)
+    key.append(ubatch)
+    return tuple(key)
 
 
 class PlanCache:
