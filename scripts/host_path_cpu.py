@@ -10,7 +10,9 @@ Arrays are CuPy arrays over unowned made-up memory (never dereferenced). Paths:
 
 * ``QGather`` / ``KVGather`` / ``LseReduce`` called directly, view-returning and ``out=`` forms;
 * ``DCPComm`` with those ops inside (its topology probe and NCCL replaced by fakes);
-* ``TorchOps`` and the custom ops ``torch.ops.dcpkit.*`` with torch CPU tensors. There are no
+* ``TorchOps`` and the custom ops ``torch.ops.dcpkit.*`` with torch CPU tensors; and a custom
+  op of the same schema with an empty body (:data:`PROBE_ROWS`: no launch), torch's dispatcher
+  alone. There are no
   CUDA tensors here: the tensor checks accept the CPU, torch's stream is a stand-in and a
   view result crosses back as a constant tensor, so these rows miss torch's stream query and
   one DLPack export per new view (the GPU script, ``scripts/host_overhead.py``, measures it).
@@ -61,6 +63,24 @@ ROWS = (
     "torch.ops.dcpkit.q_gather",
     "torch.ops.dcpkit.lse_reduce",
 )
+
+
+#: Rows that launch nothing: what torch's dispatcher costs alone, for the custom-op rows.
+PROBE_ROWS = ("torch custom op, empty body",)
+
+
+def empty_custom_op(torch):
+    """``torch.ops.dcpkit_probe.q_gather``: the schema of ``torch.ops.dcpkit.q_gather``,
+    registered the same way (``torch.library.Library``, CompositeExplicitAutograd) with a body
+    that does nothing: its call is the dispatcher's own cost (once per process)."""
+    ns = getattr(torch.ops, "dcpkit_probe", None)
+    if ns is not None and hasattr(ns, "q_gather"):
+        return ns.q_gather
+    lib = torch.library.Library("dcpkit_probe", "DEF")
+    lib.define("q_gather(int handle, Tensor q, Tensor(a!) out, int ubatch) -> ()")
+    lib.impl("q_gather", lambda handle, q, out, ubatch: None, "CompositeExplicitAutograd")
+    empty_custom_op.library = lib  # kept alive with the process
+    return torch.ops.dcpkit_probe.q_gather
 
 
 class Recorder:
@@ -382,6 +402,8 @@ def paths(stream, rec: Recorder) -> dict[str, tuple[Callable[[], object], int]]:
             "torch.ops.dcpkit.lse_reduce": (lambda: cl(h, txo, tlse, None, None, to, None, 0), txp),
         }
     )
+    probe = empty_custom_op(torch)
+    res["torch custom op, empty body"] = (lambda: probe(h, tq, tq_out, 0), tqp)
     return res
 
 
@@ -412,7 +434,7 @@ def run(calls: int = 20000, *, profile_calls: int = 0, clock: str = "thread") ->
     stream = _cpu_stream()
     with torch_on_cpu(stream):
         fns = paths(stream, rec)
-        for name in ROWS:
+        for name in ROWS + PROBE_ROWS:
             if name not in fns:
                 continue
             fn, ptr = fns[name]
@@ -423,7 +445,7 @@ def run(calls: int = 20000, *, profile_calls: int = 0, clock: str = "thread") ->
                 "median_us": float(np.median(t)),
                 "p90_us": float(np.percentile(t, 90)),
                 "calls": calls,
-                "launches": rec.count - before - min(200, calls),
+                "launches": rec.count - before - (0 if name in PROBE_ROWS else min(200, calls)),
                 "last_launch": rec.last,
                 "input_ptr": ptr,
             }
