@@ -141,9 +141,9 @@ def arrays_key(arrays, ubatch) -> tuple | None:
     those exact types. An absent array contributes one None, a present one five values
     starting with its pointer (an int), so the key reads back unambiguously.
 
-    The two calls of a decode loop, ``lse_reduce``'s six arrays with only ``out`` or nothing
-    after the first two, are built in one expression (each attribute read once, no
-    intermediate tuples); any other call part by part, to the same key."""
+    The two calls of a decode loop, ``lse_reduce``'s six arrays with nothing or only ``out``
+    after the first two, take one concatenation each (no part built on its own); any other
+    call is keyed part by part, to the same layout."""
     if type(ubatch) is not int:
         return None
     fast = CUPY_CLASSES
@@ -153,63 +153,37 @@ def arrays_key(arrays, ubatch) -> tuple | None:
     ):
         return None
     m, n = x.data, y.data
-    if len(arrays) == 6:
-        _, _, s, q, o, w = arrays
-        if s is None and q is None and w is None:
-            if o is None:
-                return (
-                    m.ptr,
-                    x.shape,
-                    x.strides,
-                    x.dtype,
-                    m.device_id,
-                    n.ptr,
-                    y.shape,
-                    y.strides,
-                    y.dtype,
-                    n.device_id,
-                    None,
-                    None,
-                    None,
-                    None,
-                    ubatch,
-                )
-            if type(o) in fast or is_cupy_array(o):
-                p = o.data
-                return (
-                    m.ptr,
-                    x.shape,
-                    x.strides,
-                    x.dtype,
-                    m.device_id,
-                    n.ptr,
-                    y.shape,
-                    y.strides,
-                    y.dtype,
-                    n.device_id,
-                    None,
-                    None,
-                    p.ptr,
-                    o.shape,
-                    o.strides,
-                    o.dtype,
-                    p.device_id,
-                    None,
-                    ubatch,
-                )
-            return None
-    key = [m.ptr, x.shape, x.strides, x.dtype, m.device_id, n.ptr, y.shape, y.strides, y.dtype]
-    key.append(n.device_id)
+    key = (
+        m.ptr,
+        x.shape,
+        x.strides,
+        x.dtype,
+        m.device_id,
+        n.ptr,
+        y.shape,
+        y.strides,
+        y.dtype,
+        n.device_id,
+    )
+    if len(arrays) == 6 and arrays[2] is None and arrays[3] is None and arrays[5] is None:
+        o = arrays[4]
+        if o is None:
+            return key + (None, None, None, None, ubatch)
+        if type(o) in fast or is_cupy_array(o):
+            p = o.data
+            return key + (None, None, p.ptr, o.shape, o.strides, o.dtype, p.device_id, None, ubatch)
+        return None
+    parts = [key]
     for a in arrays[2:]:
         if a is None:
-            key.append(None)
+            parts.append((None,))
         else:
             part = _part(a, fast)
             if part is None:
                 return None
-            key += part
-    key.append(ubatch)
-    return tuple(key)
+            parts.append(part)
+    parts.append((ubatch,))
+    return sum(parts, ())
 
 
 class PlanCache:
