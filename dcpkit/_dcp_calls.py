@@ -129,7 +129,8 @@ class DCPCalls:
         return (path, all(ok), ok)
 
     def _route_of(self, op: str, key, arrays: tuple) -> tuple:
-        routes = self._routes(op)
+        caches = self.__dict__.get("_route_caches")
+        routes = caches[op] if caches is not None else self._routes(op)
         route = routes._plans.get(key)
         if route is None:
             return routes.get(key, arrays, (op,), op, arrays)
@@ -219,7 +220,8 @@ class DCPCalls:
         op = "lse_reduce"
         if self._closed:
             self._check_open(op)
-        routes = self._routes(op)
+        caches = self.__dict__.get("_route_caches")
+        routes = caches[op] if caches is not None else self._routes(op)
         route = routes._plans.get(key)
         if route is None:
             out_partial, lse_partial, _, _, out, out_lse = arrays
