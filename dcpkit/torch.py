@@ -605,9 +605,17 @@ class TorchOps:
         the result in the target's form, the caller's tensors where they were written."""
         entry = self._entries.get("lse_reduce")
         if entry is not None and type(ubatch) is int:
+            x, lse, seq, qsl, out, out_lse = tensors
             try:
-                key = ("lse_reduce", ubatch) + tuple(
-                    None if t is None else describe(t) for t in tensors
+                key = (
+                    "lse_reduce",
+                    ubatch,
+                    describe(x),
+                    describe(lse),
+                    None if seq is None else describe(seq),
+                    None if qsl is None else describe(qsl),
+                    None if out is None else describe(out),
+                    None if out_lse is None else describe(out_lse),
                 )
             except (AttributeError, TypeError, RuntimeError):
                 key = None
@@ -617,7 +625,6 @@ class TorchOps:
             if plan is not None:
                 arrays = plan[0]
                 res = self._on_stream(entry, "lse_reduce", plan[1], arrays, None, ubatch, None)
-                out, out_lse = tensors[4], tensors[5]
                 if type(res) is tuple:
                     r, lse = res
                     r = out if r is arrays[4] and out is not None else self._to_torch(r)

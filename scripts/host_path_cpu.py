@@ -304,6 +304,14 @@ def build_dcpcomm(ops, stream):
         )
 
 
+def _torch_module():
+    """``sys.modules["dcpkit.torch"]``: the module that ``from dcpkit.torch import ...`` reads
+    (the package attribute can be another one after a test imported the module afresh)."""
+    import importlib
+
+    return importlib.import_module("dcpkit.torch")
+
+
 @contextlib.contextmanager
 def torch_on_cpu(stream):
     """dcpkit.torch with CPU tensors: the tensor checks accept the CPU (and are otherwise the
@@ -316,7 +324,7 @@ def torch_on_cpu(stream):
     except ImportError:  # no torch rows
         yield None
         return
-    import dcpkit.torch as dt
+    dt = _torch_module()
 
     real_check = dt._check_tensor
 
@@ -387,7 +395,7 @@ def paths(stream, rec: Recorder) -> dict[str, tuple[Callable[[], object], int]]:
     txo = torch.zeros((T, H, D_V), dtype=torch.bfloat16)
     tlse = torch.zeros((T, H), dtype=torch.float32)
     to = torch.zeros((T, H_R, D_V), dtype=torch.bfloat16)
-    from dcpkit.torch import TorchOps
+    TorchOps = _torch_module().TorchOps
 
     tops = TorchOps(dcp)
     cq, cl = torch.ops.dcpkit.q_gather, torch.ops.dcpkit.lse_reduce
