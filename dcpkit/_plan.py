@@ -44,7 +44,15 @@ from typing import Any
 
 from ._arrays import CUPY_CLASSES, array_key, is_cupy_array
 
-__all__ = ["PlanCache", "call_key", "scalar_key", "pair_key", "arrays_key", "ABSENT"]
+__all__ = [
+    "PlanCache",
+    "LazyPlanCache",
+    "call_key",
+    "scalar_key",
+    "pair_key",
+    "arrays_key",
+    "ABSENT",
+]
 
 #: Key part of an optional argument that was not given (None).
 ABSENT = ("absent",)
@@ -250,3 +258,22 @@ class PlanCache:
 
     def __len__(self) -> int:
         return len(self._plans)
+
+
+class LazyPlanCache:
+    """A class attribute that gives an object without a plan cache of its own (built with
+    ``__new__``) a :class:`PlanCache` of its method ``build``, made on first read and kept in
+    the instance's ``__dict__`` under the attribute's name (a non-data descriptor: the
+    instance's own attribute wins from then on, at the cost of a plain attribute read)."""
+
+    def __init__(self, build: str):
+        self.build = build
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        plans = obj.__dict__[self.name] = PlanCache(getattr(obj, self.build))
+        return plans

@@ -223,3 +223,22 @@ def test_the_decode_loop_keys_of_arrays_key_equal_the_part_by_part_key():
     cai = Cai({"shape": (2, 4, 8), "typestr": "<f2", "data": (PTR, False), "version": 3})
     assert arrays_key((x, y, None, None, cai, None), 0) is None
     assert arrays_key((x, y, None, None, o, o), 1) == by_parts((x, y, None, None, o, o), 1)
+
+
+def test_op_classes_read_attributes_plainly_and_make_their_plan_cache_on_first_use():
+    """No class of an op defines ``__getattr__`` (it would route every attribute read of the hot
+    path through it); a workspace built with ``__new__`` gets its plan cache on first read, kept
+    in the instance, and CuPy's current-stream function from the class."""
+    from dcpkit.ops import KVGather, LseReduce
+    from dcpkit.ops._workspace import _cupy_current_stream
+
+    for cls in (QGather, KVGather, LseReduce):
+        assert all("__getattr__" not in vars(k) for k in cls.__mro__ if k is not object), cls
+        ws = cls.__new__(cls)
+        plans = ws._plans
+        assert (
+            isinstance(plans, PlanCache) and ws._plans is plans and ws.__dict__["_plans"] is plans
+        )
+        assert ws._current_stream_fn is _cupy_current_stream
+    fresh = QGather.__new__(QGather)
+    assert fresh._plans is not plans and len(fresh._plans) == 0
