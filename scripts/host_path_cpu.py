@@ -175,6 +175,7 @@ def stub_workspace(ws, stream, rec: Recorder, *, rank: int = RANK, world_size: i
     ws._proto = [ws._make_proto(u) for u in range(U)]
     # The fast path _init_fast_path would set up, every kernel's launcher being ``rec``.
     ws._plans = PlanCache(ws._plan)
+    ws._launch_failed = None
     ws._launchers = _EveryKernel(rec)
     ws._get_device = lambda: 0
     if ws.op_name == "lse_reduce":

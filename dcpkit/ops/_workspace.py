@@ -655,6 +655,7 @@ class OpWorkspace(Resource):
         import cupy
 
         self._plans = PlanCache(self._plan)
+        self._launch_failed = None  # read on every call: an instance attribute
         self._functions = dict(functions)
         self._set_launch_backend(backend)
         self._get_device = cupy.cuda.runtime.getDevice
