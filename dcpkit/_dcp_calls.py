@@ -17,7 +17,8 @@ import numpy as np
 from . import _cuda
 from ._arrays import ArrayInfo, array_info, check_ndim
 from ._checks import resolve_stream
-from ._plan import PlanCache, arrays_key, pair_key
+from ._lse_call import lse_reduce_method
+from ._plan import PlanCache, pair_key
 from ._strided import copy_arrays, strided_copy
 from .errors import InvalidArgument
 from .selection import OPS, PATH_NCCL, direct_call_blocker, select_path
@@ -26,6 +27,8 @@ __all__ = ["DCPCalls"]
 
 #: The array arguments of ``lse_reduce`` that DCPComm checks itself.
 _LSE_NAMES = ("out_partial", "lse_partial", "out", "out_lse")
+#: ``key`` of :meth:`DCPCalls._gather` when the caller has no key: the call is keyed there.
+_UNKEYED = object()
 
 
 class DCPCalls:
@@ -126,7 +129,8 @@ class DCPCalls:
         return (path, all(ok), ok)
 
     def _route_of(self, op: str, key, arrays: tuple) -> tuple:
-        routes = self._routes(op)
+        caches = self.__dict__.get("_route_caches")
+        routes = caches[op] if caches is not None else self._routes(op)
         route = routes._plans.get(key)
         if route is None:
             return routes.get(key, arrays, (op,), op, arrays)
@@ -159,13 +163,16 @@ class DCPCalls:
             self._check_built("kv_gather")
         return self._gather("kv_gather", kv, "kv", ubatch, out, stream)
 
-    def _gather(self, op: str, x, name: str, ubatch, out, stream):
+    def _gather(self, op: str, x, name: str, ubatch, out, stream, key=_UNKEYED):
         """One gather call (``q_gather`` or ``kv_gather``) on the path :meth:`path_for` picks;
         an input or ``out=`` the direct op cannot take in place is copied (module docstring of
-        :mod:`dcpkit.manager`)."""
+        :mod:`dcpkit.manager`). ``key``: the call's flat key
+        (:func:`~dcpkit._plan.pair_key` of ``x, out, ubatch, False``) where the caller has it
+        already (:mod:`dcpkit.torch`, for arrays whose description cannot change)."""
         if self._closed:
             self._check_open(op)
-        key = pair_key(x, out, ubatch, False)
+        if key is _UNKEYED:
+            key = pair_key(x, out, ubatch, False)
         path, in_place, ok = self._route_of(op, key, (x, out))
         if in_place:  # the direct op's keyed entry: its own checks, with the same key
             if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES):
@@ -187,18 +194,9 @@ class DCPCalls:
         self.counters[op][path] += 1
         return res
 
-    def lse_reduce(
-        self,
-        out_partial,
-        lse_partial,
-        *,
-        seq_lens=None,
-        query_start_loc=None,
-        ubatch: int = 0,
-        out=None,
-        out_lse=None,
-        stream=None,
-    ):
+    lse_reduce = lse_reduce_method(
+        "_lse_keyed",
+        "DCPCalls.lse_reduce",
         """Merge every rank's partial attention into this rank's heads: see
         :meth:`LseReduce.__call__ <dcpkit.ops.LseReduce.__call__>` (same arguments, same result
         within :func:`~dcpkit.reference.lse_reduce_tolerance`, same output lifetime).
@@ -213,15 +211,20 @@ class DCPCalls:
         ------
         InvalidArgument
             ``policy="direct"`` and the direct op cannot serve the call; bad arguments.
-        """
+        """,
+    )
+
+    def _lse_keyed(self, key, arrays: tuple, ubatch, stream):
+        """:meth:`lse_reduce` with its flat key ``key`` (:func:`~dcpkit._plan.arrays_key` of
+        ``arrays``, the call's six arrays in the order of the signature)."""
         op = "lse_reduce"
         if self._closed:
             self._check_open(op)
-        arrays = (out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse)
-        key = arrays_key(arrays, ubatch)
-        routes = self._routes(op)
+        caches = self.__dict__.get("_route_caches")
+        routes = caches[op] if caches is not None else self._routes(op)
         route = routes._plans.get(key)
         if route is None:
+            out_partial, lse_partial, _, _, out, out_lse = arrays
             checked = (out_partial, lse_partial, out, out_lse)
             route = routes.get(key, checked, (op,), op, checked)
         else:
@@ -234,6 +237,7 @@ class DCPCalls:
             self.last_path = path
             self.counters[op][path] += 1
             return r
+        out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse = arrays
         want_lse = self.return_lse or out_lse is not None
         kw = dict(seq_lens=seq_lens, query_start_loc=query_start_loc, ubatch=ubatch)
         if path == PATH_NCCL:

@@ -1,21 +1,21 @@
-"""The call signature of ``lse_reduce`` (:class:`LseReduceCall`), written once for the direct
-op and the NCCL op."""
+"""The call signature of ``lse_reduce``, written once for the direct op, the NCCL op
+(:class:`LseReduceCall`) and :meth:`DCPComm.lse_reduce <dcpkit.manager.DCPComm.lse_reduce>`
+(:func:`lse_reduce_method`)."""
 
 from __future__ import annotations
 
 from ._plan import arrays_key
 
-__all__ = ["LseReduceCall"]
+__all__ = ["LseReduceCall", "lse_reduce_method"]
 
 
-class LseReduceCall:
-    """``__call__`` of an ``lse_reduce`` op: the arguments, in the order of the signature, go as
-    one tuple to the op's ``_call_keyed(key, arrays, ubatch, stream)``, with ``key`` the flat
-    key of :func:`dcpkit._plan.arrays_key` (None where the arguments have no flat key)."""
+def lse_reduce_method(entry: str, qualname: str, doc: str):
+    """The ``lse_reduce`` call as a method named ``qualname`` with docstring ``doc``: the
+    arguments, in the order of the signature, go as one tuple to ``self.<entry>(key, arrays,
+    ubatch, stream)``, with ``key`` the flat key of :func:`dcpkit._plan.arrays_key` (None where
+    the arguments have no flat key)."""
 
-    __slots__ = ()
-
-    def __call__(
+    def lse_reduce(
         self,
         out_partial,
         lse_partial,
@@ -27,6 +27,24 @@ class LseReduceCall:
         out_lse=None,
         stream=None,
     ):
+        arrays = (out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse)
+        return getattr(self, entry)(arrays_key(arrays, ubatch), arrays, ubatch, stream)
+
+    lse_reduce.__name__ = qualname.rsplit(".", 1)[-1]
+    lse_reduce.__qualname__ = qualname
+    lse_reduce.__doc__ = doc
+    return lse_reduce
+
+
+class LseReduceCall:
+    """``__call__`` of an ``lse_reduce`` op (:func:`lse_reduce_method`): the op's entry is
+    ``_call_keyed(key, arrays, ubatch, stream)``."""
+
+    __slots__ = ()
+
+    __call__ = lse_reduce_method(
+        "_call_keyed",
+        "LseReduceCall.__call__",
         """Merge every rank's partial attention into this rank's heads.
 
         The call of :class:`~dcpkit.ops.LseReduce` and :class:`~dcpkit.nccl.NcclLseReduce`
@@ -103,6 +121,5 @@ class LseReduceCall:
 
         Every check runs before anything is launched or counted: after a rejected call the
         workspace is unchanged and usable.
-        """
-        arrays = (out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse)
-        return self._call_keyed(arrays_key(arrays, ubatch), arrays, ubatch, stream)
+        """,
+    )

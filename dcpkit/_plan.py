@@ -44,7 +44,15 @@ from typing import Any
 
 from ._arrays import CUPY_CLASSES, array_key, is_cupy_array
 
-__all__ = ["PlanCache", "call_key", "scalar_key", "pair_key", "arrays_key", "ABSENT"]
+__all__ = [
+    "PlanCache",
+    "LazyPlanCache",
+    "call_key",
+    "scalar_key",
+    "pair_key",
+    "arrays_key",
+    "ABSENT",
+]
 
 #: Key part of an optional argument that was not given (None).
 ABSENT = ("absent",)
@@ -139,7 +147,11 @@ def arrays_key(arrays, ubatch) -> tuple | None:
     """The flat key of a call with the array arguments ``arrays`` (the first two CuPy arrays,
     the others CuPy arrays or None) and an int ``ubatch``; None when an argument is not of
     those exact types. An absent array contributes one None, a present one five values
-    starting with its pointer (an int), so the key reads back unambiguously."""
+    starting with its pointer (an int), so the key reads back unambiguously.
+
+    The two calls of a decode loop, ``lse_reduce``'s six arrays with nothing or only ``out``
+    after the first two, take one concatenation each (no part built on its own); any other
+    call is keyed part by part, to the same layout."""
     if type(ubatch) is not int:
         return None
     fast = CUPY_CLASSES
@@ -149,17 +161,37 @@ def arrays_key(arrays, ubatch) -> tuple | None:
     ):
         return None
     m, n = x.data, y.data
-    key = (m.ptr, x.shape, x.strides, x.dtype, m.device_id, n.ptr, y.shape, y.strides, y.dtype)
-    key += (n.device_id,)
+    key = (
+        m.ptr,
+        x.shape,
+        x.strides,
+        x.dtype,
+        m.device_id,
+        n.ptr,
+        y.shape,
+        y.strides,
+        y.dtype,
+        n.device_id,
+    )
+    if len(arrays) == 6 and arrays[2] is None and arrays[3] is None and arrays[5] is None:
+        o = arrays[4]
+        if o is None:
+            return key + (None, None, None, None, ubatch)
+        if type(o) in fast or is_cupy_array(o):
+            p = o.data
+            return key + (None, None, p.ptr, o.shape, o.strides, o.dtype, p.device_id, None, ubatch)
+        return None
+    parts = [key]
     for a in arrays[2:]:
         if a is None:
-            key += (None,)
+            parts.append((None,))
         else:
             part = _part(a, fast)
             if part is None:
                 return None
-            key += part
-    return key + (ubatch,)
+            parts.append(part)
+    parts.append((ubatch,))
+    return sum(parts, ())
 
 
 class PlanCache:
@@ -226,3 +258,22 @@ class PlanCache:
 
     def __len__(self) -> int:
         return len(self._plans)
+
+
+class LazyPlanCache:
+    """A class attribute that gives an object without a plan cache of its own (built with
+    ``__new__``) a :class:`PlanCache` of its method ``build``, made on first read and kept in
+    the instance's ``__dict__`` under the attribute's name (a non-data descriptor: the
+    instance's own attribute wins from then on, at the cost of a plain attribute read)."""
+
+    def __init__(self, build: str):
+        self.build = build
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        plans = obj.__dict__[self.name] = PlanCache(getattr(obj, self.build))
+        return plans

@@ -74,13 +74,7 @@ __all__ = [
 ]
 
 
-def _torch():
-    """The torch module, or MissingDependency naming the ``torch`` extra."""
-    try:
-        import torch
-    except ImportError as e:
-        raise MissingDependency("torch", "torch", str(e)) from None
-    return torch
+_torch = _reg.torch_module
 
 
 def _cupy():
@@ -228,6 +222,13 @@ def _raw_stream_fn():
     return lambda device: torch.cuda.current_stream(device).cuda_stream
 
 
+def describe(t) -> tuple:
+    """The description a tensor is memoised under (:class:`TensorConverter`, :class:`TorchOps`'
+    call plans): ``(class, data_ptr(), shape, stride(), storage_offset(), dtype, device
+    index)``. Raises AttributeError / TypeError / RuntimeError for what is not a tensor."""
+    return (type(t), t.data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype, t.get_device())
+
+
 class TensorConverter:
     """torch tensors -> CuPy arrays over the same memory, memoised per tensor description.
 
@@ -268,6 +269,10 @@ class TensorConverter:
         self._np = None
         self.hits = self.misses = 0
 
+    def cached(self, key) -> bool:
+        """Whether the array of the description ``key`` (:func:`describe`) is memoised."""
+        return key in self._arrays
+
     def _dtype(self, t):
         if self._np is None:
             from .reference import resolve_dtype
@@ -278,15 +283,7 @@ class TensorConverter:
     def __call__(self, t, name: str = "tensor"):
         """The CuPy array of ``t`` (raises as :func:`to_cupy` does)."""
         try:
-            key = (
-                type(t),
-                t.data_ptr(),
-                t.shape,
-                t.stride(),
-                t.storage_offset(),
-                t.dtype,
-                t.get_device(),
-            )
+            key = describe(t)
         except (AttributeError, TypeError, RuntimeError):
             key = None
         a = self._arrays.get(key) if key is not None else None
@@ -316,130 +313,49 @@ class TensorConverter:
         self._arrays.clear()
 
 
-# ----------------------------------------------------------------------------- registry
-# Process-wide (see dcpkit._torch_registry): handle -> weak reference to a live TorchOps.
+# The custom ops and the registry of live handles their kernels look up: dcpkit._torch_registry
+# (process-wide, shared by a reload of this module).
 _REGISTRY = _reg.REGISTRY
 _NEXT_HANDLE = _reg.NEXT_HANDLE
 _LOCK = _reg.LOCK
-
-
-def _lookup(handle: int, op: str) -> TorchOps:
-    ref = _REGISTRY.get(int(handle))
-    obj = ref() if ref is not None else None
-    if obj is None or obj.closed:
-        raise ClosedError(
-            f"dcpkit::{op}: handle {handle} must name a live dcpkit.torch.TorchOps "
-            f"(got a closed or unknown handle)"
-        )
-    return obj
-
-
-# ----------------------------------------------------------------------------- custom ops
-# The kernels are registered for every backend (CompositeExplicitAutograd) with
-# torch.library.Library, not torch.library.custom_op, whose Python autograd and
-# ADInplaceOrView layers cost tens of microseconds per call. What the ADInplaceOrView layer did
-# for a mutating op, bumping the version counter of every mutated tensor (so that autograd
-# notices a saved tensor that changed), the impls do themselves.
-def _bump(*tensors) -> None:
-    inc = _reg.state["increment_version"]
-    for t in tensors:
-        if t is not None:
-            inc(t)
-
-
-def _q_gather_impl(handle: int, q, out, ubatch: int) -> None:
-    _lookup(handle, "q_gather")._invoke("q_gather", (("q", q),), {"ubatch": ubatch, "out": out})
-    _bump(out)
-
-
-def _kv_gather_impl(handle: int, kv, out, ubatch: int) -> None:
-    _lookup(handle, "kv_gather")._invoke("kv_gather", (("kv", kv),), {"ubatch": ubatch, "out": out})
-    _bump(out)
-
-
-def _lse_reduce_impl(
-    handle: int, out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse, ubatch: int
-) -> None:
-    _lookup(handle, "lse_reduce")._invoke(
-        "lse_reduce",
-        (("out_partial", out_partial), ("lse_partial", lse_partial)),
-        {
-            "seq_lens": seq_lens,
-            "query_start_loc": query_start_loc,
-            "ubatch": ubatch,
-            "out": out,
-            "out_lse": out_lse,
-        },
-    )
-    _bump(out, out_lse)
-
-
-def _gather_fake(handle, x, out, ubatch) -> None:
-    return None
-
-
-def _lse_reduce_fake(
-    handle, out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse, ubatch
-) -> None:
-    return None
-
-
-_SCHEMAS = {
-    "q_gather": (
-        "(int handle, Tensor q, Tensor(a!) out, int ubatch) -> ()",
-        ("out",),
-        _q_gather_impl,
-        _gather_fake,
-    ),
-    "kv_gather": (
-        "(int handle, Tensor kv, Tensor(a!) out, int ubatch) -> ()",
-        ("out",),
-        _kv_gather_impl,
-        _gather_fake,
-    ),
-    "lse_reduce": (
-        "(int handle, Tensor out_partial, Tensor lse_partial, Tensor? seq_lens, "
-        "Tensor? query_start_loc, Tensor(a!) out, Tensor(b!)? out_lse, int ubatch) "
-        "-> ()",
-        ("out", "out_lse"),
-        _lse_reduce_impl,
-        _lse_reduce_fake,
-    ),
-}
-
-
-def register_custom_ops() -> dict[str, Any]:
-    """Register ``dcpkit::q_gather``, ``dcpkit::kv_gather`` and ``dcpkit::lse_reduce`` with
-    ``torch.library.custom_op`` (once per process; :class:`TorchOps` calls it).
-
-    Schemas (all return nothing and write into caller-provided tensors)::
-
-        dcpkit::q_gather(int handle, Tensor q, Tensor(a!) out, int ubatch)
-        dcpkit::kv_gather(int handle, Tensor kv, Tensor(a!) out, int ubatch)
-        dcpkit::lse_reduce(int handle, Tensor out_partial, Tensor lse_partial,
-                           Tensor? seq_lens, Tensor? query_start_loc, Tensor(a!) out,
-                           Tensor(b!)? out_lse, int ubatch)
-
-    ``handle`` is :attr:`TorchOps.handle`. The kernels are registered for every backend
-    (``CompositeExplicitAutograd``) plus a fake (meta) kernel for tracing; each bumps the
-    version counter of the tensors it writes. Returns op name -> ``torch.ops.dcpkit.<name>``.
-    """
-    torch = _torch()  # MissingDependency without torch, registered or not
-    state = _reg.state
-    with _LOCK:
-        if state["custom_ops"] is None:
-            state["increment_version"] = torch.autograd.graph.increment_version
-            lib = torch.library.Library("dcpkit", "DEF")
-            for name, (schema, _mutates, impl, fake) in _SCHEMAS.items():
-                lib.define(f"{name}{schema}")
-                lib.impl(name, impl, "CompositeExplicitAutograd")
-                torch.library.register_fake(f"dcpkit::{name}", fake, lib=lib)
-            state["library"] = lib
-            state["custom_ops"] = {name: getattr(torch.ops.dcpkit, name) for name in _SCHEMAS}
-    return state["custom_ops"]
+_bump = _reg.bump
+register_custom_ops = _reg.register_custom_ops
 
 
 # ----------------------------------------------------------------------------- front end
+#: The tensor arguments of ``lse_reduce``, in the order of its signature.
+_LSE_TENSORS = ("out_partial", "lse_partial", "seq_lens", "query_start_loc", "out", "out_lse")
+
+
+def _keyed_entries(target) -> dict[str, Any]:
+    """op name -> ``entry(op, key, x, name, ubatch, out, stream)``: the target's keyed entry
+    of that op, which takes the flat key of its arrays (:mod:`dcpkit._plan`) instead of
+    building it (for ``lse_reduce``, ``x`` is the six arrays and ``name`` / ``out`` are
+    unused). Only for targets that have one: DCPComm, the direct gathers, every lse_reduce
+    op; the others are called plainly."""
+    from ._lse_call import LseReduceCall
+
+    entries = {}
+    if hasattr(target, "_lse_keyed") and hasattr(target, "_gather"):  # DCPComm
+        gather, lse = target._gather, target._lse_keyed
+        for op in ("q_gather", "kv_gather"):
+            entries[op] = lambda op, key, x, name, ub, out, s, g=gather: g(
+                op, x, name, ub, out, s, key
+            )
+        entries["lse_reduce"] = lambda op, key, a, name, ub, out, s, f=lse: f(key, a, ub, s)
+    elif isinstance(target, LseReduceCall):
+        f = target._call_keyed
+        entries["lse_reduce"] = lambda op, key, a, name, ub, out, s, f=f: f(key, a, ub, s)
+    elif getattr(target, "op_name", None) in ("q_gather", "kv_gather") and hasattr(
+        target, "_gather_plan"
+    ):  # a direct gather (GatherWorkspace)
+        f = target._call_keyed
+        entries[target.op_name] = lambda op, key, x, name, ub, out, s, f=f: f(
+            key, x, ub, out, s, False
+        )
+    return entries
+
+
 #: Keyword arguments of the ops that are tensors (converted; returned as the caller's tensors).
 _TENSOR_KEYWORDS = frozenset(("out", "out_lse", "seq_lens", "query_start_loc"))
 
@@ -501,6 +417,10 @@ class TorchOps:
         self._dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
         self._compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: True)
         self._returns_lse = bool(getattr(target, "return_lse", False))
+        # Call plans: what a call's tensor descriptions (and ubatch) determine: the converted
+        # arrays and the flat key the target's keyed entry takes (see _plan_for).
+        self._plans: dict[tuple, Any] = {}
+        self._entries = _keyed_entries(target)
         self._closed = True
         with _LOCK:
             self.handle = next(_NEXT_HANDLE)
@@ -651,13 +571,119 @@ class TorchOps:
         if self._closed or op not in self._fns:
             self._fn(op)  # raises
         if out is None:
-            return self._invoke(op, ((name, x),), {"ubatch": ubatch})
+            return self._gather_work(op, name, x, ubatch, None)
         if self._eager(x, out):
-            self._invoke(op, ((name, x),), {"ubatch": int(ubatch), "out": out})
+            self._gather_work(op, name, x, int(ubatch), out)
             _bump(out)
         else:
             self._custom(op)(self.handle, x, out, int(ubatch))
         return out
+
+    def _gather_work(self, op: str, name: str, x, ubatch, out):
+        """The work of a gather call (also the custom op's kernel): through the call plan of
+        the tensors' descriptions where the target has a keyed entry, else :meth:`_invoke`.
+        Returns the result (``out`` itself when given)."""
+        entry = self._entries.get(op)
+        if entry is not None and type(ubatch) is int:
+            try:
+                key = (op, describe(x), None if out is None else describe(out), ubatch)
+            except (AttributeError, TypeError, RuntimeError):
+                key = None
+            plan = self._plans.get(key) if key is not None else None
+            if plan is None and key is not None:
+                plan = self._plan_for(key, ((name, x), ("out", out)), ubatch)
+            if plan is not None:
+                cx, cout = plan[0]
+                res = self._on_stream(entry, op, plan[1], cx, name, ubatch, cout)
+                return out if out is not None else self._to_torch(res)
+        kw = {"ubatch": ubatch} if out is None else {"ubatch": ubatch, "out": out}
+        return self._invoke(op, ((name, x),), kw)
+
+    def _lse_work(self, tensors: tuple, ubatch):
+        """The work of an ``lse_reduce`` call (``tensors``: the six of the signature, None for
+        an absent one; also the custom op's kernel), as :meth:`_gather_work` does it. Returns
+        the result in the target's form, the caller's tensors where they were written."""
+        entry = self._entries.get("lse_reduce")
+        if entry is not None and type(ubatch) is int:
+            x, lse, seq, qsl, out, out_lse = tensors
+            try:
+                key = (
+                    "lse_reduce",
+                    ubatch,
+                    describe(x),
+                    describe(lse),
+                    None if seq is None else describe(seq),
+                    None if qsl is None else describe(qsl),
+                    None if out is None else describe(out),
+                    None if out_lse is None else describe(out_lse),
+                )
+            except (AttributeError, TypeError, RuntimeError):
+                key = None
+            plan = self._plans.get(key) if key is not None else None
+            if plan is None and key is not None:
+                plan = self._plan_for(key, tuple(zip(_LSE_TENSORS, tensors)), ubatch)
+            if plan is not None:
+                arrays = plan[0]
+                res = self._on_stream(entry, "lse_reduce", plan[1], arrays, None, ubatch, None)
+                if type(res) is tuple:
+                    r, lse = res
+                    r = out if r is arrays[4] and out is not None else self._to_torch(r)
+                    if not (lse is arrays[5] and out_lse is not None):
+                        lse = self._to_torch(lse)
+                    else:
+                        lse = out_lse
+                    return r, lse
+                return out if res is arrays[4] and out is not None else self._to_torch(res)
+        names = _LSE_TENSORS
+        kw = dict(zip(names[2:], tensors[2:]))
+        kw["ubatch"] = ubatch
+        return self._invoke("lse_reduce", tuple(zip(names[:2], tensors[:2])), kw)
+
+    def _plan_for(self, key: tuple, named: tuple, ubatch):
+        """The call plan of ``key``: every tensor converted (its checks run on a new
+        description: raises as :func:`to_cupy` does), then the flat key of the converted arrays
+        (:mod:`dcpkit._plan`). The converted arrays are this object's own (nobody else can
+        change their shape), so the flat key stays theirs. None, and nothing stored, when a
+        tensor's array is not memoised (an empty tensor): the call then goes through
+        :meth:`_invoke`."""
+        from ._plan import arrays_key, pair_key
+
+        conv = self._conv
+        arrays = []
+        for n, t in named:
+            if t is None:
+                arrays.append(None)
+                continue
+            a = conv(t, n)
+            if not conv.cached(describe(t)):
+                return None
+            arrays.append(a)
+        if len(arrays) == 2:
+            arrays = tuple(arrays)
+            plan = (arrays, pair_key(arrays[0], arrays[1], ubatch, False))
+        else:
+            arrays = tuple(arrays)
+            plan = (arrays, arrays_key(arrays, ubatch))
+        if len(self._plans) >= 256:
+            del self._plans[next(iter(self._plans))]
+        self._plans[key] = plan
+        return plan
+
+    def _on_stream(self, entry, op: str, key, x, name, ubatch, out):
+        """``entry`` (:func:`_keyed_entries`) run on torch's current stream of the op's GPU,
+        made CuPy's current stream for the call when it is not already (what the target
+        allocates is then ordered on it)."""
+        ptr = self._raw_stream(self.device)
+        stream = self._streams.get(ptr)
+        if stream is None:
+            stream = self._stream()
+        if self._get_device() == self.device:
+            if self._cupy_stream_now().ptr == ptr:
+                return entry(op, key, x, name, ubatch, out, stream)
+            with stream:
+                return entry(op, key, x, name, ubatch, out, stream)
+        with _cupy().cuda.Device(self.device), stream:
+            return entry(op, key, x, name, ubatch, out, stream)
 
     def lse_reduce(
         self,
@@ -679,20 +705,11 @@ class TorchOps:
         op = "lse_reduce"
         if self._closed or op not in self._fns:
             self._fn(op)  # raises
-        kw = {
-            "seq_lens": seq_lens,
-            "query_start_loc": query_start_loc,
-            "ubatch": ubatch,
-            "out": out,
-            "out_lse": out_lse,
-        }
-        inputs = (("out_partial", out_partial), ("lse_partial", lse_partial))
-        if out is None or (out_lse is None and self._returns_lse):
-            return self._invoke(op, inputs, kw)
         tensors = (out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse)
+        if out is None or (out_lse is None and self._returns_lse):
+            return self._lse_work(tensors, ubatch)
         if self._eager(*tensors):
-            kw["ubatch"] = int(ubatch)
-            self._invoke(op, inputs, kw)
+            self._lse_work(tensors, int(ubatch))
             _bump(out, out_lse)
         else:
             self._custom(op)(self.handle, *tensors, int(ubatch))

@@ -7,14 +7,21 @@ Geometry: the DCP decode step (H = 128, D_q = 576, D_v = 512, bf16, T = 1), W = 
 ranks (ranks may share one GPU under MPS). Every rank runs every row in the same order.
 
 Rows (host time per call, each call timed alone; the device is synchronised every 100 calls,
-outside the timed calls, so that a full launch queue never turns host time into device time):
+outside the timed calls, so that a full launch queue never turns host time into device time).
+Every row runs once unmeasured first, then the rows are measured in ``--rounds`` interleaved
+rounds of ``calls / rounds`` calls each (median and p90 over all of a row's calls): a rank that
+is slowed for a while (seen at W=4, one rank about 2.5 us slower through the first seven rows of
+a run, the empty-launch baseline included, and level with the others afterwards) then weighs on
+every row alike instead of on whichever rows ran at that moment:
 
 * baselines: an empty CuPy ``RawKernel`` launch (no parameters: the targets' baseline), the same
   with 19 parameters, and dcpkit's :class:`~dcpkit._launch.Launcher` (ctypes and cuda.bindings)
   with those 19 parameters packed once; q_gather with its launcher on ctypes (the ops' default
   is cuda.bindings where it loads: the header says which ran);
 * every op with CuPy arrays, the view-returning and the ``out=`` forms; through ``DCPComm``;
-  ``TorchOps`` with torch tensors; the custom ops ``torch.ops.dcpkit.*`` (where torch has CUDA);
+  ``TorchOps`` with torch tensors; the custom ops ``torch.ops.dcpkit.*`` (where torch has CUDA),
+  and a custom op of ``q_gather``'s schema with an empty body (no launch: torch's dispatcher
+  alone, printed against the custom-op target's allowance);
 * growth: q_gather with 4 live workspaces called in turn (against 1), and with 2 ubatches called
   in turn (against 1), judged "no growth" within ``GROWTH_US`` (or 10 %) of the single row;
 * back to back: 20 eager calls in a row between two CUDA events, device time per call (median
@@ -89,11 +96,11 @@ def _stats(us):
     return float(np.median(a)), float(np.percentile(a, 90))
 
 
-def host_times(fn, calls: int, sync) -> list:
+def host_times(fn, calls: int, sync, warmup: int = 200) -> list:
     """Per-call host time in us; ``sync()`` every SYNC_EVERY calls, outside the timed calls."""
     clock = time.perf_counter_ns
     out = []
-    for _ in range(200):
+    for _ in range(warmup):
         fn()
     sync()
     for i in range(calls):
@@ -146,6 +153,23 @@ def _commit() -> str:
         )
     except Exception:  # noqa: BLE001
         return "unknown"
+
+
+#: The row of an empty custom op (torch's dispatcher alone, nothing launched).
+DISPATCHER_ROW = "torch custom op, empty body (no launch)"
+
+
+def _empty_custom_op(torch):
+    """``torch.ops.dcpkit_probe.q_gather``: ``dcpkit::q_gather``'s schema registered the same way
+    (``torch.library.Library``, CompositeExplicitAutograd) with a body that does nothing."""
+    ns = getattr(torch.ops, "dcpkit_probe", None)
+    if ns is not None and hasattr(ns, "q_gather"):
+        return ns.q_gather
+    lib = torch.library.Library("dcpkit_probe", "DEF")
+    lib.define("q_gather(int handle, Tensor q, Tensor(a!) out, int ubatch) -> ()")
+    lib.impl("q_gather", lambda handle, q, out, ubatch: None, "CompositeExplicitAutograd")
+    _empty_custom_op.library = lib  # kept alive with the process
+    return torch.ops.dcpkit_probe.q_gather
 
 
 def _torch_cuda():
@@ -264,6 +288,7 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
         txo, tlse = torch.from_dlpack(xo), torch.from_dlpack(lse)
         to = torch.empty((T, Hr, D_V), dtype=txo.dtype, device=txo.device)
         cq, cl, h = torch.ops.dcpkit.q_gather, torch.ops.dcpkit.lse_reduce, tops.handle
+        probe = _empty_custom_op(torch)
         rows += [
             ("TorchOps.q_gather view", "torch", lambda: tops.q_gather(tq)),
             ("TorchOps.q_gather out=", "torch", lambda: tops.q_gather(tq, out=tq_out)),
@@ -274,6 +299,7 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
                 "custom",
                 lambda: cl(h, txo, tlse, None, None, to, None, 0),
             ),
+            (DISPATCHER_ROW, "info", lambda: probe(h, tq, tq_out, 0)),
         ]
     b2b = [
         ("empty kernel", lambda: empty((1,), (32,), ())),
@@ -300,6 +326,12 @@ def parser():
         type=integer(1),
         default=10000,
         help="timed calls of every row, each timed alone (default: 10000)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=integer(1),
+        default=5,
+        help="interleaved rounds the calls of every row are split into (default: 5)",
     )
     ap.add_argument(
         "--json",
@@ -361,18 +393,25 @@ def main(argv=None) -> int:
             cupy.cuda.get_current_stream().synchronize()
             tsync()
 
+    rows = [row for row in rows if row[0] in common]
+    for _name, _kind, fn in rows:  # every row once, unmeasured
+        comm.barrier()
+        host_times(fn, 1000, sync, warmup=0)
+    per_round = -(-args.calls // args.rounds)
+    times = {name: [] for name, _, _ in rows}
+    for _ in range(args.rounds):
+        for name, _kind, fn in rows:
+            comm.barrier()
+            times[name] += host_times(fn, per_round, sync)
     results = {}
     for name, kind, fn in rows:
-        if name not in common:
-            continue
-        comm.barrier()
-        med, p90 = _stats(host_times(fn, args.calls, sync))
+        med, p90 = _stats(times[name])
         every = comm.allgather((med, p90))
         results[name] = {
             "kind": kind,
             "median_us": [m for m, _ in every],
             "p90_us": [p for _, p in every],
-            "calls": args.calls,
+            "calls": len(times[name]),
         }
         if args.profile:
             import cProfile
@@ -406,7 +445,8 @@ def main(argv=None) -> int:
         return 0
     base = max(results["empty RawKernel launch (cupy)"]["median_us"])
     lines = [
-        f"host time per call, W={W}, T={T}, {args.calls} calls per row, max over ranks "
+        f"host time per call, W={W}, T={T}, {per_round * args.rounds} calls per row in "
+        f"{args.rounds} interleaved rounds, max over ranks "
         f"(commit {_commit()}, {_gpu_name(cupy, dev)}, ops launch through {backend})",
         f"{'path':44s} {'median us':>10s} {'p90 us':>9s}  target",
     ]
@@ -432,6 +472,14 @@ def main(argv=None) -> int:
                 f"{'GROWS' if grows else 'no growth'}"
             )
         lines.append(f"{name:44s} {med:10.2f} {p90:9.2f}  {judged}")
+    if DISPATCHER_ROW in results:
+        allow = TARGETS["custom"][1]
+        alone = max(results[DISPATCHER_ROW]["median_us"])
+        lines.append(
+            f"torch's dispatcher alone (an empty custom op, no launch): {alone:.2f} us median, "
+            f"against the {allow:g} us the custom-op target allows over the empty launch"
+            + (": the dispatcher alone exceeds it" if alone > allow else "")
+        )
     lines.append("")
     lines.append("back-to-back eager calls, 20 in a row, device time per call (max over ranks)")
     for name, v in device.items():
@@ -441,7 +489,8 @@ def main(argv=None) -> int:
         meta = {
             "world_size": W,
             "tokens": T,
-            "calls": args.calls,
+            "calls": per_round * args.rounds,
+            "rounds": args.rounds,
             "commit": _commit(),
             "gpu": _gpu_name(cupy, dev),
             "driver": cupy.cuda.runtime.driverGetVersion(),

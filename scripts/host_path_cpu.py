@@ -10,7 +10,9 @@ Arrays are CuPy arrays over unowned made-up memory (never dereferenced). Paths:
 
 * ``QGather`` / ``KVGather`` / ``LseReduce`` called directly, view-returning and ``out=`` forms;
 * ``DCPComm`` with those ops inside (its topology probe and NCCL replaced by fakes);
-* ``TorchOps`` and the custom ops ``torch.ops.dcpkit.*`` with torch CPU tensors. There are no
+* ``TorchOps`` and the custom ops ``torch.ops.dcpkit.*`` with torch CPU tensors; and a custom
+  op of the same schema with an empty body (:data:`PROBE_ROWS`: no launch), torch's dispatcher
+  alone. There are no
   CUDA tensors here: the tensor checks accept the CPU, torch's stream is a stand-in and a
   view result crosses back as a constant tensor, so these rows miss torch's stream query and
   one DLPack export per new view (the GPU script, ``scripts/host_overhead.py``, measures it).
@@ -61,6 +63,24 @@ ROWS = (
     "torch.ops.dcpkit.q_gather",
     "torch.ops.dcpkit.lse_reduce",
 )
+
+
+#: Rows that launch nothing: what torch's dispatcher costs alone, for the custom-op rows.
+PROBE_ROWS = ("torch custom op, empty body",)
+
+
+def empty_custom_op(torch):
+    """``torch.ops.dcpkit_probe.q_gather``: the schema of ``torch.ops.dcpkit.q_gather``,
+    registered the same way (``torch.library.Library``, CompositeExplicitAutograd) with a body
+    that does nothing: its call is the dispatcher's own cost (once per process)."""
+    ns = getattr(torch.ops, "dcpkit_probe", None)
+    if ns is not None and hasattr(ns, "q_gather"):
+        return ns.q_gather
+    lib = torch.library.Library("dcpkit_probe", "DEF")
+    lib.define("q_gather(int handle, Tensor q, Tensor(a!) out, int ubatch) -> ()")
+    lib.impl("q_gather", lambda handle, q, out, ubatch: None, "CompositeExplicitAutograd")
+    empty_custom_op.library = lib  # kept alive with the process
+    return torch.ops.dcpkit_probe.q_gather
 
 
 class Recorder:
@@ -155,6 +175,7 @@ def stub_workspace(ws, stream, rec: Recorder, *, rank: int = RANK, world_size: i
     ws._proto = [ws._make_proto(u) for u in range(U)]
     # The fast path _init_fast_path would set up, every kernel's launcher being ``rec``.
     ws._plans = PlanCache(ws._plan)
+    ws._launch_failed = None
     ws._launchers = _EveryKernel(rec)
     ws._get_device = lambda: 0
     if ws.op_name == "lse_reduce":
@@ -284,6 +305,14 @@ def build_dcpcomm(ops, stream):
         )
 
 
+def _torch_module():
+    """``sys.modules["dcpkit.torch"]``: the module that ``from dcpkit.torch import ...`` reads
+    (the package attribute can be another one after a test imported the module afresh)."""
+    import importlib
+
+    return importlib.import_module("dcpkit.torch")
+
+
 @contextlib.contextmanager
 def torch_on_cpu(stream):
     """dcpkit.torch with CPU tensors: the tensor checks accept the CPU (and are otherwise the
@@ -296,7 +325,7 @@ def torch_on_cpu(stream):
     except ImportError:  # no torch rows
         yield None
         return
-    import dcpkit.torch as dt
+    dt = _torch_module()
 
     real_check = dt._check_tensor
 
@@ -367,7 +396,7 @@ def paths(stream, rec: Recorder) -> dict[str, tuple[Callable[[], object], int]]:
     txo = torch.zeros((T, H, D_V), dtype=torch.bfloat16)
     tlse = torch.zeros((T, H), dtype=torch.float32)
     to = torch.zeros((T, H_R, D_V), dtype=torch.bfloat16)
-    from dcpkit.torch import TorchOps
+    TorchOps = _torch_module().TorchOps
 
     tops = TorchOps(dcp)
     cq, cl = torch.ops.dcpkit.q_gather, torch.ops.dcpkit.lse_reduce
@@ -382,6 +411,8 @@ def paths(stream, rec: Recorder) -> dict[str, tuple[Callable[[], object], int]]:
             "torch.ops.dcpkit.lse_reduce": (lambda: cl(h, txo, tlse, None, None, to, None, 0), txp),
         }
     )
+    probe = empty_custom_op(torch)
+    res["torch custom op, empty body"] = (lambda: probe(h, tq, tq_out, 0), tqp)
     return res
 
 
@@ -412,7 +443,7 @@ def run(calls: int = 20000, *, profile_calls: int = 0, clock: str = "thread") ->
     stream = _cpu_stream()
     with torch_on_cpu(stream):
         fns = paths(stream, rec)
-        for name in ROWS:
+        for name in ROWS + PROBE_ROWS:
             if name not in fns:
                 continue
             fn, ptr = fns[name]
@@ -423,7 +454,7 @@ def run(calls: int = 20000, *, profile_calls: int = 0, clock: str = "thread") ->
                 "median_us": float(np.median(t)),
                 "p90_us": float(np.percentile(t, 90)),
                 "calls": calls,
-                "launches": rec.count - before - min(200, calls),
+                "launches": rec.count - before - (0 if name in PROBE_ROWS else min(200, calls)),
                 "last_launch": rec.last,
                 "input_ptr": ptr,
             }

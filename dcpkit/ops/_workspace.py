@@ -65,7 +65,7 @@ from .._checks import (
 )
 from .._launch import Launcher, default_backend
 from .._lifecycle import Resource
-from .._plan import PlanCache
+from .._plan import LazyPlanCache, PlanCache
 from .._setup import debug_enabled, guarded, share_outcome
 from .._sm_share import sm_share
 from ..comm import Communicator
@@ -126,6 +126,14 @@ PROTO_PARAM_TYPES = (
     "u32",
     "u64",
 )
+
+
+def _cupy_current_stream():
+    """CuPy's current stream (the default of ``_current_stream_fn`` before the fast path is
+    set up)."""
+    import cupy
+
+    return cupy.cuda.get_current_stream()
 
 
 def _round_up(x: int, a: int = _ALIGN) -> int:
@@ -647,22 +655,17 @@ class OpWorkspace(Resource):
         import cupy
 
         self._plans = PlanCache(self._plan)
+        self._launch_failed = None  # read on every call: an instance attribute
         self._functions = dict(functions)
         self._set_launch_backend(backend)
         self._get_device = cupy.cuda.runtime.getDevice
         self._current_stream_fn = cupy.cuda.get_current_stream
 
-    def __getattr__(self, name: str):
-        # Only for attributes not set yet: the plan cache of a workspace whose setup did not
-        # run _init_fast_path (built with ``__new__`` in CPU tests) is made on first use.
-        if name == "_plans":
-            plans = self.__dict__["_plans"] = PlanCache(self._plan)
-            return plans
-        if name == "_current_stream_fn":
-            import cupy
-
-            return cupy.cuda.get_current_stream
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    # No __getattr__ here: it would route every attribute read of the hot path through it (and
+    # keep Python from specialising them). A workspace built with ``__new__`` (CPU tests) gets
+    # its plan cache on first read, and CuPy's current stream, from the class.
+    _plans = LazyPlanCache("_plan")
+    _current_stream_fn = staticmethod(_cupy_current_stream)
 
     def _set_launch_backend(self, backend: str | None) -> None:
         """Launch through ``backend`` ("bindings", "ctypes"; None: the default); also the

@@ -125,7 +125,8 @@ class _CallPlan(NamedTuple):
     out_field: object  # the ``out`` field of params (ctypes), patched per call
     lse_field: object  # the ``out_lse`` field
     debug_key: tuple
-    views: dict  # workspace output buffer address -> (out view, lse view), memoised
+    views: dict  # parity -> (out address, lse address, out view, lse view) of the eager
+    # output buffer the hot path uses (memoised: the buffers stay for the workspace's life)
 
 
 class LseReduce(LseReduceCall, OpWorkspace):
@@ -427,20 +428,25 @@ class LseReduce(LseReduceCall, OpWorkspace):
             return self._launch(plan, arrays[0], out, out_lse, stream)
         ub = plan.ubatch
         calls = self._calls
-        calls[ub] += 1  # counted: a launch that raises below leaves the workspace unusable
-        out_ptr, lse_ptr = plan.out_ptr, plan.out_lse_ptr
+        n = calls[ub] + 1
+        calls[ub] = n  # counted: a launch that raises below leaves the workspace unusable
         res, lse_res = out, out_lse
-        if plan.needs_output:  # one of the two eager output buffers of the ubatch
-            base = self.output_ptr(ub, False)
-            views = plan.views.get(base)
+        # Without a workspace output buffer the ``out`` / ``out_lse`` fields hold the caller's
+        # pointers (or 0) since the plan was packed: every path writes those same values.
+        if plan.needs_output:  # one of the two eager output buffers of the ubatch, by parity
+            views = plan.views.get(n & 1)
             if views is None:
-                views = plan.views[base] = self._output_views(plan, base, self._eager_out[ub])
+                base = self.output_ptr(ub, False)
+                views = plan.views[n & 1] = (base, base + self._out_part_bytes) + (
+                    self._output_views(plan, base, self._eager_out[ub])
+                )
+            out_ptr, lse_ptr = plan.out_ptr, plan.out_lse_ptr
             if not out_ptr:
-                out_ptr, res = base, views[0]
+                out_ptr, res = views[0], views[2]
             if plan.want_lse and not lse_ptr:
-                lse_ptr, lse_res = base + self._out_part_bytes, views[1]
-        plan.out_field.value = out_ptr
-        plan.lse_field.value = lse_ptr
+                lse_ptr, lse_res = views[1], views[3]
+            plan.out_field.value = out_ptr
+            plan.lse_field.value = lse_ptr
         if self._get_device() == self.device:
             try:
                 self._launchers[plan.lse_key].launch(plan.grid, plan.params, stream.ptr)
@@ -511,8 +517,8 @@ class LseReduce(LseReduceCall, OpWorkspace):
                 v.seq_ptr,
                 v.qsl_ptr,
                 v.num_requests,
-                0,
-                0,
+                out_ptr,  # the caller's out= / out_lse= (0: patched per call, or none)
+                lse_ptr,
                 T,
             ]
             + [int(a) for a in self._tail_args]

@@ -375,3 +375,49 @@ def test_eager_calls_after_a_capture_copy_out_and_alternate(which, monkeypatch):
         assert grid == qg.ctas_for(mod.T, copy_out=True)
         assert not set(got) & {qg.data_slot_ptr(0, i) for i in range(3)}
     assert ws._calls == [6]
+
+
+def test_lse_reduce_output_fields_are_right_on_every_path(monkeypatch):
+    """The ``out`` / ``out_lse`` fields of a plan whose call names its own destinations are
+    packed once: eager, captured and eager-after-capture calls all launch with the caller's
+    pointers; a call that needs a workspace buffer patches them, alternating by parity, and the
+    merged lse of a ``return_lse`` workspace lands after its output."""
+    from dcpkit import _cuda
+
+    mod, rec, _, _, lr = _setup()
+    monkeypatch.setattr(_cuda, "_STREAM_TYPES", _cuda.stream_types() + (_Capturing,))
+    xo = mod.array((mod.T, mod.H, mod.D_V), "bfloat16")
+    lse = mod.array((mod.T, mod.H), "float32")
+    o = mod.array((mod.T, mod.H_R, mod.D_V), "bfloat16")
+    ol = mod.array((mod.T, mod.H_R), "float32")
+    seen = []
+    for kw, stream in (
+        ({"out": o}, None),
+        ({"out": o, "out_lse": ol}, None),
+        ({}, None),  # a workspace buffer: patched
+        ({"out": o}, _Capturing(True)),  # the general path
+        ({"out": o, "out_lse": ol}, _Capturing(True)),
+        ({"out": o}, None),  # eager after the capture
+        ({"out": o, "out_lse": ol}, None),
+    ):
+        res = lr(xo, lse, stream=stream, **kw)
+        _, p = _params(rec)
+        seen.append((p[31], p[32]))
+        if kw:
+            want = (o.data.ptr, ol.data.ptr if "out_lse" in kw else 0)
+            assert (p[31], p[32]) == want, (kw, stream)
+            assert (res[0] is o and res[1] is ol) if "out_lse" in kw else res is o
+        else:
+            assert p[31] == res.data.ptr and p[32] == 0
+    mod2, rec2 = mod, mod.Recorder()
+    lse_op = mod2.build_ops(mod2._cpu_stream(), rec2, return_lse=True)[2]
+    bases = []
+    for _ in range(3):
+        r, rl = lse_op(xo, lse, out=o)  # the merged lse goes to the workspace buffer
+        _, p = _params(rec2)
+        assert p[31] == o.data.ptr and p[32] == rl.data.ptr != 0
+        bases.append(p[32])
+    assert bases[0] == bases[2] != bases[1]
+    assert {b - lse_op._out_part_bytes for b in bases} <= {
+        lse_op._eager_out[0].data.ptr + k * lse_op._out_bytes for k in (0, 1)
+    }

@@ -30,10 +30,13 @@ def test_every_row_is_reported_and_every_call_launched_with_its_arguments(capsys
     try:
         import torch  # noqa: F401
 
-        expected = set(mod.ROWS)
+        expected = set(mod.ROWS + mod.PROBE_ROWS)
     except ImportError:
         expected = {r for r in mod.ROWS if "torch" not in r.lower()}
     assert set(rows) == expected
+    for name in mod.PROBE_ROWS:
+        if name in rows:  # torch's dispatcher alone: nothing launched
+            assert rows.pop(name)["launches"] == 0, name
     for name, r in rows.items():
         assert r["calls"] == 30 and r["launches"] == 30, (name, r["launches"])
         assert r["median_us"] > 0 and r["p90_us"] >= r["median_us"], name

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dcpkit._arrays import array_info, array_key
+from dcpkit._arrays import CUPY_CLASSES, array_info, array_key
 from dcpkit._plan import ABSENT, PlanCache, call_key, scalar_key
 from dcpkit.errors import InvalidArgument, InvalidType
 from dcpkit.ops.q_gather import QGather
@@ -201,3 +201,44 @@ def test_flat_keys_are_the_whole_description_and_only_for_exact_types():
     assert arrays_key((x, y, cai, None, None, None), 0) is None
     assert arrays_key((x, y, None, None, None, None), False) is None
     assert all(k[0] != call_key((x,))[0] for k in keys)  # never a call_key key
+
+
+def test_the_decode_loop_keys_of_arrays_key_equal_the_part_by_part_key():
+    """arrays_key builds the two keys of a decode loop (nothing, or only ``out``, after the
+    first two arrays) in one expression: they equal the key built part by part, and an ``out``
+    that is not a CuPy array still gives no flat key."""
+    from dcpkit._plan import _part, arrays_key
+
+    x, y, o = cp((2, 8, 8)), cp((2, 8), np.float32, ptr=PTR + 8192), cp((2, 4, 8), ptr=PTR + 1024)
+
+    def by_parts(arrays, ubatch):
+        key = _part(arrays[0], CUPY_CLASSES) + _part(arrays[1], CUPY_CLASSES)
+        for a in arrays[2:]:
+            key += _part(a, CUPY_CLASSES)
+        return key + (ubatch,)
+
+    for arrays in ((x, y, None, None, None, None), (x, y, None, None, o, None)):
+        for ub in (0, 3):
+            assert arrays_key(arrays, ub) == by_parts(arrays, ub), arrays
+    cai = Cai({"shape": (2, 4, 8), "typestr": "<f2", "data": (PTR, False), "version": 3})
+    assert arrays_key((x, y, None, None, cai, None), 0) is None
+    assert arrays_key((x, y, None, None, o, o), 1) == by_parts((x, y, None, None, o, o), 1)
+
+
+def test_op_classes_read_attributes_plainly_and_make_their_plan_cache_on_first_use():
+    """No class of an op defines ``__getattr__`` (it would route every attribute read of the hot
+    path through it); a workspace built with ``__new__`` gets its plan cache on first read, kept
+    in the instance, and CuPy's current-stream function from the class."""
+    from dcpkit.ops import KVGather, LseReduce
+    from dcpkit.ops._workspace import _cupy_current_stream
+
+    for cls in (QGather, KVGather, LseReduce):
+        assert all("__getattr__" not in vars(k) for k in cls.__mro__ if k is not object), cls
+        ws = cls.__new__(cls)
+        plans = ws._plans
+        assert (
+            isinstance(plans, PlanCache) and ws._plans is plans and ws.__dict__["_plans"] is plans
+        )
+        assert ws._current_stream_fn is _cupy_current_stream
+    fresh = QGather.__new__(QGather)
+    assert fresh._plans is not plans and len(fresh._plans) == 0
