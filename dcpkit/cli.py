@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .errors import DcpkitError, MissingDependency
 
-__all__ = ["main", "CommandParser", "file_path"]
+__all__ = ["main", "CommandParser", "file_path", "output_file", "output_file_problem"]
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -37,6 +38,42 @@ def file_path(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError(f"must name a file (got {text!r})")
     return text
+
+
+def output_file_problem(path: str, *, folder_must_exist: bool = True) -> str | None:
+    """Why a file cannot be written at ``path`` (``"<path> is a directory"``, ...), or None.
+
+    With ``folder_must_exist=False`` a missing folder is accepted (the caller creates it), but
+    not a path below an existing file.
+    """
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
+        return f"{path} is a directory"
+    folder = os.path.dirname(os.path.abspath(path))
+    probe = folder
+    if not folder_must_exist:
+        while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        what = "is below a file" if os.path.exists(probe) else "is in a folder that does not exist"
+        return f"{path} {what} ({probe})"
+    if not os.access(probe, os.W_OK):
+        return f"{path} is in a folder that is not writable ({probe})"
+    return None
+
+
+def output_file(*, folder_must_exist: bool = True):
+    """An argparse ``type=`` for a file to write, checked when parsed: :func:`file_path`, then
+    :func:`output_file_problem` (not a directory; its folder exists, or can be created when
+    ``folder_must_exist=False``, and is writable)."""
+
+    def parse(text: str) -> str:
+        path = file_path(text)
+        why = output_file_problem(path, folder_must_exist=folder_must_exist)
+        if why is not None:
+            raise argparse.ArgumentTypeError(why)
+        return path
+
+    return parse
 
 
 _COMMANDS = {

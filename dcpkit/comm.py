@@ -16,6 +16,7 @@ Usage::
 
 from __future__ import annotations
 
+import atexit
 import numbers
 import os
 import pickle
@@ -35,7 +36,13 @@ from .errors import (
     PeerError,
 )
 
-__all__ = ["Communicator", "canonical", "host_identity", "launcher_world_size"]
+__all__ = [
+    "Communicator",
+    "canonical",
+    "host_identity",
+    "launcher_library_mismatch",
+    "launcher_world_size",
+]
 
 
 def host_identity() -> str:
@@ -88,9 +95,117 @@ def _check_launcher_world_size(env, MPI) -> None:
     raise DcpkitError(
         f"Communicator.from_mpi: the launcher started {n} processes ({var}={n}) but "
         f"MPI.COMM_WORLD has 1 rank: mpi4py loaded an MPI library ({lib}) other than the one "
-        f"of this mpirun. Launch with the mpirun of that library, or install mpi4py against "
-        f"the MPI of this mpirun (see README, Known limits)"
+        f"of this mpirun. {_MISMATCH_ADVICE}"
     )
+
+
+#: Variables of PMIx launchers (Open MPI's ``mpirun``, PRRTE, Slurm's ``--mpi=pmix``).
+#: MPICH's PMI client aborts ``MPI_Init`` when it finds them without PMI-1/2 variables;
+#: Open MPI's ``OMPI_COMM_WORLD_*`` alone does not, and is left to the one-rank check.
+_PMIX_LAUNCHER_VARS = ("PMIX_RANK", "PMIX_NAMESPACE")
+#: Variables of PMI-1/PMI-2 launchers (MPICH's hydra, Intel MPI, Slurm's ``--mpi=pmi2``).
+_PMI_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_PORT", "HYDI_CONTROL_FD")
+#: Variables that only MPICH's hydra launcher sets.
+_HYDRA_LAUNCHER_VARS = ("HYDI_CONTROL_FD", "HYDRA_CONTROL_FD")
+
+
+def _first_set(env, names) -> str | None:
+    """``"NAME=value"`` of the first of ``names`` set in ``env``, or None."""
+    for name in names:
+        if name in env:
+            return f"{name}={env[name]}"
+    return None
+
+
+def launcher_library_mismatch(env, library_version: str) -> str | None:
+    """Why the MPI library cannot start under the launcher of ``env``, or None when it can.
+
+    Pure: reads ``env`` (a mapping) and ``library_version`` (``MPI.Get_library_version()``,
+    which MPI-3 allows before ``MPI_Init``), so the check runs before MPI is initialised:
+
+    * an MPICH library built without PMIx, under a PMIx launcher (``PMIX_RANK`` or
+      ``PMIX_NAMESPACE``, as Open MPI's ``mpirun`` sets) and no PMI-1/PMI-2 variables:
+      MPICH's ``MPI_Init`` aborts the process ("unsupported PMI version PMIx");
+    * an Open MPI library under MPICH's hydra (``HYDI_CONTROL_FD``) without PMIx variables:
+      every process would start alone.
+
+    Other pairs (Intel MPI, Slurm's ``srun``, PMIx-enabled MPICH) are left to MPI itself and
+    to the one-rank check after ``MPI_Init``.
+    """
+    text = library_version.strip()
+    first = " ".join(text.splitlines()[0].split()) if text else "unknown"
+    if text.startswith(("MPICH", "MVAPICH")) and "pmix" not in text.lower():
+        found = _first_set(env, _PMIX_LAUNCHER_VARS)
+        if found is not None and _first_set(env, _PMI_LAUNCHER_VARS) is None:
+            return (
+                f"a PMIx launcher (such as Open MPI's mpirun) started this process ({found}) but "
+                f"mpi4py loaded {first}, built without PMIx: MPI_Init would abort"
+            )
+    if text.startswith("Open MPI"):
+        found = _first_set(env, _HYDRA_LAUNCHER_VARS)
+        if found is not None and _first_set(env, _PMIX_LAUNCHER_VARS) is None:
+            return (
+                f"MPICH's hydra launcher started this process ({found}) but mpi4py loaded "
+                f"{first}: every process would start alone"
+            )
+    return None
+
+
+_MISMATCH_ADVICE = (
+    "Launch with the mpirun of that library, or install mpi4py against the MPI of this "
+    "mpirun (see README, Known limits)"
+)
+
+
+def _import_mpi():
+    """``mpi4py.MPI``, initialised, after checking that its library suits the launcher.
+
+    mpi4py initialises MPI when ``mpi4py.MPI`` is first imported; an MPI library that does not
+    speak the launcher's protocol aborts the process inside ``MPI_Init``. So the first import
+    here happens with ``mpi4py.rc.initialize = False``, the library is checked
+    (:func:`launcher_library_mismatch`), and MPI is then initialised as mpi4py would have done
+    (``rc.threads`` / ``rc.thread_level``), finalised at exit unless ``rc.finalize`` is False.
+    Where the caller imported ``mpi4py.MPI`` already and MPI runs, it is used as it is.
+    """
+    import mpi4py
+
+    with warnings.catch_warnings():
+        # mpi4py's multi-line warning when another MPI library's launcher started this
+        # process: the checks here and after MPI_Init raise that mismatch in one line
+        warnings.filterwarnings("ignore", "suspicious MPI execution environment")
+        if "mpi4py.MPI" not in sys.modules:
+            rc_initialize = mpi4py.rc.initialize
+            mpi4py.rc.initialize = False
+            try:
+                from mpi4py import MPI
+            finally:
+                mpi4py.rc.initialize = rc_initialize
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() or MPI.Is_finalized():
+            return MPI
+        why = launcher_library_mismatch(os.environ, MPI.Get_library_version())
+        if why is not None:
+            raise DcpkitError(f"Communicator.from_mpi: {why}. {_MISMATCH_ADVICE}")
+        rc = mpi4py.rc
+        if getattr(rc, "threads", True):
+            level = {
+                "single": MPI.THREAD_SINGLE,
+                "funneled": MPI.THREAD_FUNNELED,
+                "serialized": MPI.THREAD_SERIALIZED,
+            }.get(str(getattr(rc, "thread_level", "multiple")).lower(), MPI.THREAD_MULTIPLE)
+            MPI.Init_thread(level)
+        else:
+            MPI.Init()
+    if getattr(mpi4py.rc, "finalize", None) is not False:
+        atexit.register(_finalize_mpi, MPI)
+    return MPI
+
+
+def _finalize_mpi(MPI) -> None:
+    """At exit: finalise MPI that :func:`_import_mpi` initialised, unless already done."""
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
 
 
 def _is_int(x) -> bool:
@@ -269,16 +384,13 @@ class Communicator(Resource):
         InvalidType
             ``comm`` is neither None nor an ``mpi4py.MPI.Comm``.
         DcpkitError
-            A launcher started several processes (``OMPI_COMM_WORLD_SIZE`` or ``PMI_SIZE``
-            > 1) but ``MPI.COMM_WORLD`` has one rank: mpi4py loaded another MPI library than
-            the one of the ``mpirun`` used.
+            The MPI library mpi4py loaded cannot start under this launcher (MPICH under Open
+            MPI's ``mpirun``, say): raised before ``MPI_Init``. Or a launcher started several
+            processes (``OMPI_COMM_WORLD_SIZE`` or ``PMI_SIZE`` > 1) but ``MPI.COMM_WORLD``
+            has one rank: mpi4py loaded another MPI library than the one of the ``mpirun`` used.
         """
         try:
-            with warnings.catch_warnings():
-                # mpi4py's multi-line warning when another MPI library's launcher started this
-                # process: _check_launcher_world_size below raises that mismatch in one line
-                warnings.filterwarnings("ignore", "suspicious MPI execution environment")
-                from mpi4py import MPI
+            MPI = _import_mpi()
         except ImportError as e:  # pragma: no cover - exercised by a subprocess test
             raise MissingDependency("mpi4py", "mpi", str(e)) from None
         except RuntimeError as e:  # mpi4py present but no MPI library found

@@ -138,6 +138,8 @@ class ConfigMismatch(DcpkitError, ValueError):
         Value seen on each rank (rank -> value).
     ranks : list of int
         The ranks whose value differs from the value of the majority (or of rank 0 on a tie).
+        Where no two ranks agree (three ranks or more), the message names every rank's value
+        instead of "the others".
     """
 
     def __init__(self, what: str, values_by_rank):
@@ -150,6 +152,12 @@ class ConfigMismatch(DcpkitError, ValueError):
         best = max(counts.values())
         majority = next(r for r in reprs if counts[r] == best)
         self.ranks = [i for i, r in enumerate(reprs) if r != majority]
+        if len(reprs) >= 3 and best == 1:  # no majority: "the others" would name no one
+            detail = ", ".join(f"{reprs[i]} on rank {i}" for i in range(len(reprs)))
+            super().__init__(
+                f"{what} must be equal on every rank; no two ranks agree: {what}={detail}"
+            )
+            return
         detail = ", ".join(f"rank {i}: {reprs[i]}" for i in range(len(reprs)))
         super().__init__(
             f"{what} must be equal on every rank; ranks {self.ranks} differ from the others "

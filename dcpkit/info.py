@@ -127,8 +127,13 @@ def _versions() -> dict[str, Any]:
                 mpi4py.rc.finalize = False
             from mpi4py import MPI
 
-            lines = MPI.Get_library_version().strip().splitlines()
+            text = MPI.Get_library_version()
+            lines = text.strip().splitlines()
             v["mpi_library"] = " ".join(lines[0].split()) if lines else ""
+            if not MPI.Is_initialized():
+                from .comm import launcher_library_mismatch
+
+                v["mpi_launcher_mismatch"] = launcher_library_mismatch(os.environ, text)
         except Exception as e:  # noqa: BLE001
             v["mpi_library_error"] = _err(e)
     v["torch"] = _dist_version("torch")
@@ -452,6 +457,12 @@ def collect() -> dict[str, Any]:
             why = g["error"] or "the CUDA driver reports no device"
         info["no_gpu_reason"] = why
     info["warnings"] = stack_warnings(v, drv)
+    if v.get("mpi_launcher_mismatch"):
+        info["warnings"].append(
+            f"{v['mpi_launcher_mismatch']}: Communicator.from_mpi (demo, bench, the examples) "
+            "refuses to start here; launch with the mpirun of that library, or install mpi4py "
+            "against the MPI of this mpirun"
+        )
     info["multicast"] = _multicast(g["gpus"])
     info["env"] = {k: os.environ[k] for k in MULTICAST_ENV + _OTHER_ENV if k in os.environ}
     return info

@@ -82,7 +82,32 @@ if ! [[ "$MAX_FILES" =~ ^[0-9]+$ ]] || [ "$MAX_FILES" -lt 2 ]; then
     echo "gpu_suite.sh: DCPKIT_SUITE_MAX_FILES must be a whole number >= 2 (summary.txt and" \
          "logs.tar.gz) (got '$MAX_FILES')" >&2; exit 2
 fi
-mkdir -p "$OUT"
+for var in DCPKIT_SUITE_NP DCPKIT_SUITE_DEMO_NP DCPKIT_SUITE_BENCH_NP DCPKIT_SUITE_OVERHEAD_NP \
+           DCPKIT_SUITE_SOAK_NP; do
+    for n in ${!var-}; do
+        if ! [[ "$n" =~ ^[1-9][0-9]{0,3}$ ]]; then
+            echo "gpu_suite.sh: $var must be world sizes, whole numbers >= 1 separated by" \
+                 "spaces, e.g. \"2 4\" (got '${!var}')" >&2; exit 2
+        fi
+    done
+done
+KNOWN_STAGES="info tests mpitests gputests overhead soak demo bench"
+IFS=',' read -r -a _stage_items <<<"${DCPKIT_SUITE_STAGES:-info}"
+for st in "${_stage_items[@]}"; do
+    known=0
+    for k in $KNOWN_STAGES; do [ "$st" = "$k" ] && known=1; done
+    if [ -n "$st" ] && [ "$known" = 0 ]; then
+        echo "gpu_suite.sh: DCPKIT_SUITE_STAGES must be a comma list of" \
+             "${KNOWN_STAGES// /, } (got '$DCPKIT_SUITE_STAGES')" >&2; exit 2
+    fi
+done
+if [ -e "$OUT" ] && [ ! -d "$OUT" ]; then
+    echo "gpu_suite.sh: OUT must be a directory (got '$OUT', which is not one)" >&2; exit 2
+fi
+if ! mkdir -p "$OUT" 2>/dev/null || [ ! -w "$OUT" ]; then
+    echo "gpu_suite.sh: OUT must be a writable directory or one that can be created" \
+         "(got '$OUT')" >&2; exit 2
+fi
 START_S=$(date +%s)
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/dcpkit_suite.XXXXXX")"
 LOGS="$WORK/logs"
@@ -171,7 +196,8 @@ if [ -z "${DCPKIT_COMMIT:-}" ]; then
 fi
 export DCPKIT_COMMIT
 
-NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+NGPU=0
+command -v nvidia-smi >/dev/null 2>&1 && NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 if [ "${NGPU:-0}" -eq 0 ]; then
     NGPU=$("$PY" -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())' 2>/dev/null || echo 0)
 fi
@@ -186,7 +212,9 @@ for n in ${DCPKIT_SUITE_NP:-2 4}; do
         say "world size $n on $NGPU GPU(s): ranks share GPUs (no NVLink: timings bound the kernels on this machine, not NVLink)"
     else say "world size $n skipped: $NGPU GPU(s)"; fi
 done
-GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+GPU_NAME=""
+command -v nvidia-smi >/dev/null 2>&1 &&
+    GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 export DCPKIT_MACHINE_KIND="${DCPKIT_MACHINE_KIND:-${NGPU}x ${GPU_NAME:-GPU}}"
 
 {
@@ -196,14 +224,20 @@ export DCPKIT_MACHINE_KIND="${DCPKIT_MACHINE_KIND:-${NGPU}x ${GPU_NAME:-GPU}}"
     for v in $GUARD_VARS; do echo "$v: ${GUARD0[$v]}"; done
     echo "DCPKIT_MULTICAST: ${DCPKIT_MULTICAST-unset};" \
          "DCPKIT_DISABLE_MULTICAST: ${DCPKIT_DISABLE_MULTICAST-unset}"
-    nvidia-smi -L 2>&1
-    nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm,power.limit \
-        --format=csv 2>&1
-    nvidia-smi topo -m 2>&1
-    echo "python: $("$PY" --version 2>&1)"
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        nvidia-smi -L 2>&1
+        nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm,power.limit \
+            --format=csv 2>&1
+        nvidia-smi topo -m 2>&1
+    else
+        echo "nvidia-smi: not installed on this machine"
+    fi
+    if command -v "$PY" >/dev/null 2>&1; then echo "python: $("$PY" --version 2>&1)"
+    else echo "python: '$PY' not found"; fi
     "$PY" -m pip list 2>/dev/null | grep -iE '^(cupy|cuda-(bindings|python|core)|torch|mpi4py)'
     "$PY" -m pip list 2>/dev/null | grep -iE '^(numpy|ml.dtypes|nvidia-nccl|nvshmem|pytest|matplotlib)'
-    echo "mpirun: $(mpirun --version 2>&1 | head -1)"
+    if command -v mpirun >/dev/null 2>&1; then echo "mpirun: $(mpirun --version 2>&1 | head -1)"
+    else echo "mpirun: not installed on this machine"; fi
 } >"$LOGS/env.txt" 2>&1
 say "environment: $NGPU GPU(s), world sizes:${NPS:- none}, commit ${DCPKIT_COMMIT:0:12}"
 for v in $GUARD_VARS; do say "  $v: ${GUARD0[$v]}"; done
@@ -241,6 +275,8 @@ run_stage() {
     local note=""
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
         note="timed out after ${lim} s"
+    elif [ "$rc" -eq 127 ] && ! command -v "$1" >/dev/null 2>&1; then
+        note="'$1' cannot run: command not found"
     else
         # pytest's last summary line, or the benchmark's / demo's last line
         local pat=' (passed|failed|error|errors|skipped|no tests ran)( |,|$)|^# dcpkit bench:|^dcpkit demo'
@@ -334,6 +370,13 @@ if [[ $STAGES == *,info,* ]]; then
     head -c 3000 "$LOGS/info.log"
 fi
 
+# No Python: nothing can run, and "no GPU" would be the wrong reason.
+if ! "$PY" -c pass >/dev/null 2>&1; then
+    say "the Python interpreter '$PY' cannot run (set PYTHON to one with dcpkit's" \
+        "dependencies); no stage can run"
+    RESULTS+=("python|-|2|0|'$PY' cannot run: no stage run")
+    exit 2
+fi
 # No GPU: every later stage needs one. Say so and fail (exit 2) instead of dropping them all and
 # reporting success.
 if [ "${NGPU:-0}" -eq 0 ]; then

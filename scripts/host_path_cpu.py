@@ -24,7 +24,6 @@ inflate it). This is a report, not a test: CI runs it with few calls and checks 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import cProfile
 import io
@@ -478,17 +477,53 @@ def table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calls", type=int, default=20000)
-    ap.add_argument("--profile", default=None, help="write cProfile tables of every row here")
-    ap.add_argument("--json", default=None)
+#: The most calls a row may be timed over: enough for a stable p90, small enough to end.
+MAX_CALLS = 10_000_000
+
+
+def parser():
+    """The script's argument parser: every value is checked when parsed (one line, exit 2)."""
+    from dcpkit.cli import CommandParser, output_file
+    from dcpkit.demo.cli import integer
+
+    ap = CommandParser(
+        prog="scripts/host_path_cpu.py",
+        description=" ".join(__doc__.split("\n\n")[0].split())
+        + " The GPU counterpart is scripts/host_overhead.py.",
+    )
+    ap.add_argument(
+        "--calls",
+        type=integer(1, MAX_CALLS),
+        default=20000,
+        help=f"calls of every row, each timed alone, in [1, {MAX_CALLS}] (default: 20000)",
+    )
+    ap.add_argument(
+        "--profile",
+        metavar="PATH",
+        type=output_file(),
+        default=None,
+        help="also write a cProfile table of 2000 calls of every row to PATH (its folder must "
+        "exist)",
+    )
+    ap.add_argument(
+        "--json",
+        metavar="PATH",
+        type=output_file(),
+        default=None,
+        help="also write the rows (median, p90, calls) as JSON to PATH (its folder must exist)",
+    )
     ap.add_argument(
         "--clock",
         choices=sorted(CLOCKS),
         default="thread",
-        help="thread CPU time (default: immune to other processes) or wall time",
+        help="what is timed: this thread's CPU time (default: immune to other processes) or "
+        "wall time",
     )
+    return ap
+
+
+def main(argv: list[str] = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     rows = run(args.calls, profile_calls=2000 if args.profile else 0, clock=args.clock)
     print(table(rows))

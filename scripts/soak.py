@@ -522,7 +522,7 @@ def problems(summary: dict) -> str | None:
 
 def parser():
     """The soak's argument parser: every value is checked when parsed (one line, exit 2)."""
-    from dcpkit.cli import CommandParser, file_path
+    from dcpkit.cli import CommandParser, output_file
     from dcpkit.demo.cli import integer, milliseconds
 
     ap = CommandParser(
@@ -572,7 +572,7 @@ def parser():
     ap.add_argument(
         "--json",
         metavar="PATH",
-        type=file_path,
+        type=output_file(folder_must_exist=False),
         default=None,
         help="also write the summary as JSON to PATH (rank 0; missing folders are created)",
     )

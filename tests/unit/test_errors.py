@@ -87,7 +87,6 @@ def test_collective_timeout_names_rank_peer_and_epoch():
         ([8, 8, 16], [2]),  # majority 8
         ([16, 8, 8, 8], [0]),  # rank 0 is the odd one
         ([8, 16], [1]),  # tie: rank 0's value is the reference
-        ([1, 2, 3], [1, 2]),  # all differ: rank 0's value is the reference
         (["a", "b", "b", "a"], [1, 2]),
     ],
 )
@@ -98,6 +97,15 @@ def test_config_mismatch_names_the_differing_ranks(values, ranks):
     assert f"ranks {ranks} differ" in str(e) and str(e).startswith("T_max must be equal")
     for r, v in enumerate(values):
         assert f"rank {r}: {v!r}" in str(e)
+
+
+@pytest.mark.parametrize("values", [[128, 129, 130], ["a", "b", "c", "d"]])
+def test_config_mismatch_without_a_majority_names_every_value(values):
+    e = ConfigMismatch("T_max", values)
+    assert e.ranks == list(range(1, len(values)))  # rank 0's value is the reference
+    detail = ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values))
+    assert str(e) == f"T_max must be equal on every rank; no two ranks agree: T_max={detail}"
+    assert "the others" not in str(e)
 
 
 def test_peer_error():

@@ -157,6 +157,15 @@ def test_bench_stage_shares_the_gpu_and_runs_the_baseline_first(repo_root, run_c
         ("DCPKIT_SUITE_MAX_FILES", "1"),
         ("DCPKIT_SUITE_MAX_FILES", "x"),
         ("DCPKIT_SUITE_BUDGET_S", "0"),
+        ("DCPKIT_SUITE_NP", "0"),
+        ("DCPKIT_SUITE_NP", "2,4"),
+        ("DCPKIT_SUITE_NP", "2 -1"),
+        ("DCPKIT_SUITE_DEMO_NP", "x"),
+        ("DCPKIT_SUITE_BENCH_NP", "2.5"),
+        ("DCPKIT_SUITE_OVERHEAD_NP", "0"),
+        ("DCPKIT_SUITE_SOAK_NP", "four"),
+        ("DCPKIT_SUITE_STAGES", "info,bogus"),
+        ("DCPKIT_SUITE_STAGES", "info tests"),
     ],
 )
 def test_bad_settings_are_one_line_and_exit_2(repo_root, run_cmd, tmp_path, name, value):
@@ -243,3 +252,51 @@ def test_bench_stage_asks_for_plots_only_where_matplotlib_imports(
     assert len(lines) == 1, lines
     assert ("--plot" in lines[0]) == with_matplotlib, lines[0]
     assert ("matplotlib is not installed" in text) != with_matplotlib, text
+
+
+@pytest.mark.parametrize("kind", ["file", "below_a_file"])
+def test_out_that_cannot_be_a_directory_is_refused(repo_root, run_cmd, tmp_path, kind):
+    script = repo_root / "scripts" / "gpu_suite.sh"
+    f = tmp_path / "a_file"
+    f.write_text("keep")
+    out = f if kind == "file" else f / "out"
+    proc = run_cmd(["bash", str(script)], timeout=60, env={"OUT": str(out)})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("gpu_suite.sh: OUT must be ") and f"(got '{out}'" in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and proc.stdout == "", proc.stdout + proc.stderr
+    assert f.read_text() == "keep"
+
+
+def test_no_nvidia_smi_and_no_python_are_named(repo_root, run_cmd, tmp_path):
+    """Without nvidia-smi and with a PYTHON that cannot run: the summary says so, and does not
+    blame a missing GPU or carry the shell's "command not found" lines."""
+    script = repo_root / "scripts" / "gpu_suite.sh"
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    bindir = tmp_path / "bin"  # the tools the suite uses, without nvidia-smi or mpirun
+    bindir.mkdir()
+    for tool in (
+        "bash", "sed", "grep", "date", "mktemp", "mkdir", "cp", "tar", "gzip", "ls", "tr",
+        "head", "tail", "cut", "cat", "id", "hostname", "uname", "timeout", "git", "dirname",
+        "basename", "rm", "sleep", "env",
+    ):  # fmt: skip
+        found = shutil.which(tool)
+        if found:
+            os.symlink(found, bindir / tool)
+    out = tmp_path / "out"
+    env = {
+        "PATH": str(bindir),
+        "OUT": str(out),
+        "PYTHON": str(tmp_path / "no_python"),
+        "TMPDIR": str(tmp_path),
+        "DCPKIT_SUITE_STAGES": "info,tests",
+    }
+    proc = run_cmd(["bash", str(script)], timeout=120, env=env)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text
+    summary = (out / "summary.txt").read_text()
+    assert "command not found" not in summary.replace("cannot run: command not found", ""), summary
+    assert "nvidia-smi: not installed on this machine" in summary, summary
+    assert f"info - 127 0 '{tmp_path / 'no_python'}' cannot run: command not found" in summary
+    assert "no GPU found" not in text + summary, text + summary
+    assert "cannot run (set PYTHON" in text, text

@@ -24,9 +24,12 @@ def _load(path):
     return mod
 
 
-@pytest.mark.parametrize("name", ["host_overhead.py", "two_jobs_check.py", "soak.py"])
+@pytest.mark.parametrize(
+    "name", ["host_overhead.py", "two_jobs_check.py", "soak.py", "host_path_cpu.py"]
+)
 def test_every_option_has_a_help_text(repo_root, name):
     ap = _load(_script(repo_root, name)).parser()
+    assert ap.prog == f"scripts/{name}", ap.prog
     missing = [a.option_strings for a in ap._actions if a.option_strings and not a.help]
     assert not missing, missing
     assert ap.description.rstrip().endswith("."), ap.description  # a whole sentence
@@ -46,19 +49,35 @@ def test_every_option_has_a_help_text(repo_root, name):
         ("two_jobs_check.py", ["--rounds", "0"], "argument --rounds: must be an integer >= 1"),
         ("two_jobs_check.py", ["--nbytes", "-1"], "argument --nbytes: must be an integer >= 1"),
         ("soak.py", ["--json", ""], "argument --json: must name a file (got '')"),
+        ("soak.py", ["--json", "{tmp}"], "argument --json: {tmp} is a directory"),
+        ("soak.py", ["--json", "{tmp}/"], "argument --json: {tmp}/ is a directory"),
+        ("soak.py", ["--json", "{file}/s.json"], "argument --json: {file}/s.json is below a file"),
+        ("host_path_cpu.py", ["--calls", "0"], "argument --calls: must be an integer in [1, "),
+        ("host_path_cpu.py", ["--calls", "1e9"], "argument --calls: must be an integer in [1, "),
+        ("host_path_cpu.py", ["--calls", "10000001"], "argument --calls: must be an integer in"),
+        ("host_path_cpu.py", ["--json", "{tmp}"], "argument --json: {tmp} is a directory"),
+        (
+            "host_path_cpu.py",
+            ["--json", "{missing}/h.json"],
+            "argument --json: {missing}/h.json is in a folder that does not exist",
+        ),
+        ("host_path_cpu.py", ["--profile", "{tmp}"], "argument --profile: {tmp} is a directory"),
+        ("host_path_cpu.py", ["--profile", ""], "argument --profile: must name a file (got '')"),
     ],
 )
 def test_a_bad_value_is_one_line_before_the_gpu_check(
     repo_root, run_python, tmp_path, name, argv, fragment
 ):
     path = _script(repo_root, name)
-    argv = [a.format(missing=tmp_path / "missing") for a in argv]
+    (tmp_path / "a_file").write_text("")
+    names = {"missing": tmp_path / "missing", "tmp": tmp_path, "file": tmp_path / "a_file"}
+    argv = [a.format(**names) for a in argv]
     proc = run_python([str(path), *argv], timeout=120)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"scripts/{name}: ") and "GPU" not in lines[0], lines[0]
-    assert fragment.format(missing=tmp_path / "missing") in lines[0], lines[0]
+    assert fragment.format(**names) in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
