@@ -159,19 +159,6 @@ def _commit() -> str:
 DISPATCHER_ROW = "torch custom op, empty body (no launch)"
 
 
-def _empty_custom_op(torch):
-    """``torch.ops.dcpkit_probe.q_gather``: ``dcpkit::q_gather``'s schema registered the same way
-    (``torch.library.Library``, CompositeExplicitAutograd) with a body that does nothing."""
-    ns = getattr(torch.ops, "dcpkit_probe", None)
-    if ns is not None and hasattr(ns, "q_gather"):
-        return ns.q_gather
-    lib = torch.library.Library("dcpkit_probe", "DEF")
-    lib.define("q_gather(int handle, Tensor q, Tensor(a!) out, int ubatch) -> ()")
-    lib.impl("q_gather", lambda handle, q, out, ubatch: None, "CompositeExplicitAutograd")
-    _empty_custom_op.library = lib  # kept alive with the process
-    return torch.ops.dcpkit_probe.q_gather
-
-
 def _torch_cuda():
     try:
         import torch
@@ -288,7 +275,9 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
         txo, tlse = torch.from_dlpack(xo), torch.from_dlpack(lse)
         to = torch.empty((T, Hr, D_V), dtype=txo.dtype, device=txo.device)
         cq, cl, h = torch.ops.dcpkit.q_gather, torch.ops.dcpkit.lse_reduce, tops.handle
-        probe = _empty_custom_op(torch)
+        from dcpkit._torch_registry import dispatcher_probe
+
+        probe = dispatcher_probe()
         rows += [
             ("TorchOps.q_gather view", "torch", lambda: tops.q_gather(tq)),
             ("TorchOps.q_gather out=", "torch", lambda: tops.q_gather(tq, out=tq_out)),

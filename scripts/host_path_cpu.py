@@ -68,20 +68,6 @@ ROWS = (
 PROBE_ROWS = ("torch custom op, empty body",)
 
 
-def empty_custom_op(torch):
-    """``torch.ops.dcpkit_probe.q_gather``: the schema of ``torch.ops.dcpkit.q_gather``,
-    registered the same way (``torch.library.Library``, CompositeExplicitAutograd) with a body
-    that does nothing: its call is the dispatcher's own cost (once per process)."""
-    ns = getattr(torch.ops, "dcpkit_probe", None)
-    if ns is not None and hasattr(ns, "q_gather"):
-        return ns.q_gather
-    lib = torch.library.Library("dcpkit_probe", "DEF")
-    lib.define("q_gather(int handle, Tensor q, Tensor(a!) out, int ubatch) -> ()")
-    lib.impl("q_gather", lambda handle, q, out, ubatch: None, "CompositeExplicitAutograd")
-    empty_custom_op.library = lib  # kept alive with the process
-    return torch.ops.dcpkit_probe.q_gather
-
-
 class Recorder:
     """Stands in for the kernel launch: keeps the last launch's arguments and a count."""
 
@@ -410,7 +396,9 @@ def paths(stream, rec: Recorder) -> dict[str, tuple[Callable[[], object], int]]:
             "torch.ops.dcpkit.lse_reduce": (lambda: cl(h, txo, tlse, None, None, to, None, 0), txp),
         }
     )
-    probe = empty_custom_op(torch)
+    from dcpkit._torch_registry import dispatcher_probe
+
+    probe = dispatcher_probe()
     res["torch custom op, empty body"] = (lambda: probe(h, tq, tq_out, 0), tqp)
     return res
 

@@ -86,6 +86,24 @@ def test_custom_ops_register_and_refuse_unknown_handles():
         torch.ops.dcpkit.q_gather(987654, q, torch.zeros(2, 4, 4), 0)
 
 
+@needs_torch
+def test_dispatcher_probe_has_q_gathers_schema_and_does_nothing():
+    """The host-time scripts' dispatcher probe: q_gather's schema, an empty body, once per
+    process."""
+    import torch
+
+    from dcpkit._torch_registry import _SCHEMAS, dispatcher_probe
+
+    probe = dispatcher_probe()
+    assert dispatcher_probe() is probe
+    q, out = torch.ones(2, 2, 4), torch.full((2, 4, 4), 7.0)
+    assert probe(987654, q, out, 0) is None  # no handle lookup, no write
+    assert bool((out == 7.0).all())
+    assert str(probe.default._schema).endswith(_SCHEMAS["q_gather"][0])
+    with pytest.raises(RuntimeError):
+        probe(0, q)  # the schema is enforced: out and ubatch are required
+
+
 # ----------------------------------------------------------------------------- conversions
 def _cpu_check(t, name, device):
     """The tensor checks, with the CPU standing in for the GPU."""
