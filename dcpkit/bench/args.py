@@ -352,6 +352,13 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
                     f"argument --plot: needs matplotlib ({why}): pip install 'dcpkit[bench]'"
                 )
     else:
+        render_opts = {"render_md", "baseline", "md_out", "notes", "host_overhead", "help"}
+        for action in parser._actions:
+            dest = action.dest
+            if dest in render_opts or not action.option_strings or dest == "version":
+                continue
+            if getattr(args, dest, action.default) != action.default:
+                parser.error(f"argument {action.option_strings[0]}: not used with --render-md")
         if args.baseline is not None and len(args.baseline) != len(args.render_md):
             parser.error(
                 f"argument --baseline: must name one JSON per --render-md JSON "

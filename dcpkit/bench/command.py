@@ -90,6 +90,30 @@ def _load(
     return results, plots
 
 
+def _world_size(res: dict[str, Any]) -> Any:
+    meta = res.get("meta")
+    return meta.get("world_size") if isinstance(meta, dict) else None
+
+
+def _check_world_sizes(args, results, baselines) -> None:
+    """One run per world size, and every baseline at the world size of a run."""
+    seen: dict[Any, str] = {}
+    for path, res in zip(args.render_md, results):
+        W = _world_size(res)
+        if W in seen:
+            raise _RenderError(
+                f"{path} and {seen[W]} are both runs at world size {W} (one JSON per world size)"
+            )
+        seen[W] = path
+    for path, res in zip(args.baseline or [], baselines):
+        W = _world_size(res)
+        if W not in seen:
+            raise _RenderError(
+                f"--baseline {path} is a run at world size {W}, which no --render-md JSON has "
+                f"(world sizes {sorted(seen, key=str)})"
+            )
+
+
 def render_md_main(args: argparse.Namespace) -> int:
     """``--render-md``: BENCHMARKS.md from JSON files (no GPU, no MPI); to stdout unless
     ``--md-out`` is given.
@@ -106,6 +130,7 @@ def render_md_main(args: argparse.Namespace) -> int:
     try:
         results, plots = _load(args.render_md, out_dir)
         baselines, _ = _load(args.baseline or [], out_dir, "--baseline ")
+        _check_world_sizes(args, results, baselines)
     except _RenderError as e:
         return _fail(str(e))
     host = []

@@ -164,6 +164,10 @@ BAD_ARGS = [
         ["--render-md", "a.json", "b.json", "--baseline", "c.json"],
         "argument --baseline: must name one JSON per --render-md JSON (2) (got 1)",
     ),
+    # options of a run, given with --render-md, are refused rather than ignored
+    (["--render-md", "a.json", "--quick"], "argument --quick: not used with --render-md"),
+    (["--render-md", "a.json", "--iters", "3"], "argument --iters: not used with --render-md"),
+    (["--render-md", "a.json", "--ops", "q_gather"], "argument --ops: not used with --render-md"),
 ]
 
 

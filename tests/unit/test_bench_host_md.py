@@ -122,3 +122,19 @@ def test_host_overhead_needs_render_md(capsys):
         bench.main(["--host-overhead", "h.json"])
     assert ei.value.code == 2
     assert "argument --host-overhead: needs --render-md" in capsys.readouterr().err
+
+
+def test_render_md_refuses_two_runs_of_one_world_size_and_a_baseline_of_none(tmp_path, capsys):
+    """The same world size twice would print every section twice; a baseline at a world size
+    no run has would drop the before/after table silently: both are one-line errors."""
+    _write_bench(tmp_path)
+    j2 = str(tmp_path / "docs" / "bench_2.json")
+    (tmp_path / "b4.json").write_text(json.dumps(jsonable(synthetic_result(4, True))))
+    assert bench.main(["--render-md", j2, j2]) == 2
+    err = capsys.readouterr().err
+    assert "are both runs at world size 2 (one JSON per world size)" in err
+    assert err.count("\n") == 1
+    assert bench.main(["--render-md", j2, "--baseline", str(tmp_path / "b4.json")]) == 2
+    err = capsys.readouterr().err
+    assert "is a run at world size 4, which no --render-md JSON has (world sizes [2])" in err
+    assert bench.main(["--render-md", j2, "--baseline", j2]) == 0  # same world size: fine
