@@ -28,6 +28,7 @@ import sys
 
 import cupy
 import numpy as np
+from _support import connect, gpu_count, say
 
 import dcpkit
 
@@ -37,11 +38,6 @@ D = 128  # head dim of q, k and v
 SEED = 2024
 #: float16 input, float32 accumulation: error bound of the merged output (2 roundings of 2^-11)
 U = 2.0**-11
-
-
-def say(comm, *args) -> None:
-    if comm.rank == 0:
-        print(*args, flush=True)
 
 
 def make_problem(world_size: int):
@@ -87,23 +83,6 @@ def reference(q, kv, rank: int, scale: float) -> np.ndarray:
         p = np.exp(s - s.max(axis=1, keepdims=True))
         out[b] = (p / p.sum(axis=1, keepdims=True)) @ v.astype(np.float64)
     return out
-
-
-def gpu_count() -> int:
-    try:
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except cupy.cuda.runtime.CUDARuntimeError:
-        return 0
-
-
-def connect(name: str):
-    """The ``mpirun`` world, or None after one line saying why it cannot be had (no mpi4py, or
-    the launcher of another MPI library: it started several processes but MPI sees one)."""
-    try:
-        return dcpkit.Communicator.from_mpi()
-    except dcpkit.DcpkitError as e:
-        print(f"{name}: {' '.join(str(e).split())}", flush=True)
-        return None
 
 
 def main() -> int:

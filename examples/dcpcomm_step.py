@@ -26,6 +26,7 @@ import sys
 
 import cupy
 import numpy as np
+from _support import connect, gpu_count, say
 
 import dcpkit
 
@@ -35,11 +36,6 @@ H_R = 4  # query heads per rank
 D = 128  # head dim of q, k and v; a KV row is [K | V], 2*D wide
 SEED = 7
 U = 2.0**-11  # float16 rounding
-
-
-def say(comm, *args) -> None:
-    if comm.rank == 0:
-        print(*args, flush=True)
 
 
 def kv_rows(world_size: int) -> np.ndarray:
@@ -61,23 +57,6 @@ def attention(q, k, v, scale):
     p = cupy.exp(s - m)
     total = p.sum(axis=1, keepdims=True)
     return (p / total) @ v.astype(cupy.float32), (m + cupy.log(total))[:, 0]
-
-
-def gpu_count() -> int:
-    try:
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except cupy.cuda.runtime.CUDARuntimeError:
-        return 0
-
-
-def connect(name: str):
-    """The ``mpirun`` world, or None after one line saying why it cannot be had (no mpi4py, or
-    the launcher of another MPI library: it started several processes but MPI sees one)."""
-    try:
-        return dcpkit.Communicator.from_mpi()
-    except dcpkit.DcpkitError as e:
-        print(f"{name}: {' '.join(str(e).split())}", flush=True)
-        return None
 
 
 def main() -> int:

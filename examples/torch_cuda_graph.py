@@ -27,6 +27,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+from _support import connect, missing, say, torch_problem
 
 import dcpkit
 
@@ -36,11 +37,6 @@ D = 128  # head dim of q, k and v
 SEED = 99
 REPLAYS = 3
 U = 2.0**-8  # bfloat16 rounding
-
-
-def say(comm, *args) -> None:
-    if comm.rank == 0:
-        print(*args, flush=True)
 
 
 def make_kv(torch, world_size: int):
@@ -97,38 +93,6 @@ def reference(q, kv, rank: int, scale: float) -> np.ndarray:
         p = np.exp(s - s.max(axis=1, keepdims=True))
         out[b] = (p / p.sum(axis=1, keepdims=True)) @ v.double().numpy()
     return out
-
-
-def torch_problem(torch) -> str:
-    """What keeps this example from running torch on a GPU here ("" when nothing does)."""
-    if torch is None:
-        return "torch is not installed: install it with pip install 'dcpkit[torch]'"
-    if torch.version.cuda is None:
-        return (
-            f"torch {torch.__version__} is a CPU build: install a CUDA build of torch "
-            f"(matching the cuda12 / cuda13 extra)"
-        )
-    return "" if torch.cuda.is_available() else "torch sees no CUDA GPU"
-
-
-def missing(e: ImportError) -> str:
-    """The one line for a missing module, naming the extra that brings it."""
-    top = (e.name or "").split(".")[0]
-    if top == "torch":
-        return torch_problem(None)
-    if top == "cupy":
-        return "CuPy is not installed: install it with pip install 'dcpkit[cuda12]' (or cuda13)"
-    return f"a module is missing ({e})"
-
-
-def connect(name: str):
-    """The ``mpirun`` world, or None after one line saying why it cannot be had (no mpi4py, or
-    the launcher of another MPI library: it started several processes but MPI sees one)."""
-    try:
-        return dcpkit.Communicator.from_mpi()
-    except dcpkit.DcpkitError as e:
-        print(f"{name}: {' '.join(str(e).split())}", flush=True)
-        return None
 
 
 def main() -> int:

@@ -39,7 +39,7 @@ import math
 import socket
 import sys
 
-import dcpkit
+from _support import connect, missing, say, torch_problem
 
 D_LATENT, D_ROPE = 512, 64
 D_Q = D_LATENT + D_ROPE  # query / KV row width of absorbed MLA
@@ -226,43 +226,6 @@ def run(
         return ok and kv_ok
     finally:
         mgr.close()
-
-
-def say(comm, *args) -> None:
-    if comm.rank == 0:
-        print(*args, flush=True)
-
-
-def torch_problem(torch) -> str:
-    """What keeps this example from running torch on a GPU here ("" when nothing does)."""
-    if torch is None:
-        return "torch is not installed: install it with pip install 'dcpkit[torch]'"
-    if torch.version.cuda is None:
-        return (
-            f"torch {torch.__version__} is a CPU build: install a CUDA build of torch "
-            f"(matching the cuda12 / cuda13 extra)"
-        )
-    return "" if torch.cuda.is_available() else "torch sees no CUDA GPU"
-
-
-def missing(e: ImportError) -> str:
-    """The one line for a missing module, naming the extra that brings it."""
-    top = (e.name or "").split(".")[0]
-    if top == "torch":
-        return torch_problem(None)
-    if top == "cupy":
-        return "CuPy is not installed: install it with pip install 'dcpkit[cuda12]' (or cuda13)"
-    return f"a module is missing ({e})"
-
-
-def connect(name: str):
-    """The ``mpirun`` world, or None after one line saying why it cannot be had (no mpi4py, or
-    the launcher of another MPI library: it started several processes but MPI sees one)."""
-    try:
-        return dcpkit.Communicator.from_mpi()
-    except dcpkit.DcpkitError as e:
-        print(f"{name}: {' '.join(str(e).split())}", flush=True)
-        return None
 
 
 def main(argv=None) -> int:
