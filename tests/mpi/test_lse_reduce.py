@@ -302,7 +302,7 @@ def test_out_overlapping_the_input(comm, seed, where):
 def test_large_t_matches_reference(comm, seed, dtype, H):
     """Calls large enough for the batched send and the wide combine (several units of two items
     per warp on every CTA): plain, with masks and the merged lse, with padded head storage, and
-    with out= overlapping the input."""
+    with out_lse= or out= overlapping the input."""
     D, T_max = 512, 128
     geometry_ok(comm, H)
     errors = []
@@ -327,6 +327,18 @@ def test_large_t_matches_reference(comm, seed, dtype, H):
             ws(xp, lse, out=out, **kw)
             ws.synchronize()
             errors.append(case.check(comm.rank, out, where=f"T={T} S={S}, padded heads"))
+            # out_lse= over the input's first bytes: the combine writes it while it still reads
+            # the input
+            out = empty_poisoned((T, H_r, D), dtype)
+            lse_over = x.view(cupy.uint8).reshape(-1)[: T * H_r * 4].view(cupy.float32)
+            ws(x, lse, out=out, out_lse=lse_over.reshape(T, H_r), **kw)
+            ws.synchronize()
+            errors.append(
+                case.check(
+                    comm.rank, out, lse_over.reshape(T, H_r), where=f"T={T} S={S}, out_lse= over"
+                )
+            )
+            x, lse, kw = case.gpu_args()  # the input again (the call above overwrote it)
             # out= over the input's first bytes (an in-place call)
             flat = x.view(u).reshape(-1)
             out = flat[: T * H_r * D].view(resolve_dtype(dtype)).reshape(T, H_r, D)
