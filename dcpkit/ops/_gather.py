@@ -292,7 +292,7 @@ class GatherWorkspace(OpWorkspace):
         stores; where ranks share a GPU (all of them bound by its memory) half the SM share
         measured faster than the whole share at 16 MiB per rank (8 % at W=2, 4 % at W=4, one
         H200; docs/performance.md). With one GPU per rank the grid may take the whole share."""
-        cap = self.max_ctas if getattr(self, "ranks_on_gpu", 1) <= 1 else max(1, self.max_ctas // 2)
+        cap = self.max_ctas if self.ranks_on_gpu <= 1 else max(1, self.max_ctas // 2)
         return launch_config(vectors, max(1, int(self.vectors_per_cta)), cap)
 
     def _view(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...]):

@@ -183,6 +183,8 @@ class OpWorkspace(Resource):
     op_name = "op"
     #: Constructor arguments that size the workspace (named in size errors).
     size_arguments = "the geometry"
+    #: Ranks of the group on this rank's GPU (set by the setup; 1 with one GPU per rank).
+    ranks_on_gpu = 1
 
     # ------------------------------------------------------------------ construction
     def _check_arguments(
