@@ -255,6 +255,37 @@ def get_kernel(file: str, name_expr: str, options: Sequence[str] = ()):
         raise CompileError(file, opts, str(e)) from None
 
 
+def module_global(file: str, name: str, options: Sequence[str] = ()) -> int:
+    """Device address of the ``extern "C"`` global ``name`` in the module of ``kernels/<file>``
+    compiled with ``options`` on the current device (compiled here if no kernel of it was
+    taken yet). For diagnostics builds, e.g. the timeline buffer of ``-DDCPKIT_TIMELINE=1``
+    (scripts/kernel_timeline.py).
+
+    Raises
+    ------
+    InvalidArgument, InvalidType
+        As :func:`get_kernel` for ``file`` / ``options``; ``name`` is not a str or not a global
+        of that module.
+    CompileError
+        As :func:`get_kernel`.
+    """
+    op = "jit.module_global"
+    if not isinstance(name, str):
+        raise InvalidType(f"{op}: name must be a str (got {type(name).__name__} {name!r})")
+    get_kernel(file, VARIANTS[_check_file(file, op)][0], options)  # compiled and cached
+    cupy = require_cupy()
+    key = (file, tuple(DEFAULT_OPTIONS) + _options_arg(options, op), cupy.cuda.runtime.getDevice())
+    with _LOCK:
+        mod = _MODULES[key]
+    try:
+        return int(mod.get_global(name).ptr)
+    except Exception as e:  # noqa: BLE001 - CuPy raises its own error type for an unknown name
+        raise InvalidArgument(
+            f"{op}: name must be a global of kernels/{file} built with {list(options)} "
+            f"(got {name!r}: {e})"
+        ) from None
+
+
 def _nvrtc():
     try:
         from cuda.bindings import nvrtc

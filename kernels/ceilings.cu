@@ -165,12 +165,18 @@ __device__ __forceinline__ bool poll_reached_relaxed(const u32* word, u32 target
 __global__ void floor_kernel(const uint4* __restrict__ src, u64 nvec, const u64* __restrict__ peer_base,
                              u64 slot_bytes, u64 sig_off, u32* __restrict__ epochs, int rank,
                              int world, u64 timeout_ns, u32* __restrict__ status) {
+  DCPKIT_MARK_START();
   constexpr int kUnroll = 4;
   const int c = static_cast<int>(blockIdx.x);
   const u64 per = (nvec + gridDim.x - 1) / gridDim.x;
   const u64 begin = static_cast<u64>(c) * per;
   const u64 end = begin + per < nvec ? begin + per : nvec;
   const u64 step = static_cast<u64>(blockDim.x);
+#if DCPKIT_TIMELINE
+  const u64 tl_call = epochs[c] + 1u;  // read by thread 0 before it stores the new value
+  DCPKIT_MARK_ENTRY(tl_call);
+  DCPKIT_MARK_ROLE(tl_call, 1ull);
+#endif
   for (u64 i0 = begin + threadIdx.x; i0 < end; i0 += step * kUnroll) {
     uint4 v[kUnroll];
 #pragma unroll
@@ -190,6 +196,9 @@ __global__ void floor_kernel(const uint4* __restrict__ src, u64 nvec, const u64*
     }
   }
   __syncthreads();
+#if DCPKIT_TIMELINE
+  DCPKIT_MARK(tl_call, 2u);
+#endif
   if (threadIdx.x == 0) {
     const u32 e = epochs[c] + 1u;
     const u64 word = sig_off + 4ull * (static_cast<u64>(c) * world);
@@ -199,15 +208,24 @@ __global__ void floor_kernel(const uint4* __restrict__ src, u64 nvec, const u64*
       if (peer >= world) peer -= world;
       st_relaxed_sys(reinterpret_cast<u32*>(peer_base[peer] + word) + rank, e);
     }
+#if DCPKIT_TIMELINE
+    DCPKIT_MARK(tl_call, 3u);
+#endif
     const u32* mine = reinterpret_cast<const u32*>(peer_base[rank] + word);
     u32 ok = 1u;
     for (int s = 0; s < world && ok; ++s) {
       if (s != rank && !poll_reached_relaxed(mine + s, e, timeout_ns)) ok = 0u;
     }
+#if DCPKIT_TIMELINE
+    DCPKIT_MARK(tl_call, 4u);
+#endif
     epochs[c] = e;
     status[c] = ok ? 0u : 1u;
   }
   __syncthreads();
+#if DCPKIT_TIMELINE
+  DCPKIT_MARK(tl_call, 5u);
+#endif
 }
 
 }  // namespace dcpkit

@@ -272,6 +272,65 @@ __device__ __forceinline__ u64 globaltimer_ns() {
 
 enum class Transport : int { Unicast = 0, Multicast = 1 };
 
+// ----------------------------------------------------------------------------- timeline
+// Diagnostics only, compiled in with -DDCPKIT_TIMELINE=1 (scripts/kernel_timeline.py; never in
+// the kernels the ops ship): thread 0 of every CTA stores the time of the phase marks of a call,
+// %globaltimer (ns, one clock for every process on the GPU) in words [0, kTimelineMarks) and
+// clock64 (SM cycles) in words [kTimelineMarks, 2 * kTimelineMarks), into
+// dcpkit_timeline[call % kTimelineCalls][blockIdx.x], a buffer the host sets per module (null:
+// nothing stored). Marks: 0 entry, 1 poison check done, 2 payload stores issued, 3 arrival /
+// publish done, 4 every signal seen, 5 exit; word kTimelineRole holds the CTA's role (waiter
+// index + 1, 0 for a CTA that did not wait), kTimelineSm its SM.
+#ifndef DCPKIT_TIMELINE
+#define DCPKIT_TIMELINE 0
+#endif
+#if DCPKIT_TIMELINE
+constexpr unsigned kTimelineCalls = 64;
+constexpr unsigned kTimelineCtas = 512;
+constexpr unsigned kTimelineMarks = 8;
+constexpr unsigned kTimelineRole = 6;
+constexpr unsigned kTimelineSm = 7;
+}  // namespace dcpkit
+extern "C" {
+__device__ unsigned long long* dcpkit_timeline;
+}
+namespace dcpkit {
+struct TimelineMark {
+  u64 ns, cycles;
+};
+__device__ __forceinline__ TimelineMark timeline_now() {
+  return TimelineMark{globaltimer_ns(), static_cast<u64>(clock64())};
+}
+__device__ __forceinline__ void timeline_put(u64 call, unsigned mark, TimelineMark t) {
+  u64* buf = dcpkit_timeline;
+  if (threadIdx.x != 0 || buf == nullptr || blockIdx.x >= kTimelineCtas) return;
+  u64* row = buf + ((call % kTimelineCalls) * kTimelineCtas + blockIdx.x) * (2 * kTimelineMarks);
+  if (mark == 0u) {  // a new call in this row: clear what an older call left
+    for (unsigned i = 1; i < 2 * kTimelineMarks; ++i) row[i] = 0ull;
+  }
+  row[mark] = t.ns;
+  row[kTimelineMarks + mark] = t.cycles;
+}
+__device__ __forceinline__ void timeline_role(u64 call, u64 role) {
+  u64* buf = dcpkit_timeline;
+  if (threadIdx.x != 0 || buf == nullptr || blockIdx.x >= kTimelineCtas) return;
+  u64* row = buf + ((call % kTimelineCalls) * kTimelineCtas + blockIdx.x) * (2 * kTimelineMarks);
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  row[kTimelineRole] = role;
+  row[kTimelineSm] = sm;
+}
+#define DCPKIT_MARK_START() const dcpkit::TimelineMark dcpkit_tl_start = dcpkit::timeline_now()
+#define DCPKIT_MARK_ENTRY(call) dcpkit::timeline_put((call), 0u, dcpkit_tl_start)
+#define DCPKIT_MARK(call, mark) dcpkit::timeline_put((call), (mark), dcpkit::timeline_now())
+#define DCPKIT_MARK_ROLE(call, role) dcpkit::timeline_role((call), (role))
+#else
+#define DCPKIT_MARK_START() ((void)0)
+#define DCPKIT_MARK_ENTRY(call) ((void)0)
+#define DCPKIT_MARK(call, mark) ((void)0)
+#define DCPKIT_MARK_ROLE(call, role) ((void)0)
+#endif
+
 // ----------------------------------------------------------------------------- protocol state
 // Fingerprint fields (NOTE [dcpkit epoch signalling]); dcpkit/ops/_protocol.py mirrors them.
 #define DCPKIT_FP_OP_SHIFT 0

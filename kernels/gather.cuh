@@ -244,6 +244,7 @@ template <Transport TR>
 __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer_data,
                                                  u64 slot_bytes, u64 mc_data, const char* src,
                                                  const GatherGeom& g, char* out) {
+  DCPKIT_MARK_START();
   const u64 e = call_epoch(P);  // read once: the elected CTA stores e before the kernel ends
   const u32 e32 = static_cast<u32>(e);
   const int sig_slot = static_cast<int>(e & 1ull);
@@ -251,18 +252,26 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
   char* result = out != nullptr ? out
                                 : reinterpret_cast<char*>(__ldg(peer_data + P.rank) + slot_off);
   const long long result_stride = out != nullptr ? g.out_stride : g.slot_stride;
+  DCPKIT_MARK_ENTRY(e);
   const bool dead = gather_aborted(P);  // poisoned: store nothing, arrive, the elected fills
+  DCPKIT_MARK(e, 1u);
   const u32 fp = call_fingerprint(P, g.tokens, 0u, false, false);
 
   if (!dead) gather_push<TR>(P, peer_data, mc_data, slot_off, src, g, out);
+  DCPKIT_MARK(e, 2u);
   const u32 k = out == nullptr ? 1u : P.waiters;
   bool published;
   const int w = arrive_and_publish<TR>(P, e, sig_slot, fp, k, dead, published);
+  DCPKIT_MARK(e, 3u);
+  DCPKIT_MARK_ROLE(e, w < 0 ? 0ull : static_cast<u64>(w) + 1ull);
   if (w < 0) {  // not a waiter: help with the copy-out if every source is there soon
     if (out == nullptr || dead || !try_all_sources(P, sig_slot, e32, fp, gather_units(P, g))) {
+      DCPKIT_MARK(e, 5u);
       return;
     }
+    DCPKIT_MARK(e, 4u);
     gather_collect<false>(P, peer_data, slot_off, g, out, g.out_stride, sig_slot);
+    DCPKIT_MARK(e, 5u);
     return;
   }
   const u32 nw = k < gridDim.x ? k : gridDim.x;
@@ -272,9 +281,12 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
   // just return.
   if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, sig_slot, e32, fp)) {
     if (elected) gather_poison(P, g, result, result_stride, 0u, 1u);
+    DCPKIT_MARK(e, 5u);
     return;
   }
+  DCPKIT_MARK(e, 4u);
   if (out != nullptr) gather_collect<false>(P, peer_data, slot_off, g, out, g.out_stride, sig_slot);
+  DCPKIT_MARK(e, 5u);
 }
 
 // One pull gather call (unicast only).
@@ -293,6 +305,7 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
 __device__ __forceinline__ void gather_pull_call(const Proto& P, const u64* peer_data,
                                                  u64 slot_bytes, const char* src,
                                                  const GatherGeom& g, char* out) {
+  DCPKIT_MARK_START();
   const u64 e = call_epoch(P);
   const u32 e32 = static_cast<u32>(e);
   const int sig_slot = static_cast<int>(e & 1ull);
@@ -300,7 +313,9 @@ __device__ __forceinline__ void gather_pull_call(const Proto& P, const u64* peer
   char* own_slot = reinterpret_cast<char*>(__ldg(peer_data + P.rank) + slot_off);
   char* result = out != nullptr ? out : own_slot;
   const long long result_stride = out != nullptr ? g.out_stride : g.slot_stride;
+  DCPKIT_MARK_ENTRY(e);
   const bool dead = gather_aborted(P);  // poisoned: store nothing, arrive, the elected fills
+  DCPKIT_MARK(e, 1u);
   const u32 fp = call_fingerprint(P, g.tokens, 0u, false, false);
   const long long col0 = static_cast<long long>(P.rank) * g.row_vecs * 16ll;
 
@@ -309,21 +324,32 @@ __device__ __forceinline__ void gather_pull_call(const Proto& P, const u64* peer
                       out == nullptr ? nullptr : out + col0, g.out_stride, g.rows, g.row_vecs,
                       blockIdx.x, gridDim.x);
   }
+  DCPKIT_MARK(e, 2u);
   bool published;
   const int w = arrive_and_publish<Transport::Unicast>(P, e, sig_slot, fp, P.waiters, dead,
                                                     published);
+  DCPKIT_MARK(e, 3u);
+  DCPKIT_MARK_ROLE(e, w < 0 ? 0ull : static_cast<u64>(w) + 1ull);
   if (w < 0) {  // not a waiter: help with the loads if every source is there soon
-    if (dead || !try_all_sources(P, sig_slot, e32, fp, gather_units(P, g))) return;
+    if (dead || !try_all_sources(P, sig_slot, e32, fp, gather_units(P, g))) {
+      DCPKIT_MARK(e, 5u);
+      return;
+    }
+    DCPKIT_MARK(e, 4u);
     gather_collect<true>(P, peer_data, slot_off, g, result, result_stride, sig_slot);
+    DCPKIT_MARK(e, 5u);
     return;
   }
   const u32 nw = P.waiters < gridDim.x ? P.waiters : gridDim.x;
   const bool elected = static_cast<u32>(w) == nw - 1u;
   if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, sig_slot, e32, fp)) {
     if (elected) gather_poison(P, g, result, result_stride, 0u, 1u);
+    DCPKIT_MARK(e, 5u);
     return;
   }
+  DCPKIT_MARK(e, 4u);
   gather_collect<true>(P, peer_data, slot_off, g, result, result_stride, sig_slot);
+  DCPKIT_MARK(e, 5u);
 }
 
 }  // namespace dcpkit

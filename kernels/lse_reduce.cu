@@ -387,12 +387,15 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
                   const int* query_start_loc, int num_requests, OUT_T* out, float* out_lse,
                   int T, int H, int H_r, int D_v) {
   using namespace lse_detail;
+  DCPKIT_MARK_START();
   const Proto P = DCPKIT_PROTO_MAKE();
   const u64 row_bytes = static_cast<u64>(D_v) * sizeof(OUT_T);
   // Poisoned: send nothing, arrive; the elected CTA fills the result (NOTE [dcpkit epoch
   // signalling]).
   const bool dead = __syncthreads_or(aborted(P) ? 1 : 0) != 0;
   const u64 e = call_epoch(P);  // read once: the elected CTA stores e before the kernel ends
+  DCPKIT_MARK_ENTRY(e);
+  DCPKIT_MARK(e, 1u);
   const u32 e32 = static_cast<u32>(e);
   const int slot = static_cast<int>(e & 1ull);
   const int W = P.world;
@@ -551,16 +554,22 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   }
 
   // 2. Arrive, elect, publish (NOTE [dcpkit epoch signalling], steps 2 and 4).
+  DCPKIT_MARK(e, 2u);
   bool published;
   const int w = arrive_and_publish<Transport::Unicast>(P, e, slot, fp, P.waiters, dead,
                                                     published);
+  DCPKIT_MARK(e, 3u);
+  DCPKIT_MARK_ROLE(e, w < 0 ? 0ull : static_cast<u64>(w) + 1ull);
   // Units of the combine: kWarps items each, or kWarps * kCombineItems when every CTA has at
   // least two such units (`wide`).
   const bool wide = kLarge && T * H_r >= 2 * kCombineItems * kWarps * static_cast<int>(gridDim.x);
   const int per_unit = wide ? kWarps * kCombineItems : kWarps;
   const int units = (T * H_r + per_unit - 1) / per_unit;
   if (w < 0) {  // not a waiter: help with the combine if every source is there soon
-    if (dead || !try_all_sources(P, slot, e32, fp, static_cast<u32>(units))) return;
+    if (dead || !try_all_sources(P, slot, e32, fp, static_cast<u32>(units))) {
+      DCPKIT_MARK(e, 5u);
+      return;
+    }
   } else {
     const int nw = static_cast<int>(P.waiters < gridDim.x ? P.waiters : gridDim.x);
     const bool elected = w == nw - 1;
@@ -568,9 +577,11 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
     // published. Poisoned, or a wait failed: the elected CTA fills the whole result.
     if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, slot, e32, fp)) {
       if (elected) poison_result(reinterpret_cast<char*>(out), out_lse, T, H_r, row_bytes, 0u, 1u);
+      DCPKIT_MARK(e, 5u);
       return;
     }
   }
+  DCPKIT_MARK(e, 4u);
   // The combine, in units claimed from the call's work counter: kWarps items per unit, or
   // kWarps * kCombineItems at large T (every CTA has at least two such units to merge).
   const char* own = reinterpret_cast<const char*>(peer_data[rank]) + slot_off;
@@ -605,6 +616,7 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
                           own_src, own_rows, own_tok, own_head);
     }
   }
+  DCPKIT_MARK(e, 5u);
 }
 
 // The merge alone, over local contiguous arrays: src_out [W][T][H_r][D_v], src_lse float

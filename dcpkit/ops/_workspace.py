@@ -239,10 +239,14 @@ class OpWorkspace(Resource):
         )
         self._self_check = check_bool(self_check, op, "_self_check")
 
+    #: NVRTC options of a diagnostics subclass (scripts/kernel_timeline.py); none as shipped.
+    _diagnostic_options: tuple[str, ...] = ()
+
     def _kernel_options(self) -> tuple[str, ...]:
-        """NVRTC options of the op's kernels: the benchmark-only variant without the
-        fingerprint comparison when built with ``_self_check=False``."""
-        return () if getattr(self, "_self_check", True) else ("-DDCPKIT_SELF_CHECK=0",)
+        """NVRTC options of the op's kernels: without the fingerprint comparison when built
+        with ``_self_check=False`` (benchmark only), then :attr:`_diagnostic_options`."""
+        check = () if getattr(self, "_self_check", True) else ("-DDCPKIT_SELF_CHECK=0",)
+        return check + self._diagnostic_options
 
     def _setup(
         self,
