@@ -18,7 +18,7 @@ the same op and T (the benchmark's, same CTA count, in a graph of 20 launches) i
 same way beside it. q_gather is also measured eagerly in its zero-copy form (64 calls in a row
 without ``out=``): its kernel steps, against the copy-out kernel of the graph.
 
-Prints one table per op and T (median and p90 over every call of every rank, in us) and writes
+Prints one table per op and T (mean and p90 over every call of every rank, in us) and writes
 them as JSON with ``--json``. Exits with one clear line and status 2 on a machine without a GPU.
 """
 
@@ -228,7 +228,7 @@ def measure_floor(cupy, comm, dev, op, geom, obj, replays):
     nvec = -(-per_peer // 16)
     slot_bytes = -(-per_peer // 256) * 256
     max_ctas = int(obj.max_ctas)
-    ctas = estimate_ctas(op, geom, W, max_ctas, obj)
+    ctas = estimate_ctas(op, geom, W, max_ctas, obj, copy_out=True)  # as the graph calls
     sig_off = W * slot_bytes
     heap = SymmetricHeap(comm, sig_off + -(-(max_ctas * W * 4) // 256) * 256, multicast=False)
     try:
@@ -314,7 +314,7 @@ def main(argv=None) -> int:
                 cols.append({"label": "eager, zero copy", "phases": r["eager_zero_copy"]})
             step = r["graph"].get("timer_step_ns")
             print(
-                f"\n{r['op']} T={r['T']} W={r['world_size']}: median (p90) us over "
+                f"\n{r['op']} T={r['T']} W={r['world_size']}: mean (p90) us over "
                 f"{r['graph']['calls']} calls x {r['graph']['ranks']} ranks; "
                 f"timer step {step} ns"
             )

@@ -31,16 +31,26 @@ def _grid(total: int, per_cta: int, max_ctas: int) -> int:
 
 
 def estimate_ctas(
-    op: str, geom: dict[str, Any], world_size: int, max_ctas: int, op_obj: Any = None
+    op: str,
+    geom: dict[str, Any],
+    world_size: int,
+    max_ctas: int,
+    op_obj: Any = None,
+    *,
+    copy_out: bool = False,
 ) -> int:
     """The CTAs of one launch of ``op`` at ``geom["T"]``: ``op_obj.ctas_for(T)`` where the op
-    has it, else the ops' own grid rules (gathers: one CTA per ``vectors_per_cta`` 16-byte
-    vectors of a rank's block; lse_reduce: one warp per (source, token, owned head)), at most
-    ``max_ctas`` (waiting CTAs must be co-resident)."""
+    has it (``ctas_for(T, copy_out=True)`` for a call that copies out, a graph call of the
+    gathers, where the op takes that keyword), else the ops' own grid rules (gathers: one CTA
+    per ``vectors_per_cta`` 16-byte vectors of a rank's block; lse_reduce: one warp per (source,
+    token, owned head)), at most ``max_ctas`` (waiting CTAs must be co-resident)."""
+    from .runners import accepts_keyword
+
     T, W = int(geom["T"]), int(world_size)
     fn = getattr(op_obj, "ctas_for", None)
     if callable(fn):
-        return max(1, min(int(max_ctas), int(fn(T))))
+        n = fn(T, copy_out=True) if copy_out and accepts_keyword(fn, "copy_out") else fn(T)
+        return max(1, min(int(max_ctas), int(n)))
     itemsize = int(geom.get("itemsize", 2))
     per = int(getattr(op_obj, "vectors_per_cta", _VECTORS_PER_CTA) or _VECTORS_PER_CTA)
     if op == "q_gather":
@@ -99,7 +109,10 @@ class FloorRunner(Runner):
         geom = dict(case["geom"], itemsize=2)
         per_peer = floor_bytes_per_peer(self.op, geom, W)
         self.nvec = -(-per_peer // 16)
-        self.ctas = estimate_ctas(self.op, geom, W, self.max_ctas, ctx.op_objects.get(self.op))
+        obj = ctx.op_objects.get(self.op)
+        self.ctas = estimate_ctas(self.op, geom, W, self.max_ctas, obj)
+        # a graph call of the op copies out, with its own grid: the floor then uses that one
+        self.ctas_graph = estimate_ctas(self.op, geom, W, self.max_ctas, obj, copy_out=True)
         nwords = self.nvec * 4
         salt = self.binds
         self.binds += 1
@@ -122,7 +135,7 @@ class FloorRunner(Runner):
     def call(self, outs=None, graph: bool = False):
         ctx = self.ctx
         self.kernel(
-            (self.ctas,),
+            (self.ctas_graph if graph else self.ctas,),
             (_THREADS,),
             (
                 self.src,

@@ -64,7 +64,9 @@ class Runner:
     of a runner that checks its own pattern, else None), :meth:`call`, :meth:`calls`,
     :meth:`capture`, :meth:`close` (collective); attributes ``stream`` (where the calls run and
     events are recorded), ``launches_per_call`` and ``ctas`` (CTAs of one launch, if known).
-    ``variant`` names a build other than the shipped one (``no_self_check``), else None.
+    ``ctas_graph``, where set, is the grid of a captured call when it differs (the gathers copy
+    out there). ``variant`` names a build other than the shipped one (``no_self_check``), else
+    None.
     """
 
     family = "base"
@@ -73,6 +75,7 @@ class Runner:
         self.ctx, self.op, self.path, self.max_tokens = ctx, op, path, int(max_tokens)
         self.variant = variant
         self.ctas: int | None = None
+        self.ctas_graph: int | None = None
         self.dev = ctx.dev
         self.geom = ctx.cfg["geometry"]
         self.stream = None
@@ -200,7 +203,10 @@ class DirectRunner(Runner):
     def bind(self, inp, case, refs=None) -> None:
         super().bind(inp, case, refs)
         ctas_for = getattr(self.obj, "ctas_for", None)
-        self.ctas = int(ctas_for(int(case["T"]))) if callable(ctas_for) else None
+        T = int(case["T"])
+        self.ctas = int(ctas_for(T)) if callable(ctas_for) else None
+        if callable(ctas_for) and accepts_keyword(ctas_for, "copy_out"):
+            self.ctas_graph = int(ctas_for(T, copy_out=True))  # a graph call copies out
         # Captured calls write caller storage (out=): a graph of many calls of one ubatch must
         # not draw on the op's bounded pool of graph outputs, and capture allocates nothing.
         self.graph_outs = self.check_outputs()
@@ -495,6 +501,8 @@ class DecodeRunner(Runner):
         self.n_q = len(tuple(self.q.check_outputs()))  # outputs of the first half
         cq, cl = self.q.ctas, self.l.ctas
         self.ctas = max(cq, cl) if (cq and cl) else None
+        gq, gl = self.q.ctas_graph or cq, self.l.ctas_graph or cl
+        self.ctas_graph = max(gq, gl) if (gq and gl) else None
 
     def check_outputs(self):
         return tuple(self.q.check_outputs()) + tuple(self.l.check_outputs())

@@ -65,6 +65,12 @@ def _check_record(stage: str, per_rank: Sequence[dict[str, Any]]) -> dict[str, A
     }
 
 
+def _ctas(runner: Runner, mode: str) -> int | None:
+    """The CTAs of one launch of ``runner`` in ``mode`` (a graph call may use its own grid)."""
+    g = getattr(runner, "ctas_graph", None) if mode == "graph" else None
+    return g if g is not None else getattr(runner, "ctas", None)
+
+
 def _new_row(ctx: Ctx, case: dict[str, Any], runner: Runner, mode: str) -> BenchRow:
     return BenchRow.for_case(
         case,
@@ -73,7 +79,7 @@ def _new_row(ctx: Ctx, case: dict[str, Any], runner: Runner, mode: str) -> Bench
         ctx.world,
         variant=getattr(runner, "variant", None),
         launches_per_call=runner.launches_per_call,
-        ctas=getattr(runner, "ctas", None),
+        ctas=_ctas(runner, mode),
     )
 
 
@@ -121,10 +127,10 @@ def run_case(
     except StageFailed as e:
         return fail(modes, e)
     box.clear()
-    for r in rows.values():
+    for m, r in rows.items():
         r.checks.append(rec)
         r.wrong += rec["wrong"]
-        r.ctas = getattr(runner, "ctas", None)
+        r.ctas = _ctas(runner, m)
 
     # 2. warm-up on the timed inputs, and an estimate of the time per call (max over ranks)
     def warm():

@@ -157,5 +157,15 @@ def test_estimate_ctas_follows_the_ops_grid_rules():
 
     assert estimate_ctas("lse_reduce", g, 4, 33, Op()) == 3
     assert estimate_ctas("lse_reduce", dict(g, T=100), 4, 33, Op()) == 33
+    # an op without a copy-out grid: a graph call uses the same one
+    assert estimate_ctas("lse_reduce", g, 4, 33, Op(), copy_out=True) == 3
+
+    class Gather:  # the gathers: a graph call copies out, on its own grid
+        def ctas_for(self, T, *, copy_out=False):
+            return 4 * T if copy_out else T
+
+    assert estimate_ctas("q_gather", dict(g, T=2), 2, 66, Gather()) == 2
+    assert estimate_ctas("q_gather", dict(g, T=2), 2, 66, Gather(), copy_out=True) == 8
+    assert estimate_ctas("q_gather", dict(g, T=30), 2, 66, Gather(), copy_out=True) == 66
     with pytest.raises(ValueError, match="op must be"):
         estimate_ctas("decode_layer", g, 2, 8)

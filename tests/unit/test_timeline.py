@@ -112,6 +112,9 @@ def test_phases_of_synthetic_calls(first_epoch):
     assert list(np.diff(entries.astype(np.int64))) == [PERIOD] * (NCALLS - 1)  # in call order
     p = tl.phases(calls)
     us = {k: p[k]["median_us"] for k in p if isinstance(p[k], dict)}
+    mean = {k: p[k]["mean_us"] for k in p if isinstance(p[k], dict)}
+    assert mean["slowest_rank"] == pytest.approx(SKEW / 2e3)  # half the samples 500, half 0
+    assert mean["stores"] == pytest.approx(us["stores"])
     assert p["calls"] == NCALLS and p["ranks"] == RANKS
     assert us["stores"] == pytest.approx(1.020)
     assert us["publish"] == pytest.approx(0.480)
