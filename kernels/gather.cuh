@@ -73,8 +73,8 @@ __device__ __forceinline__ u32 gather_next_peer(const Proto& P, u32 s) {
 // their threads, so a small block spreads over every one), loading kGatherUnroll of them before
 // it stores them. kInput: the source is this call's read-only input (ld.global.nc); otherwise it
 // is slot data written by a peer, read after a wait (ld.global.cg). `dst2`, when not null,
-// receives a second copy.
-template <bool kInput>
+// receives a second copy. kPoison: nothing is read, the poison pattern is stored instead.
+template <bool kInput, bool kPoison = false>
 __device__ __forceinline__ void gather_copy(const char* src, long long src_stride, char* dst,
                                             long long dst_stride, char* dst2,
                                             long long dst2_stride, u32 rows, u32 row_vecs,
@@ -93,8 +93,12 @@ __device__ __forceinline__ void gather_copy(const char* src, long long src_strid
       col[k] = 0u;
       if (i < n) {
         gather_split(rows, row_vecs, i, row[k], col[k]);
-        const char* p = src + row[k] * src_stride + col[k] * 16ll;
-        v[k] = kInput ? ld16_nc(p) : ld16(p);
+        if (kPoison) {
+          v[k] = make_uint4(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);
+        } else {
+          const char* p = src + row[k] * src_stride + col[k] * 16ll;
+          v[k] = kInput ? ld16_nc(p) : ld16(p);
+        }
       }
     }
 #pragma unroll
@@ -191,25 +195,63 @@ __device__ __forceinline__ u32 gather_units(const Proto& P, const GatherGeom& g)
   return gather_units_per_src(g) * static_cast<u32>(P.world - 1);
 }
 
+// The waiter CTAs of a call (at most P.waiters of the grid).
+__device__ __forceinline__ u32 gather_waiters(const Proto& P) {
+  return P.waiters < gridDim.x ? P.waiters : gridDim.x;
+}
+// No more units than waiters (small T): waiter w copies unit w, without claims or helpers.
+__device__ __forceinline__ bool gather_owned(const Proto& P, const GatherGeom& g) {
+  return gather_units(P, g) <= gather_waiters(P);
+}
+
+// Unit c of gather_collect: pass c / (W - 1) over the part of source (rank + 1 + c % (W - 1)) % W,
+// copied (or, kPoison, filled with the poison pattern).
+template <bool kFromPeers, bool kPoison = false>
+__device__ __forceinline__ void gather_unit(const Proto& P, const u64* peer_data, u64 slot_off,
+                                            const GatherGeom& g, char* dst, long long dst_stride,
+                                            u32 c) {
+  const long long part_bytes = static_cast<long long>(g.row_vecs) * 16ll;
+  const u32 W = static_cast<u32>(P.world);
+  const u32 j = c % (W - 1u);     // which other source
+  const u32 part = c / (W - 1u);  // which pass over its part
+  const u32 s = (static_cast<u32>(P.rank) + 1u + j) % W;
+  const u32 holder = kFromPeers ? s : static_cast<u32>(P.rank);
+  const char* from =
+      kPoison ? nullptr
+              : reinterpret_cast<const char*>(__ldg(peer_data + holder) + slot_off) + s * part_bytes;
+  gather_copy<false, kPoison>(from, g.slot_stride, dst + s * part_bytes, dst_stride, nullptr, 0,
+                              g.rows, g.row_vecs, part, gather_units_per_src(g));
+}
+
+// `w`: this CTA's waiter index, or -1 for a helper. With owned units (gather_owned) waiter w
+// copies unit w (if there is one) and helpers never get here; otherwise units are claimed.
 template <bool kFromPeers>
 __device__ __forceinline__ void gather_collect(const Proto& P, const u64* peer_data, u64 slot_off,
                                                const GatherGeom& g, char* dst,
-                                               long long dst_stride, int slot) {
-  const long long part_bytes = static_cast<long long>(g.row_vecs) * 16ll;
-  const u32 W = static_cast<u32>(P.world);
-  const u32 units_per_src = gather_units_per_src(g);
-  const u32 units = units_per_src * (W - 1u);
+                                               long long dst_stride, int slot, int w) {
+  const u32 units = gather_units(P, g);
+  if (gather_owned(P, g)) {
+    if (w >= 0 && static_cast<u32>(w) < units) {
+      gather_unit<kFromPeers>(P, peer_data, slot_off, g, dst, dst_stride, static_cast<u32>(w));
+    }
+    return;
+  }
   for (u32 c = claim_work(P, slot); c < units;) {
     const u32 next = claim_issue(P, slot);  // in flight while unit c is copied
-    const u32 j = c % (W - 1u);          // which other source
-    const u32 part = c / (W - 1u);       // which pass over its part
-    const u32 s = (static_cast<u32>(P.rank) + 1u + j) % W;
-    const u32 holder = kFromPeers ? s : static_cast<u32>(P.rank);
-    const char* from = reinterpret_cast<const char*>(__ldg(peer_data + holder) + slot_off)
-                       + s * part_bytes;
-    gather_copy<false>(from, g.slot_stride, dst + s * part_bytes, dst_stride, nullptr, 0,
-                       g.rows, g.row_vecs, part, units_per_src);
+    gather_unit<kFromPeers>(P, peer_data, slot_off, g, dst, dst_stride, c);
     c = claim_publish(next);
+  }
+}
+
+// A waiter whose wait failed: the elected CTA fills the whole result; with owned units the
+// waiter's own unit is filled too (no unit is left stale).
+__device__ __forceinline__ void gather_failed(const Proto& P, const GatherGeom& g, char* result,
+                                              long long result_stride, bool elected, int w,
+                                              bool copies) {
+  if (elected) poison_fill16(result, result_stride, g.rows, static_cast<u32>(P.world) * g.row_vecs,
+                             0u, 1u);
+  if (copies && !elected && gather_owned(P, g) && static_cast<u32>(w) < gather_units(P, g)) {
+    gather_unit<false, true>(P, nullptr, 0ull, g, result, result_stride, static_cast<u32>(w));
   }
 }
 
@@ -217,13 +259,6 @@ __device__ __forceinline__ void gather_collect(const Proto& P, const u64* peer_d
 // path (CTA-uniform, so no thread is left alone at a barrier of the protocol).
 __device__ __forceinline__ bool gather_aborted(const Proto& P) {
   return __syncthreads_or(aborted(P) ? 1 : 0) != 0;
-}
-
-// The whole result of a call (g.rows rows of world * g.row_vecs vectors at `dst`, row stride
-// `stride`) filled with the poison pattern by CTAs [0, ncta).
-__device__ __forceinline__ void gather_poison(const Proto& P, const GatherGeom& g, char* dst,
-                                              long long stride, u32 cta, u32 ncta) {
-  poison_fill16(dst, stride, g.rows, static_cast<u32>(P.world) * g.row_vecs, cta, ncta);
 }
 
 // One push gather call, steps 1-4 of NOTE [dcpkit epoch signalling].
@@ -265,27 +300,30 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
   DCPKIT_MARK(e, 3u);
   DCPKIT_MARK_ROLE(e, w < 0 ? 0ull : static_cast<u64>(w) + 1ull);
   if (w < 0) {  // not a waiter: help with the copy-out if every source is there soon
-    if (out == nullptr || dead || !try_all_sources(P, sig_slot, e32, fp, gather_units(P, g))) {
+    if (out == nullptr || dead || gather_owned(P, g) ||
+        !try_all_sources(P, sig_slot, e32, fp, gather_units(P, g))) {
       DCPKIT_MARK(e, 5u);
       return;
     }
     DCPKIT_MARK(e, 4u);
-    gather_collect<false>(P, peer_data, slot_off, g, out, g.out_stride, sig_slot);
+    gather_collect<false>(P, peer_data, slot_off, g, out, g.out_stride, sig_slot, -1);
     DCPKIT_MARK(e, 5u);
     return;
   }
   const u32 nw = k < gridDim.x ? k : gridDim.x;
   const bool elected = static_cast<u32>(w) == nw - 1u;
   // The elected CTA (the last to arrive: every CTA's stores into `out` come before its arrival)
-  // poisons the whole result when the workspace is poisoned or a wait fails; the other waiters
-  // just return.
+  // poisons the whole result when the workspace is poisoned or a wait fails; with owned units a
+  // failed waiter also poisons its unit; the other waiters just return.
   if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, sig_slot, e32, fp)) {
-    if (elected) gather_poison(P, g, result, result_stride, 0u, 1u);
+    gather_failed(P, g, result, result_stride, elected, w, out != nullptr);
     DCPKIT_MARK(e, 5u);
     return;
   }
   DCPKIT_MARK(e, 4u);
-  if (out != nullptr) gather_collect<false>(P, peer_data, slot_off, g, out, g.out_stride, sig_slot);
+  if (out != nullptr) {
+    gather_collect<false>(P, peer_data, slot_off, g, out, g.out_stride, sig_slot, w);
+  }
   DCPKIT_MARK(e, 5u);
 }
 
@@ -331,24 +369,24 @@ __device__ __forceinline__ void gather_pull_call(const Proto& P, const u64* peer
   DCPKIT_MARK(e, 3u);
   DCPKIT_MARK_ROLE(e, w < 0 ? 0ull : static_cast<u64>(w) + 1ull);
   if (w < 0) {  // not a waiter: help with the loads if every source is there soon
-    if (dead || !try_all_sources(P, sig_slot, e32, fp, gather_units(P, g))) {
+    if (dead || gather_owned(P, g) || !try_all_sources(P, sig_slot, e32, fp, gather_units(P, g))) {
       DCPKIT_MARK(e, 5u);
       return;
     }
     DCPKIT_MARK(e, 4u);
-    gather_collect<true>(P, peer_data, slot_off, g, result, result_stride, sig_slot);
+    gather_collect<true>(P, peer_data, slot_off, g, result, result_stride, sig_slot, -1);
     DCPKIT_MARK(e, 5u);
     return;
   }
-  const u32 nw = P.waiters < gridDim.x ? P.waiters : gridDim.x;
+  const u32 nw = gather_waiters(P);
   const bool elected = static_cast<u32>(w) == nw - 1u;
   if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, sig_slot, e32, fp)) {
-    if (elected) gather_poison(P, g, result, result_stride, 0u, 1u);
+    gather_failed(P, g, result, result_stride, elected, w, true);
     DCPKIT_MARK(e, 5u);
     return;
   }
   DCPKIT_MARK(e, 4u);
-  gather_collect<true>(P, peer_data, slot_off, g, result, result_stride, sig_slot);
+  gather_collect<true>(P, peer_data, slot_off, g, result, result_stride, sig_slot, w);
   DCPKIT_MARK(e, 5u);
 }
 

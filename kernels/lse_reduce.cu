@@ -370,6 +370,22 @@ __device__ __forceinline__ void poison_result(char* out, float* out_lse, int T, 
   }
 }
 
+// Unit `c` of `units` of combine_rows (its items c * kWarps + warp, stepping units * kWarps)
+// filled with the poison pattern by this CTA: what a waiter that owned the unit and whose wait
+// failed leaves instead of stale rows.
+__device__ __forceinline__ void poison_unit(char* out, float* out_lse, int T, int H_r,
+                                            u64 row_bytes, int c, int units) {
+  const uint4 ff = make_uint4(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);
+  const int lane = static_cast<int>(threadIdx.x & 31u);
+  const int nvec = static_cast<int>(row_bytes / 16);
+  for (int item = c * kWarps + static_cast<int>(threadIdx.x >> 5); item < T * H_r;
+       item += units * kWarps) {
+    char* orow = out + static_cast<u64>(item) * row_bytes;
+    for (int v = lane; v < nvec; v += 32) st16(orow + static_cast<u64>(v) * 16, ff);
+    if (out_lse != nullptr && lane == 0) out_lse[item] = __int_as_float(-1);
+  }
+}
+
 }  // namespace lse_detail
 
 // One call of LseReduce (dcpkit/ops/lse_reduce.py). Strides are in elements; seq_lens,
@@ -565,18 +581,25 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   const bool wide = kLarge && T * H_r >= 2 * kCombineItems * kWarps * static_cast<int>(gridDim.x);
   const int per_unit = wide ? kWarps * kCombineItems : kWarps;
   const int units = (T * H_r + per_unit - 1) / per_unit;
+  const int nw = static_cast<int>(P.waiters < gridDim.x ? P.waiters : gridDim.x);
+  // No more units than waiters (small T, the small instance): waiter w combines unit w, no
+  // claims and no helpers (kernel-uniform).
+  const bool owned = !kLarge && units <= nw;
   if (w < 0) {  // not a waiter: help with the combine if every source is there soon
-    if (dead || !try_all_sources(P, slot, e32, fp, static_cast<u32>(units))) {
+    if (owned || dead || !try_all_sources(P, slot, e32, fp, static_cast<u32>(units))) {
       DCPKIT_MARK(e, 5u);
       return;
     }
   } else {
-    const int nw = static_cast<int>(P.waiters < gridDim.x ? P.waiters : gridDim.x);
     const bool elected = w == nw - 1;
     // 3. The waiters combine the own slot once every source (this rank included) has
-    // published. Poisoned, or a wait failed: the elected CTA fills the whole result.
+    // published. Poisoned, or a wait failed: the elected CTA fills the whole result, and a
+    // waiter that owns a unit fills that one (no unit is left stale).
     if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, slot, e32, fp)) {
       if (elected) poison_result(reinterpret_cast<char*>(out), out_lse, T, H_r, row_bytes, 0u, 1u);
+      if (owned && !elected && w < units) {
+        poison_unit(reinterpret_cast<char*>(out), out_lse, T, H_r, row_bytes, w, units);
+      }
       DCPKIT_MARK(e, 5u);
       return;
     }
@@ -606,6 +629,12 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
       combine_rows<OUT_T>(own, src_stride, ls, lse_stride, W, T, H_r, D_v, out, out_lse, c, units,
                           own_src, own_rows, own_tok, own_head);
       c = static_cast<int>(claim_publish(next));
+    }
+  } else if (owned) {
+    // No more units than waiters: each waiter its own unit, no claim round trips.
+    if (w < units) {
+      combine_rows<OUT_T>(own, src_stride, ls, lse_stride, W, T, H_r, D_v, out, out_lse, w, units,
+                          own_src, own_rows, own_tok, own_head);
     }
   } else {
     // About one unit per CTA (small T): the plain claim, which measured about 1 us faster at
