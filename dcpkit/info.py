@@ -44,7 +44,22 @@ MULTICAST_ENV = (
     "NVSHMEM_DISABLE_NVLS",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST",
 )
-_OTHER_ENV = ("CUDA_VISIBLE_DEVICES",)
+_OTHER_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+
+
+def _settings() -> dict[str, Any]:
+    """The settings every op reads from the environment: the wait deadline (``DCPKIT_TIMEOUT_MS``,
+    or why the ops would refuse it) and ``DCPKIT_DEBUG``."""
+    from ._checks import default_timeout_ms
+    from ._setup import debug_enabled
+    from .errors import InvalidArgument
+
+    out: dict[str, Any] = {"debug": debug_enabled(), "timeout_ms": None, "timeout_error": None}
+    try:
+        out["timeout_ms"] = default_timeout_ms("dcpkit info")
+    except InvalidArgument as e:
+        out["timeout_error"] = str(e)
+    return out
 
 
 def _dist_version(name: str) -> str | None:
@@ -464,6 +479,11 @@ def collect() -> dict[str, Any]:
             "against the MPI of this mpirun"
         )
     info["multicast"] = _multicast(g["gpus"])
+    info["settings"] = st = _settings()
+    if st["timeout_error"]:
+        info["warnings"].append(
+            f"{st['timeout_error']}; every op refuses to build until it is fixed"
+        )
     info["env"] = {k: os.environ[k] for k in MULTICAST_ENV + _OTHER_ENV if k in os.environ}
     return info
 
@@ -569,10 +589,19 @@ def format_text(info: dict[str, Any]) -> str:
                 else f"{_yn(mc['used_if_opted_in'])} ({mc['reason_if_opted_in']})"
             )
             lines.append(f"  if opted in (multicast=True or DCPKIT_MULTICAST=1): {ans}")
+    st = info.get("settings") or {}
+    if st:
+        if st.get("timeout_ms") is not None:
+            src = "DCPKIT_TIMEOUT_MS" if os.environ.get("DCPKIT_TIMEOUT_MS") else "default"
+            dl = f"{st['timeout_ms']:g} ms ({src})"
+        else:
+            dl = "invalid DCPKIT_TIMEOUT_MS (see the warning below)"
+        dbg = "on (host-side agreement check per call)" if st.get("debug") else "off"
+        lines.append(f"settings         wait deadline {dl}, DCPKIT_DEBUG {dbg}")
     env = info["env"]
     env_text = ", ".join(f"{k}={x}" for k, x in env.items())
     lines.append(
-        "environment      " + (env_text or "(none of the multicast or device variables set)")
+        "environment      " + (env_text or "(none of the multicast, device or MPS variables set)")
     )
     for w in info.get("warnings") or []:
         lines.append(f"warning: {w}")

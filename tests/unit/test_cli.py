@@ -321,3 +321,38 @@ def test_info_under_mpiexec_prints_one_document(mpi_launcher, run_cmd):
     assert proc.returncode == 0, proc.stderr
     d = json.loads(proc.stdout)  # exactly one JSON document
     assert d["launcher_rank"] == 0
+
+
+@pytest.mark.parametrize(
+    "env, line, warns",
+    [
+        ({}, "settings         wait deadline 5000 ms (default), DCPKIT_DEBUG off", False),
+        (
+            {"DCPKIT_TIMEOUT_MS": "250", "DCPKIT_DEBUG": "1"},
+            "wait deadline 250 ms (DCPKIT_TIMEOUT_MS)",
+            False,
+        ),
+        ({"DCPKIT_TIMEOUT_MS": "abc"}, "wait deadline invalid DCPKIT_TIMEOUT_MS", True),
+        ({"DCPKIT_TIMEOUT_MS": "0"}, "wait deadline invalid DCPKIT_TIMEOUT_MS", True),
+    ],
+)
+def test_info_shows_the_settings_and_refuses_a_bad_deadline(monkeypatch, env, line, warns):
+    for k in ("DCPKIT_TIMEOUT_MS", "DCPKIT_DEBUG"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    d = info.collect()
+    text = info.format_text(d)
+    assert line in text
+    assert d["settings"]["debug"] == ("DCPKIT_DEBUG" in env)
+    bad = [w for w in d["warnings"] if "DCPKIT_TIMEOUT_MS must be" in w]
+    assert bool(bad) == warns
+    if warns:
+        assert d["settings"]["timeout_ms"] is None
+        assert f"(got {env['DCPKIT_TIMEOUT_MS']!r})" in bad[0] and "every op refuses" in bad[0]
+        assert f"warning: {bad[0]}" in text
+
+
+def test_info_lists_the_mps_share(monkeypatch):
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25")
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in info.format_text(info.collect())
