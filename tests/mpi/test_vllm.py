@@ -18,6 +18,7 @@ import datetime
 import importlib.util
 import os
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ import dcpkit.vllm as dv  # noqa: E402
 from dcpkit.errors import InvalidArgument, InvalidType  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "examples"))  # the examples share examples/_support.py
 _spec = importlib.util.spec_from_file_location(
     "vllm_api_example", REPO / "examples" / "vllm_api.py"
 )
