@@ -36,7 +36,8 @@ each tensor to the op as a CuPy array over ``data_ptr()`` (which already counts 
 offset) with the tensor's shape, strides and dtype, memoised per description (data pointer,
 shape, strides, storage offset, dtype, device, tensor class; see :class:`TensorConverter` for
 why this key and not the tensor's identity). Results that are views of workspace memory cross
-back through DLPack once per description of the view, then as a fresh ``detach()`` alias of the
+back through DLPack once per result array (memoised with the array's shape and strides, the only
+parts of a CuPy array that can change in place), then as a fresh ``detach()`` alias of the
 first. :func:`to_cupy` and :func:`from_cupy` stay plain DLPack round trips.
 
 Outputs. With ``out=`` (and, for ``lse_reduce``, ``out_lse=`` or ``return_lse`` unset) the call
@@ -399,7 +400,7 @@ class TorchOps:
         self._custom_ops = register_custom_ops()
         self._conv = TensorConverter(self.device)
         self._streams: dict[int, Any] = {}  # stream handle -> CuPy stream object
-        self._results: dict[tuple, Any] = {}  # result description -> torch tensor
+        self._results: dict[int, tuple] = {}  # id(res) -> (res, shape, strides, tensor)
         self._raw_stream = _raw_stream_fn()
         self._get_device = _cupy().cuda.runtime.getDevice
         self._cupy_stream_now = _cupy().cuda.get_current_stream
@@ -465,22 +466,23 @@ class TorchOps:
 
     def _to_torch(self, res):
         """A torch tensor over the CuPy result ``res`` (a view of workspace memory): DLPack
-        once per description of the view, then a fresh alias (``detach()``) of that tensor (a
-        caller that changes the returned tensor's metadata in place changes its own alias
-        only)."""
-        if type(res) in CUPY_CLASSES or is_cupy_array(res):
-            m = res.data
-            key = (m.ptr, res.shape, res.strides, res.dtype, m.device_id)
-        else:
-            key = None
-        t = self._results.get(key) if key is not None else None
-        if t is None:
-            t = from_cupy(res)
-            if key is None:
-                return t
-            if len(self._results) >= 256:
-                del self._results[next(iter(self._results))]
-            self._results[key] = t
+        once per result array, then a fresh alias (``detach()``) of that tensor (a caller that
+        changes the returned tensor's metadata in place changes its own alias only).
+
+        The memo is keyed on the array object together with its shape and strides: the entry
+        holds the array (its id cannot be reused while the entry lives, and the DLPack tensor
+        holds it anyway), and a CuPy array's data pointer, dtype and device cannot change in
+        place, only its shape and strides can (``a.shape = ...``), which are compared on
+        every hit; an array reshaped in place gets a new tensor."""
+        ent = self._results.get(id(res))
+        if ent is not None and ent[0] is res and ent[1] == res.shape and ent[2] == res.strides:
+            return ent[3].detach()
+        t = from_cupy(res)
+        if type(res) not in CUPY_CLASSES and not is_cupy_array(res):
+            return t
+        if len(self._results) >= 256 and id(res) not in self._results:
+            del self._results[next(iter(self._results))]
+        self._results[id(res)] = (res, res.shape, res.strides, t)
         return t.detach()
 
     def _invoke(self, op: str, args, kwargs: dict[str, Any]):

@@ -239,3 +239,41 @@ def test_an_eager_out_call_returns_the_callers_tensors_and_bumps_only_them(env):
         assert o._version == v + i and xo._version == vx
     torch.ops.dcpkit.lse_reduce(ops.handle, xo, lse, None, None, o, None, 0)
     assert o._version == v + 3 and xo._version == vx
+
+
+def test_a_view_result_is_a_fresh_alias_of_the_cupy_result(env, monkeypatch):
+    """A view result crosses back once per result array, as a tensor of the array's shape and
+    strides; every call hands out a fresh alias (a caller that re-strides it in place changes
+    its own alias only); an array reshaped in place is crossed again."""
+    mod, rec, dcp, ops, qg = env
+    dt = mod._torch_module()
+    made = {}  # storage pointer of a crossed tensor -> the CuPy array it stands for
+
+    def from_cupy(a):
+        isz = a.dtype.itemsize
+        t = torch.empty_strided(a.shape, [s // isz for s in a.strides], dtype=torch.bfloat16)
+        made[t.untyped_storage().data_ptr()] = a
+        return t
+
+    monkeypatch.setattr(dt, "from_cupy", from_cupy)
+    q = torch.zeros((mod.T, mod.H_R, mod.D_Q), dtype=torch.bfloat16)
+    got = [ops.q_gather(q) for _ in range(7)]
+    assert len({id(r) for r in got}) == 7  # a fresh alias per call
+    assert 1 <= len(made) <= 3  # one crossing per result array (the data slots)
+    for r in got:
+        a = made[r.untyped_storage().data_ptr()]
+        assert tuple(r.shape) == a.shape == (mod.T, mod.H, mod.D_Q)
+        assert tuple(s * 2 for s in r.stride()) == a.strides
+    got[-1].as_strided_((1,), (1,))  # the caller's own alias only
+    r = ops.q_gather(q)
+    assert tuple(r.shape) == (mod.T, mod.H, mod.D_Q)
+    # the CuPy result array reshaped in place: a new crossing, of the new layout
+    arr = next(iter(made.values()))
+    ent = ops._results[id(arr)]
+    assert ent[0] is arr and ent[3].untyped_storage().data_ptr() in made
+    n = len(made)
+    arr.shape = (mod.H, mod.T, mod.D_Q)
+    t = ops._to_torch(arr)
+    assert len(made) == n + 1 and tuple(t.shape) == (mod.H, mod.T, mod.D_Q)
+    assert tuple(s * 2 for s in t.stride()) == arr.strides
+    arr.shape = (mod.T, mod.H, mod.D_Q)
