@@ -225,8 +225,9 @@ def _raw_stream_fn():
 
 def describe(t) -> tuple:
     """The description a tensor is memoised under (:class:`TensorConverter`, :class:`TorchOps`'
-    call plans): ``(class, data_ptr(), shape, stride(), storage_offset(), dtype, device
-    index)``. Raises AttributeError / TypeError / RuntimeError for what is not a tensor."""
+    call plans, which read these seven fields inline into one flat key per call): ``(class,
+    data_ptr(), shape, stride(), storage_offset(), dtype, device index)``. Raises
+    AttributeError / TypeError / RuntimeError for what is not a tensor."""
     return (type(t), t.data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype, t.get_device())
 
 
@@ -539,12 +540,12 @@ class TorchOps:
         return self._custom_ops[op]
 
     # ------------------------------------------------------------------ ops
-    def _eager(self, *tensors) -> bool:
+    def _eager(self, tensors: tuple) -> bool:
         """Whether a call with ``out=`` may skip the custom op: plain tensors (no tensor
         subclass such as a fake or functional tensor), no torch dispatch mode active and no
         ``torch.compile`` tracing. The custom op's kernel does then exactly what the direct
-        call does (:meth:`_invoke`, then the version bump of what it wrote), without the
-        dispatcher."""
+        call does (:meth:`_gather_work` or :meth:`_lse_work`, then the version bump of what it
+        wrote), without the dispatcher. ``tensors``: the call's, None for an absent one."""
         T = self._tensor_type
         for t in tensors:
             if t is not None and type(t) is not T:
@@ -606,13 +607,14 @@ class TorchOps:
                 stream = self._streams.get(ptr)
                 if stream is None:
                     stream = self._stream()
-                if dcp:
-                    args = (op, cx, name, ubatch, cout, stream, flat)
-                else:
-                    args = (flat, cx, ubatch, cout, stream, False)
                 if self._get_device() == self.device and self._cupy_stream_now().ptr == ptr:
-                    res = fn(*args)
+                    if dcp:
+                        res = fn(op, cx, name, ubatch, cout, stream, flat)
+                    else:
+                        res = fn(flat, cx, ubatch, cout, stream, False)
                 else:
+                    args = (op, cx, name, ubatch, cout, stream, flat) if dcp else (
+                        flat, cx, ubatch, cout, stream, False)  # fmt: skip
                     res = self._made_current(stream, fn, args)
                 return out if out is not None else self._to_torch(res)
         kw = {"ubatch": ubatch} if out is None else {"ubatch": ubatch, "out": out}
@@ -738,7 +740,7 @@ class TorchOps:
         tensors = (out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse)
         if out is None or (out_lse is None and self._returns_lse):
             return self._lse_work(tensors, ubatch)
-        if self._eager(*tensors):
+        if self._eager(tensors):
             self._lse_work(tensors, int(ubatch), False)  # what the custom op would run
             self._bump((out,) if out_lse is None else (out, out_lse))
         else:
