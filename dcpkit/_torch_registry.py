@@ -58,11 +58,6 @@ def _lookup(handle: int, op: str) -> Any:
 # ADInplaceOrView layers cost tens of microseconds per call. What the ADInplaceOrView layer did
 # for a mutating op, bumping the version counter of every mutated tensor (so that autograd
 # notices a saved tensor that changed), the impls do themselves.
-def bump(out, out_lse=None) -> None:
-    """Bump the version counter of ``out`` (and of ``out_lse`` unless None), in one call."""
-    state["increment_version"]((out,) if out_lse is None else (out, out_lse))
-
-
 def _version_bump(torch):
     """``bump(tensors)``: the version counters of a tuple of tensors bumped in one call,
     through ``torch._C._increment_version`` where it takes a sequence (what
@@ -83,22 +78,36 @@ def _version_bump(torch):
     return each
 
 
+# The kernels: the live TorchOps of the handle (looked up inline, a closed or unknown handle
+# raising through _lookup), its work, then the version bump of what the op wrote.
 def _q_gather_impl(handle: int, q, out, ubatch: int) -> None:
-    _lookup(handle, "q_gather")._gather_work("q_gather", "q", q, ubatch, out)
-    bump(out)
+    ref = REGISTRY.get(handle)
+    obj = ref() if ref is not None else None
+    if obj is None or obj._closed:
+        obj = _lookup(handle, "q_gather")  # raises
+    obj._gather_work("q_gather", "q", q, ubatch, out)
+    state["increment_version"]((out,))
 
 
 def _kv_gather_impl(handle: int, kv, out, ubatch: int) -> None:
-    _lookup(handle, "kv_gather")._gather_work("kv_gather", "kv", kv, ubatch, out)
-    bump(out)
+    ref = REGISTRY.get(handle)
+    obj = ref() if ref is not None else None
+    if obj is None or obj._closed:
+        obj = _lookup(handle, "kv_gather")  # raises
+    obj._gather_work("kv_gather", "kv", kv, ubatch, out)
+    state["increment_version"]((out,))
 
 
 def _lse_reduce_impl(
     handle: int, out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse, ubatch: int
 ) -> None:
+    ref = REGISTRY.get(handle)
+    obj = ref() if ref is not None else None
+    if obj is None or obj._closed:
+        obj = _lookup(handle, "lse_reduce")  # raises
     tensors = (out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse)
-    _lookup(handle, "lse_reduce")._lse_work(tensors, ubatch)
-    bump(out, out_lse)
+    obj._lse_work(tensors, ubatch, False)
+    state["increment_version"]((out,) if out_lse is None else (out, out_lse))
 
 
 def _gather_fake(handle, x, out, ubatch) -> None:

@@ -36,7 +36,8 @@ each tensor to the op as a CuPy array over ``data_ptr()`` (which already counts 
 offset) with the tensor's shape, strides and dtype, memoised per description (data pointer,
 shape, strides, storage offset, dtype, device, tensor class; see :class:`TensorConverter` for
 why this key and not the tensor's identity). Results that are views of workspace memory cross
-back through DLPack once per description of the view, then as a fresh ``detach()`` alias of the
+back through DLPack once per result array (memoised with the array's shape and strides, the only
+parts of a CuPy array that can change in place), then as a fresh ``detach()`` alias of the
 first. :func:`to_cupy` and :func:`from_cupy` stay plain DLPack round trips.
 
 Outputs. With ``out=`` (and, for ``lse_reduce``, ``out_lse=`` or ``return_lse`` unset) the call
@@ -224,8 +225,9 @@ def _raw_stream_fn():
 
 def describe(t) -> tuple:
     """The description a tensor is memoised under (:class:`TensorConverter`, :class:`TorchOps`'
-    call plans): ``(class, data_ptr(), shape, stride(), storage_offset(), dtype, device
-    index)``. Raises AttributeError / TypeError / RuntimeError for what is not a tensor."""
+    call plans, which read these seven fields inline into one flat key per call): ``(class,
+    data_ptr(), shape, stride(), storage_offset(), dtype, device index)``. Raises
+    AttributeError / TypeError / RuntimeError for what is not a tensor."""
     return (type(t), t.data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype, t.get_device())
 
 
@@ -318,7 +320,6 @@ class TensorConverter:
 _REGISTRY = _reg.REGISTRY
 _NEXT_HANDLE = _reg.NEXT_HANDLE
 _LOCK = _reg.LOCK
-_bump = _reg.bump
 register_custom_ops = _reg.register_custom_ops
 
 
@@ -327,32 +328,25 @@ register_custom_ops = _reg.register_custom_ops
 _LSE_TENSORS = ("out_partial", "lse_partial", "seq_lens", "query_start_loc", "out", "out_lse")
 
 
-def _keyed_entries(target) -> dict[str, Any]:
-    """op name -> ``entry(op, key, x, name, ubatch, out, stream)``: the target's keyed entry
-    of that op, which takes the flat key of its arrays (:mod:`dcpkit._plan`) instead of
-    building it (for ``lse_reduce``, ``x`` is the six arrays and ``name`` / ``out`` are
-    unused). Only for targets that have one: DCPComm, the direct gathers, every lse_reduce
-    op; the others are called plainly."""
+def _keyed_entries(target) -> dict[str, tuple]:
+    """op name -> ``(entry, dcp)``: the target's keyed entry of that op, which takes the flat
+    key of its arrays (:mod:`dcpkit._plan`) instead of building it. A gather's entry is
+    DCPComm's ``_gather(op, x, name, ubatch, out, stream, key)`` (``dcp`` True) or a direct
+    gather's ``_call_keyed(key, x, ubatch, out, stream, False)``; ``lse_reduce``'s is
+    ``entry(key, arrays, ubatch, stream)`` (DCPComm's ``_lse_keyed``, any lse_reduce op's
+    ``_call_keyed``). Only for targets that have one; the others are called plainly."""
     from ._lse_call import LseReduceCall
 
     entries = {}
     if hasattr(target, "_lse_keyed") and hasattr(target, "_gather"):  # DCPComm
-        gather, lse = target._gather, target._lse_keyed
-        for op in ("q_gather", "kv_gather"):
-            entries[op] = lambda op, key, x, name, ub, out, s, g=gather: g(
-                op, x, name, ub, out, s, key
-            )
-        entries["lse_reduce"] = lambda op, key, a, name, ub, out, s, f=lse: f(key, a, ub, s)
+        entries["q_gather"] = entries["kv_gather"] = (target._gather, True)
+        entries["lse_reduce"] = (target._lse_keyed, True)
     elif isinstance(target, LseReduceCall):
-        f = target._call_keyed
-        entries["lse_reduce"] = lambda op, key, a, name, ub, out, s, f=f: f(key, a, ub, s)
+        entries["lse_reduce"] = (target._call_keyed, False)
     elif getattr(target, "op_name", None) in ("q_gather", "kv_gather") and hasattr(
         target, "_gather_plan"
     ):  # a direct gather (GatherWorkspace)
-        f = target._call_keyed
-        entries[target.op_name] = lambda op, key, x, name, ub, out, s, f=f: f(
-            key, x, ub, out, s, False
-        )
+        entries[target.op_name] = (target._call_keyed, False)
     return entries
 
 
@@ -407,7 +401,7 @@ class TorchOps:
         self._custom_ops = register_custom_ops()
         self._conv = TensorConverter(self.device)
         self._streams: dict[int, Any] = {}  # stream handle -> CuPy stream object
-        self._results: dict[tuple, Any] = {}  # result description -> torch tensor
+        self._results: dict[int, tuple] = {}  # id(res) -> (res, shape, strides, tensor)
         self._raw_stream = _raw_stream_fn()
         self._get_device = _cupy().cuda.runtime.getDevice
         self._cupy_stream_now = _cupy().cuda.get_current_stream
@@ -421,6 +415,8 @@ class TorchOps:
         # arrays and the flat key the target's keyed entry takes (see _plan_for).
         self._plans: dict[tuple, Any] = {}
         self._entries = _keyed_entries(target)
+        # the version bump of what an eager out= call wrote (the custom ops' own)
+        self._bump = _reg.state["increment_version"]
         self._closed = True
         with _LOCK:
             self.handle = next(_NEXT_HANDLE)
@@ -471,22 +467,23 @@ class TorchOps:
 
     def _to_torch(self, res):
         """A torch tensor over the CuPy result ``res`` (a view of workspace memory): DLPack
-        once per description of the view, then a fresh alias (``detach()``) of that tensor (a
-        caller that changes the returned tensor's metadata in place changes its own alias
-        only)."""
-        if type(res) in CUPY_CLASSES or is_cupy_array(res):
-            m = res.data
-            key = (m.ptr, res.shape, res.strides, res.dtype, m.device_id)
-        else:
-            key = None
-        t = self._results.get(key) if key is not None else None
-        if t is None:
-            t = from_cupy(res)
-            if key is None:
-                return t
-            if len(self._results) >= 256:
-                del self._results[next(iter(self._results))]
-            self._results[key] = t
+        once per result array, then a fresh alias (``detach()``) of that tensor (a caller that
+        changes the returned tensor's metadata in place changes its own alias only).
+
+        The memo is keyed on the array object together with its shape and strides: the entry
+        holds the array (its id cannot be reused while the entry lives, and the DLPack tensor
+        holds it anyway), and a CuPy array's data pointer, dtype and device cannot change in
+        place, only its shape and strides can (``a.shape = ...``), which are compared on
+        every hit; an array reshaped in place gets a new tensor."""
+        ent = self._results.get(id(res))
+        if ent is not None and ent[0] is res and ent[1] == res.shape and ent[2] == res.strides:
+            return ent[3].detach()
+        t = from_cupy(res)
+        if type(res) not in CUPY_CLASSES and not is_cupy_array(res):
+            return t
+        if len(self._results) >= 256 and id(res) not in self._results:
+            del self._results[next(iter(self._results))]
+        self._results[id(res)] = (res, res.shape, res.strides, t)
         return t.detach()
 
     def _invoke(self, op: str, args, kwargs: dict[str, Any]):
@@ -543,12 +540,12 @@ class TorchOps:
         return self._custom_ops[op]
 
     # ------------------------------------------------------------------ ops
-    def _eager(self, *tensors) -> bool:
+    def _eager(self, tensors: tuple) -> bool:
         """Whether a call with ``out=`` may skip the custom op: plain tensors (no tensor
         subclass such as a fake or functional tensor), no torch dispatch mode active and no
         ``torch.compile`` tracing. The custom op's kernel does then exactly what the direct
-        call does (:meth:`_invoke`, then the version bump of what it wrote), without the
-        dispatcher."""
+        call does (:meth:`_gather_work` or :meth:`_lse_work`, then the version bump of what it
+        wrote), without the dispatcher. ``tensors``: the call's, None for an absent one."""
         T = self._tensor_type
         for t in tensors:
             if t is not None and type(t) is not T:
@@ -572,9 +569,10 @@ class TorchOps:
             self._fn(op)  # raises
         if out is None:
             return self._gather_work(op, name, x, ubatch, None)
-        if self._eager(x, out):
-            self._gather_work(op, name, x, int(ubatch), out)
-            _bump(out)
+        T = self._tensor_type
+        if type(x) is T and type(out) is T and not self._dispatch_modes() and not self._compiling():
+            self._gather_work(op, name, x, int(ubatch), out)  # what the custom op would run
+            self._bump((out,))
         else:
             self._custom(op)(self.handle, x, out, int(ubatch))
         return out
@@ -582,49 +580,88 @@ class TorchOps:
     def _gather_work(self, op: str, name: str, x, ubatch, out):
         """The work of a gather call (also the custom op's kernel): through the call plan of
         the tensors' descriptions where the target has a keyed entry, else :meth:`_invoke`.
-        Returns the result (``out`` itself when given)."""
+        Returns the result (``out`` itself when given).
+
+        The plan's key is ``(op, ubatch)`` followed by :func:`describe`'s seven fields of ``x``
+        and, with ``out``, of ``out``: one flat tuple (no tuple per tensor), read inline."""
         entry = self._entries.get(op)
         if entry is not None and type(ubatch) is int:
             try:
-                key = (op, describe(x), None if out is None else describe(out), ubatch)
+                if out is None:
+                    key = (op, ubatch, type(x), x.data_ptr(), x.shape, x.stride(),
+                           x.storage_offset(), x.dtype, x.get_device())  # fmt: skip
+                else:
+                    key = (op, ubatch, type(x), x.data_ptr(), x.shape, x.stride(),
+                           x.storage_offset(), x.dtype, x.get_device(),
+                           type(out), out.data_ptr(), out.shape, out.stride(),
+                           out.storage_offset(), out.dtype, out.get_device())  # fmt: skip
             except (AttributeError, TypeError, RuntimeError):
                 key = None
-            plan = self._plans.get(key) if key is not None else None
+            plan = self._plans.get(key)
             if plan is None and key is not None:
                 plan = self._plan_for(key, ((name, x), ("out", out)), ubatch)
             if plan is not None:
-                cx, cout = plan[0]
-                res = self._on_stream(entry, op, plan[1], cx, name, ubatch, cout)
+                (cx, cout), flat = plan
+                fn, dcp = entry
+                ptr = self._raw_stream(self.device)
+                stream = self._streams.get(ptr)
+                if stream is None:
+                    stream = self._stream()
+                if self._get_device() == self.device and self._cupy_stream_now().ptr == ptr:
+                    if dcp:
+                        res = fn(op, cx, name, ubatch, cout, stream, flat)
+                    else:
+                        res = fn(flat, cx, ubatch, cout, stream, False)
+                else:
+                    args = (op, cx, name, ubatch, cout, stream, flat) if dcp else (
+                        flat, cx, ubatch, cout, stream, False)  # fmt: skip
+                    res = self._made_current(stream, fn, args)
                 return out if out is not None else self._to_torch(res)
         kw = {"ubatch": ubatch} if out is None else {"ubatch": ubatch, "out": out}
         return self._invoke(op, ((name, x),), kw)
 
-    def _lse_work(self, tensors: tuple, ubatch):
+    def _lse_work(self, tensors: tuple, ubatch, results: bool = True):
         """The work of an ``lse_reduce`` call (``tensors``: the six of the signature, None for
         an absent one; also the custom op's kernel), as :meth:`_gather_work` does it. Returns
-        the result in the target's form, the caller's tensors where they were written."""
+        the result in the target's form, the caller's tensors where they were written; None
+        without ``results`` (a caller that returns its own tensors: no result is converted).
+
+        The plan's key: for the decode loop's calls (no masks, no ``out_lse``) ``("lse_reduce",
+        ubatch)``, :func:`describe`'s fields of the two inputs, then :func:`describe` of ``out``
+        or None (one flat tuple); for any other call ``("lse_reduce", ubatch)`` and the six
+        descriptions (None for an absent tensor)."""
         entry = self._entries.get("lse_reduce")
         if entry is not None and type(ubatch) is int:
             x, lse, seq, qsl, out, out_lse = tensors
             try:
-                key = (
-                    "lse_reduce",
-                    ubatch,
-                    describe(x),
-                    describe(lse),
-                    None if seq is None else describe(seq),
-                    None if qsl is None else describe(qsl),
-                    None if out is None else describe(out),
-                    None if out_lse is None else describe(out_lse),
-                )
+                if seq is None and qsl is None and out_lse is None:
+                    key = ("lse_reduce", ubatch, type(x), x.data_ptr(), x.shape, x.stride(),
+                           x.storage_offset(), x.dtype, x.get_device(),
+                           type(lse), lse.data_ptr(), lse.shape, lse.stride(),
+                           lse.storage_offset(), lse.dtype, lse.get_device(),
+                           None if out is None else describe(out))  # fmt: skip
+                else:
+                    key = ("lse_reduce", ubatch) + tuple(
+                        None if t is None else describe(t) for t in tensors
+                    )
             except (AttributeError, TypeError, RuntimeError):
                 key = None
-            plan = self._plans.get(key) if key is not None else None
+            plan = self._plans.get(key)
             if plan is None and key is not None:
                 plan = self._plan_for(key, tuple(zip(_LSE_TENSORS, tensors)), ubatch)
             if plan is not None:
-                arrays = plan[0]
-                res = self._on_stream(entry, "lse_reduce", plan[1], arrays, None, ubatch, None)
+                arrays, flat = plan
+                fn = entry[0]
+                ptr = self._raw_stream(self.device)
+                stream = self._streams.get(ptr)
+                if stream is None:
+                    stream = self._stream()
+                if self._get_device() == self.device and self._cupy_stream_now().ptr == ptr:
+                    res = fn(flat, arrays, ubatch, stream)
+                else:
+                    res = self._made_current(stream, fn, (flat, arrays, ubatch, stream))
+                if not results:
+                    return None
                 if type(res) is tuple:
                     r, lse = res
                     r = out if r is arrays[4] and out is not None else self._to_torch(r)
@@ -637,7 +674,8 @@ class TorchOps:
         names = _LSE_TENSORS
         kw = dict(zip(names[2:], tensors[2:]))
         kw["ubatch"] = ubatch
-        return self._invoke("lse_reduce", tuple(zip(names[:2], tensors[:2])), kw)
+        res = self._invoke("lse_reduce", tuple(zip(names[:2], tensors[:2])), kw)
+        return res if results else None
 
     def _plan_for(self, key: tuple, named: tuple, ubatch):
         """The call plan of ``key``: every tensor converted (its checks run on a new
@@ -669,21 +707,15 @@ class TorchOps:
         self._plans[key] = plan
         return plan
 
-    def _on_stream(self, entry, op: str, key, x, name, ubatch, out):
-        """``entry`` (:func:`_keyed_entries`) run on torch's current stream of the op's GPU,
-        made CuPy's current stream for the call when it is not already (what the target
-        allocates is then ordered on it)."""
-        ptr = self._raw_stream(self.device)
-        stream = self._streams.get(ptr)
-        if stream is None:
-            stream = self._stream()
+    def _made_current(self, stream, fn, args):
+        """``fn(*args)`` with ``stream`` (torch's current stream) made CuPy's current stream and
+        the op's GPU CuPy's current device, for a call where either is not already (what the
+        target allocates is then ordered on the stream)."""
         if self._get_device() == self.device:
-            if self._cupy_stream_now().ptr == ptr:
-                return entry(op, key, x, name, ubatch, out, stream)
             with stream:
-                return entry(op, key, x, name, ubatch, out, stream)
+                return fn(*args)
         with _cupy().cuda.Device(self.device), stream:
-            return entry(op, key, x, name, ubatch, out, stream)
+            return fn(*args)
 
     def lse_reduce(
         self,
@@ -708,9 +740,9 @@ class TorchOps:
         tensors = (out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse)
         if out is None or (out_lse is None and self._returns_lse):
             return self._lse_work(tensors, ubatch)
-        if self._eager(*tensors):
-            self._lse_work(tensors, int(ubatch))
-            _bump(out, out_lse)
+        if self._eager(tensors):
+            self._lse_work(tensors, int(ubatch), False)  # what the custom op would run
+            self._bump((out,) if out_lse is None else (out, out_lse))
         else:
             self._custom(op)(self.handle, *tensors, int(ubatch))
         return out if out_lse is None else (out, out_lse)

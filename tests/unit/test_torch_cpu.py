@@ -240,3 +240,37 @@ def test_eager_out_calls_skip_the_dispatcher_only_where_torch_need_not_see_them(
     assert custom == ["q_gather"] and any("dcpkit.q_gather" in f for f in Watch.ops_seen)
     assert len(seen) == 2 and out._version == v + 2
     ops.close()
+
+
+def test_public_signatures_are_stable():
+    """What callers of dcpkit.torch bind to: every public function and method, as written."""
+    import inspect
+
+    import dcpkit.torch as dt
+
+    want = {
+        "TensorConverter": "(device: 'int | None' = None, max_entries: 'int' = 256, check=None)",
+        "TensorConverter.__call__": "(self, t, name: 'str' = 'tensor')",
+        "TensorConverter.cached": "(self, key) -> 'bool'",
+        "TensorConverter.clear": "(self) -> 'None'",
+        "TorchOps": "(target)",
+        "TorchOps.__call__": "(self, *args, **kwargs)",
+        "TorchOps.close": "(self) -> 'None'",
+        "TorchOps.q_gather": "(self, q, *, ubatch: 'int' = 0, out=None)",
+        "TorchOps.kv_gather": "(self, kv, *, ubatch: 'int' = 0, out=None)",
+        "TorchOps.lse_reduce": "(self, out_partial, lse_partial, *, seq_lens=None, "
+        "query_start_loc=None, ubatch: 'int' = 0, out=None, out_lse=None)",
+        "cupy_stream": "(device: 'int | None' = None)",
+        "describe": "(t) -> 'tuple'",
+        "from_cupy": "(a)",
+        "register_custom_ops": "() -> 'dict[str, Any]'",
+        "supported_dtypes": "() -> 'tuple'",
+        "to_cupy": "(t, *, name: 'str' = 'tensor', device: 'int | None' = None)",
+    }
+    got = {}
+    for name in want:
+        obj = dt
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        got[name] = str(inspect.signature(obj))
+    assert got == want
