@@ -61,3 +61,5 @@ def test_gather_zero_copy_grid_takes_half_the_share_only_where_ranks_share_a_gpu
     assert kv.ctas_for(T) == zero_copy
     assert kv.ctas_for(T, copy_out=True) == kv.max_ctas
     assert kv.ctas_for(1) == 1  # a small call is sized by its vectors alone
+    kv.algorithm = "pull"  # every waiter pulls: the whole share
+    assert kv.ctas_for(T) == kv.max_ctas == kv.ctas_for(T, copy_out=True)
