@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 from .errors import DcpkitError, MissingDependency
@@ -27,9 +28,28 @@ class CommandParser(argparse.ArgumentParser):
     """The argument parser of a subcommand: a usage error is one line on stderr naming the
     argument, ``<prog>: <message> (see <prog> --help)``, and exit status 2 (no usage block)."""
 
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str):
-        sys.stderr.write(f"{self.prog}: {message} (see {self.prog} --help)\n")
+        sys.stderr.write(
+            f"{self.prog}: {message}{self._dash_hint(message)} (see {self.prog} --help)\n"
+        )
         sys.exit(2)
+
+    def _dash_hint(self, message: str) -> str:
+        """For "expected one argument" where the value given starts with '-' and a digit (argparse
+        reads ``--tokens -1,8`` as two options): how to pass such a value."""
+        m = re.match(r"argument ([^:/ ]+)(?:/\S+)?: expected one argument$", message)
+        argv = getattr(self, "_argv", [])
+        if m is None or m.group(1) not in argv:
+            return ""
+        i = argv.index(m.group(1))
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if not re.match(r"-[0-9.]", nxt):
+            return ""
+        return f" (got {nxt!r}, read as an option: write {m.group(1)}={nxt})"
 
 
 def file_path(text: str) -> str:

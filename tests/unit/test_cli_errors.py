@@ -52,3 +52,30 @@ def test_a_bad_info_option_is_one_line_and_exit_2(module, run_python):
         "dcpkit info: unrecognized arguments: --bogus (see dcpkit info --help)\n"
     ), res.stderr
     assert res.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["--tokens", "-1,8"], "(got '-1,8', read as an option: write --tokens=-1,8)"),
+        (["--tokens", "-2,-4"], "(got '-2,-4', read as an option: write --tokens=-2,-4)"),
+        (["--tokens"], None),  # nothing after it: no hint
+        (["--tokens", "--quick"], None),  # the next word really is an option
+    ],
+)
+def test_a_value_that_starts_with_a_dash_gets_a_hint(argv, hint, capsys):
+    from dcpkit.cli import CommandParser
+
+    p = CommandParser(prog="dcpkit bench")
+    p.add_argument("--tokens")
+    p.add_argument("--quick", action="store_true")
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dcpkit bench: argument --tokens: expected one argument")
+    assert err.rstrip().endswith("(see dcpkit bench --help)") and err.count("\n") == 1
+    if hint is None:
+        assert "read as an option" not in err
+    else:
+        assert hint in err
