@@ -99,7 +99,14 @@ def analyse_missed(
             "The time is at the floor: only fewer bytes (a narrower dtype) or fewer dependent "
             "exchanges would close it"
         )
-    elif bw_term >= lat_term and bw_term >= launch_term and frac is not None and frac < 0.9:
+    elif (
+        bw_term >= lat_term
+        and bw_term >= launch_term
+        and frac is not None
+        and frac < 0.9
+        and (not fk or t - fk < bw_term)  # not when the op's own cost beyond the floor kernel,
+        # which moves the same bytes, is larger than the whole transfer
+    ):
         fix = (
             f"The op is bandwidth-bound and its links run at {100 * frac:.0f}% of the egress "
             f"ceiling: keep more 16-byte stores in flight (more CTAs, unrolled loops), start "
@@ -122,7 +129,8 @@ def analyse_missed(
         fix = (
             "Most of the time is beyond latency, bandwidth and launch: protocol and kernel "
             "overhead (fences, signal waits, last-CTA election, the combine or copy work); "
-            "profile the kernel (nsys / ncu) and overlap the waits with the payload"
+            "scripts/kernel_timeline.py times each of those steps inside the kernels, beside "
+            "the floor kernel's (docs/performance.md)"
         )
     return head + body + "What would close it: " + fix + "."
 

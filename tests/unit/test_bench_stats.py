@@ -573,6 +573,12 @@ def test_analyse_missed_names_the_dominant_term():
     }
     text = markdown.analyse_missed(item, big, CEIL)
     assert "bandwidth-bound" in text and "38% of the egress ceiling" in text
+    # the floor kernel moves the same bytes far faster: the op's own steps, not the transfer
+    slow = dict(big, floor_kernel_us=big["median_us"] * 0.3)
+    text = markdown.analyse_missed(item, slow, CEIL)
+    assert "bandwidth-bound" not in text and "scripts/kernel_timeline.py" in text
+    near = dict(big, floor_kernel_us=big["median_us"] * 0.9)
+    assert "bandwidth-bound" in markdown.analyse_missed(item, near, CEIL)
 
 
 def test_plot_results_writes_a_small_png(tmp_path):
