@@ -25,7 +25,8 @@ def _load(path):
 
 
 @pytest.mark.parametrize(
-    "name", ["host_overhead.py", "two_jobs_check.py", "soak.py", "host_path_cpu.py"]
+    "name",
+    ["host_overhead.py", "two_jobs_check.py", "soak.py", "host_path_cpu.py", "kernel_timeline.py"],
 )
 def test_every_option_has_a_help_text(repo_root, name):
     ap = _load(_script(repo_root, name)).parser()
@@ -63,6 +64,11 @@ def test_every_option_has_a_help_text(repo_root, name):
         ),
         ("host_path_cpu.py", ["--profile", "{tmp}"], "argument --profile: {tmp} is a directory"),
         ("host_path_cpu.py", ["--profile", ""], "argument --profile: must name a file (got '')"),
+        ("kernel_timeline.py", ["--tokens", "0"], "argument --tokens: must be distinct integers"),
+        ("kernel_timeline.py", ["--tokens", "65537"], "argument --tokens: must be distinct"),
+        ("kernel_timeline.py", ["--ops", "kv_gather"], "argument --ops: must be distinct names"),
+        ("kernel_timeline.py", ["--replays", "3"], "argument --replays: must be in [4, 10000]"),
+        ("kernel_timeline.py", ["--json", "{tmp}"], "argument --json: {tmp} is a directory"),
     ],
 )
 def test_a_bad_value_is_one_line_before_the_gpu_check(
