@@ -105,3 +105,21 @@ def test_lint_refuses_an_unknown_option(repo_root, run_cmd):
     proc = run_cmd(["bash", str(_script(repo_root, "lint.sh")), "--bogus"], timeout=60)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert proc.stderr.startswith("lint.sh: unknown option '--bogus'"), proc.stderr
+
+
+def test_host_path_cpu_without_cupy_names_the_extra(repo_root, run_python, tmp_path):
+    """The CPU script's stand-ins are CuPy objects: without CuPy, one line naming the extra."""
+    from conftest import subprocess_env
+
+    blocker = tmp_path / "no_cupy" / "cupy"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text(
+        "raise ImportError(\"No module named 'cupy'\", name='cupy')\n"
+    )
+    path = os.pathsep.join([str(blocker.parent), subprocess_env()["PYTHONPATH"]])
+    script = _script(repo_root, "host_path_cpu.py")
+    proc = run_python([str(script), "--calls", "5"], env={"PYTHONPATH": path})
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("scripts/host_path_cpu.py: "), proc.stderr
+    assert "dcpkit[cuda" in lines[0] and not proc.stdout, (proc.stdout, proc.stderr)
