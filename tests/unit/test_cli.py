@@ -356,3 +356,30 @@ def test_info_shows_the_settings_and_refuses_a_bad_deadline(monkeypatch, env, li
 def test_info_lists_the_mps_share(monkeypatch):
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25")
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in info.format_text(info.collect())
+
+
+@pytest.mark.parametrize(
+    "value, on",
+    [
+        ("1", True),
+        ("yes", True),
+        ("2", True),
+        ("anything", True),
+        ("", False),
+        ("0", False),
+        ("00", False),
+        ("false", False),
+        ("OFF", False),
+        (" no ", False),
+    ],
+)
+def test_dcpkit_debug_reads_false_words_as_off(monkeypatch, value, on):
+    """DCPKIT_DEBUG=false (or off, no) leaves the per-call check off, as DCPKIT_MULTICAST
+    reads the same words; info shows what the ops will do."""
+    from dcpkit._setup import debug_enabled
+
+    monkeypatch.setenv("DCPKIT_DEBUG", value)
+    assert debug_enabled() is on
+    d = info.collect()
+    assert d["settings"]["debug"] is on
+    assert f"DCPKIT_DEBUG {'on' if on else 'off'}" in info.format_text(d)
