@@ -123,3 +123,22 @@ def test_host_path_cpu_without_cupy_names_the_extra(repo_root, run_python, tmp_p
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("scripts/host_path_cpu.py: "), proc.stderr
     assert "dcpkit[cuda" in lines[0] and not proc.stdout, (proc.stdout, proc.stderr)
+
+
+@pytest.mark.parametrize("argv, rc", [(["--help"], 0), (["-h"], 0), (["--bogus"], 2)])
+def test_ci_run_reads_its_arguments_before_making_an_environment(repo_root, run_cmd, argv, rc):
+    """``.ci/run --help`` prints what CI does and an unknown argument is refused, both before
+    anything is installed (PYTHON=false: making the environment would fail at once)."""
+    script = repo_root / ".ci" / "run"
+    if not script.is_file():
+        pytest.skip(f"no {script} (tests run from an installed copy without the checkout)")
+    proc = run_cmd(["bash", str(script), *argv], timeout=60, env={"PYTHON": "false"})
+    assert proc.returncode == rc, (proc.stdout, proc.stderr)
+    assert "ci: fresh virtual environment" not in proc.stdout, proc.stdout
+    if rc == 0:
+        assert proc.stdout.startswith("CI of dcpkit") and "Usage: bash .ci/run" in proc.stdout
+    else:
+        assert proc.stderr.strip() == (
+            "ci: unknown argument '--bogus' (.ci/run takes none; bash .ci/run --help says what "
+            "it does)"
+        ), proc.stderr
