@@ -323,6 +323,17 @@ def test_info_under_mpiexec_prints_one_document(mpi_launcher, run_cmd):
     assert d["launcher_rank"] == 0
 
 
+def test_info_json_on_all_ranks_is_one_line_per_rank(mpi_launcher, run_cmd):
+    """--json --all-ranks under a launcher: every rank's report is one JSON line, so the
+    reports of the ranks, sharing one stdout, can be read back (JSON Lines)."""
+    cmd = mpi_launcher.command(3, sys.executable, "-m", "dcpkit", "info", "--json", "--all-ranks")
+    proc = run_cmd(cmd, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 3, proc.stdout
+    assert sorted(json.loads(ln)["launcher_rank"] for ln in lines) == [0, 1, 2]
+
+
 @pytest.mark.parametrize(
     "env, line, warns",
     [
