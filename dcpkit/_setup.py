@@ -59,9 +59,21 @@ def error_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
+#: ``DCPKIT_DEBUG`` values that leave the check off (compared stripped and lower-cased), the
+#: false spellings ``DCPKIT_MULTICAST`` reads; so do the empty value and any integer 0.
+_DEBUG_OFF = frozenset({"", "0", "false", "no", "off", "n", "f"})
+
+
 def debug_enabled() -> bool:
-    """True when ``DCPKIT_DEBUG`` is set to anything but ``""`` or ``"0"``."""
-    return os.environ.get("DCPKIT_DEBUG", "") not in ("", "0")
+    """True when ``DCPKIT_DEBUG`` is set to anything but empty, 0 or a false word
+    (``false``, ``no``, ``off``, ``n``, ``f``, any case)."""
+    v = os.environ.get("DCPKIT_DEBUG", "").strip().lower()
+    if v in _DEBUG_OFF:
+        return False
+    try:
+        return int(v) != 0
+    except ValueError:
+        return True
 
 
 def share_outcome(comm, what: str, err: BaseException | None, *extra) -> list[tuple]:

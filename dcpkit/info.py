@@ -616,7 +616,12 @@ def main(argv: list[str] | None = None) -> int:
         description="Print what dcpkit finds on this machine: versions, GPUs, P2P access, "
         "and whether multicast would be used (and why not). Needs no GPU.",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object instead of text (with --all-ranks: one line per rank, "
+        "JSON Lines)",
+    )
     p.add_argument(
         "--all-ranks",
         action="store_true",
@@ -630,7 +635,12 @@ def main(argv: list[str] | None = None) -> int:
     info = collect()
     if rank is not None:
         info["launcher_rank"] = rank
-    if args.json:
+    if args.json and args.all_ranks and rank is not None:
+        # One line per rank, written at once: the ranks' reports share one stdout, and a line
+        # is what the launcher forwards whole (JSON Lines: one json.loads per line).
+        sys.stdout.write(json.dumps(info, sort_keys=False) + "\n")
+        sys.stdout.flush()
+    elif args.json:
         print(json.dumps(info, indent=2, sort_keys=False))
     else:
         print(format_text(info))

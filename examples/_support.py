@@ -33,6 +33,21 @@ def gpu_count() -> int:
         return 0
 
 
+def gpus_on_every_rank(comm, name: str) -> int:
+    """The CUDA GPUs this rank sees, or 0 after rank 0 said in one line why a rank has none
+    (CuPy not installed, no driver, no device). Collective."""
+    try:
+        n = gpu_count()
+        why = "" if n > 0 else "a rank sees no CUDA GPU (`dcpkit info` says why)"
+    except ImportError as e:
+        n, why = 0, missing(e)
+    problems = [w for w in comm.allgather(why) if w]
+    if problems:
+        say(comm, f"{name}: {problems[0]}")
+        return 0
+    return n
+
+
 def torch_problem(torch) -> str:
     """What keeps an example from running torch on a GPU here ("" when nothing does)."""
     if torch is None:

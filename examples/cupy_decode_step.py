@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import sys
 
-import cupy
 import numpy as np
-from _support import connect, gpu_count, say
+from _support import connect, gpus_on_every_rank, say
 
 import dcpkit
+
+try:
+    import cupy
+except ImportError:  # main() says which extra brings it
+    cupy = None
 
 B = 4  # sequences in the batch: one decode token each (T = B)
 H_R = 4  # query heads per rank
@@ -93,9 +97,8 @@ def main() -> int:
     if W < 2:
         say(comm, "cupy_decode_step: run under mpirun with 2 or more ranks (mpirun -np 2 ...)")
         return 2
-    ndev = gpu_count()
-    if not all(comm.allgather(ndev > 0)):
-        say(comm, "cupy_decode_step: a rank sees no CUDA GPU (`dcpkit info` says why)")
+    ndev = gpus_on_every_rank(comm, "cupy_decode_step")
+    if ndev == 0:
         return 2
     cupy.cuda.Device(comm.local_rank % ndev).use()  # ranks may share a GPU
 

@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import sys
 
-import cupy
 import numpy as np
-from _support import connect, gpu_count, say
+from _support import connect, gpus_on_every_rank, say
 
 import dcpkit
+
+try:
+    import cupy
+except ImportError:  # main() says which extra brings it
+    cupy = None
 
 B = 4  # sequences, one decode token each
 C = 16  # context tokens per sequence on each rank
@@ -67,9 +71,8 @@ def main() -> int:
     if W < 2:
         say(comm, "dcpcomm_step: run under mpirun with 2 or more ranks (mpirun -np 2 ...)")
         return 2
-    ndev = gpu_count()
-    if not all(comm.allgather(ndev > 0)):
-        say(comm, "dcpcomm_step: a rank sees no CUDA GPU (`dcpkit info` says why)")
+    ndev = gpus_on_every_rank(comm, "dcpcomm_step")
+    if ndev == 0:
         return 2
     cupy.cuda.Device(comm.local_rank % ndev).use()  # ranks may share a GPU
 

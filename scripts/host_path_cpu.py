@@ -513,8 +513,21 @@ def parser():
 def main(argv: list[str] = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
+    from dcpkit._cuda import require_cupy
+    from dcpkit.errors import MissingDependency
+
+    try:
+        require_cupy()  # the stand-in arrays and stream are CuPy objects (no GPU needed)
+    except MissingDependency as e:
+        print(f"{ap.prog}: {e}", file=sys.stderr)
+        return 2
     rows = run(args.calls, profile_calls=2000 if args.profile else 0, clock=args.clock)
     print(table(rows))
+    if not any(name.startswith(("TorchOps", "torch")) for name in rows):
+        print(
+            f"{ap.prog}: no torch rows: torch is not installed (pip install 'dcpkit[torch]')",
+            file=sys.stderr,
+        )
     if args.profile:
         with open(args.profile, "w") as f:
             for name, r in rows.items():

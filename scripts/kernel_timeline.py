@@ -31,7 +31,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dcpkit.cli import output_file
+from dcpkit.cli import CommandParser, output_file
 
 OPTIONS = ("-DDCPKIT_TIMELINE=1",)
 GEOMETRY = {"H": 128, "D": 576, "D_v": 512, "D_kv": 512, "itemsize": 2}
@@ -41,14 +41,18 @@ FILES = {"q_gather": "q_gather.cu", "lse_reduce": "lse_reduce.cu"}
 
 
 def _positive_ints(text: str) -> list[int]:
+    from dcpkit.bench.args import MAX_TOKENS
+
     try:
         vals = [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"must be a comma list of integers (got {text!r})"
         ) from None
-    if not vals or any(v < 1 for v in vals) or len(set(vals)) != len(vals):
-        raise argparse.ArgumentTypeError(f"must be distinct integers >= 1 (got {text!r})")
+    if any(not 1 <= v <= MAX_TOKENS for v in vals) or len(set(vals)) != len(vals):
+        raise argparse.ArgumentTypeError(
+            f"must be distinct integers in [1, {MAX_TOKENS}] (got {text!r})"
+        )
     return vals
 
 
@@ -73,20 +77,55 @@ def _replays(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="kernel_timeline.py",
-        description="Phase-by-phase time of a call inside the kernels (run under mpirun).",
+    """The script's argument parser: a bad value is one line naming it, exit status 2."""
+    ap = CommandParser(
+        prog="scripts/kernel_timeline.py",
+        description="Phase-by-phase time of a call inside the kernels, beside the floor "
+        "kernel's. Run it as 'mpirun -np N python scripts/kernel_timeline.py' on GPUs (ranks "
+        "may share one GPU under MPS).",
     )
-    ap.add_argument("--ops", type=_ops, default=["q_gather", "lse_reduce"])
-    ap.add_argument("--tokens", type=_positive_ints, default=[1, 128])
+    ap.add_argument(
+        "--ops",
+        type=_ops,
+        default=["q_gather", "lse_reduce"],
+        help="comma list of q_gather, lse_reduce (default: both)",
+    )
+    ap.add_argument(
+        "--tokens",
+        type=_positive_ints,
+        default=[1, 128],
+        help="comma list of token counts T to measure (default: 1,128)",
+    )
     ap.add_argument(
         "--replays",
         type=_replays,
         default=20,
-        help=f"graph replays of {GRAPH_CALLS} calls each (at least 4: 64 calls are read)",
+        help=f"graph replays of {GRAPH_CALLS} calls each, 4 to 10000 (at least 4: 64 calls "
+        "are read; default: 20)",
     )
-    ap.add_argument("--json", type=output_file(), default=None, help="write the results here")
+    ap.add_argument(
+        "--json",
+        type=output_file(),
+        default=None,
+        metavar="PATH",
+        help="also write the results as JSON to PATH (rank 0; its folder must exist)",
+    )
     return ap
+
+
+def _gpu_or_exit() -> None:
+    """Exit with status 2 and one line (printed once per job) where there is no GPU to run on:
+    no CuPy, no CUDA driver, no visible device."""
+    from dcpkit._cuda import require_device
+    from dcpkit.errors import DcpkitError
+    from dcpkit.info import launcher_rank
+
+    try:
+        require_device("kernel_timeline")
+    except DcpkitError as e:
+        if launcher_rank() in (None, 0):
+            print(f"{e}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 class Timeline:
@@ -284,16 +323,9 @@ def measure_floor(cupy, comm, dev, op, geom, obj, replays):
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    try:
-        import cupy
+    _gpu_or_exit()
+    import cupy
 
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            raise RuntimeError("no GPU visible")
-    except Exception as e:  # noqa: BLE001 - ImportError, no driver, no device
-        print(
-            f"kernel_timeline: needs CuPy and a CUDA GPU ({type(e).__name__}: {e})", file=sys.stderr
-        )
-        return 2
     from dcpkit.bench.device import CupyDevice
     from dcpkit.bench.timeline import format_table
     from dcpkit.comm import Communicator

@@ -323,6 +323,17 @@ def test_info_under_mpiexec_prints_one_document(mpi_launcher, run_cmd):
     assert d["launcher_rank"] == 0
 
 
+def test_info_json_on_all_ranks_is_one_line_per_rank(mpi_launcher, run_cmd):
+    """--json --all-ranks under a launcher: every rank's report is one JSON line, so the
+    reports of the ranks, sharing one stdout, can be read back (JSON Lines)."""
+    cmd = mpi_launcher.command(3, sys.executable, "-m", "dcpkit", "info", "--json", "--all-ranks")
+    proc = run_cmd(cmd, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 3, proc.stdout
+    assert sorted(json.loads(ln)["launcher_rank"] for ln in lines) == [0, 1, 2]
+
+
 @pytest.mark.parametrize(
     "env, line, warns",
     [
@@ -356,3 +367,30 @@ def test_info_shows_the_settings_and_refuses_a_bad_deadline(monkeypatch, env, li
 def test_info_lists_the_mps_share(monkeypatch):
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25")
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in info.format_text(info.collect())
+
+
+@pytest.mark.parametrize(
+    "value, on",
+    [
+        ("1", True),
+        ("yes", True),
+        ("2", True),
+        ("anything", True),
+        ("", False),
+        ("0", False),
+        ("00", False),
+        ("false", False),
+        ("OFF", False),
+        (" no ", False),
+    ],
+)
+def test_dcpkit_debug_reads_false_words_as_off(monkeypatch, value, on):
+    """DCPKIT_DEBUG=false (or off, no) leaves the per-call check off, as DCPKIT_MULTICAST
+    reads the same words; info shows what the ops will do."""
+    from dcpkit._setup import debug_enabled
+
+    monkeypatch.setenv("DCPKIT_DEBUG", value)
+    assert debug_enabled() is on
+    d = info.collect()
+    assert d["settings"]["debug"] is on
+    assert f"DCPKIT_DEBUG {'on' if on else 'off'}" in info.format_text(d)

@@ -4,6 +4,7 @@ or a PASS. (tests/gpu/test_examples.py runs them where there are GPUs.)"""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -101,3 +102,24 @@ def test_example_under_a_launcher_of_another_mpi_says_so_and_exits_2(
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert len(lines) == 1, (proc.stdout, proc.stderr)
     assert lines[0].startswith(f"{name}: ") and "launcher started 2 processes" in lines[0], lines
+
+
+@pytest.mark.parametrize("name", ["cupy_decode_step", "dcpcomm_step"])
+def test_cupy_example_without_cupy_names_the_extra(
+    examples_dir, mpi_launcher, run_cmd, tmp_path, name
+):
+    """Without CuPy (no CUDA extra installed) the one line says what to install, no traceback."""
+    from conftest import subprocess_env
+
+    blocker = tmp_path / "no_cupy" / "cupy"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text(
+        "raise ImportError(\"No module named 'cupy'\", name='cupy')\n"
+    )
+    path = os.pathsep.join([str(blocker.parent), subprocess_env()["PYTHONPATH"]])
+    cmd = mpi_launcher.command(2, sys.executable, str(examples_dir / f"{name}.py"))
+    proc = run_cmd(cmd, timeout=120, env={"PYTHONPATH": path})
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"{name}: "), (proc.stdout, proc.stderr)
+    assert "dcpkit[cuda12]" in lines[0] and "Traceback" not in proc.stderr, proc.stderr

@@ -218,7 +218,12 @@ def test_info_prints_a_warning_line_for_a_mixed_stack(monkeypatch):
 
 # ----------------------------------------------------------------------------- scripts/
 @pytest.mark.parametrize(
-    "script, args", [("soak.py", ["--calls", "10"]), ("two_jobs_check.py", ["--job", "a"])]
+    "script, args",
+    [
+        ("soak.py", ["--calls", "10"]),
+        ("two_jobs_check.py", ["--job", "a"]),
+        ("kernel_timeline.py", ["--tokens", "1"]),
+    ],
 )
 def test_scripts_without_a_gpu_end_with_one_line(repo_root, run_python, script, args):
     path = repo_root / "scripts" / script

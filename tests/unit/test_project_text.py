@@ -47,3 +47,21 @@ def test_the_readme_virtual_environments_are_ignored_by_git(repo_root):
             timeout=30,
         )
         assert proc.returncode == 0, f"{venv} is not in .gitignore ({proc.stderr.strip()})"
+
+
+#: Wording that only makes sense in the history of a change, not to a reader of a release.
+COMMIT_RELATIVE = re.compile(
+    r"\b(?:the|this|a|our) (?:next|previous|last|following) commit\b|\bthis commit\b", re.IGNORECASE
+)
+
+
+def test_the_readme_does_not_speak_of_commits_relative_to_itself(repo_root):
+    readme = repo_root / "README.md"
+    if not readme.is_file():
+        pytest.skip(f"no README at {repo_root} (tests run from an installed copy)")
+    hits = [
+        f"README.md:{n}: {line.strip()}"
+        for n, line in enumerate(readme.read_text().splitlines(), 1)
+        if COMMIT_RELATIVE.search(line)
+    ]
+    assert not hits, "\n".join(hits)

@@ -25,7 +25,8 @@ def _load(path):
 
 
 @pytest.mark.parametrize(
-    "name", ["host_overhead.py", "two_jobs_check.py", "soak.py", "host_path_cpu.py"]
+    "name",
+    ["host_overhead.py", "two_jobs_check.py", "soak.py", "host_path_cpu.py", "kernel_timeline.py"],
 )
 def test_every_option_has_a_help_text(repo_root, name):
     ap = _load(_script(repo_root, name)).parser()
@@ -63,6 +64,11 @@ def test_every_option_has_a_help_text(repo_root, name):
         ),
         ("host_path_cpu.py", ["--profile", "{tmp}"], "argument --profile: {tmp} is a directory"),
         ("host_path_cpu.py", ["--profile", ""], "argument --profile: must name a file (got '')"),
+        ("kernel_timeline.py", ["--tokens", "0"], "argument --tokens: must be distinct integers"),
+        ("kernel_timeline.py", ["--tokens", "65537"], "argument --tokens: must be distinct"),
+        ("kernel_timeline.py", ["--ops", "kv_gather"], "argument --ops: must be distinct names"),
+        ("kernel_timeline.py", ["--replays", "3"], "argument --replays: must be in [4, 10000]"),
+        ("kernel_timeline.py", ["--json", "{tmp}"], "argument --json: {tmp} is a directory"),
     ],
 )
 def test_a_bad_value_is_one_line_before_the_gpu_check(
@@ -99,3 +105,40 @@ def test_lint_refuses_an_unknown_option(repo_root, run_cmd):
     proc = run_cmd(["bash", str(_script(repo_root, "lint.sh")), "--bogus"], timeout=60)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert proc.stderr.startswith("lint.sh: unknown option '--bogus'"), proc.stderr
+
+
+def test_host_path_cpu_without_cupy_names_the_extra(repo_root, run_python, tmp_path):
+    """The CPU script's stand-ins are CuPy objects: without CuPy, one line naming the extra."""
+    from conftest import subprocess_env
+
+    blocker = tmp_path / "no_cupy" / "cupy"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text(
+        "raise ImportError(\"No module named 'cupy'\", name='cupy')\n"
+    )
+    path = os.pathsep.join([str(blocker.parent), subprocess_env()["PYTHONPATH"]])
+    script = _script(repo_root, "host_path_cpu.py")
+    proc = run_python([str(script), "--calls", "5"], env={"PYTHONPATH": path})
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("scripts/host_path_cpu.py: "), proc.stderr
+    assert "dcpkit[cuda" in lines[0] and not proc.stdout, (proc.stdout, proc.stderr)
+
+
+@pytest.mark.parametrize("argv, rc", [(["--help"], 0), (["-h"], 0), (["--bogus"], 2)])
+def test_ci_run_reads_its_arguments_before_making_an_environment(repo_root, run_cmd, argv, rc):
+    """``.ci/run --help`` prints what CI does and an unknown argument is refused, both before
+    anything is installed (PYTHON=false: making the environment would fail at once)."""
+    script = repo_root / ".ci" / "run"
+    if not script.is_file():
+        pytest.skip(f"no {script} (tests run from an installed copy without the checkout)")
+    proc = run_cmd(["bash", str(script), *argv], timeout=60, env={"PYTHON": "false"})
+    assert proc.returncode == rc, (proc.stdout, proc.stderr)
+    assert "ci: fresh virtual environment" not in proc.stdout, proc.stdout
+    if rc == 0:
+        assert proc.stdout.startswith("CI of dcpkit") and "Usage: bash .ci/run" in proc.stdout
+    else:
+        assert proc.stderr.strip() == (
+            "ci: unknown argument '--bogus' (.ci/run takes none; bash .ci/run --help says what "
+            "it does)"
+        ), proc.stderr
