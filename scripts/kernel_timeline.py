@@ -31,49 +31,15 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from dcpkit.bench.args import _csv, _int_list  # the bench's own list checks
 from dcpkit.cli import CommandParser, output_file
+from dcpkit.demo.cli import integer
 
 OPTIONS = ("-DDCPKIT_TIMELINE=1",)
 GEOMETRY = {"H": 128, "D": 576, "D_v": 512, "D_kv": 512, "itemsize": 2}
 GRAPH_CALLS = 20
 FLOOR_THREADS = 256  # dcpkit/bench/floor.py
 FILES = {"q_gather": "q_gather.cu", "lse_reduce": "lse_reduce.cu"}
-
-
-def _positive_ints(text: str) -> list[int]:
-    from dcpkit.bench.args import MAX_TOKENS
-
-    try:
-        vals = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be a comma list of integers (got {text!r})"
-        ) from None
-    if any(not 1 <= v <= MAX_TOKENS for v in vals) or len(set(vals)) != len(vals):
-        raise argparse.ArgumentTypeError(
-            f"must be distinct integers in [1, {MAX_TOKENS}] (got {text!r})"
-        )
-    return vals
-
-
-def _ops(text: str) -> list[str]:
-    vals = text.split(",")
-    bad = [v for v in vals if v not in FILES]
-    if bad or len(set(vals)) != len(vals):
-        raise argparse.ArgumentTypeError(
-            f"must be distinct names from {sorted(FILES)} (got {text!r})"
-        )
-    return vals
-
-
-def _replays(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer (got {text!r})") from None
-    if not 4 <= n <= 10000:
-        raise argparse.ArgumentTypeError(f"must be in [4, 10000] (got {n})")
-    return n
 
 
 def parser() -> argparse.ArgumentParser:
@@ -86,19 +52,19 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--ops",
-        type=_ops,
+        type=_csv(tuple(FILES)),
         default=["q_gather", "lse_reduce"],
         help="comma list of q_gather, lse_reduce (default: both)",
     )
     ap.add_argument(
         "--tokens",
-        type=_positive_ints,
+        type=_int_list,
         default=[1, 128],
         help="comma list of token counts T to measure (default: 1,128)",
     )
     ap.add_argument(
         "--replays",
-        type=_replays,
+        type=integer(4, 10000),
         default=20,
         help=f"graph replays of {GRAPH_CALLS} calls each, 4 to 10000 (at least 4: 64 calls "
         "are read; default: 20)",
