@@ -3,9 +3,7 @@ the host mirrors the buffer layout, and the analysis splits calls into the right
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +12,6 @@ from dcpkit import jit
 from dcpkit.bench import timeline as tl
 from dcpkit.errors import InvalidArgument, InvalidType
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMELINE = ["-DDCPKIT_TIMELINE=1"]
 
 
@@ -146,30 +143,3 @@ def test_a_cta_that_never_saw_the_signals_is_left_out_of_signal():
         b[:, 0, tl.SEEN] = 0  # CTA 0 did not wait (or gave up helping)
     p = tl.phases([tl.ordered_calls(b) for b in bufs])
     assert p["signal"]["median_us"] == pytest.approx(0.710)  # CTA 1 is now the first
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location(
-        "kernel_timeline", ROOT / "scripts" / "kernel_timeline.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.mark.parametrize(
-    "argv, what",
-    [
-        (["--tokens", "0"], "--tokens"),
-        (["--tokens", "1,1"], "--tokens"),
-        (["--tokens", "a"], "--tokens"),
-        (["--ops", "kv_gather"], "--ops"),
-        (["--replays", "3"], "--replays"),
-        (["--json", "/nonexistent-folder/x.json"], "--json"),
-    ],
-)
-def test_script_refuses_bad_options_when_parsed(argv, what, capsys):
-    with pytest.raises(SystemExit) as e:
-        _script().parser().parse_args(argv)
-    assert e.value.code == 2
-    assert f"argument {what}" in capsys.readouterr().err
