@@ -301,10 +301,16 @@ struct TimelineMark {
 __device__ __forceinline__ TimelineMark timeline_now() {
   return TimelineMark{globaltimer_ns(), static_cast<u64>(clock64())};
 }
-__device__ __forceinline__ void timeline_put(u64 call, unsigned mark, TimelineMark t) {
+// This CTA's row for `call`, or null where nothing is stored (not thread 0, no buffer set, a
+// CTA past the buffer).
+__device__ __forceinline__ u64* timeline_row(u64 call) {
   u64* buf = dcpkit_timeline;
-  if (threadIdx.x != 0 || buf == nullptr || blockIdx.x >= kTimelineCtas) return;
-  u64* row = buf + ((call % kTimelineCalls) * kTimelineCtas + blockIdx.x) * (2 * kTimelineMarks);
+  if (threadIdx.x != 0 || buf == nullptr || blockIdx.x >= kTimelineCtas) return nullptr;
+  return buf + ((call % kTimelineCalls) * kTimelineCtas + blockIdx.x) * (2 * kTimelineMarks);
+}
+__device__ __forceinline__ void timeline_put(u64 call, unsigned mark, TimelineMark t) {
+  u64* row = timeline_row(call);
+  if (row == nullptr) return;
   if (mark == 0u) {  // a new call in this row: clear what an older call left
     for (unsigned i = 1; i < 2 * kTimelineMarks; ++i) row[i] = 0ull;
   }
@@ -312,9 +318,8 @@ __device__ __forceinline__ void timeline_put(u64 call, unsigned mark, TimelineMa
   row[kTimelineMarks + mark] = t.cycles;
 }
 __device__ __forceinline__ void timeline_role(u64 call, u64 role) {
-  u64* buf = dcpkit_timeline;
-  if (threadIdx.x != 0 || buf == nullptr || blockIdx.x >= kTimelineCtas) return;
-  u64* row = buf + ((call % kTimelineCalls) * kTimelineCtas + blockIdx.x) * (2 * kTimelineMarks);
+  u64* row = timeline_row(call);
+  if (row == nullptr) return;
   unsigned sm;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
   row[kTimelineRole] = role;
