@@ -169,3 +169,46 @@ def test_estimate_ctas_follows_the_ops_grid_rules():
     assert estimate_ctas("q_gather", dict(g, T=30), 2, 66, Gather(), copy_out=True) == 66
     with pytest.raises(ValueError, match="op must be"):
         estimate_ctas("decode_layer", g, 2, 8)
+
+
+def test_a_graph_call_of_the_floor_kernel_takes_the_ops_graph_grid(monkeypatch):
+    """With the op built (its grid known), the floor kernel's eager calls take the op's eager
+    grid and its graph calls the op's copy-out grid, and each row reports its own."""
+    import types
+
+    from dcpkit import jit, symmetric
+    from dcpkit.bench.floor import FloorRunner
+    from dcpkit.comm import Communicator
+
+    grids = []
+
+    class Kernel:
+        def __call__(self, grid, block, args, stream=None):
+            grids.append(int(grid[0]))
+
+    monkeypatch.setattr(symmetric, "SymmetricHeap", FakeHeap)
+    monkeypatch.setattr(jit, "get_kernel", lambda f, name: types.SimpleNamespace(kernel=Kernel()))
+
+    class Gather:
+        max_ctas = 64
+
+        def ctas_for(self, T, *, copy_out=False):
+            return 4 * T if copy_out else T
+
+    comm = Communicator.single()
+    geom = {"H": 8, "D": 16, "D_v": 16, "D_kv": 24, "dtype": "bfloat16"}
+    ctx = types.SimpleNamespace(
+        comm=comm, world=1, rank=0, cfg={"geometry": geom, "timeout_ms": 1000.0},
+        dev=FloorDevice(comm), op_objects={"q_gather": Gather()}, ranks_on_gpu=1,
+    )  # fmt: skip
+    r = FloorRunner(ctx, "q_gather", "floor", 8)
+    r.build()
+    r.bind({}, {"T": 3, "geom": dict(geom, T=3)})
+    r.call()
+    r.call(graph=True)
+    assert grids == [3, 12]
+    assert (r.ctas, r.ctas_graph) == (3, 12)
+    from dcpkit.bench.sweep import _ctas
+
+    assert _ctas(r, "eager") == 3 and _ctas(r, "graph") == 12
+    r.close()
