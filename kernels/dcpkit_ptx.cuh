@@ -184,6 +184,38 @@ __device__ __forceinline__ uint4 ld16_nc(const void* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
+// ld16_nc / ld16 for data a call reads exactly once (an op's input, slot rows at their last use):
+// the lines are marked evict-first in the L2 (sm_80+; plain loads below that), so that the data
+// still to be read in the call (slot rows written by the peers) stays there instead.
+__device__ __forceinline__ u64 l2_evict_first() {
+  u64 pol = 0ull;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+#endif
+  return pol;
+}
+__device__ __forceinline__ uint4 ld16_nc_once(const void* p, u64 pol) {
+  uint4 v;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+#else
+  (void)pol;
+  v = ld16_nc(p);
+#endif
+  return v;
+}
+__device__ __forceinline__ uint4 ld16_once(const void* p, u64 pol) {
+  uint4 v;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("ld.global.cg.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol) : "memory");
+#else
+  (void)pol;
+  v = ld16(p);
+#endif
+  return v;
+}
 __device__ __forceinline__ void st16(void* p, const uint4& v) {
   asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};"
                :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");

@@ -21,6 +21,8 @@
 //               They claim units of kWarps items (t, h) from the call's work counter (the
 //               next claim overlapping the unit in hand when there are more units than CTAs):
 //               out = sum_s w_s * payload_s in fp32, rounded once; merged lse = m + log(sum).
+// At large T the loads of data read once in the call (the rows for the peers, the slot rows and
+// the own input rows of the combine) are marked evict-first in the L2 (ld16_nc_once / ld16_once).
 // See NOTE [dcpkit epoch signalling] in dcpkit_ptx.cuh for why slots can be reused without a
 // barrier, and for the co-residency rule that bounds the waiting CTAs.
 //
@@ -293,6 +295,7 @@ __device__ __forceinline__ void combine_unit(const char* payload, u64 src_stride
       orow_in[r] = own_rows + t * own_tok_bytes + (it - t * H_r) * own_head_bytes;
     }
   }
+  const u64 pol = l2_evict_first();  // every row is read once in the call (input or slot)
   for (int v0 = lane; v0 < nvec; v0 += 32 * kVecPerLane) {
     float acc[kItems][kVecPerLane][E];
 #pragma unroll
@@ -317,7 +320,7 @@ __device__ __forceinline__ void combine_unit(const char* payload, u64 src_stride
           for (int c = 0; c < kVecPerLane; ++c) {
             const int v = v0 + c * 32;
             x[r][q][c].x = x[r][q][c].y = x[r][q][c].z = x[r][q][c].w = 0u;
-            if (ks && v < nvec) x[r][q][c] = ld16(sp + static_cast<u64>(v) * 16);
+            if (ks && v < nvec) x[r][q][c] = ld16_once(sp + static_cast<u64>(v) * 16, pol);
           }
         }
 #pragma unroll
@@ -514,6 +517,7 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
     const int nd = W - 1;
     const int prows = dead ? 0 : nd * T * H_r;
     const int t_end = query_start_loc != nullptr ? __ldg(query_start_loc + num_requests) : T;
+    const u64 pol = l2_evict_first();  // the rows for the peers are read once in the call
     for (int i0 = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x >> 5);
          i0 < prows; i0 += nwarps * kSendRows) {
       const char* from[kSendRows];
@@ -544,7 +548,9 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
 #pragma unroll
           for (int c = 0; c < kSendVec; ++c) {
             const int v = v0 + c * 32;
-            if (to[r] != nullptr && v < nvec) x[r][c] = ld16_nc(from[r] + static_cast<u64>(v) * 16);
+            if (to[r] != nullptr && v < nvec) {
+              x[r][c] = ld16_nc_once(from[r] + static_cast<u64>(v) * 16, pol);
+            }
           }
 #pragma unroll
         for (int r = 0; r < kSendRows; ++r)
