@@ -23,6 +23,8 @@ __all__ = [
     "LSE_DTYPE_NAMES",
     "COPY_ITEMSIZES",
     "MAX_TIMEOUT_MS",
+    "MIN_TIMEOUT_MS",
+    "TIMEOUT_RANGE",
     "INT32_MAX",
     "resolve_dtype",
     "float_dtypes",
@@ -55,6 +57,11 @@ LSE_DTYPE_NAMES = FLOAT_DTYPE_NAMES + ("float64",)
 COPY_ITEMSIZES = (1, 2, 4, 8, 16)
 #: Largest wait deadline accepted, in milliseconds (one hour).
 MAX_TIMEOUT_MS = 3_600_000
+#: The shortest wait deadline, in milliseconds (1 us): the kernels keep deadlines in whole
+#: nanoseconds, and a shorter one would make every wait time out at once.
+MIN_TIMEOUT_MS = 0.001
+#: The range of a wait deadline in messages and docstrings.
+TIMEOUT_RANGE = f"[{MIN_TIMEOUT_MS:g}, {MAX_TIMEOUT_MS}]"
 #: Largest value of an ``int`` kernel parameter (``T``, heads, head dims).
 INT32_MAX = 2**31 - 1
 
@@ -237,7 +244,7 @@ def default_timeout_ms(op: str = "dcpkit") -> float:
     Raises
     ------
     InvalidArgument
-        ``DCPKIT_TIMEOUT_MS`` is set but is not a number of milliseconds in (0, 3600000].
+        ``DCPKIT_TIMEOUT_MS`` is set but is not a number of milliseconds in [0.001, 3600000].
     """
     raw = os.environ.get("DCPKIT_TIMEOUT_MS", "")
     if not raw:
@@ -246,23 +253,23 @@ def default_timeout_ms(op: str = "dcpkit") -> float:
         ms = float(raw)
     except ValueError:
         ms = float("nan")
-    if not 0 < ms <= MAX_TIMEOUT_MS:  # NaN fails too
+    if not MIN_TIMEOUT_MS <= ms <= MAX_TIMEOUT_MS:  # NaN fails too
         raise InvalidArgument(
             f"{op}: DCPKIT_TIMEOUT_MS must be a number of milliseconds in "
-            f"(0, {MAX_TIMEOUT_MS}] (got {raw!r})"
+            f"{TIMEOUT_RANGE} (got {raw!r})"
         )
     return ms
 
 
 def check_timeout_ms(value, op: str) -> float:
     """A ``timeout_ms`` argument (None: :func:`default_timeout_ms`) as a float in
-    (0, 3600000]; any real number type is accepted."""
+    [0.001, 3600000]; any real number type is accepted."""
     if value is None:
         return default_timeout_ms(op)
     ms = check_real(value, op, "timeout_ms", "a real number of milliseconds")
-    if not 0 < ms <= MAX_TIMEOUT_MS:  # NaN fails too
+    if not MIN_TIMEOUT_MS <= ms <= MAX_TIMEOUT_MS:  # NaN fails too
         raise InvalidArgument(
-            f"{op}: timeout_ms must lie in (0, {MAX_TIMEOUT_MS}] milliseconds (got {value!r})"
+            f"{op}: timeout_ms must lie in {TIMEOUT_RANGE} milliseconds (got {value!r})"
         )
     return ms
 

@@ -152,7 +152,7 @@ class DCPComm(DCPCalls, Resource):
         all heads and so cannot stand in for the direct op: use
         :class:`~dcpkit.fallback.NcclLseReduce` directly.)
     timeout_ms : float, optional
-        Deadline of every wait of the direct ops, in (0, 3600000] milliseconds, any real
+        Deadline of every wait of the direct ops, in [0.001, 3600000] milliseconds, any real
         number type (default ``DCPKIT_TIMEOUT_MS`` or 5000).
     nccl_max_tokens : int, optional
         Buffer capacity of the NCCL ops (default ``max_tokens``). Calls with larger ``T`` still

@@ -566,7 +566,7 @@ def parser():
         "--timeout-ms",
         type=milliseconds,
         default=None,
-        help="deadline of every wait of the ops, in (0, 3600000] ms (default: "
+        help="deadline of every wait of the ops, in [0.001, 3600000] ms (default: "
         "DCPKIT_TIMEOUT_MS or 5000)",
     )
     ap.add_argument(

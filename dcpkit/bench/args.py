@@ -15,8 +15,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._checks import MAX_TIMEOUT_MS
 from ..cli import CommandParser, file_path
+from ..demo.cli import milliseconds
 from .common import ALL_MODES, ALL_OPS, ALL_PATHS, GEOMETRY, KiB, MiB
 
 __all__ = [
@@ -252,7 +252,7 @@ def build_parser() -> BenchParser:
     )
     p.add_argument(
         "--timeout-ms",
-        type=_positive_float(MAX_TIMEOUT_MS, "milliseconds"),
+        type=milliseconds,
         default=10000.0,
         help="deadline of every device wait (ops and ceilings), ms (default 10000)",
     )

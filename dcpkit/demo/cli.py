@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import INT32_MAX, MAX_TIMEOUT_MS
+from .._checks import INT32_MAX, MAX_TIMEOUT_MS, MIN_TIMEOUT_MS, TIMEOUT_RANGE
 from ..cli import CommandParser, file_path
 from ..errors import DcpkitError
 from . import environment
@@ -48,14 +48,14 @@ def integer(minimum: int, maximum: int | None = None):
 
 
 def milliseconds(text: str) -> float:
-    """An argparse ``type=`` for a wait deadline: a number of milliseconds in (0, 3600000]."""
+    """An argparse ``type=`` for a wait deadline: a number of milliseconds in [0.001, 3600000]."""
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0 < value <= MAX_TIMEOUT_MS:  # NaN and inf fail too
+    if not MIN_TIMEOUT_MS <= value <= MAX_TIMEOUT_MS:  # NaN and inf fail too
         raise argparse.ArgumentTypeError(
-            f"must be a number of milliseconds in (0, {MAX_TIMEOUT_MS}] (got {text!r})"
+            f"must be a number of milliseconds in {TIMEOUT_RANGE} (got {text!r})"
         )
     return value
 
@@ -132,7 +132,7 @@ def parser() -> argparse.ArgumentParser:
         "--timeout-ms",
         type=milliseconds,
         default=None,
-        help="deadline of every wait of the direct ops, in (0, 3600000] ms (default: "
+        help="deadline of every wait of the direct ops, in [0.001, 3600000] ms (default: "
         "DCPKIT_TIMEOUT_MS or 5000)",
     )
     p.add_argument(

@@ -76,7 +76,7 @@ class KVGather(GatherWorkspace):
     algorithm : {"push", "pull"}
         See above; default ``"push"``.
     timeout_ms : float, optional
-        Deadline of every wait in (0, 3600000] milliseconds, any real number type (default
+        Deadline of every wait in [0.001, 3600000] milliseconds, any real number type (default
         ``DCPKIT_TIMEOUT_MS`` or 5000).
     heap : SymmetricHeap, optional
         Reserve the workspace in this open heap of the same group (same ``world_size`` and

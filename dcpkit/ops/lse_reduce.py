@@ -170,7 +170,7 @@ class LseReduce(LseReduceCall, OpWorkspace):
     return_lse : bool
         Also return the merged natural-log lse ``[T, H_r]`` float32 from every call.
     timeout_ms : float, optional
-        Deadline of every wait in (0, 3600000] milliseconds, any real number type (default
+        Deadline of every wait in [0.001, 3600000] milliseconds, any real number type (default
         ``DCPKIT_TIMEOUT_MS`` or 5000 ms).
     heap : SymmetricHeap, optional
         Reserve the workspace in this open heap of the same group (same ``world_size`` and

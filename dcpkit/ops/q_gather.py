@@ -83,7 +83,7 @@ class QGather(GatherWorkspace):
         be a multiple of 16. The pad heads ``[H, H_pad)`` are never written by dcpkit: their
         contents are unspecified. Get the padded storage with ``return_padded=True``.
     timeout_ms : float, optional
-        Deadline of every wait in (0, 3600000] milliseconds, any real number type (default
+        Deadline of every wait in [0.001, 3600000] milliseconds, any real number type (default
         ``DCPKIT_TIMEOUT_MS`` or 5000).
     heap : SymmetricHeap, optional
         Reserve the workspace in this open heap of the same group (same ``world_size`` and

@@ -123,9 +123,18 @@ BAD_ARGS = [
     (["--iters", "0"], "argument --iters: must be an integer in [1, 10000] (got '0')"),
     (["--iters", "1e9"], "argument --iters: must be an integer in [1, 10000] (got '1e9')"),
     (["--iters", "x"], "argument --iters: must be an integer in [1, 10000] (got 'x')"),
-    (["--timeout-ms", "-1"], "argument --timeout-ms: must be a number of milliseconds in (0, "),
-    (["--timeout-ms", "nan"], "argument --timeout-ms: must be a number of milliseconds in (0, "),
-    (["--timeout-ms", "inf"], "argument --timeout-ms: must be a number of milliseconds in (0, "),
+    (["--timeout-ms", "-1"], "argument --timeout-ms: must be a number of milliseconds in [0.001, "),
+    (
+        ["--timeout-ms", "nan"],
+        "argument --timeout-ms: must be a number of milliseconds in [0.001, ",
+    ),
+    (
+        ["--timeout-ms", "inf"],
+        "argument --timeout-ms: must be a number of milliseconds in [0.001, ",
+    ),
+    # a positive deadline under 1 us would make every wait time out at once
+    (["--timeout-ms", "1e-300"], "argument --timeout-ms: must be a number of milliseconds in [0."),
+    (["--timeout-ms", "0.0009"], "argument --timeout-ms: must be a number of milliseconds in [0."),
     (["--hang-s", "0"], "argument --hang-s: must be a number of seconds in (0, 86400]"),
     (["--round-trips", "0"], "argument --round-trips: must be an integer in [1, 10000000]"),
     (["--tokens", "0,8"], "argument --tokens: must be a comma list of integers in [1, 65536]"),
@@ -151,7 +160,7 @@ BAD_ARGS = [
     (["--modes", "graph,,eager"], "argument --modes: must not have an empty item"),
     (
         ["--timeout-ms", "0"],
-        "argument --timeout-ms: must be a number of milliseconds in (0, 3600000] (got '0')",
+        "argument --timeout-ms: must be a number of milliseconds in [0.001, 3600000] (got '0')",
     ),
     (["--plot", "{tmp}"], "argument --plot: {tmp} is a directory"),
     # --plot names the PNG file, not a folder to draw into

@@ -935,15 +935,20 @@ def test_torch_side_math_on_cpu():
         (["--iters", "2.5"], "argument --iters: must be an integer in [0, 10000] (got '2.5')"),
         (
             ["--timeout-ms", "-1"],
-            "argument --timeout-ms: must be a number of milliseconds in (0, 3600000] (got '-1')",
+            "argument --timeout-ms: must be a number of milliseconds in [0.001, 3600000] (got '-1')",
+        ),
+        (
+            ["--timeout-ms", "1e-300"],
+            "argument --timeout-ms: must be a number of milliseconds in [0.001, 3600000] "
+            "(got '1e-300')",
         ),
         (
             ["--timeout-ms", "nan"],
-            "argument --timeout-ms: must be a number of milliseconds in (0, 3600000] (got 'nan')",
+            "argument --timeout-ms: must be a number of milliseconds in [0.001, 3600000] (got 'nan')",
         ),
         (
             ["--timeout-ms", "inf"],
-            "argument --timeout-ms: must be a number of milliseconds in (0, 3600000] (got 'inf')",
+            "argument --timeout-ms: must be a number of milliseconds in [0.001, 3600000] (got 'inf')",
         ),
     ],
 )

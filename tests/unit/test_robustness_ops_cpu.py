@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 import dcpkit._cuda
+from dcpkit._checks import MIN_TIMEOUT_MS
 from dcpkit.comm import Communicator
 from dcpkit.errors import ClosedError, DcpkitError, InvalidArgument, InvalidType, PeerError
 from dcpkit.fallback import NcclKVGather, NcclLseReduce, NcclQGather, strided_copy
@@ -76,7 +77,7 @@ BAD_ON_ONE_RANK = [
         "timeout_ms",
         -5,
         InvalidArgument,
-        "timeout_ms must lie in (0, 3600000] milliseconds (got -5)",
+        "timeout_ms must lie in [0.001, 3600000] milliseconds (got -5)",
     ),
     (
         "timeout_ms",
@@ -245,7 +246,7 @@ def test_dcpkit_timeout_variable_on_one_rank_raises_on_every_rank(gpu_everywhere
     for r, (kind, err) in enumerate(res):
         assert kind == "err" and isinstance(err, InvalidArgument), f"rank {r}: {err!r}"
         assert (
-            "q_gather: DCPKIT_TIMEOUT_MS must be a number of milliseconds in (0, 3600000] "
+            "q_gather: DCPKIT_TIMEOUT_MS must be a number of milliseconds in [0.001, 3600000] "
             "(got 'abc')" in str(err)
         )
 
@@ -632,7 +633,10 @@ def test_timeout_accepts_any_real_number_and_names_the_variable(monkeypatch):
     for v in (np.float32(2.5), np.float64(2.5), np.int64(3), 7, 2.5):
         assert check_timeout_ms(v, "op") == float(v)
     assert check_timeout_ms(MAX_TIMEOUT_MS, "op") == MAX_TIMEOUT_MS
+    assert check_timeout_ms(MIN_TIMEOUT_MS, "op") == MIN_TIMEOUT_MS
     for v, exc in (
+        (1e-300, InvalidArgument),  # positive, but 0 ns on the device: every wait would expire
+        (np.float32(0.0009), InvalidArgument),
         (True, InvalidType),
         (np.bool_(True), InvalidType),
         ("5", InvalidType),
@@ -644,13 +648,13 @@ def test_timeout_accepts_any_real_number_and_names_the_variable(monkeypatch):
     ):
         with pytest.raises(exc, match=r"^op: timeout_ms must"):
             check_timeout_ms(v, "op")
-    for raw in ("-5", "abc", "0", "nan", "1e12"):
+    for raw in ("-5", "abc", "0", "nan", "1e12", "1e-300", "0.0005"):
         monkeypatch.setenv("DCPKIT_TIMEOUT_MS", raw)
         with pytest.raises(InvalidArgument) as ei:
             check_timeout_ms(None, "kv_gather")
         assert str(ei.value) == (
             "kv_gather: DCPKIT_TIMEOUT_MS must be a number of "
-            f"milliseconds in (0, 3600000] (got {raw!r})"
+            f"milliseconds in [0.001, 3600000] (got {raw!r})"
         )
     monkeypatch.setenv("DCPKIT_TIMEOUT_MS", "250")
     assert check_timeout_ms(None, "op") == 250.0

@@ -804,7 +804,7 @@ def test_precondition_failing_on_one_rank_never_enters_nccl():
         (
             dict(timeout_ms=-5),
             InvalidArgument,
-            "DCPComm: timeout_ms must lie in (0, 3600000] milliseconds (got -5)",
+            "DCPComm: timeout_ms must lie in [0.001, 3600000] milliseconds (got -5)",
         ),
         (
             dict(timeout_ms="soon"),
@@ -863,7 +863,7 @@ def test_timeouts_of_any_real_type_and_the_variable(monkeypatch):
     with pytest.raises(
         InvalidArgument,
         match=r"^DCPComm: DCPKIT_TIMEOUT_MS must be a number of "
-        r"milliseconds in \(0, 3600000\] \(got '-5'\)$",
+        r"milliseconds in \[0\.001, 3600000\] \(got '-5'\)$",
     ):
         FakeDCPComm(fake_comm(), **GEOM)
 
