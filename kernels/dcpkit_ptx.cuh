@@ -72,8 +72,11 @@
 // always be scheduled once foreign kernels (which never wait on dcpkit) retire: every kernel's
 // elected CTA arrives, every signal is stored, every waiter returns. A long compute kernel
 // delays calls, never deadlocks them. Zero-copy gathers use K = 1 (kernel completion only has
-// to imply the data). More than MAX_LIVE_KERNELS kernels of a rank in flight, or a larger
-// waiter_ctas, void this argument (the knob is for measurements).
+// to imply the data). A zero-copy graph call (NOTE [dcpkit zero-copy graph outputs] in
+// gather.cuh) is the exception: all its CTAs wait for the peers' credits before they store, so
+// the host caps its grid at half the SM share, and it counts as that many waiters (four of the
+// MAX_LIVE_KERNELS kernels' worth). More than MAX_LIVE_KERNELS kernels of a rank in flight, or a
+// larger waiter_ctas, void this argument (the knob is for measurements).
 //
 // Every wait has a deadline (%globaltimer). On expiry the waiting thread records (op, rank,
 // silent peer, expected, observed, ubatch) in host-mapped memory, sets the device abort word so
@@ -381,7 +384,10 @@ __device__ __forceinline__ void timeline_role(u64 call, u64 role) {
 #define DCPKIT_FP_QSL_SHIFT 13
 #define DCPKIT_FP_SEQ_SHIFT 14
 #define DCPKIT_FP_T_SHIFT 15
-#define DCPKIT_FP_T_BITS 17
+#define DCPKIT_FP_T_BITS 16
+// A push gather whose result goes straight into a graph output buffer (NOTE [dcpkit zero-copy
+// graph outputs] in gather.cuh).
+#define DCPKIT_FP_ZC_SHIFT 31
 // Record kinds; sources whose fingerprint the record keeps.
 #define DCPKIT_REC_TIMEOUT 0
 #define DCPKIT_REC_MISMATCH 1

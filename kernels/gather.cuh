@@ -17,6 +17,30 @@
 // Hence the rule of the docstrings: a view returned by call n stays valid while it is consumed on
 // the same stream before call n + 2 of the same ubatch is issued. The 64-bit epoch never wraps,
 // so epoch % 3 needs no care at the 32-bit wrap of the signals.
+//
+// NOTE [dcpkit zero-copy graph outputs]
+// -------------------------------------
+// A push call captured without out= (the view form; dcpkit/ops/_gather.py) returns a graph
+// output buffer of its own, which lies in the symmetric region: the peers store their blocks
+// straight into it and nothing is copied out. The host marks such a call by setting bit 0 of
+// `out` (the buffer is 256-byte aligned). A graph replays the call into the same buffer, and the
+// caller reads the buffer between replays, so a peer may store into it for call e only once the
+// caller's work before call e is done. Credits say so:
+//   * CTA 0 of every unicast push kernel stores, when it starts, the credit word
+//     (units << 32) | (e & 0xFFFFFFFF) into credits[rank] of every peer, where units is the
+//     offset of the call's graph output buffer from the ubatch's data slot 0 in 256-byte units,
+//     or 0 when the result goes to a slot or to out=. Starting is enough: the kernels before it
+//     on the stream have finished, their reads of the buffer included.
+//   * The CTAs of a zero-copy call wait, before their stores, until credits[s] holds epoch e for
+//     every peer s, and store into the buffer the credit names (units 0: into the peer's data
+//     slot, as a slot call expects; the fingerprint carries the mode, DCPKIT_FP_ZC_SHIFT, so both
+//     ranks then report a mismatch instead of reading a result that is not there).
+//   * The equality test is exact: when this rank waits in call e, the peer has started call e - 1
+//     (this rank's call e - 1 waited for its signal) and not call e + 1 (that needs this rank's
+//     signal of call e, which follows these stores).
+// The receiver names the destination, so ranks never have to agree on which buffer a call uses.
+// Every CTA of such a call waits (for the credits), so the host caps its grid at half the SM
+// share: see the co-residency rule in NOTE [dcpkit epoch signalling].
 #pragma once
 
 #include "dcpkit_ptx.cuh"
@@ -120,10 +144,12 @@ __device__ __forceinline__ void gather_copy(const char* src, long long src_strid
 //     (row stride g.out_stride) instead of the own slot: nothing reads it from there.
 //   Multicast: one multimem.st per vector to `mc_data + slot_off` lands in every rank's slot,
 //     the own one included (plus a local store into `own_out` with copy-out).
+// `dst_tbl` (zero-copy graph outputs, Unicast; else null): the address of each peer's
+// destination (its graph output buffer or its data slot), in place of `peer_data[d] + slot_off`.
 template <Transport TR>
 __device__ __forceinline__ void gather_push(const Proto& P, const u64* peer_data, u64 mc_data,
                                             u64 slot_off, const char* src, const GatherGeom& g,
-                                            char* own_out) {
+                                            char* own_out, const u64* dst_tbl = nullptr) {
   const u32 n = g.rows * g.row_vecs;
   const u32 span = gridDim.x * blockDim.x;  // threads of the grid
   const long long col0 = static_cast<long long>(P.rank) * g.row_vecs * 16ll;
@@ -163,7 +189,9 @@ __device__ __forceinline__ void gather_push(const Proto& P, const u64* peer_data
           dst = own_out + col0;
           stride = g.out_stride;
         } else {
-          dst = reinterpret_cast<char*>(__ldg(peer_data + d) + slot_off) + col0;
+          dst = reinterpret_cast<char*>(dst_tbl != nullptr ? dst_tbl[d]
+                                                           : __ldg(peer_data + d) + slot_off) +
+                col0;
           stride = g.slot_stride;
         }
 #pragma unroll
@@ -261,18 +289,71 @@ __device__ __forceinline__ bool gather_aborted(const Proto& P) {
   return __syncthreads_or(aborted(P) ? 1 : 0) != 0;
 }
 
+// Largest world of a zero-copy graph call (the destination table; the host checks).
+constexpr int kZeroCopyMaxWorld = 64;
+
+// Credit of this call (NOTE [dcpkit zero-copy graph outputs]), stored by threads [0, world) of
+// CTA 0 into credits[rank] of every peer; `units`: the graph output buffer's offset from data
+// slot 0 in 256-byte units, 0 for a result in a slot or in out=.
+__device__ __forceinline__ void gather_post_credit(const Proto& P, u32 e32, u64 units) {
+  const int d = static_cast<int>(threadIdx.x);
+  if (blockIdx.x == 0 && d < P.world && d != P.rank) {
+    u64* credits = reinterpret_cast<u64*>(__ldg(P.peer_sig + d)) + 2 * P.world;
+    st_relaxed_sys_u64(credits + P.rank, (units << 32) | static_cast<u64>(e32));
+  }
+}
+
+// A zero-copy call's wait for the credit of call e32 of every peer (threads [0, world) of the
+// CTA, one peer each), then dst_tbl[s] = where source s's block goes on rank s: its graph output
+// buffer, or its data slot when its credit names none. Returns false (CTA-uniform) on a timeout
+// (recorded) or when the workspace was poisoned meanwhile. Every thread of the CTA calls it.
+__device__ __forceinline__ bool gather_wait_credits(const Proto& P, const u64* peer_data,
+                                                    u64 slot_off, int sig_slot, u32 e32, u32 fp,
+                                                    u64* dst_tbl) {
+  const int s = static_cast<int>(threadIdx.x);
+  int ok = 1;
+  if (s < P.world && s != P.rank) {
+    const u64* word = P.signals + 2 * P.world + s;
+    u64 v = ld_relaxed_sys_u64(word);
+    if (static_cast<u32>(v) != e32) {
+      const u64 start = globaltimer_ns();
+      u32 spins = 0;
+      while (ok) {
+        v = ld_relaxed_sys_u64(word);
+        if (static_cast<u32>(v) == e32) break;
+        if ((++spins & 255u) == 0u) {
+          if (aborted(P)) {
+            ok = 0;
+          } else if (globaltimer_ns() - start > P.timeout_ns) {
+            record_failure(P, DCPKIT_REC_TIMEOUT, sig_slot, s, e32, v, fp);
+            ok = 0;
+          }
+        }
+      }
+    }
+    if (ok) {
+      v = ld_acquire_sys_u64(word);  // the stores below follow the peer's credit
+      const u64 base = __ldg(peer_data + s);
+      dst_tbl[s] = (v >> 32) != 0ull ? base + ((v >> 32) << 8) : base + slot_off;
+    }
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
 // One push gather call, steps 1-4 of NOTE [dcpkit epoch signalling].
 //   peer_data : u64 [world], address of data slot 0 of this ubatch on every rank
 //   slot_bytes: bytes of one data slot (data slot k at peer_data[s] + k * slot_bytes)
 //   mc_data   : multicast address of data slot 0 (Multicast only)
 //   src       : this rank's block, g.rows rows of g.row_vecs vectors, row stride g.src_stride
 //   out       : nullptr = zero copy (the caller reads the own data slot after the kernel);
+//               with bit 0 set (Unicast only): zero copy into the graph output buffer at
+//               out - 1, in the slot layout (NOTE [dcpkit zero-copy graph outputs]);
 //               else copy-out: the gathered rows (world * g.row_vecs vectors each, row stride
 //               g.out_stride) are written to `out`.
-// Zero copy: one waiter (the last CTA to arrive), so kernel completion implies that every rank's
-// block is in the local slot. Copy-out: the last min(grid, P.waiters) CTAs wait, then share the
-// copy with the other CTAs that find every signal within help_budget_ns (work claimed unit by
-// unit).
+// Zero copy (either form): one waiter (the last CTA to arrive), so kernel completion implies
+// that every rank's block is in the result. Copy-out: the last min(grid, P.waiters) CTAs wait,
+// then share the copy with the other CTAs that find every signal within help_budget_ns (work
+// claimed unit by unit).
 // In a poisoned workspace, or after a failed wait, the elected CTA fills the whole result with
 // 0xFF bytes (NOTE [dcpkit epoch signalling]).
 template <Transport TR>
@@ -280,27 +361,40 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
                                                  u64 slot_bytes, u64 mc_data, const char* src,
                                                  const GatherGeom& g, char* out) {
   DCPKIT_MARK_START();
+  __shared__ u64 s_dst[kZeroCopyMaxWorld];
   const u64 e = call_epoch(P);  // read once: the elected CTA stores e before the kernel ends
   const u32 e32 = static_cast<u32>(e);
   const int sig_slot = static_cast<int>(e & 1ull);
   const u64 slot_off = (e % kGatherDataSlots) * slot_bytes;
+  const bool zc = TR == Transport::Unicast && (reinterpret_cast<u64>(out) & 1ull) != 0ull;
+  if (zc) out = reinterpret_cast<char*>(reinterpret_cast<u64>(out) - 1ull);
+  if (TR == Transport::Unicast) {
+    gather_post_credit(P, e32, zc ? (reinterpret_cast<u64>(out) - __ldg(peer_data + P.rank)) >> 8
+                                  : 0ull);
+  }
   char* result = out != nullptr ? out
                                 : reinterpret_cast<char*>(__ldg(peer_data + P.rank) + slot_off);
   const long long result_stride = out != nullptr ? g.out_stride : g.slot_stride;
   DCPKIT_MARK_ENTRY(e);
   const bool dead = gather_aborted(P);  // poisoned: store nothing, arrive, the elected fills
   DCPKIT_MARK(e, 1u);
-  const u32 fp = call_fingerprint(P, g.tokens, 0u, false, false);
+  const u32 fp = call_fingerprint(P, g.tokens, 0u, false, false) |
+                 ((zc ? 1u : 0u) << DCPKIT_FP_ZC_SHIFT);
+  // A zero-copy graph call stores only after every peer's credit (a CTA whose wait failed stores
+  // nothing and arrives as one that skipped: no signal goes out).
+  const bool skip =
+      dead || (zc && !gather_wait_credits(P, peer_data, slot_off, sig_slot, e32, fp, s_dst));
 
-  if (!dead) gather_push<TR>(P, peer_data, mc_data, slot_off, src, g, out);
+  if (!skip) gather_push<TR>(P, peer_data, mc_data, slot_off, src, g, out, zc ? s_dst : nullptr);
   DCPKIT_MARK(e, 2u);
-  const u32 k = out == nullptr ? 1u : P.waiters;
+  const bool copies = out != nullptr && !zc;  // copy-out from the own slot after the wait
+  const u32 k = copies ? P.waiters : 1u;
   bool published;
-  const int w = arrive_and_publish<TR>(P, e, sig_slot, fp, k, dead, published);
+  const int w = arrive_and_publish<TR>(P, e, sig_slot, fp, k, skip, published);
   DCPKIT_MARK(e, 3u);
   DCPKIT_MARK_ROLE(e, w < 0 ? 0ull : static_cast<u64>(w) + 1ull);
   if (w < 0) {  // not a waiter: help with the copy-out if every source is there soon
-    if (out == nullptr || dead || gather_owned(P, g) ||
+    if (!copies || dead || gather_owned(P, g) ||
         !try_all_sources(P, sig_slot, e32, fp, gather_units(P, g))) {
       DCPKIT_MARK(e, 5u);
       return;
@@ -316,14 +410,12 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
   // poisons the whole result when the workspace is poisoned or a wait fails; with owned units a
   // failed waiter also poisons its unit; the other waiters just return.
   if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, sig_slot, e32, fp)) {
-    gather_failed(P, g, result, result_stride, elected, w, out != nullptr);
+    gather_failed(P, g, result, result_stride, elected, w, copies);
     DCPKIT_MARK(e, 5u);
     return;
   }
   DCPKIT_MARK(e, 4u);
-  if (out != nullptr) {
-    gather_collect<false>(P, peer_data, slot_off, g, out, g.out_stride, sig_slot, w);
-  }
+  if (copies) gather_collect<false>(P, peer_data, slot_off, g, out, g.out_stride, sig_slot, w);
   DCPKIT_MARK(e, 5u);
 }
 

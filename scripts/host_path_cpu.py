@@ -146,7 +146,8 @@ def stub_workspace(ws, stream, rec: Recorder, *, rank: int = RANK, world_size: i
     ws.heap = types.SimpleNamespace(local_ptr=_buffer(ws._region).data.ptr, mc_ptr=0)
     ws.get_stream = lambda s: stream if s is None else s
     ws._current_stream_fn = lambda: stream
-    ws._graph_out = _buffer(max(ws._out_bytes, 1) * max(ws.graph_outputs, 1))
+    ws._graph_out = _buffer(max(ws._pool_stride, 1) * max(ws.graph_outputs, 1))
+    ws._graph_base = ws._graph_out.data.ptr
     ws._graph_next = 0
     ws._eager_out = [_buffer(2 * max(ws._out_bytes, 1)) for _ in range(U)]
     # The local state _init_local_state would allocate, over made-up addresses; the protocol

@@ -124,7 +124,12 @@ class Runner:
                 last = self.call(graph=graph)
         return last
 
+    def new_capture(self) -> None:
+        """Called before every capture of this runner; the graph of its previous capture is
+        gone by then (the sweep drops each graph before the next)."""
+
     def capture(self, count: int):
+        self.new_capture()
         return self.dev.capture(self.stream, lambda: self.call(graph=True), count)
 
     def close(self) -> None:
@@ -136,12 +141,18 @@ class DirectRunner(Runner):
     (kv_gather pull) or ``multicast``. Eager calls use ubatch 0, captured calls ubatch 1, so the
     eager path never pays for a capture (see dcpkit/ops/_workspace.py, "Outputs").
 
+    Captured calls of the unicast push gathers (``direct``) take the view form, whose result is
+    the call's own graph output buffer, stored into by every rank (zero copy); the op is built
+    with ``graph_calls`` of them, given back before each capture. Every other captured call
+    writes caller storage (``out=``).
+
     Variant ``no_self_check``: the op built (or called) with its private ``_self_check=False``
     keyword; :class:`VariantUnavailable` when the op has no such keyword.
     """
 
     family = "direct"
     call_kw: dict[str, Any] = {}
+    graph_view = False  # set by build
 
     def build(self) -> None:
         from ..ops import KVGather, LseReduce, QGather
@@ -156,6 +167,9 @@ class DirectRunner(Runner):
             "num_ubatches": 2,
             "timeout_ms": ctx.cfg["timeout_ms"],
         }
+        self.graph_view = self.path == "direct" and self.op in ("q_gather", "kv_gather")
+        if self.graph_view:
+            common["graph_outputs"] = int(ctx.cfg["graph_calls"])
         cls = {"q_gather": QGather, "kv_gather": KVGather, "lse_reduce": LseReduce}.get(self.op)
         self.call_kw = {}
         if self.variant == "no_self_check":
@@ -205,11 +219,16 @@ class DirectRunner(Runner):
         ctas_for = getattr(self.obj, "ctas_for", None)
         T = int(case["T"])
         self.ctas = int(ctas_for(T)) if callable(ctas_for) else None
-        if callable(ctas_for) and accepts_keyword(ctas_for, "copy_out"):
+        if callable(ctas_for) and self.graph_view and accepts_keyword(ctas_for, "graph_view"):
+            self.ctas_graph = int(ctas_for(T, graph_view=True))  # zero copy, or copy-out
+        elif callable(ctas_for) and accepts_keyword(ctas_for, "copy_out"):
             self.ctas_graph = int(ctas_for(T, copy_out=True))  # a graph call copies out
-        # Captured calls write caller storage (out=): a graph of many calls of one ubatch must
-        # not draw on the op's bounded pool of graph outputs, and capture allocates nothing.
-        self.graph_outs = self.check_outputs()
+        # The other captured calls write caller storage (out=), so capture allocates nothing.
+        self.graph_outs = None if self.graph_view else self.check_outputs()
+
+    def new_capture(self) -> None:
+        if self.graph_view:
+            self.obj.release_graph_outputs()  # the previous capture's graph is gone
 
     def call(self, outs=None, graph: bool = False):
         u = 1 if graph else 0
@@ -534,6 +553,8 @@ class DecodeRunner(Runner):
                     g.replay()
 
             return launch, last
+        self.q.new_capture()
+        self.l.new_capture()
         return self.dev.capture(self.stream, lambda: self.call(graph=True), count)
 
     def close(self) -> None:

@@ -17,7 +17,10 @@ protocol):
 * ``out=`` given: copy-out into ``out``; ``out`` is returned.
 * eager call of a ubatch never captured: a view of the own data slot (zero copy).
 * eager call after a capture: copy-out into one of two workspace output buffers, alternating.
-* call while the stream is capturing: copy-out into the ubatch's graph output buffer.
+* call while the stream is capturing: the call's own graph output buffer (``out=None``), which
+  the push gathers keep in the symmetric region: the peers store straight into it, after a
+  credit that says the buffer's previous result has been consumed (zero copy, NOTE [dcpkit
+  zero-copy graph outputs] in ``kernels/gather.cuh``); the pull gathers copy into it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,15 @@ DATA_SLOTS = 3
 THREADS = 512
 #: Largest number of 16-byte vectors one call may move into a slot (u32 indices in the kernel).
 MAX_VECTORS = 2**31 - 1
+#: Largest world of a zero-copy graph call (kernels/gather.cuh kZeroCopyMaxWorld); a larger
+#: world copies out.
+ZERO_COPY_MAX_WORLD = 64
+#: Smallest block per rank (bytes) whose captured view-form call is zero copy. Below it the
+#: copy-out of the few rows costs less than waiting for the peers' credits: one H200 shared by
+#: the ranks under MPS, graph, kv_gather 4.5 KiB per rank 4.75 us copying out against 5.50 us
+#: zero copy (W=2), 6.97 against 7.22 (W=4); from 36 KiB per rank (q_gather T=1) on, zero copy
+#: was faster at W=2 and 4.
+ZERO_COPY_MIN_BYTES = 16 * 1024
 
 
 class GatherPlan(NamedTuple):
@@ -117,6 +129,22 @@ class GatherWorkspace(OpWorkspace):
         return kernel
 
     # ------------------------------------------------------------------ per call
+    def _symmetric_graph_outputs(self) -> bool:
+        """Push gathers keep their graph output buffers in the symmetric region (zero copy); the
+        pull algorithm copies into them and keeps them in ordinary memory."""
+        return getattr(self, "algorithm", "push") != "pull"
+
+    def _zero_copy_graph(self, T: int) -> bool:
+        """Whether a call of ``T`` tokens captured without out= has its result stored straight
+        into its graph output buffer by every rank (unicast push, world within the kernel's
+        table, at least ZERO_COPY_MIN_BYTES per rank). The same on every rank (config and T)."""
+        return (
+            self._pool_in_region
+            and not self.multicast
+            and self.world_size <= ZERO_COPY_MAX_WORLD
+            and T * self.row_bytes >= ZERO_COPY_MIN_BYTES
+        )
+
     def data_slot_ptr(self, ubatch: int, index: int) -> int:
         """Device address of data slot ``index`` (0, 1 or 2) of ``ubatch`` in this rank's
         copy."""
@@ -173,26 +201,35 @@ class GatherWorkspace(OpWorkspace):
             v = plan.views[result] = self._view(result, plan.shape, plan.strides)
         return v
 
-    def _destination(self, ubatch: int, stream, debug_key: tuple, out_ptr: int) -> tuple[int, int]:
+    def _destination(
+        self, ubatch: int, stream, debug_key: tuple, out_ptr: int, T: int
+    ) -> tuple[int, int]:
         """Call bookkeeping through :meth:`begin_call` (advances the host shadow of the epoch).
         Returns ``(kernel_out, result_ptr)``: the ``out`` pointer the kernel gets (0 = zero
-        copy) and the address of the result (``out_ptr`` when the caller gave ``out=``)."""
+        copy from the slot, bit 0 set = zero copy into a graph output buffer) and the address of
+        the result (``out_ptr`` when the caller gave ``out=``)."""
         _, capturing, exact = self.begin_call(ubatch, stream, debug_key, needs_output=not out_ptr)
         if out_ptr:
             return out_ptr, out_ptr
         if exact:
             return 0, self.data_slot_ptr(ubatch, self._calls[ubatch] % DATA_SLOTS)
         ptr = self.output_ptr(ubatch, capturing)
+        if capturing and self._zero_copy_graph(T):
+            return ptr | 1, ptr  # bit 0: the peers store into the buffer (the kernel's `out`)
         return ptr, ptr
 
     def _gather_call_general(self, plan: GatherPlan, out, stream):
         """A validated call (``T > 0``) through :meth:`_destination`: the debug-mode agreement,
         the capture checks and the graph output buffers."""
         kout, result = self._destination(
-            plan.ubatch, stream, plan.debug_key if self._debug else (), plan.out_ptr
+            plan.ubatch, stream, plan.debug_key if self._debug else (), plan.out_ptr, plan.T
         )
         plan.out_field.value = kout
-        self._run(0, plan.grid_copy if kout else plan.grid_zero_copy, plan.params, stream)
+        if kout & 1:
+            grid = self._grid_graph_view(plan.T)
+        else:
+            grid = plan.grid_copy if kout else plan.grid_zero_copy
+        self._run(0, grid, plan.params, stream)
         if out is not None:
             return out
         v = plan.views.get(result)
@@ -276,11 +313,14 @@ class GatherWorkspace(OpWorkspace):
         """16-byte vectors that size the grid of a call (the op's own count)."""
         raise NotImplementedError
 
-    def ctas_for(self, T: int, *, copy_out: bool = False) -> int:
+    def ctas_for(self, T: int, *, copy_out: bool = False, graph_view: bool = False) -> int:
         """The grid (CTA count, :attr:`THREADS` threads each) of a call with ``T`` tokens:
-        zero copy (eager, never captured) or ``copy_out`` (``out=``, graph capture, eager after
-        a capture)."""
-        if copy_out:
+        zero copy (eager, never captured), ``copy_out`` (``out=``, eager after a capture), or
+        ``graph_view`` (captured without ``out=``: zero copy into its graph output buffer, or
+        copy-out into it)."""
+        if graph_view and self._zero_copy_graph(int(T)):
+            return self._grid_graph_view(int(T))
+        if copy_out or graph_view:
             return self._grid(self._vectors(int(T), True))
         return self._grid_zero_copy(self._vectors(int(T), False))
 
@@ -294,6 +334,14 @@ class GatherWorkspace(OpWorkspace):
         H200; docs/performance.md). With one GPU per rank the grid may take the whole share."""
         cap = self.max_ctas if self.ranks_on_gpu <= 1 else max(1, self.max_ctas // 2)
         return launch_config(vectors, max(1, int(self.vectors_per_cta)), cap)
+
+    def _grid_graph_view(self, T: int) -> int:
+        """The grid of a zero-copy graph call: at most half the SM share. Every CTA of it waits
+        for the peers' credits before its stores, so it counts against the co-residency budget
+        (MAX_LIVE_KERNELS kernels of waiter_ctas each, one CTA per SM in all) like
+        max_ctas / 2 / waiter_ctas live kernels, not one."""
+        cap = max(1, self.max_ctas // 2)
+        return launch_config(self._vectors(int(T), False), max(1, int(self.vectors_per_cta)), cap)
 
     def _view(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...]):
         """A CuPy array over workspace memory at ``ptr`` (no copy). It keeps the workspace object

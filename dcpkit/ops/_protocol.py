@@ -13,11 +13,13 @@ dtype      7-10   :data:`DTYPE_CODES` of the data dtype (15: any other dtype)
 lse        11-12  :data:`LSE_CODES` of ``lse_partial`` (lse_reduce; 0 for the gathers)
 qsl        13     ``query_start_loc`` given (lse_reduce)
 seq        14     ``seq_lens`` given (lse_reduce)
-T          15-31  ``T mod 2**17``
+T          15-30  ``T mod 2**16``
+zc         31     the push gathers: the result goes straight into a graph output buffer (a call
+                  captured without ``out=``; NOTE [dcpkit zero-copy graph outputs])
 =========  =====  ==========================================================================
 
 Decoding is exact for every field within these limits: ubatches beyond 16 and ``T`` beyond
-``2**17 - 1`` are compared modulo ``2**4`` and ``2**17`` (calls whose values differ by a multiple
+``2**16 - 1`` are compared modulo ``2**4`` and ``2**16`` (calls whose values differ by a multiple
 of that are not told apart by the signal; ``DCPKIT_DEBUG=1`` compares the exact values on the
 host). The kernel builds the ``T``, lse and mask fields itself; the host passes the rest as
 ``fp_base`` (:func:`fingerprint_base`).
@@ -65,7 +67,8 @@ FP_FIELDS: dict[str, tuple] = {
     "lse": (11, 2),
     "qsl": (13, 1),
     "seq": (14, 1),
-    "T": (15, 17),
+    "T": (15, 16),
+    "zc": (31, 1),
 }
 #: Fingerprint codes of the data dtypes (names as ``str(numpy dtype)``); 15 = any other.
 DTYPE_CODES: dict[str, int] = {
@@ -141,7 +144,14 @@ def fingerprint_base(op_id: int, ubatch: int, dtype) -> int:
 
 
 def fingerprint(
-    op_id: int, ubatch: int, dtype, T: int, lse_dtype=None, qsl: bool = False, seq: bool = False
+    op_id: int,
+    ubatch: int,
+    dtype,
+    T: int,
+    lse_dtype=None,
+    qsl: bool = False,
+    seq: bool = False,
+    zc: bool = False,
 ) -> int:
     """The whole fingerprint of a call, as the kernel computes it (for tests and messages)."""
     lse = (
@@ -155,6 +165,7 @@ def fingerprint(
         | _put("qsl", qsl)
         | _put("seq", seq)
         | _put("T", T)
+        | _put("zc", zc)
     )
 
 
@@ -164,8 +175,8 @@ def signal_word(epoch: int, fp: int) -> int:
 
 
 def decode_fingerprint(fp: int) -> dict[str, object]:
-    """Fingerprint -> ``{"op", "ubatch", "dtype", "lse", "qsl", "seq", "T"}`` with names for the
-    codes (``T`` and ``ubatch`` are the values modulo their field width)."""
+    """Fingerprint -> ``{"op", "ubatch", "dtype", "lse", "qsl", "seq", "T", "zc"}`` with names for
+    the codes (``T`` and ``ubatch`` are the values modulo their field width)."""
     raw = {f: (int(fp) >> s) & ((1 << b) - 1) for f, (s, b) in FP_FIELDS.items()}
     return {
         "op": _OP_NAMES.get(raw["op"], f"op{raw['op']}"),
@@ -177,6 +188,7 @@ def decode_fingerprint(fp: int) -> dict[str, object]:
         "qsl": bool(raw["qsl"]),
         "seq": bool(raw["seq"]),
         "T": raw["T"],
+        "zc": bool(raw["zc"]),
     }
 
 
@@ -188,8 +200,9 @@ _LABELS = {
     "qsl": "query_start_loc given",
     "seq": "seq_lens given",
     "T": "T",
+    "zc": "zero-copy graph output",
 }
-_ORDER = ("T", "lse", "qsl", "seq", "ubatch", "dtype", "op")
+_ORDER = ("T", "lse", "qsl", "seq", "zc", "ubatch", "dtype", "op")
 
 
 def rank_ranges(ranks: Sequence[int]) -> str:
@@ -207,7 +220,7 @@ def rank_ranges(ranks: Sequence[int]) -> str:
 
 
 def _value(field: str, v) -> str:
-    if field in ("qsl", "seq"):
+    if field in ("qsl", "seq", "zc"):
         return "yes" if v else "no"
     return str(v)
 

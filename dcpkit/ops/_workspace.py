@@ -6,8 +6,14 @@ op's symmetric region, per ubatch ``u`` (every part 256-byte aligned)::
 
     signals  u64 [2, world_size]       written only by peers (and by this rank for itself):
                                         (fingerprint << 32) | epoch (dcpkit/ops/_protocol.py)
+    credits  u64 [world_size]           push gathers: credits[s] written only by rank s
+                                        (NOTE [dcpkit zero-copy graph outputs] in
+                                        ``kernels/gather.cuh``)
     slot 0   slot_bytes                 data of even epochs
     slot 1   slot_bytes                 data of odd epochs
+
+after the ubatches, the push gathers keep their pool of graph output buffers in the region too
+(``graph_outputs`` buffers of ``_pool_stride`` bytes), so that peers store into them.
 
 (The gathers carve three data slots, chosen by ``epoch % 3``, out of these two: their results
 are read after the kernel retired, see NOTE [dcpkit gather slots] in ``kernels/gather.cuh``.
@@ -26,9 +32,11 @@ shadow count of the calls of each ubatch; it is exact while the ubatch is only c
 * eager call after the ubatch was captured: the host no longer knows the device parity, so the
   result is copied into one of two workspace output buffers, alternating per eager call.
 * call while the stream is capturing: the result goes to a graph output buffer of its own, taken
-  from a pool of ``graph_outputs`` buffers allocated with the workspace (never given back: a
-  graph may be replayed at any time); a capture that finds the pool empty raises
-  :class:`DcpkitError` (pass ``out=`` or build the workspace with a larger ``graph_outputs``).
+  from a pool of ``graph_outputs`` buffers allocated with the workspace (given back only by
+  :meth:`OpWorkspace.release_graph_outputs`: a graph may be replayed at any time); a capture that
+  finds the pool empty raises :class:`DcpkitError` (pass ``out=``, build the workspace with a
+  larger ``graph_outputs``, or release the buffers of graphs that are gone). The push gathers'
+  peers store straight into that buffer (zero copy, NOTE [dcpkit zero-copy graph outputs]).
 In every eager case the returned view stays valid while it is consumed on the same stream before
 call ``n + 2`` of the same ubatch is issued; a graph output stays valid until the next replay of
 the graph that captured the call.
@@ -72,6 +80,7 @@ from ..comm import Communicator
 from ..errors import ClosedError, DcpkitError, InvalidArgument, InvalidType
 from ..symmetric import MAX_NBYTES, check_heap
 from . import _protocol
+from ._outputs import DEFAULT_GRAPH_OUTPUTS, OutputBuffers
 
 __all__ = [
     "OpWorkspace",
@@ -98,8 +107,6 @@ TIMEOUT_RECORD_FIELDS = _protocol.RECORD_FIELDS[:8]
 #: dcpkit kernels of one rank that may be in flight at once without deadlock (NOTE [dcpkit
 #: epoch signalling], co-residency rule): the default waiter_ctas is the SM share / this.
 MAX_LIVE_KERNELS = 8
-#: Graph output buffers of a workspace when the constructor is given none.
-DEFAULT_GRAPH_OUTPUTS = 4
 
 _ALIGN = 256
 
@@ -166,7 +173,7 @@ def _current_stream(cupy, device: int):
         return None
 
 
-class OpWorkspace(Resource):
+class OpWorkspace(OutputBuffers, Resource):
     """Base class of the direct ops (:class:`~dcpkit.ops.LseReduce`, ``QGather``, ``KVGather``).
 
     A subclass implements ``_init_geometry(world_size, **geometry keywords)`` (every check of
@@ -213,11 +220,14 @@ class OpWorkspace(Resource):
         self.num_ubatches = check_positive_int(num_ubatches, op, "num_ubatches")
         self.timeout_ms = check_timeout_ms(timeout_ms, op)
         W, U = int(world_size), self.num_ubatches
-        self._sig_bytes = _round_up(2 * W * 8)  # u64 signal words
+        self._sig_bytes = _round_up(3 * W * 8)  # u64 signal words [2][W], credits [W]
         self.slot_bytes = _round_up(max(int(slot_bytes), 16))
         self._ubatch_stride = self._sig_bytes + 2 * self.slot_bytes
-        self._region = U * self._ubatch_stride
         self._out_bytes = int(out_bytes)
+        self._pool_stride = _round_up(max(self._out_bytes, 1))
+        self._pool_in_region = self._symmetric_graph_outputs()
+        pool = self.graph_outputs * self._pool_stride if self._pool_in_region else 0
+        self._region = U * self._ubatch_stride + pool
         if self._region > MAX_NBYTES:
             raise InvalidArgument(
                 f"{op}: num_ubatches * symmetric bytes per ubatch must be <= 2**40 (got "
@@ -406,10 +416,7 @@ class OpWorkspace(Resource):
                 (ctypes.c_uint32 * _protocol.RECORD_WORDS).from_address(self._rec_ptr)
             )
             self._rec[:] = 0
-            n_graph = getattr(self, "graph_outputs", DEFAULT_GRAPH_OUTPUTS)
-            self._graph_out = cupy.empty(max(self._out_bytes * n_graph, 1), dtype=cupy.uint8)
-            self._graph_next = 0
-            self._eager_out: list[object | None] = [None] * U
+            self._init_outputs(cupy, heap.local_ptr + self._base + U * self._ubatch_stride)
             props = cupy.cuda.runtime.getDeviceProperties(self.device)
             self.sm_count = props["multiProcessorCount"]
             return cupy.cuda.runtime.deviceGetPCIBusId(self.device)
@@ -587,25 +594,6 @@ class OpWorkspace(Resource):
         self._calls[ubatch] += 1
         parity = self._calls[ubatch] & 1
         return parity, capturing, (not capturing and not self._captured[ubatch])
-
-    def output_ptr(self, ubatch: int, capturing: bool) -> int:
-        """Device address of the workspace output buffer for this call (``out=None``): a graph
-        output buffer of its own while capturing (taken for good), else one of the two eager
-        buffers of the ubatch."""
-        if capturing:
-            k = self._graph_next
-            if k >= self.graph_outputs:  # begin_call checked; an internal invariant
-                raise DcpkitError(f"{self.op_name}: graph output buffers exhausted")
-            self._graph_next = k + 1
-            return self._graph_out.data.ptr + k * self._out_bytes
-        buf = self._eager_out[ubatch]
-        if buf is None:
-            import cupy
-
-            with cupy.cuda.Device(self.device):
-                buf = cupy.empty(2 * max(self._out_bytes, 1), dtype=cupy.uint8)
-            self._eager_out[ubatch] = buf
-        return buf.data.ptr + (self._calls[ubatch] & 1) * self._out_bytes
 
     def synchronize(self, stream=None) -> None:
         """Wait for the stream (default: the current CuPy stream), then raise

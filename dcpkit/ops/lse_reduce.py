@@ -179,8 +179,9 @@ class LseReduce(LseReduceCall, OpWorkspace):
         allocator), also when a later setup step fails.
     graph_outputs : int
         Calls captured in CUDA graphs without ``out=`` (or, with ``return_lse``, without
-        ``out_lse=``) that the workspace serves over its life, each with result buffers of its
-        own (allocated with the workspace; default 4, 0 for none). One more raises
+        ``out_lse=``) that the workspace serves (until :meth:`release_graph_outputs`), each with
+        result buffers of its own (allocated with the workspace; default 4, 0 for none). One
+        more raises
         :class:`DcpkitError` at capture time: pass ``out=`` / ``out_lse=`` then.
     waiter_ctas : int, optional
         CTAs that wait and combine (the others send and exit; default: the SM share / 8, at

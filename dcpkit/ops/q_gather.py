@@ -93,9 +93,11 @@ class QGather(GatherWorkspace):
     multicast : bool, optional
         Ask for a multicast heap (used only where dcpkit's multicast guard allows it).
     graph_outputs : int
-        Calls captured in CUDA graphs without ``out=`` that the workspace serves over its life,
-        each with a result buffer of its own (``max_tokens * H_pad * D * itemsize`` bytes each,
-        allocated with the workspace; default 4, 0 for none). One more raises
+        Calls captured in CUDA graphs without ``out=`` that the workspace serves (until
+        :meth:`release_graph_outputs`), each with a result buffer of its own
+        (``max_tokens * H_pad * D * itemsize`` bytes each, in the symmetric region; default 4,
+        0 for none). Every rank stores its heads straight into that buffer (zero copy): in a
+        graph, the view form costs no copy, ``out=`` one. One more raises
         :class:`DcpkitError` at capture time: pass ``out=`` then.
     waiter_ctas : int, optional
         CTAs of a copy-out call that wait and copy out (default: the SM share / 8, at least 1;

@@ -123,7 +123,10 @@ def poison_workspace(ws, comm) -> None:
                 cupy.ndarray(
                     (ws.data_slot_bytes,), cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0)
                 ).fill(0xFF)
-        ws._graph_out.fill(0xFF)
+        n = ws.graph_outputs * ws._pool_stride
+        if n:  # the graph output buffers (in the symmetric region for the push gathers)
+            mem = cupy.cuda.UnownedMemory(ws._graph_base, n, ws, ws.device)
+            cupy.ndarray((n,), cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0)).fill(0xFF)
         for buf in ws._eager_out:
             if buf is not None:
                 buf.fill(0xFF)

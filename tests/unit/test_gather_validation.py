@@ -16,7 +16,7 @@ import pytest
 from dcpkit import jit
 from dcpkit.comm import Communicator
 from dcpkit.errors import ClosedError, CollectiveTimeout, DcpkitError, InvalidArgument, InvalidType
-from dcpkit.ops._gather import DATA_SLOTS
+from dcpkit.ops._gather import DATA_SLOTS, ZERO_COPY_MIN_BYTES
 from dcpkit.ops._workspace import OP_IDS
 from dcpkit.ops.kv_gather import KVGather
 from dcpkit.ops.q_gather import QGather
@@ -423,13 +423,10 @@ def _with_slots(ws):
     ws.data_slot_bytes = 1 << 20
     ws.slot_bytes = -(-DATA_SLOTS * ws.data_slot_bytes // 2)
     ws._ubatch_stride = ws._sig_bytes + 2 * ws.slot_bytes
-    ws._out_bytes = 4096
-
-    class _Buf:
-        class data:
-            ptr = 1 << 36
-
-    ws._graph_out = _Buf()
+    ws._out_bytes = ws._pool_stride = 4096
+    ws.multicast = False
+    ws._pool_in_region = ws._symmetric_graph_outputs()
+    ws._graph_base = 1 << 36
     ws.graph_outputs = 3
     ws._graph_next = 0
     return ws
@@ -448,31 +445,70 @@ def test_q_gather_empty_call_launches_nothing():
 
 def test_gather_data_slot_ring_and_routing():
     """Eager calls of a never-captured ubatch return data slot (call count % 3), the slot the
-    device picks (epoch % 3); a capturing call goes to the graph output; out= wins."""
+    device picks (epoch % 3); a capturing call goes to the graph output, which the peers store
+    into (the kernel's out with bit 0 set: zero copy); out= wins."""
     ws = _with_slots(make_q())
     seen = []
     for n in range(1, 8):
-        kout, res = ws._destination(0, FakeStream(), (), 0)
+        kout, res = ws._destination(0, FakeStream(), (), 0, 8)
         assert kout == 0 and ws._calls[0] == n
         assert res == ws.data_slot_ptr(0, n % DATA_SLOTS)
         seen.append(res)
     assert seen[0] == seen[3] and len({seen[0], seen[1], seen[2]}) == 3
     # data slots stay inside the two base slots of ubatch 0, ubatch 1 starts after them
     assert ws.data_slot_ptr(0, DATA_SLOTS - 1) + ws.data_slot_bytes <= ws.local_slot_ptr(1, 0)
-    kout, res = ws._destination(1, FakeStream(), (), 1234)
+    kout, res = ws._destination(1, FakeStream(), (), 1234, 8)
     assert (kout, res) == (1234, 1234)
-    kout, res = ws._destination(1, FakeStream(capturing=True), (), 0)
-    assert kout == res == (1 << 36)  # the first graph output buffer
+    kout, res = ws._destination(1, FakeStream(capturing=True), (), 0, 32)
+    assert res == (1 << 36) and kout == res | 1  # the first graph output buffer, zero copy
     assert ws._captured == [False, True]
     # every captured call gets storage of its own, whatever its ubatch ...
-    got = [ws._destination(u, FakeStream(capturing=True), (), 0)[1] for u in (1, 0)]
+    got = [ws._destination(u, FakeStream(capturing=True), (), 0, 32)[1] for u in (1, 0)]
     assert got == [(1 << 36) + ws._out_bytes, (1 << 36) + 2 * ws._out_bytes]
     # ... until the pool is exhausted: a clear error, before the call counts
     before = list(ws._calls)
-    raises(DcpkitError, "graph_outputs=3", ws._destination, 0, FakeStream(capturing=True), (), 0)
+    raises(
+        DcpkitError, "graph_outputs=3", ws._destination, 0, FakeStream(capturing=True), (), 0, 32
+    )
     assert ws._calls == before and ws._graph_next == 3
+    # ... or until the caller gives them back (its graphs are gone): the pool starts over
+    ws.release_graph_outputs()
+    assert ws._destination(0, FakeStream(capturing=True), (), 0, 32) == ((1 << 36) | 1, 1 << 36)
+    ws._closed = True
+    raises(ClosedError, "closed", ws.release_graph_outputs)
+
+
+@pytest.mark.parametrize(
+    "build, zero_copy",
+    [
+        (lambda: make_q(), True),
+        (lambda: make_kv(), True),
+        (lambda: make_kv(algorithm="pull"), False),  # pull copies into its graph outputs
+        (lambda: make_q(world_size=65), False),  # beyond the kernel's destination table
+    ],
+    ids=["q_gather", "kv_gather-push", "kv_gather-pull", "world-65"],
+)
+def test_graph_outputs_zero_copy_only_where_the_kernel_does_it(build, zero_copy):
+    ws = _with_slots(build())
+    ws.max_ctas, ws.ranks_on_gpu = 64, 1
+    ws._calls[0] = 1  # not the first call
+    T = -(-ZERO_COPY_MIN_BYTES // ws.row_bytes)  # the smallest zero-copy call
+    kout, res = ws._destination(0, FakeStream(capturing=True), (), 0, T)
+    assert res == 1 << 36 and kout == (res | 1 if zero_copy else res)
+    assert ws.ctas_for(T, graph_view=True) == (
+        ws._grid_graph_view(T) if zero_copy else ws.ctas_for(T, copy_out=True)
+    )
+    # one token less copies out (cheaper than the credit wait for a few rows)
+    kout, res = ws._destination(0, FakeStream(capturing=True), (), 0, T - 1)
+    assert kout == res == (1 << 36) + ws._pool_stride
+    assert ws.ctas_for(T - 1, graph_view=True) == ws.ctas_for(T - 1, copy_out=True)
+    ws.multicast = True  # a multicast heap: the kernel stores through the multicast address
+    kout, res = ws._destination(0, FakeStream(capturing=True), (), 0, T)
+    assert kout == res == (1 << 36) + 2 * ws._pool_stride
     # a captured call with out= needs no buffer
-    assert ws._destination(0, FakeStream(capturing=True), (), 99) == (99, 99)
+    assert ws._destination(0, FakeStream(capturing=True), (), 99, T) == (99, 99)
+    # every CTA of a zero-copy graph call waits for credits: at most half the SM share
+    assert ws._grid_graph_view(10**6) == ws.max_ctas // 2
 
 
 def test_q_gather_result_view_geometry():

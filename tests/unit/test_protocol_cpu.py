@@ -99,15 +99,25 @@ SIGNAL_STORE = r"^(multimem\.st\.relaxed\.sys\.global\.u64|st\.relaxed\.sys\.glo
 @pytest.mark.parametrize("file", OPS_FILES)
 def test_publish_order_in_every_variant(file, self_check):
     """In every kernel: bar.sync, then atom.acq_rel.gpu (the arrival), then fence.acq_rel.sys,
-    then the signal stores; relaxed polls of the signal, then ld.acquire.sys; no fence.sc."""
+    then the signal stores; relaxed polls of the signal, then ld.acquire.sys; no fence.sc.
+    Before the arrival, the unicast push kernels store one relaxed word (the credit, NOTE
+    [dcpkit zero-copy graph outputs]) and the others none."""
     ptx = _ptx(file, () if self_check else ("-DDCPKIT_SELF_CHECK=0",))
     entries = [(n, b) for n, b in _entries(ptx) if "combine" not in n]
     assert len(entries) == len(jit.VARIANTS[file]) - (3 if file == "lse_reduce.cu" else 0)
     for name, lines in entries:
         assert not any("fence.sc" in ln for ln in lines), f"{name}: fence.sc emitted"
-        sig = [i for i, ln in enumerate(lines) if re.search(SIGNAL_STORE, ln)]
-        assert sig, f"{name}: no 64-bit relaxed signal store"
+        arrival = next(
+            (i for i, ln in enumerate(lines) if ln.startswith("atom.acq_rel.gpu.global.add.u32")),
+            len(lines),
+        )
+        sig = [i for i, ln in enumerate(lines) if re.search(SIGNAL_STORE, ln) and i > arrival]
+        assert sig, f"{name}: no 64-bit relaxed signal store after the arrival"
         first = sig[0]
+        early = [i for i, ln in enumerate(lines[:arrival]) if re.search(SIGNAL_STORE, ln)]
+        credit = "push_kernel" in name or "q_gather_kernel" in name
+        unicast = "TransportE0" in name
+        assert len(early) == (1 if credit and unicast else 0), (name, early)
         fence = _index(lines, r"^fence\.acq_rel\.sys;", before=first)
         assert fence is not None, f"{name}: no fence.acq_rel.sys before the signal store"
         atom = _index(lines, r"^atom\.acq_rel\.gpu\.global\.add\.u32", before=fence)
@@ -149,6 +159,7 @@ def test_fingerprint_fields_match_the_kernel_macros():
             "qsl": "QSL",
             "seq": "SEQ",
             "T": "T",
+            "zc": "ZC",
         }[field]
         assert int(macros[f"{key}_SHIFT"]) == shift, field
         if f"{key}_BITS" in macros:
@@ -171,11 +182,11 @@ def test_lse_codes_match_the_kernel():
 
 def test_fingerprint_round_trip_and_limits():
     for op in ("lse_reduce", "q_gather", "kv_gather"):
-        for T in (1, 2, 6, 128, 2**17 - 1):
+        for T in (1, 2, 6, 128, 2**16 - 1):
             for lse in (None, "bfloat16", "float16", "float32"):
                 for qsl, seq in ((False, False), (True, False), (True, True)):
-                    for u in (0, 1, 15):
-                        fp = proto.fingerprint(OP_IDS[op], u, "bfloat16", T, lse, qsl, seq)
+                    for u, zc in ((0, False), (1, True), (15, False), (15, True)):
+                        fp = proto.fingerprint(OP_IDS[op], u, "bfloat16", T, lse, qsl, seq, zc)
                         d = proto.decode_fingerprint(fp)
                         assert d == {
                             "op": op,
@@ -185,10 +196,20 @@ def test_fingerprint_round_trip_and_limits():
                             "qsl": qsl,
                             "seq": seq,
                             "T": T,
+                            "zc": zc,
                         }
                         assert fp != 0  # a signal is never the zero word
-    # beyond the field widths: compared modulo 2**17 (T) and 2**4 (ubatch), documented
-    assert proto.decode_fingerprint(proto.fingerprint(2, 0, "float16", 2**17 + 5))["T"] == 5
+    # beyond the field widths: compared modulo 2**16 (T) and 2**4 (ubatch), documented; T never
+    # spills into the zero-copy bit
+    d = proto.decode_fingerprint(proto.fingerprint(2, 0, "float16", 2**16 + 5))
+    assert d["T"] == 5 and d["zc"] is False
+    assert proto.fingerprint(3, 0, "bfloat16", 2**16 - 1, zc=True) >> 31 == 1
+    # a mode mismatch is named as such
+    summary, per_rank = proto.describe_mismatch(
+        [proto.fingerprint(2, 0, "bfloat16", 8, zc=True), proto.fingerprint(2, 0, "bfloat16", 8)]
+    )
+    assert summary == ("zero-copy graph output=yes on rank 0, zero-copy graph output=no on rank 1")
+    assert per_rank == ["zero-copy graph output=yes", "zero-copy graph output=no"]
     assert proto.decode_fingerprint(proto.fingerprint(2, 17, "float16", 1))["ubatch"] == 1
     # the dtype codes are distinct and fit their field
     codes = list(proto.DTYPE_CODES.values()) + [proto.OTHER_DTYPE]

@@ -1,0 +1,218 @@
+"""Zero-copy graph outputs of the push gathers on GPUs (NOTE [dcpkit zero-copy graph outputs] in
+kernels/gather.cuh): a call captured without ``out=`` returns its own graph output buffer, and
+every rank stores straight into it after the receiving rank's credit.
+
+Run (every rank runs every test in the same order)::
+
+    mpirun -np 2 python -m pytest tests/mpi/test_graph_outputs.py -p no:cacheprovider
+
+Inputs are fresh for every replay and rebuilt on every rank from the shared seed; results are
+checked byte for byte against dcpkit.reference. Replay a failure with ``DCPKIT_TEST_SEED``.
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+from dcpkit.errors import ConfigMismatch
+from dcpkit.ops.kv_gather import KVGather
+from dcpkit.ops.q_gather import QGather
+from dcpkit.reference import kv_gather_reference, make_inputs, q_gather_reference, resolve_dtype
+
+from _gather_checks import (
+    bits,
+    byte_mismatch,
+    poisoned_empty,
+    run_collective,
+    spin,
+    sub_seed,
+    to_host,
+)
+
+H_R, D, D_KV, T = 4, 64, 128, 5
+DT = resolve_dtype("bfloat16")
+#: How long rank 0 holds its stream between a call and its read of the result (ns): the other
+#: ranks' next replay starts meanwhile, and must not store into rank 0's buffer before its read.
+HOLD_NS = 300_000
+#: A mismatch must surface in about one call, not after a wait deadline.
+HANG_S = 10.0
+
+
+class _Case:
+    """One push gather (q_gather or kv_gather) and its inputs."""
+
+    def __init__(self, name, comm, **kw):
+        self.name, self.comm = name, comm
+        W = comm.world_size
+        if name == "q_gather":
+            self.op = QGather(
+                comm, max_tokens=8, heads_per_rank=H_R, head_dim=D, dtype="bfloat16", **kw
+            )
+            self.own_shape, self.out_shape = (T, H_R, D), (T, H_R * W, D)
+        else:
+            self.op = KVGather(comm, max_tokens=8, row_dim=D_KV, dtype="bfloat16", **kw)
+            self.own_shape, self.out_shape = (T, D_KV), (W * T, D_KV)
+
+    def inputs(self, seed):
+        """(this rank's input, the reference result) of one call."""
+        W = self.comm.world_size
+        if self.name == "q_gather":
+            xs = [
+                make_inputs(
+                    s,
+                    W,
+                    seed,
+                    op="q_gather",
+                    tokens=T,
+                    num_heads=H_R * W,
+                    head_dim=D,
+                    dtype="bfloat16",
+                )["q"]
+                for s in range(W)
+            ]
+            return xs[self.comm.rank], q_gather_reference(xs)
+        xs = [
+            make_inputs(s, W, seed, op="kv_gather", tokens=T, row_dim=D_KV, dtype="bfloat16")["kv"]
+            for s in range(W)
+        ]
+        return xs[self.comm.rank], kv_gather_reference(xs)
+
+
+def _slots(op):
+    return {op.data_slot_ptr(u, k) for u in range(op.num_ubatches) for k in range(3)}
+
+
+@pytest.mark.parametrize("name", ["q_gather", "kv_gather"])
+def test_graph_output_waits_for_its_reader(comm, seed, name):
+    """A graph of [call (view form), rank 0 holds its stream, copy of the result], replayed with
+    fresh inputs and no host synchronisation in between, so that the other ranks run ahead into
+    the next replay while rank 0 has not read its result yet: every read sees its own replay's
+    result (the peers stored into rank 0's buffer only after its credit)."""
+    import cupy
+
+    r = comm.rank
+    replays = 40
+
+    def body(errors):
+        case = _Case(name, comm)
+        with case.op as op:
+            s = cupy.cuda.Stream(non_blocking=True)
+            x = poisoned_empty(case.own_shape, DT)
+            snap = poisoned_empty(case.out_shape, DT)
+            with s:
+                op(x, stream=s)  # the first call of a workspace is never captured
+                s.synchronize()
+                s.begin_capture()
+                res = op(x, stream=s)
+                if r == 0:
+                    spin(HOLD_NS, s)
+                bits(snap)[...] = bits(res)
+                graph = s.end_capture()
+            if res.data.ptr in _slots(op):
+                errors.append("the captured call returned a data slot, not its graph output")
+            reads = [poisoned_empty(case.out_shape, DT) for _ in range(replays)]
+            wants = []
+            with s:
+                for i in range(replays):
+                    own, want = case.inputs(sub_seed(seed, i))
+                    wants.append(want)
+                    bits(x).set(bits(own), stream=s)
+                    graph.launch(s)
+                    bits(reads[i])[...] = bits(snap)
+            s.synchronize()
+            for i in range(replays):
+                err = byte_mismatch(to_host(reads[i]), wants[i], f"rank {r} replay {i}")
+                if err:
+                    errors.append(err)
+                    break
+
+    run_collective(comm, f"{name} zero-copy graph output read after a held stream", body)
+
+
+@pytest.mark.parametrize("name", ["q_gather", "kv_gather"])
+def test_graph_output_mode_mismatch_is_reported_on_every_rank(comm, seed, name):
+    """Rank 0 captures the view form (zero copy into its graph output), the others ``out=``:
+    the first replay raises ConfigMismatch on every rank, naming the mode, within about one
+    call; every result holds the poison pattern."""
+    import cupy
+
+    r = comm.rank
+
+    def body(errors):
+        case = _Case(name, comm, timeout_ms=20000.0)
+        with case.op as op:
+            s = cupy.cuda.Stream(non_blocking=True)
+            own, _ = case.inputs(sub_seed(seed, 7))
+            x = poisoned_empty(case.own_shape, DT)
+            out = poisoned_empty(case.out_shape, DT)
+            with s:
+                bits(x).set(bits(own), stream=s)
+                op(x, stream=s)
+                s.synchronize()
+                s.begin_capture()
+                res = op(x, stream=s) if r == 0 else op(x, out=out, stream=s)
+                graph = s.end_capture()
+            comm.barrier()
+            t0 = time.monotonic()
+            graph.launch(s)
+            try:
+                op.synchronize(s)
+                errors.append("no ConfigMismatch after the replay")
+            except ConfigMismatch as e:
+                text = str(e)
+                for frag in ("zero-copy graph output=yes on rank 0", "zero-copy graph output=no"):
+                    if frag not in text:
+                        errors.append(f"ConfigMismatch lacks {frag!r}: {text}")
+            if time.monotonic() - t0 > HANG_S:
+                errors.append(f"the mismatch took {time.monotonic() - t0:.1f} s to surface")
+            if not op.poisoned:
+                errors.append("op.poisoned is False after the mismatch")
+            got = to_host(res).view(np.uint8)
+            if not (got == 0xFF).all():
+                errors.append("the result holds data other than the poison pattern")
+
+    run_collective(comm, f"{name} graph output mode mismatch", body)
+
+
+@pytest.mark.parametrize("name", ["q_gather", "kv_gather"])
+def test_released_graph_outputs_serve_the_next_capture(comm, seed, name):
+    """graph_outputs=1: a second capture reuses the buffer after release_graph_outputs, and its
+    replays are exact (rank 0 releases later than the others: each rank names its own buffer)."""
+    import cupy
+
+    r = comm.rank
+
+    def body(errors):
+        case = _Case(name, comm, graph_outputs=1)
+        with case.op as op:
+            s = cupy.cuda.Stream(non_blocking=True)
+            x = poisoned_empty(case.own_shape, DT)
+            with s:
+                op(x, stream=s)
+                s.synchronize()
+            ptrs = []
+            for g in range(2):
+                if r == 0:
+                    time.sleep(0.05)
+                if g:
+                    op.release_graph_outputs()
+                with s:
+                    s.begin_capture()
+                    res = op(x, stream=s)
+                    graph = s.end_capture()
+                ptrs.append(res.data.ptr)
+                for i in range(3):
+                    own, want = case.inputs(sub_seed(seed, g, i))
+                    with s:
+                        bits(x).set(bits(own), stream=s)
+                        graph.launch(s)
+                    s.synchronize()
+                    err = byte_mismatch(to_host(res), want, f"rank {r} graph {g} replay {i}")
+                    if err:
+                        errors.append(err)
+                del graph
+            if ptrs[0] != ptrs[1]:
+                errors.append(f"the released buffer was not reused ({ptrs[0]:#x}, {ptrs[1]:#x})")
+
+    run_collective(comm, f"{name} released graph outputs", body)
