@@ -421,3 +421,21 @@ def test_lse_reduce_output_fields_are_right_on_every_path(monkeypatch):
     assert {b - lse_op._out_part_bytes for b in bases} <= {
         lse_op._eager_out[0].data.ptr + k * lse_op._out_bytes for k in (0, 1)
     }
+
+
+def test_plans_are_read_only_records():
+    """A cached plan is a pure function of its key: nothing may change it after the build (its
+    fields are read-only slots, and it has no ``__dict__`` to take new ones)."""
+    import dataclasses
+
+    mod, rec, qg, kg, lr = _setup()
+    qg(mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16"))
+    kg(mod.array((mod.T, mod.D_Q), "bfloat16"))
+    lr(mod.array((mod.T, mod.H, mod.D_V), "bfloat16"), mod.array((mod.T, mod.H), "float32"))
+    for ws in (qg, kg, lr):
+        (plan,) = ws._plans._plans.values()
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            plan.T = 2
+        with pytest.raises((dataclasses.FrozenInstanceError, AttributeError, TypeError)):
+            plan.extra = 1
+        assert not hasattr(plan, "__dict__") and plan.T == mod.T
