@@ -439,3 +439,85 @@ def test_plans_are_read_only_records():
         with pytest.raises((dataclasses.FrozenInstanceError, AttributeError, TypeError)):
             plan.extra = 1
         assert not hasattr(plan, "__dict__") and plan.T == mod.T
+
+
+@pytest.mark.parametrize("which", ["q", "kv"])
+def test_gather_out_field_is_right_on_every_path(which, monkeypatch):
+    """NOTE [dcpkit gather out field]: the ``out`` parameter is packed once with what the plan's
+    calls write (the caller's ``out=``, or 0 for zero copy) and patched only after a capture.
+    Every path launches with the right value: zero copy 0 (the result the data slot of the
+    call), ``out=`` its pointer (eager, captured, eager after a capture), a captured view the
+    graph buffer, an eager view after the capture an eager buffer; a ubatch never captured stays
+    zero copy while another one is captured, through the same op."""
+    from dcpkit import _cuda
+    from dcpkit.ops.kv_gather import KVGather
+    from dcpkit.ops.q_gather import QGather
+
+    mod = _mod()
+    monkeypatch.setattr(_cuda, "_STREAM_TYPES", _cuda.stream_types() + (_Capturing,))
+    rec = mod.Recorder()
+    if which == "q":
+        ws = QGather.__new__(QGather)
+        ws._check_arguments(
+            mod.W,
+            max_tokens=mod.T_MAX,
+            heads_per_rank=mod.H_R,
+            head_dim=mod.D_Q,
+            dtype="bfloat16",
+            num_ubatches=2,
+            timeout_ms=5000.0,
+        )
+        x = mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16")
+        out = mod.array((mod.T, mod.H, mod.D_Q), "bfloat16")
+        field = 25
+    else:
+        ws = KVGather.__new__(KVGather)
+        ws._check_arguments(
+            mod.W,
+            max_tokens=mod.T_MAX,
+            row_dim=mod.D_Q,
+            dtype="bfloat16",
+            num_ubatches=2,
+            timeout_ms=5000.0,
+        )
+        x = mod.array((mod.T, mod.D_Q), "bfloat16")
+        out = mod.array((mod.W * mod.T, mod.D_Q), "bfloat16")
+        field = len(KV_GATHER_PUSH_PARAM_TYPES) - 1
+    mod.stub_workspace(ws, mod._cpu_stream(), rec)
+    zero_copy = ws.ctas_for(mod.T)
+    copy_out = ws.ctas_for(mod.T, copy_out=True)
+    slots = [{ws.data_slot_ptr(u, i) for i in range(3)} for u in range(2)]
+    eager = []
+    for kw, stream, want in (
+        ({}, None, "slot"),
+        ({"out": out}, None, "out"),
+        ({}, None, "slot"),
+        ({"ubatch": 1}, None, "slot"),
+        ({}, _Capturing(True), "graph"),
+        ({"out": out}, _Capturing(True), "out"),
+        ({"out": out}, None, "out"),  # eager after the capture
+        ({}, None, "eager"),
+        ({}, None, "eager"),
+        ({"out": out}, None, "out"),
+        ({"ubatch": 1}, None, "slot"),  # never captured: still zero copy
+        ({"ubatch": 1, "out": out}, None, "out"),
+        ({"ubatch": 1}, None, "slot"),
+    ):
+        res = ws(x, stream=stream, **kw)
+        grid, p = _params(rec)
+        ub = kw.get("ubatch", 0)
+        if want == "slot":
+            assert p[field] == 0 and grid == zero_copy, (kw, stream)
+            assert res.data.ptr == ws.data_slot_ptr(ub, ws._calls[ub] % 3) in slots[ub]
+        elif want == "out":
+            assert p[field] == out.data.ptr and res is out and grid == copy_out, (kw, stream)
+        else:
+            assert p[field] == res.data.ptr != 0 and grid == copy_out, (kw, stream)
+            assert res.data.ptr not in slots[0] | slots[1]
+            if want == "graph":
+                assert res.data.ptr == ws._graph_out.data.ptr
+            else:
+                eager.append(res.data.ptr)
+    buf = ws._eager_out[0].data.ptr
+    assert eager[0] != eager[1] and set(eager) == {buf, buf + ws._out_bytes}
+    assert ws._captured == [True, False] and ws._calls == [9, 4]
