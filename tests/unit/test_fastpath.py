@@ -521,3 +521,54 @@ def test_gather_out_field_is_right_on_every_path(which, monkeypatch):
     buf = ws._eager_out[0].data.ptr
     assert eager[0] != eager[1] and set(eager) == {buf, buf + ws._out_bytes}
     assert ws._captured == [True, False] and ws._calls == [9, 4]
+
+
+def test_lse_reduce_patches_only_the_fields_into_a_workspace_buffer():
+    """The hot path patches a field only when it points into a workspace output buffer (by
+    parity); a field that holds the caller's pointer, or 0, keeps its packed value. Each form
+    of call, in turn through one op, launches with the right pair every time: ``out_lse=``
+    alone (out patched, lse the caller's), nothing (out patched, lse 0 or, with
+    ``return_lse``, patched too), ``out=`` alone (out the caller's, lse 0 or patched),
+    ``out=`` and ``out_lse=`` (both the caller's). Five calls a round: a form's parity
+    alternates from round to round, and so do its buffers."""
+    mod = _mod()
+    xo = mod.array((mod.T, mod.H, mod.D_V), "bfloat16")
+    lse = mod.array((mod.T, mod.H), "float32")
+    o = mod.array((mod.T, mod.H_R, mod.D_V), "bfloat16")
+    ol = mod.array((mod.T, mod.H_R), "float32")
+    forms = (
+        ("lse only", {"out_lse": ol}),
+        ("nothing", {}),
+        ("both", {"out": o, "out_lse": ol}),
+        ("out only", {"out": o}),
+        ("nothing again", {}),
+    )
+    for return_lse in (False, True):
+        rec = mod.Recorder()
+        lr = mod.build_ops(mod._cpu_stream(), rec, return_lse=return_lse)[2]
+        buf = lr._eager_out[0].data.ptr
+        bufs = {buf + k * lr._out_bytes for k in (0, 1)}
+        seen = {form: [] for form, _ in forms}
+        for _ in range(3):
+            for form, kw in forms:
+                res = lr(xo, lse, **kw)
+                _, p = _params(rec)
+                out_ptr, lse_ptr = p[31], p[32]
+                pair = res if (return_lse or "out_lse" in kw) else (res, None)
+                if "out" in kw:
+                    assert out_ptr == o.data.ptr and pair[0] is o, form
+                else:
+                    assert out_ptr == pair[0].data.ptr and out_ptr in bufs, form
+                if "out_lse" in kw:
+                    assert lse_ptr == ol.data.ptr and pair[1] is ol, form
+                elif return_lse:
+                    assert lse_ptr == pair[1].data.ptr != 0, form
+                    assert lse_ptr - lr._out_part_bytes in bufs, form
+                else:
+                    assert lse_ptr == 0 and pair[1] is None, form
+                seen[form].append((out_ptr, lse_ptr))
+        for form, pairs in seen.items():
+            if form == "both" or (form == "out only" and not return_lse):
+                assert len(set(pairs)) == 1, (return_lse, form)  # no workspace buffer
+            else:
+                assert pairs[0] == pairs[2] != pairs[1], (return_lse, form)
