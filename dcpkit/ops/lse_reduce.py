@@ -406,7 +406,7 @@ class LseReduce(LseReduceCall, OpWorkspace):
         )
 
     # ------------------------------------------------------------------ the call
-    def _call_keyed(self, key, arrays: tuple, ubatch, stream):
+    def _lse_keyed(self, key, arrays: tuple, ubatch, stream):
         """A call whose flat key (:func:`dcpkit._plan.arrays_key` of ``arrays``, the call's
         arrays in the order of :meth:`__call__`) is ``key`` (None: keyed in full): the closed /
         poisoned check, the plan (the full validation on a miss), the stream check (every check

@@ -572,3 +572,45 @@ def test_lse_reduce_patches_only_the_fields_into_a_workspace_buffer():
                 assert len(set(pairs)) == 1, (return_lse, form)  # no workspace buffer
             else:
                 assert pairs[0] == pairs[2] != pairs[1], (return_lse, form)
+
+
+def test_every_lse_reduce_call_goes_to_its_own_classs_keyed_entry():
+    """``lse_reduce`` is one function for the direct op, the NCCL op and DCPComm
+    (:func:`dcpkit._lse_call.lse_reduce_method`); each instance's call reaches its own class's
+    ``_lse_keyed`` with the flat key of its arrays (a subclass that overrides the entry gets
+    its calls), and DCPComm's entry routes the call before the op's runs."""
+    from dcpkit._lse_call import LseReduceCall
+    from dcpkit._plan import arrays_key
+    from dcpkit.manager import DCPComm
+    from dcpkit.nccl.lse_reduce import NcclLseReduce
+    from dcpkit.ops.lse_reduce import LseReduce
+
+    assert LseReduce.__call__ is NcclLseReduce.__call__ is LseReduceCall.__call__
+    assert DCPComm.lse_reduce.__code__ is LseReduceCall.__call__.__code__
+    for cls in (LseReduce, NcclLseReduce, DCPComm):
+        assert "_lse_keyed" in {n for k in cls.__mro__ for n in vars(k)}, cls
+    mod, rec, _, _, lr = _setup()
+    xo = mod.array((mod.T, mod.H, mod.D_V), "bfloat16")
+    lse = mod.array((mod.T, mod.H), "float32")
+    o = mod.array((mod.T, mod.H_R, mod.D_V), "bfloat16")
+    seen = []
+
+    class Recording(LseReduce):
+        def _lse_keyed(self, key, arrays, ubatch, stream):
+            seen.append((key, arrays, ubatch, stream))
+            return super()._lse_keyed(key, arrays, ubatch, stream)
+
+    lr.__class__ = Recording
+    assert lr(xo, lse, out=o, ubatch=0) is o and rec.count == 1
+    ((key, arrays, ubatch, stream),) = seen
+    assert arrays == (xo, lse, None, None, o, None) and (ubatch, stream) == (0, None)
+    assert key == arrays_key(arrays, 0)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        stream = mod._cpu_stream()
+        dcp = mod.build_dcpcomm(mod.build_ops(stream, rec, return_lse=True), stream)
+    r, rl = dcp.lse_reduce(xo, lse, out=o)
+    assert r is o and dcp._routes("lse_reduce").misses == 1
+    assert dcp.counters["lse_reduce"][dcp.last_path] == 1
