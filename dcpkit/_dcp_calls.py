@@ -195,7 +195,6 @@ class DCPCalls:
         return res
 
     lse_reduce = lse_reduce_method(
-        "_lse_keyed",
         "DCPCalls.lse_reduce",
         """Merge every rank's partial attention into this rank's heads: see
         :meth:`LseReduce.__call__ <dcpkit.ops.LseReduce.__call__>` (same arguments, same result
@@ -233,7 +232,7 @@ class DCPCalls:
         if in_place:  # the direct op's keyed entry: its result has DCPComm's form
             if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES):
                 stream = self._stream(stream)  # raises InvalidType
-            r = self.direct_ops[op]._call_keyed(key, arrays, ubatch, stream)
+            r = self.direct_ops[op]._lse_keyed(key, arrays, ubatch, stream)
             self.last_path = path
             self.counters[op][path] += 1
             return r

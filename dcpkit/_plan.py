@@ -150,8 +150,8 @@ def arrays_key(arrays, ubatch) -> tuple | None:
     starting with its pointer (an int), so the key reads back unambiguously.
 
     The two calls of a decode loop, ``lse_reduce``'s six arrays with nothing or only ``out``
-    after the first two, take one concatenation each (no part built on its own); any other
-    call is keyed part by part, to the same layout."""
+    after the first two, are one tuple each (no part built on its own, nothing concatenated);
+    any other call is keyed part by part, to the same layout."""
     if type(ubatch) is not int:
         return None
     fast = CUPY_CLASSES
@@ -161,27 +161,52 @@ def arrays_key(arrays, ubatch) -> tuple | None:
     ):
         return None
     m, n = x.data, y.data
-    key = (
-        m.ptr,
-        x.shape,
-        x.strides,
-        x.dtype,
-        m.device_id,
-        n.ptr,
-        y.shape,
-        y.strides,
-        y.dtype,
-        n.device_id,
-    )
     if len(arrays) == 6 and arrays[2] is None and arrays[3] is None and arrays[5] is None:
         o = arrays[4]
         if o is None:
-            return key + (None, None, None, None, ubatch)
+            return (
+                m.ptr,
+                x.shape,
+                x.strides,
+                x.dtype,
+                m.device_id,
+                n.ptr,
+                y.shape,
+                y.strides,
+                y.dtype,
+                n.device_id,
+                None,
+                None,
+                None,
+                None,
+                ubatch,
+            )
         if type(o) in fast or is_cupy_array(o):
             p = o.data
-            return key + (None, None, p.ptr, o.shape, o.strides, o.dtype, p.device_id, None, ubatch)
+            return (
+                m.ptr,
+                x.shape,
+                x.strides,
+                x.dtype,
+                m.device_id,
+                n.ptr,
+                y.shape,
+                y.strides,
+                y.dtype,
+                n.device_id,
+                None,
+                None,
+                p.ptr,
+                o.shape,
+                o.strides,
+                o.dtype,
+                p.device_id,
+                None,
+                ubatch,
+            )
         return None
-    parts = [key]
+    parts = [(m.ptr, x.shape, x.strides, x.dtype, m.device_id)]
+    parts.append((n.ptr, y.shape, y.strides, y.dtype, n.device_id))
     for a in arrays[2:]:
         if a is None:
             parts.append((None,))

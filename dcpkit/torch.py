@@ -333,8 +333,8 @@ def _keyed_entries(target) -> dict[str, tuple]:
     key of its arrays (:mod:`dcpkit._plan`) instead of building it. A gather's entry is
     DCPComm's ``_gather(op, x, name, ubatch, out, stream, key)`` (``dcp`` True) or a direct
     gather's ``_call_keyed(key, x, ubatch, out, stream, False)``; ``lse_reduce``'s is
-    ``entry(key, arrays, ubatch, stream)`` (DCPComm's ``_lse_keyed``, any lse_reduce op's
-    ``_call_keyed``). Only for targets that have one; the others are called plainly."""
+    ``_lse_keyed(key, arrays, ubatch, stream)`` (DCPComm's, any lse_reduce op's). Only for
+    targets that have one; the others are called plainly."""
     from ._lse_call import LseReduceCall
 
     entries = {}
@@ -342,7 +342,7 @@ def _keyed_entries(target) -> dict[str, tuple]:
         entries["q_gather"] = entries["kv_gather"] = (target._gather, True)
         entries["lse_reduce"] = (target._lse_keyed, True)
     elif isinstance(target, LseReduceCall):
-        entries["lse_reduce"] = (target._call_keyed, False)
+        entries["lse_reduce"] = (target._lse_keyed, False)
     elif getattr(target, "op_name", None) in ("q_gather", "kv_gather") and hasattr(
         target, "_gather_plan"
     ):  # a direct gather (GatherWorkspace)

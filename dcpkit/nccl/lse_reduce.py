@@ -289,7 +289,7 @@ class NcclLseReduce(LseReduceCall, NcclOp):
         lse = cupy.zeros((T, self.num_heads), dtype=cupy.float32)
         self._call(x, lse, None, None, 0, None, None, None)
 
-    def _call_keyed(self, key, arrays: tuple, ubatch, stream):
+    def _lse_keyed(self, key, arrays: tuple, ubatch, stream):
         """:class:`~dcpkit._lse_call.LseReduceCall`'s entry (``key`` unused): the open check,
         then :meth:`_call`."""
         self.check_open()

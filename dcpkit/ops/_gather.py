@@ -25,7 +25,7 @@ protocol):
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from .. import _cuda
 from ._workspace import OpWorkspace, _round_up, launch_config
@@ -49,11 +49,22 @@ ZERO_COPY_MAX_WORLD = 64
 ZERO_COPY_MIN_BYTES = 16 * 1024
 
 
-class GatherPlan(NamedTuple):
+@dataclass(frozen=True, slots=True, eq=False)
+class GatherPlan:
     """A validated gather call (see :mod:`dcpkit._plan`): everything its key determines.
 
     It holds no reference to the caller's arrays (only their addresses): a plan never keeps a
-    freed array's memory alive, and a call returns the ``out`` it was given."""
+    freed array's memory alive, and a call returns the ``out`` it was given. The fields are
+    read-only slots: CPython specialises the read of a slot, where a NamedTuple field is a
+    descriptor call (about three times the instructions; a call reads seven fields).
+
+    NOTE [dcpkit gather out field]: the kernel's ``out`` parameter is packed with what every
+    call of the plan writes until its ubatch is captured: the caller's ``out=`` (every path
+    writes that pointer), or 0 (zero copy). The hot path patches it only in an eager call after
+    a capture (a workspace output buffer, by parity), and so does the general path while
+    capturing; both happen only once ``_captured[ubatch]`` is True, and it never goes back to
+    False, so from then on no call of the plan takes the zero-copy branch, which relies on the
+    packed 0."""
 
     T: int
     ubatch: int
@@ -67,6 +78,7 @@ class GatherPlan(NamedTuple):
     strides: tuple[int, ...]
     debug_key: tuple  # what DCPKIT_DEBUG compares across ranks
     views: dict[int, object]  # result views by address (memoised, at most a handful)
+    slot_views: list  # the zero-copy result view of each data slot (None: not made yet)
 
 
 class GatherWorkspace(OpWorkspace):
@@ -178,13 +190,16 @@ class GatherWorkspace(OpWorkspace):
         calls = self._calls
         n = calls[ub] + 1
         calls[ub] = n  # counted: a launch that raises below leaves the workspace unusable
+        # The ``out`` field already holds what this call writes, except in an eager call after
+        # a capture (NOTE [dcpkit gather out field]).
+        kout = 0
         if out is not None:
-            kout, grid = plan.out_ptr, plan.grid_copy
+            grid = plan.grid_copy
         elif self._captured[ub]:  # the device parity is unknown: copy out
             kout, grid = self.output_ptr(ub, False), plan.grid_copy
+            plan.out_field.value = kout
         else:  # zero copy: the result is this call's data slot
-            kout, grid = 0, plan.grid_zero_copy
-        plan.out_field.value = kout
+            grid = plan.grid_zero_copy
         if self._get_device() == self.device:
             try:
                 self._launchers[0].launch(grid, plan.params, stream.ptr)
@@ -195,10 +210,15 @@ class GatherWorkspace(OpWorkspace):
             self._run(0, grid, plan.params, stream)
         if out is not None:
             return out
-        result = kout or plan.slots[n % DATA_SLOTS]
-        v = plan.views.get(result)
+        if kout:
+            v = plan.views.get(kout)
+            if v is None:
+                v = plan.views[kout] = self._view(kout, plan.shape, plan.strides)
+            return v
+        i = n % DATA_SLOTS
+        v = plan.slot_views[i]
         if v is None:
-            v = plan.views[result] = self._view(result, plan.shape, plan.strides)
+            v = plan.slot_views[i] = self._view(plan.slots[i], plan.shape, plan.strides)
         return v
 
     def _destination(
@@ -268,6 +288,8 @@ class GatherWorkspace(OpWorkspace):
                 head = head[:-1]
             params = KernelParams(types, [int(v) for v in head + tail])
             field = params.field(out_index)
+            if out_info is not None:  # every call of the plan writes the caller's out=
+                field.value = out_info.ptr
             grids = (
                 self._grid(self._vectors(T, True)),
                 self._grid_zero_copy(self._vectors(T, False)),
@@ -284,6 +306,7 @@ class GatherWorkspace(OpWorkspace):
             strides,
             (T, str(self.dtype), ubatch),
             {},
+            [None] * DATA_SLOTS,
         )
 
     def _check_stream(self, stream) -> None:

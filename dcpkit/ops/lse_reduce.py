@@ -30,7 +30,7 @@ and needs, for those heads, the merge of every rank's partial. Usage, on every r
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -109,8 +109,11 @@ def launch_table(W: int, H_r: int, max_tokens: int, max_ctas: int) -> list[tuple
     return table
 
 
-class _CallPlan(NamedTuple):
-    """A validated call, all its key determines (:mod:`dcpkit._plan`); no caller's array."""
+@dataclass(frozen=True, slots=True, eq=False)
+class _CallPlan:
+    """A validated call, all its key determines (:mod:`dcpkit._plan`); no caller's array.
+    Read-only slots, as :class:`~dcpkit.ops._gather.GatherPlan`'s (a slot read is cheaper than
+    a NamedTuple field's)."""
 
     T: int
     ubatch: int
@@ -125,8 +128,10 @@ class _CallPlan(NamedTuple):
     out_field: object  # the ``out`` field of params (ctypes), patched per call
     lse_field: object  # the ``out_lse`` field
     debug_key: tuple
-    views: dict  # parity -> (out address, lse address, out view, lse view) of the eager
-    # output buffer the hot path uses (memoised: the buffers stay for the workspace's life)
+    patch_lse: bool  # the merged lse goes to a workspace output buffer (want_lse, no out_lse=)
+    parity_views: list  # per parity: (out address, lse address, out view, lse view) of the
+    # eager output buffer the hot path uses (memoised: the buffers stay for the workspace's
+    # life; None: not made yet)
 
 
 class LseReduce(LseReduceCall, OpWorkspace):
@@ -402,7 +407,7 @@ class LseReduce(LseReduceCall, OpWorkspace):
         )
 
     # ------------------------------------------------------------------ the call
-    def _call_keyed(self, key, arrays: tuple, ubatch, stream):
+    def _lse_keyed(self, key, arrays: tuple, ubatch, stream):
         """A call whose flat key (:func:`dcpkit._plan.arrays_key` of ``arrays``, the call's
         arrays in the order of :meth:`__call__`) is ``key`` (None: keyed in full): the closed /
         poisoned check, the plan (the full validation on a miss), the stream check (every check
@@ -432,22 +437,22 @@ class LseReduce(LseReduceCall, OpWorkspace):
         n = calls[ub] + 1
         calls[ub] = n  # counted: a launch that raises below leaves the workspace unusable
         res, lse_res = out, out_lse
-        # Without a workspace output buffer the ``out`` / ``out_lse`` fields hold the caller's
-        # pointers (or 0) since the plan was packed: every path writes those same values.
-        if plan.needs_output:  # one of the two eager output buffers of the ubatch, by parity
-            views = plan.views.get(n & 1)
+        # A field that holds the caller's pointer (or 0) was packed with it: every path writes
+        # that same value. Only a field into a workspace output buffer is patched, by parity.
+        if plan.needs_output:  # one of the two eager output buffers of the ubatch
+            parity = n & 1
+            views = plan.parity_views[parity]
             if views is None:
                 base = self.output_ptr(ub, False)
-                views = plan.views[n & 1] = (base, base + self._out_part_bytes) + (
+                views = plan.parity_views[parity] = (base, base + self._out_part_bytes) + (
                     self._output_views(plan, base, self._eager_out[ub])
                 )
-            out_ptr, lse_ptr = plan.out_ptr, plan.out_lse_ptr
-            if not out_ptr:
-                out_ptr, res = views[0], views[2]
-            if plan.want_lse and not lse_ptr:
-                lse_ptr, lse_res = views[1], views[3]
-            plan.out_field.value = out_ptr
-            plan.lse_field.value = lse_ptr
+            if not plan.out_ptr:
+                plan.out_field.value = views[0]
+                res = views[2]
+            if plan.patch_lse:
+                plan.lse_field.value = views[1]
+                lse_res = views[3]
         if self._get_device() == self.device:
             try:
                 self._launchers[plan.lse_key].launch(plan.grid, plan.params, stream.ptr)
@@ -500,7 +505,8 @@ class LseReduce(LseReduceCall, OpWorkspace):
                 None,
                 None,
                 debug_key,
-                {},
+                False,
+                [None, None],
             )
         in_tok, in_head = v.in_tok, v.in_head
         if v.copy_input:  # the contiguous copy made per call
@@ -539,7 +545,8 @@ class LseReduce(LseReduceCall, OpWorkspace):
             params.field(_OUT),
             params.field(_OUT_LSE),
             debug_key,
-            {},
+            v.want_lse and v.out_lse is None,
+            [None, None],
         )
 
     def _validate(

@@ -421,3 +421,196 @@ def test_lse_reduce_output_fields_are_right_on_every_path(monkeypatch):
     assert {b - lse_op._out_part_bytes for b in bases} <= {
         lse_op._eager_out[0].data.ptr + k * lse_op._out_bytes for k in (0, 1)
     }
+
+
+def test_plans_are_read_only_records():
+    """A cached plan is a pure function of its key: nothing may change it after the build (its
+    fields are read-only slots, and it has no ``__dict__`` to take new ones)."""
+    import dataclasses
+
+    mod, rec, qg, kg, lr = _setup()
+    qg(mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16"))
+    kg(mod.array((mod.T, mod.D_Q), "bfloat16"))
+    lr(mod.array((mod.T, mod.H, mod.D_V), "bfloat16"), mod.array((mod.T, mod.H), "float32"))
+    for ws in (qg, kg, lr):
+        (plan,) = ws._plans._plans.values()
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            plan.T = 2
+        with pytest.raises((dataclasses.FrozenInstanceError, AttributeError, TypeError)):
+            plan.extra = 1
+        assert not hasattr(plan, "__dict__") and plan.T == mod.T
+
+
+@pytest.mark.parametrize("which", ["q", "kv"])
+def test_gather_out_field_is_right_on_every_path(which, monkeypatch):
+    """NOTE [dcpkit gather out field]: the ``out`` parameter is packed once with what the plan's
+    calls write (the caller's ``out=``, or 0 for zero copy) and patched only after a capture.
+    Every path launches with the right value: zero copy 0 (the result the data slot of the
+    call), ``out=`` its pointer (eager, captured, eager after a capture), a captured view the
+    graph buffer, an eager view after the capture an eager buffer; a ubatch never captured stays
+    zero copy while another one is captured, through the same op."""
+    from dcpkit import _cuda
+    from dcpkit.ops.kv_gather import KVGather
+    from dcpkit.ops.q_gather import QGather
+
+    mod = _mod()
+    monkeypatch.setattr(_cuda, "_STREAM_TYPES", _cuda.stream_types() + (_Capturing,))
+    rec = mod.Recorder()
+    if which == "q":
+        ws = QGather.__new__(QGather)
+        ws._check_arguments(
+            mod.W,
+            max_tokens=mod.T_MAX,
+            heads_per_rank=mod.H_R,
+            head_dim=mod.D_Q,
+            dtype="bfloat16",
+            num_ubatches=2,
+            timeout_ms=5000.0,
+        )
+        x = mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16")
+        out = mod.array((mod.T, mod.H, mod.D_Q), "bfloat16")
+        field = 25
+    else:
+        ws = KVGather.__new__(KVGather)
+        ws._check_arguments(
+            mod.W,
+            max_tokens=mod.T_MAX,
+            row_dim=mod.D_Q,
+            dtype="bfloat16",
+            num_ubatches=2,
+            timeout_ms=5000.0,
+        )
+        x = mod.array((mod.T, mod.D_Q), "bfloat16")
+        out = mod.array((mod.W * mod.T, mod.D_Q), "bfloat16")
+        field = len(KV_GATHER_PUSH_PARAM_TYPES) - 1
+    mod.stub_workspace(ws, mod._cpu_stream(), rec)
+    zero_copy = ws.ctas_for(mod.T)
+    copy_out = ws.ctas_for(mod.T, copy_out=True)
+    slots = [{ws.data_slot_ptr(u, i) for i in range(3)} for u in range(2)]
+    eager = []
+    for kw, stream, want in (
+        ({}, None, "slot"),
+        ({"out": out}, None, "out"),
+        ({}, None, "slot"),
+        ({"ubatch": 1}, None, "slot"),
+        ({}, _Capturing(True), "graph"),
+        ({"out": out}, _Capturing(True), "out"),
+        ({"out": out}, None, "out"),  # eager after the capture
+        ({}, None, "eager"),
+        ({}, None, "eager"),
+        ({"out": out}, None, "out"),
+        ({"ubatch": 1}, None, "slot"),  # never captured: still zero copy
+        ({"ubatch": 1, "out": out}, None, "out"),
+        ({"ubatch": 1}, None, "slot"),
+    ):
+        res = ws(x, stream=stream, **kw)
+        grid, p = _params(rec)
+        ub = kw.get("ubatch", 0)
+        if want == "slot":
+            assert p[field] == 0 and grid == zero_copy, (kw, stream)
+            assert res.data.ptr == ws.data_slot_ptr(ub, ws._calls[ub] % 3) in slots[ub]
+        elif want == "out":
+            assert p[field] == out.data.ptr and res is out and grid == copy_out, (kw, stream)
+        else:
+            assert p[field] == res.data.ptr != 0 and grid == copy_out, (kw, stream)
+            assert res.data.ptr not in slots[0] | slots[1]
+            if want == "graph":
+                assert res.data.ptr == ws._graph_out.data.ptr
+            else:
+                eager.append(res.data.ptr)
+    buf = ws._eager_out[0].data.ptr
+    assert eager[0] != eager[1] and set(eager) == {buf, buf + ws._out_bytes}
+    assert ws._captured == [True, False] and ws._calls == [9, 4]
+
+
+def test_lse_reduce_patches_only_the_fields_into_a_workspace_buffer():
+    """The hot path patches a field only when it points into a workspace output buffer (by
+    parity); a field that holds the caller's pointer, or 0, keeps its packed value. Each form
+    of call, in turn through one op, launches with the right pair every time: ``out_lse=``
+    alone (out patched, lse the caller's), nothing (out patched, lse 0 or, with
+    ``return_lse``, patched too), ``out=`` alone (out the caller's, lse 0 or patched),
+    ``out=`` and ``out_lse=`` (both the caller's). Five calls a round: a form's parity
+    alternates from round to round, and so do its buffers."""
+    mod = _mod()
+    xo = mod.array((mod.T, mod.H, mod.D_V), "bfloat16")
+    lse = mod.array((mod.T, mod.H), "float32")
+    o = mod.array((mod.T, mod.H_R, mod.D_V), "bfloat16")
+    ol = mod.array((mod.T, mod.H_R), "float32")
+    forms = (
+        ("lse only", {"out_lse": ol}),
+        ("nothing", {}),
+        ("both", {"out": o, "out_lse": ol}),
+        ("out only", {"out": o}),
+        ("nothing again", {}),
+    )
+    for return_lse in (False, True):
+        rec = mod.Recorder()
+        lr = mod.build_ops(mod._cpu_stream(), rec, return_lse=return_lse)[2]
+        buf = lr._eager_out[0].data.ptr
+        bufs = {buf + k * lr._out_bytes for k in (0, 1)}
+        seen = {form: [] for form, _ in forms}
+        for _ in range(3):
+            for form, kw in forms:
+                res = lr(xo, lse, **kw)
+                _, p = _params(rec)
+                out_ptr, lse_ptr = p[31], p[32]
+                pair = res if (return_lse or "out_lse" in kw) else (res, None)
+                if "out" in kw:
+                    assert out_ptr == o.data.ptr and pair[0] is o, form
+                else:
+                    assert out_ptr == pair[0].data.ptr and out_ptr in bufs, form
+                if "out_lse" in kw:
+                    assert lse_ptr == ol.data.ptr and pair[1] is ol, form
+                elif return_lse:
+                    assert lse_ptr == pair[1].data.ptr != 0, form
+                    assert lse_ptr - lr._out_part_bytes in bufs, form
+                else:
+                    assert lse_ptr == 0 and pair[1] is None, form
+                seen[form].append((out_ptr, lse_ptr))
+        for form, pairs in seen.items():
+            if form == "both" or (form == "out only" and not return_lse):
+                assert len(set(pairs)) == 1, (return_lse, form)  # no workspace buffer
+            else:
+                assert pairs[0] == pairs[2] != pairs[1], (return_lse, form)
+
+
+def test_every_lse_reduce_call_goes_to_its_own_classs_keyed_entry():
+    """``lse_reduce`` is one function for the direct op, the NCCL op and DCPComm
+    (:func:`dcpkit._lse_call.lse_reduce_method`); each instance's call reaches its own class's
+    ``_lse_keyed`` with the flat key of its arrays (a subclass that overrides the entry gets
+    its calls), and DCPComm's entry routes the call before the op's runs."""
+    from dcpkit._lse_call import LseReduceCall
+    from dcpkit._plan import arrays_key
+    from dcpkit.manager import DCPComm
+    from dcpkit.nccl.lse_reduce import NcclLseReduce
+    from dcpkit.ops.lse_reduce import LseReduce
+
+    assert LseReduce.__call__ is NcclLseReduce.__call__ is LseReduceCall.__call__
+    assert DCPComm.lse_reduce.__code__ is LseReduceCall.__call__.__code__
+    for cls in (LseReduce, NcclLseReduce, DCPComm):
+        assert "_lse_keyed" in {n for k in cls.__mro__ for n in vars(k)}, cls
+    mod, rec, _, _, lr = _setup()
+    xo = mod.array((mod.T, mod.H, mod.D_V), "bfloat16")
+    lse = mod.array((mod.T, mod.H), "float32")
+    o = mod.array((mod.T, mod.H_R, mod.D_V), "bfloat16")
+    seen = []
+
+    class Recording(LseReduce):
+        def _lse_keyed(self, key, arrays, ubatch, stream):
+            seen.append((key, arrays, ubatch, stream))
+            return super()._lse_keyed(key, arrays, ubatch, stream)
+
+    lr.__class__ = Recording
+    assert lr(xo, lse, out=o, ubatch=0) is o and rec.count == 1
+    ((key, arrays, ubatch, stream),) = seen
+    assert arrays == (xo, lse, None, None, o, None) and (ubatch, stream) == (0, None)
+    assert key == arrays_key(arrays, 0)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        stream = mod._cpu_stream()
+        dcp = mod.build_dcpcomm(mod.build_ops(stream, rec, return_lse=True), stream)
+    r, rl = dcp.lse_reduce(xo, lse, out=o)
+    assert r is o and dcp._routes("lse_reduce").misses == 1
+    assert dcp.counters["lse_reduce"][dcp.last_path] == 1

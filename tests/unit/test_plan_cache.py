@@ -224,6 +224,29 @@ def test_the_decode_loop_keys_of_arrays_key_equal_the_part_by_part_key():
     assert arrays_key((x, y, None, None, cai, None), 0) is None
     assert arrays_key((x, y, None, None, o, o), 1) == by_parts((x, y, None, None, o, o), 1)
 
+    # every field of every array is in the decode loop's keys: the same pointer re-described
+    # (strides, shape, dtype, device) is another key, for each of the three arrays
+    def redescribed(a, ptr):
+        shape, dt = a.shape, a.dtype
+        return [
+            cp(shape, dt, strides=tuple(2 * s for s in a.strides), ptr=ptr),
+            cp(shape[::-1], dt, ptr=ptr),
+            cp(shape, np.float64 if dt != np.float64 else np.float32, ptr=ptr),
+            cp(shape, dt, ptr=ptr, device=1),
+        ]
+
+    base = arrays_key((x, y, None, None, o, None), 0)
+    keys = {base, arrays_key((x, y, None, None, None, None), 0)}
+    for i, (a, ptr) in enumerate(((x, PTR), (y, PTR + 8192), (o, PTR + 1024))):
+        for other in redescribed(a, ptr):
+            arrays = [x, y, None, None, o, None]
+            arrays[(0, 1, 4)[i]] = other
+            keys.add(arrays_key(tuple(arrays), 0))
+            if i < 2:
+                arrays[4] = None
+                keys.add(arrays_key(tuple(arrays), 0))
+    assert None not in keys and len(keys) == 2 + 4 * 5
+
 
 def test_op_classes_read_attributes_plainly_and_make_their_plan_cache_on_first_use():
     """No class of an op defines ``__getattr__`` (it would route every attribute read of the hot

@@ -205,22 +205,23 @@ class FakeOp:
             return res, (lse if lse is not None else ("lse", self.kind))
         return res
 
-    def _call_keyed(self, key, *args):
-        """The keyed entry DCPComm calls on a route that takes every array in place."""
-        if self.op_name == "lse_reduce":
-            (x, lse, seq, qsl, out, out_lse), ubatch, stream = args
-            return self(
-                x,
-                lse,
-                seq_lens=seq,
-                query_start_loc=qsl,
-                ubatch=ubatch,
-                out=out,
-                out_lse=out_lse,
-                stream=stream,
-            )
-        x, ubatch, out, stream, _flag = args
+    def _call_keyed(self, key, x, ubatch, out, stream, _flag):
+        """The gathers' keyed entry DCPComm calls on a route that takes every array in place."""
         return self(x, ubatch=ubatch, out=out, stream=stream)
+
+    def _lse_keyed(self, key, arrays, ubatch, stream):
+        """lse_reduce's keyed entry, likewise."""
+        x, lse, seq, qsl, out, out_lse = arrays
+        return self(
+            x,
+            lse,
+            seq_lens=seq,
+            query_start_loc=qsl,
+            ubatch=ubatch,
+            out=out,
+            out_lse=out_lse,
+            stream=stream,
+        )
 
     def close(self):
         self.closed = True
