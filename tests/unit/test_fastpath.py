@@ -511,13 +511,17 @@ def test_gather_out_field_is_right_on_every_path(which, monkeypatch):
             assert res.data.ptr == ws.data_slot_ptr(ub, ws._calls[ub] % 3) in slots[ub]
         elif want == "out":
             assert p[field] == out.data.ptr and res is out and grid == copy_out, (kw, stream)
+        elif want == "graph":  # the graph output buffer: zero copy (bit 0 set) or copy-out
+            zc = ws._zero_copy_graph(mod.T)  # q_gather here: 72 KiB per rank; kv_gather 1 KiB
+            assert zc == (which == "q")
+            assert res.data.ptr == ws._graph_base, (kw, stream)
+            assert p[field] == (res.data.ptr | 1 if zc else res.data.ptr), (kw, stream)
+            assert grid == ws.ctas_for(mod.T, graph_view=True)
+            assert grid == (ws._grid_graph_view(mod.T) if zc else copy_out)
         else:
             assert p[field] == res.data.ptr != 0 and grid == copy_out, (kw, stream)
             assert res.data.ptr not in slots[0] | slots[1]
-            if want == "graph":
-                assert res.data.ptr == ws._graph_out.data.ptr
-            else:
-                eager.append(res.data.ptr)
+            eager.append(res.data.ptr)
     buf = ws._eager_out[0].data.ptr
     assert eager[0] != eager[1] and set(eager) == {buf, buf + ws._out_bytes}
     assert ws._captured == [True, False] and ws._calls == [9, 4]
