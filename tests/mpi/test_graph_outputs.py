@@ -30,8 +30,13 @@ from _gather_checks import (
     to_host,
 )
 
-H_R, D, D_KV, T = 4, 64, 128, 5
+H_R, D, D_KV = 4, 64, 128
 DT = resolve_dtype("bfloat16")
+#: Tokens per call: 20 KiB per rank for q_gather (H_R * D * 2 bytes a token), 18 KiB for
+#: kv_gather, above ZERO_COPY_MIN_BYTES, so that the captured view form is zero copy; SMALL_T
+#: (below it) copies out into the graph output buffer.
+TOKENS = {"q_gather": 40, "kv_gather": 72}
+SMALL_T = 5
 #: How long rank 0 holds its stream between a call and its read of the result (ns): the other
 #: ranks' next replay starts meanwhile, and must not store into rank 0's buffer before its read.
 HOLD_NS = 300_000
@@ -42,21 +47,23 @@ HANG_S = 10.0
 class _Case:
     """One push gather (q_gather or kv_gather) and its inputs."""
 
-    def __init__(self, name, comm, **kw):
+    def __init__(self, name, comm, T=None, **kw):
         self.name, self.comm = name, comm
+        self.T = T = TOKENS[name] if T is None else T
         W = comm.world_size
         if name == "q_gather":
             self.op = QGather(
-                comm, max_tokens=8, heads_per_rank=H_R, head_dim=D, dtype="bfloat16", **kw
+                comm, max_tokens=128, heads_per_rank=H_R, head_dim=D, dtype="bfloat16", **kw
             )
             self.own_shape, self.out_shape = (T, H_R, D), (T, H_R * W, D)
         else:
-            self.op = KVGather(comm, max_tokens=8, row_dim=D_KV, dtype="bfloat16", **kw)
+            self.op = KVGather(comm, max_tokens=128, row_dim=D_KV, dtype="bfloat16", **kw)
             self.own_shape, self.out_shape = (T, D_KV), (W * T, D_KV)
+        self.zero_copy = self.op._zero_copy_graph(T)
 
     def inputs(self, seed):
         """(this rank's input, the reference result) of one call."""
-        W = self.comm.world_size
+        W, T = self.comm.world_size, self.T
         if self.name == "q_gather":
             xs = [
                 make_inputs(
@@ -96,6 +103,8 @@ def test_graph_output_waits_for_its_reader(comm, seed, name):
 
     def body(errors):
         case = _Case(name, comm)
+        if not case.zero_copy:
+            errors.append(f"T={case.T} does not take the zero-copy graph path")
         with case.op as op:
             s = cupy.cuda.Stream(non_blocking=True)
             x = poisoned_empty(case.own_shape, DT)
@@ -141,6 +150,8 @@ def test_graph_output_mode_mismatch_is_reported_on_every_rank(comm, seed, name):
 
     def body(errors):
         case = _Case(name, comm, timeout_ms=20000.0)
+        if not case.zero_copy:
+            errors.append(f"T={case.T} does not take the zero-copy graph path")
         with case.op as op:
             s = cupy.cuda.Stream(non_blocking=True)
             own, _ = case.inputs(sub_seed(seed, 7))
@@ -216,3 +227,41 @@ def test_released_graph_outputs_serve_the_next_capture(comm, seed, name):
                 errors.append(f"the released buffer was not reused ({ptrs[0]:#x}, {ptrs[1]:#x})")
 
     run_collective(comm, f"{name} released graph outputs", body)
+
+
+@pytest.mark.parametrize("name", ["q_gather", "kv_gather"])
+def test_small_graph_calls_copy_out_and_mix_forms(comm, seed, name):
+    """Below ZERO_COPY_MIN_BYTES a captured view-form call copies out into its graph output
+    buffer, so rank 0's view form and the other ranks' ``out=`` work together: every replay is
+    exact on every rank."""
+    import cupy
+
+    r = comm.rank
+
+    def body(errors):
+        case = _Case(name, comm, T=SMALL_T)
+        if case.zero_copy:
+            errors.append(f"T={SMALL_T} takes the zero-copy graph path")
+        with case.op as op:
+            s = cupy.cuda.Stream(non_blocking=True)
+            x = poisoned_empty(case.own_shape, DT)
+            out = poisoned_empty(case.out_shape, DT)
+            with s:
+                op(x, stream=s)
+                s.synchronize()
+                s.begin_capture()
+                res = op(x, stream=s) if r == 0 else op(x, out=out, stream=s)
+                graph = s.end_capture()
+            for i in range(4):
+                own, want = case.inputs(sub_seed(seed, 11, i))
+                with s:
+                    bits(x).set(bits(own), stream=s)
+                    graph.launch(s)
+                s.synchronize()
+                err = byte_mismatch(to_host(res), want, f"rank {r} replay {i}")
+                if err:
+                    errors.append(err)
+            if op.poisoned:
+                errors.append("the workspace is poisoned")
+
+    run_collective(comm, f"{name} small captured calls, mixed forms", body)
