@@ -39,6 +39,9 @@
 //     (this rank's call e - 1 waited for its signal) and not call e + 1 (that needs this rank's
 //     signal of call e, which follows these stores).
 // The receiver names the destination, so ranks never have to agree on which buffer a call uses.
+// A rank whose workspace is poisoned still posts its credit (before its poison check), so a live
+// peer may store into its buffer while its elected CTA fills the buffer with the poison pattern,
+// as with the data slots; that rank's host raises at its next call either way.
 // Every CTA of such a call waits (for the credits), so the host caps its grid at half the SM
 // share: see the co-residency rule in NOTE [dcpkit epoch signalling].
 #pragma once

@@ -86,6 +86,20 @@ class _Case:
         return xs[self.comm.rank], kv_gather_reference(xs)
 
 
+def _replay_and_check(case, graph, res, s, keys, n, label, errors):
+    """``n`` replays of ``graph``, each with fresh inputs (seed ``sub_seed(*keys, i)``) and a
+    synchronisation; ``res`` checked against the reference after each."""
+    for i in range(n):
+        own, want = case.inputs(sub_seed(*keys, i))
+        with s:
+            bits(case.x).set(bits(own), stream=s)
+            graph.launch(s)
+        s.synchronize()
+        err = byte_mismatch(to_host(res), want, f"{label} replay {i}")
+        if err:
+            errors.append(err)
+
+
 def _slots(op):
     return {op.data_slot_ptr(u, k) for u in range(op.num_ubatches) for k in range(3)}
 
@@ -202,6 +216,7 @@ def test_released_graph_outputs_serve_the_next_capture(comm, seed, name):
             with s:
                 op(x, stream=s)
                 s.synchronize()
+            case.x = x
             ptrs = []
             for g in range(2):
                 if r == 0:
@@ -213,15 +228,7 @@ def test_released_graph_outputs_serve_the_next_capture(comm, seed, name):
                     res = op(x, stream=s)
                     graph = s.end_capture()
                 ptrs.append(res.data.ptr)
-                for i in range(3):
-                    own, want = case.inputs(sub_seed(seed, g, i))
-                    with s:
-                        bits(x).set(bits(own), stream=s)
-                        graph.launch(s)
-                    s.synchronize()
-                    err = byte_mismatch(to_host(res), want, f"rank {r} graph {g} replay {i}")
-                    if err:
-                        errors.append(err)
+                _replay_and_check(case, graph, res, s, (seed, g), 3, f"rank {r} graph {g}", errors)
                 del graph
             if ptrs[0] != ptrs[1]:
                 errors.append(f"the released buffer was not reused ({ptrs[0]:#x}, {ptrs[1]:#x})")
@@ -252,16 +259,45 @@ def test_small_graph_calls_copy_out_and_mix_forms(comm, seed, name):
                 s.begin_capture()
                 res = op(x, stream=s) if r == 0 else op(x, out=out, stream=s)
                 graph = s.end_capture()
-            for i in range(4):
-                own, want = case.inputs(sub_seed(seed, 11, i))
-                with s:
-                    bits(x).set(bits(own), stream=s)
-                    graph.launch(s)
-                s.synchronize()
-                err = byte_mismatch(to_host(res), want, f"rank {r} replay {i}")
-                if err:
-                    errors.append(err)
+            case.x = x
+            _replay_and_check(case, graph, res, s, (seed, 11), 4, f"rank {r}", errors)
             if op.poisoned:
                 errors.append("the workspace is poisoned")
 
     run_collective(comm, f"{name} small captured calls, mixed forms", body)
+
+
+@pytest.mark.parametrize("name", ["q_gather", "kv_gather"])
+def test_replays_interleaved_with_eager_calls_of_the_same_ubatch(comm, seed, name):
+    """Replays of a zero-copy graph call and eager calls of the same ubatch, in turn (the eager
+    calls copy out into the workspace's eager buffers, their kernels post credits that name no
+    buffer): every result is exact."""
+    import cupy
+
+    r = comm.rank
+
+    def body(errors):
+        case = _Case(name, comm)
+        with case.op as op:
+            s = cupy.cuda.Stream(non_blocking=True)
+            x = case.x = poisoned_empty(case.own_shape, DT)
+            with s:
+                op(x, stream=s)
+                s.synchronize()
+                s.begin_capture()
+                res = op(x, stream=s)
+                graph = s.end_capture()
+            for i in range(6):
+                _replay_and_check(case, graph, res, s, (seed, 21, i), 1, f"rank {r} {i}", errors)
+                own, want = case.inputs(sub_seed(seed, 22, i))
+                with s:
+                    bits(x).set(bits(own), stream=s)
+                    eager = op(x, stream=s)
+                s.synchronize()
+                if eager.data.ptr == res.data.ptr:
+                    errors.append("an eager call returned the graph output buffer")
+                err = byte_mismatch(to_host(eager), want, f"rank {r} eager call {i}")
+                if err:
+                    errors.append(err)
+
+    run_collective(comm, f"{name} replays and eager calls in turn", body)
