@@ -681,6 +681,16 @@ class DCPComm(DCPCalls, Resource):
         )
 
     # ------------------------------------------------------------------ sync and teardown
+    def release_graph_outputs(self) -> None:
+        """Give the graph output buffers of every direct op back to its pool
+        (:meth:`dcpkit.ops.QGather.release_graph_outputs`): only once no graph that captured a
+        call of this object without ``out=`` will be replayed again, and never during such a
+        capture. Local to this rank, no GPU work."""
+        self._check_open("release_graph_outputs")
+        for o in self.direct_ops.values():
+            if o is not None:
+                o.release_graph_outputs()
+
     def synchronize(self, stream=None) -> None:
         """Wait for ``stream`` (default: the current CuPy stream), then raise
         :class:`~dcpkit.errors.CollectiveTimeout` if a direct op timed out, or

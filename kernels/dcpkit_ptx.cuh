@@ -50,11 +50,13 @@
 //   bits  7-10  dtype code of the data (dcpkit/ops/_protocol.py DTYPE_CODES)
 //   bits 11-12  lse_partial dtype code (lse_reduce; 0 for the gathers)
 //   bit  13     query_start_loc given;  bit 14  seq_lens given (lse_reduce)
-//   bits 15-31  T mod 2**17
+//   bits 15-30  T mod 2**16
+//   bit  31     the push gathers: result stored straight into a graph output buffer (NOTE
+//               [dcpkit zero-copy graph outputs] in gather.cuh)
 // A waiter that reads the expected epoch with another fingerprint stops waiting, records op,
 // rank, peer, its own fingerprint and the fingerprint it saw from every source of this epoch in
 // the host-mapped record (kind = mismatch), and poisons the workspace; the host raises
-// ConfigMismatch naming the ranks and values. T values that differ by a multiple of 2**17, and
+// ConfigMismatch naming the ranks and values. T values that differ by a multiple of 2**16, and
 // anything the fingerprint does not carry, are left to the host check of DCPKIT_DEBUG=1. A
 // ubatch mismatch sends the signal to another ubatch's words: a waiter whose deadline expires
 // first looks there (a peer's signal for an epoch this rank did not call on that ubatch) and

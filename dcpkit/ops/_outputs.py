@@ -60,8 +60,9 @@ class OutputBuffers:
         """Give every graph output buffer back to the pool, for the captures that follow.
 
         Call it only once no graph that captured a call of this workspace without ``out=`` will
-        be replayed again (destroyed, or never launched again; a capture in progress counts):
-        the results of those calls become invalid, and later captures reuse their buffers.
+        be replayed again (destroyed, or never launched again), and never while such a capture
+        is in progress (its later calls would reuse the buffers of its earlier ones): the
+        results of those calls become invalid, and later captures reuse their buffers.
         Local to this rank, no GPU work; ranks may call it at different times (a peer stores
         into the buffer the receiving rank names)."""
         self.check_open()

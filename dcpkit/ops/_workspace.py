@@ -226,13 +226,13 @@ class OpWorkspace(OutputBuffers, Resource):
         self._out_bytes = int(out_bytes)
         self._pool_stride = _round_up(max(self._out_bytes, 1))
         self._pool_in_region = self._symmetric_graph_outputs()
-        pool = self.graph_outputs * self._pool_stride if self._pool_in_region else 0
-        self._region = U * self._ubatch_stride + pool
-        if self._region > MAX_NBYTES:
+        self._pool_bytes = self.graph_outputs * self._pool_stride
+        self._region = U * self._ubatch_stride + (self._pool_bytes if self._pool_in_region else 0)
+        if self._region > MAX_NBYTES or self._pool_bytes > MAX_NBYTES:
             raise InvalidArgument(
-                f"{op}: num_ubatches * symmetric bytes per ubatch must be <= 2**40 (got "
-                f"{U} * {self._ubatch_stride} = {self._region}): lower {self.size_arguments} "
-                f"or num_ubatches"
+                f"{op}: {self._size_formula()} must be <= 2**40 bytes (got "
+                f"{self._size_terms()}): lower {self.size_arguments}, num_ubatches or "
+                f"graph_outputs"
             )
         return agreed + (U, self.timeout_ms, self._region)
 
@@ -329,13 +329,20 @@ class OpWorkspace(OutputBuffers, Resource):
             total = int(cupy.cuda.runtime.getDeviceProperties(device)["totalGlobalMem"])
         except Exception:  # noqa: BLE001 - unknown: the heap checks it again
             return
-        if self._region > total:
+        if self._region + (0 if self._pool_in_region else self._pool_bytes) > total:
             raise InvalidArgument(
-                f"{self.op_name}: num_ubatches * symmetric bytes per ubatch must be <= the "
-                f"memory of GPU {device}, {total} bytes (got {self.num_ubatches} * "
-                f"{self._ubatch_stride} = {self._region}): lower {self.size_arguments} or "
-                f"num_ubatches"
+                f"{self.op_name}: {self._size_formula()} must be <= the memory of GPU "
+                f"{device}, {total} bytes (got {self._size_terms()}): lower "
+                f"{self.size_arguments}, num_ubatches or graph_outputs"
             )
+
+    def _size_formula(self) -> str:
+        return "num_ubatches * symmetric bytes per ubatch + graph_outputs * bytes per graph output"
+
+    def _size_terms(self) -> str:
+        U, n = self.num_ubatches, self.graph_outputs
+        total = U * self._ubatch_stride + self._pool_bytes
+        return f"{U} * {self._ubatch_stride} + {n} * {self._pool_stride} = {total}"
 
     def _init_region(self, heap, multicast) -> None:
         """The heap (own or reserved in ``heap``), then the local state; a failure anywhere
@@ -587,8 +594,9 @@ class OpWorkspace(OutputBuffers, Resource):
                 raise DcpkitError(
                     f"{self.op_name}: graph output buffers must suffice for every call captured "
                     f"without out= (got graph_outputs={self.graph_outputs}, all taken by "
-                    f"earlier captured calls): pass out= or build the workspace with a larger "
-                    f"graph_outputs"
+                    f"earlier captured calls): pass out=, build the workspace with a larger "
+                    f"graph_outputs, or call release_graph_outputs() once the graphs that "
+                    f"used them are gone"
                 )
             self._captured[ubatch] = True
         self._calls[ubatch] += 1

@@ -90,9 +90,10 @@ class KVGather(GatherWorkspace):
         Calls captured in CUDA graphs without ``out=`` that the workspace serves (until
         :meth:`release_graph_outputs`), each with a result buffer of its own
         (``world_size * max_tokens * D_kv * itemsize`` bytes each; default 4, 0 for none). With
-        ``algorithm="push"`` the buffers lie in the symmetric region and every rank stores its
-        block straight into them (zero copy: in a graph, the view form costs no copy, ``out=``
-        one). One more raises :class:`DcpkitError` at capture time: pass ``out=`` then.
+        ``algorithm="push"`` the buffers lie in the symmetric region and, from 16 KiB per rank
+        (unicast, up to 64 ranks), every rank stores its block straight into them (zero copy:
+        in a graph, the view form costs no copy, ``out=`` one). One more raises
+        :class:`DcpkitError` at capture time: pass ``out=`` then.
     waiter_ctas : int, optional
         CTAs of a copy-out (push) or any pull call that wait and copy (default: the SM share /
         8, at least 1; NOTE [dcpkit epoch signalling]). A measuring knob; the co-residency rule

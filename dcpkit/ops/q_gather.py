@@ -96,8 +96,9 @@ class QGather(GatherWorkspace):
         Calls captured in CUDA graphs without ``out=`` that the workspace serves (until
         :meth:`release_graph_outputs`), each with a result buffer of its own
         (``max_tokens * H_pad * D * itemsize`` bytes each, in the symmetric region; default 4,
-        0 for none). Every rank stores its heads straight into that buffer (zero copy): in a
-        graph, the view form costs no copy, ``out=`` one. One more raises
+        0 for none). From 16 KiB per rank (``T * H_r * D * itemsize``; unicast, up to 64
+        ranks) every rank stores its heads straight into that buffer (zero copy): in a graph,
+        the view form costs no copy, ``out=`` one. One more raises
         :class:`DcpkitError` at capture time: pass ``out=`` then.
     waiter_ctas : int, optional
         CTAs of a copy-out call that wait and copy out (default: the SM share / 8, at least 1;

@@ -692,8 +692,8 @@ def test_float32_timeout_is_accepted_by_every_op(
             lambda c: LseReduce(
                 c, max_tokens=8, num_heads=8, head_dim=64, dtype="bfloat16", num_ubatches=2**30
             ),
-            "lse_reduce: num_ubatches * symmetric bytes per ubatch must be <= 2**40 (got 1073741824 "
-            "* ",
+            "lse_reduce: num_ubatches * symmetric bytes per ubatch + graph_outputs * bytes per graph output must be <= 2**40 bytes "
+            "(got 1073741824 * ",
         ),
         (
             lambda c: QGather(
@@ -704,13 +704,39 @@ def test_float32_timeout_is_accepted_by_every_op(
                 dtype="uint8",
                 num_ubatches=2**7,
             ),
-            "lower max_tokens, heads_per_rank, head_dim, padded_num_heads or num_ubatches",
+            "lower max_tokens, heads_per_rank, head_dim, padded_num_heads, num_ubatches or "
+            "graph_outputs",
         ),
         (
             lambda c: KVGather(
                 c, max_tokens=2**20, row_dim=2**14, dtype="uint8", num_ubatches=2**12
             ),
-            "kv_gather: num_ubatches * symmetric bytes per ubatch must be <= 2**40",
+            "kv_gather: num_ubatches * symmetric bytes per ubatch + graph_outputs * bytes per graph output must be <= 2**40",
+        ),
+        # a huge pool of graph outputs, in the symmetric region (push) or in device memory
+        (
+            lambda c: QGather(
+                c,
+                max_tokens=8,
+                heads_per_rank=4,
+                head_dim=64,
+                dtype="bfloat16",
+                graph_outputs=10**9,
+            ),
+            "(got 1 * 12544 + 1000000000 * 4096 = 4096000012544): lower max_tokens, "
+            "heads_per_rank, head_dim, padded_num_heads, num_ubatches or graph_outputs",
+        ),
+        (
+            lambda c: KVGather(
+                c, max_tokens=8, row_dim=64, dtype="bfloat16", algorithm="pull", graph_outputs=2**64
+            ),
+            "kv_gather: num_ubatches * symmetric bytes per ubatch + graph_outputs * bytes per graph output must be <= 2**40 bytes",
+        ),
+        (
+            lambda c: LseReduce(
+                c, max_tokens=8, num_heads=8, head_dim=64, dtype="bfloat16", graph_outputs=2**64
+            ),
+            "or graph_outputs",
         ),
         (
             lambda c: NcclQGather(
@@ -755,10 +781,10 @@ def test_workspace_larger_than_the_gpu_names_the_op_arguments():
     with pytest.raises(InvalidArgument) as ei:
         ws._check_fits(fake, 3)
     assert str(ei.value).startswith(
-        "lse_reduce: num_ubatches * symmetric bytes per ubatch must "
+        "lse_reduce: num_ubatches * symmetric bytes per ubatch + graph_outputs * bytes per graph output must "
         f"be <= the memory of GPU 3, {80 << 30} bytes (got 1 * "
     )
-    assert "lower max_tokens, num_heads, head_dim or num_ubatches" in str(ei.value)
+    assert "lower max_tokens, num_heads, head_dim, num_ubatches or graph_outputs" in str(ei.value)
     props["totalGlobalMem"] = 1 << 40
     ws._check_fits(fake, 3)  # fits
 

@@ -836,7 +836,7 @@ def test_precondition_failing_on_one_rank_never_enters_nccl():
         (
             dict(num_ubatches=2**27),
             InvalidArgument,
-            "DCPComm: direct q_gather op: num_ubatches * symmetric bytes per ubatch must be <= 2**40",
+            "DCPComm: direct q_gather op: num_ubatches * symmetric bytes per ubatch + graph_outputs * bytes per graph output must be <= 2**40",
         ),
         (
             dict(dtype="float64"),
@@ -1041,3 +1041,24 @@ def test_direct_lse_reduce_is_built_with_return_lse_as_asked(return_lse):
     dcp = FakeDCPComm(fake_comm(), return_lse=return_lse, **GEOM)
     _, kw = dcp._direct_spec("lse_reduce")
     assert kw["return_lse"] is return_lse
+
+
+def test_release_graph_outputs_reaches_every_direct_op_and_refuses_when_closed():
+    dcp = DCPComm.__new__(DCPComm)
+    released = []
+
+    class _Op:
+        def __init__(self, name):
+            self.name = name
+
+        def release_graph_outputs(self):
+            released.append(self.name)
+
+    dcp.direct_ops = {"q_gather": _Op("q"), "kv_gather": None, "lse_reduce": _Op("lse")}
+    dcp._closed = False
+    dcp.release_graph_outputs()
+    assert released == ["q", "lse"]
+    dcp._closed = True
+    with pytest.raises(ClosedError, match="DCPComm.release_graph_outputs: DCPComm is closed"):
+        dcp.release_graph_outputs()
+    assert released == ["q", "lse"]
