@@ -254,7 +254,8 @@ def build_parser() -> BenchParser:
         "--timeout-ms",
         type=milliseconds,
         default=10000.0,
-        help="deadline of every device wait (ops and ceilings), ms (default 10000)",
+        help="deadline of every device wait (ops and ceilings), in [0.001, 3600000] ms (default "
+        "10000; DCPKIT_TIMEOUT_MS is not read here)",
     )
     p.add_argument(
         "--hang-s",
