@@ -291,8 +291,8 @@ def no_driver_reason(probe: dict[str, Any] | None = None) -> str | None:
             missing_lib = not _libcuda_loads()
         if missing_lib:
             return (
-                "no CUDA driver found (the NVIDIA driver library libcuda is not installed "
-                "on this machine)"
+                "no CUDA driver found (the NVIDIA driver library libcuda.so.1 cannot be "
+                "loaded on this machine)"
             )
     except Exception:  # noqa: BLE001 - a probe never raises
         return None

@@ -86,7 +86,7 @@ class KVGather(GatherWorkspace):
         ``3 * world_size * max_tokens * D_kv * itemsize`` bytes per ubatch (plus signals).
     multicast : bool, optional
         Ask for a multicast heap (used only where dcpkit's multicast guard allows it).
-    graph_outputs : int
+    graph_outputs : int, optional
         Calls captured in CUDA graphs without ``out=`` that the workspace serves (until
         :meth:`release_graph_outputs`), each with a result buffer of its own
         (``world_size * max_tokens * D_kv * itemsize`` bytes each; default 4, 0 for none). With

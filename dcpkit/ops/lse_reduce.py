@@ -182,11 +182,12 @@ class LseReduce(LseReduceCall, OpWorkspace):
         ``rank`` as ``comm``) instead of allocating its own. The reservation is taken only
         after every rank passed every check, and is never given back (the heap is a bump
         allocator), also when a later setup step fails.
-    graph_outputs : int
+    graph_outputs : int, optional
         Calls captured in CUDA graphs without ``out=`` (or, with ``return_lse``, without
         ``out_lse=``) that the workspace serves (until :meth:`release_graph_outputs`), each with
-        result buffers of its own (allocated with the workspace; default 4, 0 for none). One
-        more raises
+        result buffers of its own (``max_tokens * H_r * D * itemsize`` bytes, plus
+        ``max_tokens * H_r * 4`` with ``return_lse``, each; allocated in device memory with the
+        workspace; default 4, 0 for none). One more raises
         :class:`DcpkitError` at capture time: pass ``out=`` / ``out_lse=`` then.
     waiter_ctas : int, optional
         CTAs that wait and combine (the others send and exit; default: the SM share / 8, at
@@ -211,10 +212,9 @@ class LseReduce(LseReduceCall, OpWorkspace):
     Output lifetime. With ``out=`` the result is written there. Otherwise it lands in a
     workspace output buffer: an eager call's result stays valid while it is consumed on the
     same stream before call ``n + 2`` of the same ubatch is issued (two buffers alternate); a
-    call captured in a CUDA graph writes a fixed buffer of its ubatch that stays valid until
-    the next replay of the graph that captured the call (each captured call has buffers of its
-    own). Copy the result to keep it
-    longer.
+    call captured in a CUDA graph writes graph output buffers of its own (from the pool of
+    ``graph_outputs``), valid until the next replay of the graph that captured the call. Copy
+    the result to keep it longer.
 
     Poisoned workspace: after a timeout or a :class:`ConfigMismatch` (ranks that called with a
     different ``T``, lse dtype, mask presence or ubatch) every later kernel of the workspace,

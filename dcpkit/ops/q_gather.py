@@ -92,7 +92,7 @@ class QGather(GatherWorkspace):
         allocator), also when a later setup step fails.
     multicast : bool, optional
         Ask for a multicast heap (used only where dcpkit's multicast guard allows it).
-    graph_outputs : int
+    graph_outputs : int, optional
         Calls captured in CUDA graphs without ``out=`` that the workspace serves (until
         :meth:`release_graph_outputs`), each with a result buffer of its own
         (``max_tokens * H_pad * D * itemsize`` bytes each, in the symmetric region; default 4,

@@ -289,8 +289,8 @@ def test_no_driver_reason_on_this_machine():
         assert reason is None
     elif "DynamicLibNotFoundError" in str(probe["error"]):
         assert reason == (
-            "no CUDA driver found (the NVIDIA driver library libcuda is not "
-            "installed on this machine)"
+            "no CUDA driver found (the NVIDIA driver library libcuda.so.1 cannot be "
+            "loaded on this machine)"
         )
 
 
