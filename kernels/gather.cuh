@@ -44,6 +44,19 @@
 // as with the data slots; that rank's host raises at its next call either way.
 // Every CTA of such a call waits (for the credits), so the host caps its grid at half the SM
 // share: see the co-residency rule in NOTE [dcpkit epoch signalling].
+//
+// NOTE [dcpkit early payload loads]
+// ---------------------------------
+// A call reads two control words before its first payload store: its workspace's abort word
+// (the poison check: a poisoned workspace stores nothing into its peers, whose slots may be in
+// use after a timeout) and its epoch (which slot the stores go to). Each thread issues those two
+// loads first, then the loads of its first pass of the payload (this call's input: valid
+// memory, read whether or not the workspace turns out poisoned), and only then waits, at the
+// CTA barrier of the poison check, for the abort word. The payload's latency then overlaps the
+// control loads' instead of following it; nothing is stored before the check. The other order
+// (payload loads first) was measured slower: the abort word's load queued behind them and the
+// check itself took longer. lse_reduce's small send keeps its check first: the same order there
+// measured slower (docs/performance.md, "Tried").
 #pragma once
 
 #include "dcpkit_ptx.cuh"
@@ -147,39 +160,79 @@ __device__ __forceinline__ void gather_copy(const char* src, long long src_strid
 //     (row stride g.out_stride) instead of the own slot: nothing reads it from there.
 //   Multicast: one multimem.st per vector to `mc_data + slot_off` lands in every rank's slot,
 //     the own one included (plus a local store into `own_out` with copy-out).
+// The vectors a thread of the push moves in one pass (kGatherUnroll of them, span apart).
+struct GatherBatch {
+  uint4 v[kGatherUnroll];
+  u32 row[kGatherUnroll], col[kGatherUnroll];
+};
+
+// Load the pass of the push that starts at vector `base` (span = threads of the grid).
+__device__ __forceinline__ void gather_load(const char* src, const GatherGeom& g, u32 n, u32 base,
+                                            u32 span, GatherBatch& b) {
+#pragma unroll
+  for (int k = 0; k < kGatherUnroll; ++k) {
+    const u32 i = base + static_cast<u32>(k) * span;
+    b.v[k] = make_uint4(0u, 0u, 0u, 0u);
+    b.row[k] = 0u;
+    b.col[k] = 0u;
+    if (i < n) {
+      gather_split(g.rows, g.row_vecs, i, b.row[k], b.col[k]);
+      b.v[k] = ld16_nc(src + b.row[k] * g.src_stride + b.col[k] * 16ll);
+    }
+  }
+}
+
+// The first pass of this thread's push, loaded when the call starts: the loads are in flight
+// while the call reads its epoch and its workspace's abort word (and, zero copy, waits for the
+// credits), instead of after them (NOTE [dcpkit early payload loads]).
+__device__ __forceinline__ void gather_load_first(const char* src, const GatherGeom& g,
+                                                  GatherBatch& b) {
+  gather_load(src, g, g.rows * g.row_vecs, blockIdx.x * blockDim.x + threadIdx.x,
+              gridDim.x * blockDim.x, b);
+}
+
+// The pull's staging: this rank's block into `dst` (row stride dst_stride) and, when not null,
+// `dst2`; `b` holds the first pass (gather_load_first).
+__device__ __forceinline__ void gather_stage(const char* src, const GatherGeom& g, char* dst,
+                                             long long dst_stride, char* dst2,
+                                             long long dst2_stride, GatherBatch& b) {
+  const u32 n = g.rows * g.row_vecs;
+  const u32 span = gridDim.x * blockDim.x;
+  const u32 start = blockIdx.x * blockDim.x + threadIdx.x;
+  for (u32 base = start; base < n; base += span * kGatherUnroll) {
+    if (base != start) gather_load(src, g, n, base, span, b);
+#pragma unroll
+    for (int k = 0; k < kGatherUnroll; ++k) {
+      if (base + static_cast<u32>(k) * span < n) {
+        st16(dst + b.row[k] * dst_stride + b.col[k] * 16ll, b.v[k]);
+        if (dst2 != nullptr) st16(dst2 + b.row[k] * dst2_stride + b.col[k] * 16ll, b.v[k]);
+      }
+    }
+  }
+}
+
 // `dst_tbl` (zero-copy graph outputs, Unicast; else null): the address of each peer's
 // destination (its graph output buffer or its data slot), in place of `peer_data[d] + slot_off`.
+// `b`: the first pass, loaded by gather_load_first; the later passes load their own.
 template <Transport TR>
 __device__ __forceinline__ void gather_push(const Proto& P, const u64* peer_data, u64 mc_data,
                                             u64 slot_off, const char* src, const GatherGeom& g,
-                                            char* own_out, const u64* dst_tbl = nullptr) {
+                                            char* own_out, const u64* dst_tbl, GatherBatch& b) {
   const u32 n = g.rows * g.row_vecs;
   const u32 span = gridDim.x * blockDim.x;  // threads of the grid
   const long long col0 = static_cast<long long>(P.rank) * g.row_vecs * 16ll;
   const u32 first = gather_first_peer(P);
-  for (u32 base = blockIdx.x * blockDim.x + threadIdx.x; base < n;
-       base += span * kGatherUnroll) {
-    uint4 v[kGatherUnroll];
-    u32 row[kGatherUnroll], col[kGatherUnroll];
-#pragma unroll
-    for (int k = 0; k < kGatherUnroll; ++k) {
-      const u32 i = base + static_cast<u32>(k) * span;
-      v[k] = make_uint4(0u, 0u, 0u, 0u);
-      row[k] = 0u;
-      col[k] = 0u;
-      if (i < n) {
-        gather_split(g.rows, g.row_vecs, i, row[k], col[k]);
-        v[k] = ld16_nc(src + row[k] * g.src_stride + col[k] * 16ll);
-      }
-    }
+  const u32 start = blockIdx.x * blockDim.x + threadIdx.x;
+  for (u32 base = start; base < n; base += span * kGatherUnroll) {
+    if (base != start) gather_load(src, g, n, base, span, b);
     if (TR == Transport::Multicast) {
       char* mc = reinterpret_cast<char*>(mc_data + slot_off) + col0;
 #pragma unroll
       for (int k = 0; k < kGatherUnroll; ++k) {
         if (base + static_cast<u32>(k) * span < n) {
-          multimem_st16(mc + row[k] * g.slot_stride + col[k] * 16ll, v[k]);
+          multimem_st16(mc + b.row[k] * g.slot_stride + b.col[k] * 16ll, b.v[k]);
           if (own_out != nullptr) {
-            st16(own_out + col0 + row[k] * g.out_stride + col[k] * 16ll, v[k]);
+            st16(own_out + col0 + b.row[k] * g.out_stride + b.col[k] * 16ll, b.v[k]);
           }
         }
       }
@@ -200,7 +253,7 @@ __device__ __forceinline__ void gather_push(const Proto& P, const u64* peer_data
 #pragma unroll
         for (int k = 0; k < kGatherUnroll; ++k) {
           if (base + static_cast<u32>(k) * span < n) {
-            st16(dst + row[k] * stride + col[k] * 16ll, v[k]);
+            st16(dst + b.row[k] * stride + b.col[k] * 16ll, b.v[k]);
           }
         }
         d = gather_next_peer(P, d);
@@ -286,12 +339,6 @@ __device__ __forceinline__ void gather_failed(const Proto& P, const GatherGeom& 
   }
 }
 
-// The workspace was poisoned by an earlier timeout or mismatch: the whole CTA takes the poison
-// path (CTA-uniform, so no thread is left alone at a barrier of the protocol).
-__device__ __forceinline__ bool gather_aborted(const Proto& P) {
-  return __syncthreads_or(aborted(P) ? 1 : 0) != 0;
-}
-
 // Largest world of a zero-copy graph call (the destination table; the host checks).
 constexpr int kZeroCopyMaxWorld = 64;
 
@@ -365,7 +412,12 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
                                                  const GatherGeom& g, char* out) {
   DCPKIT_MARK_START();
   __shared__ u64 s_dst[kZeroCopyMaxWorld];
+  // The control loads go first, then the first pass of the payload (NOTE [dcpkit early payload
+  // loads]).
+  const bool abort_seen = aborted(P);
   const u64 e = call_epoch(P);  // read once: the elected CTA stores e before the kernel ends
+  GatherBatch batch;
+  gather_load_first(src, g, batch);
   const u32 e32 = static_cast<u32>(e);
   const int sig_slot = static_cast<int>(e & 1ull);
   const u64 slot_off = (e % kGatherDataSlots) * slot_bytes;
@@ -379,7 +431,8 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
                                 : reinterpret_cast<char*>(__ldg(peer_data + P.rank) + slot_off);
   const long long result_stride = out != nullptr ? g.out_stride : g.slot_stride;
   DCPKIT_MARK_ENTRY(e);
-  const bool dead = gather_aborted(P);  // poisoned: store nothing, arrive, the elected fills
+  // Poisoned (CTA-uniform): store nothing, arrive, the elected CTA fills the result.
+  const bool dead = __syncthreads_or(abort_seen ? 1 : 0) != 0;
   DCPKIT_MARK(e, 1u);
   const u32 fp = call_fingerprint(P, g.tokens, 0u, false, false) |
                  ((zc ? 1u : 0u) << DCPKIT_FP_ZC_SHIFT);
@@ -388,7 +441,9 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
   const bool skip =
       dead || (zc && !gather_wait_credits(P, peer_data, slot_off, sig_slot, e32, fp, s_dst));
 
-  if (!skip) gather_push<TR>(P, peer_data, mc_data, slot_off, src, g, out, zc ? s_dst : nullptr);
+  if (!skip) {
+    gather_push<TR>(P, peer_data, mc_data, slot_off, src, g, out, zc ? s_dst : nullptr, batch);
+  }
   DCPKIT_MARK(e, 2u);
   const bool copies = out != nullptr && !zc;  // copy-out from the own slot after the wait
   const u32 k = copies ? P.waiters : 1u;
@@ -439,7 +494,11 @@ __device__ __forceinline__ void gather_pull_call(const Proto& P, const u64* peer
                                                  u64 slot_bytes, const char* src,
                                                  const GatherGeom& g, char* out) {
   DCPKIT_MARK_START();
+  // The control loads, then the first pass of the staging (NOTE [dcpkit early payload loads]).
+  const bool abort_seen = aborted(P);
   const u64 e = call_epoch(P);
+  GatherBatch batch;
+  gather_load_first(src, g, batch);
   const u32 e32 = static_cast<u32>(e);
   const int sig_slot = static_cast<int>(e & 1ull);
   const u64 slot_off = (e % kGatherDataSlots) * slot_bytes;
@@ -447,15 +506,15 @@ __device__ __forceinline__ void gather_pull_call(const Proto& P, const u64* peer
   char* result = out != nullptr ? out : own_slot;
   const long long result_stride = out != nullptr ? g.out_stride : g.slot_stride;
   DCPKIT_MARK_ENTRY(e);
-  const bool dead = gather_aborted(P);  // poisoned: store nothing, arrive, the elected fills
+  // Poisoned (CTA-uniform): store nothing, arrive, the elected CTA fills the result.
+  const bool dead = __syncthreads_or(abort_seen ? 1 : 0) != 0;
   DCPKIT_MARK(e, 1u);
   const u32 fp = call_fingerprint(P, g.tokens, 0u, false, false);
   const long long col0 = static_cast<long long>(P.rank) * g.row_vecs * 16ll;
 
   if (!dead) {
-    gather_copy<true>(src, g.src_stride, own_slot + col0, g.slot_stride,
-                      out == nullptr ? nullptr : out + col0, g.out_stride, g.rows, g.row_vecs,
-                      blockIdx.x, gridDim.x);
+    gather_stage(src, g, own_slot + col0, g.slot_stride, out == nullptr ? nullptr : out + col0,
+                 g.out_stride, batch);
   }
   DCPKIT_MARK(e, 2u);
   bool published;
