@@ -1,5 +1,5 @@
 """The command-line tools before anything is launched: the wait deadline (``--timeout-ms``,
-``DCPKIT_TIMEOUT_MS``) and the lines printed once per MPI job.
+``DCPKIT_TIMEOUT_MS``), the lines printed once per MPI job, and the examples' ``--help``.
 
 Every tool that takes ``--timeout-ms`` (``dcpkit demo``, ``dcpkit bench``, ``scripts/soak.py``)
 defaults it to ``DCPKIT_TIMEOUT_MS``, as the ops do; a bad variable is one line naming it and its
@@ -21,6 +21,7 @@ from dcpkit.demo import cli as demo_cli
 
 BAD_VALUES = ["abc", "0", "-5", "1e-300", "inf", "nan"]
 RANGE = "[0.001, 3600000]"
+EXAMPLES = ["cupy_decode_step", "dcpcomm_step", "torch_cuda_graph", "vllm_api"]
 
 
 def _no_gpu():
@@ -89,6 +90,7 @@ def test_a_bad_variable_is_a_usage_error_naming_it(prog, raw, argv, capsys, monk
         ["-m", "dcpkit", "bench", "--quick"],
         ["-m", "dcpkit.bench"],
         ["scripts/soak.py"],
+        *[[f"examples/{name}.py"] for name in EXAMPLES],
     ],
     ids=lambda a: " ".join(a),
 )
@@ -140,7 +142,7 @@ def test_under_mpirun_a_line_for_the_job_comes_once(argv, env, needle, mpi_launc
 
 @pytest.mark.parametrize(
     "argv",
-    [["-m", "dcpkit", "bench", "--quick"], ["-m", "dcpkit", "demo"]],
+    [["-m", "dcpkit", "bench", "--quick"], ["-m", "dcpkit", "demo"], ["examples/dcpcomm_step.py"]],
     ids=lambda a: " ".join(a),
 )
 def test_launcher_mismatch_is_said_by_launcher_rank_0_only(
@@ -229,3 +231,45 @@ def test_no_gpu_problem_names_the_ranks():
     assert p([None, "a", "b", "a"]).startswith(
         "no usable GPU on ranks 1, 3 (a); no usable GPU on rank 2 (b); "
     )
+
+
+# ----------------------------------------------------------------------------- examples --help
+@pytest.fixture(scope="module")
+def examples_dir(repo_root):
+    d = repo_root / "examples"
+    if not d.is_dir():
+        pytest.skip(f"no {d} (tests run from an installed copy without the checkout)")
+    return d
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_help_says_what_it_does_and_how_to_launch_it(name, examples_dir, run_python):
+    import ast
+
+    path = examples_dir / f"{name}.py"
+    r = run_python([str(path), "--help"], timeout=120)
+    assert r.returncode == 0 and r.stderr == "", (r.stdout, r.stderr)
+    out = r.stdout
+    assert out.startswith(f"usage: mpirun -np N python examples/{name}.py [options]"), out
+    summary = ast.get_docstring(ast.parse(path.read_text())).splitlines()[0]
+    assert summary.replace("``", "") in out, out
+    assert f"mpirun -np 2 python examples/{name}.py" in out and "pip install 'dcpkit[" in out
+    assert "Exit status" in out and "-h, --help" in out
+    assert "run under mpirun with 2 or more ranks" not in out and "``" not in out
+
+
+@pytest.mark.parametrize(
+    "name,argv,fragment",
+    [
+        ("cupy_decode_step", ["--bogus"], "unrecognized arguments: --bogus"),
+        ("vllm_api", ["--heads-per-rank", "0"], "argument --heads-per-rank: must be an integer"),
+        ("vllm_api", ["--seed", "-1"], "argument --seed: must be an integer in [0, 2147483647]"),
+        ("vllm_api", ["--max-num-tokens", "x"], "argument --max-num-tokens: must be an integer"),
+    ],
+)
+def test_example_bad_option_is_one_line(name, argv, fragment, examples_dir, run_python):
+    r = run_python([str(examples_dir / f"{name}.py"), *argv], timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"{name}: {fragment}"), r.stderr
+    assert r.stderr.rstrip().endswith(f"(see python examples/{name}.py --help)"), r.stderr
