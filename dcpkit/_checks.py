@@ -24,6 +24,8 @@ __all__ = [
     "COPY_ITEMSIZES",
     "MAX_TIMEOUT_MS",
     "MIN_TIMEOUT_MS",
+    "DEFAULT_TIMEOUT_MS",
+    "TIMEOUT_ENV",
     "TIMEOUT_RANGE",
     "INT32_MAX",
     "resolve_dtype",
@@ -60,6 +62,10 @@ MAX_TIMEOUT_MS = 3_600_000
 #: The shortest wait deadline, in milliseconds (1 us): the kernels keep deadlines in whole
 #: nanoseconds, and a shorter one would make every wait time out at once.
 MIN_TIMEOUT_MS = 0.001
+#: The wait deadline of an op built without ``timeout_ms`` while ``DCPKIT_TIMEOUT_MS`` is unset.
+DEFAULT_TIMEOUT_MS = 5000.0
+#: The environment variable that sets the default wait deadline, in milliseconds.
+TIMEOUT_ENV = "DCPKIT_TIMEOUT_MS"
 #: The range of a wait deadline in messages and docstrings.
 TIMEOUT_RANGE = f"[{MIN_TIMEOUT_MS:g}, {MAX_TIMEOUT_MS}]"
 #: Largest value of an ``int`` kernel parameter (``T``, heads, head dims).
@@ -246,9 +252,9 @@ def default_timeout_ms(op: str = "dcpkit") -> float:
     InvalidArgument
         ``DCPKIT_TIMEOUT_MS`` is set but is not a number of milliseconds in [0.001, 3600000].
     """
-    raw = os.environ.get("DCPKIT_TIMEOUT_MS", "")
+    raw = os.environ.get(TIMEOUT_ENV, "")
     if not raw:
-        return 5000.0
+        return DEFAULT_TIMEOUT_MS
     try:
         ms = float(raw)
     except ValueError:

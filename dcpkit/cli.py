@@ -9,6 +9,10 @@ Subcommands::
 ``demo`` and ``bench`` start one process per GPU: run them under ``mpirun -np N``. Their
 modules (``dcpkit.demo``, ``dcpkit.bench``) are imported only when asked for, so ``info`` works
 on a machine without CuPy, MPI or a GPU.
+
+Under an MPI launcher every rank parses the same arguments; a usage error, ``--help`` and the
+other lines a command prints before its ranks share a communicator come from the launcher's
+rank 0 only (:func:`job_leader`), and every rank exits with the same status.
 """
 
 from __future__ import annotations
@@ -19,24 +23,142 @@ import os
 import re
 import sys
 
-from .errors import DcpkitError, MissingDependency
+from ._checks import (
+    DEFAULT_TIMEOUT_MS,
+    MAX_TIMEOUT_MS,
+    MIN_TIMEOUT_MS,
+    TIMEOUT_ENV,
+    TIMEOUT_RANGE,
+    default_timeout_ms,
+)
+from .errors import DcpkitError, InvalidArgument, MissingDependency
 
-__all__ = ["main", "CommandParser", "file_path", "output_file", "output_file_problem"]
+__all__ = [
+    "main",
+    "CommandParser",
+    "file_path",
+    "output_file",
+    "output_file_problem",
+    "milliseconds",
+    "launcher_rank",
+    "job_leader",
+]
+
+#: Variables in which MPI launchers publish each process's rank (Open MPI, PMIx, PMI-1/2
+#: launchers such as MPICH's hydra and Intel MPI).
+_LAUNCHER_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+
+
+def launcher_rank(env=None) -> int | None:
+    """This process's rank as an MPI launcher published it, or None outside a launcher. Reads
+    the environment only (no MPI initialisation)."""
+    env = os.environ if env is None else env
+    for var in _LAUNCHER_RANK_VARS:
+        try:
+            return int(env[var])
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
+def job_leader(env=None) -> bool:
+    """Whether this process prints the lines of the whole job: True outside a launcher and on
+    the launcher's rank 0. Reads the environment only, so it holds before MPI is set up (and
+    where MPI cannot be set up at all)."""
+    return launcher_rank(env) in (None, 0)
+
+
+def milliseconds(text: str) -> float:
+    """An argparse ``type=`` for a wait deadline: a number of milliseconds in [0.001, 3600000]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not MIN_TIMEOUT_MS <= value <= MAX_TIMEOUT_MS:  # NaN and inf fail too
+        raise argparse.ArgumentTypeError(
+            f"must be a number of milliseconds in {TIMEOUT_RANGE} (got {text!r})"
+        )
+    return value
 
 
 class CommandParser(argparse.ArgumentParser):
     """The argument parser of a subcommand: a usage error is one line on stderr naming the
-    argument, ``<prog>: <message> (see <prog> --help)``, and exit status 2 (no usage block)."""
+    argument, ``<prog>: <message> (see <prog> --help)``, and exit status 2 (no usage block).
+
+    Under an MPI launcher only the launcher's rank 0 prints (the error, ``--help``); every
+    rank exits with the same status. :meth:`add_timeout_option` adds ``--timeout-ms`` with
+    the library's ``DCPKIT_TIMEOUT_MS`` as its default, resolved and checked when parsed.
+    """
+
+    _timeout_fallback_ms: float | None = None
+
+    def __init__(self, *args, help_command: str | None = None, **kwargs):
+        """``help_command``: the command the error line points to, ``<help_command> --help``
+        (default: ``prog``); the other arguments are argparse's."""
+        super().__init__(*args, **kwargs)
+        self.help_command = help_command or self.prog
 
     def parse_known_args(self, args=None, namespace=None):
         self._argv = list(sys.argv[1:] if args is None else args)
-        return super().parse_known_args(args, namespace)
+        ns, rest = super().parse_known_args(args, namespace)
+        if self._timeout_fallback_ms is not None:
+            ns.timeout_ms, ns.timeout_source = self._resolve_timeout(ns.timeout_ms)
+        return ns, rest
+
+    def add_timeout_option(self, waits: str, *, fallback_ms: float = DEFAULT_TIMEOUT_MS) -> None:
+        """Add ``--timeout-ms``, the deadline of ``waits`` (help text), in milliseconds.
+
+        Parsing sets ``timeout_ms`` (a float) and ``timeout_source`` (``"--timeout-ms"``,
+        ``"DCPKIT_TIMEOUT_MS"`` or ``"default"``). Without ``--timeout-ms`` the value is the
+        library's: ``DCPKIT_TIMEOUT_MS`` if set, else ``fallback_ms`` (the ops' own default
+        unless the command has another). A set ``DCPKIT_TIMEOUT_MS`` is checked when the
+        arguments are parsed, also with ``--timeout-ms`` (an op built without a deadline would
+        refuse it): a bad value is a usage error naming the variable, before any MPI or GPU
+        work.
+        """
+        self._timeout_fallback_ms = float(fallback_ms)
+        self.add_argument(
+            "--timeout-ms",
+            type=milliseconds,
+            default=None,
+            metavar="MS",
+            help=f"deadline of {waits}, in {TIMEOUT_RANGE} ms (default: {TIMEOUT_ENV} if set, "
+            f"else {fallback_ms:g})",
+        )
+
+    def timeout_from_env(self) -> float | None:
+        """``DCPKIT_TIMEOUT_MS`` in milliseconds, None where it is unset; a bad value is a
+        usage error naming the variable and its range (one line, exit status 2)."""
+        raw = os.environ.get(TIMEOUT_ENV, "")
+        if not raw:
+            return None
+        try:
+            return default_timeout_ms(self.prog)
+        except InvalidArgument:
+            self.error(
+                f"environment variable {TIMEOUT_ENV}: must be a number of milliseconds in "
+                f"{TIMEOUT_RANGE} (got {raw!r})"
+            )
+
+    def _resolve_timeout(self, given: float | None) -> tuple[float, str]:
+        env_ms = self.timeout_from_env()
+        if given is not None:
+            return given, "--timeout-ms"
+        if env_ms is not None:
+            return env_ms, TIMEOUT_ENV
+        return self._timeout_fallback_ms, "default"
 
     def error(self, message: str):
-        sys.stderr.write(
-            f"{self.prog}: {message}{self._dash_hint(message)} (see {self.prog} --help)\n"
-        )
+        if job_leader():
+            sys.stderr.write(
+                f"{self.prog}: {message}{self._dash_hint(message)} "
+                f"(see {self.help_command} --help)\n"
+            )
         sys.exit(2)
+
+    def _print_message(self, message, file=None):
+        if job_leader():  # --help, usage: once per job
+            super()._print_message(message, file)
 
     def _dash_hint(self, message: str) -> str:
         """For "expected one argument" where the value given starts with '-' and a digit (argparse

@@ -24,7 +24,7 @@ import sys
 from typing import Any
 
 from ._cuda import NO_DRIVER as _NO_DRIVER
-from .cli import CommandParser
+from .cli import CommandParser, launcher_rank
 
 __all__ = [
     "collect",
@@ -299,23 +299,6 @@ def no_driver_reason(probe: dict[str, Any] | None = None) -> str | None:
     return None
 
 
-#: Variables in which MPI launchers publish each process's rank (Open MPI, PMIx, PMI-1/2
-#: launchers such as MPICH's hydra and Intel MPI).
-_LAUNCHER_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
-
-
-def launcher_rank(env=None) -> int | None:
-    """This process's rank as an MPI launcher published it, or None outside a launcher. Reads
-    the environment only (no MPI initialisation)."""
-    env = os.environ if env is None else env
-    for var in _LAUNCHER_RANK_VARS:
-        try:
-            return int(env[var])
-        except (KeyError, ValueError):
-            continue
-    return None
-
-
 def _attr(drv, dev, name: str) -> int | None:
     attr = getattr(drv.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_" + name, None)
     if attr is None:
@@ -482,7 +465,8 @@ def collect() -> dict[str, Any]:
     info["settings"] = st = _settings()
     if st["timeout_error"]:
         info["warnings"].append(
-            f"{st['timeout_error']}; every op refuses to build until it is fixed"
+            f"{st['timeout_error']}; every op refuses to build, and dcpkit demo and dcpkit bench "
+            "refuse to start, until it is fixed"
         )
     info["env"] = {k: os.environ[k] for k in MULTICAST_ENV + _OTHER_ENV if k in os.environ}
     return info
@@ -595,7 +579,8 @@ def format_text(info: dict[str, Any]) -> str:
             src = "DCPKIT_TIMEOUT_MS" if os.environ.get("DCPKIT_TIMEOUT_MS") else "default"
             dl = f"{st['timeout_ms']:g} ms ({src})"
         else:
-            dl = "invalid DCPKIT_TIMEOUT_MS (see the warning below)"
+            raw = os.environ.get("DCPKIT_TIMEOUT_MS", "")
+            dl = f"invalid DCPKIT_TIMEOUT_MS={raw!r} (see the warning below)"
         dbg = "on (host-side agreement check per call)" if st.get("debug") else "off"
         lines.append(f"settings         wait deadline {dl}, DCPKIT_DEBUG {dbg}")
     env = info["env"]

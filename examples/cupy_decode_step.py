@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from _support import connect, gpus_on_every_rank, say
+from _support import connect, gpus_on_every_rank, parse_args, parser, say
 
 import dcpkit
 
@@ -89,7 +89,8 @@ def reference(q, kv, rank: int, scale: float) -> np.ndarray:
     return out
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    parse_args(parser(__file__, __doc__), argv)
     comm = connect("cupy_decode_step")
     if comm is None:
         return 2

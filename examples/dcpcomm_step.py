@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from _support import connect, gpus_on_every_rank, say
+from _support import connect, gpus_on_every_rank, parse_args, parser, say
 
 import dcpkit
 
@@ -63,7 +63,8 @@ def attention(q, k, v, scale):
     return (p / total) @ v.astype(cupy.float32), (m + cupy.log(total))[:, 0]
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    parse_args(parser(__file__, __doc__), argv)
     comm = connect("dcpcomm_step")
     if comm is None:
         return 2

@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from _support import connect, missing, say, torch_problem
+from _support import connect, missing, parse_args, parser, say, torch_problem
 
 import dcpkit
 
@@ -95,7 +95,8 @@ def reference(q, kv, rank: int, scale: float) -> np.ndarray:
     return out
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    parse_args(parser(__file__, __doc__), argv)
     comm = connect("torch_cuda_graph")
     if comm is None:
         return 2

@@ -33,13 +33,12 @@ than mpi4py's), with one line saying why.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
 import socket
 import sys
 
-from _support import connect, missing, say, torch_problem
+from _support import connect, integer, missing, parse_args, parser, say, torch_problem
 
 D_LATENT, D_ROPE = 512, 64
 D_Q = D_LATENT + D_ROPE  # query / KV row width of absorbed MLA
@@ -229,12 +228,35 @@ def run(
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--heads-per-rank", type=int, default=8)
-    p.add_argument("--comm-backend", choices=("a2a", "ag_rs"), default="a2a")
-    p.add_argument("--max-num-tokens", type=int, default=16)
-    args = p.parse_args(argv)
+    p = parser(__file__, __doc__)
+    p.add_argument(
+        "--seed",
+        type=integer(0, 2**31 - 1),
+        default=0,
+        help="seed of the queries and the KV of the step, 0 to 2147483647 (default: 0)",
+    )
+    p.add_argument(
+        "--heads-per-rank",
+        type=integer(1),
+        default=8,
+        help="query heads H_r of each rank; the step has world_size * H_r heads (default: 8)",
+    )
+    p.add_argument(
+        "--comm-backend",
+        choices=("a2a", "ag_rs"),
+        default="a2a",
+        help="vLLM's dcp_comm_backend of the combine: a2a (all-to-all, dcpkit's direct "
+        "kernel where it serves) or ag_rs (all-gather of the lse + reduce-scatter) "
+        "(default: a2a)",
+    )
+    p.add_argument(
+        "--max-num-tokens",
+        type=integer(1),
+        default=16,
+        help=f"rows T the direct workspaces hold; a step of more rows (this one has "
+        f"{len(CONTEXTS) + PAD_ROWS}) runs the collective path (default: 16)",
+    )
+    args = parse_args(p, argv)
     comm = connect("vllm_api")
     if comm is None:
         return 2

@@ -523,7 +523,7 @@ def problems(summary: dict) -> str | None:
 def parser():
     """The soak's argument parser: every value is checked when parsed (one line, exit 2)."""
     from dcpkit.cli import CommandParser, output_file
-    from dcpkit.demo.cli import integer, milliseconds
+    from dcpkit.demo.cli import integer
 
     ap = CommandParser(
         prog="scripts/soak.py",
@@ -562,13 +562,7 @@ def parser():
         default="bfloat16",
         help="dtype of every op's inputs and outputs (default: bfloat16)",
     )
-    ap.add_argument(
-        "--timeout-ms",
-        type=milliseconds,
-        default=None,
-        help="deadline of every wait of the ops, in [0.001, 3600000] ms (default: "
-        "DCPKIT_TIMEOUT_MS or 5000)",
-    )
+    ap.add_timeout_option("every wait of the ops")
     ap.add_argument(
         "--json",
         metavar="PATH",

@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..cli import CommandParser, file_path
-from ..demo.cli import milliseconds
 from .common import ALL_MODES, ALL_OPS, ALL_PATHS, GEOMETRY, KiB, MiB
 
 __all__ = [
@@ -28,6 +27,7 @@ __all__ = [
     "MAX_BYTES_LIMIT",
     "MAX_ITERS",
     "MAX_TOKENS",
+    "BENCH_TIMEOUT_MS",
 ]
 
 #: Largest kv_gather bytes per rank (and egress slice) the benchmark allocates: the output of one
@@ -35,6 +35,9 @@ __all__ = [
 MAX_BYTES_LIMIT = 1024 * MiB
 #: Most timed samples per case, path and mode (each sample is stored in the JSON).
 MAX_ITERS = 10000
+#: The bench's wait deadline in ms where neither --timeout-ms nor DCPKIT_TIMEOUT_MS is given
+#: (the ops' own default is 5000).
+BENCH_TIMEOUT_MS = 10000.0
 #: Largest token count of q_gather / lse_reduce (the ops' workspaces hold max_tokens rows).
 MAX_TOKENS = 65536
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
@@ -250,13 +253,7 @@ def build_parser() -> BenchParser:
         default=GEOMETRY["D_kv"],
         help="kv_gather row width D_kv in elements, a multiple of 8 (default 576)",
     )
-    p.add_argument(
-        "--timeout-ms",
-        type=milliseconds,
-        default=10000.0,
-        help="deadline of every device wait (ops and ceilings), in [0.001, 3600000] ms (default "
-        "10000; DCPKIT_TIMEOUT_MS is not read here)",
-    )
+    p.add_timeout_option("every device wait (ops and ceilings)", fallback_ms=BENCH_TIMEOUT_MS)
     p.add_argument(
         "--hang-s",
         type=_positive_float(86400.0, "seconds"),
@@ -358,6 +355,8 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
             dest = action.dest
             if dest in render_opts or not action.option_strings or dest == "version":
                 continue
+            if dest == "timeout_ms" and args.timeout_source != "--timeout-ms":
+                continue  # resolved from DCPKIT_TIMEOUT_MS or the fallback, not given
             if getattr(args, dest, action.default) != action.default:
                 parser.error(f"argument {action.option_strings[0]}: not used with --render-md")
         if args.baseline is not None and len(args.baseline) != len(args.render_md):

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ..cli import job_leader
 from ..errors import DcpkitError, MissingDependency
 from . import host_md, markdown
 from .args import build_parser, check_args, resolve_config
@@ -18,7 +19,7 @@ from .common import SCHEMA, SCHEMAS_READ
 from .device import CupyDevice
 from .sweep import run_bench
 
-__all__ = ["main", "render_md_main", "render_command"]
+__all__ = ["main", "render_md_main", "render_command", "no_gpu_problem"]
 
 
 def _oserror_text(e: BaseException) -> str:
@@ -204,8 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         comm = Communicator.from_mpi()
     except (DcpkitError, MissingDependency) as e:
-        # e.g. a launcher started several processes but MPI sees one (another MPI library)
-        print(f"dcpkit bench: {' '.join(str(e).split())}", file=sys.stderr)
+        # e.g. a launcher started several processes but MPI sees one (another MPI library);
+        # without a shared communicator the launcher's rank 0 speaks for the job
+        if job_leader():
+            print(f"dcpkit bench: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if comm.world_size < 2:
         print(
@@ -214,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    dev, why = None, None
     try:
         dev = CupyDevice(comm, cfg)
     except Exception as e:  # noqa: BLE001 - no CuPy, no driver, no GPU: say so, no traceback
@@ -222,10 +226,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ..info import no_driver_reason
 
         why = no_driver_reason() or f"{type(e).__name__}: {e}"
-        print(
-            f"dcpkit bench: rank {comm.rank}: no usable GPU ({why}); the benchmark needs a GPU "
-            f"on every rank",
-            file=sys.stderr,
-        )
+    problem = no_gpu_problem(comm.allgather(why))  # every rank takes the same branch
+    if problem is not None:
+        if comm.rank == 0:
+            print(f"dcpkit bench: {problem}", file=sys.stderr)
         return 2
     return run_bench(cfg, comm, dev, argv)
+
+
+def no_gpu_problem(whys: Sequence[str | None]) -> str | None:
+    """The one line for ranks without a usable GPU, from every rank's reason (None: it has
+    one), or None when every rank has one. Ranks with the same reason are named together."""
+    ranks: dict[str, list[int]] = {}
+    for r, why in enumerate(whys):
+        if why is not None:
+            ranks.setdefault(why, []).append(r)
+    if not ranks:
+        return None
+    W = len(whys)
+    parts = []
+    for why, rs in ranks.items():
+        where = f"any of the {W} ranks" if len(rs) == W else f"rank{'s' * (len(rs) > 1)} "
+        where += "" if len(rs) == W else ", ".join(map(str, rs))
+        parts.append(f"no usable GPU on {where} ({why})")
+    return "; ".join(parts) + "; the benchmark needs a GPU on every rank"

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import INT32_MAX, MAX_TIMEOUT_MS, MIN_TIMEOUT_MS, TIMEOUT_RANGE
-from ..cli import CommandParser, file_path
+from .._checks import INT32_MAX
+from ..cli import CommandParser, file_path, job_leader, milliseconds
 from ..errors import DcpkitError
 from . import environment
 from .model import PRESETS
@@ -45,19 +45,6 @@ def integer(minimum: int, maximum: int | None = None):
         return value
 
     return parse
-
-
-def milliseconds(text: str) -> float:
-    """An argparse ``type=`` for a wait deadline: a number of milliseconds in [0.001, 3600000]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not MIN_TIMEOUT_MS <= value <= MAX_TIMEOUT_MS:  # NaN and inf fail too
-        raise argparse.ArgumentTypeError(
-            f"must be a number of milliseconds in {TIMEOUT_RANGE} (got {text!r})"
-        )
-    return value
 
 
 def json_problem(path: str | None) -> str | None:
@@ -128,13 +115,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="also write the report as JSON to PATH (written by rank 0; its folder must exist)",
     )
-    p.add_argument(
-        "--timeout-ms",
-        type=milliseconds,
-        default=None,
-        help="deadline of every wait of the direct ops, in [0.001, 3600000] ms (default: "
-        "DCPKIT_TIMEOUT_MS or 5000)",
-    )
+    p.add_timeout_option("every wait of the direct ops")
     p.add_argument(
         "--allow-shared-gpu",
         action="store_true",
@@ -151,25 +132,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def env_rank() -> int:
-    """This process's rank from the launcher's environment, before MPI is initialised."""
-    for k in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "RANK"):
-        v = os.environ.get(k)
-        if v is not None and v.isdigit():
-            return int(v)
-    return 0
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the demo's arguments. Raises ``SystemExit`` (2 on bad arguments, 0 on --help);
-    ranks other than 0 print nothing."""
-    p = parser()
-    if env_rank() != 0:
-        p.print_help = lambda file=None: None  # type: ignore[method-assign]
-        p.print_usage = lambda file=None: None  # type: ignore[method-assign]
-        p.exit = lambda status=0, message=None: sys.exit(status)  # type: ignore[method-assign]
-        p.error = lambda message: sys.exit(2)  # type: ignore[method-assign]
-    return p.parse_args(None if argv is None else list(argv))
+    """Parse the demo's arguments (``timeout_ms`` resolved: ``--timeout-ms``, else
+    ``DCPKIT_TIMEOUT_MS``, else 5000). Raises ``SystemExit`` (2 on bad arguments or a bad
+    ``DCPKIT_TIMEOUT_MS``, 0 on --help); under an MPI launcher only its rank 0 prints."""
+    return parser().parse_args(None if argv is None else list(argv))
 
 
 def versions() -> dict[str, Any]:
@@ -220,7 +187,8 @@ def main(argv: Sequence[str] | None = None, *, comm=None) -> int:
 
             comm = Communicator.from_mpi()
         except DcpkitError as e:  # no mpi4py / MPI, or a launcher of another MPI library
-            print(f"dcpkit demo: {e}", file=sys.stderr, flush=True)
+            if job_leader():  # no shared communicator: the launcher's rank 0 speaks
+                print(f"dcpkit demo: {e}", file=sys.stderr, flush=True)
             return EXIT_CANNOT_RUN
     say = Say(comm.rank)
 

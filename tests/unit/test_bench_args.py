@@ -251,6 +251,9 @@ def test_bench_without_driver_says_so(monkeypatch, capsys):
     class Two:
         rank, world_size = 0, 2
 
+        def allgather(self, value):
+            return [value, value]
+
     def no_device(comm, cfg):
         raise RuntimeError(
             "cudaErrorInsufficientDriver: CUDA driver version is insufficient "
@@ -262,7 +265,8 @@ def test_bench_without_driver_says_so(monkeypatch, capsys):
     monkeypatch.setattr(info, "no_driver_reason", lambda probe=None: "no CUDA driver found (x)")
     assert bench.main(["--quick"]) == 2
     err = capsys.readouterr().err
-    assert "dcpkit bench: rank 0: no usable GPU (no CUDA driver found (x))" in err, err
+    want = "dcpkit bench: no usable GPU on any of the 2 ranks (no CUDA driver found (x))"
+    assert want in err, err
     assert "InsufficientDriver" not in err
     monkeypatch.setattr(info, "no_driver_reason", lambda probe=None: None)
     assert bench.main(["--quick"]) == 2

@@ -643,7 +643,9 @@ def _fake_manager(bug=None, nccl_reason=None):
             kv_row_dim=None,
             dtype,
             policy="auto",
+            timeout_ms=None,
         ):
+            self.timeout_ms = timeout_ms  # the demo passes its resolved deadline
             self.nccl_reason = nccl_reason
             if nccl_reason is not None:
                 comm.barrier()  # the agreement a real DCPComm makes
@@ -706,7 +708,7 @@ def _fake_manager(bug=None, nccl_reason=None):
     class KVGather:
         transport = "unicast"
 
-        def __init__(self, comm, *, max_tokens, row_dim, dtype):
+        def __init__(self, comm, *, max_tokens, row_dim, dtype, timeout_ms=None):
             self.dcp = DCPComm(
                 comm,
                 max_tokens=max_tokens,
@@ -714,6 +716,7 @@ def _fake_manager(bug=None, nccl_reason=None):
                 q_head_dim=row_dim,
                 v_head_dim=row_dim,
                 dtype=dtype,
+                timeout_ms=timeout_ms,
             )
 
         def __call__(self, kv, **kw):
@@ -961,9 +964,10 @@ def test_numeric_arguments_are_validated_when_parsed_with_a_readable_message(arg
     assert demo.main(argv, comm=Communicator.single()) == 2
 
 
-def test_timeout_ms_is_parsed_as_milliseconds():
+def test_timeout_ms_is_parsed_as_milliseconds(monkeypatch):
+    monkeypatch.delenv("DCPKIT_TIMEOUT_MS", raising=False)
     assert demo.parse_args(["--timeout-ms", "250"]).timeout_ms == 250.0
-    assert demo.parse_args([]).timeout_ms is None
+    assert demo.parse_args([]).timeout_ms == 5000.0  # the ops' own default
 
 
 def test_json_into_a_missing_folder_is_refused_before_the_run(tmp_path, capsys):
