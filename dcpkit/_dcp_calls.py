@@ -31,6 +31,19 @@ _LSE_NAMES = ("out_partial", "lse_partial", "out", "out_lse")
 _UNKEYED = object()
 
 
+class _RouteCaches:
+    """A class attribute that gives a DCPComm its route caches (op -> :class:`PlanCache` of
+    :meth:`DCPCalls._route`) on first read, stored in the instance's ``__dict__`` under the
+    same name (a non-data descriptor: the instance's own attribute wins from then on, at the
+    cost of a plain attribute read per call)."""
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        caches = obj.__dict__["_route_caches"] = {o: PlanCache(obj._route) for o in OPS}
+        return caches
+
+
 class DCPCalls:
     """The per-call half of :class:`~dcpkit.manager.DCPComm` (a mixin: the state it reads is
     set up by DCPComm's constructor)."""
@@ -92,14 +105,13 @@ class DCPCalls:
         strided_copy(dst, src, stream)
 
     # ------------------------------------------------------------------ routes
+    #: op -> its route plans (one cache per op: the same arrays may be a valid call of one op
+    #: and a bad call of another), made on first read and kept in the instance's ``__dict__``.
+    _route_caches = _RouteCaches()
+
     def _routes(self, op: str) -> PlanCache:
-        """The route plans of ``op`` (one cache per op: the same arrays may be a valid call of
-        one op and a bad call of another)."""
-        try:
-            return self.__dict__["_route_caches"][op]
-        except KeyError:
-            caches = self.__dict__["_route_caches"] = {o: PlanCache(self._route) for o in OPS}
-            return caches[op]
+        """The route plans of ``op``."""
+        return self._route_caches[op]
 
     def _route(self, op: str, arrays: tuple) -> tuple:
         """``(path, in_place, ok)``: the path of the call, whether the direct op takes every
@@ -127,15 +139,6 @@ class DCPCalls:
             for n, a in zip(names, arrays)
         )
         return (path, all(ok), ok)
-
-    def _route_of(self, op: str, key, arrays: tuple) -> tuple:
-        caches = self.__dict__.get("_route_caches")
-        routes = caches[op] if caches is not None else self._routes(op)
-        route = routes._plans.get(key)
-        if route is None:
-            return routes.get(key, arrays, (op,), op, arrays)
-        routes.hits += 1
-        return route
 
     # ------------------------------------------------------------------ calls
     def q_gather(self, q, *, ubatch: int = 0, out=None, stream=None):
@@ -173,7 +176,13 @@ class DCPCalls:
             self._check_open(op)
         if key is _UNKEYED:
             key = pair_key(x, out, ubatch, False)
-        path, in_place, ok = self._route_of(op, key, (x, out))
+        routes = self._route_caches[op]  # the route, read inline (as in _lse_keyed)
+        route = routes._plans.get(key)
+        if route is None:
+            route = routes.get(key, (x, out), (op,), op, (x, out))
+        else:
+            routes.hits += 1
+        path, in_place, ok = route
         if in_place:  # the direct op's keyed entry: its own checks, with the same key
             if stream is not None and not isinstance(stream, _cuda._STREAM_TYPES):
                 stream = self._stream(stream)  # raises InvalidType
@@ -219,8 +228,7 @@ class DCPCalls:
         op = "lse_reduce"
         if self._closed:
             self._check_open(op)
-        caches = self.__dict__.get("_route_caches")
-        routes = caches[op] if caches is not None else self._routes(op)
+        routes = self._route_caches[op]
         route = routes._plans.get(key)
         if route is None:
             out_partial, lse_partial, _, _, out, out_lse = arrays

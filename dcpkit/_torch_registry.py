@@ -52,16 +52,6 @@ def _lookup(handle: int, op: str) -> Any:
     return obj
 
 
-def _live(handle: int, op: str) -> Any:
-    """:func:`_lookup` for a kernel of a custom op: the registry read inline, ``_lookup`` (which
-    raises) only for a closed or unknown handle."""
-    ref = REGISTRY.get(handle)
-    obj = ref() if ref is not None else None
-    if obj is None or obj._closed:
-        obj = _lookup(handle, op)  # raises
-    return obj
-
-
 # ----------------------------------------------------------------------------- custom ops
 # The kernels are registered for every backend (CompositeExplicitAutograd) with
 # torch.library.Library, not torch.library.custom_op, whose Python autograd and
@@ -88,16 +78,23 @@ def _version_bump(torch):
     return each
 
 
-# The kernels: the live TorchOps of the handle (_live), its work, then the version bump of what
-# the op wrote.
+# The kernels: the live TorchOps of the handle (the registry read inline: :func:`_lookup`, which
+# raises, only for a closed or unknown handle), its work, then the version bump of what the op
+# wrote.
 def _q_gather_impl(handle: int, q, out, ubatch: int) -> None:
-    obj = _live(handle, "q_gather")
+    ref = REGISTRY.get(handle)
+    obj = ref() if ref is not None else None
+    if obj is None or obj._closed:
+        obj = _lookup(handle, "q_gather")  # raises
     obj._gather_work("q_gather", "q", q, ubatch, out)
     state["increment_version"]((out,))
 
 
 def _kv_gather_impl(handle: int, kv, out, ubatch: int) -> None:
-    obj = _live(handle, "kv_gather")
+    ref = REGISTRY.get(handle)
+    obj = ref() if ref is not None else None
+    if obj is None or obj._closed:
+        obj = _lookup(handle, "kv_gather")  # raises
     obj._gather_work("kv_gather", "kv", kv, ubatch, out)
     state["increment_version"]((out,))
 
@@ -105,7 +102,10 @@ def _kv_gather_impl(handle: int, kv, out, ubatch: int) -> None:
 def _lse_reduce_impl(
     handle: int, out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse, ubatch: int
 ) -> None:
-    obj = _live(handle, "lse_reduce")
+    ref = REGISTRY.get(handle)
+    obj = ref() if ref is not None else None
+    if obj is None or obj._closed:
+        obj = _lookup(handle, "lse_reduce")  # raises
     tensors = (out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse)
     obj._lse_work(tensors, ubatch, False)
     state["increment_version"]((out,) if out_lse is None else (out, out_lse))

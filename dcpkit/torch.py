@@ -350,6 +350,14 @@ def _keyed_entries(target) -> dict[str, tuple]:
     return entries
 
 
+# NOTE [dcpkit torch plain eager]: a call with ``out=`` may skip the custom op when it is plain
+# eager: every tensor a plain ``torch.Tensor`` (no subclass such as a fake or functional
+# tensor), no torch dispatch mode active and no ``torch.compile`` tracing. It then does exactly
+# what the custom op's kernel does (``_gather_work`` or ``_lse_work``, then the version bump of
+# what it wrote), without the dispatcher. The test is read inline in ``TorchOps.q_gather``,
+# ``kv_gather`` and ``lse_reduce`` (no Python call between the method and the work).
+
+
 #: Keyword arguments of the ops that are tensors (converted; returned as the caller's tensors).
 _TENSOR_KEYWORDS = frozenset(("out", "out_lse", "seq_lens", "query_start_loc"))
 
@@ -540,41 +548,41 @@ class TorchOps:
         return self._custom_ops[op]
 
     # ------------------------------------------------------------------ ops
-    def _eager(self, tensors: tuple) -> bool:
-        """Whether a call with ``out=`` may skip the custom op: plain tensors (no tensor
-        subclass such as a fake or functional tensor), no torch dispatch mode active and no
-        ``torch.compile`` tracing. The custom op's kernel does then exactly what the direct
-        call does (:meth:`_gather_work` or :meth:`_lse_work`, then the version bump of what it
-        wrote), without the dispatcher. ``tensors``: the call's, None for an absent one."""
-        T = self._tensor_type
-        for t in tensors:
-            if t is not None and type(t) is not T:
-                return False
-        return not self._dispatch_modes() and not self._compiling()
-
     def q_gather(self, q, *, ubatch: int = 0, out=None):
         """``q`` torch ``[T, H_r, D]`` -> ``[T, H, D]``: see :meth:`QGather.__call__
         <dcpkit.ops.QGather.__call__>`. With ``out`` the call is the custom op
         ``torch.ops.dcpkit.q_gather`` (capture-safe) when traced or under a dispatch mode, the
-        same work called directly otherwise (:meth:`_eager`)."""
-        return self._gather("q_gather", "q", q, ubatch, out)
+        same work called directly otherwise (NOTE [dcpkit torch plain eager])."""
+        if self._closed or "q_gather" not in self._fns:
+            self._fn("q_gather")  # raises
+        if out is None:
+            return self._gather_work("q_gather", "q", q, ubatch, None)
+        T = self._tensor_type
+        if type(q) is T and type(out) is T and not self._dispatch_modes() and not self._compiling():
+            self._gather_work("q_gather", "q", q, int(ubatch), out)  # what the custom op runs
+            self._bump((out,))
+        else:
+            self._custom("q_gather")(self.handle, q, out, int(ubatch))
+        return out
 
     def kv_gather(self, kv, *, ubatch: int = 0, out=None):
         """``kv`` torch ``[T, D_kv]`` -> ``[world_size*T, D_kv]``: see :meth:`KVGather.__call__
         <dcpkit.ops.KVGather.__call__>`; ``out`` as in :meth:`q_gather`."""
-        return self._gather("kv_gather", "kv", kv, ubatch, out)
-
-    def _gather(self, op: str, name: str, x, ubatch, out):
-        if self._closed or op not in self._fns:
-            self._fn(op)  # raises
+        if self._closed or "kv_gather" not in self._fns:
+            self._fn("kv_gather")  # raises
         if out is None:
-            return self._gather_work(op, name, x, ubatch, None)
+            return self._gather_work("kv_gather", "kv", kv, ubatch, None)
         T = self._tensor_type
-        if type(x) is T and type(out) is T and not self._dispatch_modes() and not self._compiling():
-            self._gather_work(op, name, x, int(ubatch), out)  # what the custom op would run
+        if (
+            type(kv) is T
+            and type(out) is T
+            and not self._dispatch_modes()
+            and not self._compiling()
+        ):
+            self._gather_work("kv_gather", "kv", kv, int(ubatch), out)  # what the custom op runs
             self._bump((out,))
         else:
-            self._custom(op)(self.handle, x, out, int(ubatch))
+            self._custom("kv_gather")(self.handle, kv, out, int(ubatch))
         return out
 
     def _gather_work(self, op: str, name: str, x, ubatch, out):
@@ -627,19 +635,26 @@ class TorchOps:
         without ``results`` (a caller that returns its own tensors: no result is converted).
 
         The plan's key: for the decode loop's calls (no masks, no ``out_lse``) ``("lse_reduce",
-        ubatch)``, :func:`describe`'s fields of the two inputs, then :func:`describe` of ``out``
-        or None (one flat tuple); for any other call ``("lse_reduce", ubatch)`` and the six
-        descriptions (None for an absent tensor)."""
+        ubatch)``, then :func:`describe`'s fields of the two inputs and of ``out``, or of the
+        two inputs then None (one flat tuple of 23 or 17 values); for any other call
+        ``("lse_reduce", ubatch)`` and the six descriptions (None for an absent tensor: 8
+        values). Keys of different forms differ in length, so never compare equal."""
         entry = self._entries.get("lse_reduce")
         if entry is not None and type(ubatch) is int:
             x, lse, seq, qsl, out, out_lse = tensors
             try:
-                if seq is None and qsl is None and out_lse is None:
+                if seq is None and qsl is None and out_lse is None and out is not None:
                     key = ("lse_reduce", ubatch, type(x), x.data_ptr(), x.shape, x.stride(),
                            x.storage_offset(), x.dtype, x.get_device(),
                            type(lse), lse.data_ptr(), lse.shape, lse.stride(),
                            lse.storage_offset(), lse.dtype, lse.get_device(),
-                           None if out is None else describe(out))  # fmt: skip
+                           type(out), out.data_ptr(), out.shape, out.stride(),
+                           out.storage_offset(), out.dtype, out.get_device())  # fmt: skip
+                elif seq is None and qsl is None and out_lse is None:
+                    key = ("lse_reduce", ubatch, type(x), x.data_ptr(), x.shape, x.stride(),
+                           x.storage_offset(), x.dtype, x.get_device(),
+                           type(lse), lse.data_ptr(), lse.shape, lse.stride(),
+                           lse.storage_offset(), lse.dtype, lse.get_device(), None)  # fmt: skip
                 else:
                     key = ("lse_reduce", ubatch) + tuple(
                         None if t is None else describe(t) for t in tensors
@@ -740,7 +755,17 @@ class TorchOps:
         tensors = (out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse)
         if out is None or (out_lse is None and self._returns_lse):
             return self._lse_work(tensors, ubatch)
-        if self._eager(tensors):
+        T = self._tensor_type  # plain eager (NOTE [dcpkit torch plain eager])
+        if (
+            type(out_partial) is T
+            and type(lse_partial) is T
+            and type(out) is T
+            and (seq_lens is None or type(seq_lens) is T)
+            and (query_start_loc is None or type(query_start_loc) is T)
+            and (out_lse is None or type(out_lse) is T)
+            and not self._dispatch_modes()
+            and not self._compiling()
+        ):
             self._lse_work(tensors, int(ubatch), False)  # what the custom op would run
             self._bump((out,) if out_lse is None else (out, out_lse))
         else:

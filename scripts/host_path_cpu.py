@@ -186,13 +186,16 @@ def stub_workspace(ws, stream, rec: Recorder, *, rank: int = RANK, world_size: i
 
 
 class _EveryKernel(dict):
-    """The op's launchers, every kernel key giving the same stand-in."""
+    """The op's launchers, every kernel key giving the same stand-in. A key is stored on its
+    first lookup, so that later calls find it as in the plain dict of a GPU host's workspace
+    (``__missing__``, a Python call, does not run on every call)."""
 
     def __init__(self, rec):
         super().__init__()
         self.rec = rec
 
     def __missing__(self, key):
+        self[key] = self.rec
         return self.rec
 
 

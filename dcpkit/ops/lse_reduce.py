@@ -122,7 +122,7 @@ class _CallPlan:
     out_lse_ptr: int  # the caller's out_lse= (0: none)
     want_lse: bool
     needs_output: bool  # a workspace output buffer is used
-    lse_key: object  # (lse dtype, large instance): which kernel
+    kernel: int  # which kernel: ``_kernel_ids[lse dtype, large instance]``
     grid: int
     params: KernelParams | None
     out_field: object  # the ``out`` field of params (ctypes), patched per call
@@ -358,6 +358,10 @@ class LseReduce(LseReduceCall, OpWorkspace):
         )
         self._lse_scale = np.float32(1.0 if self.lse_base == math.e else math.log(2.0))
         self._lse_dtypes = float_dtypes()
+        # Every kernel's launcher by a small int (the plan holds it): a lookup by ``(lse dtype,
+        # large)`` would build and hash that tuple, a NumPy dtype in it, on every call.
+        kernels = [(d, large) for d in self._lse_dtypes for large in (False, True)]
+        self._kernel_ids = {k: i for i, k in enumerate(kernels)}
         return (
             self.max_tokens,
             self.num_heads,
@@ -382,7 +386,7 @@ class LseReduce(LseReduceCall, OpWorkspace):
                     )
                     # the loaded cupy.cuda.function.Function
                     self._fn[lse_dt, large] = raw.kernel
-            self._init_fast_path(self._fn)
+            self._init_fast_path({self._kernel_ids[k]: fn for k, fn in self._fn.items()})
         W, H_r = self.world_size, self.heads_per_rank
         # DCPKIT_PROTO_PARAMS, peer_data, slot_bytes, lse_offset, T_max (per ubatch).
         self._head_args = [
@@ -455,12 +459,12 @@ class LseReduce(LseReduceCall, OpWorkspace):
                 lse_res = views[3]
         if self._get_device() == self.device:
             try:
-                self._launchers[plan.lse_key].launch(plan.grid, plan.params, stream.ptr)
+                self._launchers[plan.kernel].launch(plan.grid, plan.params, stream.ptr)
             except BaseException as e:
                 self._launch_failed = f"{type(e).__name__}: {e}"
                 raise
         else:
-            self._run(plan.lse_key, plan.grid, plan.params, stream)
+            self._run(plan.kernel, plan.grid, plan.params, stream)
         return (res, lse_res) if plan.want_lse else res
 
     def _output_views(self, plan, base: int, owner) -> tuple:
@@ -499,7 +503,7 @@ class LseReduce(LseReduceCall, OpWorkspace):
                 lse_ptr,
                 v.want_lse,
                 needs_output,
-                (v.lse.dtype, False),
+                self._kernel_ids[v.lse.dtype, False],
                 0,
                 None,
                 None,
@@ -539,7 +543,7 @@ class LseReduce(LseReduceCall, OpWorkspace):
             lse_ptr,
             v.want_lse,
             needs_output,
-            (v.lse.dtype, self._grids[T][1]),
+            self._kernel_ids[v.lse.dtype, self._grids[T][1]],
             self._grids[T][0],
             params,
             params.field(_OUT),
@@ -619,7 +623,7 @@ class LseReduce(LseReduceCall, OpWorkspace):
             lse_res = self._memo_view(lse_ptr, (T, H_r), F32, T * H_r * 4, owner)
         params[_OUT] = out_ptr
         params[_OUT_LSE] = lse_ptr
-        self._run(plan.lse_key, plan.grid, params, stream)
+        self._run(plan.kernel, plan.grid, params, stream)
         return res if lse_res is None else (res, lse_res)
 
     # ------------------------------------------------------------------ what the op accepts

@@ -618,3 +618,46 @@ def test_every_lse_reduce_call_goes_to_its_own_classs_keyed_entry():
     r, rl = dcp.lse_reduce(xo, lse, out=o)
     assert r is o and dcp._routes("lse_reduce").misses == 1
     assert dcp.counters["lse_reduce"][dcp.last_path] == 1
+
+
+class _Tagged:
+    """A launcher stand-in that records which kernel id it stands for."""
+
+    def __init__(self, kid, seen):
+        self.kid, self.seen = kid, seen
+
+    def launch(self, grid, params, stream_ptr):
+        self.seen.append(self.kid)
+
+
+def test_lse_reduce_launches_the_kernel_of_its_lse_dtype_and_instance():
+    """The plan names its kernel by a small int (no tuple with a dtype hashed per call): every
+    (lse dtype, instance) pair has its own id, and a call, eager or through the general path
+    (DCPKIT_DEBUG), launches the kernel of its own lse dtype and of the instance its ``T``
+    takes."""
+    from dcpkit.ops._lse_checks import float_dtypes
+
+    mod, _, _, _, lr = _setup()
+    kernels = {(d, large) for d in float_dtypes() for large in (False, True)}
+    assert set(lr._kernel_ids) == kernels
+    assert sorted(lr._kernel_ids.values()) == list(range(len(kernels)))
+    seen: list[int] = []
+    lr._launchers = {i: _Tagged(i, seen) for i in lr._kernel_ids.values()}
+    from types import SimpleNamespace
+
+    lr.comm = SimpleNamespace(agree=lambda what, value: None)
+    # a launch table that names both instances at the decode geometry (T = 1: small, 2: large)
+    lr._grids = [(g, T % 2 == 0) for T, (g, _) in enumerate(lr._grids)]
+    large = {T: lr._grids[T][1] for T in (1, 2)}
+    Ts = (1, 2)
+    for debug in (False, True):
+        lr._debug = debug
+        for dt in ("float32", "float16", "bfloat16"):
+            for T in Ts:
+                xo = mod.array((T, mod.H, mod.D_V), "bfloat16")
+                lse = mod.array((T, mod.H), dt)
+                for _ in range(2):  # the miss, then the hit
+                    lr(xo, lse)
+                    want = lr._kernel_ids[lse.dtype, large[T]]
+                    assert seen[-1] == want, (debug, dt, T)
+    lr._debug = False
