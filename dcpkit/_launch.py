@@ -34,6 +34,8 @@ from .errors import CudaError, InvalidArgument
 __all__ = [
     "KernelParams",
     "Launcher",
+    "ProgrammaticLauncher",
+    "check_programmatic_launch",
     "PARAM_TYPES",
     "param_layout",
     "ptx_param_types",
@@ -315,6 +317,84 @@ class Launcher:
         )
         if res is not self._ok and int(res):
             raise CudaError("cuLaunchKernel", getattr(res, "name", str(res)))
+
+
+def check_programmatic_launch(cupy, device: int, op: str, wanted=True) -> None:
+    """What ``programmatic_launch=True`` needs of this rank (NOTE [dcpkit programmatic
+    launch]): a GPU of compute capability 9.0 or newer (``griddepcontrol``) and the cuda.bindings
+    launch backend (``cuLaunchKernelEx``). Raises :class:`InvalidArgument` otherwise; nothing
+    when not ``wanted``."""
+    if not wanted:
+        return
+    props = cupy.cuda.runtime.getDeviceProperties(device)
+    major, minor = int(props["major"]), int(props["minor"])
+    if major < 9:
+        raise InvalidArgument(
+            f"{op}: programmatic_launch=True needs a GPU of compute capability 9.0 or newer "
+            f"(device {device} is {major}.{minor}); build the op without it"
+        )
+    backend = default_backend()
+    if backend != "bindings":
+        raise InvalidArgument(
+            f"{op}: programmatic_launch=True launches through cuda.bindings' cuLaunchKernelEx, "
+            f"which does not load here (launch backend {backend!r}); install cuda-bindings"
+        )
+
+
+class ProgrammaticLauncher(Launcher):
+    """A :class:`Launcher` whose launches may overlap the end of the kernel before them on the
+    stream: ``cuLaunchKernelEx`` (cuda.bindings only) with the programmatic stream serialization
+    attribute. The kernel must wait for that kernel itself before it reads anything it wrote
+    (``griddepcontrol.wait``: the op kernels compiled with ``DCPKIT_PDL=1``, NOTE [dcpkit
+    programmatic launch] in kernels/dcpkit_ptx.cuh). Needs compute capability 9.0 or newer.
+
+    The launch configuration is built once; a launch sets its grid and stream and passes the
+    same parameter array as :meth:`Launcher.launch` (captured into a graph, the launch keeps
+    its programmatic dependency on the node before it)."""
+
+    __slots__ = ("_config",)
+
+    def __init__(self, function, block: int, shared_mem: int = 0, backend: str | None = None):
+        if (backend or default_backend()) != "bindings":
+            raise InvalidArgument(
+                "ProgrammaticLauncher: a programmatic launch needs the 'bindings' backend "
+                f"(cuda.bindings' cuLaunchKernelEx; got {backend or default_backend()!r})"
+            )
+        super().__init__(function, block, shared_mem, "bindings")
+        from . import _cuda
+
+        drv = _cuda.driver()
+        attr = drv.CUlaunchAttribute()
+        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        cfg = drv.CUlaunchConfig()
+        cfg.gridDimX = cfg.gridDimY = cfg.gridDimZ = 1
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.block, 1, 1
+        cfg.sharedMemBytes = self.shared_mem
+        cfg.attrs = [attr]
+        cfg.numAttrs = 1
+        self._config = cfg
+        self._call = drv.cuLaunchKernelEx
+
+    def launch(self, grid: int, params: KernelParams, stream_ptr: int) -> None:
+        """:meth:`Launcher.launch` through ``cuLaunchKernelEx``.
+
+        Raises
+        ------
+        CudaError
+            ``cuLaunchKernelEx`` failed (its ``CUDA_ERROR_...`` name).
+        """
+        s = self._streams.get(stream_ptr)
+        if s is None:
+            if len(self._streams) >= 256:
+                self._streams.clear()
+            s = self._streams[stream_ptr] = self._stream_type(stream_ptr)
+        cfg = self._config
+        cfg.gridDimX = grid
+        cfg.hStream = s
+        (res,) = self._call(cfg, self._fn_obj, params.address, 0)
+        if res is not self._ok and int(res):
+            raise CudaError("cuLaunchKernelEx", getattr(res, "name", str(res)))
 
 
 _ENTRY = re.compile(r"\.entry\s+(\S+)\s*\((.*?)\)", re.S)

@@ -106,7 +106,7 @@ __all__ = [
 #: agreed in one exchange, :meth:`DCPComm._init_geometry`'s parameters).
 GEOMETRY_ARGUMENTS = (
     "max_tokens, num_heads, q_head_dim, v_head_dim, kv_row_dim, dtype, num_ubatches, lse_base, "
-    "nccl_lse_algorithm, nccl_max_tokens, return_lse, timeout_ms"
+    "nccl_lse_algorithm, nccl_max_tokens, return_lse, timeout_ms, programmatic_launch"
 )
 
 
@@ -154,6 +154,10 @@ class DCPComm(DCPCalls, Resource):
     timeout_ms : float, optional
         Deadline of every wait of the direct ops, in [0.001, 3600000] milliseconds, any real
         number type (default ``DCPKIT_TIMEOUT_MS`` or 5000).
+    programmatic_launch : bool
+        The direct ops launch with programmatic dependent launch (see
+        :class:`~dcpkit.ops.QGather`; needs compute capability 9.0+ and cuda.bindings; default
+        False). The NCCL path launches as NCCL does.
     nccl_max_tokens : int, optional
         Buffer capacity of the NCCL ops (default ``max_tokens``). Calls with larger ``T`` still
         work eagerly (the NCCL op then allocates per call); inside a CUDA graph capture ``T``
@@ -220,6 +224,7 @@ class DCPComm(DCPCalls, Resource):
         timeout_ms: float | None = None,
         nccl_max_tokens: int | None = None,
         return_lse: bool = False,
+        programmatic_launch: bool = False,
     ):
         self.direct_ops: dict[str, object] = dict.fromkeys(OPS)
         self.nccl_ops: dict[str, object] = dict.fromkeys(OPS)
@@ -273,6 +278,7 @@ class DCPComm(DCPCalls, Resource):
         nccl_max_tokens,
         return_lse,
         timeout_ms,
+        programmatic_launch,
     ) -> tuple:
         """Check every argument (no collective), also as each op that the policy may build
         will check it, then CuPy and the GPU; returns the geometry tuple."""
@@ -311,6 +317,7 @@ class DCPComm(DCPCalls, Resource):
         )
         self.return_lse = check_bool(return_lse, op, "return_lse")
         self.timeout_ms = check_timeout_ms(timeout_ms, op)
+        self.programmatic_launch = check_bool(programmatic_launch, op, "programmatic_launch")
         self.ops = tuple(o for o in OPS if o != "kv_gather" or self.kv_row_dim is not None)
         # The ops' own limits (sizes, dtypes), with DCPComm's arguments: a user error raises
         # here, on every rank, instead of sending every call to another path. The direct ops'
@@ -345,6 +352,7 @@ class DCPComm(DCPCalls, Resource):
             self.nccl_max_tokens,
             self.return_lse,
             self.timeout_ms,
+            self.programmatic_launch,
         )
 
     def _check_op_arguments(self, op: str, check, kwargs: dict, which: str):
@@ -366,7 +374,12 @@ class DCPComm(DCPCalls, Resource):
         # return_lse as asked: a merged lse nobody reads would take a graph output buffer
         # of the op's bounded pool for every call captured with out= alone.
         lse = {"return_lse": self.return_lse}
-        common = dict(max_tokens=self.max_tokens, timeout_ms=self.timeout_ms, heap=self.heap)
+        common = dict(
+            max_tokens=self.max_tokens,
+            timeout_ms=self.timeout_ms,
+            heap=self.heap,
+            programmatic_launch=self.programmatic_launch,
+        )
         classes = {"q_gather": QGather, "lse_reduce": LseReduce, "kv_gather": KVGather}
         return classes[op], self._op_keywords(op, lse, **common)
 

@@ -439,6 +439,26 @@ struct Proto {
   u32* work;            // this ubatch's work counters [2] (by epoch parity; device memory)
 };
 
+// NOTE [dcpkit programmatic launch]
+// ---------------------------------
+// An op built with programmatic_launch=True (dcpkit/ops/_workspace.py) compiles its kernels with
+// DCPKIT_PDL=1 and launches them with cuLaunchKernelEx and the programmatic stream serialization
+// attribute: the kernel may start while the kernel before it on the stream is still finishing,
+// so its launch overlaps that kernel's tail. Every op kernel makes its Proto first thing, and
+// DCPKIT_PROTO_MAKE() then waits (griddepcontrol.wait) until the kernel before it has completed
+// and its memory is visible: nothing of this call -- its input, its epoch, its abort word, the
+// signals, a credit -- is read or written before that, so the call sees exactly what it would
+// see after a plain launch (the credit's "the kernels before it have finished" included). The
+// op's kernels never call griddepcontrol.launch_dependents: a kernel after them starts only as
+// their CTAs exit, which keeps the co-residency rule of NOTE [dcpkit epoch signalling] as it is.
+// Without DCPKIT_PDL the wait is not compiled (the shipped kernels are unchanged); below sm_90
+// there is no such instruction and the host refuses the option.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(DCPKIT_PDL) && DCPKIT_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Kernel parameters of the protocol, first in every dcpkit kernel's parameter list (the order is
 // the one dcpkit/ops/_workspace.py passes), and the Proto built from them.
 #define DCPKIT_PROTO_PARAMS                                                               \
@@ -449,10 +469,11 @@ struct Proto {
       dcpkit::u32 proto_ubatch, dcpkit::u32 proto_fp_base, dcpkit::u32 proto_waiters,     \
       dcpkit::u32 proto_num_ubatches, dcpkit::u32 proto_sig_ustride, dcpkit::u32 *proto_work
 #define DCPKIT_PROTO_MAKE()                                                               \
-  dcpkit::Proto{proto_epoch, proto_arrive, proto_abort, proto_rec, proto_signals,         \
-                proto_peer_sig, proto_mc_sig, proto_rank, proto_world, proto_timeout_ns,  \
-                proto_op, proto_ubatch, proto_fp_base, proto_waiters, proto_num_ubatches, \
-                proto_sig_ustride, proto_work}
+  (dcpkit::grid_dependency_wait(),                                                        \
+   dcpkit::Proto{proto_epoch, proto_arrive, proto_abort, proto_rec, proto_signals,        \
+                 proto_peer_sig, proto_mc_sig, proto_rank, proto_world, proto_timeout_ns, \
+                 proto_op, proto_ubatch, proto_fp_base, proto_waiters, proto_num_ubatches,\
+                 proto_sig_ustride, proto_work})
 
 // The fingerprint of this call: the workspace's fields plus T, the lse dtype code and the masks.
 __device__ __forceinline__ u32 call_fingerprint(const Proto& p, u32 T, u32 lse_code, bool qsl,

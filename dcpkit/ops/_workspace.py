@@ -71,7 +71,7 @@ from .._checks import (
     check_timeout_ms,
     default_timeout_ms,
 )
-from .._launch import Launcher, default_backend
+from .._launch import Launcher, ProgrammaticLauncher, check_programmatic_launch, default_backend
 from .._lifecycle import Resource
 from .._plan import LazyPlanCache, PlanCache
 from .._setup import debug_enabled, guarded, share_outcome
@@ -202,6 +202,7 @@ class OpWorkspace(OutputBuffers, Resource):
         timeout_ms=None,
         graph_outputs=None,
         waiter_ctas=None,
+        programmatic_launch=False,
         self_check=True,
         **geometry,
     ) -> tuple:
@@ -211,9 +212,7 @@ class OpWorkspace(OutputBuffers, Resource):
         the symmetric region (from the op's ``_region_bytes()``). Sets the layout; returns what
         every rank must agree on: the geometry, then ``(num_ubatches, timeout_ms, region
         bytes)``."""
-        self._check_protocol_options(
-            graph_outputs=graph_outputs, waiter_ctas=waiter_ctas, self_check=self_check
-        )
+        self._check_protocol_options(graph_outputs, waiter_ctas, programmatic_launch, self_check)
         agreed = self._init_geometry(world_size, **geometry)
         slot_bytes, out_bytes = self._region_bytes()
         op = self.op_name
@@ -236,10 +235,11 @@ class OpWorkspace(OutputBuffers, Resource):
             )
         return agreed + (U, self.timeout_ms, self._region)
 
-    def _check_protocol_options(self, *, graph_outputs, waiter_ctas, self_check) -> None:
-        """The protocol knobs every op takes (no GPU, no collective; need not agree across
-        ranks): ``graph_outputs`` (>= 0), ``waiter_ctas`` (None or >= 1) and the benchmark-only
-        ``_self_check`` (a bool)."""
+    def _check_protocol_options(
+        self, graph_outputs, waiter_ctas, programmatic_launch=False, self_check=True
+    ) -> None:
+        """The protocol knobs every op takes (no GPU or collective; need not agree): graph_outputs
+        (>= 0), waiter_ctas (None or >= 1), programmatic_launch and _self_check (bools)."""
         op = self.op_name
         if graph_outputs is None:
             graph_outputs = DEFAULT_GRAPH_OUTPUTS
@@ -248,15 +248,18 @@ class OpWorkspace(OutputBuffers, Resource):
             None if waiter_ctas is None else check_positive_int(waiter_ctas, op, "waiter_ctas")
         )
         self._self_check = check_bool(self_check, op, "_self_check")
+        self.programmatic_launch = check_bool(programmatic_launch, op, "programmatic_launch")
 
     #: NVRTC options of a diagnostics subclass (scripts/kernel_timeline.py); none as shipped.
     _diagnostic_options: tuple[str, ...] = ()
 
     def _kernel_options(self) -> tuple[str, ...]:
-        """NVRTC options of the op's kernels: without the fingerprint comparison when built
-        with ``_self_check=False`` (benchmark only), then :attr:`_diagnostic_options`."""
+        """NVRTC options of the op's kernels: ``_self_check=False`` drops the fingerprint check,
+        ``programmatic_launch=True`` adds NOTE [dcpkit programmatic launch]'s wait; then
+        :attr:`_diagnostic_options`."""
         check = () if getattr(self, "_self_check", True) else ("-DDCPKIT_SELF_CHECK=0",)
-        return check + self._diagnostic_options
+        pdl = ("-DDCPKIT_PDL=1",) if getattr(self, "programmatic_launch", False) else ()
+        return check + pdl + self._diagnostic_options
 
     def _setup(
         self,
@@ -298,6 +301,7 @@ class OpWorkspace(OutputBuffers, Resource):
             if heap is not None:
                 check_heap(heap, comm, op, self._region)
             device = _cuda.require_device(op, None if heap is None else heap.device)
+            check_programmatic_launch(cupy, device, op, getattr(self, "programmatic_launch", 0))
             # Inside the agreed exchange, so that every rank raises (the capturing one its
             # own error, the others PeerError), before any GPU work or other collective.
             check_not_capturing(_current_stream(cupy, device), op, "construction")
@@ -672,8 +676,9 @@ class OpWorkspace(OutputBuffers, Resource):
     def _set_launch_backend(self, backend: str | None) -> None:
         """Launch through ``backend`` ("bindings", "ctypes"; None: the default); also the
         benchmark's hook to compare them."""
+        cls = ProgrammaticLauncher if getattr(self, "programmatic_launch", False) else Launcher
         self._launchers = {
-            k: Launcher(fn, self.THREADS, backend=backend) for k, fn in self._functions.items()
+            k: cls(fn, self.THREADS, backend=backend) for k, fn in self._functions.items()
         }
         self.launch_backend = backend or default_backend()
 

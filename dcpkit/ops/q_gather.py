@@ -104,6 +104,13 @@ class QGather(GatherWorkspace):
         CTAs of a copy-out call that wait and copy out (default: the SM share / 8, at least 1;
         NOTE [dcpkit epoch signalling]). A measuring knob: more copy-out parallelism at large
         ``T``, but the co-residency rule holds only for the default.
+    programmatic_launch : bool
+        Launch the kernels with programmatic dependent launch (``cuLaunchKernelEx``, the
+        programmatic stream serialization attribute): a call's kernel may start while the kernel
+        before it on the stream finishes, and waits for it (``griddepcontrol.wait``) before it
+        reads or writes anything, so the launch overlaps that kernel's tail (NOTE [dcpkit
+        programmatic launch]). Eager and captured calls alike. Needs compute capability 9.0+ and
+        cuda.bindings (default False: a plain launch).
     _self_check : bool
         Benchmark only: ``False`` compiles the variant whose waits compare the epoch only (no
         fingerprint check), to measure what the check costs.
@@ -165,6 +172,7 @@ class QGather(GatherWorkspace):
         multicast: bool | None = None,
         graph_outputs: int | None = None,
         waiter_ctas: int | None = None,
+        programmatic_launch: bool = False,
         _self_check: bool = True,
     ):
         self._closed = True  # until the setup completes

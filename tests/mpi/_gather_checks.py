@@ -134,6 +134,36 @@ def poison_workspace(ws, comm) -> None:
     comm.barrier()
 
 
+_PRODUCER_SRC = r"""
+extern "C" __global__ void dcpkit_test_producer(const unsigned char* src, unsigned char* dst,
+                                                unsigned long long n, unsigned long long ns) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+  for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += gridDim.x * blockDim.x) dst[i] = src[i];
+}
+"""
+_PRODUCER = None
+
+
+def produce(dst, src, ns: int = 30_000) -> None:
+    """A producer kernel on the current stream: it lets the kernel after it launch at once
+    (``griddepcontrol.launch_dependents``, sm_90+), spins ``ns`` nanoseconds, then copies
+    ``src`` into ``dst`` (same byte size, both contiguous). A kernel launched programmatically
+    after it reads ``dst`` correctly only if it waits for the producer to complete."""
+    import cupy
+
+    global _PRODUCER
+    if _PRODUCER is None:
+        _PRODUCER = cupy.RawKernel(_PRODUCER_SRC, "dcpkit_test_producer")
+    assert dst.nbytes == src.nbytes and dst.flags.c_contiguous and src.flags.c_contiguous
+    _PRODUCER((4,), (256,), (src, dst, np.uint64(src.nbytes), np.uint64(ns)))
+
+
 def spin(ns: int, stream=None) -> None:
     """Keep ``stream`` (default: the current stream) busy for ``ns`` nanoseconds on the GPU."""
     import cupy
@@ -146,3 +176,47 @@ def spin(ns: int, stream=None) -> None:
     else:
         with stream:
             _SPIN((1,), (1,), (np.uint64(ns),))
+
+
+def check_programmatic(errors, call, inputs, rounds: int, what: str, check, outs=()) -> None:
+    """The calls of an op built with ``programmatic_launch=True`` behind :func:`produce`.
+
+    ``inputs(k)`` -> (this rank's input of round k as a host array, whatever ``check`` needs);
+    ``call(x, stream)`` makes the op's call on ``x`` (writing its own ``out=``) and returns the
+    result; ``check(result, expected, where)`` returns a message or None. The op's input ``x``
+    and the arrays ``outs`` are filled with 0xFF before each producer (never between it and the
+    call: the call's launch must follow the producer itself), so a call that read ``x`` before
+    the producer completed sees the poison. Eager: ``rounds`` calls. Graph: one capture of (producer, call),
+    ``rounds`` replays with the producer's source refreshed before each."""
+    import cupy
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    first, _ = inputs(0)
+    x = poisoned_empty(first.shape, first.dtype)
+    src = poisoned_empty(first.shape, first.dtype)
+    with s:
+        for k in range(rounds):
+            mine, want = inputs(k)
+            bits(src).set(bits(np.ascontiguousarray(mine)), stream=s)
+            for a in (x, *outs):
+                bits(a).fill(np.iinfo(bits(a).dtype).max)
+            produce(x, src)
+            res = call(x, s)
+            s.synchronize()
+            m = check(res, want, f"{what}, eager call {k}")
+            if m:
+                errors.append(m)
+        s.begin_capture()
+        produce(x, src)
+        res = call(x, s)
+        graph = s.end_capture()
+        for k in range(rounds):
+            mine, want = inputs(rounds + k)
+            bits(src).set(bits(np.ascontiguousarray(mine)), stream=s)
+            for a in (x, *outs):
+                bits(a).fill(np.iinfo(bits(a).dtype).max)
+            graph.launch(s)
+            s.synchronize()
+            m = check(res, want, f"{what}, graph replay {k}")
+            if m:
+                errors.append(m)

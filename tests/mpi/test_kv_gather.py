@@ -20,6 +20,7 @@ from _gather_checks import (
     all_poison,
     bits,
     byte_mismatch,
+    check_programmatic,
     poison_workspace,
     poisoned_empty,
     run_collective,
@@ -373,3 +374,35 @@ def test_kv_gather_timeout_names_silent_peer(comm, seed, algorithm):
             comm.barrier()
 
     run_collective(comm, f"kv_gather {algorithm} timeout", body)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_kv_gather_programmatic_launch(comm, seed, algorithm):
+    """programmatic_launch=True behind a producer that lets the next kernel launch at once and
+    writes kv only 30 us later: every eager call and graph replay reads the producer's kv."""
+    W = comm.world_size
+
+    def body(errors):
+        with KVGather(
+            comm,
+            max_tokens=T_MAX,
+            row_dim=D_KV,
+            dtype="bfloat16",
+            algorithm=algorithm,
+            programmatic_launch=True,
+        ) as ws:
+            for T in (1, T_MAX):
+                out = poisoned_empty((W * T, D_KV), resolve_dtype("bfloat16"))
+
+                def inputs(k, T=T):
+                    return _inputs(comm, sub_seed(seed, 78, T, k), T, "bfloat16")
+
+                def call(x, s, out=out):
+                    return ws(x, out=out, stream=s)
+
+                def check(res, want, where, T=T):
+                    return byte_mismatch(to_host(res), want, f"kv_gather T={T}, {where}")
+
+                check_programmatic(errors, call, inputs, 4, f"kv_gather T={T}", check, (out,))
+
+    run_collective(comm, f"kv_gather ({algorithm}) with programmatic_launch", body)

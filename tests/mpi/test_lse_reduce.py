@@ -620,3 +620,40 @@ def test_lse_combine_matches_reference(comm, seed, dtype):
     errors = [e for e in errors if e]
     ok, msg = agree(comm, errors, f"lse_combine {dtype}")
     assert ok, msg
+
+
+def test_lse_reduce_programmatic_launch(comm, seed):
+    """programmatic_launch=True behind a producer that lets the next kernel launch at once and
+    writes out_partial only 30 us later: every eager call and graph replay reads the producer's
+    out_partial (lse_partial is refreshed before the producer)."""
+    from _gather_checks import check_programmatic, run_collective, sub_seed
+
+    W = comm.world_size
+    H, D = 8 * W, 512
+
+    def body(errors):
+        with LseReduce(
+            comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype="bfloat16",
+            programmatic_launch=True,
+        ) as ws:  # fmt: skip
+            for T in (1, 8):
+                out = empty_poisoned((T, H // W, D), "bfloat16")
+                lse = to_gpu(Case(comm, seed, T=T, H=H, D=D, dtype="bfloat16").lse_partial)
+
+                def inputs(k, T=T, lse=lse):
+                    case = Case(comm, sub_seed(seed, 79, T, k), T=T, H=H, D=D, dtype="bfloat16")
+                    lse.view(_uint(lse.dtype)).set(
+                        np.ascontiguousarray(case.lse_partial).view(_uint(lse.dtype)),
+                        stream=cupy.cuda.get_current_stream(),
+                    )
+                    return case.out_partial, case
+
+                def call(x, s, out=out, lse=lse):
+                    return ws(x, lse, out=out, stream=s)
+
+                def check(res, case, where):
+                    return case.check(comm.rank, res, where=where) or None
+
+                check_programmatic(errors, call, inputs, 4, f"lse_reduce T={T}", check, (out,))
+
+    run_collective(comm, "lse_reduce with programmatic_launch", body)

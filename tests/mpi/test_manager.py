@@ -406,3 +406,27 @@ def test_the_three_direct_ops_share_one_heap_in_disjoint_regions(comm, seed):
     finally:
         dcp.close()
     assert heap is None or heap.closed, "closing DCPComm must close its heap"
+
+
+def test_dcpcomm_programmatic_launch_reaches_every_direct_op(comm, seed):
+    """DCPComm(programmatic_launch=True) builds its direct ops with the option, and their
+    calls give the reference results."""
+    r, W = comm.rank, comm.world_size
+    H, H_r = 8 * W, 8
+
+    def body(errors):
+        with DCPComm(comm, programmatic_launch=True, **_geometry(comm)) as dcp:
+            for op, o in dcp.direct_ops.items():
+                if o is None:
+                    errors.append(f"{op}: no direct op ({dcp.describe()})")
+                elif o.programmatic_launch is not True:
+                    errors.append(f"{op}: built without programmatic_launch")
+            cq = QCase(comm, sub_seed(seed, 40), T=3, H_r=H_r, D=DQ, dtype=DTYPE)
+            errors.append(cq.check(r, dcp.q_gather(to_gpu(cq.q)), "programmatic"))
+            ck = KVCase(comm, sub_seed(seed, 41), T=3, D=DKV, dtype=DTYPE)
+            errors.append(ck.check(r, dcp.kv_gather(to_gpu(ck.kv)), "programmatic"))
+            cl = LseCase(comm, sub_seed(seed, 42), T=3, H=H, D=DV, dtype=DTYPE)
+            x, l, kw = cl.gpu_args()
+            errors.append(cl.check(r, dcp.lse_reduce(x, l, **kw), where="programmatic"))
+
+    run_all_ranks(comm, "DCPComm(programmatic_launch=True)", body)

@@ -20,6 +20,7 @@ from _gather_checks import (
     all_poison,
     bits,
     byte_mismatch,
+    check_programmatic,
     poison_workspace,
     poisoned_empty,
     run_collective,
@@ -394,3 +395,35 @@ def test_q_gather_timeout_names_silent_peer(comm, seed):
             comm.barrier()
 
     run_collective(comm, "q_gather timeout", body)
+
+
+def test_q_gather_programmatic_launch(comm, seed):
+    """programmatic_launch=True behind a producer that lets the next kernel launch at once and
+    writes q only 30 us later: every eager call and graph replay reads the producer's q."""
+    W = comm.world_size
+    H = H_R * W
+
+    def body(errors):
+        with QGather(
+            comm,
+            max_tokens=T_MAX,
+            heads_per_rank=H_R,
+            head_dim=D,
+            dtype="bfloat16",
+            programmatic_launch=True,
+        ) as ws:
+            for T in (1, 17):
+                out = poisoned_empty((T, H, D), resolve_dtype("bfloat16"))
+
+                def inputs(k, T=T):
+                    return _inputs(comm, sub_seed(seed, 77, T, k), T, "bfloat16")
+
+                def call(x, s, out=out):
+                    return ws(x, out=out, stream=s)
+
+                def check(res, want, where, T=T):
+                    return byte_mismatch(to_host(res), want, f"q_gather T={T}, {where}")
+
+                check_programmatic(errors, call, inputs, 4, f"q_gather T={T}", check, (out,))
+
+    run_collective(comm, "q_gather with programmatic_launch", body)

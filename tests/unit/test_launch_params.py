@@ -194,3 +194,60 @@ def test_default_backend_is_bindings_where_they_load_else_ctypes(monkeypatch):
     monkeypatch.setattr(_launch, "_LIBCUDA", (lambda *a: 0, lambda c, o: 1))
     assert _launch.default_backend() == "ctypes"
     assert Launcher(_FakeFunction(), block=32).backend == "ctypes"
+
+
+# ----------------------------------------------------------------------------- programmatic
+def _bindings_or_skip():
+    try:
+        from dcpkit import _cuda
+
+        return _cuda.driver()
+    except Exception as e:  # noqa: BLE001 - no cuda.bindings here: say so
+        pytest.skip(f"cuda.bindings is not available here: {e}")
+
+
+def test_programmatic_launcher_needs_the_bindings_backend():
+    with pytest.raises(InvalidArgument, match="needs the 'bindings' backend.*'ctypes'"):
+        _launch.ProgrammaticLauncher(0x1000, 512, backend="ctypes")
+
+
+def test_programmatic_launcher_passes_grid_stream_and_the_attribute():
+    drv = _bindings_or_skip()
+    launcher = _launch.ProgrammaticLauncher(0x1000, 512, shared_mem=64)
+    seen = []
+
+    def fake(cfg, fn, params, extra):
+        attr = cfg.attrs[0]
+        seen.append(
+            (
+                cfg.gridDimX,
+                cfg.gridDimY,
+                cfg.blockDimX,
+                cfg.sharedMemBytes,
+                int(cfg.hStream),
+                cfg.numAttrs,
+                attr.id,
+                attr.value.programmaticStreamSerializationAllowed,
+                int(fn),
+                params,
+                extra,
+            )
+        )
+        return (drv.CUresult.CUDA_SUCCESS,)
+
+    launcher._call = fake
+    params = KernelParams(["u64", "u32"], [5, 6])
+    launcher.launch(7, params, 0xABC)
+    launcher.launch(3, params, 0xDEF)
+    pss = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert seen == [
+        (7, 1, 512, 64, 0xABC, 1, pss, 1, 0x1000, params.address, 0),
+        (3, 1, 512, 64, 0xDEF, 1, pss, 1, 0x1000, params.address, 0),
+    ]
+
+    def failing(cfg, fn, params, extra):
+        return (drv.CUresult.CUDA_ERROR_INVALID_VALUE,)
+
+    launcher._call = failing
+    with pytest.raises(CudaError, match="cuLaunchKernelEx.*CUDA_ERROR_INVALID_VALUE"):
+        launcher.launch(1, params, 0)

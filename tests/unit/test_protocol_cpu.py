@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import dcpkit
-from dcpkit import jit
+from dcpkit import _launch, jit
 from dcpkit.comm import Communicator
 from dcpkit.errors import CollectiveTimeout, ConfigMismatch, DcpkitError, InvalidType
 from dcpkit.ops import _protocol as proto
@@ -448,3 +448,75 @@ def test_ctas_for_matches_the_launch_rule():
     r.max_ctas = 10
     assert r.ctas_for(1) == 1 and r.ctas_for(8) == min(10, 4 * 8 * 2 // 8)
     assert r.THREADS == 256
+
+
+# ----------------------------------------------------------------------------- programmatic launch
+_MEMORY_OP = re.compile(r"^(ld\.(?!param)|st\.|atom\.|red\.|fence\.|membar\.|multimem\.)")
+
+
+@pytest.mark.parametrize("file", OPS_FILES)
+def test_programmatic_variant_waits_before_any_memory_access(file):
+    """NOTE [dcpkit programmatic launch]: built with DCPKIT_PDL=1, every op kernel's first
+    memory instruction comes after griddepcontrol.wait; the shipped build has no such wait."""
+    assert "griddepcontrol" not in _ptx(file)
+    entries = _entries(_ptx(file, ["-DDCPKIT_PDL=1"]))
+    assert entries
+    for name, lines in entries:
+        if "lse_combine" in name:  # the NCCL path's local combine: not an op kernel
+            continue
+        wait = next((i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")), None)
+        assert wait is not None, f"{file}: {name} has no griddepcontrol.wait"
+        first = next((i for i, ln in enumerate(lines) if _MEMORY_OP.match(ln)), None)
+        assert first is not None and first > wait, (
+            f"{file}: {name}: {lines[first]!r} (line {first}) before the wait (line {wait})"
+        )
+
+
+def test_programmatic_variant_compiles_below_sm_90():
+    """Below sm_90 there is no griddepcontrol: the DCPKIT_PDL build still compiles (the host
+    refuses the option there)."""
+    _nvrtc_or_skip()
+    archs = jit.nvrtc_archs()
+    if archs is not None and 80 not in archs:
+        pytest.skip("this NVRTC cannot target sm_80")
+    out = jit.compile_only(list(OPS_FILES), arch="sm_80", options="-DDCPKIT_PDL=1")
+    assert set(out) == set(OPS_FILES) and all(v["variants"] > 0 for v in out.values())
+
+
+@pytest.mark.parametrize("cls", [QGather, KVGather, LseReduce])
+def test_programmatic_launch_option_selects_the_variant_and_the_launcher(cls):
+    ws = cls.__new__(cls)
+    ws._check_protocol_options(graph_outputs=None, waiter_ctas=None, self_check=True)
+    assert ws.programmatic_launch is False and ws._kernel_options() == ()
+    ws._check_protocol_options(
+        graph_outputs=None, waiter_ctas=None, programmatic_launch=True, self_check=False
+    )
+    assert ws._kernel_options() == ("-DDCPKIT_SELF_CHECK=0", "-DDCPKIT_PDL=1")
+    for bad in ("yes", 1, None):
+        with pytest.raises(InvalidType, match="programmatic_launch must be a bool"):
+            ws._check_protocol_options(
+                graph_outputs=None, waiter_ctas=None, programmatic_launch=bad, self_check=True
+            )
+
+
+class _Props:
+    def __init__(self, major, minor):
+        self.props = {"major": major, "minor": minor}
+
+    def getDeviceProperties(self, device):
+        return self.props
+
+
+class _FakeCupy:
+    def __init__(self, major, minor):
+        self.cuda = type("cuda", (), {"runtime": _Props(major, minor)})()
+
+
+def test_programmatic_launch_needs_sm_90_and_cuda_bindings(monkeypatch):
+    with pytest.raises(dcpkit.InvalidArgument, match="compute capability 9.0 or newer.*8.0"):
+        _launch.check_programmatic_launch(_FakeCupy(8, 0), 0, "q_gather")
+    monkeypatch.setattr(_launch, "default_backend", lambda: "ctypes")
+    with pytest.raises(dcpkit.InvalidArgument, match="cuLaunchKernelEx.*'ctypes'"):
+        _launch.check_programmatic_launch(_FakeCupy(9, 0), 0, "q_gather")
+    monkeypatch.setattr(_launch, "default_backend", lambda: "bindings")
+    _launch.check_programmatic_launch(_FakeCupy(10, 0), 0, "q_gather")  # no error
