@@ -3,16 +3,21 @@
 Subcommands::
 
     dcpkit info [--json]        versions, GPUs, P2P matrix, multicast decision (no GPU needed)
-    dcpkit demo [...]           the three ops on random inputs, checked against the references
+    dcpkit demo [...]           one MLA decode layer with the three ops, checked against a
+                                reference and timed, direct path against NCCL
     dcpkit bench [...]          the benchmark harness (table, JSON, PNG)
 
 ``demo`` and ``bench`` start one process per GPU: run them under ``mpirun -np N``. Their
 modules (``dcpkit.demo``, ``dcpkit.bench``) are imported only when asked for, so ``info`` works
 on a machine without CuPy, MPI or a GPU.
 
-Under an MPI launcher every rank parses the same arguments; a usage error, ``--help`` and the
-other lines a command prints before its ranks share a communicator come from the launcher's
-rank 0 only (:func:`job_leader`), and every rank exits with the same status.
+Under an MPI launcher every rank parses the same arguments; a usage error, ``--help``,
+``--version`` and the other lines a command prints before its ranks share a communicator come
+from the launcher's rank 0 only (:func:`job_leader`), and every rank exits with the same status.
+
+Output piped into a reader that stops early (``dcpkit info | grep -q CuPy``, ``dcpkit --help |
+head -1``) ends the command quietly with status 141, 128 + SIGPIPE, as for other command-line
+tools (:func:`pipe_safe`), never with a ``BrokenPipeError`` traceback.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import importlib
 import os
 import re
+import signal
 import sys
 
 from ._checks import (
@@ -42,7 +48,13 @@ __all__ = [
     "milliseconds",
     "launcher_rank",
     "job_leader",
+    "pipe_safe",
+    "EXIT_BROKEN_PIPE",
 ]
+
+#: Exit status of a command whose output went to a pipe its reader closed early: 128 + SIGPIPE,
+#: what a shell reports for a tool ended by the closed pipe (``yes | head -1``).
+EXIT_BROKEN_PIPE = 128 + int(getattr(signal, "SIGPIPE", 13))
 
 #: Variables in which MPI launchers publish each process's rank (Open MPI, PMIx, PMI-1/2
 #: launchers such as MPICH's hydra and Intel MPI).
@@ -66,6 +78,62 @@ def job_leader(env=None) -> bool:
     the launcher's rank 0. Reads the environment only, so it holds before MPI is set up (and
     where MPI cannot be set up at all)."""
     return launcher_rank(env) in (None, 0)
+
+
+def _point_at_devnull(stream) -> None:
+    """Point the file descriptor under ``stream`` at the null device, so that what is still
+    buffered for it (flushed again when the interpreter exits) goes nowhere instead of raising."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # a replaced stream (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def _reader_gone(stream) -> bool:
+    """Whether ``stream`` writes to a pipe whose reader has closed it (poll reports an error
+    on the write end of such a pipe); False for a stream without a file descriptor."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    import select
+
+    if not hasattr(select, "poll"):  # pragma: no cover - no poll(): take the error as ours
+        return True
+    p = select.poll()
+    p.register(fd, select.POLLOUT)
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in p.poll(0))
+
+
+def pipe_safe(run, *args, **kwargs) -> int:
+    """``run(*args, **kwargs)``'s exit status, its output flushed; :data:`EXIT_BROKEN_PIPE`,
+    quietly, where stdout or stderr is a pipe whose reader has gone (``| head -1``).
+
+    The entry point of every command wraps its ``main`` in it. A ``SystemExit`` (argparse's,
+    after ``--help``) passes through once the output is flushed. On a broken pipe, stdout and
+    stderr are pointed at the null device, so that nothing is printed after it (no traceback,
+    no "Exception ignored" when the interpreter flushes them at exit). A ``BrokenPipeError``
+    of another pipe or socket (neither stdout's nor stderr's reader has gone) propagates.
+    """
+    try:
+        try:
+            return run(*args, **kwargs)
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                if stream is not None:
+                    stream.flush()
+    except BrokenPipeError:
+        if not any(_reader_gone(s) for s in (sys.stdout, sys.stderr)):
+            raise  # another pipe or socket (a peer's): a real error, not the output's reader
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                _point_at_devnull(stream)
+        return EXIT_BROKEN_PIPE
 
 
 def milliseconds(text: str) -> float:
@@ -126,22 +194,30 @@ class CommandParser(argparse.ArgumentParser):
             f"else {fallback_ms:g})",
         )
 
-    def timeout_from_env(self) -> float | None:
+    def timeout_from_env(self, *, option_given: bool = False) -> float | None:
         """``DCPKIT_TIMEOUT_MS`` in milliseconds, None where it is unset; a bad value is a
-        usage error naming the variable and its range (one line, exit status 2)."""
+        usage error naming the variable and its range (one line, exit status 2). With
+        ``option_given`` (``--timeout-ms`` was given) the line also says why the option does
+        not make the variable acceptable."""
         raw = os.environ.get(TIMEOUT_ENV, "")
         if not raw:
             return None
         try:
             return default_timeout_ms(self.prog)
         except InvalidArgument:
+            why = ""
+            if option_given:
+                why = (
+                    f"; the variable itself is invalid, also with --timeout-ms given: an op "
+                    f"built without timeout_ms reads it, so fix or unset {TIMEOUT_ENV}"
+                )
             self.error(
                 f"environment variable {TIMEOUT_ENV}: must be a number of milliseconds in "
-                f"{TIMEOUT_RANGE} (got {raw!r})"
+                f"{TIMEOUT_RANGE} (got {raw!r}){why}"
             )
 
     def _resolve_timeout(self, given: float | None) -> tuple[float, str]:
-        env_ms = self.timeout_from_env()
+        env_ms = self.timeout_from_env(option_given=given is not None)
         if given is not None:
             return given, "--timeout-ms"
         if env_ms is not None:
@@ -157,8 +233,11 @@ class CommandParser(argparse.ArgumentParser):
         sys.exit(2)
 
     def _print_message(self, message, file=None):
-        if job_leader():  # --help, usage: once per job
-            super()._print_message(message, file)
+        # --help, usage: once per job. Written here rather than by argparse, which drops a
+        # write error: a closed pipe then reaches pipe_safe like any other write's.
+        out = file or sys.stderr
+        if message and out is not None and job_leader():
+            out.write(message)
 
     def _dash_hint(self, message: str) -> str:
         """For "expected one argument" where the value given starts with '-' and a digit (argparse
@@ -220,12 +299,18 @@ def output_file(*, folder_must_exist: bool = True):
 
 _COMMANDS = {
     "info": ("dcpkit.info", "print versions, GPUs, P2P access and the multicast decision"),
-    "demo": ("dcpkit.demo", "run the three ops once and check them (under mpirun -np N)"),
+    "demo": (
+        "dcpkit.demo",
+        "run one MLA decode layer through the three ops, check it against a reference and "
+        "time the direct path against NCCL (--iters, default 200; under mpirun -np N)",
+    ),
     "bench": ("dcpkit.bench", "benchmark the ops against NCCL (under mpirun -np N)"),
 }
 
 
 def _usage() -> str:
+    import textwrap
+
     lines = [
         "usage: dcpkit {info,demo,bench} [options]   (or: python -m dcpkit ...)",
         "       dcpkit --version",
@@ -234,52 +319,79 @@ def _usage() -> str:
         "",
         "commands:",
     ]
-    lines += [f"  {k:<7}{v[1]}" for k, v in _COMMANDS.items()]
+    for name, (_, summary) in _COMMANDS.items():
+        lines += textwrap.wrap(
+            summary, 88, initial_indent=f"  {name:<7}", subsequent_indent=" " * 9
+        )
     lines += ["", "Run 'dcpkit <command> --help' for the options of a command."]
     return "\n".join(lines)
+
+
+def _say(text: str, file) -> None:
+    """Print a line of the whole job: once, from the launcher's rank 0 (every process outside
+    a launcher)."""
+    if job_leader():
+        print(text, file=file)
+
+
+def _usage_error(message: str) -> int:
+    _say(f"dcpkit: {message} (see dcpkit --help)", sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns its exit status.
 
-    Returns 2 when the subcommand's module is not part of this installation, an optional
-    dependency it needs is missing (the message names the extra to install), or the
-    subcommand stops on a dcpkit error it did not handle itself (a launcher of another MPI
-    library, say): one line ``dcpkit <command>: <error>`` on stderr, no traceback.
+    Returns 2 on a usage error (no command, an unknown one, arguments after ``--help`` or
+    ``--version``), when the subcommand's module is not part of this installation, an optional
+    dependency it needs is missing (the message names the extra to install), or the subcommand
+    stops on a dcpkit error it did not handle itself: one line ``dcpkit <command>: <error>`` on
+    stderr, no traceback. Under an MPI launcher the usage, ``--version`` and these errors are
+    printed by the launcher's rank 0 only and every rank returns the same status; the one
+    exception is a dcpkit error a subcommand did not handle, which may be a single rank's and
+    is printed by each rank that stops on it. A closed output pipe returns
+    :data:`EXIT_BROKEN_PIPE` quietly (:func:`pipe_safe`).
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-V", "--version"):
-        from . import __version__
+    return pipe_safe(_main, argv)
 
-        print(f"dcpkit {__version__}")
+
+def _main(argv: list[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-V", "--version", "-h", "--help"):
+        if len(argv) > 1:
+            return _usage_error(f"{argv[0]} takes no arguments (got {' '.join(argv[1:])!r})")
+        if argv[0] in ("-V", "--version"):
+            from . import __version__
+
+            _say(f"dcpkit {__version__}", sys.stdout)
+        else:
+            _say(_usage(), sys.stdout)
         return 0
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_usage(), file=sys.stdout if argv else sys.stderr)
-        return 0 if argv else 2
+    if not argv:
+        _say(_usage(), sys.stderr)
+        return 2
     command, args = argv[0], argv[1:]
     if command not in _COMMANDS:
-        print(
-            f"dcpkit: unknown command {command!r}: must be one of {', '.join(_COMMANDS)} "
-            f"(see dcpkit --help)",
-            file=sys.stderr,
+        what = "option" if command.startswith("-") else "command"
+        return _usage_error(
+            f"unknown {what} {command!r}: must be one of {', '.join(_COMMANDS)}, --help or "
+            f"--version"
         )
-        return 2
     mod_name = _COMMANDS[command][0]
     try:
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
         if e.name != mod_name:
             raise
-        print(
-            f"dcpkit {command}: {mod_name} is not available in this installation", file=sys.stderr
-        )
+        _say(f"dcpkit {command}: {mod_name} is not available in this installation", sys.stderr)
         return 2
     except MissingDependency as e:
-        print(f"dcpkit {command}: {e}", file=sys.stderr)
+        _say(f"dcpkit {command}: {e}", sys.stderr)
         return 2
     try:
         rc = mod.main(args)
     except DcpkitError as e:  # MissingDependency included
+        # possibly one rank's alone: every rank that stops on it says so
         print(f"dcpkit {command}: {e}", file=sys.stderr)
         return 2
     return int(rc or 0)

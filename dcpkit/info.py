@@ -24,7 +24,7 @@ import sys
 from typing import Any
 
 from ._cuda import NO_DRIVER as _NO_DRIVER
-from .cli import CommandParser, launcher_rank
+from .cli import CommandParser, launcher_rank, pipe_safe
 
 __all__ = [
     "collect",
@@ -48,8 +48,9 @@ _OTHER_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
 
 
 def _settings() -> dict[str, Any]:
-    """The settings every op reads from the environment: the wait deadline (``DCPKIT_TIMEOUT_MS``,
-    or why the ops would refuse it) and ``DCPKIT_DEBUG``."""
+    """The settings the ops read from the environment: the default wait deadline
+    (``DCPKIT_TIMEOUT_MS``, read by ops built without ``timeout_ms``, or why they would refuse
+    it) and ``DCPKIT_DEBUG``."""
     from ._checks import default_timeout_ms
     from ._setup import debug_enabled
     from .errors import InvalidArgument
@@ -465,8 +466,9 @@ def collect() -> dict[str, Any]:
     info["settings"] = st = _settings()
     if st["timeout_error"]:
         info["warnings"].append(
-            f"{st['timeout_error']}; every op refuses to build, and dcpkit demo and dcpkit bench "
-            "refuse to start, until it is fixed"
+            f"{st['timeout_error']}; until it is fixed or unset, ops built without timeout_ms "
+            "refuse to build (an explicit timeout_ms= does not read the variable), and dcpkit "
+            "demo, dcpkit bench and scripts/soak.py refuse to start, also with --timeout-ms"
         )
     info["env"] = {k: os.environ[k] for k in MULTICAST_ENV + _OTHER_ENV if k in os.environ}
     return info
@@ -633,4 +635,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(pipe_safe(main))

@@ -66,9 +66,51 @@ extern "C" __global__ void dcpkit_empty_args(
 _ARG_TYPES = ["u64"] * 7 + ["i32", "i32", "u64", "u32", "u32"] + ["u64"] * 4 + ["u32", "u64", "u64"]
 
 
+PROG = "scripts/host_overhead.py"
+
+
 def _fail(msg: str) -> int:
-    print(f"host_overhead: {msg}", file=sys.stderr)
+    print(f"{PROG}: {msg}", file=sys.stderr)
     return 2
+
+
+def _no_gpu_line(whys) -> str | None:
+    """The one line for the job from every rank's reason for having no GPU (None: it has
+    one), or None when every rank has one; ranks are named unless all share the reason."""
+    ranks = {}
+    for r, why in enumerate(whys):
+        if why is not None:
+            ranks.setdefault(why, []).append(r)
+    if not ranks:
+        return None
+    if len(ranks) == 1 and len(next(iter(ranks.values()))) == len(whys):
+        return next(iter(ranks))
+    return "; ".join(
+        f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {why}" for why, rs in ranks.items()
+    )
+
+
+def _connect(why):
+    """The job's Communicator, or ``(None, status)`` where there is none to run on: then the
+    no-GPU line has been printed once for the job (by rank 0 of the job, or of the launcher
+    where MPI cannot connect the ranks) and every rank returns the same status."""
+    from dcpkit.cli import job_leader
+    from dcpkit.comm import Communicator
+
+    try:
+        comm = Communicator.from_mpi()
+    except Exception:
+        if why is None:
+            raise
+        if job_leader():  # no shared communicator: the launcher's rank 0 speaks for the job
+            _fail(why)
+        return None, 2
+    line = _no_gpu_line(comm.allgather(why))  # every rank takes the same branch
+    if line is not None:
+        if comm.rank == 0:
+            _fail(line)
+        return None, 2
+    return comm, 0
 
 
 def _gpu_or_reason():
@@ -357,11 +399,9 @@ def main(argv=None) -> int:
     if why:
         ap.error(f"argument --json: {why}")
     cupy, why = _gpu_or_reason()
-    if cupy is None:
-        return _fail(why)
-    from dcpkit.comm import Communicator
-
-    comm = Communicator.from_mpi()
+    comm, status = _connect(why)
+    if comm is None:
+        return status
     W, r = comm.world_size, comm.rank
     dev = comm.local_rank % cupy.cuda.runtime.getDeviceCount()
     cupy.cuda.Device(dev).use()

@@ -58,7 +58,11 @@ def _use_this_checkout_if_not_installed() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _gpu_or_exit(what: str) -> None:
+#: The name every line the soak writes to stderr starts with (``scripts/soak.py: ...``).
+PROG = "scripts/soak.py"
+
+
+def _gpu_or_exit() -> None:
     """Exit with status 2 and one line (printed once per job) where there is no GPU to run on:
     no CuPy, no CUDA driver, no visible device."""
     from dcpkit._cuda import require_device
@@ -66,10 +70,12 @@ def _gpu_or_exit(what: str) -> None:
     from dcpkit.info import launcher_rank
 
     try:
-        require_device(what)
+        require_device(PROG)
     except DcpkitError as e:
         if launcher_rank() in (None, 0):
-            print(f"{e}", file=sys.stderr, flush=True)
+            msg = str(e)  # "scripts/soak.py: no CUDA GPU ...", or a missing CuPy unprefixed
+            prefix = f"{PROG}: "
+            print(msg if msg.startswith(prefix) else prefix + msg, file=sys.stderr, flush=True)
         sys.exit(2)
 
 
@@ -526,7 +532,7 @@ def parser():
     from dcpkit.demo.cli import integer
 
     ap = CommandParser(
-        prog="scripts/soak.py",
+        prog=PROG,
         description=__doc__.split("\n\n")[0]
         + " Run it as 'mpirun -np N python scripts/soak.py' with one GPU per rank (or ranks "
         "sharing one GPU under MPS); exit status 0 only when every rank passed.",
@@ -576,7 +582,7 @@ def parser():
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    _gpu_or_exit("soak")
+    _gpu_or_exit()
 
     import cupy
 

@@ -120,8 +120,8 @@ def parser() -> argparse.ArgumentParser:
         "--allow-shared-gpu",
         action="store_true",
         help="let several ranks share one GPU (functional checks on a machine with "
-        "fewer GPUs than ranks; the ranks' kernels then time-slice the GPU, so "
-        "the timings mean nothing)",
+        "fewer GPUs than ranks): under an MPS daemon the ranks' kernels run concurrently, "
+        "without one they time-slice the GPU; either way the timings mean nothing",
     )
     p.add_argument(
         "--torch",

@@ -71,15 +71,22 @@ def test_help_says_the_variable_sets_the_default(prog, capsys, monkeypatch):
 @pytest.mark.parametrize("raw", BAD_VALUES)
 @pytest.mark.parametrize("argv", [[], ["--timeout-ms", "100"]])
 def test_a_bad_variable_is_a_usage_error_naming_it(prog, raw, argv, capsys, monkeypatch):
-    """Also with --timeout-ms: any op built without a deadline would refuse the variable."""
+    """Also with --timeout-ms: any op built without a deadline would refuse the variable, and
+    the line then says so (the option does not make the variable acceptable)."""
     monkeypatch.setenv("DCPKIT_TIMEOUT_MS", raw)
     with pytest.raises(SystemExit) as e:
         PARSERS[prog][0]().parse_args(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
+    why = ""
+    if argv:
+        why = (
+            "; the variable itself is invalid, also with --timeout-ms given: an op built "
+            "without timeout_ms reads it, so fix or unset DCPKIT_TIMEOUT_MS"
+        )
     assert err == (
         f"{prog}: environment variable DCPKIT_TIMEOUT_MS: must be a number of milliseconds "
-        f"in {RANGE} (got {raw!r}) (see {prog} --help)\n"
+        f"in {RANGE} (got {raw!r}){why} (see {prog} --help)\n"
     ), err
 
 
@@ -113,7 +120,10 @@ def test_info_reports_a_bad_variable_by_name(run_python):
     assert "wait deadline invalid DCPKIT_TIMEOUT_MS='inf'" in r.stdout, r.stdout
     warning = next(ln for ln in r.stdout.splitlines() if ln.startswith("warning:"))
     assert f"DCPKIT_TIMEOUT_MS must be a number of milliseconds in {RANGE} (got 'inf')" in warning
-    assert "dcpkit demo and dcpkit bench refuse to start" in warning, warning
+    assert "ops built without timeout_ms refuse to build" in warning, warning
+    assert "an explicit timeout_ms= does not read the variable" in warning, warning
+    assert "every op" not in warning, warning
+    assert "dcpkit demo, dcpkit bench and scripts/soak.py refuse to start" in warning, warning
 
 
 # ----------------------------------------------------------------------------- once per job

@@ -84,7 +84,7 @@ def test_gpu_script_fails_with_one_clear_line_without_a_gpu():
     )
     assert res.returncode == 2, res
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("host_overhead: needs"), res.stderr
+    assert len(lines) == 1 and lines[0].startswith("scripts/host_overhead.py: needs"), res.stderr
     assert "Traceback" not in res.stderr + res.stdout
 
 
