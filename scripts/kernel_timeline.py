@@ -87,7 +87,7 @@ def _gpu_or_exit() -> None:
     from dcpkit.info import launcher_rank
 
     try:
-        require_device("kernel_timeline")
+        require_device("scripts/kernel_timeline.py")
     except DcpkitError as e:
         if launcher_rank() in (None, 0):
             print(f"{e}", file=sys.stderr, flush=True)
@@ -133,7 +133,7 @@ def _check(cupy, dev, out, refs) -> None:
     kind, ref, tol = refs[0]
     got = dev.compare([out], [(kind, cupy.asarray(ref), tol)])
     if got["wrong"]:
-        raise SystemExit(f"kernel_timeline: wrong result after the replays: {got}")
+        raise SystemExit(f"scripts/kernel_timeline.py: wrong result after the replays: {got}")
 
 
 def _graph(cupy, stream, fn):
@@ -270,14 +270,16 @@ def measure_floor(cupy, comm, dev, op, geom, obj, replays):
             g.launch(stream)
         stream.synchronize()
         if int(status[:ctas].max()) != 0:
-            raise SystemExit("kernel_timeline: a wait of the floor kernel timed out")
+            raise SystemExit("scripts/kernel_timeline.py: a wait of the floor kernel timed out")
         for s in range(W):  # what rank s stored here
             if s == r:
                 continue
             got = heap.view(s * slot_bytes, (nvec * 4,), np.uint32)
             want = cupy.arange(nvec * 4, dtype=cupy.uint32) * np.uint32(2654435761) + np.uint32(s)
             if not bool((got == want).all()):
-                raise SystemExit(f"kernel_timeline: the floor kernel's bytes from rank {s} differ")
+                raise SystemExit(
+                    f"scripts/kernel_timeline.py: the floor kernel's bytes from rank {s} differ"
+                )
         res = _phases(comm, tl.calls())
         res["ctas"] = int(ctas)
         comm.barrier()

@@ -74,12 +74,15 @@ def _gpu_or_exit() -> None:
 
     why = None
     try:
-        dev = require_device("programmatic_launch")
+        dev = require_device("scripts/programmatic_launch.py")
         import cupy
 
         cc = int(cupy.cuda.Device(dev).compute_capability)
         if cc < 90:
-            why = f"programmatic_launch: needs compute capability 9.0 or newer (device {dev}: {cc})"
+            why = (
+                "scripts/programmatic_launch.py: needs compute capability 9.0 or newer "
+                f"(device {dev}: {cc})"
+            )
     except DcpkitError as e:
         why = str(e)
     if why is not None:

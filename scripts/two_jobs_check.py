@@ -99,7 +99,7 @@ def parser():
 
 def main() -> int:
     args = parser().parse_args()
-    _gpu_or_exit("two_jobs_check")
+    _gpu_or_exit("scripts/two_jobs_check.py")
 
     import cupy
 

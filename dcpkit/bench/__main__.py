@@ -2,6 +2,7 @@
 
 import sys
 
+from ..cli import pipe_safe
 from .command import main
 
-sys.exit(main())
+sys.exit(pipe_safe(main))

@@ -1,5 +1,6 @@
 """``python -m dcpkit.demo`` (the same as ``python -m dcpkit demo``)."""
 
+from ..cli import pipe_safe
 from .cli import main
 
-raise SystemExit(main())
+raise SystemExit(pipe_safe(main))

@@ -47,6 +47,8 @@ PRINTING = [
     ["-m", "dcpkit", "demo", "--help"],
     ["-m", "dcpkit", "bench", "--help"],
     ["-m", "dcpkit.info"],
+    ["-m", "dcpkit.demo", "--help"],
+    ["-m", "dcpkit.bench", "--help"],
 ]
 
 

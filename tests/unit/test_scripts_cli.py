@@ -26,7 +26,14 @@ def _load(path):
 
 @pytest.mark.parametrize(
     "name",
-    ["host_overhead.py", "two_jobs_check.py", "soak.py", "host_path_cpu.py", "kernel_timeline.py"],
+    [
+        "host_overhead.py",
+        "two_jobs_check.py",
+        "soak.py",
+        "host_path_cpu.py",
+        "kernel_timeline.py",
+        "programmatic_launch.py",
+    ],
 )
 def test_every_option_has_a_help_text(repo_root, name):
     ap = _load(_script(repo_root, name)).parser()
@@ -70,6 +77,8 @@ def test_every_option_has_a_help_text(repo_root, name):
         ("kernel_timeline.py", ["--ops", "kv_gather"], "argument --ops: must be a comma list of"),
         ("kernel_timeline.py", ["--replays", "3"], "argument --replays: must be an integer in [4,"),
         ("kernel_timeline.py", ["--json", "{tmp}"], "argument --json: {tmp} is a directory"),
+        ("programmatic_launch.py", ["--replays", "3"], "argument --replays: must be an integer"),
+        ("programmatic_launch.py", ["--json", "{tmp}"], "argument --json: {tmp} is a directory"),
     ],
 )
 def test_a_bad_value_is_one_line_before_the_gpu_check(
