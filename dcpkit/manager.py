@@ -60,6 +60,7 @@ from ._checks import (
     resolve_dtype,
 )
 from ._dcp_calls import DCPCalls
+from ._launch import check_programmatic_launch
 from ._lifecycle import Resource
 from ._setup import collective_step, error_text, guarded, share_outcome
 from ._strided import load_copy_kernels
@@ -339,6 +340,10 @@ class DCPComm(DCPCalls, Resource):
                 cls, kwargs = self._nccl_spec(o)
                 self._nccl_checked[o] = self._check_op_arguments(o, cls.prepare, kwargs, "NCCL")
         self.device = self._current_device()  # CuPy and a visible GPU
+        if self.programmatic_launch:  # refused alike whichever path the policy may take
+            import cupy
+
+            check_programmatic_launch(cupy, self.device, "DCPComm")
         return (
             self.max_tokens,
             self.num_heads,

@@ -450,11 +450,19 @@ struct Proto {
 // signals, a credit -- is read or written before that, so the call sees exactly what it would
 // see after a plain launch (the credit's "the kernels before it have finished" included). The
 // op's kernels never call griddepcontrol.launch_dependents: a kernel after them starts only as
-// their CTAs exit, which keeps the co-residency rule of NOTE [dcpkit epoch signalling] as it is.
-// Without DCPKIT_PDL the wait is not compiled (the shipped kernels are unchanged); below sm_90
-// there is no such instruction and the host refuses the option.
+// their CTAs exit. Before them, a kernel that triggers its dependents early (the point of the
+// option) lets every CTA of the op's grid become resident and block in the wait, not only its
+// waiters: the co-residency rule of NOTE [dcpkit epoch signalling] then also needs that kernel
+// to finish without waiting for other work that needs SMs (a kernel that, after triggering,
+// waits for another rank's kernel on the same GPU could be starved). The host cannot check
+// that: it is the caller's half of the opt-in (README). Without DCPKIT_PDL the wait is not
+// compiled (the shipped kernels are unchanged); below sm_90 there is no such instruction: the
+// build refuses DCPKIT_PDL there and the host refuses the option.
+#if defined(DCPKIT_PDL) && DCPKIT_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "DCPKIT_PDL (programmatic launch) needs sm_90 or newer: the wait would compile away"
+#endif
 __device__ __forceinline__ void grid_dependency_wait() {
-#if defined(DCPKIT_PDL) && DCPKIT_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(DCPKIT_PDL) && DCPKIT_PDL
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }

@@ -30,7 +30,8 @@
 //     (units << 32) | (e & 0xFFFFFFFF) into credits[rank] of every peer, where units is the
 //     offset of the call's graph output buffer from the ubatch's data slot 0 in 256-byte units,
 //     or 0 when the result goes to a slot or to out=. Starting is enough: the kernels before it
-//     on the stream have finished, their reads of the buffer included.
+//     on the stream have finished, their reads of the buffer included (with programmatic launch
+//     the credit follows the wait for them: NOTE [dcpkit programmatic launch]).
 //   * The CTAs of a zero-copy call wait, before their stores, until credits[s] holds epoch e for
 //     every peer s, and store into the buffer the credit names (units 0: into the peer's data
 //     slot, as a slot call expects; the fingerprint carries the mode, DCPKIT_FP_ZC_SHIFT, so both

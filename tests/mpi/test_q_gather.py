@@ -412,18 +412,21 @@ def test_q_gather_programmatic_launch(comm, seed):
             dtype="bfloat16",
             programmatic_launch=True,
         ) as ws:
-            for T in (1, 17):
+            # out= (copy-out in a graph), and the view form: a zero-copy slot view eager and,
+            # at T_MAX (16 KiB per rank), a zero-copy graph output buffer after the credits.
+            for form, T in (("out=", 1), ("out=", 17), ("view", T_MAX)):
                 out = poisoned_empty((T, H, D), resolve_dtype("bfloat16"))
 
                 def inputs(k, T=T):
                     return _inputs(comm, sub_seed(seed, 77, T, k), T, "bfloat16")
 
-                def call(x, s, out=out):
+                def call(x, s, out=out if form == "out=" else None):
                     return ws(x, out=out, stream=s)
 
                 def check(res, want, where, T=T):
                     return byte_mismatch(to_host(res), want, f"q_gather T={T}, {where}")
 
-                check_programmatic(errors, call, inputs, 4, f"q_gather T={T}", check, (out,))
+                what = f"q_gather T={T} {form}"
+                check_programmatic(errors, call, inputs, 4, what, check, (out,))
 
     run_collective(comm, "q_gather with programmatic_launch", body)
