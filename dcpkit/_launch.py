@@ -281,6 +281,14 @@ class Launcher:
             self._ok = drv.CUresult.CUDA_SUCCESS
             self._stream_type = drv.CUstream
 
+    def _wrap_stream(self, stream_ptr: int):
+        """The bindings' ``CUstream`` of ``stream_ptr``, wrapped once per handle (a handle is the
+        stream: never stale; at most 256 kept)."""
+        if len(self._streams) >= 256:
+            self._streams.clear()
+        s = self._streams[stream_ptr] = self._stream_type(stream_ptr)
+        return s
+
     def launch(self, grid: int, params: KernelParams, stream_ptr: int) -> None:
         """Enqueue the kernel: ``grid`` CTAs of :attr:`block` threads, on the stream handle
         ``stream_ptr`` (0: the legacy default stream).
@@ -308,10 +316,8 @@ class Launcher:
                 raise CudaError("cuLaunchKernel", _error_name(res))
             return
         s = self._streams.get(stream_ptr)
-        if s is None:  # wrapped once per handle (a handle is the stream: never stale)
-            if len(self._streams) >= 256:
-                self._streams.clear()
-            s = self._streams[stream_ptr] = self._stream_type(stream_ptr)
+        if s is None:
+            s = self._wrap_stream(stream_ptr)
         (res,) = self._call(
             self._fn_obj, grid, 1, 1, self.block, 1, 1, self.shared_mem, s, params.address, 0
         )
@@ -386,9 +392,7 @@ class ProgrammaticLauncher(Launcher):
         """
         s = self._streams.get(stream_ptr)
         if s is None:
-            if len(self._streams) >= 256:
-                self._streams.clear()
-            s = self._streams[stream_ptr] = self._stream_type(stream_ptr)
+            s = self._wrap_stream(stream_ptr)
         cfg = self._config
         cfg.gridDimX = grid
         cfg.hStream = s

@@ -251,3 +251,26 @@ def test_programmatic_launcher_passes_grid_stream_and_the_attribute():
     launcher._call = failing
     with pytest.raises(CudaError, match="cuLaunchKernelEx.*CUDA_ERROR_INVALID_VALUE"):
         launcher.launch(1, params, 0)
+
+
+@pytest.mark.parametrize("cls", [Launcher, _launch.ProgrammaticLauncher])
+def test_bindings_launchers_wrap_each_stream_once_and_keep_at_most_256(cls):
+    drv = _bindings_or_skip()
+    launcher = cls(0x1000, 256, backend="bindings")
+    seen = []
+
+    def fake(*args):
+        s = args[8] if cls is Launcher else args[0].hStream
+        seen.append(int(s))
+        return (drv.CUresult.CUDA_SUCCESS,)
+
+    launcher._call = fake
+    params = KernelParams(["u32"], [1])
+    launcher.launch(1, params, 0x10)
+    first = launcher._streams[0x10]
+    launcher.launch(1, params, 0x10)
+    assert launcher._streams[0x10] is first  # wrapped once
+    for ptr in range(0x20, 0x20 + 300):
+        launcher.launch(1, params, ptr)
+        assert len(launcher._streams) <= 256
+    assert seen == [0x10, 0x10, *range(0x20, 0x20 + 300)]
