@@ -18,6 +18,10 @@ every row alike instead of on whichever rows ran at that moment:
   with 19 parameters, and dcpkit's :class:`~dcpkit._launch.Launcher` (ctypes and cuda.bindings)
   with those 19 parameters packed once; q_gather with its launcher on ctypes (the ops' default
   is cuda.bindings where it loads: the header says which ran);
+* what an eager call asks the CUDA runtime besides its launch, no launch: CuPy's current stream,
+  the capture check of a stream (CuPy's, and ``cuStreamIsCapturing`` through cuda.bindings), the
+  current device, each alone and the three together (an op row minus the bindings launch minus
+  these is the op's Python);
 * every op with CuPy arrays, the view-returning and the ``out=`` forms; through ``DCPComm``;
   ``TorchOps`` with torch tensors; the custom ops ``torch.ops.dcpkit.*`` (where torch has CUDA),
   and a custom op of ``q_gather``'s schema with an empty body (no launch: torch's dispatcher
@@ -246,6 +250,35 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
             )
         except Exception as e:  # noqa: BLE001 - reported as a missing row
             print(f"[rank {r}] Launcher {backend}: {type(e).__name__}: {e}", file=sys.stderr)
+    # What an eager op call asks the CUDA runtime besides its launch, each alone and together
+    # (no launch): CuPy's current stream, the capture check of that stream, the current device.
+    # The ops' rows minus the bindings launch minus these rows is their Python.
+    cur, dev_of = cupy.cuda.get_current_stream, cupy.cuda.runtime.getDevice
+    s0 = cur()
+    rows += [
+        (
+            "per-call queries (stream, capture, device)",
+            "info",
+            lambda: (cur().is_capturing(), dev_of()),
+        ),
+        ("current stream alone (cupy)", "info", cur),
+        ("capture check alone (cupy Stream.is_capturing)", "info", s0.is_capturing),
+        ("device query alone (cudaGetDevice)", "info", dev_of),
+    ]
+    try:
+        from cuda.bindings import driver as _drv
+
+        cs = _drv.CUstream(sptr)
+        _drv.cuStreamIsCapturing(cs)
+        rows.append(
+            (
+                "capture check alone (cuStreamIsCapturing, bindings)",
+                "info",
+                lambda: _drv.cuStreamIsCapturing(cs),
+            )
+        )
+    except Exception as e:  # noqa: BLE001 - reported as a missing row
+        print(f"[rank {r}] cuStreamIsCapturing: {type(e).__name__}: {e}", file=sys.stderr)
     Hr = H // W
     q = cupy.asarray(make_inputs(r, W, 1, op="q_gather", tokens=T, num_heads=H, head_dim=D_Q)["q"])
     li = make_inputs(r, W, 1, op="lse_reduce", tokens=T, num_heads=H, head_dim=D_V)
