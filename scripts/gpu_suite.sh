@@ -22,9 +22,11 @@
 #                         only; with DCPKIT_SUITE_MPS=1 they run side by side)
 #   DCPKIT_SUITE_DEMO_NP, DCPKIT_SUITE_BENCH_NP  world sizes of the demo / bench stages
 #                         (default: those of DCPKIT_SUITE_NP)
-#   stages "overhead" (scripts/host_overhead.py, N = DCPKIT_SUITE_OVERHEAD_NP, default 2) and
-#   "soak" (scripts/soak.py, N = DCPKIT_SUITE_SOAK_NP, default 4, DCPKIT_SUITE_SOAK_CALLS calls)
-#   run only when named in DCPKIT_SUITE_STAGES
+#   stages "overhead" (scripts/host_overhead.py, N = DCPKIT_SUITE_OVERHEAD_NP, default 2),
+#   "programmatic" (scripts/programmatic_launch.py, N = DCPKIT_SUITE_PROGRAMMATIC_NP, default 2,
+#   with the bench stages' MPS share; programmatic_N.json) and "soak" (scripts/soak.py, N =
+#   DCPKIT_SUITE_SOAK_NP, default 4, DCPKIT_SUITE_SOAK_CALLS calls) run only when named in
+#   DCPKIT_SUITE_STAGES
 #   DCPKIT_SUITE_MPS      1: with shared GPUs, run an MPS daemon of this machine's own (see below);
 #                         the bench stages then give every rank CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
 #                         = 100/N (dcpkit and NVSHMEM alike; NVSHMEM's on-stream collectives
@@ -83,7 +85,7 @@ if ! [[ "$MAX_FILES" =~ ^[0-9]+$ ]] || [ "$MAX_FILES" -lt 2 ]; then
          "logs.tar.gz) (got '$MAX_FILES')" >&2; exit 2
 fi
 for var in DCPKIT_SUITE_NP DCPKIT_SUITE_DEMO_NP DCPKIT_SUITE_BENCH_NP DCPKIT_SUITE_OVERHEAD_NP \
-           DCPKIT_SUITE_SOAK_NP; do
+           DCPKIT_SUITE_PROGRAMMATIC_NP DCPKIT_SUITE_SOAK_NP; do
     for n in ${!var-}; do
         if ! [[ "$n" =~ ^[1-9][0-9]{0,3}$ ]]; then
             echo "gpu_suite.sh: $var must be world sizes, whole numbers >= 1 separated by" \
@@ -91,7 +93,7 @@ for var in DCPKIT_SUITE_NP DCPKIT_SUITE_DEMO_NP DCPKIT_SUITE_BENCH_NP DCPKIT_SUI
         fi
     done
 done
-KNOWN_STAGES="info tests mpitests gputests overhead soak demo bench"
+KNOWN_STAGES="info tests mpitests gputests overhead programmatic soak demo bench"
 IFS=',' read -r -a _stage_items <<<"${DCPKIT_SUITE_STAGES:-info}"
 for st in "${_stage_items[@]}"; do
     known=0
@@ -424,6 +426,18 @@ if [[ $STAGES == *,overhead,* ]]; then
         run_stage overhead "$n" 120 "$LOGS/overhead_$n.log" \
             "${MPICMD[@]}" "$PY" scripts/host_overhead.py --json "$LOGS/overhead_$n.json"
         grep -E "us/call" "$LOGS/overhead_$n.log" | head -5
+    done
+fi
+
+if [[ $STAGES == *,programmatic,* ]]; then
+    for n in ${DCPKIT_SUITE_PROGRAMMATIC_NP:-2}; do
+        bench_env "$n"
+        mpicmd "$n" "programmatic_$n" ${BENCH_VARS[@]+"${BENCH_VARS[@]}"}
+        # shellcheck disable=SC2086
+        run_stage programmatic "$n" 180 "$LOGS/programmatic_$n.log" \
+            env ${BENCH_ENV[@]+"${BENCH_ENV[@]}"} \
+            "${MPICMD[@]}" "$PY" scripts/programmatic_launch.py --json "$LOGS/programmatic_$n.json"
+        tail -n 12 "$LOGS/programmatic_$n.log" | cut -c1-160
     done
 fi
 

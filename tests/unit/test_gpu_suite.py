@@ -151,6 +151,32 @@ def test_bench_stage_shares_the_gpu_and_runs_the_baseline_first(repo_root, run_c
     } <= set(files), files
 
 
+def test_programmatic_stage_runs_its_script_with_the_mps_share(repo_root, run_cmd, tmp_path):
+    script = repo_root / "scripts" / "gpu_suite.sh"
+    bindir, calls, out = tmp_path / "bin", tmp_path / "calls.txt", tmp_path / "out"
+    _fake_tools(bindir, calls)
+    env = {
+        "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "OUT": str(out),
+        "PYTHON": sys.executable,
+        "TMPDIR": str(tmp_path),
+        "DCPKIT_SUITE_STAGES": "programmatic",
+        "DCPKIT_SUITE_SHARED_GPU": "1",
+        "DCPKIT_SUITE_MPS": "1",
+        "DCPKIT_SUITE_PROGRAMMATIC_NP": "2 4",
+    }
+    proc = run_cmd(["bash", str(script)], timeout=300, env=env)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    lines = [ln for ln in calls.read_text().splitlines() if "programmatic_launch.py" in ln]
+    assert len(lines) == 2, lines
+    for ln, (n, pct) in zip(lines, ((2, 50), (4, 25))):
+        assert f"-np {n}" in ln and f"programmatic_{n}.json" in ln, ln
+        assert f"PCT={pct}|" in ln and "-x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in ln, ln
+    summary = (out / "summary.txt").read_text()
+    assert "programmatic 2 0" in summary and "programmatic 4 0" in summary, summary
+
+
 @pytest.mark.parametrize(
     "name, value",
     [
@@ -164,6 +190,7 @@ def test_bench_stage_shares_the_gpu_and_runs_the_baseline_first(repo_root, run_c
         ("DCPKIT_SUITE_BENCH_NP", "2.5"),
         ("DCPKIT_SUITE_OVERHEAD_NP", "0"),
         ("DCPKIT_SUITE_SOAK_NP", "four"),
+        ("DCPKIT_SUITE_PROGRAMMATIC_NP", "1.5"),
         ("DCPKIT_SUITE_STAGES", "info,bogus"),
         ("DCPKIT_SUITE_STAGES", "info tests"),
     ],
