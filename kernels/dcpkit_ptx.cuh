@@ -258,12 +258,15 @@ __device__ __forceinline__ u64 ld_acquire_sys_u64(const u64* p) {
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-// The acquire that follows a relaxed poll of a signal word which, once it shows the awaited
-// epoch, does not change again during the call (NOTE [dcpkit epoch signalling]: the next store
-// into it is for epoch e + 2). The acquire reads the same value the poll saw, so the caller
-// uses the polled word (fingerprint, credit offset) and the acquire's own value is not needed:
-// ptxas then emits the acquire's ordering alone (the L1 invalidation after the poll's load,
-// whose value the caller has already waited for) instead of a second round trip to the word.
+// The acquire that follows a relaxed poll of a signal or credit word, once the poll has seen the
+// awaited epoch. The caller uses the polled word, the one that matched (fingerprint, credit
+// offset), and not the acquire's value: for a signal word the two are the same (NOTE [dcpkit
+// epoch signalling]: the next store into it is for epoch e + 2), while a credit word can already
+// hold the peer's next call's credit by the time the acquire reads it (a peer whose call failed
+// does not wait for this rank), so the polled word is the right one there. The acquire still
+// orders every later load after the poll; with its value unused, ptxas emits that ordering alone
+// (the L1 invalidation after the poll's load, whose value the caller has already waited for)
+// instead of a second round trip to the word.
 // Measured: reading the fingerprint from the acquire's value cost that round trip, 0.2-0.4 us
 // per call at T <= 8 (docs/performance.md); tests/unit/test_protocol_cpu.py keeps the acquire's
 // value unused.

@@ -383,7 +383,7 @@ __device__ __forceinline__ bool gather_wait_credits(const Proto& P, const u64* p
       }
     }
     if (ok) {
-      acquire_polled(word);  // the stores below follow the peer's credit
+      acquire_polled(word);  // the stores below follow the peer's credit (v: the polled word)
       const u64 base = __ldg(peer_data + s);
       dst_tbl[s] = (v >> 32) != 0ull ? base + ((v >> 32) << 8) : base + slot_off;
     }

@@ -433,11 +433,10 @@ if [[ $STAGES == *,programmatic,* ]]; then
     for n in ${DCPKIT_SUITE_PROGRAMMATIC_NP:-2}; do
         bench_env "$n"
         mpicmd "$n" "programmatic_$n" ${BENCH_VARS[@]+"${BENCH_VARS[@]}"}
-        # shellcheck disable=SC2086
         run_stage programmatic "$n" 180 "$LOGS/programmatic_$n.log" \
             env ${BENCH_ENV[@]+"${BENCH_ENV[@]}"} \
             "${MPICMD[@]}" "$PY" scripts/programmatic_launch.py --json "$LOGS/programmatic_$n.json"
-        tail -n 12 "$LOGS/programmatic_$n.log" | cut -c1-160
+        [ -f "$LOGS/programmatic_$n.log" ] && tail -n 12 "$LOGS/programmatic_$n.log" | cut -c1-160
     done
 fi
 

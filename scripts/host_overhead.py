@@ -269,7 +269,9 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
         from cuda.bindings import driver as _drv
 
         cs = _drv.CUstream(sptr)
-        _drv.cuStreamIsCapturing(cs)
+        err, _ = _drv.cuStreamIsCapturing(cs)
+        if err != _drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuStreamIsCapturing returned {err}")
         rows.append(
             (
                 "capture check alone (cuStreamIsCapturing, bindings)",

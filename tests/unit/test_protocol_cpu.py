@@ -146,14 +146,15 @@ def test_publish_order_in_every_variant(file, self_check):
         )
 
 
+@pytest.mark.parametrize("self_check", [True, False], ids=["self-check", "epoch-only"])
 @pytest.mark.parametrize("file", OPS_FILES)
-def test_no_value_of_an_acquire_is_used(file):
+def test_no_value_of_an_acquire_is_used(file, self_check):
     """Every ld.acquire of a signal or credit word follows a relaxed poll that already read the
     awaited value, and the word does not change again in the call: the waits read the polled
     word (fingerprint, credit offset). A use of the acquire's own value makes the wait a second
     dependent round trip to the word (measured 0.2-0.4 us per call at T <= 8); without a use,
     ptxas keeps only the acquire's ordering."""
-    ptx = _ptx(file)
+    ptx = _ptx(file, () if self_check else ("-DDCPKIT_SELF_CHECK=0",))
     for name, lines in _entries(ptx):
         if "combine" in name:  # lse_combine_kernel: the NCCL fallback's merge, no protocol
             continue
