@@ -106,30 +106,58 @@ def _fake_tools(bindir, calls):
         p.chmod(p.stat().st_mode | stat.S_IEXEC)
 
 
-def test_bench_stage_shares_the_gpu_and_runs_the_baseline_first(repo_root, run_cmd, tmp_path):
-    script = repo_root / "scripts" / "gpu_suite.sh"
+def _suite_env(bindir, out, tmp_path, python=sys.executable, **settings):
+    """The environment of a suite run with the fake tools of ``bindir`` first on PATH, plus
+    ``settings`` (DCPKIT_SUITE_* and the like)."""
+    return {
+        "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "OUT": str(out),
+        "PYTHON": str(python),
+        "TMPDIR": str(tmp_path),
+        **settings,
+    }
+
+
+def _suite_with_fake_tools(repo_root, tmp_path):
+    """(the suite script, the fake tools' folder, the fake mpirun's call log, $OUT)."""
     bindir, calls, out = tmp_path / "bin", tmp_path / "calls.txt", tmp_path / "out"
     _fake_tools(bindir, calls)
+    return repo_root / "scripts" / "gpu_suite.sh", bindir, calls, out
+
+
+def _fake_baseline(tmp_path):
+    """A folder that passes for another checkout of dcpkit (DCPKIT_SUITE_BASELINE)."""
     base = tmp_path / "base"
     (base / "dcpkit").mkdir(parents=True)
     (base / "dcpkit" / "__init__.py").write_text("")
-    env = {
-        "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
-        "OUT": str(out),
-        "PYTHON": sys.executable,
-        "TMPDIR": str(tmp_path),
-        "DCPKIT_SUITE_STAGES": "bench",
-        "DCPKIT_SUITE_NP": "2 4",
-        "DCPKIT_SUITE_SHARED_GPU": "1",
-        "DCPKIT_SUITE_MPS": "1",
-        "DCPKIT_SUITE_BASELINE": str(base),
-        "DCPKIT_SUITE_BASELINE_COMMIT": "9965d55",
-        "DCPKIT_COMMIT": "cafe",
-    }
+    return base
+
+
+def _run_ok(run_cmd, script, env, calls, needle):
+    """Run the suite, check it passed; returns its output and the fake mpirun's recorded calls
+    whose line holds ``needle``."""
     proc = run_cmd(["bash", str(script)], timeout=300, env=env)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
-    lines = [ln for ln in calls.read_text().splitlines() if "dcpkit bench" in ln]
+    return text, [ln for ln in calls.read_text().splitlines() if needle in ln]
+
+
+def test_bench_stage_shares_the_gpu_and_runs_the_baseline_first(repo_root, run_cmd, tmp_path):
+    script, bindir, calls, out = _suite_with_fake_tools(repo_root, tmp_path)
+    base = _fake_baseline(tmp_path)
+    env = _suite_env(
+        bindir,
+        out,
+        tmp_path,
+        DCPKIT_SUITE_STAGES="bench",
+        DCPKIT_SUITE_NP="2 4",
+        DCPKIT_SUITE_SHARED_GPU="1",
+        DCPKIT_SUITE_MPS="1",
+        DCPKIT_SUITE_BASELINE=str(base),
+        DCPKIT_SUITE_BASELINE_COMMIT="9965d55",
+        DCPKIT_COMMIT="cafe",
+    )
+    text, lines = _run_ok(run_cmd, script, env, calls, "dcpkit bench")
     assert len(lines) == 4, lines
     for n, pct in ((2, 50), (4, 25)):
         b = next(ln for ln in lines if f"bench_base_{n}.json" in ln)
@@ -152,23 +180,17 @@ def test_bench_stage_shares_the_gpu_and_runs_the_baseline_first(repo_root, run_c
 
 
 def test_programmatic_stage_runs_its_script_with_the_mps_share(repo_root, run_cmd, tmp_path):
-    script = repo_root / "scripts" / "gpu_suite.sh"
-    bindir, calls, out = tmp_path / "bin", tmp_path / "calls.txt", tmp_path / "out"
-    _fake_tools(bindir, calls)
-    env = {
-        "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
-        "OUT": str(out),
-        "PYTHON": sys.executable,
-        "TMPDIR": str(tmp_path),
-        "DCPKIT_SUITE_STAGES": "programmatic",
-        "DCPKIT_SUITE_SHARED_GPU": "1",
-        "DCPKIT_SUITE_MPS": "1",
-        "DCPKIT_SUITE_PROGRAMMATIC_NP": "2 4",
-    }
-    proc = run_cmd(["bash", str(script)], timeout=300, env=env)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text
-    lines = [ln for ln in calls.read_text().splitlines() if "programmatic_launch.py" in ln]
+    script, bindir, calls, out = _suite_with_fake_tools(repo_root, tmp_path)
+    env = _suite_env(
+        bindir,
+        out,
+        tmp_path,
+        DCPKIT_SUITE_STAGES="programmatic",
+        DCPKIT_SUITE_SHARED_GPU="1",
+        DCPKIT_SUITE_MPS="1",
+        DCPKIT_SUITE_PROGRAMMATIC_NP="2 4",
+    )
+    text, lines = _run_ok(run_cmd, script, env, calls, "programmatic_launch.py")
     assert len(lines) == 2, lines
     for ln, (n, pct) in zip(lines, ((2, 50), (4, 25))):
         assert f"-np {n}" in ln and f"programmatic_{n}.json" in ln, ln
@@ -212,22 +234,17 @@ def test_at_most_max_files_land_in_out(repo_root, run_cmd, tmp_path, max_files):
     8, summary.txt and logs.tar.gz included) only in logs.tar.gz."""
     import tarfile
 
-    script = repo_root / "scripts" / "gpu_suite.sh"
-    bindir, calls, out = tmp_path / "bin", tmp_path / "calls.txt", tmp_path / "out"
-    _fake_tools(bindir, calls)
-    base = tmp_path / "base"
-    (base / "dcpkit").mkdir(parents=True)
-    (base / "dcpkit" / "__init__.py").write_text("")
-    env = {
-        "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
-        "OUT": str(out),
-        "PYTHON": sys.executable,
-        "TMPDIR": str(tmp_path),
-        "DCPKIT_SUITE_STAGES": "bench",
-        "DCPKIT_SUITE_NP": "2 3 4",
-        "DCPKIT_SUITE_SHARED_GPU": "1",
-        "DCPKIT_SUITE_BASELINE": str(base),
-    }
+    script, bindir, calls, out = _suite_with_fake_tools(repo_root, tmp_path)
+    base = _fake_baseline(tmp_path)
+    env = _suite_env(
+        bindir,
+        out,
+        tmp_path,
+        DCPKIT_SUITE_STAGES="bench",
+        DCPKIT_SUITE_NP="2 3 4",
+        DCPKIT_SUITE_SHARED_GPU="1",
+        DCPKIT_SUITE_BASELINE=str(base),
+    )
     if max_files is not None:
         env["DCPKIT_SUITE_MAX_FILES"] = max_files
     proc = run_cmd(["bash", str(script)], timeout=300, env=env)
@@ -250,9 +267,7 @@ def test_bench_stage_asks_for_plots_only_where_matplotlib_imports(
 ):
     """dcpkit bench refuses --plot without matplotlib, so the suite passes it only where it
     imports (and says so where it does not): the tables and JSON are still made."""
-    script = repo_root / "scripts" / "gpu_suite.sh"
-    bindir, calls, out = tmp_path / "bin", tmp_path / "calls.txt", tmp_path / "out"
-    _fake_tools(bindir, calls)
+    script, bindir, calls, out = _suite_with_fake_tools(repo_root, tmp_path)
     fake = tmp_path / "site"
     (fake / "matplotlib").mkdir(parents=True)
     (fake / "matplotlib" / "__init__.py").write_text("")
@@ -263,19 +278,16 @@ def test_bench_stage_asks_for_plots_only_where_matplotlib_imports(
     first = fake if with_matplotlib else blocker
     py.write_text(f'#!/bin/sh\nPYTHONPATH="{first}:$PYTHONPATH" exec "{sys.executable}" "$@"\n')
     py.chmod(py.stat().st_mode | stat.S_IEXEC)
-    env = {
-        "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
-        "OUT": str(out),
-        "PYTHON": str(py),
-        "TMPDIR": str(tmp_path),
-        "DCPKIT_SUITE_STAGES": "bench",
-        "DCPKIT_SUITE_NP": "2",
-        "DCPKIT_SUITE_SHARED_GPU": "1",
-    }
-    proc = run_cmd(["bash", str(script)], timeout=300, env=env)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text
-    lines = [ln for ln in calls.read_text().splitlines() if "dcpkit bench" in ln]
+    env = _suite_env(
+        bindir,
+        out,
+        tmp_path,
+        python=py,
+        DCPKIT_SUITE_STAGES="bench",
+        DCPKIT_SUITE_NP="2",
+        DCPKIT_SUITE_SHARED_GPU="1",
+    )
+    text, lines = _run_ok(run_cmd, script, env, calls, "dcpkit bench")
     assert len(lines) == 1, lines
     assert ("--plot" in lines[0]) == with_matplotlib, lines[0]
     assert ("matplotlib is not installed" in text) != with_matplotlib, text
