@@ -99,12 +99,8 @@ class KVGather(GatherWorkspace):
         8, at least 1; NOTE [dcpkit epoch signalling]). A measuring knob; the co-residency rule
         holds only for the default.
     programmatic_launch : bool
-        Launch the kernels with programmatic dependent launch (``cuLaunchKernelEx``, the
-        programmatic stream serialization attribute): a call's kernel may start while the kernel
-        before it on the stream finishes, and waits for it (``griddepcontrol.wait``) before it
-        reads or writes anything, so the launch overlaps that kernel's tail (NOTE [dcpkit
-        programmatic launch]). Eager and captured calls alike. Needs compute capability 9.0+ and
-        cuda.bindings (default False: a plain launch).
+        Programmatic dependent launch, as in :class:`~dcpkit.ops.QGather` (needs compute
+        capability 9.0+ and cuda.bindings; default False: a plain launch).
     _self_check : bool
         Benchmark only: ``False`` compiles the variant whose waits compare the epoch only.
 

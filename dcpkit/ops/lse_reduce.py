@@ -194,12 +194,8 @@ class LseReduce(LseReduceCall, OpWorkspace):
         least 1; NOTE [dcpkit epoch signalling]). A measuring knob: more combine parallelism at
         large ``T``, but the co-residency rule holds only for the default.
     programmatic_launch : bool
-        Launch the kernels with programmatic dependent launch (``cuLaunchKernelEx``, the
-        programmatic stream serialization attribute): a call's kernel may start while the kernel
-        before it on the stream finishes, and waits for it (``griddepcontrol.wait``) before it
-        reads or writes anything, so the launch overlaps that kernel's tail (NOTE [dcpkit
-        programmatic launch]). Eager and captured calls alike. Needs compute capability 9.0+ and
-        cuda.bindings (default False: a plain launch).
+        Programmatic dependent launch, as in :class:`~dcpkit.ops.QGather` (needs compute
+        capability 9.0+ and cuda.bindings; default False: a plain launch).
     _self_check : bool
         Benchmark only: as in :class:`~dcpkit.ops.QGather`.
 
