@@ -9,14 +9,18 @@ both built once. A call patches the fields that change and hands the array to
 ``cuLaunchKernel``, which copies the values during the call (eager launch or graph capture
 alike), so patching the buffer afterwards never changes a launched or captured kernel.
 
-:class:`Launcher` calls ``cuLaunchKernel`` through cuda-python's ``cuda.bindings.driver``
-(``backend="bindings"``, the default wherever cuda.bindings loads: measured the cheaper of the
-two on an H200, about 2 us less per launch) or through ``ctypes`` on ``libcuda``
-(``backend="ctypes"``, the fallback). It takes the ``CUfunction`` of a loaded CuPy kernel
-(``cupy.cuda.function.Function.ptr``) and a stream handle (``cupy.cuda.Stream.ptr``). Nothing is
-converted or created per launch: the function and every stream seen are wrapped once (the
-bindings take their own handle types without a conversion), and the parameter array is passed
-by address.
+:class:`Launcher` calls ``cuLaunchKernel`` through CuPy's own binding of it
+(``backend="cupy"``, ``cupy_backends.cuda.api.driver.launchKernel``: every argument a C integer,
+nothing converted; the default wherever CuPy has it), through cuda-python's
+``cuda.bindings.driver`` (``backend="bindings"``; the only one with ``cuLaunchKernelEx``, which
+:class:`ProgrammaticLauncher` needs) or through ``ctypes`` on ``libcuda`` (``backend="ctypes"``,
+the fallback). Measured on an H200 host, a launch of a 19-parameter kernel costs about 0.5 to
+0.8 us less host time through CuPy's binding than through cuda.bindings, and cuda.bindings
+about 1.3 to 2 us less than ctypes (``scripts/host_overhead.py``'s "Launcher" rows). It takes
+the ``CUfunction`` of a loaded CuPy kernel (``cupy.cuda.function.Function.ptr``) and a stream
+handle (``cupy.cuda.Stream.ptr``). Nothing is converted or created per launch: the function and
+every stream seen are wrapped once where the backend has handle types (cuda.bindings), and the
+parameter array is passed by address.
 
 Parameter types: ``"u64"``, ``"i64"`` (pointers go as ``"u64"``), ``"u32"``, ``"i32"``,
 ``"f32"``. :func:`ptx_param_types` reads a kernel's parameter list from its PTX, so a test can
@@ -45,7 +49,7 @@ __all__ = [
 ]
 
 #: The launch backends, in order of preference (see :func:`default_backend`).
-BACKENDS = ("bindings", "ctypes")
+BACKENDS = ("cupy", "bindings", "ctypes")
 
 #: Parameter type name -> ctypes type (size == alignment for every one of them).
 PARAM_TYPES = {
@@ -200,19 +204,41 @@ _DEFAULT_BACKEND: str | None = None
 
 
 def default_backend() -> str:
-    """``"bindings"`` where ``cuda.bindings.driver`` imports, else ``"ctypes"`` (decided once
-    per process)."""
+    """``"cupy"`` where CuPy's driver binding has ``launchKernel``, else ``"bindings"`` where
+    ``cuda.bindings.driver`` imports, else ``"ctypes"`` (decided once per process)."""
     global _DEFAULT_BACKEND
     if _DEFAULT_BACKEND is None:
-        from . import _cuda
-        from .errors import MissingDependency
-
-        try:
-            _cuda.driver()
+        if _cupy_launch() is not None:
+            _DEFAULT_BACKEND = "cupy"
+        elif bindings_available():
             _DEFAULT_BACKEND = "bindings"
-        except (MissingDependency, ImportError, OSError):
+        else:
             _DEFAULT_BACKEND = "ctypes"
     return _DEFAULT_BACKEND
+
+
+def bindings_available() -> bool:
+    """Whether ``cuda.bindings.driver`` imports (the "bindings" backend, and the only one with
+    ``cuLaunchKernelEx``)."""
+    from . import _cuda
+    from .errors import MissingDependency
+
+    try:
+        _cuda.driver()
+    except (MissingDependency, ImportError, OSError):
+        return False
+    return True
+
+
+def _cupy_launch():
+    """CuPy's driver module where it has ``launchKernel`` (and its error type), else None."""
+    try:
+        from cupy_backends.cuda.api import driver as cdrv
+    except (ImportError, OSError):
+        return None
+    if not hasattr(cdrv, "launchKernel") or not hasattr(cdrv, "CUDADriverError"):
+        return None
+    return cdrv
 
 
 def _error_name(code: int) -> str:
@@ -223,6 +249,12 @@ def _error_name(code: int) -> str:
     except OSError:
         pass
     return f"CUresult {code}"
+
+
+def _cupy_error_name(e) -> str:
+    """The ``CUDA_ERROR_...`` name of CuPy's ``CUDADriverError`` (its message starts with it)."""
+    name = str(e).split(":", 1)[0].strip()
+    return name if name.startswith("CUDA_ERROR_") else _error_name(getattr(e, "status", -1))
 
 
 class Launcher:
@@ -236,8 +268,10 @@ class Launcher:
         Threads per CTA (1-D).
     shared_mem : int
         Dynamic shared memory bytes.
-    backend : {"bindings", "ctypes"}, optional
-        ``"bindings"``: ``cuLaunchKernel`` of ``cuda.bindings.driver``; ``"ctypes"``: libcuda's
+    backend : {"bindings", "cupy", "ctypes"}, optional
+        ``"bindings"``: ``cuLaunchKernel`` of ``cuda.bindings.driver``; ``"cupy"``: CuPy's own
+        binding of it (``cupy_backends.cuda.api.driver.launchKernel``: every argument a C
+        integer, a failure raised as CuPy's ``CUDADriverError``); ``"ctypes"``: libcuda's
         through ctypes. Default: :func:`default_backend`.
 
     Stream: :meth:`launch` enqueues on the given stream handle and never blocks the host.
@@ -246,6 +280,7 @@ class Launcher:
 
     __slots__ = (
         "_call",
+        "_cupy_error",
         "_fn_obj",
         "_ok",
         "_stream_type",
@@ -264,14 +299,25 @@ class Launcher:
             backend = default_backend()
         if backend not in BACKENDS:
             raise InvalidArgument(
-                f"Launcher: backend must be 'bindings' or 'ctypes' (got {backend!r})"
+                f"Launcher: backend must be one of {list(BACKENDS)} (got {backend!r})"
             )
         self.backend = backend
         self._streams = {}
+        self._cupy_error = None
         if backend == "ctypes":
             self._call = _libcuda()[0]
             self._fn_obj = None
             self._ok = self._stream_type = None
+        elif backend == "cupy":
+            cdrv = _cupy_launch()
+            if cdrv is None:
+                raise InvalidArgument(
+                    "Launcher: backend 'cupy' needs CuPy's driver binding with launchKernel "
+                    "(cupy_backends.cuda.api.driver), which does not load here"
+                )
+            self._call = cdrv.launchKernel
+            self._cupy_error = cdrv.CUDADriverError
+            self._fn_obj = self._ok = self._stream_type = None
         else:
             from . import _cuda
 
@@ -298,6 +344,24 @@ class Launcher:
         CudaError
             ``cuLaunchKernel`` failed (its ``CUDA_ERROR_...`` name).
         """
+        if self._cupy_error is not None:
+            try:
+                self._call(
+                    self.function,
+                    grid,
+                    1,
+                    1,
+                    self.block,
+                    1,
+                    1,
+                    self.shared_mem,
+                    stream_ptr,
+                    params.address,
+                    0,
+                )
+            except self._cupy_error as e:
+                raise CudaError("cuLaunchKernel", _cupy_error_name(e)) from None
+            return
         if self._fn_obj is None:
             res = self._call(
                 self.function,
@@ -339,11 +403,10 @@ def check_programmatic_launch(cupy, device: int, op: str, wanted=True) -> None:
             f"{op}: programmatic_launch=True needs a GPU of compute capability 9.0 or newer "
             f"(device {device} is {major}.{minor}); build the op without it"
         )
-    backend = default_backend()
-    if backend != "bindings":
+    if not bindings_available():
         raise InvalidArgument(
             f"{op}: programmatic_launch=True launches through cuda.bindings' cuLaunchKernelEx, "
-            f"which does not load here (launch backend {backend!r}); install cuda-bindings"
+            "which does not load here; install cuda-bindings"
         )
 
 
@@ -361,10 +424,10 @@ class ProgrammaticLauncher(Launcher):
     __slots__ = ("_config",)
 
     def __init__(self, function, block: int, shared_mem: int = 0, backend: str | None = None):
-        if (backend or default_backend()) != "bindings":
+        if (backend or "bindings") != "bindings":
             raise InvalidArgument(
                 "ProgrammaticLauncher: a programmatic launch needs the 'bindings' backend "
-                f"(cuda.bindings' cuLaunchKernelEx; got {backend or default_backend()!r})"
+                f"(cuda.bindings' cuLaunchKernelEx; got {backend!r})"
             )
         super().__init__(function, block, shared_mem, "bindings")
         from . import _cuda

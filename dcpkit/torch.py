@@ -528,7 +528,7 @@ class TorchOps:
         if stream is None:
             stream = self._stream()
         if self._get_device() == self.device:
-            if self._cupy_stream_now().ptr == ptr:  # CuPy's current stream is torch's already
+            if self._cupy_stream_now(self.device).ptr == ptr:  # CuPy's current is torch's
                 res = fn(*cargs, stream=stream, **ckw)
             else:  # made CuPy's current for the call: what the op allocates is ordered on it
                 with stream:
@@ -615,7 +615,8 @@ class TorchOps:
                 stream = self._streams.get(ptr)
                 if stream is None:
                     stream = self._stream()
-                if self._get_device() == self.device and self._cupy_stream_now().ptr == ptr:
+                dev = self.device
+                if self._get_device() == dev and self._cupy_stream_now(dev).ptr == ptr:
                     if dcp:
                         res = fn(op, cx, name, ubatch, cout, stream, flat)
                     else:
@@ -671,7 +672,8 @@ class TorchOps:
                 stream = self._streams.get(ptr)
                 if stream is None:
                     stream = self._stream()
-                if self._get_device() == self.device and self._cupy_stream_now().ptr == ptr:
+                dev = self.device
+                if self._get_device() == dev and self._cupy_stream_now(dev).ptr == ptr:
                     res = fn(flat, arrays, ubatch, stream)
                 else:
                     res = self._made_current(stream, fn, (flat, arrays, ubatch, stream))

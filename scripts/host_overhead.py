@@ -237,7 +237,7 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
         ("empty RawKernel launch (cupy)", "base", lambda: empty((1,), (32,), ())),
         ("empty kernel, 19 params (cupy)", "info", lambda: empty_args((1,), (32,), cargs)),
     ]
-    for backend in ("ctypes", "bindings"):
+    for backend in ("ctypes", "bindings", "cupy"):
         try:
             ln = Launcher(empty_args.kernel, 32, backend=backend)  # the loaded Function
             ln.launch(1, params, sptr)
@@ -254,15 +254,34 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
     # (no launch): CuPy's current stream, the capture check of that stream, the current device.
     # The ops' rows minus the bindings launch minus these rows is their Python.
     cur, dev_of = cupy.cuda.get_current_stream, cupy.cuda.runtime.getDevice
+    from cupy_backends.cuda.api import driver as _cdrv
+    from cupy_backends.cuda.api import runtime as _crt
+
     s0 = cur()
+    capturing = _crt.streamIsCapturing
+    fptr = empty_args.kernel.ptr
+    launch = _cdrv.launchKernel
+    paddr = params.address
     rows += [
+        (
+            "empty kernel, 19 params (cupy launchKernel, no method)",
+            "info",
+            lambda: launch(fptr, 1, 1, 1, 32, 1, 1, 0, sptr, paddr, 0),
+        ),
         (
             "per-call queries (stream, capture, device)",
             "info",
             lambda: (cur().is_capturing(), dev_of()),
         ),
+        (
+            "per-call queries, device first (device, its stream, streamIsCapturing)",
+            "info",
+            lambda: capturing(cur(dev_of()).ptr),
+        ),
         ("current stream alone (cupy)", "info", cur),
+        ("current stream of a given device (cupy)", "info", lambda: cur(dev)),
         ("capture check alone (cupy Stream.is_capturing)", "info", s0.is_capturing),
+        ("capture check alone (cupy runtime.streamIsCapturing)", "info", lambda: capturing(sptr)),
         ("device query alone (cudaGetDevice)", "info", dev_of),
     ]
     try:
@@ -324,7 +343,13 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
     qb = QGather(comm, max_tokens=8, heads_per_rank=Hr, head_dim=D_Q, dtype="bfloat16")
     qb._set_launch_backend("ctypes")
     closers.append(qb)
-    fast_rows = [("q_gather view (launcher on ctypes)", "info", lambda: qb(q))]
+    qc = QGather(comm, max_tokens=8, heads_per_rank=Hr, head_dim=D_Q, dtype="bfloat16")
+    qc._set_launch_backend("cupy")
+    closers.append(qc)
+    fast_rows = [
+        ("q_gather view (launcher on ctypes)", "info", lambda: qb(q)),
+        ("q_gather view (launcher on cupy)", "info", lambda: qc(q)),
+    ]
     rows += (
         [("q_gather view", "op", lambda: qg(q)), ("q_gather out=", "op", lambda: qg(q, out=q_out))]
         + fast_rows

@@ -145,7 +145,7 @@ def stub_workspace(ws, stream, rec: Recorder, *, rank: int = RANK, world_size: i
     ws._base = 0
     ws.heap = types.SimpleNamespace(local_ptr=_buffer(ws._region).data.ptr, mc_ptr=0)
     ws.get_stream = lambda s: stream if s is None else s
-    ws._current_stream_fn = lambda: stream
+    ws._current_stream_fn = lambda device=-1: stream
     ws._graph_out = _buffer(max(ws._pool_stride, 1) * max(ws.graph_outputs, 1))
     ws._graph_base = ws._graph_out.data.ptr
     ws._graph_next = 0
@@ -231,7 +231,7 @@ def _cupy_shim(stream):
     import cupy
 
     cuda = types.SimpleNamespace(
-        get_current_stream=lambda: stream,
+        get_current_stream=lambda device=-1: stream,
         UnownedMemory=cupy.cuda.UnownedMemory,
         MemoryPointer=cupy.cuda.MemoryPointer,
         Device=lambda d=None: contextlib.nullcontext(),
@@ -331,7 +331,7 @@ def torch_on_cpu(stream):
         cuda=types.SimpleNamespace(
             Device=lambda d=None: contextlib.nullcontext(),
             runtime=runtime,
-            get_current_stream=lambda: stream,
+            get_current_stream=lambda device=-1: stream,
             UnownedMemory=cupy.cuda.UnownedMemory,
             MemoryPointer=cupy.cuda.MemoryPointer,
         ),

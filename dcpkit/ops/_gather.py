@@ -182,8 +182,10 @@ class GatherWorkspace(OpWorkspace):
         if plan.T == 0:
             return self._empty_call(plan, out)
         # The hot path (eager, DCPKIT_DEBUG off), inline: every address it needs is in the plan.
+        # The current device first: CuPy's current stream of a known device asks nothing more.
+        dev = self._get_device()
         if stream is None:
-            stream = self._current_stream_fn()
+            stream = self._current_stream_fn(dev)
         if self._debug or stream.is_capturing():
             return self._gather_call_general(plan, out, stream)
         ub = plan.ubatch
@@ -200,7 +202,7 @@ class GatherWorkspace(OpWorkspace):
             plan.out_field.value = kout
         else:  # zero copy: the result is this call's data slot
             grid = plan.grid_zero_copy
-        if self._get_device() == self.device:
+        if dev == self.device:
             try:
                 self._launchers[0].launch(grid, plan.params, stream.ptr)
             except BaseException as e:

@@ -135,12 +135,11 @@ PROTO_PARAM_TYPES = (
 )
 
 
-def _cupy_current_stream():
-    """CuPy's current stream (the default of ``_current_stream_fn`` before the fast path is
-    set up)."""
+def _cupy_current_stream(device: int = -1):
+    """CuPy's current stream of ``device`` (-1: current): ``_current_stream_fn``'s default."""
     import cupy
 
-    return cupy.cuda.get_current_stream()
+    return cupy.cuda.get_current_stream(device)
 
 
 def _round_up(x: int, a: int = _ALIGN) -> int:
@@ -674,13 +673,14 @@ class OpWorkspace(OutputBuffers, Resource):
     _current_stream_fn = staticmethod(_cupy_current_stream)
 
     def _set_launch_backend(self, backend: str | None) -> None:
-        """Launch through ``backend`` ("bindings", "ctypes"; None: the default); also the
-        benchmark's hook to compare them."""
+        """Launch through ``backend`` ("cupy", "bindings", "ctypes"; None: the default, or
+        "bindings" for a programmatic launch); also the benchmark's hook to compare them."""
         cls = ProgrammaticLauncher if getattr(self, "programmatic_launch", False) else Launcher
-        self._launchers = {
-            k: cls(fn, self.THREADS, backend=backend) for k, fn in self._functions.items()
-        }
-        self.launch_backend = backend or default_backend()
+        ln = {k: cls(fn, self.THREADS, backend=backend) for k, fn in self._functions.items()}
+        self._launchers = ln
+        self.launch_backend = (
+            next(iter(ln.values())).backend if ln else backend or default_backend()
+        )
 
     def _run(self, kernel_key, grid: int, params, stream) -> None:
         """Launch kernel ``kernel_key`` with the packed ``params`` on ``stream`` (a device

@@ -436,8 +436,9 @@ class LseReduce(LseReduceCall, OpWorkspace):
         out, out_lse = arrays[4], arrays[5]
         if plan.T == 0:
             return self._empty_result(plan.want_lse, out, out_lse)
+        dev = self._get_device()  # first: the current stream of a known device asks nothing more
         if stream is None:
-            stream = self._current_stream_fn()
+            stream = self._current_stream_fn(dev)
         if plan.copy_input or self._debug or stream.is_capturing():
             return self._launch(plan, arrays[0], out, out_lse, stream)
         ub = plan.ubatch
@@ -461,7 +462,7 @@ class LseReduce(LseReduceCall, OpWorkspace):
             if plan.patch_lse:
                 plan.lse_field.value = views[1]
                 lse_res = views[3]
-        if self._get_device() == self.device:
+        if dev == self.device:
             try:
                 self._launchers[plan.kernel].launch(plan.grid, plan.params, stream.ptr)
             except BaseException as e:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import types
 
 import pytest
 
@@ -124,8 +125,35 @@ def test_launcher_calls_cuLaunchKernel_with_the_buffer(monkeypatch):
     assert calls == [(0xF00D, 7, 1, 1, 512, 1, 1, 64, 0xABC, p.address, None)]
     with pytest.raises(CudaError, match="cuLaunchKernel failed with CUDA_ERROR_ILLEGAL_ADDRESS"):
         ln.launch(7, p, 0xABC)
-    with pytest.raises(InvalidArgument, match="backend must be"):
-        Launcher(1, block=32, backend="cupy")
+    with pytest.raises(InvalidArgument, match="backend must be one of"):
+        Launcher(1, block=32, backend="cuda")
+
+
+def test_cupy_launcher_passes_integers_and_names_the_error(monkeypatch):
+    """The "cupy" backend: CuPy's own cuLaunchKernel binding with every argument an int; its
+    CUDADriverError becomes dcpkit's CudaError with the CUDA_ERROR_ name."""
+    pytest.importorskip("cupy_backends.cuda.api.driver", reason="needs CuPy")
+    from cupy_backends.cuda.api import driver as cdrv
+
+    calls = []
+
+    class FakeError(Exception):
+        pass
+
+    def fake_launch(*args):
+        calls.append(args)
+        if len(calls) > 1:
+            raise FakeError("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: too many resources requested")
+
+    monkeypatch.setattr(cdrv, "launchKernel", fake_launch)
+    monkeypatch.setattr(cdrv, "CUDADriverError", FakeError)
+    p = KernelParams(["u64", "u32"], [1, 2])
+    ln = Launcher(_FakeFunction(), block=128, shared_mem=16, backend="cupy")
+    ln.launch(5, p, 0xABC)
+    assert calls == [(0xF00D, 5, 1, 1, 128, 1, 1, 16, 0xABC, p.address, 0)]
+    assert all(type(a) is int for a in calls[0])
+    with pytest.raises(CudaError, match="CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"):
+        ln.launch(5, p, 0xABC)
 
 
 class _FakeDriver:
@@ -177,14 +205,23 @@ def test_bindings_launcher_wraps_function_and_streams_once(monkeypatch):
         ln.launch(3, p, 0xABC)
 
 
-def test_default_backend_is_bindings_where_they_load_else_ctypes(monkeypatch):
+def test_default_backend_is_cupy_then_bindings_then_ctypes(monkeypatch):
     from dcpkit import _cuda
     from dcpkit.errors import MissingDependency
 
+    cdrv = types.SimpleNamespace(launchKernel=lambda *a: None, CUDADriverError=RuntimeError)
     monkeypatch.setattr(_launch, "_DEFAULT_BACKEND", None)
+    monkeypatch.setattr(_launch, "_cupy_launch", lambda: cdrv)
     monkeypatch.setattr(_cuda, "driver", lambda: _FakeDriver())
+    assert _launch.default_backend() == "cupy"
+    assert Launcher(_FakeFunction(), block=32).backend == "cupy"
+
+    monkeypatch.setattr(_launch, "_DEFAULT_BACKEND", None)
+    monkeypatch.setattr(_launch, "_cupy_launch", lambda: None)
     assert _launch.default_backend() == "bindings"
     assert Launcher(_FakeFunction(), block=32).backend == "bindings"
+    with pytest.raises(InvalidArgument, match="backend 'cupy' needs CuPy's driver binding"):
+        Launcher(_FakeFunction(), block=32, backend="cupy")
 
     def missing():
         raise MissingDependency("cuda-bindings", "cuda12", "not installed")
@@ -194,6 +231,7 @@ def test_default_backend_is_bindings_where_they_load_else_ctypes(monkeypatch):
     monkeypatch.setattr(_launch, "_LIBCUDA", (lambda *a: 0, lambda c, o: 1))
     assert _launch.default_backend() == "ctypes"
     assert Launcher(_FakeFunction(), block=32).backend == "ctypes"
+    assert not _launch.bindings_available()
 
 
 # ----------------------------------------------------------------------------- programmatic

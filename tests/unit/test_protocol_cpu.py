@@ -542,8 +542,11 @@ class _FakeCupy:
 def test_programmatic_launch_needs_sm_90_and_cuda_bindings(monkeypatch):
     with pytest.raises(dcpkit.InvalidArgument, match="compute capability 9.0 or newer.*8.0"):
         _launch.check_programmatic_launch(_FakeCupy(8, 0), 0, "q_gather")
-    monkeypatch.setattr(_launch, "default_backend", lambda: "ctypes")
-    with pytest.raises(dcpkit.InvalidArgument, match="cuLaunchKernelEx.*'ctypes'"):
+    # Whatever the default backend (CuPy's binding has no cuLaunchKernelEx), cuda.bindings
+    # decides.
+    monkeypatch.setattr(_launch, "default_backend", lambda: "cupy")
+    monkeypatch.setattr(_launch, "bindings_available", lambda: False)
+    with pytest.raises(dcpkit.InvalidArgument, match="cuLaunchKernelEx.*install cuda-bindings"):
         _launch.check_programmatic_launch(_FakeCupy(9, 0), 0, "q_gather")
-    monkeypatch.setattr(_launch, "default_backend", lambda: "bindings")
+    monkeypatch.setattr(_launch, "bindings_available", lambda: True)
     _launch.check_programmatic_launch(_FakeCupy(10, 0), 0, "q_gather")  # no error
