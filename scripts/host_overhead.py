@@ -15,13 +15,16 @@ a run, the empty-launch baseline included, and level with the others afterwards)
 every row alike instead of on whichever rows ran at that moment:
 
 * baselines: an empty CuPy ``RawKernel`` launch (no parameters: the targets' baseline), the same
-  with 19 parameters, and dcpkit's :class:`~dcpkit._launch.Launcher` (ctypes and cuda.bindings)
-  with those 19 parameters packed once; q_gather with its launcher on ctypes (the ops' default
-  is cuda.bindings where it loads: the header says which ran);
-* what an eager call asks the CUDA runtime besides its launch, no launch: CuPy's current stream,
-  the capture check of a stream (CuPy's, and ``cuStreamIsCapturing`` through cuda.bindings), the
-  current device, each alone and the three together (an op row minus the bindings launch minus
-  these is the op's Python);
+  with 19 parameters, dcpkit's :class:`~dcpkit._launch.Launcher` (ctypes, cuda.bindings and
+  CuPy's own binding) with those 19 parameters packed once, and CuPy's binding called without
+  the launcher's method; q_gather with its launcher on ctypes and on cuda.bindings (the ops'
+  default is CuPy's binding where it loads: the header says which ran);
+* what an eager call asks the CUDA runtime besides its launch, no launch: CuPy's current stream
+  (of the current device, and of a given one), the capture check of a stream (CuPy's
+  ``Stream.is_capturing``, its runtime's ``streamIsCapturing``, and ``cuStreamIsCapturing``
+  through cuda.bindings), the current device, each alone, the three together as an op used to
+  ask them and as it asks them now (the device first; an op row minus the launcher's launch
+  minus these is the op's Python);
 * every op with CuPy arrays, the view-returning and the ``out=`` forms; through ``DCPComm``;
   ``TorchOps`` with torch tensors; the custom ops ``torch.ops.dcpkit.*`` (where torch has CUDA),
   and a custom op of ``q_gather``'s schema with an empty body (no launch: torch's dispatcher
@@ -338,17 +341,17 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
         turn["ub"] ^= 1
         return qu2(q, ubatch=turn["ub"])
 
-    # The ops launch through their default launcher (cuda.bindings where it loads); the same op
-    # with its launcher on ctypes, for comparison (a workspace of its own).
+    # The ops launch through their default launcher (CuPy's binding where it loads); the same op
+    # with its launcher on ctypes and on cuda.bindings, for comparison (workspaces of their own).
     qb = QGather(comm, max_tokens=8, heads_per_rank=Hr, head_dim=D_Q, dtype="bfloat16")
     qb._set_launch_backend("ctypes")
     closers.append(qb)
     qc = QGather(comm, max_tokens=8, heads_per_rank=Hr, head_dim=D_Q, dtype="bfloat16")
-    qc._set_launch_backend("cupy")
+    qc._set_launch_backend("bindings")
     closers.append(qc)
     fast_rows = [
         ("q_gather view (launcher on ctypes)", "info", lambda: qb(q)),
-        ("q_gather view (launcher on cupy)", "info", lambda: qc(q)),
+        ("q_gather view (launcher on bindings)", "info", lambda: qc(q)),
     ]
     rows += (
         [("q_gather view", "op", lambda: qg(q)), ("q_gather out=", "op", lambda: qg(q, out=q_out))]
