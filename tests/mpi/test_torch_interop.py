@@ -475,10 +475,10 @@ def test_slices_and_restrided_views_of_one_storage_give_their_own_results(comm, 
     run_all_ranks(comm, "TorchOps with slices and re-strided views", body)
 
 
-def test_q_gather_plan_cache_and_both_launchers_match_the_reference(comm, seed, tdev):
-    """QGather through its plan cache and packed-parameter launch, on both launcher backends
-    (ctypes on libcuda, cuda.bindings), view and out= forms, against the reference, with the
-    plan cache hit."""
+def test_q_gather_plan_cache_and_every_launcher_match_the_reference(comm, seed, tdev):
+    """QGather through its plan cache and packed-parameter launch, on every launcher backend
+    (ctypes on libcuda, cuda.bindings, CuPy's own binding: the default), view and out= forms,
+    against the reference, with the plan cache hit."""
     from dcpkit.ops import QGather
 
     H_r = 8
@@ -487,11 +487,9 @@ def test_q_gather_plan_cache_and_both_launchers_match_the_reference(comm, seed, 
         with QGather(
             comm, max_tokens=T_MAX, heads_per_rank=H_r, head_dim=DQ, dtype="bfloat16"
         ) as qg:
-            if (
-                qg.launch_backend != "bindings"
-            ):  # cuda.bindings comes with the cuda12 / cuda13 extra
-                errors.append(f"default launcher: got {qg.launch_backend}, want bindings")
-            for backend in ("ctypes", "bindings"):
+            if qg.launch_backend != "cupy":  # CuPy's own cuLaunchKernel binding
+                errors.append(f"default launcher: got {qg.launch_backend}, want cupy")
+            for backend in ("ctypes", "bindings", "cupy"):
                 qg._set_launch_backend(backend)
                 hits = qg._plans.hits
                 for k, T in enumerate((1, 5, T_MAX)):
@@ -507,4 +505,4 @@ def test_q_gather_plan_cache_and_both_launchers_match_the_reference(comm, seed, 
                 if qg._plans.hits == hits:
                     errors.append(f"{backend}: the plan cache was never hit")
 
-    run_all_ranks(comm, "QGather plan cache on both launchers against the reference", body)
+    run_all_ranks(comm, "QGather plan cache on every launcher against the reference", body)
