@@ -304,12 +304,13 @@ def check_ubatch(ubatch, num_ubatches: int, op: str) -> int:
     return int(ubatch)
 
 
-def resolve_stream(stream, op: str):
-    """``stream``, or the current CuPy stream for None; :class:`InvalidType` unless a CuPy
-    stream (``cupy.cuda.Stream`` / ``ExternalStream``)."""
+def resolve_stream(stream, op: str, device: int = -1):
+    """``stream``, or for None the current CuPy stream of GPU ``device`` (-1: of the current
+    GPU); :class:`InvalidType` unless a CuPy stream (``cupy.cuda.Stream`` /
+    ``ExternalStream``)."""
     if stream is None:
         cupy = _cuda.require_cupy()
-        return cupy.cuda.get_current_stream()
+        return cupy.cuda.get_current_stream(device)
     return _cuda.check_stream(stream, op)
 
 

@@ -192,6 +192,19 @@ def check_stream(stream, what: str):
     raise InvalidType(f"{what}: stream must be a cupy.cuda.Stream (got {type(stream).__name__})")
 
 
+def check_stream_device(stream, device: int, what: str) -> None:
+    """:class:`InvalidArgument` when ``stream`` was created on a GPU other than ``device``
+    (CuPy's ``device_id``; -1, the legacy and per-thread default streams and a stream of
+    unknown device, pass): ``"<what>: stream is of GPU 1, the op runs on GPU 0"``."""
+    d = getattr(stream, "device_id", -1)
+    if d in (-1, device):
+        return
+    raise InvalidArgument(
+        f"{what}: stream is of GPU {d}, the op runs on GPU {device}: pass a stream of GPU "
+        f"{device} (or none: the current stream of GPU {device})"
+    )
+
+
 def driver():
     """The ``cuda.bindings.driver`` module (cuda-python), imported on first use.
 

@@ -79,7 +79,7 @@ class DCPCalls:
     def _stream(self, stream):
         """``stream``, or the current CuPy stream for None; :class:`InvalidType` unless a CuPy
         stream."""
-        return resolve_stream(stream, "DCPComm")
+        return resolve_stream(stream, "DCPComm", self.device)
 
     def _normalised(self, arr, info: ArrayInfo, ok: bool, name: str, op: str, stream):
         """``arr`` itself when the direct kernel reads its layout, else a C-contiguous copy

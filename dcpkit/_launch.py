@@ -16,7 +16,7 @@ nothing converted; the default wherever CuPy has it), through cuda-python's
 :class:`ProgrammaticLauncher` needs) or through ``ctypes`` on ``libcuda`` (``backend="ctypes"``,
 the fallback). Measured on an H200 host, a launch of a 19-parameter kernel costs about 0.5 to
 0.8 us less host time through CuPy's binding than through cuda.bindings, and cuda.bindings
-about 1.3 to 2 us less than ctypes (``scripts/host_overhead.py``'s "Launcher" rows). It takes
+about 1.3 to 2.4 us less than ctypes (``scripts/host_overhead.py``'s "Launcher" rows). It takes
 the ``CUfunction`` of a loaded CuPy kernel (``cupy.cuda.function.Function.ptr``) and a stream
 handle (``cupy.cuda.Stream.ptr``). Nothing is converted or created per launch: the function and
 every stream seen are wrapped once where the backend has handle types (cuda.bindings), and the
@@ -291,12 +291,16 @@ class Launcher:
         "shared_mem",
     )
 
+    @staticmethod
+    def resolve(backend: str | None) -> str:
+        """The backend a launcher built with ``backend`` uses (None: :func:`default_backend`)."""
+        return default_backend() if backend is None else backend
+
     def __init__(self, function, block: int, shared_mem: int = 0, backend: str | None = None):
         self.function = int(getattr(function, "ptr", function))
         self.block = int(block)
         self.shared_mem = int(shared_mem)
-        if backend is None:
-            backend = default_backend()
+        backend = self.resolve(backend)
         if backend not in BACKENDS:
             raise InvalidArgument(
                 f"Launcher: backend must be one of {list(BACKENDS)} (got {backend!r})"
@@ -422,6 +426,11 @@ class ProgrammaticLauncher(Launcher):
     its programmatic dependency on the node before it)."""
 
     __slots__ = ("_config",)
+
+    @staticmethod
+    def resolve(backend: str | None) -> str:
+        """Always cuda.bindings (None included): the only backend with ``cuLaunchKernelEx``."""
+        return "bindings" if backend is None else backend
 
     def __init__(self, function, block: int, shared_mem: int = 0, backend: str | None = None):
         if (backend or "bindings") != "bindings":

@@ -82,7 +82,8 @@ class LseReduceCall:
             C-contiguous destination of the merged natural-log lse; passing it makes the call
             return ``(out, out_lse)``.
         stream : cupy.cuda.Stream, optional
-            Stream of the launch (default: the current CuPy stream).
+            Stream of the launch (default: the current CuPy stream of the op's GPU; a
+            stream of another GPU is refused).
 
         Returns
         -------

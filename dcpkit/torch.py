@@ -210,7 +210,10 @@ def _wrap_stream(ptr: int, device: int | None):
     cupy = _cupy()
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None:
-        return from_external(_StreamHandle(ptr))
+        s = from_external(_StreamHandle(ptr))
+        if device is not None:  # from_external records the current device: say which it is
+            s.device_id = int(device)
+        return s
     return cupy.cuda.ExternalStream(ptr, -1 if device is None else int(device))
 
 

@@ -22,9 +22,9 @@ every row alike instead of on whichever rows ran at that moment:
 * what an eager call asks the CUDA runtime besides its launch, no launch: CuPy's current stream
   (of the current device, and of a given one), the capture check of a stream (CuPy's
   ``Stream.is_capturing``, its runtime's ``streamIsCapturing``, and ``cuStreamIsCapturing``
-  through cuda.bindings), the current device, each alone, the three together as an op used to
-  ask them and as it asks them now (the device first; an op row minus the launcher's launch
-  minus these is the op's Python);
+  through cuda.bindings), the current device, each alone, and the three together as an op used to
+  ask them and as it asks them now (the current device, then the current stream of the op's GPU
+  and its capture state; an op row minus the launcher's launch minus these is the op's Python);
 * every op with CuPy arrays, the view-returning and the ``out=`` forms; through ``DCPComm``;
   ``TorchOps`` with torch tensors; the custom ops ``torch.ops.dcpkit.*`` (where torch has CUDA),
   and a custom op of ``q_gather``'s schema with an empty body (no launch: torch's dispatcher
@@ -277,9 +277,9 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
             lambda: (cur().is_capturing(), dev_of()),
         ),
         (
-            "per-call queries, device first (device, its stream, streamIsCapturing)",
+            "per-call queries as the ops ask them (device; the op GPU's stream, its capture)",
             "info",
-            lambda: capturing(cur(dev_of()).ptr),
+            lambda: (dev_of(), cur(dev).is_capturing()),
         ),
         ("current stream alone (cupy)", "info", cur),
         ("current stream of a given device (cupy)", "info", lambda: cur(dev)),

@@ -340,7 +340,7 @@ class NcclOp(Resource):
     def get_stream(self, stream):
         """``stream``, or the current CuPy stream for None; :class:`InvalidType` unless a CuPy
         stream."""
-        return resolve_stream(stream, self.op_name)
+        return resolve_stream(stream, self.op_name, self.device)
 
     def _begin(self, ubatch: int, T: int, stream, debug_key: tuple) -> tuple[int, bool]:
         """Bookkeeping after validation, before the first launch. Returns ``(buffer index,

@@ -182,10 +182,15 @@ class GatherWorkspace(OpWorkspace):
         if plan.T == 0:
             return self._empty_call(plan, out)
         # The hot path (eager, DCPKIT_DEBUG off), inline: every address it needs is in the plan.
-        # The current device first: CuPy's current stream of a known device asks nothing more.
+        # The current device first (the launch path); the stream: the op's GPU's current stream
+        # (CuPy's current stream of a given device asks nothing more), or the caller's, which
+        # must be of the op's GPU (a stream of another GPU would fail at the launch, after the
+        # call was counted).
         dev = self._get_device()
         if stream is None:
-            stream = self._current_stream_fn(dev)
+            stream = self._current_stream_fn(self.device)
+        elif getattr(stream, "device_id", -1) not in (-1, self.device):
+            _cuda.check_stream_device(stream, self.device, self.op_name)  # raises
         if self._debug or stream.is_capturing():
             return self._gather_call_general(plan, out, stream)
         ub = plan.ubatch

@@ -71,7 +71,7 @@ from .._checks import (
     check_timeout_ms,
     default_timeout_ms,
 )
-from .._launch import Launcher, ProgrammaticLauncher, check_programmatic_launch, default_backend
+from .._launch import Launcher, ProgrammaticLauncher, check_programmatic_launch
 from .._lifecycle import Resource
 from .._plan import LazyPlanCache, PlanCache
 from .._setup import debug_enabled, guarded, share_outcome
@@ -555,7 +555,7 @@ class OpWorkspace(OutputBuffers, Resource):
         return int(ubatch)
 
     def get_stream(self, stream):
-        """``stream``, or the current CuPy stream for None.
+        """``stream``, or the current CuPy stream of the op's GPU for None.
 
         Raises
         ------
@@ -565,7 +565,7 @@ class OpWorkspace(OutputBuffers, Resource):
         if stream is None:
             import cupy
 
-            return cupy.cuda.get_current_stream()
+            return cupy.cuda.get_current_stream(self.device)
         if isinstance(stream, _cuda._STREAM_TYPES or _cuda.stream_types()):
             return stream
         return _cuda.check_stream(stream, self.op_name)  # raises InvalidType
@@ -656,7 +656,7 @@ class OpWorkspace(OutputBuffers, Resource):
         """The call-plan cache (:mod:`dcpkit._plan`, built by the subclass's ``_plan``) and one
         :class:`~dcpkit._launch.Launcher` per loaded kernel (``functions``: key -> the loaded
         ``cupy.cuda.function.Function``; the subclass picks the key per plan), launching through
-        ``backend`` (default: cuda.bindings where it loads, else ctypes)."""
+        ``backend`` (default: :func:`~dcpkit._launch.default_backend`)."""
         import cupy
 
         self._plans = PlanCache(self._plan)
@@ -678,9 +678,7 @@ class OpWorkspace(OutputBuffers, Resource):
         cls = ProgrammaticLauncher if getattr(self, "programmatic_launch", False) else Launcher
         ln = {k: cls(fn, self.THREADS, backend=backend) for k, fn in self._functions.items()}
         self._launchers = ln
-        self.launch_backend = (
-            next(iter(ln.values())).backend if ln else backend or default_backend()
-        )
+        self.launch_backend = next(iter(ln.values())).backend if ln else cls.resolve(backend)
 
     def _run(self, kernel_key, grid: int, params, stream) -> None:
         """Launch kernel ``kernel_key`` with the packed ``params`` on ``stream`` (a device

@@ -211,7 +211,8 @@ class KVGather(GatherWorkspace):
             C-contiguous, 16-byte aligned destination. With ``out`` the result is copied there
             and ``out`` is returned (nothing allocated: safe to capture in a CUDA graph).
         stream : cupy.cuda.Stream, optional
-            Default: the current CuPy stream.
+            Default: the current CuPy stream of the op's GPU; a stream of another GPU is
+            refused.
 
         Returns
         -------

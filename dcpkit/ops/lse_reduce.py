@@ -436,9 +436,11 @@ class LseReduce(LseReduceCall, OpWorkspace):
         out, out_lse = arrays[4], arrays[5]
         if plan.T == 0:
             return self._empty_result(plan.want_lse, out, out_lse)
-        dev = self._get_device()  # first: the current stream of a known device asks nothing more
+        dev = self._get_device()  # the launch path; the stream: as in _GatherOp._call_keyed
         if stream is None:
-            stream = self._current_stream_fn(dev)
+            stream = self._current_stream_fn(self.device)
+        elif getattr(stream, "device_id", -1) not in (-1, self.device):
+            _cuda.check_stream_device(stream, self.device, self.op_name)  # raises
         if plan.copy_input or self._debug or stream.is_capturing():
             return self._launch(plan, arrays[0], out, out_lse, stream)
         ub = plan.ubatch

@@ -258,7 +258,8 @@ class QGather(GatherWorkspace):
             ``>= H*D`` elements, 16-byte aligned). With ``out`` the result is copied there and
             ``out`` is returned (nothing allocated: safe to capture in a CUDA graph).
         stream : cupy.cuda.Stream, optional
-            Default: the current CuPy stream.
+            Default: the current CuPy stream of the op's GPU (whichever GPU is current);
+            a stream of another GPU is refused.
         return_padded : bool
             Return the ``[T, H_pad, D]`` storage instead of its ``[T, H, D]`` prefix (heads
             ``[H, H_pad)`` never written, unspecified). Only with ``out=None``.

@@ -661,3 +661,55 @@ def test_lse_reduce_launches_the_kernel_of_its_lse_dtype_and_instance():
                     want = lr._kernel_ids[lse.dtype, large[T]]
                     assert seen[-1] == want, (debug, dt, T)
     lr._debug = False
+
+
+class _GpuStream:
+    """A stream of GPU ``device_id`` (-1: the legacy default stream), with a made-up handle."""
+
+    def __init__(self, ptr: int, device_id: int):
+        self.ptr, self.device_id = ptr, device_id
+
+    def is_capturing(self):
+        return False
+
+
+@pytest.mark.parametrize("which", ["q", "kv", "lse"])
+def test_the_stream_is_of_the_ops_gpu_whichever_gpu_is_current(which, monkeypatch):
+    """Without ``stream=`` a call runs on the current stream of the op's GPU, also while
+    another GPU is current (then through the launch that makes the op's GPU current); a stream
+    of another GPU is refused before anything is counted or launched (its launch would fail
+    after the count and leave the workspace unusable); the legacy default stream passes."""
+    from dcpkit import _cuda
+
+    mod, rec, qg, kg, lr = _setup()
+    monkeypatch.setattr(_cuda, "_STREAM_TYPES", _cuda.stream_types() + (_GpuStream,))
+    ws, args = {
+        "q": (qg, (mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16"),)),
+        "kv": (kg, (mod.array((mod.T, mod.D_Q), "bfloat16"),)),
+        "lse": (
+            lr,
+            (mod.array((mod.T, mod.H, mod.D_V), "bfloat16"), mod.array((mod.T, mod.H), "float32")),
+        ),
+    }[which]
+    streams = {0: _GpuStream(0x1000, 0), 1: _GpuStream(0x2000, 1)}
+    asked = []
+    ws._current_stream_fn = lambda device=-1: asked.append(device) or streams[device]
+    switched = []
+    ws._run = lambda key, grid, params, stream: switched.append(stream)
+    current = {"gpu": 0}
+    ws._get_device = lambda: current["gpu"]
+
+    ws(*args)  # the op's GPU is current: the launcher, GPU 0's stream
+    assert rec.last[3] == 0x1000 and asked == [0] and not switched
+    current["gpu"] = 1
+    ws(*args)  # another GPU is current: still GPU 0's stream, through the switching launch
+    assert asked == [0, 0] and switched == [streams[0]]
+    counted = list(ws._calls)
+    with pytest.raises(InvalidArgument, match="stream is of GPU 1, the op runs on GPU 0"):
+        ws(*args, stream=streams[1])
+    current["gpu"] = 0
+    with pytest.raises(InvalidArgument, match="stream is of GPU 1, the op runs on GPU 0"):
+        ws(*args, stream=streams[1])
+    assert ws._calls == counted and not ws.poisoned and ws._launch_failed is None
+    ws(*args, stream=_GpuStream(0, -1))  # the legacy default stream: any GPU's
+    assert rec.last[3] == 0 and ws._calls[0] == counted[0] + 1
