@@ -251,6 +251,10 @@ def _error_name(code: int) -> str:
     return f"CUresult {code}"
 
 
+class _NotRaised(Exception):
+    """The failure a launch raises where the backend returns its result instead (none)."""
+
+
 def _cupy_error_name(e) -> str:
     """The ``CUDA_ERROR_...`` name of CuPy's ``CUDADriverError`` (its message starts with it)."""
     name = str(e).split(":", 1)[0].strip()
@@ -307,7 +311,7 @@ class Launcher:
             )
         self.backend = backend
         self._streams = {}
-        self._cupy_error = None
+        self._cupy_error = _NotRaised  # what the call raises on a failed launch (CuPy's only)
         if backend == "ctypes":
             self._call = _libcuda()[0]
             self._fn_obj = None
@@ -348,9 +352,9 @@ class Launcher:
         CudaError
             ``cuLaunchKernel`` failed (its ``CUDA_ERROR_...`` name).
         """
-        if self._cupy_error is not None:
+        if self._fn_obj is None:  # CuPy's binding (raises) or ctypes (returns the CUresult)
             try:
-                self._call(
+                res = self._call(
                     self.function,
                     grid,
                     1,
@@ -365,21 +369,6 @@ class Launcher:
                 )
             except self._cupy_error as e:
                 raise CudaError("cuLaunchKernel", _cupy_error_name(e)) from None
-            return
-        if self._fn_obj is None:
-            res = self._call(
-                self.function,
-                grid,
-                1,
-                1,
-                self.block,
-                1,
-                1,
-                self.shared_mem,
-                stream_ptr,
-                params.address,
-                None,
-            )
             if res:
                 raise CudaError("cuLaunchKernel", _error_name(res))
             return

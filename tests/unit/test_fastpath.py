@@ -87,6 +87,18 @@ def _params(rec):
     return grid, [params[i] for i in range(len(params))]
 
 
+def _op_and_args(mod, qg, kg, lr, which: str):
+    """The op ``which`` ("q", "kv", "lse") of :func:`_setup` and the arrays of one call."""
+    if which == "q":
+        return qg, (mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16"),)
+    if which == "kv":
+        return kg, (mod.array((mod.T, mod.D_Q), "bfloat16"),)
+    return lr, (
+        mod.array((mod.T, mod.H, mod.D_V), "bfloat16"),
+        mod.array((mod.T, mod.H), "float32"),
+    )
+
+
 def _proto(ws, u):
     return [int(v) for v in ws._make_proto(u)]
 
@@ -216,14 +228,7 @@ def test_a_launch_that_raises_leaves_the_workspace_unusable(which):
     """The call was counted before the launch (the epoch's host shadow advanced): after a
     failed launch every later call raises, and ``poisoned`` tells it without a device sync."""
     mod, rec, qg, kg, lr = _setup()
-    ws, args = {
-        "q": (qg, (mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16"),)),
-        "kv": (kg, (mod.array((mod.T, mod.D_Q), "bfloat16"),)),
-        "lse": (
-            lr,
-            (mod.array((mod.T, mod.H, mod.D_V), "bfloat16"), mod.array((mod.T, mod.H), "float32")),
-        ),
-    }[which]
+    ws, args = _op_and_args(mod, qg, kg, lr, which)
     ws(*args)
     good = ws._launchers
     ws._launchers = mod._EveryKernel(_Failing())
@@ -683,14 +688,7 @@ def test_the_stream_is_of_the_ops_gpu_whichever_gpu_is_current(which, monkeypatc
 
     mod, rec, qg, kg, lr = _setup()
     monkeypatch.setattr(_cuda, "_STREAM_TYPES", _cuda.stream_types() + (_GpuStream,))
-    ws, args = {
-        "q": (qg, (mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16"),)),
-        "kv": (kg, (mod.array((mod.T, mod.D_Q), "bfloat16"),)),
-        "lse": (
-            lr,
-            (mod.array((mod.T, mod.H, mod.D_V), "bfloat16"), mod.array((mod.T, mod.H), "float32")),
-        ),
-    }[which]
+    ws, args = _op_and_args(mod, qg, kg, lr, which)
     streams = {0: _GpuStream(0x1000, 0), 1: _GpuStream(0x2000, 1)}
     asked = []
     ws._current_stream_fn = lambda device=-1: asked.append(device) or streams[device]

@@ -122,7 +122,7 @@ def test_launcher_calls_cuLaunchKernel_with_the_buffer(monkeypatch):
     p = KernelParams(["u64", "u32"], [1, 2])
     ln = Launcher(_FakeFunction(), block=512, shared_mem=64, backend="ctypes")
     ln.launch(7, p, 0xABC)
-    assert calls == [(0xF00D, 7, 1, 1, 512, 1, 1, 64, 0xABC, p.address, None)]
+    assert calls == [(0xF00D, 7, 1, 1, 512, 1, 1, 64, 0xABC, p.address, 0)]
     with pytest.raises(CudaError, match="cuLaunchKernel failed with CUDA_ERROR_ILLEGAL_ADDRESS"):
         ln.launch(7, p, 0xABC)
     with pytest.raises(InvalidArgument, match="backend must be one of"):
