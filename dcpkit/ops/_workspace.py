@@ -676,9 +676,10 @@ class OpWorkspace(OutputBuffers, Resource):
         """Launch through ``backend`` ("cupy", "bindings", "ctypes"; None: the default, or
         "bindings" for a programmatic launch); also the benchmark's hook to compare them."""
         cls = ProgrammaticLauncher if getattr(self, "programmatic_launch", False) else Launcher
-        ln = {k: cls(fn, self.THREADS, backend=backend) for k, fn in self._functions.items()}
-        self._launchers = ln
-        self.launch_backend = next(iter(ln.values())).backend if ln else cls.resolve(backend)
+        self._launchers = {
+            k: cls(fn, self.THREADS, backend=backend) for k, fn in self._functions.items()
+        }
+        self.launch_backend = cls.resolve(backend)
 
     def _run(self, kernel_key, grid: int, params, stream) -> None:
         """Launch kernel ``kernel_key`` with the packed ``params`` on ``stream`` (a device

@@ -436,7 +436,7 @@ class LseReduce(LseReduceCall, OpWorkspace):
         out, out_lse = arrays[4], arrays[5]
         if plan.T == 0:
             return self._empty_result(plan.want_lse, out, out_lse)
-        dev = self._get_device()  # the launch path; the stream: as in _GatherOp._call_keyed
+        dev = self._get_device()  # the launch path; the stream: as in GatherWorkspace._call_keyed
         if stream is None:
             stream = self._current_stream_fn(self.device)
         elif getattr(stream, "device_id", -1) not in (-1, self.device):
