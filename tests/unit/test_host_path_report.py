@@ -95,3 +95,22 @@ def test_report_without_torch_has_every_other_row(monkeypatch):
     mod = _load()
     rows = mod.run(calls=5)
     assert set(rows) == {r for r in mod.ROWS if "torch" not in r.lower()}
+
+
+def _load_overhead():
+    script = os.path.join(os.path.dirname(_SCRIPT), "host_overhead.py")
+    spec = importlib.util.spec_from_file_location("host_overhead", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_growth_rows_and_their_references_call_through_the_same_turn():
+    mod = _load_overhead()
+    seen = []
+    calls = [lambda i=i: seen.append(i) or i for i in range(3)]
+    turn = mod.in_turn(calls)
+    assert [turn() for _ in range(7)] == [1, 2, 0, 1, 2, 0, 1]
+    assert seen == [1, 2, 0, 1, 2, 0, 1]
+    growth, refs = zip(*mod.GROWTH_ROWS)
+    assert len(set(growth + refs)) == 2 * len(growth)  # one reference row per growth row
