@@ -21,6 +21,8 @@
 //               They claim units of kWarps items (t, h) from the call's work counter (the
 //               next claim overlapping the unit in hand when there are more units than CTAs):
 //               out = sum_s w_s * payload_s in fp32, rounded once; merged lse = m + log(sum).
+//               Built with -DDCPKIT_LSE_REG_SOURCES=R, the small instance merges worlds of at
+//               most R in registers (combine_rows_regs), with the bits of the warp merge.
 // At large T the loads of data read once in the call (the rows for the peers, the slot rows and
 // the own input rows of the combine) are marked evict-first in the L2 (ld16_nc_once / ld16_once).
 // See NOTE [dcpkit epoch signalling] in dcpkit_ptx.cuh for why slots can be reused without a
@@ -48,6 +50,16 @@ constexpr int kSendVec = 2;                   // 16-byte vectors per lane per ro
 constexpr int kVecPerLane = 2;                // 16-byte vectors per lane per merge step
 constexpr int kCombineItems = 2;             // items per warp at once in a wide combine
 constexpr int kSrcBatch = 4;                  // sources per merge step (loads in flight: 8)
+
+// Worlds of at most this many sources merge in registers (combine_rows_regs); 0, the build
+// without -DDCPKIT_LSE_REG_SOURCES: every world takes the warp merge. LseReduce builds with 4 for
+// worlds up to 4 (dcpkit/ops/lse_reduce.py, REG_SOURCES).
+#ifndef DCPKIT_LSE_REG_SOURCES
+#define DCPKIT_LSE_REG_SOURCES 0
+#endif
+constexpr int kRegSources = DCPKIT_LSE_REG_SOURCES;
+static_assert(kRegSources >= 0 && kRegSources <= 8 && (kRegSources & (kRegSources - 1)) == 0,
+              "DCPKIT_LSE_REG_SOURCES must be 0, 1, 2, 4 or 8");
 
 // NaN and +inf mean an empty or invalid shard: both become -inf.
 __device__ __forceinline__ float sanitize_lse(float l) { return (l < pos_inf()) ? l : neg_inf(); }
@@ -77,6 +89,133 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 // row_masked(t, query_start_loc, seq_lens, S) and the infinities: kernels/lse_rows.cuh.
 
+#if DCPKIT_LSE_REG_SOURCES
+// combine_rows for W <= kRegSources (R) and every source in `payload` (no own_src): the same
+// merge without shared memory, ballot or shuffle. Every lane loads the W lse values of its item
+// itself (the same addresses in every lane) and derives max, exps, sum and weights in registers.
+// The lse loads and the payload loads of the first pass (W sources x kVecPerLane vectors per
+// lane) are issued together, before the weights are known: every source has published before
+// the combine starts, so every row is there to read; a source whose weight ends up 0 is loaded
+// then, but its value is never used (it may be NaN). Later passes load only the sources with
+// w > 0.
+//
+// Bit for bit the warp path. For W <= R that path holds source s's value in lane s < W and the
+// identity in every other lane (-inf for the max, 0.f for the sum), then runs the xor butterfly
+// over offsets 16, 8, .., 1. An offset >= R adds only identities to lanes [0, R) (x + 0.f == x
+// for x >= 0, fmaxf(x, -inf) == x). An offset o < R gives lane i < o the value v[i] op v[i + o]
+// of the step before, and lane i + o the same bits (float + and fmaxf are commutative). So every
+// lane ends with the tree `v[i] = v[i] op v[i + o]` for i < o, o = R/2 .. 1, which this path
+// computes with absent sources as the identities: for R = 4 the sum is (x0 + x2) + (x1 + x3).
+// (Lanes may differ in the sign of a zero max, which changes no exp, weight or merged lse.) The
+// rest is per source or per element as there: w = x / sum (0 for an absent source), out_lse =
+// m + logf(sum), acc = fmaf(w, f, acc) from 0.f over the sources with w > 0 in source order, one
+// rounding at the store.
+template <typename OUT_T>
+__device__ __forceinline__ void combine_rows_regs(const char* payload, u64 src_stride_bytes,
+                                                  const float* lse, u64 src_lse_stride, int W,
+                                                  int T, int H_r, int D_v, OUT_T* out,
+                                                  float* out_lse, int cta, int ncta) {
+  constexpr int R = kRegSources;
+  constexpr int E = vec_elems<OUT_T>::value;
+  const int lane = static_cast<int>(threadIdx.x & 31u);
+  const int wib = static_cast<int>(threadIdx.x >> 5);
+  const int nwarps = ncta * kWarps;
+  const int items = T * H_r;
+  const u64 row_bytes = static_cast<u64>(D_v) * sizeof(OUT_T);
+  const int nvec = static_cast<int>(row_bytes / 16);
+
+  for (int item = cta * kWarps + wib; item < items; item += nwarps) {
+    char* orow = reinterpret_cast<char*>(out) + static_cast<u64>(item) * row_bytes;
+    const char* prow = payload + static_cast<u64>(item) * row_bytes;
+    const char* sp[R];
+    float l[R];
+    uint4 r[R][kVecPerLane];
+#pragma unroll
+    for (int s = 0; s < R; ++s) {
+      l[s] = neg_inf();  // an absent source
+      if (s < W) l[s] = ld_cg_f32(lse + static_cast<u64>(s) * src_lse_stride + item);
+    }
+#pragma unroll
+    for (int s = 0; s < R; ++s) {
+      sp[s] = prow + static_cast<u64>(s) * src_stride_bytes;
+#pragma unroll
+      for (int c = 0; c < kVecPerLane; ++c) {
+        const int v = lane + c * 32;
+        r[s][c].x = r[s][c].y = r[s][c].z = r[s][c].w = 0u;
+        if (s < W && v < nvec) r[s][c] = ld16(sp[s] + static_cast<u64>(v) * 16);
+      }
+    }
+    float t[R];
+#pragma unroll
+    for (int s = 0; s < R; ++s) t[s] = l[s] = sanitize_lse(l[s]);
+#pragma unroll
+    for (int o = R / 2; o > 0; o >>= 1)
+#pragma unroll
+      for (int i = 0; i < o; ++i) t[i] = fmaxf(t[i], t[i + o]);
+    const float m = t[0];
+    // Every lane's loads of the item before any lane's store of it, as the shuffles order them
+    // in the warp path (lse_combine's out / out_lse may be its input).
+    __syncwarp();
+    // Every source empty (m = -inf): weights 0, so the passes below store zeros and read
+    // nothing more; merged lse -inf.
+    float w[R];
+    float sum = 0.f;
+    if (m != neg_inf()) {
+      float x[R];
+#pragma unroll
+      for (int s = 0; s < R; ++s) {
+        t[s] = x[s] = s < W ? expf(l[s] - m) : 0.f;  // exp(-inf) = 0 for empty sources
+      }
+#pragma unroll
+      for (int o = R / 2; o > 0; o >>= 1)
+#pragma unroll
+        for (int i = 0; i < o; ++i) t[i] = t[i] + t[i + o];
+      sum = t[0];  // >= 1: the max term is exp(0)
+#pragma unroll
+      for (int s = 0; s < R; ++s) w[s] = x[s] / sum;  // 0 for an absent source
+    } else {
+#pragma unroll
+      for (int s = 0; s < R; ++s) w[s] = 0.f;
+    }
+    if (out_lse != nullptr && lane == 0) out_lse[item] = m == neg_inf() ? m : m + logf(sum);
+
+    for (int v0 = lane;;) {
+      float acc[kVecPerLane][E];
+#pragma unroll
+      for (int c = 0; c < kVecPerLane; ++c)
+#pragma unroll
+        for (int k = 0; k < E; ++k) acc[c][k] = 0.f;
+#pragma unroll
+      for (int s = 0; s < R; ++s) {
+        if (w[s] > 0.f) {
+#pragma unroll
+          for (int c = 0; c < kVecPerLane; ++c) {
+            float f[E];
+            unpack16<OUT_T>(r[s][c], f);
+#pragma unroll
+            for (int q = 0; q < E; ++q) acc[c][q] = fmaf(w[s], f[q], acc[c][q]);
+          }
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < kVecPerLane; ++c) {
+        const int v = v0 + c * 32;
+        if (v < nvec) st16(orow + static_cast<u64>(v) * 16, pack16<OUT_T>(acc[c]));  // one rounding
+      }
+      v0 += 32 * kVecPerLane;
+      if (v0 >= nvec) break;
+#pragma unroll
+      for (int s = 0; s < R; ++s)
+#pragma unroll
+        for (int c = 0; c < kVecPerLane; ++c) {
+          const int v = v0 + c * 32;
+          if (w[s] > 0.f && v < nvec) r[s][c] = ld16(sp[s] + static_cast<u64>(v) * 16);
+        }
+    }
+  }
+}
+#endif
+
 // The merge, shared by both kernels. The warps of CTAs [0, ncta) (this one is `cta`) stride over
 // items (t, h) in [0, T*H_r).
 //   payload : source 0, item 0 of [W][T_cap][H_r][D_v] OUT_T (src_stride_bytes between sources)
@@ -86,6 +225,8 @@ __device__ __forceinline__ float warp_sum(float v) {
 // A source with weight 0 is never read: its payload may hold anything, NaN included.
 // Source `own_src` (-1: none) is not read from `payload` but from the caller's input: item
 // (t, h) at own_rows + t * own_tok_bytes + h * own_head_bytes (the own heads of out_partial).
+// Built with DCPKIT_LSE_REG_SOURCES = R > 0, a call with reg_merge, at most R sources and no
+// own_src takes combine_rows_regs instead (the same bits, merged in registers).
 template <typename OUT_T>
 __device__ __forceinline__ void combine_rows(const char* payload, u64 src_stride_bytes,
                                              const float* lse, u64 src_lse_stride, int W, int T,
@@ -93,7 +234,8 @@ __device__ __forceinline__ void combine_rows(const char* payload, u64 src_stride
                                              int cta, int ncta, int own_src = -1,
                                              const char* own_rows = nullptr,
                                              long long own_tok_bytes = 0,
-                                             long long own_head_bytes = 0) {
+                                             long long own_head_bytes = 0,
+                                             bool reg_merge = true) {
   constexpr int E = vec_elems<OUT_T>::value;
   __shared__ float s_p[kWarps][kMaxSources];    // lse, then exp(l - m), per source
   __shared__ float s_w[kWarps][kMaxSources];    // weights of the sources that are read
@@ -107,6 +249,13 @@ __device__ __forceinline__ void combine_rows(const char* payload, u64 src_stride
   float* p = s_p[wib];
   float* wv = s_w[wib];
   int* src = s_src[wib];
+#if DCPKIT_LSE_REG_SOURCES
+  if (reg_merge && own_src < 0 && W <= kRegSources) {
+    combine_rows_regs<OUT_T>(payload, src_stride_bytes, lse, src_lse_stride, W, T, H_r, D_v, out,
+                             out_lse, cta, ncta);
+    return;
+  }
+#endif
 
   for (int item = cta * kWarps + wib; item < items; item += nwarps) {
     char* orow = reinterpret_cast<char*>(out) + static_cast<u64>(item) * row_bytes;
@@ -631,8 +780,10 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
     }
   } else {
     // One loop, one copy of combine_rows (three copies made the small instance 97 KB of SASS,
-    // one makes it 50 KB: T=1 in a graph measured 0.1-0.3 us faster). Three ways to walk the
-    // units:
+    // one makes it 50 KB: T=1 in a graph measured 0.1-0.3 us faster). The register merge of a
+    // DCPKIT_LSE_REG_SOURCES build only in the small instance: in the large one, at the 128
+    // registers of its launch bounds, it made ptxas spill 8-24 bytes (its own_src calls would
+    // take the warp merge anyway). Three ways to walk the units:
     //   * no more units than waiters (`owned`, small T): waiter w merges unit w, no claims;
     //   * several units per CTA: the next claim is in flight while the unit in hand is merged
     //     (claim_issue / claim_publish; measured 4-5 % faster at T=128);
@@ -643,7 +794,7 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
     while (c < units) {
       const u32 next = overlap ? claim_issue(P, slot) : 0u;
       combine_rows<OUT_T>(own, src_stride, ls, lse_stride, W, T, H_r, D_v, out, out_lse, c, units,
-                          own_src, own_rows, own_tok, own_head);
+                          own_src, own_rows, own_tok, own_head, !kLarge);
       if (owned) break;
       c = static_cast<int>(overlap ? claim_publish(next) : claim_work(P, slot));
     }
