@@ -95,15 +95,16 @@ def _gpu_or_exit() -> None:
 
 
 class Timeline:
-    """One timeline buffer, set as the ``dcpkit_timeline`` global of one kernel module."""
+    """One timeline buffer, set as the ``dcpkit_timeline`` global of one kernel module: ``file``
+    built with ``options`` (an op's ``_kernel_options()``, which may add more than OPTIONS)."""
 
-    def __init__(self, cupy, file: str):
+    def __init__(self, cupy, file: str, options=OPTIONS):
         from dcpkit import jit
         from dcpkit.bench.timeline import buffer_words
 
         self.cupy = cupy
         self.buf = cupy.zeros(buffer_words(), dtype=cupy.uint64)
-        addr = jit.module_global(file, "dcpkit_timeline", OPTIONS)
+        addr = jit.module_global(file, "dcpkit_timeline", options)
         slot = cupy.ndarray(
             (1,), cupy.uint64, cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(addr, 8, None), 0)
         )
@@ -186,7 +187,7 @@ def measure_op(cupy, comm, dev, op, T, replays, seed):
 
     result = {"op": op, "T": T, "world_size": W}
     try:
-        tl = Timeline(cupy, FILES[op])
+        tl = Timeline(cupy, FILES[op], obj._kernel_options())  # the module the op built
         first = call()
         stream.synchronize()
         if op == "q_gather":  # zero copy, eager, 64 calls in a row

@@ -68,6 +68,9 @@ def lse_combine(src_out, src_lse, out, out_lse=None, stream=None):
     if fn is None:
         _cuda.require_device("lse_combine", dev)
         with cupy.cuda.Device(dev):
+            # The default build, the warp merge for every W: this merge follows an NCCL
+            # all_to_all, next to which LseReduce's register merge (-DDCPKIT_LSE_REG_SOURCES)
+            # is not worth a second module (not measured).
             fn = _COMBINE_FNS[key] = jit.get_kernel(FILE, combine_variant(key[1])).kernel
     grid = (launch_config(plan.T * plan.H_r, WARPS_PER_CTA, 1 << 16),)
     args = (

@@ -95,6 +95,8 @@ LSE_REDUCE_PARAM_TYPES = PROTO_PARAM_TYPES + (
     "i32",
 )
 _P = len(PROTO_PARAM_TYPES)
+#: The values ``LseReduce.REG_SOURCES`` may take (the kernel's static_assert).
+_REG_SOURCES = (0, 1, 2, 4, 8)
 _IN, _OUT, _OUT_LSE = _P + 4, _P + 14, _P + 15  # fields patched per call
 
 
@@ -209,6 +211,9 @@ class LseReduce(LseReduceCall, OpWorkspace):
         CTAs of a call that wait and combine.
     THREADS : int
         Threads per CTA.
+    REG_SOURCES : int
+        Worlds of at most this many ranks build the kernels with the register merge
+        (``-DDCPKIT_LSE_REG_SOURCES``; class attribute, 0 for the warp merge everywhere).
 
     Notes
     -----
@@ -250,6 +255,11 @@ class LseReduce(LseReduceCall, OpWorkspace):
     size_arguments = "max_tokens, num_heads, head_dim"
     launches_per_call = 1
     THREADS = THREADS
+    #: Worlds of at most this many ranks build the kernels with ``-DDCPKIT_LSE_REG_SOURCES``: the
+    #: small instance merges in registers (kernels/lse_reduce.cu ``combine_rows_regs``, the bits
+    #: of the warp merge in fewer dependent steps). 0, 1, 2, 4 or 8; 0: the warp merge for every
+    #: world.
+    REG_SOURCES = 4
 
     def __init__(
         self,
@@ -374,6 +384,21 @@ class LseReduce(LseReduceCall, OpWorkspace):
             self.lse_base,
             self.return_lse,
         )
+
+    def _kernel_options(self) -> tuple[str, ...]:
+        """The options of :meth:`OpWorkspace._kernel_options`, then
+        ``-DDCPKIT_LSE_REG_SOURCES=<REG_SOURCES>`` when the world has at most
+        :attr:`REG_SOURCES` ranks (a module of its own: the options are part of its cache key)."""
+        opts = super()._kernel_options()
+        n = self.REG_SOURCES
+        if type(n) is not int or n not in _REG_SOURCES:
+            raise InvalidArgument(
+                f"{self.op_name}: REG_SOURCES must be one of {list(_REG_SOURCES)} (got {n!r})"
+            )
+        W = getattr(self, "world_size", None)  # None: no group yet (nothing is built then)
+        if n and W is not None and W <= n:
+            opts += (f"-DDCPKIT_LSE_REG_SOURCES={n}",)
+        return opts
 
     def _load_kernels(self) -> None:
         """Compile (one NVRTC run for the file, cached) and load the kernel of every lse dtype,

@@ -65,9 +65,11 @@ def cupy_fake(shape, dtype, strides=None, *, offset=0, device=DEV):
     return cupy.ndarray(tuple(shape), dtype, cupy.cuda.MemoryPointer(mem, 0), strides=strides)
 
 
-def make_ws(*, world_size=W, rank=RANK, dtype=np.float16, num_ubatches=2, **geometry):
-    """An LseReduce with the state _setup would give it, minus the GPU."""
-    ws = LseReduce.__new__(LseReduce)
+def make_ws(
+    *, world_size=W, rank=RANK, dtype=np.float16, num_ubatches=2, cls=LseReduce, **geometry
+):
+    """An LseReduce (or subclass ``cls``) with the state _setup would give it, minus the GPU."""
+    ws = cls.__new__(cls)
     g = dict(
         max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype, lse_base=math.e, return_lse=False
     )
@@ -717,13 +719,77 @@ def test_every_kernel_the_op_launches_is_registered():
     assert len(names) == 21
 
 
-def test_kernels_compile_for_sm90():
+REG_OPTION = "-DDCPKIT_LSE_REG_SOURCES=4"
+
+
+@pytest.mark.parametrize("options", [(), (REG_OPTION,)], ids=["warp-merge", "register-merge"])
+def test_kernels_compile_for_sm90(options):
     try:
         jit._nvrtc()
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"NVRTC not available here: {e}")
-    res = jit.compile_only(["lse_reduce.cu"])
+    res = jit.compile_only(["lse_reduce.cu"], options=options)
     assert res["lse_reduce.cu"]["variants"] == 21 and res["lse_reduce.cu"]["cubin_bytes"] > 0
+
+
+class _WarpMerge(LseReduce):
+    REG_SOURCES = 0
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+def test_worlds_up_to_reg_sources_build_the_register_merge(world):
+    """LseReduce.REG_SOURCES = 4: worlds of 1 to 4 ranks load the kernels built with
+    -DDCPKIT_LSE_REG_SOURCES=4 (another module: the options key the NVRTC cache), larger
+    worlds and REG_SOURCES = 0 the default build; after the protocol options."""
+    reg = world <= 4
+    for cls, want in ((LseReduce, reg), (_WarpMerge, False)):
+        ws = make_ws(world_size=world, rank=world - 1, num_heads=4 * world, cls=cls)
+        try:
+            assert ws._kernel_options() == ((REG_OPTION,) if want else ()), (cls, world)
+            ws._check_protocol_options(
+                graph_outputs=None, waiter_ctas=None, programmatic_launch=True, self_check=False
+            )
+            protocol = ("-DDCPKIT_SELF_CHECK=0", "-DDCPKIT_PDL=1")
+            assert ws._kernel_options() == protocol + ((REG_OPTION,) if want else ())
+        finally:
+            ws._closed = True
+    assert LseReduce.REG_SOURCES == 4 and _WarpMerge.REG_SOURCES == 0
+
+
+@pytest.mark.parametrize("bad", [3, 16, -1, True, 4.0, "4", None])
+def test_reg_sources_other_than_the_kernel_values_is_refused(bad):
+    class Bad(LseReduce):
+        REG_SOURCES = bad
+
+    ws = make_ws(world_size=2, cls=Bad)
+    try:
+        with pytest.raises(InvalidArgument) as info:
+            ws._kernel_options()
+        assert str(info.value) == (
+            f"lse_reduce: REG_SOURCES must be one of [0, 1, 2, 4, 8] (got {bad!r})"
+        )
+    finally:
+        ws._closed = True
+
+
+def test_reg_sources_values_are_the_kernels():
+    """The values LseReduce accepts are the ones kernels/lse_reduce.cu's static_assert allows;
+    a build with another one fails to compile (with that assertion's message)."""
+    import re
+
+    from dcpkit.errors import CompileError
+    from dcpkit.ops import lse_reduce as lr
+
+    m = re.search(r'"DCPKIT_LSE_REG_SOURCES must be ([\d, ]+) or (\d+)"', jit.source(lr.FILE))
+    assert m, "the static_assert message of DCPKIT_LSE_REG_SOURCES is not in lse_reduce.cu"
+    allowed = tuple(int(v) for v in m.group(1).split(",")) + (int(m.group(2)),)
+    assert allowed == lr._REG_SOURCES
+    try:
+        jit._nvrtc()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"NVRTC not available here: {e}")
+    with pytest.raises(CompileError, match="DCPKIT_LSE_REG_SOURCES must be 0, 1, 2, 4 or 8"):
+        jit.compile_only(["lse_reduce.cu"], options="-DDCPKIT_LSE_REG_SOURCES=3")
 
 
 def test_lse_combine_is_public_in_dcpkit_ops():
