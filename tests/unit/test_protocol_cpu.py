@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 
 import numpy as np
@@ -30,6 +31,13 @@ from dcpkit.ops.q_gather import QGather
 
 OPS_FILES = ("q_gather.cu", "kv_gather.cu", "lse_reduce.cu")
 HEADER = "dcpkit_ptx.cuh"
+#: The builds of lse_reduce.cu LseReduce may load: the default one and the register merge's
+#: (LseReduce.REG_SOURCES, worlds up to 4).
+BUILDS = ((), ("-DDCPKIT_LSE_REG_SOURCES=4",))
+#: (file, extra NVRTC options) of every op kernel module: each file's default build, and
+#: lse_reduce.cu in every one of BUILDS.
+OPS_BUILDS = [(f, ()) for f in OPS_FILES] + [("lse_reduce.cu", b) for b in BUILDS[1:]]
+OPS_BUILD_IDS = [f + "".join(o.replace("-D", "+") for o in b) for f, b in OPS_BUILDS]
 
 
 def _header() -> str:
@@ -45,8 +53,15 @@ def _nvrtc_or_skip():
 
 
 def _ptx(file: str, options=()) -> str:
-    """The PTX of every variant of ``file`` (jit.VARIANTS) for compute_90."""
-    nvrtc = _nvrtc_or_skip()
+    """The PTX of every variant of ``file`` (jit.VARIANTS) for compute_90 (compiled once per
+    file and options in a session)."""
+    _nvrtc_or_skip()
+    return _ptx_of(file, tuple(options))
+
+
+@functools.cache
+def _ptx_of(file: str, options: tuple) -> str:
+    nvrtc = jit._nvrtc()
     code = jit.source(file).encode()
     err, prog = nvrtc.nvrtcCreateProgram(code, file.encode(), 0, [], [])
     assert int(err) == 0
@@ -96,13 +111,13 @@ SIGNAL_STORE = r"^(multimem\.st\.relaxed\.sys\.global\.u64|st\.relaxed\.sys\.glo
 
 
 @pytest.mark.parametrize("self_check", [True, False], ids=["self-check", "epoch-only"])
-@pytest.mark.parametrize("file", OPS_FILES)
-def test_publish_order_in_every_variant(file, self_check):
+@pytest.mark.parametrize("file,build", OPS_BUILDS, ids=OPS_BUILD_IDS)
+def test_publish_order_in_every_variant(file, build, self_check):
     """In every kernel: bar.sync, then atom.acq_rel.gpu (the arrival), then fence.acq_rel.sys,
     then the signal stores; relaxed polls of the signal, then ld.acquire.sys; no fence.sc.
     Before the arrival, the unicast push kernels store one relaxed word (the credit, NOTE
-    [dcpkit zero-copy graph outputs]) and the others none."""
-    ptx = _ptx(file, () if self_check else ("-DDCPKIT_SELF_CHECK=0",))
+    [dcpkit zero-copy graph outputs]) and the others none. lse_reduce.cu in every build."""
+    ptx = _ptx(file, build + (() if self_check else ("-DDCPKIT_SELF_CHECK=0",)))
     entries = [(n, b) for n, b in _entries(ptx) if "combine" not in n]
     assert len(entries) == len(jit.VARIANTS[file]) - (3 if file == "lse_reduce.cu" else 0)
     for name, lines in entries:
@@ -147,14 +162,14 @@ def test_publish_order_in_every_variant(file, self_check):
 
 
 @pytest.mark.parametrize("self_check", [True, False], ids=["self-check", "epoch-only"])
-@pytest.mark.parametrize("file", OPS_FILES)
-def test_no_value_of_an_acquire_is_used(file, self_check):
+@pytest.mark.parametrize("file,build", OPS_BUILDS, ids=OPS_BUILD_IDS)
+def test_no_value_of_an_acquire_is_used(file, build, self_check):
     """Every ld.acquire of a signal or credit word follows a relaxed poll that already read the
     awaited value, and the word does not change again in the call: the waits read the polled
     word (fingerprint, credit offset). A use of the acquire's own value makes the wait a second
     dependent round trip to the word (measured 0.2-0.4 us per call at T <= 8); without a use,
-    ptxas keeps only the acquire's ordering."""
-    ptx = _ptx(file, () if self_check else ("-DDCPKIT_SELF_CHECK=0",))
+    ptxas keeps only the acquire's ordering. lse_reduce.cu in every build."""
+    ptx = _ptx(file, build + (() if self_check else ("-DDCPKIT_SELF_CHECK=0",)))
     for name, lines in _entries(ptx):
         if "combine" in name:  # lse_combine_kernel: the NCCL fallback's merge, no protocol
             continue
@@ -166,6 +181,22 @@ def test_no_value_of_an_acquire_is_used(file, self_check):
             uses = [later for later in lines[i + 1 :] if reg.search(later)]
             assert not uses, f"{name}: the value of {ln!r} is used: {uses[:3]}"
         assert any(ln.startswith("ld.acquire.sys.global.u64") for ln in lines), name
+
+
+def test_register_merge_only_in_the_small_instance():
+    """The register build of lse_reduce.cu (LseReduce.REG_SOURCES) changes the small instance
+    and the local merge, and leaves the large instance's PTX as the default build's: it keeps
+    the warp merge (the register merge made ptxas spill there)."""
+    # Names of the file's internal globals carry a hash that differs between builds.
+    internal = re.compile(r"\d+_INTERNAL_\w+?_lse_reduce_cu_[0-9a-f]+_\d+")
+    default, reg = (
+        {n: "\n".join(b) for n, b in _entries(internal.sub("I", _ptx("lse_reduce.cu", build)))}
+        for build in BUILDS
+    )
+    assert default.keys() == reg.keys() and len(default) == len(jit.VARIANTS["lse_reduce.cu"])
+    for name in default:
+        large = "Lb1E" in name  # lse_reduce_kernel<OUT_T, LSE_T, true>
+        assert (default[name] == reg[name]) == large, (name, "same" if large else "differs")
 
 
 # ----------------------------------------------------------------------------- fingerprint
@@ -479,12 +510,13 @@ _MEMORY_OP = re.compile(
 )
 
 
-@pytest.mark.parametrize("file", OPS_FILES)
-def test_programmatic_variant_waits_before_any_memory_access(file):
+@pytest.mark.parametrize("file,build", OPS_BUILDS, ids=OPS_BUILD_IDS)
+def test_programmatic_variant_waits_before_any_memory_access(file, build):
     """NOTE [dcpkit programmatic launch]: built with DCPKIT_PDL=1, every op kernel's first
-    memory instruction comes after griddepcontrol.wait; the shipped build has no such wait."""
-    assert "griddepcontrol" not in _ptx(file)
-    entries = _entries(_ptx(file, ["-DDCPKIT_PDL=1"]))
+    memory instruction comes after griddepcontrol.wait; the shipped build has no such wait.
+    lse_reduce.cu in every build."""
+    assert "griddepcontrol" not in _ptx(file, build)
+    entries = _entries(_ptx(file, build + ("-DDCPKIT_PDL=1",)))
     assert entries
     for name, lines in entries:
         if "lse_combine" in name:  # the NCCL path's local combine: not an op kernel
