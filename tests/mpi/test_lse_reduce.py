@@ -657,3 +657,107 @@ def test_lse_reduce_programmatic_launch(comm, seed):
                 check_programmatic(errors, call, inputs, 4, f"lse_reduce T={T}", check, (out,))
 
     run_collective(comm, "lse_reduce with programmatic_launch", body)
+
+
+class _WarpCombine(LseReduce):
+    """LseReduce on the default build: the warp merge for every world."""
+
+    REG_SOURCES = 0
+
+
+def _bits(x) -> np.ndarray:
+    return to_host(x).view(_uint(x.dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_register_combine_gives_the_bits_of_the_warp_combine(comm, seed, dtype):
+    """Worlds up to LseReduce.REG_SOURCES: the op (its small instance merges in registers) and
+    _WarpCombine (REG_SOURCES = 0: the warp merge) give the same bits of out and of the merged
+    lse. T of the small instance and (with one GPU per rank) T = 128 of the large, the same code
+    in both builds; rows of one pass and of two with a partial one. Inputs: Case's (the op also
+    against the reference), with masks, and with many empty / NaN / +inf rows (NaN payload),
+    lse values tied or +-0 across ranks, and spreads of 95-150 whose weights are denormal or 0.
+    """
+    W, r = comm.world_size, comm.rank
+    if W > LseReduce.REG_SOURCES:
+        pytest.skip(f"the register merge is for worlds up to {LseReduce.REG_SOURCES} (have {W})")
+    H, T_max = 48, 128  # 48 heads split over 2-4 ranks; T = 128 takes the large instance
+    tokens = (1, 2, 5, 8, 17, T_max)
+    reg_option = f"-DDCPKIT_LSE_REG_SOURCES={LseReduce.REG_SOURCES}"
+    errors = []
+    for D in (512, 264):  # bf16 rows of 64 vectors; 33 (a tail lane); fp32 66 (two passes)
+        kw_op = dict(max_tokens=T_max, num_heads=H, head_dim=D, dtype=dtype, return_lse=True)
+        with LseReduce(comm, **kw_op) as ws, _WarpCombine(comm, **kw_op) as wc:
+            if reg_option not in ws._kernel_options() or reg_option in wc._kernel_options():
+                errors.append(
+                    f"rank {r}: options {ws._kernel_options()} / {wc._kernel_options()}: "
+                    "the op must build the register merge, _WarpCombine not"
+                )
+            small = [T for T in tokens if not ws._grids[T][1]]
+            if not small:
+                errors.append(f"rank {r}: no T of {tokens} takes the small instance")
+            H_r = ws.heads_per_rank
+            for k, T in enumerate(tokens):
+                lse_dtype = ("float32", "bfloat16")[k % 2]
+                where = f"rank {r}, T={T} D_v={D} {dtype} lse {lse_dtype}"
+                where += "" if T in small else " (large instance)"
+                for j, rnd in enumerate(("case", "masks", "edges")):
+                    s = seed + 1000 + 100 * k + 10 * (D == 264) + j
+                    case = None
+                    if rnd in ("case", "masks"):
+                        S = 2 if rnd == "masks" else 0
+                        case = Case(
+                            comm, s, T=T, H=H, D=D, dtype=dtype, lse_dtype=lse_dtype,
+                            num_requests=S,
+                        )  # fmt: skip
+                        x, lse, kw = case.gpu_args()
+                    else:
+                        x, lse = _edge_inputs(comm, s, T, H, D, dtype, lse_dtype)
+                        kw = {}
+                    got = {}
+                    for name, op in (("register", ws), ("warp", wc)):
+                        out = empty_poisoned((T, H_r, D), dtype)
+                        out_lse = empty_poisoned((T, H_r), "float32")
+                        op(x, lse, out=out, out_lse=out_lse, **kw)
+                        op.synchronize()
+                        got[name] = (out, out_lse)
+                    for i, what in enumerate(("out", "merged lse")):
+                        a, b = _bits(got["register"][i]), _bits(got["warp"][i])
+                        if not np.array_equal(a, b):
+                            bad = np.argwhere(a != b)
+                            j = tuple(int(v) for v in bad[0])
+                            errors.append(
+                                f"{where}, {rnd} inputs: {what} differs in {len(bad)} of "
+                                f"{a.size} elements, first {j}: register {a[j]:#x}, warp "
+                                f"{b[j]:#x}"
+                            )
+                    if case is not None:
+                        errors.append(case.check(r, *got["register"], where=f"{rnd} inputs"))
+    errors = [e for e in errors if e]
+    ok, msg = agree(comm, errors, f"register combine against the warp combine {dtype} W={W}")
+    assert ok, msg
+
+
+def _edge_inputs(comm, seed, T, H, D, dtype, lse_dtype):
+    """This rank's out_partial and lse_partial on the GPU: make_inputs with 30 % empty rows (lse
+    -inf, payload NaN) and 10 % NaN / +inf lse, then per (t, h) one of: unchanged, the same
+    lse on every rank (a tie), +0 or -0 (the sign per rank), or lowered by 95, 101 or 150
+    (weights denormal or 0)."""
+    W, r = comm.world_size, comm.rank
+    inp = make_inputs(
+        r, W, seed, op="lse_reduce", tokens=T, num_heads=H, head_dim=D, dtype=dtype,
+        lse_dtype=lse_dtype, empty_fraction=0.3, nonfinite_fraction=0.1,
+    )  # fmt: skip
+    lse = inp["lse_partial"].astype(np.float32)
+    shared = np.random.default_rng([seed, 17])  # the same draws on every rank
+    mine = np.random.default_rng([seed, 17, r])
+    kind = shared.integers(5, size=(T, H))
+    tie = shared.normal(size=(T, H)).astype(np.float32)
+    sign = mine.choice(np.array([0.0, -0.0], dtype=np.float32), size=(T, H))
+    drop = mine.choice(np.array([95.0, 101.0, 150.0], dtype=np.float32), size=(T, H))
+    live = np.isfinite(lse)  # leave the empty and invalid rows as they are
+    lse = np.where(live & (kind == 1), tie, lse)
+    lse = np.where(live & (kind == 2), sign, lse)
+    lse = np.where(live & (kind == 3), lse - drop, lse)
+    lse = lse.astype(resolve_dtype(lse_dtype))
+    return to_gpu(inp["out_partial"]), to_gpu(lse)
