@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _gpus import NUM_GPUS, SHARED_GPU
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "mpi" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -27,17 +28,6 @@ NP = 2
 WAIT_S = 240
 
 
-def _gpu_count():
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: all mean "no GPU"
-        return 0
-
-
-NUM_GPUS = _gpu_count()
-SHARED_GPU = os.environ.get("DCPKIT_ALLOW_SHARED_GPU", "") not in ("", "0")
 pytestmark = pytest.mark.skipif(
     NUM_GPUS < NP and not (SHARED_GPU and NUM_GPUS >= 1),
     reason=f"needs {NP} GPUs (have {NUM_GPUS}; DCPKIT_ALLOW_SHARED_GPU=1 lets ranks share GPUs)",

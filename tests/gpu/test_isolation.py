@@ -21,29 +21,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from _gpus import NUM_GPUS, SHARED_GPU
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "mpi" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 from reliability_cases import REPO_ROOT, Job, find_mpirun, job_env, mpi_flavor, mpirun_command  # noqa: E402
 
-
-def _gpu_count():
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: all mean "no GPU"
-        return 0
-
-
-NUM_GPUS = _gpu_count()
 CALLS = 300
 WAIT_S = 360
 
 # DCPKIT_ALLOW_SHARED_GPU=1: ranks may share GPUs (functional runs on machines with fewer GPUs
 # than ranks, e.g. under MPS; scripts/gpu_suite.sh sets it with DCPKIT_SUITE_SHARED_GPU=1).
-SHARED_GPU = os.environ.get("DCPKIT_ALLOW_SHARED_GPU", "") not in ("", "0")
 pytestmark = pytest.mark.skipif(
     NUM_GPUS < 2 and not (SHARED_GPU and NUM_GPUS >= 1),
     reason=f"needs 2 GPUs (have {NUM_GPUS}; DCPKIT_ALLOW_SHARED_GPU=1 lets ranks share GPUs)",

@@ -23,26 +23,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from _gpus import NUM_GPUS, SHARED_GPU
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "mpi" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 from reliability_cases import REPO_ROOT, Job, find_mpirun, job_env, mpi_flavor, mpirun_command  # noqa: E402
 
-
-def _gpu_count():
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: all mean "no GPU"
-        return 0
-
-
-NUM_GPUS = _gpu_count()
 # DCPKIT_ALLOW_SHARED_GPU=1: ranks may share GPUs (functional runs on machines with fewer GPUs
 # than ranks, e.g. under MPS; scripts/gpu_suite.sh sets it with DCPKIT_SUITE_SHARED_GPU=1).
-SHARED_GPU = os.environ.get("DCPKIT_ALLOW_SHARED_GPU", "") not in ("", "0")
 TIMEOUT_MS = 300.0
 HANG_MARGIN_S = 5.0
 

@@ -31,20 +31,10 @@ import os
 
 import numpy as np
 import pytest
+from _gpus import NUM_GPUS
 
 from dcpkit.reference import lse_reduce_reference, lse_reduce_tolerance, resolve_dtype
 
-
-def _gpu_count():
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: all mean "no GPU"
-        return 0
-
-
-NUM_GPUS = _gpu_count()
 pytestmark = pytest.mark.skipif(NUM_GPUS < 1, reason=f"needs 1 GPU (have {NUM_GPUS})")
 
 REG_OPTION = "-DDCPKIT_LSE_REG_SOURCES=4"

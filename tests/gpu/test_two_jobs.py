@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _gpus import NUM_GPUS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "two_jobs_check.py"
@@ -32,16 +33,6 @@ KEEP_PREFIXES = ("OMPI_MCA_", "OMPI_ALLOW_RUN_AS_ROOT")
 WAIT_S = 400
 
 
-def _gpu_count():
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: all mean "no GPU"
-        return 0
-
-
-NUM_GPUS = _gpu_count()
 pytestmark = pytest.mark.skipif(NUM_GPUS < 1, reason="no CUDA GPU visible here")
 
 
