@@ -222,7 +222,10 @@ __device__ __forceinline__ void combine_rows_regs(const char* payload, u64 src_s
 //   lse     : source 0, item 0 of [W][T_cap][H_r] float (src_lse_stride elements between sources)
 //   out     : [T][H_r][D_v] contiguous, 16-byte aligned rows; out_lse: [T][H_r] or null.
 // Source lse values are sanitised again here (the local kernel gets them straight from NCCL).
-// A source with weight 0 is never read: its payload may hold anything, NaN included.
+// A source with weight 0 is never used: its payload may hold anything, NaN included. The warp
+// merge never reads it; combine_rows_regs loads the first pass of every source's row before the
+// weights are known, so every source's row must be mapped memory (the slot and the local
+// merge's src_out are).
 // Source `own_src` (-1: none) is not read from `payload` but from the caller's input: item
 // (t, h) at own_rows + t * own_tok_bytes + h * own_head_bytes (the own heads of out_partial).
 // Built with DCPKIT_LSE_REG_SOURCES = R > 0, a call with reg_merge, at most R sources and no
