@@ -23,6 +23,7 @@ __all__ = [
     "lse_reduce_reference",
     "make_inputs",
     "lse_reduce_tolerance",
+    "merged_lse_matches",
     "resolve_dtype",
     "random_array",
 ]
@@ -300,6 +301,36 @@ def lse_reduce_tolerance(dtype) -> float:
     with inputs of magnitude about 1 (fp32 accumulation, one rounding to ``dtype``)."""
     dt = resolve_dtype(dtype)
     return {2: 2e-2, 4: 1e-5}.get(dt.itemsize, 2e-2) if dt != np.float16 else 4e-3
+
+
+#: Tolerance of a merged lse (an fp32 max plus the log of an fp32 sum) against the float64
+#: reference: absolute below 1, relative to ``|lse|`` above.
+MERGED_LSE_TOL = 1e-4
+
+
+def merged_lse_matches(got, ref) -> np.ndarray:
+    """Element-wise: whether a merged lse ``got`` (any float array, e.g. ``out_lse [T, H_r]`` on
+    the host) matches the reference ``ref`` (:func:`lse_reduce_reference`'s second result, the
+    same shape): ``-inf`` exactly where the reference is ``-inf`` (every source empty), else
+    within :data:`MERGED_LSE_TOL` x ``max(1, |ref|)``; NaN never matches.
+
+    Returns
+    -------
+    numpy.ndarray of bool, the shape of ``ref``.
+
+    Raises
+    ------
+    ValueError
+        ``got`` and ``ref`` do not broadcast to one shape (NumPy's own error).
+    """
+    g = np.asarray(got, dtype=np.float64)
+    r = np.asarray(ref, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        return np.where(
+            np.isneginf(r),
+            np.isneginf(g),
+            np.abs(g - r) <= MERGED_LSE_TOL * np.maximum(1.0, np.abs(r)),
+        )
 
 
 # ----------------------------------------------------------------------------- inputs

@@ -17,12 +17,12 @@ from dcpkit.reference import (
     lse_reduce_reference,
     lse_reduce_tolerance,
     make_inputs,
+    merged_lse_matches,
     q_gather_reference,
     resolve_dtype,
 )
 
 MAX_REPORTED = 6
-LSE_ATOL = 1e-4  # merged lse (fp32) against float64, relative to max(1, |lse|)
 
 
 def run_all_ranks(comm, what: str, body: Callable[[list[str]], None]) -> None:
@@ -222,12 +222,7 @@ class LseCase:
         if got_lse is not None:
             gl = np.asarray(got_lse).astype(np.float64)
             rl = self.ref_lse
-            with np.errstate(invalid="ignore"):
-                ok = np.where(
-                    np.isneginf(rl),
-                    np.isneginf(gl),
-                    np.abs(gl - rl) <= LSE_ATOL * np.maximum(1.0, np.abs(rl)),
-                )
+            ok = merged_lse_matches(gl, rl)
             if not ok.all():
                 i = tuple(int(v) for v in np.argwhere(~ok)[0])
                 msgs.append(

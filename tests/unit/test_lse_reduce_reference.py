@@ -646,3 +646,20 @@ def test_make_inputs_gather_checks():
     q = make_inputs(1, 2, 1, op="q_gather", **_GEOM["q_gather"], dtype=np.int64(0).dtype)["q"]
     assert q.shape == (4, 2, 8) and q.dtype == np.int64
     assert make_inputs(0, 1, 0, op="kv_gather", tokens=0, row_dim=3)["kv"].shape == (0, 3)
+
+
+def test_merged_lse_matches_reads_empty_rows_exactly_and_the_rest_within_the_tolerance():
+    from dcpkit.reference import MERGED_LSE_TOL, merged_lse_matches
+
+    ref = np.array([-np.inf, 0.5, 1e4, -2.0, -np.inf, 3.0])
+    tol = MERGED_LSE_TOL
+    got = np.array([-np.inf, 0.5 + 0.5 * tol, 1e4 * (1 + 0.5 * tol), -2.0 - 3 * tol, 0.0, np.nan])
+    assert merged_lse_matches(got.astype(np.float32), ref).tolist() == [
+        True,  # empty where the reference is empty
+        True,  # absolute below 1
+        True,  # relative above 1
+        False,  # off by more than the tolerance
+        False,  # a value where every source was empty
+        False,  # NaN never matches
+    ]
+    assert not merged_lse_matches(np.array([-np.inf]), np.array([0.0])).any()
