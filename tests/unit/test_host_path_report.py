@@ -17,8 +17,10 @@ from dcpkit.ops.q_gather import Q_GATHER_PARAM_TYPES
 _SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "host_path_cpu.py")
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("host_path_cpu", _SCRIPT)
+def _load(name: str = "host_path_cpu"):
+    """scripts/<name>.py as a module."""
+    path = os.path.join(os.path.dirname(_SCRIPT), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -97,16 +99,8 @@ def test_report_without_torch_has_every_other_row(monkeypatch):
     assert set(rows) == {r for r in mod.ROWS if "torch" not in r.lower()}
 
 
-def _load_overhead():
-    script = os.path.join(os.path.dirname(_SCRIPT), "host_overhead.py")
-    spec = importlib.util.spec_from_file_location("host_overhead", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_growth_rows_and_their_references_call_through_the_same_turn():
-    mod = _load_overhead()
+    mod = _load("host_overhead")
     seen = []
     calls = [lambda i=i: seen.append(i) or i for i in range(3)]
     turn = mod.in_turn(calls)
