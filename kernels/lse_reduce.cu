@@ -581,13 +581,15 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
                                   query_start_loc != nullptr, seq_lens != nullptr);
 
   // 1. Send. Two ways, by size:
-  //   * fewer than kSendRows rows per warp (small T): each warp sends one row at a time to its
-  //     destination, this rank included, with its lse (fewest dependent rounds: the batched
-  //     send measured 0.6-1.1 us slower at T=1);
-  //   * at least kSendRows rows per warp: the own rows stay in the input, the combine reads
-  //     them there (no copy into the own slot), unless `out` or `out_lse` overlaps the input
-  //     (an in-place call); the rows for the peers go kSendRows per warp at once, the lse values one per
-  //     thread (measured 9 % faster at T=32 and 14-22 % at T=128).
+  //   * the small instance (the host takes it below large_rows_per_warp rows per warp,
+  //     dcpkit/ops/_lse_checks.py): each warp sends one row at a time to its destination, this
+  //     rank included, with its lse (fewest dependent rounds: the batched send measured 0.6-1.1
+  //     us slower at T=1; all the loads of up to kSendRows rows before their stores measured
+  //     0.2-0.6 us slower at T <= 4 and level at T=8, docs/performance.md);
+  //   * the large instance, at least kSendRows rows per warp: the own rows stay in the input,
+  //     the combine reads them there (no copy into the own slot), unless `out` or `out_lse`
+  //     overlaps the input (an in-place call); the rows for the peers go kSendRows per warp at
+  //     once, the lse values one per thread (measured 9 % faster at T=32 and 14-22 % at T=128).
   const char* in_bytes = reinterpret_cast<const char*>(out_partial);
   const long long isz = static_cast<long long>(sizeof(OUT_T));
   // Both outputs are written while the combine still reads the input: either one overlapping

@@ -20,6 +20,8 @@ __all__ = [
     "THREADS",
     "WARPS_PER_CTA",
     "SEND_ROWS",
+    "LARGE_ROWS_PER_WARP_WIDE",
+    "large_rows_per_warp",
     "MAX_WORLD_SIZE",
     "FILE",
     "BLOCK",
@@ -41,8 +43,23 @@ __all__ = [
 #: Threads per CTA of both kernels (``lse_detail::kThreads`` in the kernel).
 THREADS = 256
 WARPS_PER_CTA = THREADS // 32
-#: Rows per warp from which a call takes the large kernel instance (``lse_detail::kSendRows``).
+#: Rows a warp of the large kernel instance sends at once (``lse_detail::kSendRows``); the
+#: large instance needs at least this many rows per warp (its own rows stay in the input).
 SEND_ROWS = 4
+#: Rows per warp from which a call of ``W`` ranks takes the large kernel instance, by world size:
+#: SEND_ROWS at W <= 2, four times that from W = 3 on (:func:`large_rows_per_warp`).
+LARGE_ROWS_PER_WARP_WIDE = 4 * SEND_ROWS
+
+
+def large_rows_per_warp(W: int) -> int:
+    """Rows per warp of a call's grid (``W * T * H_r`` rows over its warps) from which it takes
+    the large kernel instance. At W = 2 the large instance's own rows, which stay in the input
+    instead of being copied into the own slot, are half the call's, and it is faster from
+    SEND_ROWS rows per warp on; from W = 3 on they are a third or less, and the small instance
+    (the register merge, owned units) measured faster up to 8 rows per warp (one H200, 4 ranks
+    sharing it: T=8 13.4 -> 11.8 us, T=16 18.2 -> 16.8 us in a graph; docs/performance.md).
+    Never below SEND_ROWS, the large instance's own bound."""
+    return SEND_ROWS if W <= 2 else LARGE_ROWS_PER_WARP_WIDE
 #: Largest world_size the merge handles (``lse_detail::kMaxSources``).
 MAX_WORLD_SIZE = 64
 

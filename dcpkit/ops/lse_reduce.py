@@ -46,13 +46,13 @@ from ._lse_checks import (
     FILE,
     INT32_MAX,
     MAX_WORLD_SIZE,
-    SEND_ROWS,
     THREADS,
     UINT,
     WARPS_PER_CTA,
     CallArgs,
     c_contiguous,
     float_dtypes,
+    large_rows_per_warp,
     reduce_variant,
     validate_call,
 )
@@ -102,12 +102,14 @@ _IN, _OUT, _OUT_LSE = _P + 4, _P + 14, _P + 15  # fields patched per call
 
 def launch_table(W: int, H_r: int, max_tokens: int, max_ctas: int) -> list[tuple[int, bool]]:
     """Per T in ``[0, max_tokens]``: the grid of a call, and whether it takes the large kernel
-    instance (at least ``SEND_ROWS`` rows per warp: the batched send and the wide combine of
-    kernels/lse_reduce.cu; the kernel checks the same bound, so either instance is correct)."""
+    instance (at least :func:`~dcpkit.ops._lse_checks.large_rows_per_warp` rows per warp: the
+    batched send and the wide combine of kernels/lse_reduce.cu). That bound is never below
+    ``SEND_ROWS``, which the kernel checks itself, so either instance is correct."""
     table = []
+    per_warp = large_rows_per_warp(W)
     for T in range(max_tokens + 1):
         grid = launch_config(W * T * H_r, WARPS_PER_CTA, max_ctas)
-        table.append((grid, W * T * H_r >= SEND_ROWS * WARPS_PER_CTA * grid))
+        table.append((grid, W * T * H_r >= per_warp * WARPS_PER_CTA * grid))
     return table
 
 

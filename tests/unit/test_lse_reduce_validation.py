@@ -830,24 +830,31 @@ def test_host_constants_match_the_kernel():
     assert "constexpr int kWarps = kThreads / 32;" in src and lr.WARPS_PER_CTA == lr.THREADS // 32
 
 
-def test_large_instance_only_where_every_warp_has_send_rows_rows():
+def test_large_instance_only_where_every_warp_has_enough_rows():
     """The per-T launch table: a call takes the large kernel instance (batched send, wide
-    combine) exactly where its rows fill SEND_ROWS per warp of its grid, and SEND_ROWS is the
-    kernel's kSendRows."""
+    combine) exactly where its rows fill large_rows_per_warp(W) per warp of its grid (SEND_ROWS
+    at W <= 2, 4 * SEND_ROWS from W = 3 on), never below SEND_ROWS, the kernel's kSendRows (the
+    large instance's own bound); decode sizes keep the small instance at every grid."""
     import re
 
-    from dcpkit.ops._lse_checks import SEND_ROWS, WARPS_PER_CTA
+    from dcpkit.ops._lse_checks import SEND_ROWS, WARPS_PER_CTA, large_rows_per_warp
     from dcpkit.ops.lse_reduce import launch_table
 
     m = re.search(r"constexpr int kSendRows = (\d+);", jit.source("lse_reduce.cu"))
     assert m and int(m.group(1)) == SEND_ROWS
-    for W, H_r, max_ctas in ((2, 64, 66), (4, 32, 33), (8, 16, 132)):
+    assert large_rows_per_warp(2) == SEND_ROWS and large_rows_per_warp(1) == SEND_ROWS
+    assert all(large_rows_per_warp(W) == 4 * SEND_ROWS for W in range(3, 65))
+    # (4, 32, 32): the grid of 4 ranks sharing one H200 (a quarter of its SMs, less one), where
+    # T = 8 fills exactly SEND_ROWS rows per warp and now keeps the small instance.
+    for W, H_r, max_ctas in ((2, 64, 66), (4, 32, 33), (4, 32, 32), (8, 16, 132)):
         table = launch_table(W, H_r, 256, max_ctas)
         assert len(table) == 257 and table[0] == (1, False)
         for T, (grid, large) in enumerate(table):
             rows = W * T * H_r
             assert 1 <= grid <= max_ctas
-            assert large == (rows >= SEND_ROWS * WARPS_PER_CTA * grid)
+            assert large == (rows >= large_rows_per_warp(W) * WARPS_PER_CTA * grid)
+            if large:
+                assert rows >= SEND_ROWS * WARPS_PER_CTA * grid
             if T <= 8:
                 assert not large, (W, T)  # decode sizes keep the small instance
         assert table[256][1], (W, H_r)
