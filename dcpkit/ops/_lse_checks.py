@@ -49,6 +49,8 @@ SEND_ROWS = 4
 #: Rows per warp from which a call of ``W`` ranks takes the large kernel instance, by world size:
 #: SEND_ROWS at W <= 2, four times that from W = 3 on (:func:`large_rows_per_warp`).
 LARGE_ROWS_PER_WARP_WIDE = 4 * SEND_ROWS
+#: Largest world_size the merge handles (``lse_detail::kMaxSources``).
+MAX_WORLD_SIZE = 64
 
 
 def large_rows_per_warp(W: int) -> int:
@@ -60,8 +62,7 @@ def large_rows_per_warp(W: int) -> int:
     sharing it: T=8 13.4 -> 11.8 us, T=16 18.2 -> 16.8 us in a graph; docs/performance.md).
     Never below SEND_ROWS, the large instance's own bound."""
     return SEND_ROWS if W <= 2 else LARGE_ROWS_PER_WARP_WIDE
-#: Largest world_size the merge handles (``lse_detail::kMaxSources``).
-MAX_WORLD_SIZE = 64
+
 
 FILE = "lse_reduce.cu"
 BLOCK = (THREADS,)
