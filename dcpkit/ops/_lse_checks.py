@@ -58,7 +58,7 @@ def large_rows_per_warp(W: int) -> int:
     the large kernel instance. At W = 2 the large instance's own rows, which stay in the input
     instead of being copied into the own slot, are half the call's, and it is faster from
     SEND_ROWS rows per warp on; from W = 3 on they are a third or less, and the small instance
-    (the register merge, owned units) measured faster up to 8 rows per warp (one H200, 4 ranks
+    (the register merge) measured faster up to 8 rows per warp (one H200, 4 ranks
     sharing it: T=8 13.4 -> 11.8 us, T=16 18.2 -> 16.8 us in a graph; docs/performance.md).
     Never below SEND_ROWS, the large instance's own bound."""
     return SEND_ROWS if W <= 2 else LARGE_ROWS_PER_WARP_WIDE
