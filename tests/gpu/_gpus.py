@@ -19,3 +19,32 @@ def gpu_count() -> int:
 NUM_GPUS = gpu_count()
 #: DCPKIT_ALLOW_SHARED_GPU=1: several ranks of a job may share one GPU.
 SHARED_GPU = os.environ.get("DCPKIT_ALLOW_SHARED_GPU", "") not in ("", "0")
+
+
+def mpi_launcher() -> tuple[str, str]:
+    """``(mpirun, flavour)`` for the MPI jobs these tests start themselves
+    (tests/mpi/scripts/reliability_cases.py: ``find_mpirun``, ``mpi_flavor``). Skips the test
+    when pytest itself runs under mpirun (these tests must run as one process), when no launcher
+    is found, or without mpi4py."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    launched = [os.environ.get(v, "") for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")]
+    if any(v not in ("", "1") for v in launched):
+        pytest.skip(
+            "tests/gpu launch their own MPI jobs: run pytest as one process, not under mpirun"
+        )
+    scripts = str(Path(__file__).resolve().parents[1] / "mpi" / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    from reliability_cases import find_mpirun, mpi_flavor
+
+    exe = find_mpirun()
+    if exe is None:
+        pytest.skip("no mpirun / mpiexec found (set DCPKIT_MPIRUN)")
+    if importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("mpi4py is not installed")
+    return exe, mpi_flavor(exe)

@@ -10,18 +10,16 @@ DCPKIT_SUITE_MPS=1``). Each job must exit 0 and print PASS as its last line on r
 multicast-disabling variables are passed on unchanged.
 """
 
-import importlib.util
-import os
 import sys
 from pathlib import Path
 
 import pytest
-from _gpus import NUM_GPUS, SHARED_GPU
+from _gpus import NUM_GPUS, SHARED_GPU, mpi_launcher
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "mpi" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from reliability_cases import REPO_ROOT, Job, find_mpirun, job_env, mpi_flavor, mpirun_command  # noqa: E402 - needs the path set above
+from reliability_cases import REPO_ROOT, Job, job_env, mpirun_command  # noqa: E402 - needs the path set above
 
 EXAMPLES = REPO_ROOT / "examples"
 NP = 2
@@ -36,17 +34,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def launcher():
-    launched = [os.environ.get(v, "") for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")]
-    if any(v not in ("", "1") for v in launched):
-        pytest.skip(
-            "tests/gpu launch their own MPI jobs: run pytest as one process, not under mpirun"
-        )
-    exe = find_mpirun()
-    if exe is None:
-        pytest.skip("no mpirun / mpiexec found (set DCPKIT_MPIRUN)")
-    if importlib.util.find_spec("mpi4py") is None:
-        pytest.skip("mpi4py is not installed")
-    return exe, mpi_flavor(exe)
+    return mpi_launcher()
 
 
 def _torch_with_cuda() -> bool:

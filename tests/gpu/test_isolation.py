@@ -16,17 +16,16 @@ time, and each must have used the GPUs intended:
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
-from _gpus import NUM_GPUS, SHARED_GPU
+from _gpus import NUM_GPUS, SHARED_GPU, mpi_launcher
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "mpi" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from reliability_cases import REPO_ROOT, Job, find_mpirun, job_env, mpi_flavor, mpirun_command  # noqa: E402
+from reliability_cases import REPO_ROOT, Job, job_env, mpirun_command  # noqa: E402
 
 CALLS = 300
 WAIT_S = 360
@@ -41,19 +40,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def launcher():
-    launched = [os.environ.get(v, "") for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")]
-    if any(v not in ("", "1") for v in launched):
-        pytest.skip(
-            "tests/gpu launch their own MPI jobs: run pytest as one process, not under mpirun"
-        )
-    exe = find_mpirun()
-    if exe is None:
-        pytest.skip("no mpirun / mpiexec found (set DCPKIT_MPIRUN)")
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        pytest.skip("mpi4py is not installed")
-    return exe, mpi_flavor(exe)
+    return mpi_launcher()
 
 
 @pytest.mark.parametrize("layout", ["same_gpus", "different_gpus"])

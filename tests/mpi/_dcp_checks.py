@@ -143,7 +143,9 @@ class KVCase:
 
 class LseCase:
     """One lse_reduce call's inputs on every rank and this rank's expected output (own heads,
-    or all heads with ``all_heads=True``)."""
+    or all heads with ``all_heads=True``). With ``num_requests`` > 0 the call gets
+    ``query_start_loc`` and every rank's ``seq_lens`` (some 0: empty requests), or
+    ``query_start_loc`` alone with ``qsl_only=True`` (padding rows only)."""
 
     def __init__(
         self,
@@ -158,6 +160,7 @@ class LseCase:
         lse_base=math.e,
         num_requests=0,
         all_heads=False,
+        qsl_only=False,
     ):
         W, r = comm.world_size, comm.rank
         H_r = H // W
@@ -178,7 +181,8 @@ class LseCase:
             for s in range(W)
         ]
         self.qsl = ins[0]["query_start_loc"]
-        seq = None if num_requests == 0 else [i["seq_lens"] for i in ins]
+        seq = None if (num_requests == 0 or qsl_only) else [i["seq_lens"] for i in ins]
+        # masks are per row: the heads compared suffice for the reference
         heads = slice(0, H) if all_heads else slice(r * H_r, (r + 1) * H_r)
         self.ref_out, self.ref_lse = lse_reduce_reference(
             [i["out_partial"][:, heads] for i in ins],
@@ -194,6 +198,7 @@ class LseCase:
         self.what = (
             f"lse_reduce T={T} H={H} D_v={D} dtype={dtype} lse_dtype={lse_dtype} "
             f"lse_base={'e' if lse_base == math.e else lse_base} S={num_requests}"
+            f"{' (query_start_loc only)' if qsl_only else ''}"
         )
 
     def gpu_args(self):
@@ -205,6 +210,9 @@ class LseCase:
         return to_gpu(self.out_partial), to_gpu(self.lse_partial), kw
 
     def check_host(self, rank, got, got_lse: np.ndarray | None = None, where="") -> str:
+        """'' when ``got`` (and ``got_lse``) match the reference, else what differs: out within
+        the dtype's tolerance (NaN, the poison, counts as a difference), every row whose sources
+        are all empty exactly 0, the merged lse by :func:`merged_lse_matches`."""
         what = f"rank {rank}, {self.what}{', ' + where if where else ''}"
         got = np.asarray(got).astype(np.float64)
         if got.shape != self.ref_out.shape:
@@ -219,6 +227,10 @@ class LseCase:
                 f"[t, h, d] = {i}: got {got[i]!r}, expected {self.ref_out[i]!r} "
                 f"(tolerance {tol})"
             )
+        empty = np.isneginf(self.ref_lse)
+        if empty.any() and (got[empty] != 0).any():
+            i = tuple(int(v) for v in np.argwhere(empty & (got != 0).any(-1))[0])
+            msgs.append(f"{what}: row [t, h] = {i} has every source empty but is not exactly 0")
         if got_lse is not None:
             gl = np.asarray(got_lse).astype(np.float64)
             rl = self.ref_lse

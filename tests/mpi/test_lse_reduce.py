@@ -14,20 +14,12 @@ kernel did not write fails. Every collective call is made on every rank before a
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
 from dcpkit.errors import InvalidType
 from dcpkit.ops.lse_reduce import LseReduce, lse_combine
-from dcpkit.reference import (
-    lse_reduce_reference,
-    lse_reduce_tolerance,
-    make_inputs,
-    merged_lse_matches,
-    resolve_dtype,
-)
+from dcpkit.reference import lse_reduce_reference, make_inputs, resolve_dtype
 
 try:
     from conftest import all_ranks_ok
@@ -41,6 +33,8 @@ except ImportError:  # another directory's conftest.py was imported under that n
 
 cupy = pytest.importorskip("cupy")
 
+from _dcp_checks import LseCase, empty_poisoned, poison, to_gpu, to_host  # noqa: E402
+
 BF16 = resolve_dtype("bfloat16")
 T_MAX = 32
 GEOMETRIES = [(128, 512), (64, 512)]  # (H, D_v): DeepSeek-V3 style, Kimi-K2 style
@@ -52,127 +46,10 @@ def _uint(dt):
     return {1: np.uint8, 2: np.uint16, 4: np.uint32}[np.dtype(dt).itemsize]
 
 
-def to_gpu(a: np.ndarray):
-    """Upload (bfloat16 goes through its bits)."""
-    a = np.ascontiguousarray(a)
-    return cupy.asarray(a.view(_uint(a.dtype))).view(a.dtype)
-
-
-def to_host(x) -> np.ndarray:
-    return cupy.asnumpy(x.view(_uint(x.dtype))).view(x.dtype)
-
-
-def poison(x) -> None:
-    """All bits set: NaN in bf16, fp16 and fp32."""
-    x.view(_uint(x.dtype)).fill(np.iinfo(_uint(x.dtype)).max)
-
-
 def poison_workspace_outputs(ws, ubatch=0):
     """Poison both eager output buffers of ``ubatch`` (allocating them first if needed)."""
     ws.output_ptr(ubatch, False)
     poison(ws._eager_out[ubatch])
-
-
-def empty_poisoned(shape, dtype):
-    x = cupy.empty(shape, dtype=_uint(dtype)).view(resolve_dtype(dtype))
-    poison(x)
-    return x
-
-
-class Case:
-    """One call's inputs on every rank, and this rank's expected output."""
-
-    def __init__(
-        self,
-        comm,
-        seed,
-        *,
-        T,
-        H,
-        D,
-        dtype,
-        lse_dtype="float32",
-        lse_base=math.e,
-        num_requests=0,
-        qsl_only=False,
-    ):
-        W, r = comm.world_size, comm.rank
-        H_r = H // W
-        ins = [
-            make_inputs(
-                s,
-                W,
-                seed,
-                op="lse_reduce",
-                tokens=T,
-                num_heads=H,
-                head_dim=D,
-                dtype=dtype,
-                lse_dtype=lse_dtype,
-                lse_base=lse_base,
-                num_requests=num_requests,
-            )
-            for s in range(W)
-        ]
-        self.qsl = ins[0]["query_start_loc"]
-        seq = None if (num_requests == 0 or qsl_only) else [i["seq_lens"] for i in ins]
-        own = slice(r * H_r, (r + 1) * H_r)  # masks are per row: the own heads suffice
-        self.ref_out, self.ref_lse = lse_reduce_reference(
-            [i["out_partial"][:, own] for i in ins],
-            [i["lse_partial"][:, own] for i in ins],
-            lse_base=lse_base,
-            seq_lens=seq,
-            query_start_loc=self.qsl,
-        )
-        self.out_partial = ins[r]["out_partial"]
-        self.lse_partial = ins[r]["lse_partial"]
-        self.seq_lens = None if seq is None else seq[r]
-        self.dtype = resolve_dtype(dtype)
-        self.what = (
-            f"T={T} H={H} D_v={D} dtype={dtype} lse_dtype={lse_dtype} "
-            f"lse_base={'e' if lse_base == math.e else lse_base} S={num_requests}"
-            f"{' (query_start_loc only)' if qsl_only else ''}"
-        )
-
-    def gpu_args(self):
-        kw = {}
-        if self.qsl is not None:
-            kw["query_start_loc"] = to_gpu(self.qsl)
-            if self.seq_lens is not None:
-                kw["seq_lens"] = to_gpu(self.seq_lens)
-        return to_gpu(self.out_partial), to_gpu(self.lse_partial), kw
-
-    def check(self, rank, out, out_lse=None, where="") -> str:
-        """'' when ``out`` (and ``out_lse``) match the reference, else what differs."""
-        what = f"rank {rank}, {self.what}{', ' + where if where else ''}"
-        got = to_host(out).astype(np.float64)
-        msgs = []
-        if got.shape != self.ref_out.shape:
-            return f"{what}: out shape {got.shape}, expected {self.ref_out.shape}"
-        tol = lse_reduce_tolerance(self.dtype)
-        bad = ~(np.abs(got - self.ref_out) <= tol)  # NaN (poison) counts as bad
-        if bad.any():
-            i = tuple(int(v) for v in np.argwhere(bad)[0])
-            msgs.append(
-                f"{what}: out differs at {int(bad.sum())} of {bad.size} elements; "
-                f"first [t, h, d] = {i}: got {got[i]!r}, expected "
-                f"{self.ref_out[i]!r} (tolerance {tol})"
-            )
-        empty = np.isneginf(self.ref_lse)
-        if empty.any() and (got[empty] != 0).any():
-            i = tuple(int(v) for v in np.argwhere(empty & (got != 0).any(-1))[0])
-            msgs.append(f"{what}: row [t, h] = {i} has every source empty but is not exactly 0")
-        if out_lse is not None:
-            gl = to_host(out_lse).astype(np.float64)
-            rl = self.ref_lse
-            ok = merged_lse_matches(gl, rl)
-            if not ok.all():
-                i = tuple(int(v) for v in np.argwhere(~ok)[0])
-                msgs.append(
-                    f"{what}: merged lse differs at {int((~ok).sum())} of {ok.size}; "
-                    f"first [t, h] = {i}: got {gl[i]!r}, expected {rl[i]!r}"
-                )
-        return "; ".join(msgs)
 
 
 def agree(comm, errors, what, limit=10):
@@ -201,7 +78,7 @@ def test_matches_reference(comm, seed, dtype, H, D):
         for lse_dtype in ("bfloat16", "float32"):
             for T in (1, 5, 17, T_MAX):
                 k += 1
-                case = Case(comm, seed + k, T=T, H=H, D=D, dtype=dtype, lse_dtype=lse_dtype)
+                case = LseCase(comm, seed + k, T=T, H=H, D=D, dtype=dtype, lse_dtype=lse_dtype)
                 x, l, kw = case.gpu_args()
                 out = empty_poisoned((T, ws.heads_per_rank, D), dtype)
                 res = ws(x, l, out=out, **kw)
@@ -230,7 +107,7 @@ def test_noncontiguous_inputs(comm, seed, H, D):
         for k, (T, layout) in enumerate(
             [(5, "pad_heads"), (17, "pad_rows"), (T_MAX, "both"), (3, "inner_stride")]
         ):
-            case = Case(comm, seed + 100 + k, T=T, H=H, D=D, dtype=dtype)
+            case = LseCase(comm, seed + 100 + k, T=T, H=H, D=D, dtype=dtype)
             xu = cupy.asarray(case.out_partial.view(np.uint16))
             lu = cupy.asarray(case.lse_partial)
             ph = 3 if layout in ("pad_heads", "both") else 0
@@ -277,7 +154,7 @@ def test_out_overlapping_the_input(comm, seed, where):
     with LseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype) as ws:
         H_r = ws.heads_per_rank
         for k, T in enumerate((1, 7, T_MAX)):
-            case = Case(comm, seed + 800 + k, T=T, H=H, D=D, dtype=dtype)
+            case = LseCase(comm, seed + 800 + k, T=T, H=H, D=D, dtype=dtype)
             x, lse, kw = case.gpu_args()
             n_out = T * H_r * D
             if where == "own_heads":  # head-major storage [H, T, D]; own heads are contiguous
@@ -311,7 +188,7 @@ def test_large_t_matches_reference(comm, seed, dtype, H):
     ) as ws:
         H_r = ws.heads_per_rank
         for k, (T, S) in enumerate(((48, 0), (T_max, 0), (T_max, 3), (97, 2))):
-            case = Case(comm, seed + 900 + k, T=T, H=H, D=D, dtype=dtype, num_requests=S)
+            case = LseCase(comm, seed + 900 + k, T=T, H=H, D=D, dtype=dtype, num_requests=S)
             x, lse, kw = case.gpu_args()
             out = empty_poisoned((T, H_r, D), dtype)
             out_lse = empty_poisoned((T, H_r), "float32")
@@ -362,7 +239,7 @@ def test_masks(comm, seed, num_requests):
     ) as ws:
         for k, T in enumerate((5, 17, T_MAX)):
             for qsl_only in (False, True):
-                case = Case(
+                case = LseCase(
                     comm,
                     seed + 200 + 10 * k + qsl_only,
                     T=T,
@@ -399,7 +276,7 @@ def test_base2_lse_and_return_lse(comm, seed):
         comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype, lse_base=2, return_lse=True
     ) as ws:
         for k, T in enumerate((1, 17, T_MAX)):
-            case = Case(comm, seed + 300 + k, T=T, H=H, D=D, dtype=dtype, lse_base=2.0)
+            case = LseCase(comm, seed + 300 + k, T=T, H=H, D=D, dtype=dtype, lse_base=2.0)
             x, l, kw = case.gpu_args()
             poison_workspace_outputs(ws)
             out, out_lse = ws(x, l, **kw)
@@ -426,7 +303,7 @@ def test_two_ubatches_interleaved(comm, seed):
         pending = []
         for k in range(6):
             for ub, st in ((0, s0), (1, s1)):
-                case = Case(
+                case = LseCase(
                     comm,
                     seed + 400 + 2 * k + ub,
                     T=T,
@@ -459,7 +336,7 @@ def test_cuda_graph_1000_replays_with_eager_calls_interleaved(comm, seed):
     H, D, dtype, T = 128, 512, "bfloat16", 8
     geometry_ok(comm, H)
     errors = []
-    pool = [Case(comm, seed + 500 + k, T=T, H=H, D=D, dtype=dtype) for k in range(7)]
+    pool = [LseCase(comm, seed + 500 + k, T=T, H=H, D=D, dtype=dtype) for k in range(7)]
     pool_x = [cupy.asarray(c.out_partial.view(np.uint16)) for c in pool]
     pool_l = [cupy.asarray(c.lse_partial) for c in pool]
     st = cupy.cuda.Stream(non_blocking=True)
@@ -532,7 +409,7 @@ def test_epoch_wrap(comm, seed):
     with LseReduce(comm, max_tokens=T, num_heads=H, head_dim=D, dtype=dtype) as ws:
         ws._set_epoch(2**32 - 3)
         for k in range(8):
-            case = Case(comm, seed + 600 + k, T=T, H=H, D=D, dtype=dtype)
+            case = LseCase(comm, seed + 600 + k, T=T, H=H, D=D, dtype=dtype)
             x, l, kw = case.gpu_args()
             out = empty_poisoned((T, ws.heads_per_rank, D), dtype)
             ws(x, l, out=out)
@@ -555,7 +432,7 @@ def test_direct_path_one_launch_per_call_and_rejected_calls(comm, seed):
     with LseReduce(comm, max_tokens=T_MAX, num_heads=H, head_dim=D, dtype=dtype) as ws:
         assert type(ws).launches_per_call == 1
         for k in range(3):
-            case = Case(comm, seed + 700 + k, T=5, H=H, D=D, dtype=dtype)
+            case = LseCase(comm, seed + 700 + k, T=5, H=H, D=D, dtype=dtype)
             x, l, kw = case.gpu_args()
             ws(x, l)
             ws.synchronize()
@@ -577,7 +454,7 @@ def test_direct_path_one_launch_per_call_and_rejected_calls(comm, seed):
             pass
         if ws._calls[0] != 3:
             errors.append(f"rank {comm.rank}: a rejected call changed the count: {ws._calls}")
-        case = Case(comm, seed + 710, T=T_MAX, H=H, D=D, dtype=dtype)
+        case = LseCase(comm, seed + 710, T=T_MAX, H=H, D=D, dtype=dtype)
         x, l, kw = case.gpu_args()
         out = empty_poisoned((T_MAX, ws.heads_per_rank, D), dtype)
         ws(x, l, out=out)
@@ -613,7 +490,7 @@ def test_lse_combine_matches_reference(comm, seed, dtype):
     errors = []
     if not (res[0] is out and res[1] is out_lse):
         errors.append(f"rank {comm.rank}: lse_combine did not return (out, out_lse)")
-    case = Case.__new__(Case)
+    case = LseCase.__new__(LseCase)
     case.ref_out, case.ref_lse, case.dtype = ref_out, ref_lse, resolve_dtype(dtype)
     case.what = f"lse_combine W={W} T={T} H_r={H_r} D_v={D} dtype={dtype}"
     errors.append(case.check(comm.rank, out, out_lse))
@@ -638,10 +515,10 @@ def test_lse_reduce_programmatic_launch(comm, seed):
         ) as ws:  # fmt: skip
             for T in (1, 8):
                 out = empty_poisoned((T, H // W, D), "bfloat16")
-                lse = to_gpu(Case(comm, seed, T=T, H=H, D=D, dtype="bfloat16").lse_partial)
+                lse = to_gpu(LseCase(comm, seed, T=T, H=H, D=D, dtype="bfloat16").lse_partial)
 
                 def inputs(k, T=T, lse=lse):
-                    case = Case(comm, sub_seed(seed, 79, T, k), T=T, H=H, D=D, dtype="bfloat16")
+                    case = LseCase(comm, sub_seed(seed, 79, T, k), T=T, H=H, D=D, dtype="bfloat16")
                     lse.view(_uint(lse.dtype)).set(
                         np.ascontiguousarray(case.lse_partial).view(_uint(lse.dtype)),
                         stream=cupy.cuda.get_current_stream(),
@@ -674,7 +551,7 @@ def test_register_combine_gives_the_bits_of_the_warp_combine(comm, seed, dtype):
     """Worlds up to LseReduce.REG_SOURCES: the op (its small instance merges in registers) and
     _WarpCombine (REG_SOURCES = 0: the warp merge) give the same bits of out and of the merged
     lse. T of the small instance and (with one GPU per rank) T = 128 of the large, the same code
-    in both builds; rows of one pass and of two with a partial one. Inputs: Case's (the op also
+    in both builds; rows of one pass and of two with a partial one. Inputs: LseCase's (the op also
     against the reference), with masks, and with many empty / NaN / +inf rows (NaN payload),
     lse values tied or +-0 across ranks, and spreads of 95-150 whose weights are denormal or 0.
     """
@@ -706,7 +583,7 @@ def test_register_combine_gives_the_bits_of_the_warp_combine(comm, seed, dtype):
                     case = None
                     if rnd in ("case", "masks"):
                         S = 2 if rnd == "masks" else 0
-                        case = Case(
+                        case = LseCase(
                             comm, s, T=T, H=H, D=D, dtype=dtype, lse_dtype=lse_dtype,
                             num_requests=S,
                         )  # fmt: skip

@@ -664,14 +664,9 @@ _STUBS = {}
 def _stubs():
     """scripts/host_path_cpu.py: workspaces whose calls run in full with the launch recorded."""
     if not _STUBS:
-        import importlib.util
-        import os
+        from _scripts import load_script
 
-        path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "host_path_cpu.py")
-        spec = importlib.util.spec_from_file_location("host_path_cpu", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        _STUBS["mod"] = mod
+        _STUBS["mod"] = load_script("host_path_cpu")
     return _STUBS["mod"]
 
 

@@ -7,11 +7,9 @@ run."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import numpy as np
 import pytest
+from _scripts import load_script
 
 from dcpkit import jit
 from dcpkit._launch import check_params_match
@@ -22,7 +20,6 @@ from dcpkit.ops.lse_reduce import LSE_REDUCE_PARAM_TYPES
 from dcpkit.ops.q_gather import Q_GATHER_PARAM_TYPES
 
 cupy = pytest.importorskip("cupy")
-_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "host_path_cpu.py")
 
 #: Every variant an op launches through its plan -> the type list the op packs for it.
 _LAUNCHED = {
@@ -68,10 +65,7 @@ def test_plan_parameters_match_every_kernel_variant(file):
 
 
 def _mod():
-    spec = importlib.util.spec_from_file_location("host_path_cpu", _SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("host_path_cpu")
 
 
 def _setup():

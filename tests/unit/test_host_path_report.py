@@ -4,12 +4,13 @@ own input pointer and T. Never a timing threshold."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 
 pytest.importorskip("cupy")
+from _scripts import load_script
+
 from dcpkit.ops.kv_gather import KV_GATHER_PUSH_PARAM_TYPES
 from dcpkit.ops.lse_reduce import LSE_REDUCE_PARAM_TYPES
 from dcpkit.ops.q_gather import Q_GATHER_PARAM_TYPES
@@ -19,11 +20,7 @@ _SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "host_p
 
 def _load(name: str = "host_path_cpu"):
     """scripts/<name>.py as a module."""
-    path = os.path.join(os.path.dirname(_SCRIPT), f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(name)
 
 
 def test_every_row_is_reported_and_every_call_launched_with_its_arguments(capsys):

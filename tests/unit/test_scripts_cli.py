@@ -3,11 +3,11 @@ a bad value is one line naming it and exit status 2, before anything looks for a
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 
 import pytest
+from _scripts import load_file
 
 
 def _script(repo_root, name):
@@ -18,10 +18,7 @@ def _script(repo_root, name):
 
 
 def _load(path):
-    spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file(path, f"_script_{path.stem}")
 
 
 @pytest.mark.parametrize(

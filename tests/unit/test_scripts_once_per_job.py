@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _scripts import ROOT, load_file
 
 
 def _id(v):
@@ -62,13 +63,7 @@ def test_host_overhead_under_another_launcher_speaks_from_its_rank_0(
 
 
 def test_host_overhead_names_ranks_only_where_they_differ():
-    spec = importlib.util.spec_from_file_location(
-        "_host_overhead", Path(__file__).resolve().parents[2] / "scripts" / "host_overhead.py"
-    )
-    if spec is None or not Path(spec.origin).is_file():
-        pytest.skip("no scripts/host_overhead.py here")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_file(ROOT / "scripts" / "host_overhead.py", "_host_overhead")
     assert mod._no_gpu_line([None, None]) is None
     assert mod._no_gpu_line(["x", "x"]) == "x"
     assert mod._no_gpu_line([None, "x"]) == "rank 1: x"

@@ -5,24 +5,18 @@ bool ubatch is never served by an int's plan, and the custom ops' kernels take t
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
+from _scripts import load_script
 
 pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
 
 from dcpkit.errors import ClosedError, InvalidArgument, InvalidType  # noqa: E402
 
-_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "host_path_cpu.py")
-
 
 @pytest.fixture
 def env():
-    spec = importlib.util.spec_from_file_location("host_path_cpu", _SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("host_path_cpu")
     rec, stream = mod.Recorder(), mod._cpu_stream()
     with mod.torch_on_cpu(stream) as dt:
         dcp = mod.build_dcpcomm(mod.build_ops(stream, rec, return_lse=True), stream)

@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 import pytest
+from _scripts import load_file
 
 from dcpkit.errors import (
     ClosedError,
@@ -954,14 +955,11 @@ def test_one_rank_group_takes_the_collective_paths():
 def test_example_decode_step_on_cpu_collective_paths(combine, monkeypatch):
     """examples/vllm_api.py's decode step, call for call, on the collective paths over a thread
     group (CPU tensors): its attention, masks and reference agree with dcpkit's merge."""
-    import importlib.util
     from pathlib import Path
 
     examples = Path(__file__).resolve().parents[2] / "examples"
     monkeypatch.syspath_prepend(str(examples))  # the examples share examples/_support.py
-    spec = importlib.util.spec_from_file_location("vllm_api_example", examples / "vllm_api.py")
-    ex = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ex)
+    ex = load_file(examples / "vllm_api.py", "vllm_api_example")
     cpu = torch.device("cpu")
 
     def run(c, r):
