@@ -229,8 +229,8 @@ def get_kernel(file: str, name_expr: str, options: Sequence[str] = ()):
         )
     if name_expr not in VARIANTS[file]:
         raise InvalidArgument(
-            f"{op}: name_expr must be a registered variant of kernels/{file}, "
-            f"one of jit.VARIANTS[{file!r}] (got {name_expr!r})"
+            f"{op}: name_expr must be a registered variant of kernels/{file}, one of "
+            f"jit.VARIANTS[{file!r}]: {', '.join(VARIANTS[file])} (got {name_expr!r})"
         )
     opts = tuple(DEFAULT_OPTIONS) + _options_arg(options, op)
     cupy = require_cupy()
@@ -325,6 +325,8 @@ def nvrtc_archs() -> list[int] | None:
 
 
 _ARCH = re.compile(r"^sm_(\d+)[af]?$")
+#: Oldest target the kernels compile for (kernels/dcpkit_ptx.cuh, "Target architectures").
+MIN_ARCH = 70
 
 # What NVRTC itself prints for an old but still supported target: a note about the toolkit, not a
 # warning in dcpkit's kernels.
@@ -411,6 +413,11 @@ def compile_only(
         raise InvalidArgument(
             f"{op}: arch must be a target this NVRTC supports "
             f"[{', '.join(f'sm_{a}' for a in archs)}] (got {arch!r})"
+        )
+    if int(m.group(1)) < MIN_ARCH:
+        raise InvalidArgument(
+            f"{op}: arch must be sm_{MIN_ARCH} or newer: the kernels use the memory-model "
+            f"instructions of Volta (got {arch!r})"
         )
     opts = list(DEFAULT_OPTIONS) + [f"-arch={arch}"] + list(extra)
     out = {}

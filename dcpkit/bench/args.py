@@ -211,7 +211,7 @@ def build_parser() -> BenchParser:
         type=_bounded_size(1, MAX_BYTES_LIMIT),
         default=None,
         help=f"kv_gather: largest bytes per rank, at most {_fmt(MAX_BYTES_LIMIT)} "
-        f"(default 256M; --quick 16M); also caps the egress slice (64M)",
+        f"(default 256M; --quick 16M); also caps the default egress slice (64M)",
     )
     p.add_argument(
         "--tokens",
@@ -369,6 +369,15 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     min_bytes = args.min_bytes if args.min_bytes is not None else 4 * KiB
     if min_bytes > max_bytes:
         parser.error(f"argument --min-bytes: must be <= --max-bytes {max_bytes} (got {min_bytes})")
+    # kv_gather moves whole rows: a size below one row would run as one row under another name
+    # (and several such sizes as the same case)
+    row = int(args.kv_row_dim) * 2
+    for opt, given in (("--min-bytes", args.min_bytes), ("--max-bytes", args.max_bytes)):
+        if given is not None and given < row:
+            parser.error(
+                f"argument {opt}: must be at least one kv_gather row, {row} bytes at "
+                f"--kv-row-dim {args.kv_row_dim} (got {given})"
+            )
 
 
 def resolve_config(args: argparse.Namespace) -> dict[str, Any]:

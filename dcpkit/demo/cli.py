@@ -26,6 +26,13 @@ __all__ = ["main", "parse_args", "parser", "integer", "milliseconds", "json_prob
 
 #: Most timed repeats per measurement (the bench's cap on its samples, too).
 MAX_ITERS = 10000
+#: Largest --batch (one query token per sequence: the decode step's T; the bench's cap on T).
+MAX_BATCH = 65536
+#: Largest --context (tokens of the longest sequence).
+MAX_CONTEXT = 1 << 24
+#: Most KV rows of the whole batch (--batch x --context bounds them): the check gathers the whole
+#: KV cache onto every rank, 2**27 rows of 576 bf16 values are 154 GB, more than one GPU holds.
+MAX_KV_ROWS = 1 << 27
 
 
 def integer(minimum: int, maximum: int | None = None):
@@ -80,13 +87,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--batch",
-        type=integer(1, INT32_MAX),
+        type=integer(1, MAX_BATCH),
         default=8,
         help="sequences decoded together, one query token each (default: 8)",
     )
     p.add_argument(
         "--context",
-        type=integer(1, INT32_MAX),
+        type=integer(1, MAX_CONTEXT),
         default=16384,
         help="context tokens of the longest sequence; the others are shorter (default: 16384)",
     )
@@ -136,7 +143,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the demo's arguments (``timeout_ms`` resolved: ``--timeout-ms``, else
     ``DCPKIT_TIMEOUT_MS``, else 5000). Raises ``SystemExit`` (2 on bad arguments or a bad
     ``DCPKIT_TIMEOUT_MS``, 0 on --help); under an MPI launcher only its rank 0 prints."""
-    return parser().parse_args(None if argv is None else list(argv))
+    p = parser()
+    args = p.parse_args(None if argv is None else list(argv))
+    if args.batch * args.context > MAX_KV_ROWS:
+        p.error(
+            f"argument --context: --batch x --context must be at most {MAX_KV_ROWS} KV rows "
+            f"(the check gathers the whole KV cache onto every rank) (got {args.batch} x "
+            f"{args.context})"
+        )
+    return args
 
 
 def versions() -> dict[str, Any]:

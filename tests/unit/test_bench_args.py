@@ -119,6 +119,21 @@ BAD_ARGS = [
     (["--max-bytes", "4G"], "argument --max-bytes: must lie in [1, 1G] (got '4G')"),
     (["--max-bytes", "x"], "argument --max-bytes: must be a size like 4096"),
     (["--min-bytes", "2M", "--max-bytes", "1M"], "argument --min-bytes: must be <= --max-bytes"),
+    # below one kv_gather row (576 bf16 = 1152 bytes): every such size ran as the same T=1 case
+    (
+        ["--min-bytes", "3"],
+        "argument --min-bytes: must be at least one kv_gather row, 1152 bytes at --kv-row-dim "
+        "576 (got 3)",
+    ),
+    (
+        ["--min-bytes", "1K", "--max-bytes", "1K"],
+        "argument --min-bytes: must be at least one kv_gather row, 1152 bytes",
+    ),
+    (
+        ["--min-bytes", "4K", "--kv-row-dim", "4096"],
+        "argument --min-bytes: must be at least one kv_gather row, 8192 bytes at --kv-row-dim "
+        "4096 (got 4096)",
+    ),
     (["--egress-bytes", "1K"], "argument --egress-bytes: must lie in [16K, 1G] (got '1K')"),
     (["--iters", "0"], "argument --iters: must be an integer in [1, 10000] (got '0')"),
     (["--iters", "1e9"], "argument --iters: must be an integer in [1, 10000] (got '1e9')"),

@@ -78,6 +78,10 @@ def test_kimi_k2_preset():
     [
         ["--batch", "0"],
         ["--context", "-3"],
+        # values no run can honour: refused when parsed, not at the allocation
+        ["--batch", "65537"],
+        ["--context", "16777217"],
+        ["--batch", "4096", "--context", "1000000"],  # 2**32 KV rows gathered onto every rank
         ["--iters", "-1"],
         ["--model", "llama"],
         ["--dtype", "float32"],
@@ -928,13 +932,18 @@ def test_torch_side_math_on_cpu():
         (["--json", ""], "argument --json: must name a file (got '')"),
         (
             ["--context", "1e20"],
-            "argument --context: must be an integer in [1, 2147483647] (got '1e20')",
+            "argument --context: must be an integer in [1, 16777216] (got '1e20')",
         ),
         (
             ["--context", "2147483648"],
-            "argument --context: must be an integer in [1, 2147483647] (got '2147483648')",
+            "argument --context: must be an integer in [1, 16777216] (got '2147483648')",
         ),
-        (["--batch", "x"], "argument --batch: must be an integer in [1, 2147483647] (got 'x')"),
+        (["--batch", "x"], "argument --batch: must be an integer in [1, 65536] (got 'x')"),
+        (
+            ["--batch", "4096", "--context", "1000000"],
+            "argument --context: --batch x --context must be at most 134217728 KV rows (the check "
+            "gathers the whole KV cache onto every rank) (got 4096 x 1000000)",
+        ),
         (["--iters", "2.5"], "argument --iters: must be an integer in [0, 10000] (got '2.5')"),
         (
             ["--timeout-ms", "-1"],

@@ -2,6 +2,7 @@
 sm_90 (the target) and sm_80 / sm_70 (the minimum), CompileError contents, #include splicing,
 argument checks, and the variant registry."""
 
+import re
 import shutil
 from pathlib import Path
 
@@ -200,6 +201,8 @@ def test_get_kernel_refuses_unregistered_variants():
         InvalidArgument, match=r"jit.get_kernel: name_expr must be a registered variant of kernels/"
     ):
         jit.get_kernel(file, "dcpkit::not_a_kernel<float>")
+    with pytest.raises(InvalidArgument, match=re.escape(", ".join(jit.VARIANTS[file]))):
+        jit.get_kernel(file, "dcpkit::not_a_kernel<float>")  # the choices are named
     with pytest.raises(
         InvalidArgument,
         match=r"jit.get_kernel: file must be one of the kernel "
@@ -282,6 +285,15 @@ def test_compile_only_arch_checks():
         r".*sm_90.*\] \(got 'sm_1'\)",
     ):
         jit.compile_only("ceilings.cu", arch="sm_1")
+    # a target NVRTC knows but the kernels do not support: refused before compiling (it was a
+    # long ptxas error)
+    old = [a for a in jit.nvrtc_archs() if a < jit.MIN_ARCH]
+    if old:
+        with pytest.raises(
+            InvalidArgument,
+            match=rf"jit.compile_only: arch must be sm_70 or newer: .* \(got 'sm_{old[-1]}'\)",
+        ):
+            jit.compile_only("ceilings.cu", arch=f"sm_{old[-1]}")
 
 
 def test_nvrtc_archs():
