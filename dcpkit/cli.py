@@ -28,6 +28,7 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Callable, Sequence
 
 from ._checks import (
     DEFAULT_TIMEOUT_MS,
@@ -45,6 +46,9 @@ __all__ = [
     "file_path",
     "output_file",
     "output_file_problem",
+    "file_clash",
+    "os_error_text",
+    "write_output",
     "milliseconds",
     "launcher_rank",
     "job_leader",
@@ -165,13 +169,38 @@ class CommandParser(argparse.ArgumentParser):
         (default: ``prog``); the other arguments are argparse's."""
         super().__init__(*args, **kwargs)
         self.help_command = help_command or self.prog
+        self._distinct: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
 
     def parse_known_args(self, args=None, namespace=None):
         self._argv = list(sys.argv[1:] if args is None else args)
         ns, rest = super().parse_known_args(args, namespace)
         if self._timeout_fallback_ms is not None:
             ns.timeout_ms, ns.timeout_source = self._resolve_timeout(ns.timeout_ms)
+        outputs, inputs = self._distinct
+        if outputs:
+            why = file_clash(self._given(ns, outputs), self._given(ns, inputs))
+            if why is not None:
+                self.error(why)
         return ns, rest
+
+    def distinct_files(self, outputs: Sequence[str], inputs: Sequence[str] = ()) -> None:
+        """Refuse, when the arguments are parsed, an output file (the options ``outputs``, such
+        as ``"--json"``) that is the same file as an input (``inputs``) or as another output:
+        one line naming both options (:func:`file_clash`), exit status 2."""
+        self._distinct = (tuple(outputs), tuple(inputs))
+
+    def _given(self, ns, options: Sequence[str]) -> list[tuple[str, str]]:
+        """``(option, path)`` for every path given to ``options`` (one per path of an option
+        that takes several)."""
+        dests = {o: a.dest for a in self._actions for o in a.option_strings}
+        out = []
+        for opt in options:
+            value = getattr(ns, dests[opt], None)
+            if value is None:
+                continue
+            for path in value if isinstance(value, (list, tuple)) else [value]:
+                out.append((opt, path))
+        return out
 
     def add_timeout_option(self, waits: str, *, fallback_ms: float = DEFAULT_TIMEOUT_MS) -> None:
         """Add ``--timeout-ms``, the deadline of ``waits`` (help text), in milliseconds.
@@ -295,6 +324,77 @@ def output_file(*, folder_must_exist: bool = True):
         return path
 
     return parse
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether the paths ``a`` and ``b`` name one file: ``os.path.samefile`` where both exist
+    (a hard link, a symbolic link, another spelling), else their resolved paths compared."""
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def file_clash(
+    outputs: Sequence[tuple[str, str]], inputs: Sequence[tuple[str, str]] = ()
+) -> str | None:
+    """Why a command would overwrite one of its own files, or None.
+
+    ``outputs`` and ``inputs`` are ``(option, path)`` pairs (``("--json", "r.json")``). An
+    output must be neither the same file as an input nor as another output; the answer is one
+    line, ``argument --md-out: must not be the same file as --render-md b.json (got 'b.json')``.
+    """
+    for i, (opt, path) in enumerate(outputs):
+        for other_opt, other in list(outputs[:i]) + list(inputs):
+            if _same_file(path, other):
+                return (
+                    f"argument {opt}: must not be the same file as {other_opt} {other} "
+                    f"(got {path!r})"
+                )
+    return None
+
+
+def os_error_text(e: BaseException) -> str:
+    """``No such file or directory`` rather than ``[Errno 2] No such file or directory: 'x'``
+    (the path is named by the caller's line)."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return f"{type(e).__name__}: {e}"
+
+
+def write_output(
+    path: str, write: Callable, *, prog: str, make_folders: bool = False, atomic: bool = False
+) -> str | None:
+    """Write the file ``path`` with ``write(f)`` (``f`` open for writing text); None once it is
+    written, else the line ``could not write <path>: <OS error>``, also printed to stderr as
+    ``<prog>: <line>``, never a traceback.
+
+    For the files a command writes at the end of its run (``--json``, ``--profile``): the
+    caller returns a non-zero status on a line. Under MPI only the writing rank knows; it writes
+    after the job's last collective step, or shares the line with the others (``dcpkit demo``
+    broadcasts it), so that no rank is left waiting. ``make_folders`` creates missing folders
+    first; ``atomic`` writes a temporary file beside ``path`` and renames it over ``path``, so
+    that a reader never sees half a file.
+    """
+    tmp = f"{path}.tmp{os.getpid()}" if atomic else path
+    try:
+        folder = os.path.dirname(os.path.abspath(path))
+        if make_folders and not os.path.lexists(folder):  # a file there: open() says so
+            os.makedirs(folder, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            write(f)
+        if atomic:
+            os.replace(tmp, path)
+    except OSError as e:
+        if atomic:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        line = f"could not write {path}: {os_error_text(e)}"
+        print(f"{prog}: {line}", file=sys.stderr, flush=True)
+        return line
+    return None
 
 
 _COMMANDS = {

@@ -611,18 +611,23 @@ def main(argv=None) -> int:
             "empty_launch_us": base,
             "launch_backend": backend,
         }
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "meta": meta,
-                    "host": results,
-                    "back_to_back_device_us": device,
-                    "targets_met": verdicts,
-                },
-                f,
-                indent=1,
-            )
+        doc = {
+            "meta": meta,
+            "host": results,
+            "back_to_back_device_us": device,
+            "targets_met": verdicts,
+        }
+        # rank 0 alone, after the last collective step: no rank waits on it
+        return write_json(args.json, doc, prog=ap.prog)
     return 0
+
+
+def write_json(path: str, doc: dict, *, prog: str) -> int:
+    """Write ``--json``; the exit status: 0, or 1 after one line on stderr (``<prog>: could not
+    write <path>: <OS error>``)."""
+    from dcpkit.cli import write_output
+
+    return 0 if write_output(path, lambda f: json.dump(doc, f, indent=1), prog=prog) is None else 1
 
 
 if __name__ == "__main__":

@@ -504,6 +504,7 @@ def parser():
         default=None,
         help="also write the rows (median, p90, calls) as JSON to PATH (its folder must exist)",
     )
+    ap.distinct_files(outputs=("--profile", "--json"))
     ap.add_argument(
         "--clock",
         choices=sorted(CLOCKS),
@@ -532,21 +533,31 @@ def main(argv: list[str] = None) -> int:
             f"{ap.prog}: no torch rows: torch is not installed (pip install 'dcpkit[torch]')",
             file=sys.stderr,
         )
-    if args.profile:
-        with open(args.profile, "w") as f:
+    return write_files(rows, profile=args.profile, json_path=args.json, prog=ap.prog)
+
+
+def write_files(rows: dict, *, profile: str | None, json_path: str | None, prog: str) -> int:
+    """Write ``--profile`` and ``--json`` from the rows; the exit status: 0, or 1 after one line
+    per file that could not be written (``<prog>: could not write <path>: <OS error>``)."""
+    from dcpkit.cli import write_output
+
+    failed = False
+    if profile:
+
+        def write_profile(f):
             for name, r in rows.items():
-                f.write(f"==== {name}\n{r.pop('profile')}\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    k: {kk: vv for kk, vv in v.items() if kk not in ("last_launch", "input_ptr")}
-                    for k, v in rows.items()
-                },
-                f,
-                indent=1,
-            )
-    return 0
+                f.write(f"==== {name}\n{r['profile']}\n")
+
+        failed |= write_output(profile, write_profile, prog=prog) is not None
+    if json_path:
+        doc = {
+            k: {kk: vv for kk, vv in v.items() if kk not in ("last_launch", "input_ptr", "profile")}
+            for k, v in rows.items()
+        }
+        failed |= (
+            write_output(json_path, lambda f: json.dump(doc, f, indent=1), prog=prog) is not None
+        )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -320,13 +320,19 @@ def main(argv=None) -> int:
                 f"timer step {step} ns"
             )
             print(format_table(cols))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(
-                    {"results": results, "commit": os.environ.get("DCPKIT_COMMIT")}, f, indent=1
-                )
     comm.barrier()
+    if comm.rank == 0 and args.json:  # after the last collective step: no rank waits on it
+        doc = {"results": results, "commit": os.environ.get("DCPKIT_COMMIT")}
+        return write_json(args.json, doc, prog=ap.prog)
     return 0
+
+
+def write_json(path: str, doc: dict, *, prog: str) -> int:
+    """Write ``--json``; the exit status: 0, or 1 after one line on stderr (``<prog>: could not
+    write <path>: <OS error>``)."""
+    from dcpkit.cli import write_output
+
+    return 0 if write_output(path, lambda f: json.dump(doc, f, indent=1), prog=prog) is None else 1
 
 
 if __name__ == "__main__":

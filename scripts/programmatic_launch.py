@@ -216,7 +216,8 @@ def measure(cupy, comm, op: str, T: int, replays: int, producer) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
     _gpu_or_exit()
     import cupy
 
@@ -254,21 +255,26 @@ def main(argv=None) -> int:
                 f"{r['plain_us']:>9.2f}{r['programmatic_us']:>14.2f}"
                 f"{r['plain_us'] - r['programmatic_us']:>8.2f}  {res}"
             )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(
-                    {
-                        "world_size": W,
-                        "replays": args.replays,
-                        "pairs": PAIRS,
-                        "commit": os.environ.get("DCPKIT_COMMIT"),
-                        "rows": table,
-                    },
-                    f,
-                    indent=1,
-                )
     comm.barrier()
+    if comm.rank == 0 and args.json:  # after the last collective step: no rank waits on it
+        doc = {
+            "world_size": comm.world_size,
+            "replays": args.replays,
+            "pairs": PAIRS,
+            "commit": os.environ.get("DCPKIT_COMMIT"),
+            "rows": table,
+        }
+        if write_json(args.json, doc, prog=ap.prog) != 0:
+            return 1
     return 1 if wrong else 0
+
+
+def write_json(path: str, doc: dict, *, prog: str) -> int:
+    """Write ``--json``; the exit status: 0, or 1 after one line on stderr (``<prog>: could not
+    write <path>: <OS error>``)."""
+    from dcpkit.cli import write_output
+
+    return 0 if write_output(path, lambda f: json.dump(doc, f, indent=1), prog=prog) is None else 1
 
 
 if __name__ == "__main__":

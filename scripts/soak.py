@@ -526,6 +526,17 @@ def problems(summary: dict) -> str | None:
     return "\n".join(out) or None
 
 
+def write_json(path: str, summary: dict, *, prog: str) -> int:
+    """Write ``--json`` (missing folders created); the exit status: 0, or 1 after one line on
+    stderr (``<prog>: could not write <path>: <OS error>``)."""
+    from dcpkit.cli import write_output
+
+    def write(f):
+        json.dump(summary, f, indent=1, sort_keys=True)
+
+    return 0 if write_output(path, write, prog=prog, make_folders=True) is None else 1
+
+
 def parser():
     """The soak's argument parser: every value is checked when parsed (one line, exit 2)."""
     from dcpkit.cli import CommandParser, output_file
@@ -601,15 +612,15 @@ def main(argv=None) -> int:
         timeout_ms=args.timeout_ms,
     )
     bad = problems(summary)
+    json_status = 0
     if comm.rank == 0:
         try:
             summary["gpu"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
         except Exception:  # noqa: BLE001 - informational
             pass
+        # rank 0 alone, after the last collective step: no rank waits on it
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(summary, f, indent=1, sort_keys=True)
+            json_status = write_json(args.json, summary, prog=PROG)
         print(
             f"[soak] world_size {summary['world_size']}: {summary['calls']} calls "
             f"({summary['eager_calls']} eager, {summary['graph_replays']} graph replays), "
@@ -621,7 +632,7 @@ def main(argv=None) -> int:
             print(f"[soak] rank {r['rank']}: start {r['start']} end {r['end']}")
         if bad:
             print(f"[soak] FAILED:\n{bad}", flush=True)
-    return 0 if bad is None else 1
+    return 0 if bad is None and json_status == 0 else 1
 
 
 if __name__ == "__main__":

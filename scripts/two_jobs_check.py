@@ -94,6 +94,7 @@ def parser():
         help="start the rounds only once this file exists (another job's --ready-file), so "
         "that the two jobs overlap; waits at most 300 s (default: none)",
     )
+    ap.distinct_files(outputs=("--ready-file",), inputs=("--wait-file",))
     return ap
 
 

@@ -306,6 +306,10 @@ def build_parser() -> BenchParser:
         help="with --render-md: JSON files of scripts/host_overhead.py --json (one per world "
         "size), shown as the host-time section",
     )
+    p.distinct_files(
+        outputs=("--json", "--plot", "--md-out"),
+        inputs=("--render-md", "--baseline", "--notes", "--host-overhead"),
+    )
     return p
 
 

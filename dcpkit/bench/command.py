@@ -11,7 +11,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..cli import job_leader
+from ..cli import job_leader, write_output
+from ..cli import os_error_text as _oserror_text
 from ..errors import DcpkitError, MissingDependency
 from . import host_md, markdown
 from .args import build_parser, check_args, resolve_config
@@ -20,13 +21,6 @@ from .device import CupyDevice
 from .sweep import run_bench
 
 __all__ = ["main", "render_md_main", "render_command", "no_gpu_problem"]
-
-
-def _oserror_text(e: BaseException) -> str:
-    """``No such file or directory`` rather than ``[Errno 2] No such file or directory: 'x'``."""
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    return f"{type(e).__name__}: {e}"
 
 
 class _RenderError(Exception):
@@ -175,11 +169,8 @@ def render_md_main(args: argparse.Namespace) -> int:
                 break
         return _fail(f"{' '.join(bad)} is a malformed {SCHEMA} JSON ({type(e).__name__}: {e})")
     if args.md_out:
-        try:
-            with open(args.md_out, "w", encoding="utf-8") as f:
-                f.write(md)
-        except OSError as e:
-            return _fail(f"cannot write --md-out {args.md_out}: {_oserror_text(e)}")
+        if write_output(args.md_out, lambda f: f.write(md), prog="dcpkit bench: --render-md"):
+            return 2
         print(f"dcpkit bench: wrote {args.md_out} from {len(results)} run(s)")
     else:
         sys.stdout.write(md)

@@ -4,13 +4,13 @@ the GPU, then agrees on the outcome with one allgather, so every rank takes the 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..cli import write_output
 from .common import SCHEMA, BenchHang, StageFailed, jsonable, short
 from .row import BenchRow
 from .stats import annotate
@@ -37,6 +37,7 @@ class Ctx:
         self.nccl_group = None  # one NCCL communicator shared by the nccl path's ops
         self.peer_env = None  # NVSHMEM, started for the nvshmem path
         self.op_objects: dict[str, Any] = {}  # dcpkit's op of each op name (for ctas_for)
+        self.json_error: str | None = None  # why rank 0 could not write the JSON
         self.shared_gpu = None  # whether ranks share a GPU (None: unknown)
         self.ranks_on_gpu = 1  # ranks on this rank's GPU
         self.t0 = time.monotonic()
@@ -59,16 +60,18 @@ class Ctx:
         }
 
     def save(self) -> None:
-        """Rank 0 writes the JSON of everything so far (atomically)."""
-        if self.rank != 0 or not self.cfg.get("json"):
+        """Rank 0 writes the JSON of everything so far (atomically). A file it cannot write is
+        one line on stderr, said once (:attr:`json_error`; the run then ends with status 1),
+        never an exception: the other ranks go on into the next collective step."""
+        if self.rank != 0 or not self.cfg.get("json") or self.json_error is not None:
             return
-        path = self.cfg["json"]
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(jsonable(self.result()), f, indent=1, allow_nan=False)
-        os.replace(tmp, path)
+        self.json_error = write_output(
+            self.cfg["json"],
+            lambda f: json.dump(jsonable(self.result()), f, indent=1, allow_nan=False),
+            prog="dcpkit bench",
+            make_folders=True,
+            atomic=True,
+        )
 
 
 def stage(ctx: Ctx, what: str, fn: Callable[[], Any]) -> list[Any]:

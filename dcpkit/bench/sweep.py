@@ -647,7 +647,8 @@ def _run(ctx: Ctx, factory) -> int:
         print(
             f"# dcpkit bench: W={ctx.world}, {len(res['rows'])} rows, {failed} failed, "
             f"{wrong} wrong results, {res['elapsed_s']} s"
-            + (f", JSON {cfg['json']}" if cfg.get("json") else ""),
+            + (f", JSON {cfg['json']}" if cfg.get("json") and ctx.json_error is None else "")
+            + (f", JSON not written ({ctx.json_error})" if ctx.json_error else ""),
             flush=True,
         )
     # a failed or wrong peer row is a result about the peer, not a failure of the run
@@ -656,5 +657,6 @@ def _run(ctx: Ctx, factory) -> int:
         any(r.get("error") or r.get("wrong") for r in ours)
         or bool(res["errors"])
         or bool(ctx.ceilings.get("errors"))
+        or ctx.json_error is not None
     )
     return 1 if bad else 0

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .._checks import INT32_MAX
-from ..cli import CommandParser, file_path, job_leader, milliseconds
+from ..cli import CommandParser, file_path, job_leader, milliseconds, write_output
 from ..errors import DcpkitError
 from . import environment
 from .model import PRESETS
@@ -66,6 +66,12 @@ def json_problem(path: str | None) -> str | None:
     if not os.access(folder, os.W_OK):
         return f"--json folder {folder!r} must be writable (got a read-only folder)"
     return None
+
+
+def write_report(report: dict[str, Any], f) -> None:
+    """The report as ``--json`` writes it into the open file ``f``."""
+    json.dump(report, f, indent=2, default=str)
+    f.write("\n")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -273,14 +279,11 @@ def main(argv: Sequence[str] | None = None, *, comm=None) -> int:
     if comm.rank == 0:
         print(format_report(report), flush=True)
         if args.json:
-            try:
-                with open(args.json, "w") as f:
-                    json.dump(report, f, indent=2, default=str)
-                    f.write("\n")
+            json_error = write_output(
+                args.json, lambda f: write_report(report, f), prog="dcpkit demo"
+            )
+            if json_error is None:
                 say(f"report written to {args.json}")
-            except OSError as e:
-                json_error = f"could not write {args.json}: {e}"
-                print(f"dcpkit demo: {json_error}", file=sys.stderr, flush=True)
     # the JSON exists before any rank returns
     if comm.broadcast(json_error, root=0) is not None:
         return EXIT_CANNOT_RUN
