@@ -697,22 +697,28 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
           }
         }
       }
-      for (int v0 = lane; v0 < nvec; v0 += 32 * kSendVec) {
+      // Every lane runs the same passes (v < nvec masks the tail), so the warp stays converged
+      // and the __syncwarp() is legal. It keeps the loads of a pass before its stores: without it
+      // ptxas, at this kernel's register cap, moved each row's loads after the previous row's
+      // stores, and the warp, issuing in order, paid one round trip per row instead of one per
+      // pass.
+      for (int v0 = 0; v0 < nvec; v0 += 32 * kSendVec) {
         uint4 x[kSendRows][kSendVec];
 #pragma unroll
         for (int r = 0; r < kSendRows; ++r)
 #pragma unroll
           for (int c = 0; c < kSendVec; ++c) {
-            const int v = v0 + c * 32;
+            const int v = v0 + lane + c * 32;
             if (to[r] != nullptr && v < nvec) {
               x[r][c] = ld16_nc_once(from[r] + static_cast<u64>(v) * 16, pol);
             }
           }
+        __syncwarp();
 #pragma unroll
         for (int r = 0; r < kSendRows; ++r)
 #pragma unroll
           for (int c = 0; c < kSendVec; ++c) {
-            const int v = v0 + c * 32;
+            const int v = v0 + lane + c * 32;
             if (to[r] != nullptr && v < nvec) st16(to[r] + static_cast<u64>(v) * 16, x[r][c]);
           }
       }
