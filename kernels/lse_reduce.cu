@@ -5,12 +5,14 @@
 // Every rank r holds out_partial [T, H, D_v] and lse_partial [T, H] (attention of all heads over
 // its KV shard). Rank d owns heads [d*H_r, (d+1)*H_r). One kernel per call:
 //   1. send     every CTA, warps grid-stride over rows (destination d, token t, local head h),
-//               kSendRows rows per warp at once: the row out_partial[t, d*H_r + h] goes (16-byte
-//               stores) to slot row [r][t][h] on rank d; then every thread stores the lse of
-//               rows (natural log, sanitised, -inf when the row is masked) to the lse slot
-//               [r][t][h] of every rank. Padding rows (t >= query_start_loc[S]) send no payload.
-//               The own rows (d = r) are not copied unless `out` overlaps the input: the
-//               combine reads them from out_partial.
+//               one row per warp at a time (small instance) or kSendRows rows per warp at once
+//               (large instance, all their loads before their stores): the row
+//               out_partial[t, d*H_r + h] goes (16-byte stores) to slot row [r][t][h] on rank
+//               d; then every thread stores the lse of rows (natural log, sanitised, -inf
+//               when the row is masked) to the lse slot [r][t][h] of every rank. Padding
+//               rows (t >= query_start_loc[S]) send no payload. The own rows (d = r) are not
+//               copied unless `out` overlaps the input: the combine reads them from
+//               out_partial.
 //   2. publish  arrive_and_publish: CTA barrier, arrival (last-CTA election), the elected CTA
 //               stores the new epoch and the signal word into signals[slot][r] of every rank
 //               (this one included) after one fence.acq_rel.sys.
