@@ -14,7 +14,7 @@ import itertools
 import threading
 from typing import Any
 
-from .errors import ClosedError, MissingDependency
+from .errors import ClosedError, DcpkitError, InvalidArgument, MissingDependency
 
 #: handle -> weak reference to a live TorchOps (each adds itself and removes itself at close).
 REGISTRY: dict[int, Any] = {}
@@ -38,6 +38,37 @@ def torch_module():
     except ImportError as e:
         raise MissingDependency("torch", "torch", str(e)) from None
     return torch
+
+
+def require_torch_cuda(torch, what: str) -> None:
+    """Raise :class:`DcpkitError` when torch cannot reach a CUDA GPU (a CPU build of torch, no
+    driver, no device), before any torch CUDA call fails with its own error."""
+    if torch.version.cuda is None:
+        raise DcpkitError(
+            f"{what}: torch {torch.__version__} is a CPU build (no CUDA): install a "
+            f"CUDA build of torch matching the cuda12 / cuda13 extra"
+        )
+    if not torch.cuda.is_available():
+        raise DcpkitError(
+            f"{what}: torch sees no CUDA GPU (torch {torch.__version__}, CUDA "
+            f"{torch.version.cuda}): dcpkit needs an NVIDIA GPU and its driver"
+        )
+
+
+def cuda_device(torch, device, what: str) -> int | None:
+    """``device`` (None: torch's current device) checked as the ordinal of a GPU torch sees,
+    after :func:`require_torch_cuda`."""
+    from ._checks import check_int
+
+    if device is not None:
+        device = check_int(device, what, "device")
+    require_torch_cuda(torch, what)
+    if device is not None and device >= torch.cuda.device_count():
+        raise InvalidArgument(
+            f"{what}: device must be one of the {torch.cuda.device_count()} GPUs torch sees "
+            f"(got {device})"
+        )
+    return device
 
 
 def _lookup(handle: int, op: str) -> Any:

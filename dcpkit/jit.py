@@ -161,6 +161,11 @@ def _files_arg(files, op: str) -> list[str]:
         return list(VARIANTS)
     if isinstance(files, str):
         return [_check_file(files, op)]
+    if isinstance(files, (bytes, bytearray, memoryview)):  # a sequence of ints, not of names
+        raise InvalidType(
+            f"{op}: files must be None, a kernel file name or a sequence of them "
+            f"(got {type(files).__name__} {files!r})"
+        )
     try:
         items = list(files)
     except TypeError:
@@ -177,9 +182,10 @@ def _options_arg(options, op: str) -> tuple[str, ...]:
         return ()
     if isinstance(options, str):
         return (options,)
-    if isinstance(options, (bytes, bytearray)):
+    if isinstance(options, (bytes, bytearray, memoryview)):  # a sequence of ints
         raise InvalidType(
-            f"{op}: options must be a str or a sequence of str (got bytes {options!r})"
+            f"{op}: options must be None, a str or a sequence of str "
+            f"(got {type(options).__name__} {options!r})"
         )
     try:
         items = tuple(options)

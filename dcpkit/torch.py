@@ -62,6 +62,8 @@ from typing import Any
 
 from . import _torch_registry as _reg
 from ._arrays import CUPY_CLASSES, is_cupy_array
+from ._checks import check_int as _int
+from ._torch_streams import raw_stream_fn, wrap_stream
 from .errors import ClosedError, InvalidArgument, InvalidType, MissingDependency
 
 __all__ = [
@@ -182,48 +184,39 @@ def from_cupy(a):
     ------
     MissingDependency
         torch is not installed.
+    InvalidType
+        ``a`` is not a CuPy array (a NumPy array, None, a tensor).
     """
-    return _torch().from_dlpack(a)
+    torch = _torch()
+    if not is_cupy_array(a):
+        raise InvalidType(f"dcpkit.torch.from_cupy: a must be a CuPy array (got {_type_name(a)})")
+    return torch.from_dlpack(a)
 
 
-class _StreamHandle:
-    """A CUDA stream handle with the CUDA stream protocol (``__cuda_stream__``)."""
+#: A CuPy stream object over a stream handle (no new stream); torch's current stream handle.
+_wrap_stream = wrap_stream
 
-    __slots__ = ("ptr",)
 
-    def __init__(self, ptr: int):
-        self.ptr = int(ptr)
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
+def _raw_stream_fn():
+    return raw_stream_fn(_torch())
 
 
 def cupy_stream(device: int | None = None):
     """torch's current stream on ``device`` (default: torch's current device) as a CuPy
-    stream object (no new stream is created; the handle is shared)."""
+    stream object (no new stream is created; the handle is shared).
+
+    Raises
+    ------
+    MissingDependency
+        torch (or CuPy) is not installed.
+    InvalidType, InvalidArgument
+        ``device`` is neither None nor the ordinal of a GPU torch sees.
+    DcpkitError
+        torch cannot reach a CUDA GPU (a CPU build of torch, no driver, no device).
+    """
     torch = _torch()
+    device = _reg.cuda_device(torch, device, "dcpkit.torch.cupy_stream")
     return _wrap_stream(torch.cuda.current_stream(device).cuda_stream, device)
-
-
-def _wrap_stream(ptr: int, device: int | None):
-    """A CuPy stream object over the stream handle ``ptr`` (no new stream)."""
-    cupy = _cupy()
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None:
-        s = from_external(_StreamHandle(ptr))
-        if device is not None:  # from_external records the current device: say which it is
-            s.device_id = int(device)
-        return s
-    return cupy.cuda.ExternalStream(ptr, -1 if device is None else int(device))
-
-
-def _raw_stream_fn():
-    """``device -> torch's current stream handle`` as cheaply as torch allows."""
-    torch = _torch()
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw
-    return lambda device: torch.cuda.current_stream(device).cuda_stream
 
 
 def describe(t) -> tuple:
@@ -262,13 +255,21 @@ class TensorConverter:
     check : callable, optional
         ``check(t, name, device)``, the checks of a new description (default: those of
         :func:`to_cupy`).
+
+    Raises
+    ------
+    InvalidType, InvalidArgument
+        ``device`` is not an int >= 0, ``max_entries`` not one >= 1, ``check`` not callable.
     """
 
     __slots__ = ("_arrays", "_check", "_np", "device", "hits", "max_entries", "misses")
 
     def __init__(self, device: int | None = None, max_entries: int = 256, check=None):
-        self.device = device
-        self.max_entries = int(max_entries)
+        op = "TensorConverter"
+        self.device = None if device is None else _int(device, op, "device")
+        self.max_entries = _int(max_entries, op, "max_entries", minimum=1)
+        if check is not None and not callable(check):
+            raise InvalidType(f"{op}: check must be None or a callable (got {_type_name(check)})")
         self._arrays: dict[tuple, Any] = {}
         self._check = check or _check_tensor
         self._np = None

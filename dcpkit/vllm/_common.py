@@ -13,6 +13,7 @@ import math
 import threading
 from collections.abc import Iterator
 
+from .._torch_registry import require_torch_cuda
 from ..errors import DcpkitError, InvalidArgument, InvalidType, MissingDependency
 
 __all__ = [
@@ -239,21 +240,6 @@ def resolve_device(device, what: str):
     if dev.type != "cuda":
         raise InvalidArgument(f"{what}: device must be a CUDA device (got {dev})")
     return dev
-
-
-def require_torch_cuda(torch, what: str) -> None:
-    """Raise :class:`DcpkitError` when torch cannot reach a CUDA GPU (a CPU build of torch, no
-    driver, no device), before any torch CUDA call fails with its own error."""
-    if torch.version.cuda is None:
-        raise DcpkitError(
-            f"{what}: torch {torch.__version__} is a CPU build (no CUDA): install a "
-            f"CUDA build of torch matching the cuda12 / cuda13 extra"
-        )
-    if not torch.cuda.is_available():
-        raise DcpkitError(
-            f"{what}: torch sees no CUDA GPU (torch {torch.__version__}, CUDA "
-            f"{torch.version.cuda}): dcpkit.vllm needs an NVIDIA GPU and its driver"
-        )
 
 
 def device_index(dev, what: str = "dcpkit.vllm") -> int:

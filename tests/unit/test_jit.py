@@ -241,6 +241,22 @@ def test_compile_only_refuses_unregistered_files():
         jit.compile_only([None])
 
 
+@pytest.mark.parametrize(
+    "files", [b"lse_reduce.cu", bytearray(b"lse_reduce.cu"), memoryview(b"lse_reduce.cu")]
+)
+def test_compile_only_refuses_bytes_as_the_wrong_type(files):
+    """Bytes are a sequence of ints, not of file names: refused by their own type."""
+    name = type(files).__name__
+    with pytest.raises(InvalidType) as ei:
+        jit.compile_only(files)
+    assert str(ei.value) == (
+        f"jit.compile_only: files must be None, a kernel file name or a sequence of them "
+        f"(got {name} {files!r})"
+    )
+    with pytest.raises(InvalidType, match=rf"options must be None, a str .*\(got {name} "):
+        jit.compile_only("ceilings.cu", options=files)
+
+
 def test_compile_only_takes_one_file_as_a_str():
     """A str is one file, not a sequence of one-character file names."""
     res = jit.compile_only("ceilings.cu")

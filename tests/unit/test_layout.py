@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "dcpkit.selection",
             "dcpkit.torch",
             "dcpkit._torch_registry",
+            "dcpkit._torch_streams",
             "dcpkit.vllm",
         },
     ),

@@ -274,3 +274,63 @@ def test_public_signatures_are_stable():
             obj = getattr(obj, part)
         got[name] = str(inspect.signature(obj))
     assert got == want
+
+
+@needs_torch
+@pytest.mark.parametrize(
+    "a, got", [("numpy", "numpy.ndarray"), (None, "builtins.NoneType"), ("tensor", "torch.Tensor")]
+)
+def test_from_cupy_refuses_what_is_not_a_cupy_array(a, got):
+    import numpy as np
+    import torch
+
+    import dcpkit.torch as dt
+
+    a = {"numpy": np.zeros(3), "tensor": torch.zeros(3)}.get(a, a)
+    with pytest.raises(InvalidType) as ei:
+        dt.from_cupy(a)
+    assert str(ei.value) == f"dcpkit.torch.from_cupy: a must be a CuPy array (got {got})"
+
+
+@needs_torch
+def test_cupy_stream_without_a_cuda_torch_is_a_dcpkit_error(monkeypatch):
+    import torch
+
+    import dcpkit.torch as dt
+    from dcpkit.errors import DcpkitError, InvalidArgument
+
+    with pytest.raises(InvalidType, match=r"cupy_stream: device must be an int \(got str 'x'\)"):
+        dt.cupy_stream("x")
+    with pytest.raises(InvalidArgument, match=r"cupy_stream: device must be >= 0 \(got -1\)"):
+        dt.cupy_stream(-1)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(DcpkitError) as ei:
+        dt.cupy_stream()
+    assert type(ei.value) is DcpkitError and "\n" not in str(ei.value)
+    assert str(ei.value).startswith(
+        f"dcpkit.torch.cupy_stream: torch {torch.__version__} is a CPU build (no CUDA)"
+    )
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DcpkitError, match="cupy_stream: torch sees no CUDA GPU"):
+        dt.cupy_stream(0)
+
+
+@needs_torch
+@pytest.mark.parametrize(
+    "kwargs, error, says",
+    [
+        ({"max_entries": 0}, "InvalidArgument", "max_entries must be >= 1 (got 0)"),
+        ({"max_entries": "8"}, "InvalidType", "max_entries must be an int (got str '8')"),
+        ({"device": -1}, "InvalidArgument", "device must be >= 0 (got -1)"),
+        ({"device": 1.0}, "InvalidType", "device must be an int (got float 1.0)"),
+        ({"check": 5}, "InvalidType", "check must be None or a callable"),
+    ],
+)
+def test_converter_arguments_are_checked(kwargs, error, says):
+    import dcpkit.errors as errors
+    import dcpkit.torch as dt
+
+    with pytest.raises(getattr(errors, error)) as ei:
+        dt.TensorConverter(**kwargs)
+    assert str(ei.value).startswith(f"TensorConverter: {says}"), str(ei.value)
