@@ -42,6 +42,8 @@ __all__ = [
     "host_identity",
     "launcher_library_mismatch",
     "launcher_world_size",
+    "launcher_world_size_mismatch",
+    "mpi_init_may_join_a_job",
 ]
 
 
@@ -77,25 +79,47 @@ def launcher_world_size(env) -> tuple[str, int] | None:
     return None
 
 
-def _check_launcher_world_size(env, MPI) -> None:
-    """Raise when a launcher started several processes but MPI sees a one-rank world.
+#: Variables through which MPI_Init joins the job a launcher started (PMI-1/2 and PMIx
+#: clients, MPICH's hydra, Slurm, Open MPI's older ORTE runtime), beside every ``PMI_*`` and
+#: ``PMIX_*`` variable.
+_JOB_CONNECT_VARS = (
+    "HYDI_CONTROL_FD",
+    "HYDRA_CONTROL_FD",
+    "SLURM_STEP_ID",
+    "SLURM_PROCID",
+    "OMPI_MCA_orte_hnp_uri",
+    "OMPI_MCA_ess_base_jobid",
+)
+
+
+def mpi_init_may_join_a_job(env) -> bool:
+    """Whether ``MPI_Init`` in a process of ``env`` may join a job of several processes, and
+    so wait for its peers: a variable through which an MPI library finds its launcher is set.
+    Where none is, ``MPI_Init`` starts a one-process world at once (what ``dcpkit info``
+    relies on before it initialises MPI to ask :func:`launcher_world_size_mismatch`)."""
+    return any(k.startswith(("PMI_", "PMIX_")) or k in _JOB_CONNECT_VARS for k in env)
+
+
+def launcher_world_size_mismatch(env, MPI) -> str | None:
+    """Why MPI.COMM_WORLD is not the launcher's job, or None: a launcher in ``env`` says it
+    started several processes but the initialised ``MPI`` has a one-rank world.
 
     That happens when mpi4py loads a different MPI library than the one whose ``mpirun``
     started the job (for example MPICH from pip under the system's Open MPI ``mpirun``): every
-    process would silently run alone.
+    process would silently run alone. :meth:`Communicator.from_mpi` refuses to start then;
+    ``dcpkit info`` warns.
     """
     found = launcher_world_size(env)
-    if found is None:
-        return
+    if found is None or MPI.COMM_WORLD.Get_size() != 1:
+        return None
     var, n = found
     try:
         lib = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
     except Exception:  # noqa: BLE001 - only used in the message
         lib = "unknown"
-    raise DcpkitError(
-        f"Communicator.from_mpi: the launcher started {n} processes ({var}={n}) but "
-        f"MPI.COMM_WORLD has 1 rank: mpi4py loaded an MPI library ({lib}) other than the one "
-        f"of this mpirun. {_MISMATCH_ADVICE}"
+    return (
+        f"the launcher started {n} processes ({var}={n}) but MPI.COMM_WORLD has 1 rank: "
+        f"mpi4py loaded an MPI library ({lib}) other than the one of this mpirun"
     )
 
 
@@ -157,7 +181,7 @@ _MISMATCH_ADVICE = (
 )
 
 
-def _import_mpi():
+def import_mpi():
     """``mpi4py.MPI``, initialised, after checking that its library suits the launcher.
 
     mpi4py initialises MPI when ``mpi4py.MPI`` is first imported; an MPI library that does not
@@ -203,7 +227,7 @@ def _import_mpi():
 
 
 def _finalize_mpi(MPI) -> None:
-    """At exit: finalise MPI that :func:`_import_mpi` initialised, unless already done."""
+    """At exit: finalise MPI that :func:`import_mpi` initialised, unless already done."""
     if MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.Finalize()
 
@@ -390,7 +414,7 @@ class Communicator(Resource):
             has one rank: mpi4py loaded another MPI library than the one of the ``mpirun`` used.
         """
         try:
-            MPI = _import_mpi()
+            MPI = import_mpi()
         except ImportError as e:  # pragma: no cover - exercised by a subprocess test
             raise MissingDependency("mpi4py", "mpi", str(e)) from None
         except RuntimeError as e:  # mpi4py present but no MPI library found
@@ -401,8 +425,9 @@ class Communicator(Resource):
                 f"(got {type(comm).__name__} {comm!r})"
             )
         c = MPI.COMM_WORLD if comm is None else comm
-        if comm is None and c.Get_size() == 1:
-            _check_launcher_world_size(os.environ, MPI)
+        why = launcher_world_size_mismatch(os.environ, MPI) if comm is None else None
+        if why is not None:
+            raise DcpkitError(f"Communicator.from_mpi: {why}. {_MISMATCH_ADVICE}")
         return cls(
             c.Get_rank(),
             c.Get_size(),

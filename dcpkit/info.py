@@ -146,10 +146,7 @@ def _versions() -> dict[str, Any]:
             text = MPI.Get_library_version()
             lines = text.strip().splitlines()
             v["mpi_library"] = " ".join(lines[0].split()) if lines else ""
-            if not MPI.Is_initialized():
-                from .comm import launcher_library_mismatch
-
-                v["mpi_launcher_mismatch"] = launcher_library_mismatch(os.environ, text)
+            v["mpi_launcher_mismatch"] = _launcher_mismatch(MPI, text)
         except Exception as e:  # noqa: BLE001
             v["mpi_library_error"] = _err(e)
     v["torch"] = _dist_version("torch")
@@ -157,6 +154,31 @@ def _versions() -> dict[str, Any]:
         name: ver for name in CUDA_PACKAGES if (ver := _dist_version(name)) is not None
     }
     return v
+
+
+def _launcher_mismatch(MPI, library_version: str) -> str | None:
+    """What :meth:`Communicator.from_mpi` would refuse under this launcher, by its own checks,
+    or None: a library that cannot start under the launcher (asked before ``MPI_Init``); else,
+    where a launcher says it started several processes but no variable lets ``MPI_Init`` join
+    them (:func:`~dcpkit.comm.mpi_init_may_join_a_job`), the one-rank ``MPI.COMM_WORLD`` that
+    ``MPI_Init`` then starts (MPI is initialised for that, as ``from_mpi`` would: at once, no
+    peer to wait for). Under a launcher whose job ``MPI_Init`` would join, MPI is left alone:
+    the ranks other than 0 print nothing and would never join it."""
+    from .comm import (
+        import_mpi,
+        launcher_library_mismatch,
+        launcher_world_size,
+        launcher_world_size_mismatch,
+        mpi_init_may_join_a_job,
+    )
+
+    if not MPI.Is_initialized():
+        why = launcher_library_mismatch(os.environ, library_version)
+        if why is not None or launcher_world_size(os.environ) is None:
+            return why
+        if mpi_init_may_join_a_job(os.environ):
+            return None
+    return launcher_world_size_mismatch(os.environ, import_mpi())
 
 
 #: Installed distributions that belong to one CUDA major, and that major (``dcpkit info`` warns

@@ -154,3 +154,69 @@ def test_from_mpi_initialises_as_mpi4py_would(run_python, level):
     first, last = r.stdout.splitlines()[0], r.stdout.splitlines()[-1]
     assert first == f"1 {level} True", r.stdout
     assert last == "finalized True", r.stdout
+
+
+class _OneRankMPI:
+    """An initialised MPI whose COMM_WORLD has ``size`` ranks."""
+
+    def __init__(self, size: int):
+        self.COMM_WORLD = type("World", (), {"Get_size": lambda _self: size})()
+
+    def Get_library_version(self):
+        return MPICH
+
+
+@pytest.mark.parametrize(
+    "env, size, says",
+    [
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, 1, "the launcher started 2 processes "),
+        ({"PMI_SIZE": "4"}, 1, "(PMI_SIZE=4) but MPI.COMM_WORLD has 1 rank"),
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, 2, None),  # the launcher's own job
+        ({"OMPI_COMM_WORLD_SIZE": "1"}, 1, None),
+        ({}, 1, None),  # a singleton
+    ],
+)
+def test_world_size_mismatch_is_named(env, size, says):
+    from dcpkit.comm import launcher_world_size_mismatch
+
+    why = launcher_world_size_mismatch(env, _OneRankMPI(size))
+    if says is None:
+        assert why is None, why
+    else:
+        assert why is not None and says in why and "MPICH Version: 5.0.2" in why, why
+
+
+def test_info_warns_of_a_one_rank_world_under_a_launcher_of_several(run_python):
+    """The mismatch from_mpi refuses (the launcher started 2 processes, MPI.COMM_WORLD has 1
+    rank) is the one info warns of, from the same check."""
+    import json
+
+    env = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}
+    probe = run_python("import mpi4py", timeout=60)
+    if probe.returncode != 0:
+        pytest.skip("mpi4py is not installed")
+    r = run_python(FROM_MPI_CAUGHT, timeout=60, env=env)
+    if "ERROR" not in r.stdout:
+        pytest.skip(f"MPI here starts the job of these variables: {r.stdout + r.stderr}")
+    refused = r.stdout.split("Communicator.from_mpi: ", 1)[1].split(". Launch with")[0]
+    r = run_python(["-m", "dcpkit", "info", "--json"], timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads(r.stdout)
+    assert d["versions"]["mpi_launcher_mismatch"] == refused
+    assert any(w.startswith(refused) and "refuses to start" in w for w in d["warnings"])
+
+
+@pytest.mark.parametrize(
+    "env, joins",
+    [
+        ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}, False),
+        ({}, False),
+        ({"PMI_FD": "7", "PMI_RANK": "0", "PMI_SIZE": "2"}, True),  # hydra
+        ({"OMPI_COMM_WORLD_SIZE": "2", "PMIX_NAMESPACE": "job"}, True),  # Open MPI's mpirun
+        ({"SLURM_PROCID": "0"}, True),
+    ],
+)
+def test_info_initialises_mpi_only_where_it_cannot_wait_for_peers(env, joins):
+    from dcpkit.comm import mpi_init_may_join_a_job
+
+    assert mpi_init_may_join_a_job(env) is joins
