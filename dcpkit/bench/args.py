@@ -40,6 +40,12 @@ MAX_ITERS = 10000
 BENCH_TIMEOUT_MS = 10000.0
 #: Largest token count of q_gather / lse_reduce (the ops' workspaces hold max_tokens rows).
 MAX_TOKENS = 65536
+#: kv_gather's smallest bytes per rank without --min-bytes.
+DEFAULT_MIN_BYTES = 4 * KiB
+#: The egress ceiling's slice per rank: the smallest --egress-bytes, and the default (capped by
+#: --max-bytes, never below the smallest).
+MIN_EGRESS_BYTES = 16 * KiB
+DEFAULT_EGRESS_BYTES = 64 * MiB
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
 
 
@@ -204,14 +210,15 @@ def build_parser() -> BenchParser:
         "--min-bytes",
         type=_bounded_size(1, MAX_BYTES_LIMIT),
         default=None,
-        help="kv_gather: smallest bytes per rank (default 4K)",
+        help=f"kv_gather: smallest bytes per rank (default {_fmt(DEFAULT_MIN_BYTES)})",
     )
     p.add_argument(
         "--max-bytes",
         type=_bounded_size(1, MAX_BYTES_LIMIT),
         default=None,
         help=f"kv_gather: largest bytes per rank, at most {_fmt(MAX_BYTES_LIMIT)} "
-        f"(default 256M; --quick 16M); also caps the default egress slice (64M)",
+        f"(default 256M; --quick 16M); also caps the default egress slice "
+        f"({_fmt(DEFAULT_EGRESS_BYTES)}), never below {_fmt(MIN_EGRESS_BYTES)}",
     )
     p.add_argument(
         "--tokens",
@@ -268,9 +275,10 @@ def build_parser() -> BenchParser:
     )
     p.add_argument(
         "--egress-bytes",
-        type=_bounded_size(16 * KiB, MAX_BYTES_LIMIT),
+        type=_bounded_size(MIN_EGRESS_BYTES, MAX_BYTES_LIMIT),
         default=None,
-        help="egress ceiling slice per rank, >= 16K (default min(64M, --max-bytes))",
+        help=f"egress ceiling slice per rank, >= {_fmt(MIN_EGRESS_BYTES)} (default "
+        f"max({_fmt(MIN_EGRESS_BYTES)}, min({_fmt(DEFAULT_EGRESS_BYTES)}, --max-bytes)))",
     )
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failed stages")
     g = p.add_argument_group("BENCHMARKS.md (no GPU, no MPI)")
@@ -324,6 +332,22 @@ def _out_file_problem(path: str) -> str | None:
     return None
 
 
+def _bytes_range_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--min-bytes`` and ``--max-bytes`` (given or default) make no sweep, or None; the
+    line names the flag the user gave."""
+    q = bool(args.quick)
+    max_bytes = args.max_bytes if args.max_bytes is not None else (16 * MiB if q else 256 * MiB)
+    min_bytes = args.min_bytes if args.min_bytes is not None else DEFAULT_MIN_BYTES
+    if min_bytes <= max_bytes:
+        return None
+    if args.min_bytes is None:
+        return (
+            f"argument --max-bytes: must be >= the default --min-bytes {min_bytes}, or give a "
+            f"smaller --min-bytes too (got {max_bytes})"
+        )
+    return f"argument --min-bytes: must be <= --max-bytes {max_bytes} (got {min_bytes})"
+
+
 def _matplotlib_problem() -> str | None:
     """Why matplotlib cannot draw the plots, or None (asked at parse time, not after the run)."""
     try:
@@ -368,11 +392,9 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
                 f"argument --baseline: must name one JSON per --render-md JSON "
                 f"({len(args.render_md)}) (got {len(args.baseline)})"
             )
-    q = bool(args.quick)
-    max_bytes = args.max_bytes if args.max_bytes is not None else (16 * MiB if q else 256 * MiB)
-    min_bytes = args.min_bytes if args.min_bytes is not None else 4 * KiB
-    if min_bytes > max_bytes:
-        parser.error(f"argument --min-bytes: must be <= --max-bytes {max_bytes} (got {min_bytes})")
+    why = _bytes_range_problem(args)
+    if why is not None:
+        parser.error(why)
     # kv_gather moves whole rows: a size below one row would run as one row under another name
     # (and several such sizes as the same case)
     row = int(args.kv_row_dim) * 2
@@ -394,10 +416,11 @@ def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
     """
     q = bool(args.quick)
     max_bytes = args.max_bytes if args.max_bytes is not None else (16 * MiB if q else 256 * MiB)
-    min_bytes = args.min_bytes if args.min_bytes is not None else 4 * KiB
-    if min_bytes < 1 or min_bytes > max_bytes:
+    min_bytes = args.min_bytes if args.min_bytes is not None else DEFAULT_MIN_BYTES
+    why = _bytes_range_problem(args)
+    if min_bytes < 1 or why is not None:
         raise argparse.ArgumentTypeError(
-            f"--min-bytes must lie in [1, --max-bytes {max_bytes}] (got {min_bytes})"
+            why or f"argument --min-bytes: must be >= 1 (got {min_bytes})"
         )
     step = 16 if q else 4
     sizes = []
@@ -408,7 +431,7 @@ def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
     egress = (
         args.egress_bytes
         if args.egress_bytes is not None
-        else max(16 * KiB, min(64 * MiB, max_bytes))
+        else max(MIN_EGRESS_BYTES, min(DEFAULT_EGRESS_BYTES, max_bytes))
     )
     egress = egress // 16 * 16
     tokens = args.tokens or ([1, 128] if q else [1, 8, 32, 128])

@@ -77,6 +77,12 @@ def _load(
             raise _RenderError(
                 f"{what}{path} is not a {SCHEMA} JSON (schema {res.get('schema')!r})"
             )
+        W = _world_size(res)
+        if isinstance(W, bool) or not isinstance(W, int) or W < 1:
+            raise _RenderError(
+                f"{what}{path} is a malformed {SCHEMA} JSON (meta world_size must be a positive "
+                f"int (got {W!r}))"
+            )
         results.append(res)
         png = os.path.splitext(path)[0] + ".png"
         W = (res.get("meta") or {}).get("world_size") if isinstance(res.get("meta"), dict) else None

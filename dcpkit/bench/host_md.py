@@ -29,6 +29,9 @@ def check_host_overhead(run: Any) -> None:
             raise ValueError(f"no {key!r} object")
     if "world_size" not in run["meta"]:
         raise ValueError("meta has no world_size")
+    W = run["meta"]["world_size"]
+    if isinstance(W, bool) or not isinstance(W, int) or W < 1:
+        raise ValueError(f"meta world_size must be a positive int (got {W!r})")
 
 
 def _max(v) -> float:

@@ -32,7 +32,8 @@ SHARED_LABEL = "ranks share one GPU under MPS; no NVLink"
 
 
 def _f(v: float | None, spec: str = ".2f") -> str:
-    return "-" if v is None else format(v, spec)
+    """``v`` formatted, ``-`` where there is no value (None, NaN)."""
+    return "-" if v is None or v != v else format(v, spec)
 
 
 def analyse_missed(
@@ -250,6 +251,19 @@ def before_after(cur: Mapping[str, Any], base: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _no_nan(x: Any) -> Any:
+    """``x`` with every NaN float replaced by None (lists, tuples and dicts copied): a NaN time
+    (``NaN`` in a hand-edited JSON; ``dcpkit bench --json`` writes none) renders as a missing
+    value, ``-``, never as ``nan``."""
+    if isinstance(x, float):
+        return None if x != x else x
+    if isinstance(x, Mapping):
+        return {k: _no_nan(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_no_nan(v) for v in x) if isinstance(x, tuple) else [_no_nan(v) for v in x]
+    return x
+
+
 def render_markdown(
     results: Sequence[Mapping[str, Any]],
     *,
@@ -277,6 +291,7 @@ def render_markdown(
         ``scripts/host_overhead.py --json`` files, shown as the host-time section
         (:func:`dcpkit.bench.host_md.host_overhead_md`).
     """
+    results, baselines, host_overhead = _no_nan((results, baselines, host_overhead))
     res = sorted(
         (_normalize(r) for r in results), key=lambda r: (r.get("meta") or {}).get("world_size", 0)
     )

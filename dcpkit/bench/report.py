@@ -51,7 +51,8 @@ def fmt_bytes(n: float | None) -> str:
 
 
 def _f(v: float | None, spec: str = ".2f") -> str:
-    return "-" if v is None else format(v, spec)
+    """``v`` formatted, ``-`` where there is no value (None, NaN)."""
+    return "-" if v is None or v != v else format(v, spec)
 
 
 def path_label(r: Mapping[str, Any]) -> str:
@@ -153,7 +154,7 @@ def _case(item: Mapping[str, Any]) -> str:
 
 
 def _value(item: Mapping[str, Any], v: float | None) -> str:
-    if v is None:
+    if v is None or v != v:  # not measured, or NaN
         return "-"
     m = item["metric"]
     if m == "median_us":

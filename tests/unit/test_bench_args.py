@@ -47,6 +47,22 @@ def test_resolve_config_default_and_quick():
     assert bench.resolve_config(p.parse_args(["--round-trips", "1"]))["round_trips"] == 1
 
 
+def test_the_default_egress_slice_keeps_to_the_documented_minimum(capsys):
+    """--egress-bytes must be >= 16K; the default slice, min(64M, --max-bytes), never goes
+    below that either, and --help says so."""
+    p = bench.build_parser()
+    for max_bytes, slice_ in (("4K", 16 * KiB), ("16K", 16 * KiB), ("1M", MiB), ("1G", 64 * MiB)):
+        cfg = bench.resolve_config(p.parse_args(["--max-bytes", max_bytes]))
+        assert cfg["egress_slice_bytes"] == slice_, max_bytes
+    with pytest.raises(SystemExit):
+        p.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "egress ceiling slice per rank, >= 16K (default max(16K, min(64M, --max-bytes)))" in (
+        text
+    ), text
+    assert "also caps the default egress slice (64M), never below 16K" in text, text
+
+
 def test_plan_bounds_calls_and_samples():
     cfg = bench.resolve_config(bench.build_parser().parse_args([]))
     small = sweep.plan(4.0, cfg, graph=True)
@@ -135,6 +151,13 @@ BAD_ARGS = [
         "4096 (got 4096)",
     ),
     (["--egress-bytes", "1K"], "argument --egress-bytes: must lie in [16K, 1G] (got '1K')"),
+    # --min-bytes not given: the line names the flag that was, and the default it is below
+    (
+        ["--max-bytes", "1"],
+        "argument --max-bytes: must be >= the default --min-bytes 4096, or give a smaller "
+        "--min-bytes too (got 1)",
+    ),
+    (["--max-bytes", "2K"], "argument --max-bytes: must be >= the default --min-bytes 4096"),
     (["--iters", "0"], "argument --iters: must be an integer in [1, 10000] (got '0')"),
     (["--iters", "1e9"], "argument --iters: must be an integer in [1, 10000] (got '1e9')"),
     (["--iters", "x"], "argument --iters: must be an integer in [1, 10000] (got 'x')"),

@@ -4,6 +4,7 @@ line, before/after) and plots, on synthetic timings."""
 
 import json
 import math
+import re
 import shlex
 
 import pytest
@@ -495,9 +496,17 @@ def one_result(tmp_path):
         ),
         (lambda d: None, lambda d, ok: [str(d)], "cannot read {d}: Is a directory"),
         (
-            lambda d: (d / "x.json").write_text('{"schema": "dcpkit-bench/2", "rows": 5}'),
+            lambda d: (d / "x.json").write_text(
+                '{"schema": "dcpkit-bench/2", "meta": {"world_size": 3}, "rows": 5}'
+            ),
             lambda d, ok: [str(ok), str(d / "x.json")],
             "{d}/x.json is a malformed dcpkit-bench/2 JSON (TypeError",
+        ),
+        (
+            lambda d: (d / "x.json").write_text('{"schema": "dcpkit-bench/2", "rows": []}'),
+            lambda d, ok: [str(d / "x.json")],
+            "{d}/x.json is a malformed dcpkit-bench/2 JSON (meta world_size must be a positive "
+            "int (got None))",
         ),
         (
             lambda d: None,
@@ -533,6 +542,44 @@ def test_render_md_bad_inputs_are_one_line_errors(
     assert "Traceback" not in err and err.count("\n") == 1, err
     assert err.startswith("dcpkit bench: --render-md: "), err
     assert fragment.format(d=d) in err, err
+
+
+@pytest.mark.parametrize("W", [0, -2, "two", "2", 2.0, True, None])
+def test_render_md_refuses_a_world_size_that_is_not_a_positive_int(tmp_path, capsys, W):
+    res = jsonable(synthetic_result(2))
+    res["meta"]["world_size"] = W
+    for flag in ("--render-md", "--baseline"):
+        p = tmp_path / f"{flag[2:]}.json"
+        p.write_text(json.dumps(res))
+        ok = tmp_path / "ok.json"
+        ok.write_text(json.dumps(jsonable(synthetic_result(2))))
+        argv = ["--render-md", str(p)] if flag == "--render-md" else ["--render-md", str(ok)]
+        argv += ["--baseline", str(p)] if flag == "--baseline" else []
+        assert bench.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert err.endswith(
+            f"{p} is a malformed dcpkit-bench/2 JSON (meta world_size must be a positive int "
+            f"(got {W!r}))\n"
+        ), err
+
+
+def test_render_md_shows_nan_times_as_missing(tmp_path, capsys):
+    """NaN (and Infinity) in a JSON's times render as the placeholder of a missing value."""
+    res = jsonable(synthetic_result(2))
+    for r in res["rows"]:
+        r["median_us"] = r["p90_us"] = float("nan")
+    for k in ("one_way_latency_us", "launch_eager_us", "launch_graph_us"):
+        res["ceilings"][k] = float("nan")
+    p = tmp_path / "times.json"
+    p.write_text(json.dumps(res))  # NaN, as Python writes it
+    assert bench.main(["--render-md", str(p)]) == 0
+    md = capsys.readouterr().out
+    assert not re.search(r"\bnan\b", md, re.I), md
+    assert "| 2 | - | " in md  # the ceilings row: no latency
+    # the renderer itself, given NaN
+    md = markdown.render_markdown([res])
+    assert not re.search(r"\bnan\b", md, re.I), md
 
 
 def test_render_md_bad_inputs_exit_2_from_the_command_line(run_python, tmp_path):
