@@ -26,6 +26,8 @@ __all__ = [
     "MIN_TIMEOUT_MS",
     "DEFAULT_TIMEOUT_MS",
     "TIMEOUT_ENV",
+    "decimal_float",
+    "decimal_int",
     "TIMEOUT_RANGE",
     "INT32_MAX",
     "resolve_dtype",
@@ -243,20 +245,40 @@ def check_lse_base(value, op: str) -> float:
     return b
 
 
+def decimal_float(text: str) -> float:
+    """``float(text)`` for a number as written in a setting or on a command line (``250``,
+    ``0.5``, ``1e3``; spaces around it ignored), ``ValueError`` for anything else: also for the
+    digit separators (``1_000``) that Python's ``float()`` and ``int()`` accept and a reader of
+    the same setting elsewhere (a shell script, another tool) would not."""
+    if "_" in text:
+        raise ValueError(f"digit separator in {text!r}")
+    return float(text)
+
+
+def decimal_int(text: str) -> int:
+    """``int(text, 10)`` as :func:`decimal_float` reads numbers: spaces around it ignored,
+    ``ValueError`` for a digit separator (``1_000``)."""
+    if "_" in text:
+        raise ValueError(f"digit separator in {text!r}")
+    return int(text, 10)
+
+
 def default_timeout_ms(op: str = "dcpkit") -> float:
     """The wait deadline used when an op is built without ``timeout_ms``: ``DCPKIT_TIMEOUT_MS``
-    or 5000 ms.
+    (a number of milliseconds, spaces around it ignored; empty or blank counts as unset) or
+    5000 ms.
 
     Raises
     ------
     InvalidArgument
-        ``DCPKIT_TIMEOUT_MS`` is set but is not a number of milliseconds in [0.001, 3600000].
+        ``DCPKIT_TIMEOUT_MS`` is set but is not a number of milliseconds in [0.001, 3600000]
+        (``1_000`` is not one).
     """
     raw = os.environ.get(TIMEOUT_ENV, "")
-    if not raw:
+    if not raw.strip():  # unset, empty or blank: not set
         return DEFAULT_TIMEOUT_MS
     try:
-        ms = float(raw)
+        ms = decimal_float(raw)
     except ValueError:
         ms = float("nan")
     if not MIN_TIMEOUT_MS <= ms <= MAX_TIMEOUT_MS:  # NaN fails too

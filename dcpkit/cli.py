@@ -36,6 +36,7 @@ from ._checks import (
     MIN_TIMEOUT_MS,
     TIMEOUT_ENV,
     TIMEOUT_RANGE,
+    decimal_float,
     default_timeout_ms,
 )
 from .errors import DcpkitError, InvalidArgument, MissingDependency
@@ -143,7 +144,7 @@ def pipe_safe(run, *args, **kwargs) -> int:
 def milliseconds(text: str) -> float:
     """An argparse ``type=`` for a wait deadline: a number of milliseconds in [0.001, 3600000]."""
     try:
-        value = float(text)
+        value = decimal_float(text)
     except ValueError:
         value = float("nan")
     if not MIN_TIMEOUT_MS <= value <= MAX_TIMEOUT_MS:  # NaN and inf fail too
@@ -229,7 +230,7 @@ class CommandParser(argparse.ArgumentParser):
         ``option_given`` (``--timeout-ms`` was given) the line also says why the option does
         not make the variable acceptable."""
         raw = os.environ.get(TIMEOUT_ENV, "")
-        if not raw:
+        if not raw.strip():  # empty or blank: unset, as the ops read it
             return None
         try:
             return default_timeout_ms(self.prog)

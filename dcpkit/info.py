@@ -600,7 +600,11 @@ def format_text(info: dict[str, Any]) -> str:
     st = info.get("settings") or {}
     if st:
         if st.get("timeout_ms") is not None:
-            src = "DCPKIT_TIMEOUT_MS" if os.environ.get("DCPKIT_TIMEOUT_MS") else "default"
+            src = (
+                "DCPKIT_TIMEOUT_MS"
+                if os.environ.get("DCPKIT_TIMEOUT_MS", "").strip()
+                else "default"
+            )
             dl = f"{st['timeout_ms']:g} ms ({src})"
         else:
             raw = os.environ.get("DCPKIT_TIMEOUT_MS", "")

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._checks import decimal_float, decimal_int
 from ..cli import CommandParser, file_path
 from .common import ALL_MODES, ALL_OPS, ALL_PATHS, GEOMETRY, KiB, MiB
 
@@ -99,7 +100,7 @@ def _fmt(n: int) -> str:
 def _int_in(lo: int, hi: int, what: str = "an integer") -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
-            v = int(str(text).strip(), 10)
+            v = decimal_int(str(text).strip())
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"must be {what} in [{lo}, {hi}] (got {text!r})"
@@ -115,7 +116,7 @@ def _int_in(lo: int, hi: int, what: str = "an integer") -> Callable[[str], int]:
 def _positive_float(hi: float, unit: str) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
-            v = float(text)
+            v = decimal_float(text)
         except ValueError:
             v = math.nan
         if not (math.isfinite(v) and 0 < v <= hi):
@@ -162,7 +163,7 @@ def _int_list(text: str) -> list[int]:
     what = f"integers in [1, {MAX_TOKENS}]"
     items = _items(text, what)
     try:
-        v = [int(t, 10) for t in items]
+        v = [decimal_int(t) for t in items]
     except ValueError:
         v = []
     if not v or any(not 1 <= x <= MAX_TOKENS for x in v):

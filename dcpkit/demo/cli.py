@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import INT32_MAX
+from .._checks import INT32_MAX, decimal_int
 from ..cli import CommandParser, file_path, job_leader, milliseconds, write_output
 from ..errors import DcpkitError
 from . import environment
@@ -42,7 +42,7 @@ def integer(minimum: int, maximum: int | None = None):
 
     def parse(text: str) -> int:
         try:
-            value = int(text, 10)
+            value = decimal_int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"must be an integer {bounds} (got {text!r})"

@@ -161,6 +161,11 @@ BAD_ARGS = [
     (["--iters", "0"], "argument --iters: must be an integer in [1, 10000] (got '0')"),
     (["--iters", "1e9"], "argument --iters: must be an integer in [1, 10000] (got '1e9')"),
     (["--iters", "x"], "argument --iters: must be an integer in [1, 10000] (got 'x')"),
+    # digit separators, which Python's int() and float() read, are not numbers here
+    (["--iters", "1_0"], "argument --iters: must be an integer in [1, 10000] (got '1_0')"),
+    (["--tokens", "1,1_6"], "argument --tokens: must be a comma list of integers in [1, 65536]"),
+    (["--hang-s", "1_0"], "argument --hang-s: must be a number of seconds in (0, 86400]"),
+    (["--timeout-ms", "1_000"], "argument --timeout-ms: must be a number of milliseconds in ["),
     (["--timeout-ms", "-1"], "argument --timeout-ms: must be a number of milliseconds in [0.001, "),
     (
         ["--timeout-ms", "nan"],

@@ -383,6 +383,8 @@ def test_info_lists_the_mps_share(monkeypatch):
         ("false", False),
         ("OFF", False),
         (" no ", False),
+        (" ", False),
+        ("\t0\n", False),
     ],
 )
 def test_dcpkit_debug_reads_false_words_as_off(monkeypatch, value, on):
@@ -395,3 +397,19 @@ def test_dcpkit_debug_reads_false_words_as_off(monkeypatch, value, on):
     d = info.collect()
     assert d["settings"]["debug"] is on
     assert f"DCPKIT_DEBUG {'on' if on else 'off'}" in info.format_text(d)
+
+
+def test_readme_says_what_dcpkit_debug_reads_as_off(repo_root, monkeypatch):
+    """Every value the README lists as off is off, and the README names the values beyond its
+    word list that are off too (blank, spaces around a word, other spellings of 0)."""
+    from dcpkit._setup import debug_enabled
+
+    text = " ".join((repo_root / "README.md").read_text().split())
+    said = text.split("`DCPKIT_DEBUG=1` (read when the op is built; ", 1)[1].split(")", 1)[0]
+    assert "a blank value" in said and "spaces around them" in said and "`00`" in said, said
+    for value in ("", "0", "false", "no", "off", "n", "f", "FALSE", " ", " off ", "00"):
+        monkeypatch.setenv("DCPKIT_DEBUG", value)
+        assert debug_enabled() is False, value
+    for value in ("1", "on", "x", "-"):
+        monkeypatch.setenv("DCPKIT_DEBUG", value)
+        assert debug_enabled() is True, value

@@ -19,7 +19,7 @@ from dcpkit.bench import args as bench_args
 from dcpkit.bench import command as bench_command
 from dcpkit.demo import cli as demo_cli
 
-BAD_VALUES = ["abc", "0", "-5", "1e-300", "inf", "nan"]
+BAD_VALUES = ["abc", "0", "-5", "1e-300", "inf", "nan", "1_000"]
 RANGE = "[0.001, 3600000]"
 EXAMPLES = ["cupy_decode_step", "dcpcomm_step", "torch_cuda_graph", "vllm_api"]
 

@@ -648,7 +648,7 @@ def test_timeout_accepts_any_real_number_and_names_the_variable(monkeypatch):
     ):
         with pytest.raises(exc, match=r"^op: timeout_ms must"):
             check_timeout_ms(v, "op")
-    for raw in ("-5", "abc", "0", "nan", "1e12", "1e-300", "0.0005"):
+    for raw in ("-5", "abc", "0", "nan", "1e12", "1e-300", "0.0005", "1_000", "2_5.0"):
         monkeypatch.setenv("DCPKIT_TIMEOUT_MS", raw)
         with pytest.raises(InvalidArgument) as ei:
             check_timeout_ms(None, "kv_gather")
@@ -658,6 +658,20 @@ def test_timeout_accepts_any_real_number_and_names_the_variable(monkeypatch):
         )
     monkeypatch.setenv("DCPKIT_TIMEOUT_MS", "250")
     assert check_timeout_ms(None, "op") == 250.0
+
+
+def test_timeout_variable_ignores_spaces_around_it_and_blank_is_unset(monkeypatch):
+    """As README says: spaces around the number are ignored, an empty or blank value counts as
+    unset; only the digit separators Python alone reads (``1_000``) are refused (above)."""
+    for raw, ms in (
+        (" 100 ", 100.0),
+        ("\t250\n", 250.0),
+        ("1e3", 1000.0),
+        ("", 5000.0),
+        ("  ", 5000.0),
+    ):
+        monkeypatch.setenv("DCPKIT_TIMEOUT_MS", raw)
+        assert default_timeout_ms() == ms, raw
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))

@@ -45,6 +45,7 @@ def test_every_option_has_a_help_text(repo_root, name):
     [
         ("host_overhead.py", ["--calls", "-5"], "argument --calls: must be an integer >= 1"),
         ("host_overhead.py", ["--calls", "x"], "argument --calls: must be an integer >= 1"),
+        ("host_overhead.py", ["--calls", "1_0"], "argument --calls: must be an integer >= 1"),
         ("host_overhead.py", ["--json", ""], "argument --json: must name a file (got '')"),
         (
             "host_overhead.py",
