@@ -464,22 +464,12 @@ def parser():
     return ap
 
 
-def _json_problem(path: str) -> str | None:
-    """Why ``path`` cannot take the JSON at the end of the run, or None."""
-    if os.path.isdir(path):
-        return f"{path} is a directory"
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        return f"folder {folder} must exist (got {path!r})"
-    if not os.access(folder, os.W_OK):
-        return f"folder {folder} must be writable (got {path!r})"
-    return None
-
-
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    why = _json_problem(args.json) if args.json is not None else None
+    from dcpkit.cli import output_file_problem
+
+    why = output_file_problem(args.json) if args.json is not None else None
     if why:
         ap.error(f"argument --json: {why}")
     cupy, why = _gpu_or_reason()

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._checks import decimal_float, decimal_int
-from ..cli import CommandParser, file_path
+from ..cli import CommandParser, file_path, output_file_problem
 from .common import ALL_MODES, ALL_OPS, ALL_PATHS, GEOMETRY, KiB, MiB
 
 __all__ = [
@@ -322,17 +321,6 @@ def build_parser() -> BenchParser:
     return p
 
 
-def _out_file_problem(path: str) -> str | None:
-    if os.path.isdir(path):
-        return "is a directory"
-    d = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(d):
-        return f"is in a folder that does not exist ({d})"
-    if not os.access(d, os.W_OK):
-        return f"is in a folder that is not writable ({d})"
-    return None
-
-
 def _bytes_range_problem(args: argparse.Namespace) -> str | None:
     """Why ``--min-bytes`` and ``--max-bytes`` (given or default) make no sweep, or None; the
     line names the flag the user gave."""
@@ -367,9 +355,9 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         for opt in ("json", "plot"):
             v = getattr(args, opt)
             if v is not None:
-                why = _out_file_problem(v)
+                why = output_file_problem(v)
                 if why:
-                    parser.error(f"argument --{opt}: {v} {why}")
+                    parser.error(f"argument --{opt}: {why}")
         if args.plot is not None:
             if not args.plot.lower().endswith(".png"):
                 parser.error(f"argument --plot: must name a .png file (got {args.plot!r})")

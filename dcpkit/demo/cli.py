@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import traceback
@@ -14,7 +13,14 @@ from typing import Any
 import numpy as np
 
 from .._checks import INT32_MAX, decimal_int
-from ..cli import CommandParser, file_path, job_leader, milliseconds, write_output
+from ..cli import (
+    CommandParser,
+    file_path,
+    job_leader,
+    milliseconds,
+    output_file_problem,
+    write_output,
+)
 from ..errors import DcpkitError
 from . import environment
 from .model import PRESETS
@@ -55,17 +61,10 @@ def integer(minimum: int, maximum: int | None = None):
 
 
 def json_problem(path: str | None) -> str | None:
-    """Why the report cannot be written to ``path`` (None when it can, or without --json)."""
-    if path is None:
-        return None
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return f"--json {path!r} must name a file (got a folder)"
-    if not os.path.isdir(folder):
-        return f"--json folder {folder!r} must exist (got a missing folder)"
-    if not os.access(folder, os.W_OK):
-        return f"--json folder {folder!r} must be writable (got a read-only folder)"
-    return None
+    """Why the report cannot be written to ``path`` (None when it can, or without --json): the
+    line of :func:`dcpkit.cli.output_file_problem`, after ``--json``."""
+    why = None if path is None else output_file_problem(path)
+    return None if why is None else f"--json {why}"
 
 
 def write_report(report: dict[str, Any], f) -> None:

@@ -50,7 +50,7 @@ def test_every_option_has_a_help_text(repo_root, name):
         (
             "host_overhead.py",
             ["--json", "{missing}/h.json"],
-            "argument --json: folder {missing} must exist",
+            "argument --json: {missing}/h.json is in a folder that does not exist",
         ),
         ("two_jobs_check.py", ["--rounds", "0"], "argument --rounds: must be an integer >= 1"),
         ("two_jobs_check.py", ["--nbytes", "-1"], "argument --nbytes: must be an integer >= 1"),
