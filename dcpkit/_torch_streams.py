@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ._cuda import require_cupy
 
-__all__ = ["StreamHandle", "wrap_stream", "raw_stream_fn"]
+__all__ = ["StreamHandle", "wrap_stream", "current_stream", "raw_stream_fn"]
 
 
 class StreamHandle:
@@ -30,6 +30,13 @@ def wrap_stream(ptr: int, device: int | None):
             s.device_id = int(device)
         return s
     return cupy.cuda.ExternalStream(ptr, -1 if device is None else int(device))
+
+
+def current_stream(torch, device: int | None):
+    """torch's current stream on ``device`` (None: torch's current device) as a CuPy stream
+    object, without :func:`dcpkit.torch.cupy_stream`'s checks: for call paths whose ``device``
+    is already a GPU torch sees (no device or driver query beyond torch's stream)."""
+    return wrap_stream(torch.cuda.current_stream(device).cuda_stream, device)
 
 
 def raw_stream_fn(torch):

@@ -63,7 +63,7 @@ from typing import Any
 from . import _torch_registry as _reg
 from ._arrays import CUPY_CLASSES, is_cupy_array
 from ._checks import check_int as _int
-from ._torch_streams import raw_stream_fn, wrap_stream
+from ._torch_streams import current_stream, raw_stream_fn, wrap_stream
 from .errors import ClosedError, InvalidArgument, InvalidType, MissingDependency
 
 __all__ = [
@@ -216,7 +216,7 @@ def cupy_stream(device: int | None = None):
     """
     torch = _torch()
     device = _reg.cuda_device(torch, device, "dcpkit.torch.cupy_stream")
-    return _wrap_stream(torch.cuda.current_stream(device).cuda_stream, device)
+    return current_stream(torch, device)
 
 
 def describe(t) -> tuple:

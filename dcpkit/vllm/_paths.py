@@ -153,8 +153,10 @@ class CollectivePaths:
             out_lse.copy_(merged)
 
     def _lse_combine(self, src_out, src_lse, out, out_lse) -> None:
+        from .._torch_registry import torch_module
+        from .._torch_streams import current_stream
         from ..ops import lse_combine
-        from ..torch import cupy_stream, to_cupy
+        from ..torch import to_cupy
 
         idx = self.device.index
         with on_device(idx):
@@ -163,7 +165,7 @@ class CollectivePaths:
                 to_cupy(src_lse.contiguous(), name="src_lse"),
                 to_cupy(out, name="out"),
                 None if out_lse is None else to_cupy(out_lse, name="out_lse"),
-                stream=cupy_stream(idx),
+                stream=current_stream(torch_module(), idx),
             )
 
     def _ag_combine(self, call: CombineCall, scatter: bool):
