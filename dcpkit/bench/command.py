@@ -85,8 +85,7 @@ def _load(
             )
         results.append(res)
         png = os.path.splitext(path)[0] + ".png"
-        W = (res.get("meta") or {}).get("world_size") if isinstance(res.get("meta"), dict) else None
-        if os.path.isfile(png) and W is not None:
+        if os.path.isfile(png):
             plots[W] = os.path.relpath(os.path.abspath(png), out_dir)
     return results, plots
 

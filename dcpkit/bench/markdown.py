@@ -19,6 +19,7 @@ from typing import Any
 from .host_md import host_overhead_md
 from .report import case_label as _case
 from .report import fmt_bytes, path_label, render_table
+from .report import number_text as _f
 from .report import one_line as _one_line
 from .report import status_text as _status
 from .report import value_text as _value
@@ -29,11 +30,6 @@ from .targets import evaluate_targets, target_summary
 __all__ = ["render_markdown", "analyse_missed", "gpu_label", "before_after"]
 
 SHARED_LABEL = "ranks share one GPU under MPS; no NVLink"
-
-
-def _f(v: float | None, spec: str = ".2f") -> str:
-    """``v`` formatted, ``-`` where there is no value (None, NaN)."""
-    return "-" if v is None or v != v else format(v, spec)
 
 
 def analyse_missed(
@@ -259,8 +255,10 @@ def _no_nan(x: Any) -> Any:
         return None if x != x else x
     if isinstance(x, Mapping):
         return {k: _no_nan(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_no_nan(v) for v in x) if isinstance(x, tuple) else [_no_nan(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_no_nan(v) for v in x)
+    if isinstance(x, list):
+        return [_no_nan(v) for v in x]
     return x
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "value_text",
     "status_text",
     "one_line",
+    "number_text",
 ]
 
 _PATH_ORDER = {
@@ -227,6 +228,7 @@ one_line = _one_line
 case_label = _case
 value_text = _value
 status_text = _status
+number_text = _f
 
 
 # ----------------------------------------------------------------------------- plots
