@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import re
 import signal
@@ -50,6 +51,7 @@ __all__ = [
     "file_clash",
     "os_error_text",
     "write_output",
+    "write_json",
     "milliseconds",
     "launcher_rank",
     "job_leader",
@@ -396,6 +398,18 @@ def write_output(
         print(f"{prog}: {line}", file=sys.stderr, flush=True)
         return line
     return None
+
+
+def write_json(
+    path: str, doc, *, prog: str, make_folders: bool = False, sort_keys: bool = False
+) -> int:
+    """Write ``doc`` as indented JSON to ``path`` through :func:`write_output`; the exit status
+    of a command whose last step this is: 0, or 1 after the one line on stderr."""
+
+    def write(f):
+        json.dump(doc, f, indent=1, sort_keys=sort_keys)
+
+    return 0 if write_output(path, write, prog=prog, make_folders=make_folders) is None else 1
 
 
 _COMMANDS = {

@@ -42,7 +42,6 @@ clear line and status 2 on a machine without a GPU.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -613,11 +612,10 @@ def main(argv=None) -> int:
 
 
 def write_json(path: str, doc: dict, *, prog: str) -> int:
-    """Write ``--json``; the exit status: 0, or 1 after one line on stderr (``<prog>: could not
-    write <path>: <OS error>``)."""
-    from dcpkit.cli import write_output
+    """Write ``--json`` (:func:`dcpkit.cli.write_json`): 0, or 1 after one line on stderr."""
+    from dcpkit.cli import write_json as write
 
-    return 0 if write_output(path, lambda f: json.dump(doc, f, indent=1), prog=prog) is None else 1
+    return write(path, doc, prog=prog)
 
 
 if __name__ == "__main__":

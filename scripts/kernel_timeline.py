@@ -25,14 +25,13 @@ them as JSON with ``--json``. Exits with one clear line and status 2 on a machin
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dcpkit.bench.args import _csv, _int_list  # the bench's own list checks
-from dcpkit.cli import CommandParser, output_file
+from dcpkit.cli import CommandParser, output_file, write_json
 from dcpkit.demo.cli import integer
 
 OPTIONS = ("-DDCPKIT_TIMELINE=1",)
@@ -325,14 +324,6 @@ def main(argv=None) -> int:
         doc = {"results": results, "commit": os.environ.get("DCPKIT_COMMIT")}
         return write_json(args.json, doc, prog=ap.prog)
     return 0
-
-
-def write_json(path: str, doc: dict, *, prog: str) -> int:
-    """Write ``--json``; the exit status: 0, or 1 after one line on stderr (``<prog>: could not
-    write <path>: <OS error>``)."""
-    from dcpkit.cli import write_output
-
-    return 0 if write_output(path, lambda f: json.dump(doc, f, indent=1), prog=prog) is None else 1
 
 
 if __name__ == "__main__":

@@ -20,13 +20,12 @@ on a machine without a GPU or below compute capability 9.0.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dcpkit.cli import CommandParser, output_file
+from dcpkit.cli import CommandParser, output_file, write_json
 from dcpkit.demo.cli import integer
 
 H, D_Q, D_V, D_KV = 128, 576, 512, 576
@@ -267,14 +266,6 @@ def main(argv=None) -> int:
         if write_json(args.json, doc, prog=ap.prog) != 0:
             return 1
     return 1 if wrong else 0
-
-
-def write_json(path: str, doc: dict, *, prog: str) -> int:
-    """Write ``--json``; the exit status: 0, or 1 after one line on stderr (``<prog>: could not
-    write <path>: <OS error>``)."""
-    from dcpkit.cli import write_output
-
-    return 0 if write_output(path, lambda f: json.dump(doc, f, indent=1), prog=prog) is None else 1
 
 
 if __name__ == "__main__":

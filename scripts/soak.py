@@ -529,12 +529,9 @@ def problems(summary: dict) -> str | None:
 def write_json(path: str, summary: dict, *, prog: str) -> int:
     """Write ``--json`` (missing folders created); the exit status: 0, or 1 after one line on
     stderr (``<prog>: could not write <path>: <OS error>``)."""
-    from dcpkit.cli import write_output
+    from dcpkit.cli import write_json as write
 
-    def write(f):
-        json.dump(summary, f, indent=1, sort_keys=True)
-
-    return 0 if write_output(path, write, prog=prog, make_folders=True) is None else 1
+    return write(path, summary, prog=prog, make_folders=True, sort_keys=True)
 
 
 def parser():
