@@ -412,7 +412,8 @@ class ProgrammaticLauncher(Launcher):
 
     The launch configuration is built once; a launch sets its grid and stream and passes the
     same parameter array as :meth:`Launcher.launch` (captured into a graph, the launch keeps
-    its programmatic dependency on the node before it)."""
+    its programmatic dependency on the node before it). So, like the op that owns it and its
+    parameter buffers, it serves one thread at a time."""
 
     __slots__ = ("_config",)
 

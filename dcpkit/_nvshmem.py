@@ -7,7 +7,8 @@ different group in one process; :func:`finalize` ends it, collectively). Initial
 * default: a unique id made by rank 0 (``nvshmem.core.get_unique_id``) and broadcast through
   the dcpkit Communicator (MPI, torch.distributed or a single rank alike);
 * ``DCPKIT_NVSHMEM_INIT=mpi``: NVSHMEM's own MPI bootstrap on the Communicator's mpi4py
-  communicator (needs an NVSHMEM MPI bootstrap built for the MPI in use).
+  communicator (needs an NVSHMEM MPI bootstrap built for the MPI in use). The method must be
+  the same on every rank (ConfigMismatch on every rank otherwise, before NVSHMEM is touched).
 
 Each heap is one ``nvshmem.core.buffer`` (``nvshmem_malloc``, collective); peer addresses come
 from ``nvshmem.core.get_peer_buffer`` (``nvshmem_ptr``), the multicast address from
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from ._setup import Transaction
-from .errors import InvalidArgument, MissingDependency
+from .errors import ConfigMismatch, InvalidArgument, MissingDependency
 from .multicast import guard_env_or_raise, kill_switches_set
 
 __all__ = [
@@ -118,8 +119,11 @@ def init_collective(tx, comm, device: int, allow_multicast: bool) -> None:
     """
     nv = load()
     rank, world = comm.rank, comm.world_size
+    # Each rank's init method travels with its state: ranks that differ would meet different
+    # collectives (a broadcast of the unique id here, MPI's own init there) and wait forever.
+    method = os.environ.get("DCPKIT_NVSHMEM_INIT", "uid").strip().lower() or "uid"
     states = comm.allgather(
-        (_STATE["initialized"], _STATE["rank"], _STATE["world_size"], _STATE["device"])
+        (_STATE["initialized"], _STATE["rank"], _STATE["world_size"], _STATE["device"], method)
     )
 
     def state_step():
@@ -151,14 +155,15 @@ def init_collective(tx, comm, device: int, allow_multicast: bool) -> None:
         os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
         log.info("dcpkit nvshmem: set NVSHMEM_DISABLE_NVLS=1 (multicast not in use)")
 
-    method = os.environ.get("DCPKIT_NVSHMEM_INIT", "uid").strip().lower() or "uid"
-
     def method_step():
         if method not in ("uid", "mpi"):
             raise InvalidArgument(
                 f"SymmetricHeap(nvshmem): DCPKIT_NVSHMEM_INIT must be 'uid' or "
                 f"'mpi' (got {method!r})"
             )
+        methods = [st[4] for st in states]
+        if any(m != method for m in methods):
+            raise ConfigMismatch("SymmetricHeap(nvshmem): DCPKIT_NVSHMEM_INIT", methods)
         if method == "mpi" and comm.backend != "mpi":
             raise InvalidArgument(
                 f"SymmetricHeap(nvshmem): DCPKIT_NVSHMEM_INIT=mpi needs an MPI "

@@ -70,10 +70,10 @@ def debug_enabled() -> bool:
     v = os.environ.get("DCPKIT_DEBUG", "").strip().lower()
     if v in _DEBUG_OFF:
         return False
-    try:
-        return int(v) != 0
-    except ValueError:
-        return True
+    digits = v[1:] if v[:1] in "+-" else v
+    if digits.isascii() and digits.isdigit():  # an integer in decimal digits (not 0_0)
+        return int(digits) != 0
+    return True
 
 
 def share_outcome(comm, what: str, err: BaseException | None, *extra) -> list[tuple]:

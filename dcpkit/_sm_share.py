@@ -20,6 +20,8 @@ import math
 import os
 from collections.abc import Mapping
 
+from ._checks import decimal_float
+
 __all__ = ["sm_share", "mps_thread_percentage"]
 
 
@@ -30,7 +32,7 @@ def mps_thread_percentage(env: Mapping[str, str] | None = None) -> float | None:
     if raw is None:
         return None
     try:
-        p = float(raw.strip())
+        p = decimal_float(raw.strip())  # not 1_0, which the driver would not read as 10
     except ValueError:
         return None
     return p if math.isfinite(p) and 0.0 < p <= 100.0 else None

@@ -23,7 +23,7 @@ import pickle
 import socket
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._lifecycle import Resource
@@ -615,7 +615,13 @@ class Communicator(Resource):
             raise ConfigMismatch(what, values)
         return values
 
-    def agree_setup(self, what: str, init: Callable[[], Any], geometry: str = "geometry") -> Any:
+    def agree_setup(
+        self,
+        what: str,
+        init: Callable[[], Any],
+        geometry: str = "geometry",
+        settings: Mapping[str, Any] | None = None,
+    ) -> Any:
         """One exchange that checks a collective constructor's arguments on every rank.
 
         Every rank runs ``init()``, which validates its local arguments (raising a
@@ -623,25 +629,36 @@ class Communicator(Resource):
         geometry). Then, in one allgather: a rank whose ``init()`` raised re-raises its own
         error, every other rank raises :class:`PeerError` naming it; values that differ raise
         :class:`ConfigMismatch` on every rank naming the ranks. Returns the value.
+
+        ``settings`` (name -> value, read from this rank's environment, for example
+        ``{"DCPKIT_DEBUG": True}``) travel in the same exchange and must be equal on every rank
+        too: a setting that differs raises :class:`ConfigMismatch` naming the setting and the
+        ranks (after the geometry's check), so that no rank runs a per-call collective the
+        others skip.
         """
         err: DcpkitError | None = None
         value = None
+        named = tuple((settings or {}).items())
         try:
             value = init()
         except DcpkitError as e:
             err = e
         every = self._gather(
             "agree_setup",
-            (None if err is None else f"{type(err).__name__}: {err}", value),
+            (None if err is None else f"{type(err).__name__}: {err}", value, named),
             shown=value,
         )
         if err is not None:
             raise err
-        failed = {r: m for r, (m, _) in enumerate(every) if m is not None}
+        failed = {r: m for r, (m, _, _) in enumerate(every) if m is not None}
         if failed:
             raise PeerError(f"{what}: constructor arguments", failed)
-        if any(v != value for _, v in every):
-            raise ConfigMismatch(f"{what}: {geometry}", [v for _, v in every])
+        if any(v != value for _, v, _ in every):
+            raise ConfigMismatch(f"{what}: {geometry}", [v for _, v, _ in every])
+        for name, mine in named:
+            seen = [dict(n).get(name) for _, _, n in every]
+            if any(v != mine for v in seen):
+                raise ConfigMismatch(f"{what}: {name}", seen)
         return value
 
     def all_ok(self, what: str, error: BaseException | None) -> None:

@@ -13,6 +13,7 @@ Pure Python: CPU tests render synthetic results.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -248,11 +249,11 @@ def before_after(cur: Mapping[str, Any], base: Mapping[str, Any]) -> list[str]:
 
 
 def _no_nan(x: Any) -> Any:
-    """``x`` with every NaN float replaced by None (lists, tuples and dicts copied): a NaN time
-    (``NaN`` in a hand-edited JSON; ``dcpkit bench --json`` writes none) renders as a missing
-    value, ``-``, never as ``nan``."""
+    """``x`` with every NaN or infinite float replaced by None (lists, tuples and dicts
+    copied): such a time (``NaN`` or ``Infinity`` in a hand-edited JSON; ``dcpkit bench --json``
+    writes none) renders as a missing value, ``-``, never as ``nan`` or ``inf``."""
     if isinstance(x, float):
-        return None if x != x else x
+        return x if math.isfinite(x) else None
     if isinstance(x, Mapping):
         return {k: _no_nan(v) for k, v in x.items()}
     if isinstance(x, tuple):

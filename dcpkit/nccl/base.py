@@ -139,7 +139,10 @@ class NcclOp(Resource):
                 )
             return values
 
-        comm.agree_setup(f"{op} (nccl)", guarded(op, init), f"geometry ({what})")
+        self._debug = debug_enabled()  # a per-call host collective where on: every rank or none
+        comm.agree_setup(
+            f"{op} (nccl)", guarded(op, init), f"geometry ({what})", {"DCPKIT_DEBUG": self._debug}
+        )
 
     @classmethod
     def check_arguments(cls, world_size: int, **constructor_keywords) -> tuple:
@@ -261,7 +264,6 @@ class NcclOp(Resource):
         import cupy
 
         self._cupy = cupy
-        self._debug = debug_enabled()
         if nccl_group is not None:  # checked on every rank by _agree_geometry
             self.device = nccl_group.device
             self._owns_group = False

@@ -308,10 +308,9 @@ class OpWorkspace(OutputBuffers, Resource):
                 self._check_fits(cupy, device)
             return values
 
-        comm.agree_setup(
-            op, guarded(op, init), f"geometry ({what}, num_ubatches, timeout_ms, symmetric bytes)"
-        )
-        self._debug = debug_enabled()
+        self._debug = debug_enabled()  # a host collective per call where on: on all ranks or none
+        agreed = f"geometry ({what}, num_ubatches, timeout_ms, symmetric bytes)"
+        comm.agree_setup(op, guarded(op, init), agreed, {"DCPKIT_DEBUG": self._debug})
         self._init_region(heap, multicast)
         self._closed = False
 

@@ -370,6 +370,42 @@ def test_debug_mismatch_raises_before_launch(comm, seed, name, algorithm, monkey
 
 
 @pytest.mark.parametrize("name,algorithm", VARIANTS, ids=VARIANT_IDS)
+def test_debug_set_on_one_rank_only_fails_every_constructor(comm, name, algorithm, monkeypatch):
+    """DCPKIT_DEBUG=1 on the last rank only: the constructor raises ConfigMismatch naming
+    DCPKIT_DEBUG and that rank on every rank (with it, that rank alone would run a host
+    collective per call and wait forever); nothing is left open, and an op built afterwards
+    with the setting alike everywhere works."""
+    W, rank = comm.world_size, comm.rank
+    odd = W - 1
+    if rank == odd:
+        monkeypatch.setenv("DCPKIT_DEBUG", "1")
+    else:
+        monkeypatch.delenv("DCPKIT_DEBUG", raising=False)
+    msgs = []
+    try:
+        case = _case(comm, name, algorithm, max_tokens=16)
+        case.op.close()
+        msgs.append("the constructor accepted DCPKIT_DEBUG set on one rank only")
+    except ConfigMismatch as e:
+        if "DCPKIT_DEBUG" not in str(e) or e.ranks != [odd]:
+            msgs.append(f"ConfigMismatch does not name DCPKIT_DEBUG and rank [{odd}]: {e}")
+    except Exception as e:  # noqa: BLE001
+        msgs.append(f"raised {type(e).__name__} instead of ConfigMismatch: {e}")
+    monkeypatch.delenv("DCPKIT_DEBUG", raising=False)
+    case = _case(comm, name, algorithm, max_tokens=16)
+    dev, exp = case.prepare(11, 8)
+    out = case.poisoned_out(8)
+    try:
+        res = case.call(dev, out=out)
+        case.op.synchronize()
+        msgs.append(case.check(res, exp, "op built after the mismatch"))
+    except Exception as e:  # noqa: BLE001
+        msgs.append(f"op built after the mismatch raised {type(e).__name__}: {e}")
+    case.op.close()
+    _fail_if_any(comm, msgs, f"{name} ({algorithm}) with DCPKIT_DEBUG on one rank")
+
+
+@pytest.mark.parametrize("name,algorithm", VARIANTS, ids=VARIANT_IDS)
 def test_no_debug_no_host_collectives(comm, seed, name, algorithm, monkeypatch):
     """Without DCPKIT_DEBUG a call makes no host collective (allgather, broadcast, barrier)."""
     monkeypatch.delenv("DCPKIT_DEBUG", raising=False)

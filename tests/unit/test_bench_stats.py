@@ -567,19 +567,19 @@ def test_render_md_refuses_a_world_size_that_is_not_a_positive_int(tmp_path, cap
 def test_render_md_shows_nan_times_as_missing(tmp_path, capsys):
     """NaN (and Infinity) in a JSON's times render as the placeholder of a missing value."""
     res = jsonable(synthetic_result(2))
-    for r in res["rows"]:
-        r["median_us"] = r["p90_us"] = float("nan")
-    for k in ("one_way_latency_us", "launch_eager_us", "launch_graph_us"):
-        res["ceilings"][k] = float("nan")
+    for i, r in enumerate(res["rows"]):
+        r["median_us"] = r["p90_us"] = float("nan") if i % 2 else float("inf")
+    for k, v in zip(("one_way_latency_us", "launch_eager_us", "launch_graph_us"), (1, -1, 0)):
+        res["ceilings"][k] = float("nan") if v == 0 else v * float("inf")
     p = tmp_path / "times.json"
     p.write_text(json.dumps(res))  # NaN, as Python writes it
     assert bench.main(["--render-md", str(p)]) == 0
     md = capsys.readouterr().out
-    assert not re.search(r"\bnan\b", md, re.I), md
+    assert not re.search(r"\b(nan|inf)\b", md, re.I), md
     assert "| 2 | - | " in md  # the ceilings row: no latency
     # the renderer itself, given NaN
     md = markdown.render_markdown([res])
-    assert not re.search(r"\bnan\b", md, re.I), md
+    assert not re.search(r"\b(nan|inf)\b", md, re.I), md
 
 
 def test_render_md_bad_inputs_exit_2_from_the_command_line(run_python, tmp_path):

@@ -410,6 +410,6 @@ def test_readme_says_what_dcpkit_debug_reads_as_off(repo_root, monkeypatch):
     for value in ("", "0", "false", "no", "off", "n", "f", "FALSE", " ", " off ", "00"):
         monkeypatch.setenv("DCPKIT_DEBUG", value)
         assert debug_enabled() is False, value
-    for value in ("1", "on", "x", "-"):
+    for value in ("1", "on", "x", "-", "0_0", "1_0", "\u0660"):
         monkeypatch.setenv("DCPKIT_DEBUG", value)
         assert debug_enabled() is True, value

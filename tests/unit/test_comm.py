@@ -457,3 +457,39 @@ def test_canonical_form_is_deterministic_and_hashable():
     import pickle
 
     assert canonical(pickle.loads(pickle.dumps(a))) == canonical(a)
+
+
+def test_agree_setup_compares_the_settings_by_name():
+    """A setting read from one rank's environment (DCPKIT_DEBUG) that differs raises
+    ConfigMismatch on every rank, naming the setting and the odd rank; equal settings pass and
+    the geometry comes back."""
+
+    def body(comm):
+        on = comm.rank == 2
+        try:
+            return comm.agree_setup("Op", lambda: (8, "bf16"), "geometry", {"DCPKIT_DEBUG": on})
+        except DcpkitError as e:
+            return type(e).__name__, str(e), getattr(e, "ranks", None)
+
+    for r, (status, res) in enumerate(run_group(3, body)):
+        assert status == "ok", f"rank {r}: {res!r}"
+        assert res[0] == "ConfigMismatch", f"rank {r}: {res}"
+        assert res[1].startswith("Op: DCPKIT_DEBUG must be equal on every rank"), res[1]
+        assert "rank 2: True" in res[1] and res[2] == [2], res
+
+    def same(comm):
+        return comm.agree_setup("Op", lambda: (8, "bf16"), "geometry", {"DCPKIT_DEBUG": True})
+
+    assert run_group(2, same) == [("ok", (8, "bf16"))] * 2
+
+
+def test_agree_setup_checks_the_geometry_before_the_settings():
+    def body(comm):
+        try:
+            comm.agree_setup("Op", lambda: comm.rank, "geometry", {"DCPKIT_DEBUG": comm.rank > 0})
+        except DcpkitError as e:
+            return str(e)
+        return None
+
+    for status, res in run_group(2, body):
+        assert status == "ok" and res.startswith("Op: geometry must be equal"), res

@@ -41,6 +41,10 @@ def test_percentage_parsing():
     assert mps_thread_percentage({MPS: " 25 "}) == 25.0
     assert mps_thread_percentage({MPS: "101"}) is None
     assert mps_thread_percentage({MPS: "-5"}) is None
+    # what the driver would not read as a share: no share is assumed from it
+    for raw in ("1_0", "nan", "inf", "", "25%", "abc"):
+        assert mps_thread_percentage({MPS: raw}) is None, raw
+    assert mps_thread_percentage({MPS: "12.5"}) == 12.5
 
 
 @pytest.mark.parametrize("ranks_on_gpu, zero_copy", [(1, 132), (2, 33), (4, 33)])
