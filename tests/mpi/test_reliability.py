@@ -77,6 +77,16 @@ FAULT_TIMEOUT_MS = 300.0
 HANG_MARGIN_S = 5.0
 
 
+def _one_checked_call(case, dev, exp, n_tokens, what):
+    """One call into a poisoned out= buffer, checked: what went wrong, or "" when right."""
+    try:
+        res = case.call(dev, out=case.poisoned_out(n_tokens))
+        case.op.synchronize()
+        return case.check(res, exp, what)
+    except Exception as e:  # noqa: BLE001
+        return f"{what} raised {type(e).__name__}: {e}"
+
+
 def _fail_if_any(comm, msgs, what):
     """Collective: fail on every rank if any rank reported a failure."""
     msg = "\n".join(m for m in msgs if m) or None
@@ -394,13 +404,7 @@ def test_debug_set_on_one_rank_only_fails_every_constructor(comm, name, algorith
     monkeypatch.delenv("DCPKIT_DEBUG", raising=False)
     case = _case(comm, name, algorithm, max_tokens=16)
     dev, exp = case.prepare(11, 8)
-    out = case.poisoned_out(8)
-    try:
-        res = case.call(dev, out=out)
-        case.op.synchronize()
-        msgs.append(case.check(res, exp, "op built after the mismatch"))
-    except Exception as e:  # noqa: BLE001
-        msgs.append(f"op built after the mismatch raised {type(e).__name__}: {e}")
+    msgs.append(_one_checked_call(case, dev, exp, 8, "op built after the mismatch"))
     case.op.close()
     _fail_if_any(comm, msgs, f"{name} ({algorithm}) with DCPKIT_DEBUG on one rank")
 
@@ -1105,13 +1109,7 @@ def test_close_collective_idempotent(comm, seed, name, algorithm):
             msgs.append(f"{what} after close raised {type(e).__name__}: {e}")
     # A fresh workspace works after the closed ones.
     again = _case(comm, name, algorithm, max_tokens=8)
-    out = again.poisoned_out(5)
-    try:
-        r2 = again.call(dev, out=out)
-        again.op.synchronize()
-        msgs.append(again.check(r2, exp, "fresh workspace after close"))
-    except Exception as e:  # noqa: BLE001
-        msgs.append(f"fresh workspace raised {type(e).__name__}: {e}")
+    msgs.append(_one_checked_call(again, dev, exp, 5, "fresh workspace after close"))
     again.op.close()
     _fail_if_any(comm, msgs, f"{case.label} teardown")
 
