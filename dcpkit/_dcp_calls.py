@@ -18,6 +18,7 @@ from . import _cuda
 from ._arrays import ArrayInfo, array_info, check_ndim
 from ._checks import resolve_stream
 from ._lse_call import lse_reduce_method
+from ._overlap import check_disjoint
 from ._plan import PlanCache, pair_key
 from ._strided import copy_arrays, strided_copy
 from .errors import InvalidArgument
@@ -113,10 +114,13 @@ class DCPCalls:
         """The route plans of ``op``."""
         return self._route_caches[op]
 
-    def _route(self, op: str, arrays: tuple) -> tuple:
+    def _route(self, op: str, arrays: tuple, masks: tuple = ()) -> tuple:
         """``(path, in_place, ok)``: the path of the call, whether the direct op takes every
         array in place, and per array whether it does (None arrays: True). ``arrays``: ``(x,
-        out)`` of a gather, ``(out_partial, lse_partial, out, out_lse)`` of ``lse_reduce``."""
+        out)`` of a gather, ``(out_partial, lse_partial, out, out_lse)`` of ``lse_reduce``, and
+        ``masks`` its ``(seq_lens, query_start_loc)``. An output sharing memory with another
+        array is refused here, whichever path would serve the call
+        (:func:`~dcpkit._overlap.check_disjoint`)."""
         name = f"DCPComm.{op}"
         if op == "lse_reduce":
             names = _LSE_NAMES
@@ -125,12 +129,25 @@ class DCPCalls:
             li = array_info(arrays[1], name, "lse_partial")
             check_ndim(li, 2, "T, H", name, "lse_partial")
             path = self.path_for(op, x.shape[0], lse_dtype=li.dtype)
+            given = [
+                (n, array_info(a, name, n)) for n, a in zip(names[2:], arrays[2:]) if a is not None
+            ]
+            inputs = [("out_partial", x), ("lse_partial", li)] + [
+                (n, array_info(a, name, n))
+                for n, a in zip(("seq_lens", "query_start_loc"), masks)
+                if a is not None
+            ]
+            check_disjoint(name, given, inputs)
         else:
             names = ("q" if op == "q_gather" else "kv", "out")
             dims = (3, "T, H_r, D") if op == "q_gather" else (2, "T, D_kv")
             x = array_info(arrays[0], name, names[0])
             check_ndim(x, dims[0], dims[1], name, names[0])
             path = self.path_for(op, x.shape[0])
+            if arrays[1] is not None:
+                check_disjoint(
+                    name, (("out", array_info(arrays[1], name, "out")),), ((names[0], x),)
+                )
         if path == PATH_NCCL:
             return (path, False, ())
         direct = self.direct_ops[op]
@@ -231,9 +248,10 @@ class DCPCalls:
         routes = self._route_caches[op]
         route = routes._plans.get(key)
         if route is None:
-            out_partial, lse_partial, _, _, out, out_lse = arrays
+            out_partial, lse_partial, seq_lens, query_start_loc, out, out_lse = arrays
             checked = (out_partial, lse_partial, out, out_lse)
-            route = routes.get(key, checked, (op,), op, checked)
+            masks = (seq_lens, query_start_loc)
+            route = routes.get(key, checked, (op,), op, checked, masks)
         else:
             routes.hits += 1
         path, in_place, ok = route

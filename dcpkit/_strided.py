@@ -17,6 +17,7 @@ import numpy as np
 from . import _cuda, jit
 from ._arrays import ArrayInfo, array_info
 from ._checks import COPY_ITEMSIZES
+from ._overlap import check_disjoint
 from .errors import InvalidArgument
 
 __all__ = [
@@ -206,13 +207,16 @@ def strided_copy(dst, src, stream=None) -> None:
     Raises
     ------
     InvalidType, InvalidArgument
-        Host arrays, different shapes or itemsizes, arrays on different GPUs, a ``stream``
-        that is not a CuPy stream.
+        Host arrays, different shapes or itemsizes, arrays on different GPUs, ``dst`` sharing
+        memory with ``src`` (unless both describe the very same elements), a ``stream`` that is
+        not a CuPy stream.
     MissingDependency
         CuPy is not installed.
     """
     di = array_info(dst, "strided_copy", "dst")
     si = array_info(src, "strided_copy", "src")
+    if (di.ptr, di.shape, di.strides) != (si.ptr, si.shape, si.strides):
+        check_disjoint("strided_copy", (("dst", di),), (("src", si),))
     _cuda.check_stream(stream, "strided_copy")
     copy_arrays(di, si, stream)
 

@@ -22,6 +22,7 @@ from .._checks import (
     resolve_float_dtype,
 )
 from .._lse_call import LseReduceCall
+from .._overlap import check_disjoint
 from .._strided import KERNEL_FILE, THREADS, c_contiguous, grid, heads_to_owner_plan, launch_copy
 from ..comm import Communicator
 from ..errors import InvalidArgument
@@ -322,6 +323,14 @@ class NcclLseReduce(LseReduceCall, NcclOp):
             oli = self._checked(
                 out_lse, "out_lse", (T, Ho), "T, H_out", (np.float32,), dtype_first=True
             )
+        masks = [
+            (n, self._info(a, n))
+            for n, a in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens))
+            if a is not None
+        ]
+        check_disjoint(
+            op, (("out", oi), ("out_lse", oli)), [("out_partial", x), ("lse_partial", li), *masks]
+        )
         want_lse = self.return_lse or out_lse is not None
         stream = self.get_stream(stream)
         if T == 0:

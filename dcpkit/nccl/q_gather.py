@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .._checks import COPY_ITEMSIZES, check_positive_int, resolve_bytes_dtype
+from .._overlap import check_disjoint
 from .._strided import c_contiguous, launch_copy, owner_to_heads_plan
 from ..comm import Communicator
 from ..errors import InvalidArgument
@@ -190,6 +191,7 @@ class NcclQGather(NcclGather):
         qi = self._checked(q, "q", (None, H_r, D), "T, H_r, D")
         T = qi.shape[0]
         oi = None if out is None else self._checked(out, "out", (T, H, D), "T, H, D")
+        check_disjoint(op, (("out", oi),), (("q", qi),))
         stream = self.get_stream(stream)
         if T == 0:
             if out is not None:

@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import _strided
 from .._arrays import ArrayInfo, array_info, check_device, check_dtype, check_ndim, check_shape
+from .._overlap import check_disjoint
 from ..errors import InvalidArgument
 from ..reference import resolve_dtype
 
@@ -206,6 +207,7 @@ def validate_call(
 
     seq_ptr = qsl_ptr = 0
     S = 0
+    q = sl = None
     if query_start_loc is None:
         if seq_lens is not None:
             raise InvalidArgument(
@@ -235,6 +237,11 @@ def validate_call(
         raise InvalidArgument(
             f"{op}: out_lse data pointer must be 4-byte aligned (got pointer offset {ol.ptr % 4})"
         )
+    check_disjoint(
+        op,
+        (("out", o), ("out_lse", ol)),
+        (("out_partial", x), ("lse_partial", lse), ("query_start_loc", q), ("seq_lens", sl)),
+    )
     return CallArgs(
         T,
         ub,
@@ -334,4 +341,5 @@ def validate_combine(src_out, src_lse, out, out_lse) -> CombinePlan:
     )
     if sl.ptr % 4 or (ol is not None and ol.ptr % 4):
         raise InvalidArgument(f"{op}: src_lse and out_lse must be 4-byte aligned")
+    check_disjoint(op, (("out", o), ("out_lse", ol)), (("src_out", so), ("src_lse", sl)))
     return CombinePlan(W, T, H_r, D, so, sl, o, ol)

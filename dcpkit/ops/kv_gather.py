@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
 from .._checks import resolve_bytes_dtype
+from .._overlap import check_disjoint
 from .._plan import pair_key
 from ..comm import Communicator
 from ..errors import InvalidArgument
@@ -295,6 +296,7 @@ class KVGather(GatherWorkspace):
             check_device(oi, self.device, op, "out")
             if T > 0:
                 self._check_contiguous(oi, "out")
+            check_disjoint(op, (("out", oi),), (("kv", ki),))
         return T, ubatch, ki, oi
 
     def _check_contiguous(self, info: ArrayInfo, name: str) -> None:

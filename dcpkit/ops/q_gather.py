@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
 from .._checks import resolve_bytes_dtype
+from .._overlap import check_disjoint
 from .._plan import pair_key
 from ..comm import Communicator
 from ..errors import InvalidArgument
@@ -364,6 +365,7 @@ class QGather(GatherWorkspace):
             check_device(oi, self.device, op, "out")
             if T > 0:
                 self._check_rows(oi, "out", self.num_heads)
+            check_disjoint(op, (("out", oi),), (("q", qi),))
         return T, ubatch, qi, oi
 
     def _check_rows(self, info: ArrayInfo, name: str, heads: int) -> None:

@@ -608,6 +608,14 @@ def _bad_input_rows(comm, q, k, l, heap, dq, dk, dl, T):
         InvalidArgument,
         "pointer",
     )
+    q_buf = cupy.zeros((T, H, HEAD_DIM), dt)
+    add(
+        "q the own heads of out (in place)",
+        q,
+        lambda: q.op(q_buf[:, comm.rank * H_R : (comm.rank + 1) * H_R], out=q_buf),
+        InvalidArgument,
+        "out must not share memory with q",
+    )
     add("q ubatch = num_ubatches", q, lambda: q.op(qx, ubatch=1), InvalidArgument, "ubatch")
     add("q ubatch -1", q, lambda: q.op(qx, ubatch=-1), InvalidArgument, "ubatch")
     add("q ubatch '0'", q, lambda: q.op(qx, ubatch="0"), InvalidType, "ubatch")
@@ -700,6 +708,14 @@ def _bad_input_rows(comm, q, k, l, heap, dq, dk, dl, T):
         lambda: k.op(kx, out=cupy.zeros((W * T, 2 * ROW_DIM), dt)[:, :ROW_DIM]),
         InvalidArgument,
         "contiguous",
+    )
+    kv_buf = cupy.zeros((W * T, ROW_DIM), dt)
+    add(
+        "kv the own rows of out (in place)",
+        k,
+        lambda: k.op(kv_buf[comm.rank * T : (comm.rank + 1) * T], out=kv_buf),
+        InvalidArgument,
+        "out must not share memory with kv",
     )
     add("kv ubatch 3", k, lambda: k.op(kx, ubatch=3), InvalidArgument, "ubatch")
     if ndev >= 2:
@@ -849,6 +865,40 @@ def _bad_input_rows(comm, q, k, l, heap, dq, dk, dl, T):
         lambda: l.op(xo, xl, out=misaligned((T, H_R, HEAD_DIM_V), dt)),
         InvalidArgument,
         "aligned",
+    )
+
+    def leading(a, shape, dtype):
+        """A C-contiguous ``shape`` view of ``dtype`` over the first bytes of ``a``."""
+        n = int(np.prod(shape)) * cupy.dtype(dtype).itemsize
+        return a.reshape(-1).view(cupy.uint8)[:n].view(dtype).reshape(shape)
+
+    xo_copy, xl_copy = xo.copy(), xl.copy()
+    lse_buf = cupy.zeros(T * H_R * HEAD_DIM_V * dt.itemsize, cupy.uint8)
+    add(
+        "lse out over out_partial",
+        l,
+        lambda: l.op(xo_copy, xl, out=leading(xo_copy, (T, H_R, HEAD_DIM_V), dt)),
+        InvalidArgument,
+        "out must not share memory with out_partial",
+    )
+    add(
+        "lse out_lse over lse_partial",
+        l,
+        lambda: l.op(xo, xl_copy, out_lse=leading(xl_copy, (T, H_R), cupy.float32)),
+        InvalidArgument,
+        "out_lse must not share memory with lse_partial",
+    )
+    add(
+        "lse out over out_lse",
+        l,
+        lambda: l.op(
+            xo,
+            xl,
+            out=leading(lse_buf, (T, H_R, HEAD_DIM_V), dt),
+            out_lse=leading(lse_buf, (T, H_R), cupy.float32),
+        ),
+        InvalidArgument,
+        "out must not share memory with out_lse",
     )
     add(
         "lse out_lse float16",

@@ -368,16 +368,16 @@ probe("require_device", lambda: _cuda.require_device("x"))
 
 
 class Dev:
-    def __init__(self, shape, typestr="<f2"):
+    def __init__(self, shape, typestr="<f2", ptr=1 << 32):
         self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "version": 3,
-                                         "data": (1 << 32, False), "strides": None}
+                                         "data": (ptr, False), "strides": None}
         self._dcpkit_device = 0
 
 
 from dcpkit.fallback import strided_copy
-probe("lse_combine", lambda: lse_combine(Dev((2, 4, 2, 64)), Dev((2, 4, 2), "<f4"),
-                                         Dev((4, 2, 64))))
-probe("strided_copy", lambda: strided_copy(Dev((4, 64)), Dev((4, 64))))
+probe("lse_combine", lambda: lse_combine(Dev((2, 4, 2, 64)), Dev((2, 4, 2), "<f4", 2 << 32),
+                                         Dev((4, 2, 64), ptr=3 << 32)))
+probe("strided_copy", lambda: strided_copy(Dev((4, 64)), Dev((4, 64), ptr=2 << 32)))
 print(json.dumps(out))
 """
 
@@ -581,8 +581,8 @@ def test_nccl_op_bad_stream_raises_before_anything_is_counted():
 def test_local_functions_check_the_stream():
     args = dict(
         src_out=FakeArray((2, 4, 2, 64)),
-        src_lse=FakeArray((2, 4, 2), np.float32),
-        out=FakeArray((4, 2, 64)),
+        src_lse=FakeArray((2, 4, 2), np.float32, ptr=2 << 32),
+        out=FakeArray((4, 2, 64), ptr=3 << 32),
     )
     with pytest.raises(
         InvalidType,
@@ -591,7 +591,7 @@ def test_local_functions_check_the_stream():
     ):
         lse_combine(stream="x", **args)
     with pytest.raises(InvalidType, match=r"^strided_copy: stream must be a cupy.cuda.Stream"):
-        strided_copy(FakeArray((4, 64)), FakeArray((4, 64)), stream="x")
+        strided_copy(FakeArray((4, 64)), FakeArray((4, 64), ptr=2 << 32), stream="x")
 
 
 # ----------------------------------------------------------------------------- 7. view bounds

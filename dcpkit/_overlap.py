@@ -1,0 +1,90 @@
+"""Whether a call's arrays share memory.
+
+An output that shares bytes with an input (or with the other output) is read and written by the
+same kernels, and what it holds at the end depends on the order of their loads and stores: a
+result that can look right and be wrong. Every op refuses such a call with
+:class:`~dcpkit.errors.InvalidArgument` before anything is launched or counted. The check runs
+where a call is validated in full (a plan miss: plans are keyed on the arrays' addresses, shapes
+and strides, so another layout or address is validated again).
+
+The test is exact (NumPy's overlap solver on the addresses, shapes and strides; it never reads
+the memory): disjoint interleaved views of one buffer, such as two column slices, pass. A layout
+that the solver cannot decide within a bounded effort counts as overlapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from ._arrays import ArrayInfo
+from .errors import InvalidArgument
+
+__all__ = ["check_disjoint", "shares_memory"]
+
+#: Effort bound of NumPy's solver; beyond it a pair counts as overlapping.
+_MAX_WORK = 1 << 16
+_TOO_HARD = getattr(np, "exceptions", np).TooHardError
+
+
+class _Extent:
+    """An array interface over an address: the solver reads only address, shape and strides."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, info: ArrayInfo):
+        self.__array_interface__ = {
+            "data": (int(info.ptr), True),
+            "shape": tuple(int(n) for n in info.shape),
+            "strides": tuple(int(s) for s in info.strides),
+            "typestr": f"|V{int(info.itemsize)}",
+            "version": 3,
+        }
+
+
+def _bounds(info: ArrayInfo) -> tuple[int, int]:
+    """``[lo, hi)``: the bytes an array with no empty dimension can touch."""
+    lo = hi = int(info.ptr)
+    for n, s in zip(info.shape, info.strides):
+        step = int(s) * (int(n) - 1)
+        if step < 0:
+            lo += step
+        else:
+            hi += step
+    return lo, hi + int(info.itemsize)
+
+
+def shares_memory(a: ArrayInfo, b: ArrayInfo) -> bool:
+    """True when ``a`` and ``b`` have a byte in common (or the solver cannot tell)."""
+    if not all(a.shape) or not all(b.shape):
+        return False  # an empty array has no bytes
+    a_lo, a_hi = _bounds(a)
+    b_lo, b_hi = _bounds(b)
+    if a_hi <= b_lo or b_hi <= a_lo:
+        return False
+    try:
+        return bool(
+            np.shares_memory(np.asarray(_Extent(a)), np.asarray(_Extent(b)), max_work=_MAX_WORK)
+        )
+    except _TOO_HARD:
+        return True
+
+
+def check_disjoint(
+    op: str,
+    outputs: Iterable[tuple[str, ArrayInfo | None]],
+    inputs: Iterable[tuple[str, ArrayInfo | None]] = (),
+) -> None:
+    """Raise :class:`InvalidArgument` when an output shares memory with an input or with
+    another output. ``outputs`` and ``inputs``: ``(argument name, ArrayInfo or None)``, None
+    for an argument not given."""
+    outs = [(n, i) for n, i in outputs if i is not None]
+    ins = [(n, i) for n, i in inputs if i is not None]
+    for k, (name, info) in enumerate(outs):
+        for other, other_info in outs[k + 1 :] + ins:
+            if shares_memory(info, other_info):
+                raise InvalidArgument(
+                    f"{op}: {name} must not share memory with {other} (in-place calls are "
+                    f"not supported: give {name} memory of its own)"
+                )
