@@ -21,7 +21,7 @@ import numpy as np
 from ._arrays import ArrayInfo
 from .errors import InvalidArgument
 
-__all__ = ["check_disjoint", "shares_memory"]
+__all__ = ["check_disjoint", "check_outside_workspace", "shares_memory"]
 
 #: Effort bound of NumPy's solver; beyond it a pair counts as overlapping.
 _MAX_WORK = 1 << 16
@@ -88,3 +88,28 @@ def check_disjoint(
                     f"{op}: {name} must not share memory with {other} (in-place calls are "
                     f"not supported: give {name} memory of its own)"
                 )
+
+
+def check_outside_workspace(ws, op: str, outputs: Iterable[tuple[str, ArrayInfo | None]]) -> None:
+    """Raise :class:`InvalidArgument` when an output lies in the symmetric region of the op
+    workspace ``ws`` (its signals, data slots and, for the push gathers, graph output buffers):
+    a view an earlier call returned, or heap memory the op reserved. The peers store into that
+    region while the call runs, so a result written there would be overwritten. A workspace
+    not set up yet (no heap) has no region."""
+    heap = getattr(ws, "heap", None)
+    if heap is None:
+        return
+    lo = int(heap.local_ptr) + int(getattr(ws, "_base", 0))
+    hi = lo + int(getattr(ws, "_region", 0))
+    if hi <= lo:
+        return
+    for name, info in outputs:
+        if info is None or not all(info.shape):
+            continue
+        a_lo, a_hi = _bounds(info)
+        if a_lo < hi and lo < a_hi:
+            raise InvalidArgument(
+                f"{op}: {name} must not lie in the op's own workspace memory (a view an "
+                f"earlier call returned, or heap memory the op reserved: the peers store "
+                f"there while a call runs); give {name} memory of its own"
+            )

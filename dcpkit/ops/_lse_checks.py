@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import _strided
 from .._arrays import ArrayInfo, array_info, check_device, check_dtype, check_ndim, check_shape
-from .._overlap import check_disjoint
+from .._overlap import check_disjoint, check_outside_workspace
 from ..errors import InvalidArgument
 from ..reference import resolve_dtype
 
@@ -242,6 +242,7 @@ def validate_call(
         (("out", o), ("out_lse", ol)),
         (("out_partial", x), ("lse_partial", lse), ("query_start_loc", q), ("seq_lens", sl)),
     )
+    check_outside_workspace(self, op, (("out", o), ("out_lse", ol)))
     return CallArgs(
         T,
         ub,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from .._arrays import ArrayInfo, array_info, check_align, check_device, check_dtype, check_shape
 from .._checks import resolve_bytes_dtype
-from .._overlap import check_disjoint
+from .._overlap import check_disjoint, check_outside_workspace
 from .._plan import pair_key
 from ..comm import Communicator
 from ..errors import InvalidArgument
@@ -297,6 +297,7 @@ class KVGather(GatherWorkspace):
             if T > 0:
                 self._check_contiguous(oi, "out")
             check_disjoint(op, (("out", oi),), (("kv", ki),))
+            check_outside_workspace(self, op, (("out", oi),))
         return T, ubatch, ki, oi
 
     def _check_contiguous(self, info: ArrayInfo, name: str) -> None:

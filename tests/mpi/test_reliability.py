@@ -616,6 +616,21 @@ def _bad_input_rows(comm, q, k, l, heap, dq, dk, dl, T):
         InvalidArgument,
         "out must not share memory with q",
     )
+
+    def in_region(op, shape, dtype, offset=4096):
+        """An array over the op's own symmetric region (where its peers store)."""
+        ptr = op.heap.local_ptr + op._base + offset
+        n = int(np.prod(shape)) * cupy.dtype(dtype).itemsize
+        mem = cupy.cuda.UnownedMemory(ptr, n, op, op.device)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+    add(
+        "q out in the op's own workspace region",
+        q,
+        lambda: q.op(qx, out=in_region(q.op, (T, H, HEAD_DIM), dt)),
+        InvalidArgument,
+        "out must not lie in the op's own workspace",
+    )
     add("q ubatch = num_ubatches", q, lambda: q.op(qx, ubatch=1), InvalidArgument, "ubatch")
     add("q ubatch -1", q, lambda: q.op(qx, ubatch=-1), InvalidArgument, "ubatch")
     add("q ubatch '0'", q, lambda: q.op(qx, ubatch="0"), InvalidType, "ubatch")

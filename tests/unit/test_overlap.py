@@ -339,3 +339,39 @@ def test_strided_copy_refuses_overlap_but_not_a_copy_onto_itself():
     with pytest.raises(Exception) as e:
         strided_copy(dst, Dev((T, D_KV), ptr=base), stream="x")
     assert "share memory" not in str(e.value) and "stream must be" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- the workspace
+@pytest.mark.parametrize("kind", ["q", "kv", "lse"])
+def test_an_output_in_the_workspace_region_is_refused(kind):
+    """out= a view an earlier call returned (the gathers' zero-copy slot views), or any array
+    over the op's symmetric region: refused before launch; the region's first byte after its
+    end is fine."""
+    ws, rec = make_callable(kind)
+    good = {k: _as_cupy(v) for k, v in _good(kind, REGION + (17 << 26)).items()}
+    region_lo = ws.heap.local_ptr + ws._base
+    region_hi = region_lo + ws._region
+    shape, dt = ((T, H, D), F16) if kind == "q" else ((W * T, D_KV), F16)
+    if kind == "lse":
+        shape = (T, H_R, D_V)
+    inside = _as_cupy(Dev(shape, dt, ptr=region_lo + 4096))
+    at_end = Dev(shape, dt, ptr=region_hi - 16)  # its first 16 bytes are the region's last
+    after = _as_cupy(Dev(shape, dt, ptr=region_hi))
+    targets = [("inside", inside), ("straddling the end", _as_cupy(at_end))]
+    if kind != "lse":
+        first = good["q" if kind == "q" else "kv"]
+        view = ws(first)  # the view form: this call's data slot
+        assert region_lo <= view.data.ptr < region_hi
+        targets.append(("a returned view", view))
+    for what, out in targets:
+        launches = rec.count
+        a = dict(good, out=out)
+        with pytest.raises(InvalidArgument, match="out must not lie in the op's own workspace"):
+            _call(kind, ws, a)
+        assert rec.count == launches, what
+    _call(kind, ws, dict(good, out=after))
+    if kind == "lse":
+        lse_inside = _as_cupy(Dev((T, H_R), F32, ptr=region_lo))
+        a = dict(good, out_lse=lse_inside)
+        with pytest.raises(InvalidArgument, match="out_lse must not lie in the op's own"):
+            _call(kind, ws, a)
