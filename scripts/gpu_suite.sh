@@ -14,46 +14,59 @@
 # $OUT stays a short list to read and to copy off the machine; logs.tar.gz holds every result.
 #
 # Settings (environment):
-#   DCPKIT_SUITE_STAGES   comma list of info,tests,demo,bench        (default: all four)
+#   DCPKIT_SUITE_STAGES   comma list of info,tests,demo,bench        (default: all four), no
+#                         spaces, no empty names
 #   DCPKIT_SUITE_NP       world sizes, e.g. "2" or "2 4"              (default "2 4"; sizes above
-#                         the number of GPUs are dropped: no oversubscribed runs)
-#   DCPKIT_SUITE_SHARED_GPU  1: also run world sizes above the number of GPUs, ranks sharing
-#                         GPUs (without MPS their kernels time-slice the GPU: functional checks
-#                         only; with DCPKIT_SUITE_MPS=1 they run side by side)
+#                         the number of GPUs are dropped: no oversubscribed runs); every list of
+#                         world sizes holds distinct whole numbers from 1 to 1024
+#   DCPKIT_SUITE_SHARED_GPU  0 (default) or 1: also run world sizes above the number of GPUs,
+#                         ranks sharing GPUs (without MPS their kernels time-slice the GPU:
+#                         functional checks only; with DCPKIT_SUITE_MPS=1 they run side by side)
 #   DCPKIT_SUITE_DEMO_NP, DCPKIT_SUITE_BENCH_NP  world sizes of the demo / bench stages
 #                         (default: those of DCPKIT_SUITE_NP)
 #   stages "overhead" (scripts/host_overhead.py, N = DCPKIT_SUITE_OVERHEAD_NP, default 2),
 #   "programmatic" (scripts/programmatic_launch.py, N = DCPKIT_SUITE_PROGRAMMATIC_NP, default 2,
 #   with the bench stages' MPS share; programmatic_N.json) and "soak" (scripts/soak.py, N =
-#   DCPKIT_SUITE_SOAK_NP, default 4, DCPKIT_SUITE_SOAK_CALLS calls) run only when named in
-#   DCPKIT_SUITE_STAGES
-#   DCPKIT_SUITE_MPS      1: with shared GPUs, run an MPS daemon of this machine's own (see below);
-#                         the bench stages then give every rank CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
-#                         = 100/N (dcpkit and NVSHMEM alike; NVSHMEM's on-stream collectives
-#                         abort without it), unless that variable is already set
+#   DCPKIT_SUITE_SOAK_NP, default 4, DCPKIT_SUITE_SOAK_CALLS calls, default 100000) run only
+#   when named in DCPKIT_SUITE_STAGES
+#   DCPKIT_SUITE_MPS      0 (default) or 1: with shared GPUs, run an MPS daemon of this
+#                         machine's own (see below); the bench stages then give every rank
+#                         CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100/N (dcpkit and NVSHMEM alike;
+#                         NVSHMEM's on-stream collectives abort without it), unless that
+#                         variable is already set
 #   DCPKIT_SUITE_BASELINE a folder holding another checkout of dcpkit (an older commit): right
 #                         before each bench stage, `dcpkit bench --quick` runs from it at the
 #                         same world size (bench_base_N.json), so one call gives before/after;
-#                         DCPKIT_SUITE_BASELINE_COMMIT names its commit where it is not a git
-#                         checkout (default: its git HEAD, else "unknown")
+#                         DCPKIT_SUITE_BASELINE_COMMIT (a hash of 4 to 64 hex digits) names
+#                         its commit where it is not a git checkout (default: its git HEAD, else
+#                         "unknown"); the folder must exist and hold dcpkit/__init__.py
 #   DCPKIT_SUITE_BUDGET_S seconds the whole script may take           (default 570); each stage is
-#                         bounded by what is left of it, and skipped when too little is left
+#                         bounded by what is left of it, and skipped when too little is left;
+#                         at least 60 (40 s are kept for the summary, and a stage needs 20 s)
 #   DCPKIT_SUITE_MAX_FILES  the most files in $OUT, summary.txt and logs.tar.gz included
-#                         (default 8, at least 2)
+#                         (default 8, 2 to 1000)
 #   DCPKIT_BENCH_ARGS     extra arguments of `dcpkit bench`, e.g. "--quick"
 #   DCPKIT_PYTEST_ARGS    extra arguments of the pytest runs, e.g. "-k lse"
-#   DCPKIT_SUITE_MPI_XFLAG  "-x" (default: stop the mpi tests at the first failure) or ""
-#   DCPKIT_SUITE_TEST_TIMEOUT_S  per-test timeout of the mpi tests (default 300)
+#   DCPKIT_SUITE_MPI_XFLAG  pytest's -x for the mpi tests: "-x" (default: stop at the first
+#                         failure) or "" (run them all)
+#   DCPKIT_SUITE_TEST_TIMEOUT_S  per-test timeout of the mpi tests in seconds (default 300)
+#   DCPKIT_SUITE_MPI_CAP_S, DCPKIT_SUITE_SOAK_CAP_S  seconds each mpitests / soak stage may take
+#                         (default 400 / 240; at least 20)
 #   stages "mpitests" and "gputests" select one half of "tests"
 #   PYTHON                the interpreter (default python3)
+# Every DCPKIT_SUITE_* variable is checked at the start, before anything is started, installed
+# or written: a value other than the above, or a name that is no setting, is one line naming the
+# variable and its value, and exit status 2. An empty value means the default (except
+# DCPKIT_SUITE_MPI_XFLAG="", no -x); whole numbers are ASCII digits without a leading zero.
 #
 # Never touches NCCL_NVLS_ENABLE, NVSHMEM_DISABLE_NVLS or TORCH_SYMM_MEM_DISABLE_MULTICAST: they
 # are printed at the start and checked unchanged before every stage (README.md, "Known limits";
 # NOTE [dcpkit multicast guard] in dcpkit/multicast.py).
 #
-# Exit status: 0 when every stage passed; 2 on a machine with no GPU (after the info stage: the
-# other stages need GPUs and would otherwise be dropped silently); 3 when a multicast variable
-# changed; otherwise 1 when a stage failed or a requested stage had no world size to run at.
+# Exit status: 0 when every stage passed; 2 on a bad setting (before anything runs), or on a
+# machine with no GPU (after the info stage: the other stages need GPUs and would otherwise be
+# dropped silently); 3 when a multicast variable changed; otherwise 1 when a stage failed or a
+# requested stage had no world size to run at.
 #
 # Run from the repository root:  bash scripts/gpu_suite.sh      (bash scripts/gpu_suite.sh --help)
 set -u
@@ -73,36 +86,106 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 2
 OUT="${OUT:-$ROOT/out}"
 PY="${PYTHON:-python3}"
-STAGES=",${DCPKIT_SUITE_STAGES:-info,tests,demo,bench},"
-BUDGET_S="${DCPKIT_SUITE_BUDGET_S:-570}"
-MAX_FILES="${DCPKIT_SUITE_MAX_FILES:-8}"
-if ! [[ "$BUDGET_S" =~ ^[0-9]+$ ]] || [ "$BUDGET_S" -lt 1 ]; then
-    echo "gpu_suite.sh: DCPKIT_SUITE_BUDGET_S must be a whole number of seconds >= 1" \
-         "(got '$BUDGET_S')" >&2; exit 2
-fi
-if ! [[ "$MAX_FILES" =~ ^[0-9]+$ ]] || [ "$MAX_FILES" -lt 2 ]; then
-    echo "gpu_suite.sh: DCPKIT_SUITE_MAX_FILES must be a whole number >= 2 (summary.txt and" \
-         "logs.tar.gz) (got '$MAX_FILES')" >&2; exit 2
+
+# ----------------------------------------------------------------------------- settings
+# Every DCPKIT_SUITE_* setting is checked here, before anything is started, installed or
+# written: a bad value (or a name that is no setting) is one line on stderr naming the variable
+# and its value, exit status 2. An empty value means the default, except for
+# DCPKIT_SUITE_MPI_XFLAG, where "" means no -x. Whole numbers are ASCII digits without a leading
+# zero (bash would read 010 as octal) and at most 9 digits (no 64-bit overflow in $(( ))).
+SETTINGS="DCPKIT_SUITE_STAGES DCPKIT_SUITE_NP DCPKIT_SUITE_SHARED_GPU DCPKIT_SUITE_DEMO_NP
+DCPKIT_SUITE_BENCH_NP DCPKIT_SUITE_OVERHEAD_NP DCPKIT_SUITE_PROGRAMMATIC_NP DCPKIT_SUITE_SOAK_NP
+DCPKIT_SUITE_SOAK_CALLS DCPKIT_SUITE_SOAK_CAP_S DCPKIT_SUITE_MPS DCPKIT_SUITE_BASELINE
+DCPKIT_SUITE_BASELINE_COMMIT DCPKIT_SUITE_BUDGET_S DCPKIT_SUITE_MAX_FILES DCPKIT_SUITE_MPI_XFLAG
+DCPKIT_SUITE_MPI_CAP_S DCPKIT_SUITE_TEST_TIMEOUT_S"
+SETTINGS="${SETTINGS//$'\n'/ }"
+KNOWN_STAGES="info tests mpitests gputests overhead programmatic soak demo bench"
+
+bad_setting() {  # bad_setting VAR RULE...: "VAR must RULE (got 'value')" on stderr, exit 2
+    local var=$1
+    shift
+    echo "gpu_suite.sh: $var must $* (got '${!var}')" >&2
+    exit 2
+}
+check_bool() {  # check_bool VAR: 0 or 1 where set
+    case "${!1-}" in "" | 0 | 1) ;; *) bad_setting "$1" "be 0 or 1" ;; esac
+}
+check_whole() {  # check_whole VAR MIN MAX WHAT [WHY]: a whole number in [MIN, MAX] where set
+    local v="${!1-}"
+    [ -z "$v" ] && return 0
+    if ! [[ "$v" =~ ^(0|[123456789][0123456789]{0,8})$ ]] || [ "$v" -lt "$2" ] ||
+            [ "$v" -gt "$3" ]; then
+        bad_setting "$1" "be $4 in [$2, $3], in ASCII digits without a leading zero${5:+ ($5)}"
+    fi
+}
+check_sizes() {  # check_sizes VAR: world sizes, distinct whole numbers in [1, 1024], where set
+    local v="${!1-}" n seen=" " rule
+    [ -z "$v" ] && return 0
+    rule="be world sizes, distinct whole numbers in [1, 1024] separated by spaces, e.g. \"2 4\""
+    [[ "$v" =~ ^[0123456789\ ]*[0123456789][0123456789\ ]*$ ]] || bad_setting "$1" "$rule"
+    for n in $v; do   # digits and spaces only: no glob, no other separator
+        if ! [[ "$n" =~ ^[123456789][0123456789]{0,3}$ ]] || [ "$n" -gt 1024 ] ||
+                [[ "$seen" == *" $n "* ]]; then
+            bad_setting "$1" "$rule"
+        fi
+        seen="$seen$n "
+    done
+}
+
+for var in ${!DCPKIT_SUITE_@}; do  # every DCPKIT_SUITE_* variable set: each a known setting
+    if [[ " $SETTINGS " != *" $var "* ]]; then
+        echo "gpu_suite.sh: $var is not a setting of this script (got '${!var}'); the settings" \
+             "are ${SETTINGS// /, } (bash scripts/gpu_suite.sh --help)" >&2
+        exit 2
+    fi
+done
+if [ -n "${DCPKIT_SUITE_STAGES-}" ]; then
+    _stages_ok=0
+    if [[ "$DCPKIT_SUITE_STAGES" =~ ^[a-z]+(,[a-z]+)*$ ]]; then
+        _stages_ok=1
+        for st in ${DCPKIT_SUITE_STAGES//,/ }; do
+            [[ " $KNOWN_STAGES " == *" $st "* ]] || _stages_ok=0
+        done
+    fi
+    [ "$_stages_ok" = 1 ] || bad_setting DCPKIT_SUITE_STAGES \
+        "be a comma list of ${KNOWN_STAGES// /, }, without spaces or empty names"
 fi
 for var in DCPKIT_SUITE_NP DCPKIT_SUITE_DEMO_NP DCPKIT_SUITE_BENCH_NP DCPKIT_SUITE_OVERHEAD_NP \
            DCPKIT_SUITE_PROGRAMMATIC_NP DCPKIT_SUITE_SOAK_NP; do
-    for n in ${!var-}; do
-        if ! [[ "$n" =~ ^[1-9][0-9]{0,3}$ ]]; then
-            echo "gpu_suite.sh: $var must be world sizes, whole numbers >= 1 separated by" \
-                 "spaces, e.g. \"2 4\" (got '${!var}')" >&2; exit 2
-        fi
-    done
+    check_sizes "$var"
 done
-KNOWN_STAGES="info tests mpitests gputests overhead programmatic soak demo bench"
-IFS=',' read -r -a _stage_items <<<"${DCPKIT_SUITE_STAGES:-info}"
-for st in "${_stage_items[@]}"; do
-    known=0
-    for k in $KNOWN_STAGES; do [ "$st" = "$k" ] && known=1; done
-    if [ -n "$st" ] && [ "$known" = 0 ]; then
-        echo "gpu_suite.sh: DCPKIT_SUITE_STAGES must be a comma list of" \
-             "${KNOWN_STAGES// /, } (got '$DCPKIT_SUITE_STAGES')" >&2; exit 2
+check_bool DCPKIT_SUITE_SHARED_GPU
+check_bool DCPKIT_SUITE_MPS
+check_whole DCPKIT_SUITE_BUDGET_S 60 86400 "a whole number of seconds" \
+    "40 s are kept for the summary, and a stage needs 20 s"
+check_whole DCPKIT_SUITE_MAX_FILES 2 1000 "a whole number" "summary.txt and logs.tar.gz count"
+check_whole DCPKIT_SUITE_MPI_CAP_S 20 86400 "a whole number of seconds" \
+    "a stage limited below 20 s is skipped"
+check_whole DCPKIT_SUITE_SOAK_CAP_S 20 86400 "a whole number of seconds" \
+    "a stage limited below 20 s is skipped"
+check_whole DCPKIT_SUITE_TEST_TIMEOUT_S 1 86400 "a whole number of seconds"
+check_whole DCPKIT_SUITE_SOAK_CALLS 1 1000000000 "a whole number of calls"
+case "${DCPKIT_SUITE_MPI_XFLAG--x}" in
+    -x | "") ;;
+    *) bad_setting DCPKIT_SUITE_MPI_XFLAG "be -x (stop the mpi tests at the first failure, the" \
+           "default) or empty (run them all)" ;;
+esac
+if [ -n "${DCPKIT_SUITE_BASELINE-}" ]; then
+    if [ ! -d "$DCPKIT_SUITE_BASELINE" ]; then
+        bad_setting DCPKIT_SUITE_BASELINE "be a folder holding another checkout of dcpkit; there" \
+            "is no such folder"
+    elif [ ! -f "$DCPKIT_SUITE_BASELINE/dcpkit/__init__.py" ]; then
+        bad_setting DCPKIT_SUITE_BASELINE "be a folder holding another checkout of dcpkit; this" \
+            "one holds no dcpkit/__init__.py"
     fi
-done
+fi
+if [ -n "${DCPKIT_SUITE_BASELINE_COMMIT-}" ] &&
+        ! [[ "$DCPKIT_SUITE_BASELINE_COMMIT" =~ ^[0123456789abcdefABCDEF]{4,64}$ ]]; then
+    bad_setting DCPKIT_SUITE_BASELINE_COMMIT "be a commit hash, 4 to 64 hex digits"
+fi
+STAGES=",${DCPKIT_SUITE_STAGES:-info,tests,demo,bench},"
+BUDGET_S="${DCPKIT_SUITE_BUDGET_S:-570}"
+MAX_FILES="${DCPKIT_SUITE_MAX_FILES:-8}"
 if [ -e "$OUT" ] && [ ! -d "$OUT" ]; then
     echo "gpu_suite.sh: OUT must be a directory (got '$OUT', which is not one)" >&2; exit 2
 fi
@@ -479,17 +562,11 @@ if meta.get("commit") != commit:  # what git said described another tree: its st
 PYEOF
 }
 
-if [[ $STAGES == *,bench,* ]] && [ -n "$BASE" ]; then
-    if [ ! -f "$BASE/dcpkit/__init__.py" ]; then
-        say "DCPKIT_SUITE_BASELINE=$BASE holds no dcpkit checkout: baseline not run"
-        RESULTS+=("baseline|-|1|0|DCPKIT_SUITE_BASELINE=$BASE holds no dcpkit/__init__.py")
-        BASE=""
-    else
-        BASE="$(cd "$BASE" && pwd)"
-        BASE_COMMIT="${DCPKIT_SUITE_BASELINE_COMMIT:-$(git -C "$BASE" rev-parse HEAD 2>/dev/null || echo unknown)}"
-        BASE_PYTHONPATH="$BASE${PYTHONPATH#"$ROOT"}"   # the baseline first, the same wheels
-        say "baseline: $BASE (commit ${BASE_COMMIT:0:12})"
-    fi
+if [[ $STAGES == *,bench,* ]] && [ -n "$BASE" ]; then  # a dcpkit checkout (checked above)
+    BASE="$(cd "$BASE" && pwd)"
+    BASE_COMMIT="${DCPKIT_SUITE_BASELINE_COMMIT:-$(git -C "$BASE" rev-parse HEAD 2>/dev/null || echo unknown)}"
+    BASE_PYTHONPATH="$BASE${PYTHONPATH#"$ROOT"}"   # the baseline first, the same wheels
+    say "baseline: $BASE (commit ${BASE_COMMIT:0:12})"
 fi
 
 if [[ $STAGES == *,bench,* ]]; then

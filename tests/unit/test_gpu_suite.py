@@ -87,21 +87,37 @@ def test_help_prints_usage_and_runs_nothing(repo_root, run_cmd, tmp_path):
     assert not out.exists()
 
 
+GUARD_VARS = ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST")
+
+
 def _fake_tools(bindir, calls):
-    """nvidia-smi with one GPU, an MPS control that starts, and an Open MPI mpirun that records
-    its arguments and the environment it passes on, and writes the --json file it is given."""
+    """nvidia-smi with one GPU, an MPS control that starts, a ``python`` (the interpreter the
+    suite is given) and an Open MPI mpirun that records its arguments and the environment it
+    passes on (the multicast variables included), and writes the --json file it is given. Every
+    call of any of them is also written to ``bindir/started.txt``."""
     _fake_nvidia_smi(bindir, 1)
-    (bindir / "nvidia-cuda-mps-control").write_text("#!/bin/sh\ncat >/dev/null 2>&1 &\nexit 0\n")
+    started = bindir / "started.txt"
+    log = f'echo "$(basename "$0") $*" >>"{started}"\n'
+    smi = bindir / "nvidia-smi"
+    smi.write_text(smi.read_text().replace("#!/bin/sh\n", "#!/bin/sh\n" + log, 1))
+    (bindir / "nvidia-cuda-mps-control").write_text(
+        "#!/bin/sh\n" + log + "cat >/dev/null 2>&1 &\nexit 0\n"
+    )
+    (bindir / "python").write_text(f'#!/bin/sh\n{log}exec "{sys.executable}" "$@"\n')
+    guard = "|".join(f"{v}=${{{v}-unset}}" for v in GUARD_VARS)
+    record = (
+        'echo "PWD=$PWD|PYTHONPATH=$PYTHONPATH|PCT=${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE-unset}|'
+        f'COMMIT=$DCPKIT_COMMIT|{guard}|ARGS=$*" >>{calls}\n'
+    )
     (bindir / "mpirun").write_text(
         "#!/bin/bash\n"
-        "if [ \"$1\" = --version ]; then echo 'mpirun (Open MPI) 4.1.6'; exit 0; fi\n"
-        f'echo "PWD=$PWD|PYTHONPATH=$PYTHONPATH|'
-        'PCT=${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE-unset}|COMMIT=$DCPKIT_COMMIT|ARGS=$*" '
-        f">>{calls}\n"
-        'prev=\'\'; for a in "$@"; do [ "$prev" = --json ] && echo \'{}\' >"$a"; prev=$a; '
+        + log
+        + "if [ \"$1\" = --version ]; then echo 'mpirun (Open MPI) 4.1.6'; exit 0; fi\n"
+        + record
+        + 'prev=\'\'; for a in "$@"; do [ "$prev" = --json ] && echo \'{}\' >"$a"; prev=$a; '
         "done; exit 0\n"
     )
-    for name in ("nvidia-cuda-mps-control", "mpirun"):
+    for name in ("nvidia-cuda-mps-control", "mpirun", "python"):
         p = bindir / name
         p.chmod(p.stat().st_mode | stat.S_IEXEC)
 
@@ -204,28 +220,164 @@ def test_programmatic_stage_runs_its_script_with_the_mps_share(repo_root, run_cm
     [
         ("DCPKIT_SUITE_MAX_FILES", "1"),
         ("DCPKIT_SUITE_MAX_FILES", "x"),
+        ("DCPKIT_SUITE_MAX_FILES", "08"),  # a leading zero: octal in bash arithmetic
         ("DCPKIT_SUITE_BUDGET_S", "0"),
+        ("DCPKIT_SUITE_BUDGET_S", "30"),  # every stage would be skipped, and the run pass
+        ("DCPKIT_SUITE_BUDGET_S", "99999999999999999999"),  # past bash's 64-bit integers
+        ("DCPKIT_SUITE_BUDGET_S", "\uff15\uff17\uff10"),  # fullwidth digits: not ASCII
+        ("DCPKIT_SUITE_TEST_TIMEOUT_S", "abc"),
+        ("DCPKIT_SUITE_TEST_TIMEOUT_S", "0"),
+        ("DCPKIT_SUITE_TEST_TIMEOUT_S", "1e3"),
+        ("DCPKIT_SUITE_SOAK_CALLS", "abc"),
+        ("DCPKIT_SUITE_SOAK_CALLS", "0"),
+        ("DCPKIT_SUITE_SOAK_CALLS", "-5"),
+        ("DCPKIT_SUITE_MPI_CAP_S", "10"),  # a stage limited below 20 s is always skipped
+        ("DCPKIT_SUITE_SOAK_CAP_S", "x"),
+        ("DCPKIT_SUITE_MPS", "yes"),
+        ("DCPKIT_SUITE_MPS", "2"),
+        ("DCPKIT_SUITE_SHARED_GPU", "yes"),
+        ("DCPKIT_SUITE_SHARED_GPU", "true"),
+        ("DCPKIT_SUITE_MPI_XFLAG", "-y"),
+        ("DCPKIT_SUITE_MPI_XFLAG", "x"),
         ("DCPKIT_SUITE_NP", "0"),
         ("DCPKIT_SUITE_NP", "2,4"),
         ("DCPKIT_SUITE_NP", "2 -1"),
+        ("DCPKIT_SUITE_NP", "2 2"),
+        ("DCPKIT_SUITE_NP", " "),
+        ("DCPKIT_SUITE_NP", "2\n4"),
+        ("DCPKIT_SUITE_NP", "*"),
+        ("DCPKIT_SUITE_NP", "2000"),
         ("DCPKIT_SUITE_DEMO_NP", "x"),
         ("DCPKIT_SUITE_BENCH_NP", "2.5"),
+        ("DCPKIT_SUITE_BENCH_NP", "4 2 4"),
         ("DCPKIT_SUITE_OVERHEAD_NP", "0"),
         ("DCPKIT_SUITE_SOAK_NP", "four"),
         ("DCPKIT_SUITE_PROGRAMMATIC_NP", "1.5"),
         ("DCPKIT_SUITE_STAGES", "info,bogus"),
         ("DCPKIT_SUITE_STAGES", "info tests"),
+        ("DCPKIT_SUITE_STAGES", "info,"),
+        ("DCPKIT_SUITE_STAGES", ",info"),
+        ("DCPKIT_SUITE_STAGES", "info,,bench"),
+        ("DCPKIT_SUITE_BASELINE", "/nonexistent/dcpkit-baseline"),
+        ("DCPKIT_SUITE_BASELINE_COMMIT", "not a commit"),
     ],
 )
 def test_bad_settings_are_one_line_and_exit_2(repo_root, run_cmd, tmp_path, name, value):
-    script = repo_root / "scripts" / "gpu_suite.sh"
-    out = tmp_path / "out"
-    proc = run_cmd(["bash", str(script)], timeout=60, env={"OUT": str(out), name: value})
+    """Checked before anything starts: with a GPU (faked) and every tool there, none of them
+    (nvidia-smi, python, the MPS control, mpirun) is called, and $OUT is not made."""
+    script, bindir, calls, out = _suite_with_fake_tools(repo_root, tmp_path)
+    settings = {
+        "DCPKIT_SUITE_STAGES": "info,tests,demo,bench",
+        "DCPKIT_SUITE_SHARED_GPU": "1",
+        "DCPKIT_SUITE_MPS": "1",
+        name: value,
+    }
+    env = _suite_env(bindir, out, tmp_path, python=bindir / "python", **settings)
+    proc = run_cmd(["bash", str(script)], timeout=60, env=env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert (
         proc.stderr.startswith(f"gpu_suite.sh: {name} must ") and f"(got '{value}')" in proc.stderr
+    ), proc.stderr
+    assert proc.stderr.count("\n") == 1 + value.count("\n") and proc.stdout == "", proc.stderr
+    assert not out.exists() and not (bindir / "started.txt").exists(), proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty_folder", "a_file"])
+def test_a_baseline_that_is_no_checkout_is_refused_up_front(repo_root, run_cmd, tmp_path, kind):
+    """Not at the bench stage, after the tests have run for minutes: before anything starts."""
+    script, bindir, calls, out = _suite_with_fake_tools(repo_root, tmp_path)
+    base = tmp_path / "base"
+    if kind == "empty_folder":
+        base.mkdir()
+    elif kind == "a_file":
+        base.write_text("")
+    env = _suite_env(
+        bindir,
+        out,
+        tmp_path,
+        python=bindir / "python",
+        DCPKIT_SUITE_STAGES="bench",
+        DCPKIT_SUITE_BASELINE=str(base),
     )
-    assert len(proc.stderr.splitlines()) == 1 and not out.exists(), proc.stderr
+    proc = run_cmd(["bash", str(script)], timeout=60, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("gpu_suite.sh: DCPKIT_SUITE_BASELINE must be a folder")
+    assert f"(got '{base}')" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert not out.exists() and not (bindir / "started.txt").exists()
+
+
+def test_an_unknown_setting_is_refused(repo_root, run_cmd, tmp_path):
+    """A misspelt DCPKIT_SUITE_* name would otherwise be ignored and its default used."""
+    script, bindir, calls, out = _suite_with_fake_tools(repo_root, tmp_path)
+    env = _suite_env(bindir, out, tmp_path, python=bindir / "python", DCPKIT_SUITE_NPS="2")
+    proc = run_cmd(["bash", str(script)], timeout=60, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(
+        "gpu_suite.sh: DCPKIT_SUITE_NPS is not a setting of this script (got '2');"
+    ), proc.stderr
+    assert "DCPKIT_SUITE_NP," in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert not out.exists() and not (bindir / "started.txt").exists()
+
+
+def test_good_settings_reach_the_commands(repo_root, run_cmd, tmp_path):
+    """The values the checks accept are used: DCPKIT_SUITE_MPI_XFLAG="" drops -x, and the
+    per-test timeout and the soak's call count are passed on; empty values are the defaults."""
+    script, bindir, calls, out = _suite_with_fake_tools(repo_root, tmp_path)
+    env = _suite_env(
+        bindir,
+        out,
+        tmp_path,
+        DCPKIT_SUITE_STAGES="mpitests,soak",
+        DCPKIT_SUITE_NP="2",
+        DCPKIT_SUITE_SOAK_NP="",
+        DCPKIT_SUITE_SHARED_GPU="1",
+        DCPKIT_SUITE_MPS="0",
+        DCPKIT_SUITE_MPI_XFLAG="",
+        DCPKIT_SUITE_TEST_TIMEOUT_S="120",
+        DCPKIT_SUITE_SOAK_CALLS="500",
+        DCPKIT_SUITE_BUDGET_S="",
+    )
+    text, lines = _run_ok(run_cmd, script, env, calls, "-np ")
+    tests = [ln for ln in lines if "tests/mpi" in ln]
+    soak = [ln for ln in lines if "soak.py" in ln]
+    assert len(tests) == 1 and len(soak) == 1, lines
+    assert "--timeout=120" in tests[0] and " -q -rfEs " in tests[0], tests[0]
+    assert "-np 4" in soak[0] and "--calls 500" in soak[0], soak[0]  # the default soak size
+    env.pop("DCPKIT_SUITE_MPI_XFLAG")
+    calls.unlink()
+    text, lines = _run_ok(run_cmd, script, env, calls, "tests/mpi")
+    assert len(lines) == 1 and " -q -x -rfEs " in lines[0], lines
+
+
+def test_the_multicast_variables_reach_every_rank_unchanged(repo_root, run_cmd, tmp_path):
+    """NCCL_NVLS_ENABLE, NVSHMEM_DISABLE_NVLS and TORCH_SYMM_MEM_DISABLE_MULTICAST are what every
+    mpirun of the suite sees, the baseline's (started with an environment of its own) and the
+    MPS probe's included: set to values of the test's own, then as this process has them (set
+    or unset; this process's environment is never changed)."""
+    script, bindir, calls, out = _suite_with_fake_tools(repo_root, tmp_path)
+    base = _fake_baseline(tmp_path)
+    for given in ({"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
+                   "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}, {}):  # fmt: skip
+        env = _suite_env(
+            bindir,
+            out,
+            tmp_path,
+            DCPKIT_SUITE_STAGES="tests,programmatic,bench",
+            DCPKIT_SUITE_NP="2",
+            DCPKIT_SUITE_SHARED_GPU="1",
+            DCPKIT_SUITE_MPS="1",
+            DCPKIT_SUITE_BASELINE=str(base),
+            **given,
+        )
+        text, lines = _run_ok(run_cmd, script, env, calls, "-np ")
+        want = "|".join(
+            f"{var}={given.get(var, os.environ.get(var, 'unset'))}" for var in GUARD_VARS
+        )
+        # the MPS probe, mpitests, programmatic, the baseline's bench and the bench
+        assert len(lines) == 5, lines
+        assert all(f"|{want}|" in ln for ln in lines), (want, lines)
+        assert any("bench_base_2.json" in ln for ln in lines), lines
+        calls.unlink()
 
 
 @pytest.mark.parametrize("max_files", [None, "4"])
