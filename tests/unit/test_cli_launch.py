@@ -114,16 +114,46 @@ def test_a_bad_variable_is_refused_before_anything_is_launched(argv, run_python,
     assert f"in {RANGE} (got '-5')" in lines[0], lines[0]
 
 
-def test_info_reports_a_bad_variable_by_name(run_python):
-    r = run_python(["-m", "dcpkit", "info"], env={"DCPKIT_TIMEOUT_MS": "inf"})
-    assert r.returncode == 0, r.stderr
-    assert "wait deadline invalid DCPKIT_TIMEOUT_MS='inf'" in r.stdout, r.stdout
-    warning = next(ln for ln in r.stdout.splitlines() if ln.startswith("warning:"))
+def _check_timeout_warning(text: str) -> None:
+    """``dcpkit info``'s text for DCPKIT_TIMEOUT_MS=inf: the settings line, and the one
+    ``warning:`` line that names the variable, wherever it is among the warnings (a mixed CUDA
+    stack or an MPI launcher mismatch puts theirs first)."""
+    assert "wait deadline invalid DCPKIT_TIMEOUT_MS='inf'" in text, text
+    found = [
+        ln for ln in text.splitlines() if ln.startswith("warning:") and "DCPKIT_TIMEOUT_MS" in ln
+    ]
+    assert len(found) == 1, text
+    warning = found[0]
     assert f"DCPKIT_TIMEOUT_MS must be a number of milliseconds in {RANGE} (got 'inf')" in warning
     assert "ops built without timeout_ms refuse to build" in warning, warning
     assert "an explicit timeout_ms= does not read the variable" in warning, warning
     assert "every op" not in warning, warning
     assert "dcpkit demo, dcpkit bench and scripts/soak.py refuse to start" in warning, warning
+
+
+def test_info_reports_a_bad_variable_by_name(run_python):
+    r = run_python(["-m", "dcpkit", "info"], env={"DCPKIT_TIMEOUT_MS": "inf"})
+    assert r.returncode == 0, r.stderr
+    _check_timeout_warning(r.stdout)
+
+
+def test_info_reports_a_bad_variable_by_name_after_a_stack_warning(monkeypatch, capsys):
+    """An environment with cuda-bindings 13 next to the cuda12 extra's CUDA 12 runtime and NVRTC
+    (what torch from PyPI installs there): its warning comes first, the variable's after it."""
+    real_versions = info._versions
+
+    def mixed_stack():
+        v = real_versions()
+        v.update(cuda_bindings="13.0.3", cuda_runtime="12.9", nvrtc="12.9")
+        return v
+
+    monkeypatch.setattr(info, "_versions", mixed_stack)
+    monkeypatch.setenv("DCPKIT_TIMEOUT_MS", "inf")
+    assert info.main([]) == 0
+    out = capsys.readouterr().out
+    warnings = [ln for ln in out.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) >= 2 and "mixed CUDA majors: cuda-bindings 13.0.3" in warnings[0], out
+    _check_timeout_warning(out)
 
 
 # ----------------------------------------------------------------------------- once per job
