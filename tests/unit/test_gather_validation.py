@@ -23,6 +23,7 @@ from dcpkit.ops.q_gather import QGather
 from dcpkit.reference import resolve_dtype
 
 BASE = 1 << 32  # made-up device address of the arrays (16-byte aligned)
+OUT = 1 << 33  # made-up address of an out= array (away from BASE: outputs may share no memory)
 
 
 class FakeArray:
@@ -127,7 +128,7 @@ def test_q_gather_accepts_contiguous_padded_and_strided_inputs():
         T, ubatch, qi, oi = ws._validate(q, 1, None, False)
         assert (T, ubatch, oi) == (qi.shape[0], 1, None) and qi.shape[1:] == (4, 64)
         assert T in (1, 5, 8)
-    out = FakeArray((5, 8, 64), "float16", strides=(10 * 128, 128, 2))  # token-padded out
+    out = FakeArray((5, 8, 64), "float16", strides=(10 * 128, 128, 2), ptr=OUT)  # token-padded
     assert ws._validate(cupy_array((5, 4, 64), "float16"), 0, out, False)[3] is not None
 
 
@@ -603,7 +604,7 @@ def test_kv_gather_accepts_contiguous():
     ):
         T, _, ki, _ = ws._validate(kv, 0, None)
         assert T == ki.shape[0] and T in (1, 5, 8)
-    out = cupy_array((10, 64), "float16")
+    out = cupy_array((10, 64), "float16", ptr=OUT)
     assert ws._validate(cupy_array((5, 64), "float16"), 1, out)[3] is not None
 
 

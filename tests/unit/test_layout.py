@@ -62,6 +62,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "dcpkit._lse_call",
             "dcpkit._launch",
             "dcpkit._arrays",
+            "dcpkit._overlap",
             "dcpkit._cuda",
             "dcpkit._sm_share",
             "dcpkit.reference",

@@ -524,7 +524,8 @@ def test_return_lse_and_out_lse():
     assert res[1] == "direct" and lse == ("lse", "direct")
     dcp.close()
     dcp = FakeDCPComm(fake_comm(), **GEOM)
-    out, out_lse = FakeArray((2, 2, 64)), FakeArray((2, 2), np.float32)
+    out = FakeArray((2, 2, 64), ptr=2 << 20)
+    out_lse = FakeArray((2, 2), np.float32, ptr=3 << 20)
     res, lse = dcp.lse_reduce(*lse_inputs(2), out=out, out_lse=out_lse)
     assert res is out and lse is out_lse
     # the direct op always gets the caller's aligned, contiguous destinations
