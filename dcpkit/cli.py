@@ -28,6 +28,7 @@ import json
 import os
 import re
 import signal
+import stat
 import sys
 from collections.abc import Callable, Sequence
 
@@ -366,45 +367,85 @@ def os_error_text(e: BaseException) -> str:
 
 
 def write_output(
-    path: str, write: Callable, *, prog: str, make_folders: bool = False, atomic: bool = False
+    path: str,
+    write: Callable,
+    *,
+    prog: str,
+    make_folders: bool = False,
+    atomic: bool = True,
+    binary: bool = False,
 ) -> str | None:
-    """Write the file ``path`` with ``write(f)`` (``f`` open for writing text); None once it is
-    written, else the line ``could not write <path>: <OS error>``, also printed to stderr as
-    ``<prog>: <line>``, never a traceback.
+    """Write the file ``path`` with ``write(f)`` (``f`` open for writing text, or bytes with
+    ``binary``); None once it is written, else the line ``could not write <path>: <OS error>``,
+    also printed to stderr as ``<prog>: <line>``, never a traceback.
 
     For the files a command writes at the end of its run (``--json``, ``--profile``): the
     caller returns a non-zero status on a line. Under MPI only the writing rank knows; it writes
     after the job's last collective step, or shares the line with the others (``dcpkit demo``
     broadcasts it), so that no rank is left waiting. ``make_folders`` creates missing folders
-    first; ``atomic`` writes a temporary file beside ``path`` and renames it over ``path``, so
-    that a reader never sees half a file.
+    first.
+
+    ``atomic`` (the default) writes a temporary file beside the file (beside its target, for a
+    symbolic link) and renames it over it once ``write`` has returned and the data is on disk,
+    so that a reader never sees half a file and a run that stops half-way (a full disk, an
+    interrupt, an error in ``write``) leaves the old file as it was and no temporary file. A
+    path that is neither a regular file nor missing (``/dev/stdout``, a named pipe) is written
+    in place: there is no file to replace.
     """
-    tmp = f"{path}.tmp{os.getpid()}" if atomic else path
+    target = _replaceable(path) if atomic else None
+    tmp = None if target is None else f"{target}.tmp{os.getpid()}"
     try:
         folder = os.path.dirname(os.path.abspath(path))
         if make_folders and not os.path.lexists(folder):  # a file there: open() says so
             os.makedirs(folder, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
+        mode, encoding = ("wb", None) if binary else ("w", "utf-8")
+        with open(tmp or path, mode, encoding=encoding) as f:
             write(f)
-        if atomic:
-            os.replace(tmp, path)
-    except OSError as e:
-        if atomic:
+            if tmp is not None:
+                f.flush()
+                os.fsync(f.fileno())
+        if tmp is not None:
+            _keep_mode(target, tmp)
+            os.replace(tmp, target)
+    except BaseException as e:
+        if tmp is not None:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+        if not isinstance(e, OSError):
+            raise
         line = f"could not write {path}: {os_error_text(e)}"
         print(f"{prog}: {line}", file=sys.stderr, flush=True)
         return line
     return None
 
 
+def _replaceable(path: str) -> str | None:
+    """The file an atomic write of ``path`` renames its temporary file over: ``path`` with its
+    symbolic links resolved, when that is a regular file or nothing yet; None for anything else
+    (a device such as ``/dev/stdout``, a named pipe), which is written in place."""
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except OSError:
+        return real  # missing (or unreadable: open() says why)
+    return real if stat.S_ISREG(st.st_mode) else None
+
+
+def _keep_mode(target: str, tmp: str) -> None:
+    """Give ``tmp`` the permission bits of the file ``target`` it replaces, if there is one."""
+    try:
+        os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
+    except FileNotFoundError:
+        pass
+
+
 def write_json(
     path: str, doc, *, prog: str, make_folders: bool = False, sort_keys: bool = False
 ) -> int:
-    """Write ``doc`` as indented JSON to ``path`` through :func:`write_output`; the exit status
-    of a command whose last step this is: 0, or 1 after the one line on stderr."""
+    """Write ``doc`` as indented JSON to ``path`` through :func:`write_output` (atomically); the
+    exit status of a command whose last step this is: 0, or 1 after the one line on stderr."""
 
     def write(f):
         json.dump(doc, f, indent=1, sort_keys=sort_keys)

@@ -7,10 +7,10 @@ results. Everything reads the JSON form of the rows (:meth:`BenchRow.to_json`).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..cli import write_output
 from .targets import target_summary
 
 __all__ = [
@@ -239,7 +239,8 @@ def plot_results(result: Mapping[str, Any], path: str, dpi: int = 80) -> str | N
     """Draw latency vs size and bus bandwidth vs size (one line per path and mode, the floor and
     the egress ceiling dashed), one row of two panels per op, into a PNG at ``path``.
 
-    Returns None on success, or the reason no plot was drawn (matplotlib missing, no rows).
+    Returns None on success, or the reason no plot was drawn (matplotlib missing, no rows, the
+    file could not be written: that line is also on stderr). The file is written atomically.
     """
     try:
         import matplotlib
@@ -317,8 +318,13 @@ def plot_results(result: Mapping[str, Any], path: str, dpi: int = 80) -> str | N
         fontsize=10,
     )
     fig.tight_layout()
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
-    return None
+    try:
+        return write_output(
+            path,
+            lambda f: fig.savefig(f, dpi=dpi, format="png"),
+            prog="dcpkit bench",
+            make_folders=True,
+            binary=True,
+        )
+    finally:
+        plt.close(fig)

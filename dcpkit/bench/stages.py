@@ -70,7 +70,6 @@ class Ctx:
             lambda f: json.dump(jsonable(self.result()), f, indent=1, allow_nan=False),
             prog="dcpkit bench",
             make_folders=True,
-            atomic=True,
         )
 
 
