@@ -17,12 +17,14 @@ from the launcher's rank 0 only (:func:`job_leader`), and every rank exits with 
 
 Output piped into a reader that stops early (``dcpkit info | grep -q CuPy``, ``dcpkit --help |
 head -1``) ends the command quietly with status 141, 128 + SIGPIPE, as for other command-line
-tools (:func:`pipe_safe`), never with a ``BrokenPipeError`` traceback.
+tools (:func:`pipe_safe`), never with a ``BrokenPipeError`` traceback; output that cannot be
+written (``dcpkit info > /dev/full``) ends it with one line on stderr and status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import os
@@ -118,15 +120,39 @@ def _reader_gone(stream) -> bool:
     return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in p.poll(0))
 
 
-def pipe_safe(run, *args, **kwargs) -> int:
+def _output_fails(stream, err: OSError) -> bool:
+    """Whether writing to ``stream`` (stdout or stderr) itself fails as ``err`` did: an empty
+    write to its file descriptor raises the same error (``/dev/full``, a terminal that hung up),
+    or ``err`` says "no space" and the stream is a regular file on a full filesystem (which
+    accepts an empty write). False for a stream without a file descriptor."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    try:
+        os.write(fd, b"")
+    except OSError as e:
+        return e.errno == err.errno
+    if err.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.fstatvfs(fd).f_bavail == 0
+    except (AttributeError, OSError):  # no fstatvfs on this platform
+        return False
+
+
+def pipe_safe(run, *args, prog: str = "dcpkit", **kwargs) -> int:
     """``run(*args, **kwargs)``'s exit status, its output flushed; :data:`EXIT_BROKEN_PIPE`,
-    quietly, where stdout or stderr is a pipe whose reader has gone (``| head -1``).
+    quietly, where stdout or stderr is a pipe whose reader has gone (``| head -1``); 1 where
+    stdout or stderr cannot be written (``> /dev/full``, a full disk), after the line
+    ``<prog>: could not write to stdout: No space left on device`` on stderr.
 
     The entry point of every command wraps its ``main`` in it. A ``SystemExit`` (argparse's,
-    after ``--help``) passes through once the output is flushed. On a broken pipe, stdout and
-    stderr are pointed at the null device, so that nothing is printed after it (no traceback,
-    no "Exception ignored" when the interpreter flushes them at exit). A ``BrokenPipeError``
-    of another pipe or socket (neither stdout's nor stderr's reader has gone) propagates.
+    after ``--help``) passes through once the output is flushed. On a broken pipe or a failed
+    output, stdout and stderr are pointed at the null device, so that nothing is printed after
+    it (no traceback, no "Exception ignored" when the interpreter flushes them at exit). A
+    ``BrokenPipeError`` or other ``OSError`` of another file, pipe or socket (stdout and stderr
+    can still be written) propagates.
     """
     try:
         try:
@@ -138,10 +164,31 @@ def pipe_safe(run, *args, **kwargs) -> int:
     except BrokenPipeError:
         if not any(_reader_gone(s) for s in (sys.stdout, sys.stderr)):
             raise  # another pipe or socket (a peer's): a real error, not the output's reader
-        for stream in (sys.stdout, sys.stderr):
-            if stream is not None:
-                _point_at_devnull(stream)
+        _silence_output()
         return EXIT_BROKEN_PIPE
+    except OSError as e:
+        failed = [
+            name
+            for name, s in (("stdout", sys.stdout), ("stderr", sys.stderr))
+            if s is not None and _output_fails(s, e)
+        ]
+        if not failed:
+            raise  # another file's: not the output's
+        if "stderr" not in failed:
+            try:
+                sys.stderr.write(f"{prog}: could not write to stdout: {os_error_text(e)}\n")
+                sys.stderr.flush()
+            except OSError:
+                pass
+        _silence_output()
+        return 1
+
+
+def _silence_output() -> None:
+    """Point stdout and stderr at the null device (see :func:`_point_at_devnull`)."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            _point_at_devnull(stream)
 
 
 def milliseconds(text: str) -> float:
@@ -506,9 +553,10 @@ def main(argv: list[str] | None = None) -> int:
     printed by the launcher's rank 0 only and every rank returns the same status; the one
     exception is a dcpkit error a subcommand did not handle, which may be a single rank's and
     is printed by each rank that stops on it. A closed output pipe returns
-    :data:`EXIT_BROKEN_PIPE` quietly (:func:`pipe_safe`).
+    :data:`EXIT_BROKEN_PIPE` quietly, an output that cannot be written 1 after one line on
+    stderr (:func:`pipe_safe`).
     """
-    return pipe_safe(_main, argv)
+    return pipe_safe(_main, argv, prog="dcpkit")
 
 
 def _main(argv: list[str] | None) -> int:

@@ -619,4 +619,6 @@ def write_json(path: str, doc: dict, *, prog: str) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from dcpkit.cli import pipe_safe
+
+    raise SystemExit(pipe_safe(main, prog="scripts/host_overhead.py"))

@@ -561,4 +561,6 @@ def write_files(rows: dict, *, profile: str | None, json_path: str | None, prog:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from dcpkit.cli import pipe_safe
+
+    raise SystemExit(pipe_safe(main, prog="scripts/host_path_cpu.py"))

@@ -5,4 +5,4 @@ import sys
 from ..cli import pipe_safe
 from .command import main
 
-sys.exit(pipe_safe(main))
+sys.exit(pipe_safe(main, prog="dcpkit bench"))

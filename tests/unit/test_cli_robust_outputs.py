@@ -1,5 +1,6 @@
-"""Output files that cannot be written whole: every file a command writes is replaced whole or
-not at all (a full disk half-way leaves the old file and no temporary file)."""
+"""Output files and stdout that cannot be written: every file a command writes is replaced
+whole or not at all (a full disk half-way leaves the old file and no temporary file), and stdout
+on a full device (``> /dev/full``) is one line on stderr and status 1, never a traceback."""
 
 from __future__ import annotations
 
@@ -177,3 +178,60 @@ def test_the_bench_plot_is_written_whole(tmp_path):
     png = tmp_path / "sub" / "b.png"  # its folder is made
     assert report.plot_results(synthetic_result(2, True), str(png)) is None
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.listdir(png.parent) == ["b.png"]
+
+
+# ----------------------------------------------------------------------------- stdout
+def _dev_full():
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+
+
+def _to_dev_full(run_cmd, *args):
+    return run_cmd(["sh", "-c", 'exec "$0" "$@" > /dev/full', sys.executable, *args])
+
+
+TO_STDOUT = [
+    (["-m", "dcpkit.bench", "--help"], "dcpkit bench"),
+    (["-m", "dcpkit", "bench", "--help"], "dcpkit"),
+    (["-m", "dcpkit", "--help"], "dcpkit"),
+    (["-m", "dcpkit", "--version"], "dcpkit"),
+    (["-m", "dcpkit", "info"], "dcpkit"),
+    (["-m", "dcpkit", "info", "--json"], "dcpkit"),
+    (["{scripts}/host_path_cpu.py", "--help"], "scripts/host_path_cpu.py"),
+    (["{scripts}/host_overhead.py", "--help"], "scripts/host_overhead.py"),
+]
+
+
+@pytest.mark.parametrize(
+    "argv,prog", TO_STDOUT, ids=lambda v: " ".join(v) if isinstance(v, list) else v
+)
+def test_stdout_on_a_full_device_is_one_line_and_status_1(argv, prog, run_cmd, repo_root):
+    _dev_full()
+    argv = [a.format(scripts=repo_root / "scripts") for a in argv]
+    r = _to_dev_full(run_cmd, *argv)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert r.stderr == f"{prog}: could not write to stdout: {FULL}\n", r.stderr
+
+
+def test_render_md_to_a_full_stdout_is_one_line_and_status_1(tmp_path, run_cmd):
+    _dev_full()
+    j2 = tmp_path / "bench_2.json"
+    j2.write_text(json.dumps(jsonable(synthetic_result(2, True))))
+    r = _to_dev_full(run_cmd, "-m", "dcpkit.bench", "--render-md", str(j2))
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert r.stderr == f"dcpkit bench: could not write to stdout: {FULL}\n", r.stderr
+
+
+def test_a_full_disk_of_another_file_is_not_called_stdout(run_python):
+    """stdout can be written: the error is another file's, and reaches the caller as it is."""
+    code = (
+        "import errno, sys\n"
+        "from dcpkit.cli import pipe_safe\n"
+        "def run():\n"
+        "    raise OSError(errno.ENOSPC, 'the disk of another file')\n"
+        "sys.exit(pipe_safe(run))\n"
+    )
+    r = run_python(code)
+    assert r.returncode == 1 and "Traceback" in r.stderr, r.stderr
+    assert "OSError: [Errno 28] the disk of another file" in r.stderr, r.stderr
+    assert "could not write to stdout" not in r.stderr
