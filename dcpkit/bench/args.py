@@ -12,6 +12,7 @@ import argparse
 import math
 import re
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import Any
 
 from .._checks import decimal_float, decimal_int
@@ -46,7 +47,12 @@ DEFAULT_MIN_BYTES = 4 * KiB
 #: --max-bytes, never below the smallest).
 MIN_EGRESS_BYTES = 16 * KiB
 DEFAULT_EGRESS_BYTES = 64 * MiB
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
+#: A size as written on the command line: ASCII digits only (``\d`` would also read the digits
+#: of other scripts, such as the Arabic-Indic ``'\u0665\u0660'``, which ``int()`` takes as 50).
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b?)\s*$", re.I | re.ASCII)
+#: Most digits a size may have (far more than any size the benchmark takes): a number read
+#: exactly, never a float that overflows or an int() past Python's digit limit.
+_MAX_SIZE_DIGITS = 40
 
 
 #: The bench's parser class: errors are one line on stderr (exit status 2), no usage block.
@@ -55,23 +61,27 @@ BenchParser = CommandParser
 
 def parse_size(text: str) -> int:
     """Bytes from ``"4096"``, ``"4K"``, ``"4KiB"``, ``"256M"``, ``"1G"``, ``"1.5K"`` (binary
-    units); a whole, positive number of bytes.
+    units; ASCII digits, at most 40); a whole, positive number of bytes.
 
     Raises
     ------
     argparse.ArgumentTypeError
-        Not a size, not a whole number of bytes, or not positive.
+        Not a size, more than 40 digits, not a whole number of bytes, or not positive.
     """
     m = _SIZE.match(str(text))
     if not m:
         raise argparse.ArgumentTypeError(
             f"must be a size like 4096, 4K, 4KiB, 256M or 1G (got {text!r})"
         )
-    mult = {"": 1, "k": KiB, "m": MiB, "g": 1024 * MiB, "t": 1024 * 1024 * MiB}[m.group(2).lower()]
-    value = float(m.group(1)) * mult
-    if value != math.floor(value):
+    if len(m.group(1)) > _MAX_SIZE_DIGITS:
         raise argparse.ArgumentTypeError(
-            f"must be a whole number of bytes (got {text!r} = {value:g} bytes)"
+            f"must be a size of at most {_MAX_SIZE_DIGITS} digits (got {len(m.group(1))} digits)"
+        )
+    mult = {"": 1, "k": KiB, "m": MiB, "g": 1024 * MiB, "t": 1024 * 1024 * MiB}[m.group(2).lower()]
+    value = Fraction(m.group(1)) * mult  # exact: no float rounding, no overflow to inf
+    if value.denominator != 1:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number of bytes (got {text!r} = {float(value):g} bytes)"
         )
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte (got {text!r})")

@@ -52,7 +52,7 @@ def git_commit() -> tuple[str, bool | None]:
 def driver_version() -> str | None:
     try:
         with open("/proc/driver/nvidia/version") as f:
-            m = re.search(r"Kernel Module\s+(?:for\s+\S+\s+)?([\d.]+)", f.read())
+            m = re.search(r"Kernel Module\s+(?:for\s+\S+\s+)?([0-9.]+)", f.read(), re.ASCII)
             if m:
                 return m.group(1)
     except OSError:
