@@ -47,6 +47,12 @@ DEFAULT_MIN_BYTES = 4 * KiB
 #: --max-bytes, never below the smallest).
 MIN_EGRESS_BYTES = 16 * KiB
 DEFAULT_EGRESS_BYTES = 64 * MiB
+#: The egress kernel moves 16-byte vectors: an --egress-bytes must be a multiple of this.
+EGRESS_UNIT = 16
+#: Fewest seconds --hang-s allows: a host wait for the GPU shorter than this is not a hang.
+MIN_HANG_S = 1.0
+#: --hang-s without the option, unless twice the device deadline is longer.
+DEFAULT_HANG_S = 120.0
 #: A size as written on the command line: ASCII digits only (``\d`` would also read the digits
 #: of other scripts, such as the Arabic-Indic ``'\u0665\u0660'``, which ``int()`` takes as 50).
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b?)\s*$", re.I | re.ASCII)
@@ -122,21 +128,30 @@ def _int_in(lo: int, hi: int, what: str = "an integer") -> Callable[[str], int]:
     return parse
 
 
-def _positive_float(hi: float, unit: str) -> Callable[[str], float]:
+def _float_in(lo: float, hi: float, unit: str) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             v = decimal_float(text)
         except ValueError:
             v = math.nan
-        if not (math.isfinite(v) and 0 < v <= hi):
-            top = str(int(hi)) if float(hi).is_integer() else f"{hi:g}"
+        if not lo <= v <= hi:  # NaN fails too
             raise argparse.ArgumentTypeError(
-                f"must be a number of {unit} in (0, {top}] (got {text!r})"
+                f"must be a number of {unit} in [{lo:g}, {hi:g}] (got {text!r})"
             )
         return v
 
     parse.__name__ = "number"
     return parse
+
+
+def _egress_size(text: str) -> int:
+    v = _bounded_size(MIN_EGRESS_BYTES, MAX_BYTES_LIMIT)(text)
+    if v % EGRESS_UNIT:
+        raise argparse.ArgumentTypeError(
+            f"must be a multiple of {EGRESS_UNIT} bytes (the egress kernel moves "
+            f"{EGRESS_UNIT}-byte vectors) (got {text!r})"
+        )
+    return v
 
 
 def _items(text: str, what: str) -> list[str]:
@@ -273,9 +288,12 @@ def build_parser() -> BenchParser:
     p.add_timeout_option("every device wait (ops and ceilings)", fallback_ms=BENCH_TIMEOUT_MS)
     p.add_argument(
         "--hang-s",
-        type=_positive_float(86400.0, "seconds"),
-        default=120.0,
-        help="abort the job when a host wait for the GPU exceeds this (default 120)",
+        type=_float_in(MIN_HANG_S, 86400.0, "seconds"),
+        default=None,
+        help=f"abort the job when a host wait for the GPU exceeds this many seconds, in "
+        f"[{MIN_HANG_S:g}, 86400] and longer than the device deadline (--timeout-ms), so that "
+        f"a stuck op times out first (default {DEFAULT_HANG_S:g}, or twice the deadline where "
+        f"that is longer)",
     )
     p.add_argument(
         "--round-trips",
@@ -285,9 +303,10 @@ def build_parser() -> BenchParser:
     )
     p.add_argument(
         "--egress-bytes",
-        type=_bounded_size(MIN_EGRESS_BYTES, MAX_BYTES_LIMIT),
+        type=_egress_size,
         default=None,
-        help=f"egress ceiling slice per rank, >= {_fmt(MIN_EGRESS_BYTES)} (default "
+        help=f"egress ceiling slice per rank, >= {_fmt(MIN_EGRESS_BYTES)}, a multiple of "
+        f"{EGRESS_UNIT} bytes (default "
         f"max({_fmt(MIN_EGRESS_BYTES)}, min({_fmt(DEFAULT_EGRESS_BYTES)}, --max-bytes)))",
     )
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failed stages")
@@ -347,6 +366,13 @@ def _bytes_range_problem(args: argparse.Namespace) -> str | None:
     return f"argument --min-bytes: must be <= --max-bytes {max_bytes} (got {min_bytes})"
 
 
+def _hang_s(args: argparse.Namespace) -> float:
+    """``--hang-s``, or its default: 120 s, or twice the device deadline where that is longer."""
+    if args.hang_s is not None:
+        return float(args.hang_s)
+    return max(DEFAULT_HANG_S, 2 * float(args.timeout_ms) / 1000)
+
+
 def _matplotlib_problem() -> str | None:
     """Why matplotlib cannot draw the plots, or None (asked at parse time, not after the run)."""
     try:
@@ -376,6 +402,13 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
                 parser.error(
                     f"argument --plot: needs matplotlib ({why}): pip install 'dcpkit[bench]'"
                 )
+        if args.hang_s is not None and args.hang_s * 1000 <= args.timeout_ms:
+            source = {"default": "the default"}.get(args.timeout_source, args.timeout_source)
+            parser.error(
+                f"argument --hang-s: must be longer than the device deadline, "
+                f"{args.timeout_ms:g} ms from {source}, so that a stuck op times out before "
+                f"the job is aborted (got {args.hang_s:g})"
+            )
     else:
         render_opts = {"render_md", "baseline", "md_out", "notes", "host_overhead", "help"}
         for action in parser._actions:
@@ -432,7 +465,7 @@ def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
         if args.egress_bytes is not None
         else max(MIN_EGRESS_BYTES, min(DEFAULT_EGRESS_BYTES, max_bytes))
     )
-    egress = egress // 16 * 16
+    egress = egress // EGRESS_UNIT * EGRESS_UNIT  # the default, from --max-bytes
     tokens = args.tokens or ([1, 128] if q else [1, 8, 32, 128])
     iters = args.iters if args.iters is not None else (8 if q else 30)
     return {
@@ -451,7 +484,7 @@ def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "geometry": dict(GEOMETRY, D_kv=int(args.kv_row_dim)),
         "timeout_ms": float(args.timeout_ms),
-        "hang_s": float(args.hang_s),
+        "hang_s": _hang_s(args),
         "round_trips": args.round_trips if args.round_trips is not None else (2000 if q else 20000),
         "pingpong_repeats": 3 if q else 5,
         "egress_slice_bytes": int(egress),

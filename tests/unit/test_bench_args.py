@@ -57,9 +57,11 @@ def test_the_default_egress_slice_keeps_to_the_documented_minimum(capsys):
     with pytest.raises(SystemExit):
         p.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "egress ceiling slice per rank, >= 16K (default max(16K, min(64M, --max-bytes)))" in (
-        text
-    ), text
+    want = (
+        "egress ceiling slice per rank, >= 16K, a multiple of 16 bytes (default "
+        "max(16K, min(64M, --max-bytes)))"
+    )
+    assert want in text, text
     assert "also caps the default egress slice (64M), never below 16K" in text, text
 
 
@@ -164,7 +166,7 @@ BAD_ARGS = [
     # digit separators, which Python's int() and float() read, are not numbers here
     (["--iters", "1_0"], "argument --iters: must be an integer in [1, 10000] (got '1_0')"),
     (["--tokens", "1,1_6"], "argument --tokens: must be a comma list of integers in [1, 65536]"),
-    (["--hang-s", "1_0"], "argument --hang-s: must be a number of seconds in (0, 86400]"),
+    (["--hang-s", "1_0"], "argument --hang-s: must be a number of seconds in [1, 86400]"),
     (["--timeout-ms", "1_000"], "argument --timeout-ms: must be a number of milliseconds in ["),
     (["--timeout-ms", "-1"], "argument --timeout-ms: must be a number of milliseconds in [0.001, "),
     (
@@ -178,7 +180,7 @@ BAD_ARGS = [
     # a positive deadline under 1 us would make every wait time out at once
     (["--timeout-ms", "1e-300"], "argument --timeout-ms: must be a number of milliseconds in [0."),
     (["--timeout-ms", "0.0009"], "argument --timeout-ms: must be a number of milliseconds in [0."),
-    (["--hang-s", "0"], "argument --hang-s: must be a number of seconds in (0, 86400]"),
+    (["--hang-s", "0"], "argument --hang-s: must be a number of seconds in [1, 86400]"),
     (["--round-trips", "0"], "argument --round-trips: must be an integer in [1, 10000000]"),
     (["--tokens", "0,8"], "argument --tokens: must be a comma list of integers in [1, 65536]"),
     (["--kv-row-dim", "12"], "argument --kv-row-dim: must be a multiple of 8 elements"),

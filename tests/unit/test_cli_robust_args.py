@@ -1,5 +1,6 @@
-"""Sizes that ended in a traceback or were read wrongly: a size too large for a float, a size
-rounded through a float, digits of other scripts (``\\d`` and ``int()`` read them)."""
+"""Inputs a new user gave that ended in a traceback or were taken silently: sizes too large for
+a float, digits of other scripts, a ``--hang-s`` too short to be a hang, an ``--egress-bytes``
+the kernel would round down."""
 
 from __future__ import annotations
 
@@ -85,3 +86,63 @@ def test_the_driver_version_takes_ascii_digits_only(monkeypatch):
     assert meta.driver_version() == "550.54.15"
     proc("NVRM version: NVIDIA UNIX x86_64 Kernel Module  \u0665\u0665\u0660.54.15  Tue\n")
     assert meta.driver_version() is None
+
+
+# ----------------------------------------------------------------------------- --hang-s, --egress-bytes
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (
+            ["--hang-s", "1e-9"],
+            "argument --hang-s: must be a number of seconds in [1, 86400] (got '1e-9')",
+        ),
+        (
+            ["--hang-s", "0.5"],
+            "argument --hang-s: must be a number of seconds in [1, 86400] (got '0.5')",
+        ),
+        # a host abort before the device deadline: a stuck op would never be recorded as one
+        (
+            ["--hang-s", "5"],
+            "argument --hang-s: must be longer than the device deadline, 10000 ms from the "
+            "default, so that a stuck op times out before the job is aborted (got 5)",
+        ),
+        (
+            ["--hang-s", "30", "--timeout-ms", "30000"],
+            "argument --hang-s: must be longer than the device deadline, 30000 ms from "
+            "--timeout-ms, so that a stuck op times out before the job is aborted (got 30)",
+        ),
+        (
+            ["--egress-bytes", "16385"],
+            "argument --egress-bytes: must be a multiple of 16 bytes (the egress kernel moves "
+            "16-byte vectors) (got '16385')",
+        ),
+        (["--egress-bytes", "100001"], "argument --egress-bytes: must be a multiple of 16 bytes"),
+    ],
+)
+def test_a_run_setting_the_bench_would_not_honour_is_refused(argv, line, capsys, monkeypatch):
+    from dcpkit import comm as comm_mod
+
+    def no_mpi(cls):
+        raise AssertionError("MPI was started for arguments that must be refused first")
+
+    monkeypatch.setattr(comm_mod.Communicator, "from_mpi", classmethod(no_mpi))
+    assert line in _refused(capsys, argv)
+
+
+def test_the_deadline_from_the_environment_is_checked_against_hang_s(capsys, monkeypatch):
+    monkeypatch.setenv("DCPKIT_TIMEOUT_MS", "200000")
+    err = _refused(capsys, ["--hang-s", "150"])
+    assert "device deadline, 200000 ms from DCPKIT_TIMEOUT_MS" in err, err
+
+
+def test_hang_s_defaults_to_twice_a_long_deadline():
+    p = bench.build_parser()
+    assert bench.resolve_config(p.parse_args([]))["hang_s"] == 120.0
+    assert bench.resolve_config(p.parse_args(["--timeout-ms", "100000"]))["hang_s"] == 200.0
+    assert bench.resolve_config(p.parse_args(["--hang-s", "11"]))["hang_s"] == 11.0
+
+
+def test_an_egress_slice_on_the_unit_is_taken_as_given():
+    p = bench.build_parser()
+    cfg = bench.resolve_config(p.parse_args(["--egress-bytes", "16400"]))
+    assert cfg["egress_slice_bytes"] == 16400
