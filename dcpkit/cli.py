@@ -226,7 +226,10 @@ class CommandParser(argparse.ArgumentParser):
         self._argv = list(sys.argv[1:] if args is None else args)
         ns, rest = super().parse_known_args(args, namespace)
         if self._timeout_fallback_ms is not None:
-            ns.timeout_ms, ns.timeout_source = self._resolve_timeout(ns.timeout_ms)
+            if self.reads_op_settings(ns):
+                ns.timeout_ms, ns.timeout_source = self._resolve_timeout(ns.timeout_ms)
+            else:  # DCPKIT_TIMEOUT_MS is not read: no op runs
+                ns.timeout_source = None if ns.timeout_ms is None else "--timeout-ms"
         outputs, inputs = self._distinct
         if outputs:
             why = file_clash(self._given(ns, outputs), self._given(ns, inputs))
@@ -253,6 +256,12 @@ class CommandParser(argparse.ArgumentParser):
                 out.append((opt, path))
         return out
 
+    def reads_op_settings(self, ns: argparse.Namespace) -> bool:
+        """Whether the command, as parsed into ``ns``, runs an op and so reads the ops' settings
+        (``DCPKIT_TIMEOUT_MS``); True unless a subclass says otherwise for a mode that runs
+        none (the bench's ``--render-md``)."""
+        return True
+
     def add_timeout_option(self, waits: str, *, fallback_ms: float = DEFAULT_TIMEOUT_MS) -> None:
         """Add ``--timeout-ms``, the deadline of ``waits`` (help text), in milliseconds.
 
@@ -262,7 +271,8 @@ class CommandParser(argparse.ArgumentParser):
         unless the command has another). A set ``DCPKIT_TIMEOUT_MS`` is checked when the
         arguments are parsed, also with ``--timeout-ms`` (an op built without a deadline would
         refuse it): a bad value is a usage error naming the variable, before any MPI or GPU
-        work.
+        work. Where :meth:`reads_op_settings` is False the variable is not read: ``timeout_ms``
+        is ``--timeout-ms`` or None, ``timeout_source`` ``"--timeout-ms"`` or None.
         """
         self._timeout_fallback_ms = float(fallback_ms)
         self.add_argument(

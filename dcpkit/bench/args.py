@@ -61,8 +61,14 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b?)\s*$", re.I | re
 _MAX_SIZE_DIGITS = 40
 
 
-#: The bench's parser class: errors are one line on stderr (exit status 2), no usage block.
-BenchParser = CommandParser
+class BenchParser(CommandParser):
+    """The bench's parser: errors are one line on stderr (exit status 2), no usage block.
+    ``--render-md`` runs no op, so it reads no op setting: ``DCPKIT_TIMEOUT_MS`` is neither
+    checked nor used there (``timeout_ms`` is None unless ``--timeout-ms`` is given, which
+    :func:`check_args` refuses)."""
+
+    def reads_op_settings(self, ns: argparse.Namespace) -> bool:
+        return getattr(ns, "render_md", None) is None
 
 
 def parse_size(text: str) -> int:

@@ -28,7 +28,8 @@ class _RenderError(Exception):
 
 
 def _fail(message: str) -> int:
-    print(f"dcpkit bench: --render-md: {message}", file=sys.stderr)
+    if job_leader():
+        print(f"dcpkit bench: --render-md: {message}", file=sys.stderr)
     return 2
 
 
@@ -90,36 +91,69 @@ def _load(
     return results, plots
 
 
+def _load_host(path: str) -> dict[str, Any]:
+    """One ``scripts/host_overhead.py --json`` file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            run = json.load(f)
+        host_md.check_host_overhead(run)
+    except (OSError, UnicodeDecodeError) as e:
+        raise _RenderError(f"cannot read --host-overhead {path}: {_oserror_text(e)}") from None
+    except ValueError as e:  # not JSON, or not host_overhead.py's
+        raise _RenderError(
+            f"--host-overhead {path} is not a scripts/host_overhead.py JSON ({e})"
+        ) from None
+    return run
+
+
 def _world_size(res: dict[str, Any]) -> Any:
     meta = res.get("meta")
     return meta.get("world_size") if isinstance(meta, dict) else None
 
 
-def _check_world_sizes(args, results, baselines) -> None:
-    """One run per world size, and every baseline at the world size of a run."""
+def _check_world_sizes(args, results, baselines, host=()) -> None:
+    """One run per world size, and every baseline and host-time run at the world size of a
+    run, one host-time run per world size."""
+    seen = _one_per_world_size(args.render_md, results, "")
+    for what, paths, runs in (
+        ("--baseline", args.baseline, baselines),
+        ("--host-overhead", getattr(args, "host_overhead", None), host),
+    ):
+        for path, res in zip(paths or [], runs):
+            W = _world_size(res)
+            if W not in seen:
+                raise _RenderError(
+                    f"{what} {path} is a run at world size {W}, which no --render-md JSON has "
+                    f"(world sizes {sorted(seen, key=str)})"
+                )
+    _one_per_world_size(getattr(args, "host_overhead", None) or [], host, "--host-overhead ")
+
+
+def _one_per_world_size(paths, runs, what: str) -> dict[Any, str]:
+    """World size -> the path of its run; two runs at one world size are an error (each section
+    would be rendered twice)."""
     seen: dict[Any, str] = {}
-    for path, res in zip(args.render_md, results):
+    for path, res in zip(paths, runs):
         W = _world_size(res)
         if W in seen:
             raise _RenderError(
-                f"{path} and {seen[W]} are both runs at world size {W} (one JSON per world size)"
+                f"{what}{path} and {seen[W]} are both runs at world size {W} (one JSON per "
+                f"world size)"
             )
         seen[W] = path
-    for path, res in zip(args.baseline or [], baselines):
-        W = _world_size(res)
-        if W not in seen:
-            raise _RenderError(
-                f"--baseline {path} is a run at world size {W}, which no --render-md JSON has "
-                f"(world sizes {sorted(seen, key=str)})"
-            )
+    return seen
 
 
 def render_md_main(args: argparse.Namespace) -> int:
     """``--render-md``: BENCHMARKS.md from JSON files (no GPU, no MPI); to stdout unless
-    ``--md-out`` is given.
+    ``--md-out`` is given, written atomically (a reader never sees half of it).
 
     Returns 0, or 2 with one line on stderr (no traceback) when an input cannot be read or is
-    not a ``dcpkit bench --json`` result, or the output cannot be written.
+    not a ``dcpkit bench --json`` result (or a ``--host-overhead`` file not one of
+    ``scripts/host_overhead.py``), two runs of one kind share a world size, a baseline or
+    host-time run has a world size no run has, or the output cannot be written. Under an MPI
+    launcher every rank reads and checks the files, and the launcher's rank 0 alone prints the
+    error line or writes the markdown.
     """
     out_dir = os.path.dirname(os.path.abspath(args.md_out)) if args.md_out else os.getcwd()
     if args.md_out:
@@ -130,20 +164,10 @@ def render_md_main(args: argparse.Namespace) -> int:
     try:
         results, plots = _load(args.render_md, out_dir)
         baselines, _ = _load(args.baseline or [], out_dir, "--baseline ")
-        _check_world_sizes(args, results, baselines)
+        host = [_load_host(path) for path in getattr(args, "host_overhead", None) or []]
+        _check_world_sizes(args, results, baselines, host)
     except _RenderError as e:
         return _fail(str(e))
-    host = []
-    for path in getattr(args, "host_overhead", None) or []:
-        try:
-            with open(path, encoding="utf-8") as f:
-                run = json.load(f)
-            host_md.check_host_overhead(run)
-        except (OSError, UnicodeDecodeError) as e:
-            return _fail(f"cannot read --host-overhead {path}: {_oserror_text(e)}")
-        except ValueError as e:  # not JSON, or not host_overhead.py's
-            return _fail(f"--host-overhead {path} is not a scripts/host_overhead.py JSON ({e})")
-        host.append(run)
     notes = None
     if args.notes:
         try:
@@ -173,6 +197,8 @@ def render_md_main(args: argparse.Namespace) -> int:
                 bad = [path]
                 break
         return _fail(f"{' '.join(bad)} is a malformed {SCHEMA} JSON ({type(e).__name__}: {e})")
+    if not job_leader():  # under a launcher every rank checks the files, rank 0 writes
+        return 0
     if args.md_out:
         if write_output(args.md_out, lambda f: f.write(md), prog="dcpkit bench: --render-md"):
             return 2

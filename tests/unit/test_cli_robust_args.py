@@ -1,17 +1,22 @@
 """Inputs a new user gave that ended in a traceback or were taken silently: sizes too large for
 a float, digits of other scripts, a ``--hang-s`` too short to be a hang, an ``--egress-bytes``
-the kernel would round down."""
+the kernel would round down, duplicate or unmatched ``--host-overhead`` files, a bad
+``DCPKIT_TIMEOUT_MS`` where no op runs, and ``--render-md`` under a launcher (once per job)."""
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
+import sys
 
 import pytest
+from _bench_rows import synthetic_result
 
 from dcpkit import bench
 from dcpkit.bench import args as bench_args
 from dcpkit.bench import meta
+from dcpkit.bench.common import jsonable
 
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
@@ -146,3 +151,91 @@ def test_an_egress_slice_on_the_unit_is_taken_as_given():
     p = bench.build_parser()
     cfg = bench.resolve_config(p.parse_args(["--egress-bytes", "16400"]))
     assert cfg["egress_slice_bytes"] == 16400
+
+
+# ----------------------------------------------------------------------------- --render-md
+def _bench_json(tmp_path, W=2) -> str:
+    path = tmp_path / f"bench_{W}.json"
+    path.write_text(json.dumps(jsonable(synthetic_result(W, True))))
+    return str(path)
+
+
+def _host_json(tmp_path, name, W) -> str:
+    path = tmp_path / name
+    doc = {"meta": {"world_size": W}, "host": {}, "back_to_back_device_us": {}}
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_render_md_refuses_two_host_overhead_runs_of_one_world_size(tmp_path, capsys):
+    j2 = _bench_json(tmp_path)
+    a, b = _host_json(tmp_path, "a.json", 2), _host_json(tmp_path, "b.json", 2)
+    assert bench.main(["--render-md", j2, "--host-overhead", a, b]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        f"dcpkit bench: --render-md: --host-overhead {b} and {a} are both runs at world size 2 "
+        f"(one JSON per world size)\n"
+    ), err
+    assert bench.main(["--render-md", j2, "--host-overhead", a, a]) == 2
+    assert "are both runs at world size 2" in capsys.readouterr().err
+
+
+def test_render_md_refuses_a_host_overhead_run_at_a_world_size_no_run_has(tmp_path, capsys):
+    j2 = _bench_json(tmp_path)
+    h4 = _host_json(tmp_path, "h4.json", 4)
+    assert bench.main(["--render-md", j2, "--host-overhead", h4]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        f"dcpkit bench: --render-md: --host-overhead {h4} is a run at world size 4, which no "
+        f"--render-md JSON has (world sizes [2])\n"
+    ), err
+    h2 = _host_json(tmp_path, "h2.json", 2)
+    assert bench.main(["--render-md", j2, "--host-overhead", h2]) == 0  # one per world size
+    assert capsys.readouterr().out.count("## Host time per call") == 1
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "1_000"])
+def test_render_md_reads_no_op_setting(value, tmp_path, capsys, monkeypatch):
+    """Rendering runs no op: a DCPKIT_TIMEOUT_MS that every op would refuse is not read."""
+    j2 = _bench_json(tmp_path)
+    monkeypatch.setenv("DCPKIT_TIMEOUT_MS", value)
+    assert bench.main(["--render-md", j2]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("# ") and err == "", err
+    # --timeout-ms itself is still an option of a run, not of the rendering
+    err = _refused(capsys, ["--render-md", j2, "--timeout-ms", "5"])
+    assert "argument --timeout-ms: not used with --render-md" in err, err
+
+
+@pytest.mark.parametrize("var", _RANK_VARS)
+def test_render_md_writes_once_per_job(var, tmp_path, capsys, monkeypatch):
+    """Under a launcher every rank reads and checks the files; rank 0 alone prints or writes."""
+    j2 = _bench_json(tmp_path)
+    md = tmp_path / "B.md"
+    assert bench.main(["--render-md", j2]) == 0
+    alone = capsys.readouterr()
+    monkeypatch.setenv(var, "1")
+    assert bench.main(["--render-md", j2]) == 0
+    assert bench.main(["--render-md", j2, "--md-out", str(md)]) == 0
+    assert capsys.readouterr() == ("", "") and not md.exists()
+    assert bench.main(["--render-md", j2, str(tmp_path / "missing.json")]) == 2  # same status
+    assert capsys.readouterr() == ("", "")
+    monkeypatch.setenv(var, "0")
+    assert bench.main(["--render-md", j2]) == 0
+    assert capsys.readouterr() == alone
+    assert bench.main(["--render-md", j2, "--md-out", str(md)]) == 0
+    assert md.read_text() and capsys.readouterr().out == f"dcpkit bench: wrote {md} from 1 run(s)\n"
+
+
+def test_render_md_under_mpiexec_prints_one_document(tmp_path, mpi_launcher, run_cmd, run_python):
+    j2 = _bench_json(tmp_path)
+    alone = run_python(["-m", "dcpkit.bench", "--render-md", j2])
+    assert alone.returncode == 0, alone.stderr
+    proc = run_cmd(
+        mpi_launcher.command(2, sys.executable, "-m", "dcpkit.bench", "--render-md", j2),
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == alone.stdout
