@@ -424,6 +424,11 @@ def build_rows(cupy, comm, dev: int, have_torch: bool):
     return rows, b2b, closers, qg.launch_backend
 
 
+#: The most calls a row may be timed over (as scripts/host_path_cpu.py): every call's time is
+#: kept, on every rank, until the end.
+MAX_CALLS = 10_000_000
+
+
 def parser():
     """The script's argument parser: every value is checked when parsed (one line, exit 2)."""
     from dcpkit.cli import CommandParser, file_path
@@ -437,15 +442,16 @@ def parser():
     )
     ap.add_argument(
         "--calls",
-        type=integer(1),
+        type=integer(1, MAX_CALLS),
         default=10000,
-        help="timed calls of every row, each timed alone (default: 10000)",
+        help=f"timed calls of every row, each timed alone, in [1, {MAX_CALLS}] (default: 10000)",
     )
     ap.add_argument(
         "--rounds",
-        type=integer(1),
+        type=integer(1, MAX_CALLS),
         default=5,
-        help="interleaved rounds the calls of every row are split into (default: 5)",
+        help="interleaved rounds the calls of every row are split into, at most --calls "
+        "(default: 5)",
     )
     ap.add_argument(
         "--json",
@@ -471,6 +477,12 @@ def main(argv=None) -> int:
     why = output_file_problem(args.json) if args.json is not None else None
     if why:
         ap.error(f"argument --json: {why}")
+    if args.rounds > args.calls:
+        ap.error(
+            f"argument --rounds: must be at most --calls {args.calls} (every round times at "
+            f"least one call of every row) (got {args.rounds})"
+        )
+    ap.timeout_from_env()  # the ops are built without timeout_ms: they read the variable
     cupy, why = _gpu_or_reason()
     comm, status = _connect(why)
     if comm is None:

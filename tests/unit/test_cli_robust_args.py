@@ -1,7 +1,8 @@
 """Inputs a new user gave that ended in a traceback or were taken silently: sizes too large for
 a float, digits of other scripts, a ``--hang-s`` too short to be a hang, an ``--egress-bytes``
 the kernel would round down, duplicate or unmatched ``--host-overhead`` files, a bad
-``DCPKIT_TIMEOUT_MS`` where no op runs, and ``--render-md`` under a launcher (once per job)."""
+``DCPKIT_TIMEOUT_MS`` where no op runs (and where the script did not check it), and
+``--render-md`` under a launcher (once per job)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 
 import pytest
 from _bench_rows import synthetic_result
+from _scripts import load_script
 
 from dcpkit import bench
 from dcpkit.bench import args as bench_args
@@ -239,3 +241,32 @@ def test_render_md_under_mpiexec_prints_one_document(tmp_path, mpi_launcher, run
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == alone.stdout
+
+
+# ----------------------------------------------------------------------------- the scripts
+def test_host_path_cpu_refuses_a_bad_deadline_in_one_line(capsys, monkeypatch):
+    """DCPComm is built without timeout_ms: a bad DCPKIT_TIMEOUT_MS was an InvalidArgument
+    traceback from its constructor."""
+    mod = load_script("host_path_cpu")
+    monkeypatch.setenv("DCPKIT_TIMEOUT_MS", "abc")
+    with pytest.raises(SystemExit) as ei:
+        mod.main(["--calls", "1"])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "scripts/host_path_cpu.py: environment variable DCPKIT_TIMEOUT_MS: must be a number of "
+        "milliseconds in [0.001, 3600000] (got 'abc') (see scripts/host_path_cpu.py --help)\n"
+    ), err
+
+
+def test_host_overhead_refuses_a_bad_deadline_before_the_gpu_check(capsys, monkeypatch):
+    mod = load_script("host_overhead")
+    monkeypatch.setenv("DCPKIT_TIMEOUT_MS", "abc")
+    with pytest.raises(SystemExit) as ei:
+        mod.main([])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "scripts/host_overhead.py: environment variable DCPKIT_TIMEOUT_MS: must be a number"
+    ), err
+    assert err.count("\n") == 1 and "GPU" not in err, err
