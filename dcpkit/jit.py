@@ -330,7 +330,7 @@ def nvrtc_archs() -> list[int] | None:
         return None
 
 
-_ARCH = re.compile(r"^sm_(\d+)[af]?$")
+_ARCH = re.compile(r"sm_([0-9]+)[af]?")  # fullmatch; ASCII digits (int() reads others too)
 #: Oldest target the kernels compile for (kernels/dcpkit_ptx.cuh, "Target architectures").
 MIN_ARCH = 70
 
@@ -409,7 +409,7 @@ def compile_only(
         raise InvalidType(
             f"{op}: arch must be a str such as 'sm_90' (got {type(arch).__name__} {arch!r})"
         )
-    m = _ARCH.match(arch)
+    m = _ARCH.fullmatch(arch)
     if not m:
         raise InvalidArgument(f"{op}: arch must be a real target such as 'sm_90' (got {arch!r})")
     extra = _options_arg(options, op)

@@ -286,7 +286,7 @@ def test_compile_only_options_forms(scratch_kernels):
 
 
 def test_compile_only_arch_checks():
-    for bad in ("90", "sm90", "compute_90", "sm_9x", ""):
+    for bad in ("90", "sm90", "compute_90", "sm_9x", "", "sm_\u0669\u0660", "sm_90\n"):
         with pytest.raises(
             InvalidArgument,
             match=r"jit.compile_only: arch must be a real target "
