@@ -10,23 +10,29 @@ NOTE [dcpkit multicast guard]
 Multicast is used only when all of these hold, checked in this order:
 
 1. opt-in: ``multicast=True`` was passed, or ``multicast=None`` (the default) and
-   ``DCPKIT_MULTICAST`` is truthy. ``multicast=False`` is always off.
-2. no disabling variable is set (every one that is set is named in the reason):
+   ``DCPKIT_MULTICAST`` holds a true spelling. ``multicast=False`` is always off.
+2. no disabling variable is set (every one that disables is named in the reason):
 
    ================================== ===========================================================
    variable                           disables multicast when its value is ...
    ================================== ===========================================================
-   ``NCCL_NVLS_ENABLE``               anything but an enabling spelling: ``0``, ``false``, ``no``,
-                                      ``off``, or an unrecognised word (fail safe). Enabling:
-                                      a non-zero integer, ``true``, ``yes``, ``on``, ``y``, ``t``.
-   ``NVSHMEM_DISABLE_NVLS``           anything but a disabling-off spelling: ``1``, ``true``,
-   ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` ``yes``, any non-zero integer, or an unrecognised word
-   ``DCPKIT_DISABLE_MULTICAST``       (fail safe). Not disabling: ``0``, ``false``, ``no``,
-                                      ``off``, ``n``, ``f``.
+   ``NCCL_NVLS_ENABLE``               a false spelling (``0``, ``false``, ...). Not disabling:
+                                      a true spelling (``1``, ``2``, ``true``, ...).
+   ``NVSHMEM_DISABLE_NVLS``           a true spelling (``1``, ``true``, ``yes``, ...). Not
+   ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` disabling: a false spelling (``0``, ``false``, ...).
+   ``DCPKIT_DISABLE_MULTICAST``
    ================================== ===========================================================
 
-   Spellings are compared after stripping blanks, case-insensitively. A variable that is unset,
-   or set to the empty string, has no effect.
+   The spellings, of these variables and of ``DCPKIT_MULTICAST`` (:data:`TRUE_SPELLINGS`,
+   :data:`FALSE_SPELLINGS`): true is ``1``, ``true``, ``yes``, ``on``, ``y``, ``t`` or any other
+   decimal integer but 0 (``2``, say); false is ``0``, ``false``, ``no``, ``off``, ``n``, ``f``
+   (``00`` too). They are compared case-insensitively, after stripping ASCII blanks, and must
+   be ASCII: ``1_0``, ``+1``, ``-1``, an Arabic-Indic digit one and unknown words are none of
+   them. A variable that is unset, or set to the empty
+   string or to blanks, has no effect. Any other value raises
+   :class:`~dcpkit.errors.InvalidArgument` naming the variable and the value, wherever the
+   guard reads it: a value the guard cannot read never enables multicast, and never disables it
+   silently either.
 3. the device reports ``CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`` = 1.
 4. every rank of the group says yes (:func:`agree_multicast`); otherwise no rank uses it, and the
    reason names the ranks that said no.
@@ -51,6 +57,8 @@ from .errors import InvalidArgument, InvalidType, MulticastDisabled, PeerError
 __all__ = [
     "KILL_SWITCHES",
     "OPT_IN_VARIABLE",
+    "TRUE_SPELLINGS",
+    "FALSE_SPELLINGS",
     "kill_switches_set",
     "multicast_decision",
     "agree_multicast",
@@ -65,8 +73,8 @@ log = logging.getLogger("dcpkit")
 OPT_IN_VARIABLE = "DCPKIT_MULTICAST"
 
 #: Variables that forbid multicast, with the sense of each: ``"enable"`` variables forbid it
-#: unless they hold an enabling spelling, ``"disable"`` variables forbid it unless they hold a
-#: not-disabling spelling (NOTE [dcpkit multicast guard]).
+#: when they hold a false spelling, ``"disable"`` variables when they hold a true spelling
+#: (NOTE [dcpkit multicast guard]).
 KILL_SWITCHES: tuple[tuple[str, str], ...] = (
     ("NCCL_NVLS_ENABLE", "enable"),
     ("NVSHMEM_DISABLE_NVLS", "disable"),
@@ -74,42 +82,75 @@ KILL_SWITCHES: tuple[tuple[str, str], ...] = (
     ("DCPKIT_DISABLE_MULTICAST", "disable"),
 )
 
-_TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
-_FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f"})
+#: Words that read as true in the guard's variables (besides a decimal integer other than 0).
+TRUE_SPELLINGS = ("1", "true", "yes", "on", "y", "t")
+#: Words that read as false in the guard's variables (besides ``0`` written with more zeros).
+FALSE_SPELLINGS = ("0", "false", "no", "off", "n", "f")
+_TRUE_WORDS = frozenset(TRUE_SPELLINGS)
+_FALSE_WORDS = frozenset(FALSE_SPELLINGS)
+_ASCII_BLANKS = " \t\n\r\f\v"
+_SPELLINGS = (
+    f"{', '.join(TRUE_SPELLINGS)} (or another ASCII decimal integer but 0) for true, or "
+    f"{', '.join(FALSE_SPELLINGS)} for false"
+)
+#: The op named in the guard's messages when the caller names none.
+_GUARD = "multicast guard"
 
 
-def _parse_bool(value: str) -> bool | None:
-    """True / False for a recognised spelling (words above or an integer), None otherwise."""
-    v = value.strip().lower()
-    if v in _TRUE_WORDS:
-        return True
-    if v in _FALSE_WORDS:
-        return False
-    try:
-        return int(v) != 0
-    except ValueError:
-        return None
+def _parse_bool(name: str, value: str, op: str = _GUARD) -> bool:
+    """``value`` of the variable ``name`` as True or False (NOTE [dcpkit multicast guard]).
+
+    Raises
+    ------
+    InvalidArgument
+        ``value`` is not one of the spellings: an unknown word, non-ASCII characters, a sign, a
+        digit separator (``1_0``). The message names ``op``, ``name`` and ``value``.
+    """
+    v = value.strip(_ASCII_BLANKS)
+    if v.isascii():  # before lower(), which maps some non-ASCII letters to ASCII ones
+        v = v.lower()
+        if v in _TRUE_WORDS:
+            return True
+        if v in _FALSE_WORDS:
+            return False
+        if v.isdigit():  # ASCII digits only: no sign, no separator, no other script's digits
+            return v.strip("0") != ""
+    raise InvalidArgument(f"{op}: {name} must be {_SPELLINGS} (got {value!r})")
 
 
 def _is_set(env: Mapping[str, str], name: str) -> bool:
     value = env.get(name)
-    return value is not None and value.strip() != ""
+    return value is not None and value.strip(_ASCII_BLANKS) != ""
 
 
-def kill_switches_set(env: Mapping[str, str]) -> list[tuple[str, str]]:
+def kill_switches_set(env: Mapping[str, str], op: str = _GUARD) -> list[tuple[str, str]]:
     """The disabling variables that forbid multicast in ``env``, as ``(name, value)`` pairs.
 
     Empty when multicast is not forbidden by any variable. See NOTE [dcpkit multicast guard].
+
+    Raises
+    ------
+    InvalidArgument
+        A disabling variable holds a value that is neither a true nor a false spelling (the
+        message names ``op``, every such variable and its value).
     """
-    found = []
+    found, unreadable = [], []
     for name, sense in KILL_SWITCHES:
         if not _is_set(env, name):
             continue
         value = env[name]
-        parsed = _parse_bool(value)
-        disables = (parsed is not True) if sense == "enable" else (parsed is not False)
-        if disables:
+        try:
+            parsed = _parse_bool(name, value, op)
+        except InvalidArgument:
+            unreadable.append((name, value))
+            continue
+        if parsed is (sense == "disable"):
             found.append((name, value))
+    if unreadable:
+        names = " and ".join(n for n, _ in unreadable)
+        values = " and ".join(repr(v) for _, v in unreadable)
+        each = " each" if len(unreadable) > 1 else ""
+        raise InvalidArgument(f"{op}: {names} must{each} be {_SPELLINGS} (got {values})")
     return found
 
 
@@ -120,9 +161,12 @@ def multicast_decision(
 
     Naive equivalent::
 
-        truthy = ("1", "true", "yes", "on", "y", "t")    # or any non-zero integer
-        opted_in = opt_in if opt_in is not None else \
-            env.get("DCPKIT_MULTICAST", "").strip().lower() in truthy
+        truthy = ("1", "true", "yes", "on", "y", "t")    # or a decimal integer other than 0
+        falsy = ("0", "false", "no", "off", "n", "f", "")
+        raw = env.get("DCPKIT_MULTICAST", "").strip().lower()
+        if opt_in is None and raw not in truthy + falsy:
+            raise InvalidArgument("DCPKIT_MULTICAST must be ... (got ...)")
+        opted_in = opt_in if opt_in is not None else raw in truthy
         return opted_in and not any_kill_switch(env) and device_supported
 
     Parameters
@@ -142,6 +186,15 @@ def multicast_decision(
     (bool, str)
         The decision and its reason; the reason names the deciding argument, variable or device
         attribute.
+
+    Raises
+    ------
+    InvalidType
+        ``opt_in`` is not True, False or None.
+    InvalidArgument
+        A variable the decision reads holds a value that is neither a true nor a false spelling
+        (NOTE [dcpkit multicast guard]): ``DCPKIT_MULTICAST`` when ``opt_in`` is None, the
+        disabling variables once opted in. Multicast is then not used.
     """
     if opt_in is not None and not isinstance(opt_in, bool):
         raise InvalidType(
@@ -151,7 +204,7 @@ def multicast_decision(
         return False, "multicast=False was passed"
     if opt_in is None:
         raw = env.get(OPT_IN_VARIABLE)
-        if raw is None or _parse_bool(raw) is not True:
+        if not _is_set(env, OPT_IN_VARIABLE) or not _parse_bool(OPT_IN_VARIABLE, raw):
             shown = "unset" if raw is None else f"{raw!r}"
             return False, (
                 f"not opted in: {OPT_IN_VARIABLE} is {shown} (pass multicast=True or "
@@ -181,8 +234,11 @@ def agree_multicast(comm, local_decision) -> tuple[bool, str]:
     Parameters
     ----------
     comm : Communicator
-    local_decision : bool or (bool, str)
-        This rank's :func:`multicast_decision` (or a bare bool).
+    local_decision : bool, (bool, str), or a callable that returns one of them
+        This rank's :func:`multicast_decision` (or a bare bool). A callable runs inside the
+        exchange, so that an error it raises on one rank (a guard variable holding a value
+        that is no spelling of the guard, say) reaches every rank instead of leaving the others
+        waiting: ``agree_multicast(comm, lambda: multicast_decision(opt_in, os.environ, dev))``.
 
     Returns
     -------
@@ -192,12 +248,19 @@ def agree_multicast(comm, local_decision) -> tuple[bool, str]:
     Collective
     ----------
     One allgather; every rank calls it.
+
+    Raises
+    ------
+    Exception
+        On a rank whose callable raised, its own error (InvalidArgument, ...).
+    PeerError
+        On every other rank, when a callable raised on some rank (naming it and its error).
     """
-    if isinstance(local_decision, tuple):
-        ok, reason = bool(local_decision[0]), str(local_decision[1])
+    if callable(local_decision):
+        decide = local_decision
+        everyone = collective_step(comm, "multicast guard", lambda: _vote(decide()), gather=True)
     else:
-        ok, reason = bool(local_decision), ("allowed" if local_decision else "refused")
-    everyone = comm.allgather((ok, reason))
+        everyone = comm.allgather(_vote(local_decision))
     refused = [r for r, (o, _) in enumerate(everyone) if not o]
     if not refused:
         return True, f"every rank allows multicast ({everyone[0][1]})"
@@ -205,11 +268,19 @@ def agree_multicast(comm, local_decision) -> tuple[bool, str]:
     return False, f"multicast off: rank(s) {refused} do not allow it ({detail})"
 
 
+def _vote(decision) -> tuple[bool, str]:
+    """``(ok, reason)`` of a decision given as ``(bool, str)`` or a bare bool."""
+    if isinstance(decision, tuple):
+        return bool(decision[0]), str(decision[1])
+    return bool(decision), ("allowed" if decision else "refused")
+
+
 def guard_env_or_raise(what: str, rank: int | None = None) -> None:
     """Rule 2 of NOTE [dcpkit multicast guard], read from ``os.environ``: raise
     :class:`~dcpkit.errors.MulticastDisabled` (before any driver call) if any disabling
-    variable is set."""
-    killed = kill_switches_set(os.environ)
+    variable is set, :class:`~dcpkit.errors.InvalidArgument` (also before any driver call) if
+    one holds a value that is not a spelling of the guard."""
+    killed = kill_switches_set(os.environ, what)
     if killed:
         names = ", ".join(f"{n}={v!r}" for n, v in killed)
         where = "" if rank is None else f" on rank {rank}"

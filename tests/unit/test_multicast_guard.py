@@ -17,23 +17,18 @@ import pytest
 import dcpkit._cuda
 import dcpkit.multicast as mc
 from dcpkit.comm import Communicator
-from dcpkit.errors import InvalidType, MulticastDisabled
+from dcpkit.errors import InvalidArgument, InvalidType, MulticastDisabled, PeerError
 
 from _threadgroup import run_group
 
 KILL = [name for name, _ in mc.KILL_SWITCHES]
 
-# Values tried for each variable, with whether the value forbids multicast (independent table,
-# written from the design notes and NOTE [dcpkit multicast guard], not from the code).
-NCCL_VALUES = {
-    None: False,
-    "": False,
-    "0": True,
-    "1": False,
-    "2": False,
-    "off": True,
-    "bogus": True,
-}
+# A value that is no spelling of the guard: the decision raises InvalidArgument once it reads it.
+BAD = "bad"
+
+# Values tried for each variable, with whether the value forbids multicast, or BAD (independent
+# table, written from the design notes and NOTE [dcpkit multicast guard], not from the code).
+NCCL_VALUES = {None: False, "": False, "0": True, "1": False, "2": False, "off": True, "bogus": BAD}
 DISABLE_VALUES = {
     None: False,
     "": False,
@@ -41,9 +36,9 @@ DISABLE_VALUES = {
     "0": False,
     "true": True,
     "no": False,
-    "bogus": True,
+    "1_0": BAD,
 }
-OPT_IN_VALUES = {None: False, "0": False, "1": True, "yes": True, "bogus": False}
+OPT_IN_VALUES = {None: False, "0": False, "1": True, "yes": True, "maybe": BAD}
 
 
 class DriverStub:
@@ -125,15 +120,25 @@ def test_guard_table_exhaustive():
             calls.append(1)
             return dev_ok
 
-        got, reason = mc.multicast_decision(opt_in, env, device)
         opted = opt_in if opt_in is not None else OPT_IN_VALUES[opt_var]
-        forbidding = [
-            name
+        senses = [
+            (NCCL_VALUES if name == "NCCL_NVLS_ENABLE" else DISABLE_VALUES)[v]
             for name, v in zip(KILL, values)
-            if (NCCL_VALUES if name == "NCCL_NVLS_ENABLE" else DISABLE_VALUES)[v]
         ]
-        expected = bool(opted and not forbidding and dev_ok)
+        forbidding = [name for name, f in zip(KILL, senses) if f is True]
+        unreadable = [name for name, f in zip(KILL, senses) if f is BAD]
         case = f"opt_in={opt_in} env={env} device_supported={dev_ok}"
+        # The opt-in variable is read only for opt_in=None, the disabling ones once opted in.
+        if opted is BAD or (opted and unreadable):
+            with pytest.raises(InvalidArgument) as e:
+                mc.multicast_decision(opt_in, env, device)
+            for name in [mc.OPT_IN_VARIABLE] if opted is BAD else unreadable:
+                assert f"{name} " in str(e.value), f"{case}: {e.value}"
+            assert not calls, case
+            count += 1
+            continue
+        got, reason = mc.multicast_decision(opt_in, env, device)
+        expected = bool(opted and not forbidding and dev_ok)
         assert got is expected, f"{case}: got {got} ({reason})"
         assert isinstance(reason, str) and reason, case
         if not opted:
@@ -164,8 +169,7 @@ def test_guard_table_exhaustive():
         ("off", True),
         ("n", True),
         ("f", True),
-        ("garbage", True),
-        ("-", True),
+        ("00", True),
         ("1", False),
         ("2", False),
         ("true", False),
@@ -191,7 +195,6 @@ def test_nccl_nvls_enable_spellings(value, forbids):
         ("on", True),
         ("y", True),
         ("2", True),
-        ("garbage", True),
         ("0", False),
         ("false", False),
         ("no", False),
@@ -215,7 +218,7 @@ def test_disable_variable_spellings(name, value, forbids):
         ("7", True),
         ("0", False),
         ("", False),
-        ("maybe", False),
+        (" \t", False),
     ],
 )
 def test_opt_in_variable_spellings(value, opted):
@@ -233,11 +236,16 @@ def test_naive_equivalent_of_the_docstring_matches_the_opt_in(value):
     doc = mc.multicast_decision.__doc__
     assert '== "1"' not in doc, "the naive equivalent must not claim only '1' opts in"
     truthy = ("1", "true", "yes", "on", "y", "t")
-    for w in truthy:
+    falsy = ("0", "false", "no", "off", "n", "f", "")
+    for w in truthy + falsy:
         assert f'"{w}"' in doc, w
-    naive = value.strip().lower() in truthy
+    raw = value.strip().lower()
+    if raw not in truthy + falsy:
+        with pytest.raises(InvalidArgument, match=mc.OPT_IN_VARIABLE):
+            mc.multicast_decision(None, {mc.OPT_IN_VARIABLE: value}, True)
+        return
     ok, reason = mc.multicast_decision(None, {mc.OPT_IN_VARIABLE: value}, True)
-    assert ok is naive, (value, reason)
+    assert ok is (raw in truthy), (value, reason)
 
 
 def test_docstrings_cite_only_files_in_the_repository():
@@ -341,3 +349,113 @@ def test_multicast_object_rejects_bad_arguments_before_driver(guard_env, no_driv
     with pytest.raises(InvalidType, match="comm"):
         mc.MulticastObject("not a comm", 2 << 20, 0, mem_handle=object())
     assert no_driver.touched == []
+
+
+# Values that are no spelling of the guard: digit separators and signs that int() takes, digits
+# and letters of other scripts (Arabic-Indic five and one, full-width "true", the Kelvin sign
+# that lower() turns into "k"), a no-break space, a zero-width space, unknown words.
+UNREADABLE = [
+    "1_0",
+    "\u0665",
+    "\u0661",
+    "+1",
+    "-1",
+    "0x1",
+    "1.0",
+    "\uff54\uff52\uff55\uff45",
+    "\u212a",
+    "\xa01",
+    "on\u200b",
+    "maybe",
+    "enable",
+    "-",
+]
+
+
+@pytest.mark.parametrize("value", UNREADABLE)
+def test_unreadable_opt_in_raises_naming_the_variable_and_value(value):
+    with pytest.raises(InvalidArgument) as e:
+        mc.multicast_decision(None, {mc.OPT_IN_VARIABLE: value}, True)
+    assert f"{mc.OPT_IN_VARIABLE} must be" in str(e.value) and repr(value) in str(e.value)
+
+
+@pytest.mark.parametrize("name", KILL)
+@pytest.mark.parametrize("value", UNREADABLE)
+def test_unreadable_disabling_variable_raises_naming_it(name, value):
+    """Opted in by either route, a disabling variable the guard cannot read is an error, never
+    a yes; so is it for kill_switches_set, which every other reader of the variables uses."""
+    for opt_in, env in ((True, {}), (None, {mc.OPT_IN_VARIABLE: "1"})):
+        with pytest.raises(InvalidArgument) as e:
+            mc.multicast_decision(opt_in, {**env, name: value}, True)
+        assert f"{name} must be" in str(e.value) and repr(value) in str(e.value)
+    with pytest.raises(InvalidArgument, match=name):
+        mc.kill_switches_set({name: value})
+
+
+def test_every_unreadable_disabling_variable_is_named():
+    env = {"NCCL_NVLS_ENABLE": "1_0", "NVSHMEM_DISABLE_NVLS": "1", "DCPKIT_DISABLE_MULTICAST": "x"}
+    with pytest.raises(InvalidArgument) as e:
+        mc.kill_switches_set(env, "SymmetricHeap")
+    msg = str(e.value)
+    assert msg.startswith("SymmetricHeap: NCCL_NVLS_ENABLE and DCPKIT_DISABLE_MULTICAST must each")
+    assert "'1_0' and 'x'" in msg and "NVSHMEM_DISABLE_NVLS" not in msg
+
+
+def test_unread_variables_do_not_raise():
+    """multicast=False reads no variable; multicast=True does not read DCPKIT_MULTICAST; a
+    refusal by DCPKIT_MULTICAST reads no disabling variable."""
+    bad = {mc.OPT_IN_VARIABLE: "1_0", **dict.fromkeys(KILL, "1_0")}
+    assert mc.multicast_decision(False, bad, True)[0] is False
+    assert mc.multicast_decision(None, {**bad, mc.OPT_IN_VARIABLE: "0"}, True)[0] is False
+    with pytest.raises(InvalidArgument, match="NCCL_NVLS_ENABLE"):
+        mc.multicast_decision(True, bad, True)
+
+
+@pytest.mark.parametrize("value", ["1_0", "\u0665", "maybe"])
+def test_multicast_object_refuses_an_unreadable_variable_before_any_driver_call(
+    guard_env, no_driver, value
+):
+    guard_env({"DCPKIT_DISABLE_MULTICAST": value})
+    with pytest.raises(InvalidArgument, match="MulticastObject: DCPKIT_DISABLE_MULTICAST must"):
+        mc.MulticastObject(Communicator.single(), 2 << 20, 0, mem_handle=object())
+    with pytest.raises(InvalidArgument, match="multicast_granularity: DCPKIT_DISABLE_MULTICAST"):
+        mc.multicast_granularity(2, 0, "posix_fd")
+    assert no_driver.touched == []
+
+
+def test_unreadable_variable_on_one_rank_fails_every_rank(guard_env, no_driver):
+    """Rank 1 alone has NCCL_NVLS_ENABLE=1_0: it raises InvalidArgument, the others PeerError
+    naming it, and nobody waits; no rank reaches the driver."""
+
+    def body(comm):
+        guard_env({"NCCL_NVLS_ENABLE": "1_0"} if comm.rank == 1 else {})
+        mc.MulticastObject(comm, 2 << 20, 0, mem_handle=object())
+
+    res = run_group(3, body)
+    kinds = [type(v) for _, v in res]
+    assert kinds == [PeerError, InvalidArgument, PeerError], res
+    assert all("NCCL_NVLS_ENABLE" in str(v) for _, v in res), res
+    assert no_driver.touched == []
+
+
+def test_agree_multicast_runs_a_callable_decision_inside_the_exchange():
+    """A decision that raises on one rank (an unreadable DCPKIT_MULTICAST) fails every rank,
+    instead of leaving the others in the allgather; decisions that do not raise are agreed."""
+
+    def body(comm):
+        env = {mc.OPT_IN_VARIABLE: "1_0" if comm.rank == 2 else "1"}
+        return mc.agree_multicast(comm, lambda: mc.multicast_decision(None, env, True))
+
+    res = run_group(3, body)
+    kinds = [type(v) for _, v in res]
+    assert kinds == [PeerError, PeerError, InvalidArgument], res
+    assert "rank 2" in str(res[0][1]) and "'1_0'" in str(res[0][1]), res
+
+    def agreed(comm):
+        return mc.agree_multicast(comm, lambda: (comm.rank != 1, f"why-{comm.rank}"))
+
+    res = run_group(3, agreed)
+    assert [kind for kind, _ in res] == ["ok"] * 3, res
+    ok, reason = res[0][1]
+    assert ok is False and "rank(s) [1]" in reason and "why-1" in reason
+    assert len({value for _, value in res}) == 1
