@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import re
 
 import numpy as np
 
@@ -245,34 +246,46 @@ def check_lse_base(value, op: str) -> float:
     return b
 
 
+# ASCII only (re.ASCII; [0-9], not \d): float() and int() also read the digits of other scripts
+# (Arabic-Indic five and zero are 50) and strip non-ASCII spaces, which a shell script or another
+# tool reading the same setting would not.
+_BLANKS = r"[ \t\n\r\f\v]*"
+_DECIMAL_FLOAT = re.compile(
+    _BLANKS + r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?" + _BLANKS, re.ASCII
+)
+_DECIMAL_INT = re.compile(_BLANKS + r"[+-]?[0-9]+" + _BLANKS, re.ASCII)
+
+
 def decimal_float(text: str) -> float:
     """``float(text)`` for a number as written in a setting or on a command line (``250``,
-    ``0.5``, ``1e3``; spaces around it ignored), ``ValueError`` for anything else: also for the
-    digit separators (``1_000``) that Python's ``float()`` and ``int()`` accept and a reader of
-    the same setting elsewhere (a shell script, another tool) would not."""
-    if "_" in text:
-        raise ValueError(f"digit separator in {text!r}")
+    ``0.5``, ``1e3``; ASCII blanks around it ignored), ``ValueError`` for anything else: also
+    for what Python's ``float()`` and ``int()`` accept and a reader of the same setting
+    elsewhere (a shell script, another tool) would not: digit separators (``1_000``), digits of
+    other scripts (Arabic-Indic ``50``), non-ASCII spaces, and the words ``inf`` and ``nan``."""
+    if _DECIMAL_FLOAT.fullmatch(text) is None:
+        raise ValueError(f"not a decimal number in ASCII digits: {text!r}")
     return float(text)
 
 
 def decimal_int(text: str) -> int:
-    """``int(text, 10)`` as :func:`decimal_float` reads numbers: spaces around it ignored,
-    ``ValueError`` for a digit separator (``1_000``)."""
-    if "_" in text:
-        raise ValueError(f"digit separator in {text!r}")
+    """``int(text, 10)`` as :func:`decimal_float` reads numbers: ASCII blanks around it
+    ignored, an optional sign, ASCII digits only (``ValueError`` for ``1_000`` or Arabic-Indic
+    digits)."""
+    if _DECIMAL_INT.fullmatch(text) is None:
+        raise ValueError(f"not a decimal integer in ASCII digits: {text!r}")
     return int(text, 10)
 
 
 def default_timeout_ms(op: str = "dcpkit") -> float:
     """The wait deadline used when an op is built without ``timeout_ms``: ``DCPKIT_TIMEOUT_MS``
-    (a number of milliseconds, spaces around it ignored; empty or blank counts as unset) or
-    5000 ms.
+    (a number of milliseconds read by :func:`decimal_float`, spaces around it ignored; empty
+    or blank counts as unset) or 5000 ms.
 
     Raises
     ------
     InvalidArgument
         ``DCPKIT_TIMEOUT_MS`` is set but is not a number of milliseconds in [0.001, 3600000]
-        (``1_000`` is not one).
+        written in ASCII (``1_000`` is not one, nor 50 in Arabic-Indic digits).
     """
     raw = os.environ.get(TIMEOUT_ENV, "")
     if not raw.strip():  # unset, empty or blank: not set

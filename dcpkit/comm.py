@@ -68,12 +68,15 @@ _LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
 def launcher_world_size(env) -> tuple[str, int] | None:
-    """``(variable, n)`` when an MPI launcher in ``env`` says it started ``n > 1`` processes."""
+    """``(variable, n)`` when an MPI launcher in ``env`` says it started ``n > 1`` processes.
+
+    The count must be written in ASCII digits, as launchers write it (``int()`` would also take
+    ``1_6`` and the digits of other scripts)."""
     for var in _LAUNCHER_SIZE_VARS:
-        try:
-            n = int(env.get(var, ""))
-        except ValueError:
+        raw = env.get(var, "").strip(" \t\n\r\f\v")
+        if not (raw.isascii() and raw.isdigit()):
             continue
+        n = int(raw)
         if n > 1:
             return var, n
     return None
