@@ -235,6 +235,15 @@ def _finalize_mpi(MPI) -> None:
         MPI.Finalize()
 
 
+def _is_torch_non_member(dist, group) -> bool:
+    """Whether ``group`` is ``torch.distributed.GroupMember.NON_GROUP_MEMBER``, what
+    ``new_group`` returns on the ranks it leaves out (an int in torch 2)."""
+    marker = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)
+    if marker is None or group is None:
+        return False
+    return group is marker or (type(group) is type(marker) and group == marker)
+
+
 def _is_int(x) -> bool:
     """True for Python and NumPy integers, False for bools and everything else."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
@@ -448,24 +457,61 @@ class Communicator(Resource):
         ``torch.distributed`` must be initialised. With the NCCL backend the current CUDA
         device must be set (``torch.cuda.set_device``) before this call.
 
+        Call it only on the ranks of ``group``: on every other rank
+        ``torch.distributed.new_group`` returns ``GroupMember.NON_GROUP_MEMBER``, which is
+        refused.
+
         Raises
         ------
         MissingDependency
             torch is not installed: install the ``torch`` extra.
+        InvalidType
+            ``group`` is neither None nor a ``torch.distributed.ProcessGroup``.
+        InvalidArgument
+            This rank is not a member of ``group`` (``NON_GROUP_MEMBER``, or a group without
+            this rank), or torch does not know ``group`` (destroyed, or of another job).
         DcpkitError
             ``torch.distributed`` is not initialised.
         """
+        op = "Communicator.from_torch"
         try:
             import torch.distributed as dist
         except ImportError as e:
             raise MissingDependency("torch", "torch", str(e)) from None
-        if not dist.is_available() or not dist.is_initialized():
+        available = dist.is_available()
+        outside = available and _is_torch_non_member(dist, group)
+        if group is not None and available and not outside:
+            if not isinstance(group, dist.ProcessGroup):
+                raise InvalidType(
+                    f"{op}: group must be None or a torch.distributed.ProcessGroup "
+                    f"(got {type(group).__name__} {group!r})"
+                )
+        if not available or not dist.is_initialized():
             raise DcpkitError(
-                "Communicator.from_torch: torch.distributed must be initialised first "
+                f"{op}: torch.distributed must be initialised first "
                 "(call torch.distributed.init_process_group)"
             )
-        rank = dist.get_rank(group)
-        world = dist.get_world_size(group)
+        if outside:
+            raise InvalidArgument(
+                f"{op}: this rank (global rank {dist.get_rank()}) is not a member of group: "
+                f"group must include this rank (got torch.distributed.GroupMember."
+                f"NON_GROUP_MEMBER, what new_group returns on the ranks it leaves out); create "
+                f"the Communicator on the ranks of the group only"
+            )
+        try:
+            rank = dist.get_rank(group)
+            world = dist.get_world_size(group)
+        except (ValueError, RuntimeError) as e:  # a group torch does not know, or not ours
+            raise InvalidArgument(
+                f"{op}: group must be a live process group of this job that includes this rank "
+                f"(global rank {dist.get_rank()}) (got {group!r}; torch.distributed: {e})"
+            ) from None
+        if rank < 0 or world < 1:
+            raise InvalidArgument(
+                f"{op}: this rank (global rank {dist.get_rank()}) is not a member of group: "
+                f"group must include this rank (got rank {rank}, world size {world} from "
+                f"torch.distributed); create the Communicator on the ranks of the group only"
+            )
 
         def allgather(obj):
             out = [None] * world

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dcpkit.errors import ClosedError, InvalidType, MissingDependency
+from dcpkit.errors import ClosedError, InvalidArgument, InvalidType, MissingDependency
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 needs_torch = pytest.mark.skipif(
@@ -55,6 +55,102 @@ def test_communicator_from_torch_without_torch(no_torch):
 
     with pytest.raises(MissingDependency, match=r"dcpkit\[torch\]"):
         Communicator.from_torch()
+
+
+@pytest.fixture
+def gloo_world(tmp_path):
+    """A torch.distributed world of one rank (gloo over a file store), destroyed afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+NOT_GROUPS = ["gloo", 0, True, 1.5, object()]
+
+
+@needs_torch
+@pytest.mark.parametrize("group", NOT_GROUPS, ids=lambda g: type(g).__name__)
+def test_from_torch_refuses_what_is_not_a_process_group(group):
+    """Before torch.distributed is initialised, too: the type is wrong either way."""
+    from dcpkit.comm import Communicator
+
+    with pytest.raises(InvalidType, match="group must be None or a torch.distributed.ProcessGroup"):
+        Communicator.from_torch(group)
+
+
+@needs_torch
+@pytest.mark.parametrize("group", NOT_GROUPS, ids=lambda g: type(g).__name__)
+def test_from_torch_refuses_what_is_not_a_process_group_in_a_job(gloo_world, group):
+    """torch's own ValueError ("Group ... is not registered") came through before."""
+    from dcpkit.comm import Communicator
+
+    with pytest.raises(InvalidType, match="group must be None or a torch.distributed.ProcessGroup"):
+        Communicator.from_torch(group)
+
+
+@needs_torch
+def test_from_torch_on_a_rank_outside_the_group(gloo_world):
+    """new_group returns GroupMember.NON_GROUP_MEMBER on the ranks it leaves out; from_torch
+    said "world_size must be >= 1 (got -1)" there."""
+    from dcpkit.comm import Communicator
+
+    with pytest.raises(InvalidArgument) as e:
+        Communicator.from_torch(gloo_world.GroupMember.NON_GROUP_MEMBER)
+    msg = str(e.value)
+    assert "this rank (global rank 0) is not a member of group" in msg, msg
+    assert "NON_GROUP_MEMBER" in msg and "world_size" not in msg, msg
+
+
+@needs_torch
+def test_from_torch_when_torch_gives_no_rank_in_the_group(gloo_world, monkeypatch):
+    """A process group for which torch reports rank -1 and world size -1 (its answer for a rank
+    outside a group), or raises ValueError ("Global rank 0 is not part of group")."""
+    from dcpkit.comm import Communicator
+
+    dist = gloo_world
+    group = dist.new_group([0])
+    real_rank = dist.get_rank
+    monkeypatch.setattr(dist, "get_rank", lambda g=None: -1 if g is group else real_rank(g))
+    monkeypatch.setattr(dist, "get_world_size", lambda g=None: -1)
+    with pytest.raises(InvalidArgument, match=r"this rank \(global rank 0\) is not a member"):
+        Communicator.from_torch(group)
+
+    def not_part(g=None):
+        if g is group:
+            raise ValueError("Global rank 0 is not part of group")
+        return real_rank(g)
+
+    monkeypatch.setattr(dist, "get_rank", not_part)
+    with pytest.raises(InvalidArgument, match="includes this rank.*Global rank 0 is not part"):
+        Communicator.from_torch(group)
+
+
+@needs_torch
+def test_from_torch_refuses_a_destroyed_group(gloo_world):
+    from dcpkit.comm import Communicator
+
+    group = gloo_world.new_group([0])
+    gloo_world.destroy_process_group(group)
+    with pytest.raises(InvalidArgument, match="group must be a live process group of this job"):
+        Communicator.from_torch(group)
+
+
+@needs_torch
+def test_from_torch_over_a_subgroup_and_the_world(gloo_world):
+    from dcpkit.comm import Communicator
+
+    for group in (None, gloo_world.group.WORLD, gloo_world.new_group([0])):
+        with Communicator.from_torch(group) as c:
+            assert (c.rank, c.world_size, c.backend) == (0, 1, "torch")
+            assert c.allgather({"k": 1}) == [{"k": 1}]
+            assert c.broadcast("x", 0) == "x"
+            c.barrier()
 
 
 @needs_torch
