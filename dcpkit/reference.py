@@ -10,7 +10,7 @@ checked with a tolerance stated by the caller (:func:`lse_reduce_tolerance`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 
 import numpy as np
 
@@ -76,15 +76,37 @@ def _fraction(value, op: str, name: str) -> float:
     return f
 
 
-def _arrays(seq, op: str, name: str) -> list[np.ndarray]:
-    """A non-empty sequence of host arrays (one per rank) as a list of ndarrays."""
-    if seq is None or isinstance(seq, (str, bytes)) or not hasattr(seq, "__len__"):
+def _not_an_array(x) -> bool:
+    """Objects NumPy would turn into a 0-d or object array without complaint: None, strings,
+    mappings and sets (a dict's keys, or nothing, would be read as the data)."""
+    return x is None or isinstance(x, (str, bytes, bytearray, Mapping, Set))
+
+
+def _as_array(x, op: str, name: str, what: str) -> np.ndarray:
+    """``np.asarray(x)``, refusing what is no array of ``what`` and ragged nested lists."""
+    if _not_an_array(x):
+        raise InvalidType(f"{op}: {name} must be {what} (got {_type_name(x)})")
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError) as e:  # a ragged list of lists, say
+        raise InvalidArgument(f"{op}: {name} must be {what} (got {_type_name(x)}: {e})") from None
+
+
+def _arrays(seq, op: str, name: str, real: bool = False) -> list[np.ndarray]:
+    """A non-empty sequence of host arrays (one per rank) as a list of ndarrays of a numeric
+    dtype (bool, integer, float, complex unless ``real``, ml_dtypes): never strings, objects
+    or records."""
+    if _not_an_array(seq) or not hasattr(seq, "__len__"):
         raise InvalidType(
             f"{op}: {name} must be a sequence of arrays, one per rank (got {_type_name(seq)})"
         )
-    arrs = [np.asarray(a) for a in seq]
+    arrs = [_as_array(a, op, f"{name}[{s}]", "an array") for s, a in enumerate(seq)]
     if not arrs:
         raise InvalidArgument(f"{op}: {name} must hold one array per rank (got an empty sequence)")
+    what = "a real numeric dtype" if real else "a numeric dtype"
+    for s, a in enumerate(arrs):
+        if not _is_numeric(a.dtype) or (real and a.dtype.kind == "c"):
+            raise InvalidType(f"{op}: {name}[{s}] dtype must be {what} (got {a.dtype})")
     return arrs
 
 
@@ -117,7 +139,8 @@ def q_gather_reference(qs: Sequence[np.ndarray]) -> np.ndarray:
     InvalidArgument
         ``qs`` is empty, or its arrays are not 3-D of one shape.
     InvalidType
-        ``qs`` is not a sequence, or its arrays differ in dtype.
+        ``qs`` is not a sequence (a string, dict or set is not one), an item is not an array
+        or not of a numeric dtype (strings, objects), or the arrays differ in dtype.
     """
     arrs = _arrays(qs, "q_gather_reference", "qs")
     _same_layout(arrs, "q_gather_reference", "qs", 3, "T, H_r, D")
@@ -151,20 +174,42 @@ def _valid_rows(T: int, seq_lens: np.ndarray | None, qsl: np.ndarray | None) -> 
     return valid
 
 
-def _index_array(x, op: str, name: str, dims: str, monotonic: bool = True) -> np.ndarray:
-    """``x`` as a 1-D int64 array of non-negative values (non-decreasing if ``monotonic``)."""
-    a = np.asarray(x)
+def _shown(a: np.ndarray) -> str:
+    """The values of a 1-D integer array for a message, exact for every integer dtype (a
+    uint64 2**63 is not shown as a negative int64); the ends only of a long one."""
+    v = a.tolist()
+    if len(v) <= 16:
+        return str(v)
+    return f"[{str(v[:8])[1:-1]}, ..., {str(v[-4:])[1:-1]}] ({len(v)} values)"
+
+
+def _index_array(
+    x, op: str, name: str, dims: str, monotonic: bool = True, maximum: tuple[str, int] | None = None
+) -> np.ndarray:
+    """``x`` as a 1-D int64 array of non-negative values (non-decreasing if ``monotonic``; at
+    most ``maximum = (what, value)``, for example ``("T", 8)``, if given)."""
+    what = f"a 1-D integer array [{dims}]"
+    if isinstance(x, (list, tuple)) and any(isinstance(v, (bool, np.bool_)) for v in x):
+        raise InvalidType(f"{op}: {name} must be {what} (got a {_type_name(x)} holding bools)")
+    a = _as_array(x, op, name, what)
     if a.dtype.kind not in "iu":
         raise InvalidType(f"{op}: {name} dtype must be an integer dtype (got {a.dtype})")
     if a.ndim != 1:
         raise InvalidArgument(f"{op}: {name} must have 1 dimension [{dims}] (got shape {a.shape})")
     if monotonic and a.size == 0:
         raise InvalidArgument(f"{op}: {name} length must be >= 1 for [{dims}] (got 0)")
+    if a.size:
+        if int(a.min()) < 0:
+            raise InvalidArgument(f"{op}: {name} values must be >= 0 (got {_shown(a)})")
+        if maximum is not None and int(a.max()) > maximum[1]:
+            raise InvalidArgument(
+                f"{op}: {name} values must be <= {maximum[0]} = {maximum[1]} (got {_shown(a)})"
+            )
+        if int(a.max()) > np.iinfo(np.int64).max:  # a uint64 array: int64 would wrap
+            raise InvalidArgument(f"{op}: {name} values must be < 2**63 (got {_shown(a)})")
     a = a.astype(np.int64)
-    if a.size and a.min() < 0:
-        raise InvalidArgument(f"{op}: {name} values must be >= 0 (got {a.tolist()})")
     if monotonic and (np.diff(a) < 0).any():
-        raise InvalidArgument(f"{op}: {name} values must be non-decreasing (got {a.tolist()})")
+        raise InvalidArgument(f"{op}: {name} values must be non-decreasing (got {_shown(a)})")
     return a
 
 
@@ -189,8 +234,8 @@ def lse_reduce_reference(
         ``seq_lens[s]`` is rank ``s``'s local KV length per request; 0 masks the request's rows.
         Needs ``query_start_loc``.
     query_start_loc : int array [S+1], optional
-        Row offsets of the requests; rows at or past ``query_start_loc[S]`` are padding, empty
-        on every rank.
+        Row offsets of the requests, non-decreasing, in ``[0, T]``; rows at or past
+        ``query_start_loc[S]`` are padding, empty on every rank.
 
     Returns
     -------
@@ -208,14 +253,16 @@ def lse_reduce_reference(
         Empty sequences, a different number of out and lse partials, shapes that differ
         between ranks or do not match ``[T, H, D_v]`` / ``[T, H]``, ``lse_base`` other than e
         or 2, ``seq_lens`` without ``query_start_loc`` or of the wrong length, an empty,
-        negative or decreasing ``query_start_loc``.
+        negative or decreasing ``query_start_loc`` or one with a value past ``T``, a
+        ``seq_lens`` value below 0 or from 2**63 on, a ragged nested list.
     InvalidType
-        Non-numeric arrays, non-integer ``seq_lens`` / ``query_start_loc``, a non-numeric
-        ``lse_base``.
+        Arrays that are not of a real numeric dtype (strings, objects, complex numbers);
+        a string, dict or set given for a sequence or an array; non-integer ``seq_lens`` /
+        ``query_start_loc`` (bools included); a non-numeric ``lse_base``.
     """
     op = "lse_reduce_reference"
-    outs = _arrays(out_partials, op, "out_partials")
-    lses = _arrays(lse_partials, op, "lse_partials")
+    outs = _arrays(out_partials, op, "out_partials", real=True)
+    lses = _arrays(lse_partials, op, "lse_partials", real=True)
     W = len(outs)
     if len(lses) != W:
         raise InvalidArgument(
@@ -236,22 +283,18 @@ def lse_reduce_reference(
                 raise InvalidArgument(
                     f"{op}: {name}[{s}] shape must be {want} [{dims}] (got {a.shape})"
                 )
-            if not (_is_numeric(a.dtype) and a.dtype.kind != "c"):
-                raise InvalidType(
-                    f"{op}: {name}[{s}] dtype must be a real numeric dtype (got {a.dtype})"
-                )
     base = check_lse_base(lse_base, op)
     if seq_lens is not None and query_start_loc is None:
         raise InvalidArgument(f"{op}: seq_lens needs query_start_loc (got query_start_loc=None)")
     qsl = (
         None
         if query_start_loc is None
-        else _index_array(query_start_loc, op, "query_start_loc", "S+1")
+        else _index_array(query_start_loc, op, "query_start_loc", "S+1", maximum=("T", T))
     )
     sls: list[np.ndarray | None] = [None] * W
     if seq_lens is not None:
         S = len(qsl) - 1
-        if isinstance(seq_lens, (str, bytes)) or not hasattr(seq_lens, "__len__"):
+        if _not_an_array(seq_lens) or not hasattr(seq_lens, "__len__"):
             raise InvalidType(
                 f"{op}: seq_lens must be a sequence of int arrays [S], one per "
                 f"rank (got {_type_name(seq_lens)})"
@@ -296,11 +339,35 @@ def lse_reduce_reference(
     return out, merged
 
 
+#: Max abs error of an ``lse_reduce`` output against :func:`lse_reduce_reference`, per output
+#: dtype: the ops' three (fp32 accumulation, one rounding to the dtype), and float64 for an
+#: implementation that computes in float64 throughout (another reference, say).
+LSE_REDUCE_TOLERANCES = {"bfloat16": 2e-2, "float16": 4e-3, "float32": 1e-5, "float64": 1e-12}
+
+
 def lse_reduce_tolerance(dtype) -> float:
     """Max abs error allowed against :func:`lse_reduce_reference` for outputs of ``dtype``
-    with inputs of magnitude about 1 (fp32 accumulation, one rounding to ``dtype``)."""
-    dt = resolve_dtype(dtype)
-    return {2: 2e-2, 4: 1e-5}.get(dt.itemsize, 2e-2) if dt != np.float16 else 4e-3
+    with inputs of magnitude about 1 (:data:`LSE_REDUCE_TOLERANCES`).
+
+    Parameters
+    ----------
+    dtype : dtype or dtype name
+        An output dtype of the ops, bfloat16, float16 or float32, or float64 (a computation in
+        float64 throughout: 1e-12).
+
+    Raises
+    ------
+    InvalidType
+        ``dtype`` is not one of those four (integers, bool, fp8, complex, float128 and names
+        NumPy does not know included): no lse_reduce output has it.
+    """
+    op = "lse_reduce_tolerance"
+    dt = resolve_dtype(dtype, op=op)
+    tol = LSE_REDUCE_TOLERANCES.get(dt.name) if _is_float(dt) else None
+    if tol is None:
+        names = ", ".join(LSE_REDUCE_TOLERANCES)
+        raise InvalidType(f"{op}: dtype must be one of [{names}] (got {dt})")
+    return tol
 
 
 #: Tolerance of a merged lse (an fp32 max plus the log of an fp32 sum) against the float64
