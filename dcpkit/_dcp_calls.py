@@ -119,8 +119,8 @@ class DCPCalls:
         array in place, and per array whether it does (None arrays: True). ``arrays``: ``(x,
         out)`` of a gather, ``(out_partial, lse_partial, out, out_lse)`` of ``lse_reduce``, and
         ``masks`` its ``(seq_lens, query_start_loc)``. An output sharing memory with another
-        array is refused here, whichever path would serve the call
-        (:func:`~dcpkit._overlap.check_disjoint`)."""
+        array (for ``lse_reduce``, but its own partials: an in-place call) is refused here,
+        whichever path would serve the call (:func:`~dcpkit._overlap.check_disjoint`)."""
         name = f"DCPComm.{op}"
         if op == "lse_reduce":
             names = _LSE_NAMES
@@ -132,12 +132,13 @@ class DCPCalls:
             given = [
                 (n, array_info(a, name, n)) for n, a in zip(names[2:], arrays[2:]) if a is not None
             ]
-            inputs = [("out_partial", x), ("lse_partial", li)] + [
+            # out= / out_lse= over the partials: an in-place call, which every path serves
+            masked = [
                 (n, array_info(a, name, n))
                 for n, a in zip(("seq_lens", "query_start_loc"), masks)
                 if a is not None
             ]
-            check_disjoint(name, given, inputs)
+            check_disjoint(name, given, masked)
         else:
             names = ("q" if op == "q_gather" else "kv", "out")
             dims = (3, "T, H_r, D") if op == "q_gather" else (2, "T, D_kv")

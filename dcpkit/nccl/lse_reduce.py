@@ -22,7 +22,7 @@ from .._checks import (
     resolve_float_dtype,
 )
 from .._lse_call import LseReduceCall
-from .._overlap import check_disjoint
+from .._overlap import check_disjoint, shares_memory
 from .._strided import KERNEL_FILE, THREADS, c_contiguous, grid, heads_to_owner_plan, launch_copy
 from ..comm import Communicator
 from ..errors import InvalidArgument
@@ -328,9 +328,11 @@ class NcclLseReduce(LseReduceCall, NcclOp):
             for n, a in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens))
             if a is not None
         ]
-        check_disjoint(
-            op, (("out", oi), ("out_lse", oli)), [("out_partial", x), ("lse_partial", li), *masks]
-        )
+        check_disjoint(op, (("out", oi), ("out_lse", oli)), masks)
+        # An in-place call (an output over out_partial or lse_partial, which the NCCL kernels
+        # read while they write the outputs): the results go to the workspace buffers first and
+        # are copied into the caller's arrays at the end, after every read of the inputs.
+        in_place = any(o is not None and shares_memory(o, i) for o in (oi, oli) for i in (x, li))
         want_lse = self.return_lse or out_lse is not None
         stream = self.get_stream(stream)
         if T == 0:
@@ -350,7 +352,7 @@ class NcclLseReduce(LseReduceCall, NcclOp):
         ws_out = self._view(obuf, (T, Ho, D), dt)
         dst = (
             oi
-            if (oi is not None and c_contiguous(oi) and oi.ptr % 16 == 0)
+            if (oi is not None and not in_place and c_contiguous(oi) and oi.ptr % 16 == 0)
             else self._info(ws_out, "out")
         )
         ldst = None
@@ -360,7 +362,7 @@ class NcclLseReduce(LseReduceCall, NcclOp):
             ws_lse = self._view(lbuf, (T, Ho), _F32)
             ldst = (
                 oli
-                if (oli is not None and c_contiguous(oli) and oli.ptr % 4 == 0)
+                if (oli is not None and not in_place and c_contiguous(oli) and oli.ptr % 4 == 0)
                 else self._info(ws_lse, "out_lse")
             )
 

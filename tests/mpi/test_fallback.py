@@ -220,6 +220,38 @@ def test_nccl_lse_reduce_matches_reference(comm, seed, group, algorithm, dtype):
 
 
 @pytest.mark.parametrize("algorithm", LSE_ALGORITHMS)
+def test_nccl_lse_reduce_in_place(comm, seed, group, algorithm):
+    """out= over the first bytes of out_partial and out_lse= over those of lse_partial (an
+    in-place call, as the direct op takes it): the result of the inputs as they were."""
+    H, D, dtype = 8 * comm.world_size, 128, "bfloat16"
+    all_heads = algorithm == "allgather_all_reduce"
+
+    def body(errors):
+        with NcclLseReduce(
+            comm,
+            max_tokens=T_MAX,
+            num_heads=H,
+            head_dim=D,
+            dtype=dtype,
+            algorithm=algorithm,
+            nccl_group=group,
+        ) as op:
+            Ho = op.out_heads
+            for k, T in enumerate((1, 5, T_MAX)):
+                c = LseCase(
+                    comm, sub_seed(seed, 260, k), T=T, H=H, D=D, dtype=dtype, all_heads=all_heads
+                )
+                x, l, kw = c.gpu_args()
+                x, l = x.copy(), l.astype(cupy.float32)  # own, contiguous storage
+                out = x.reshape(-1)[: T * Ho * D].reshape(T, Ho, D)
+                out_lse = l.reshape(-1)[: T * Ho].reshape(T, Ho)
+                op(x, l, out=out, out_lse=out_lse, **kw)
+                errors.append(c.check(comm.rank, out, out_lse, f"{algorithm} in place, T={T}"))
+
+    run_all_ranks(comm, f"NcclLseReduce {algorithm} in place", body)
+
+
+@pytest.mark.parametrize("algorithm", LSE_ALGORITHMS)
 def test_nccl_lse_reduce_strided(comm, seed, group, algorithm):
     """Padded head / token storage of out_partial, a transposed lse, strided out and out_lse
     (copied out), return_lse=True."""

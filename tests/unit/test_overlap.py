@@ -33,6 +33,7 @@ from test_nccl_construct_cpu import stubbed  # noqa: F401 - a fixture
 from dcpkit._arrays import array_info
 from dcpkit._overlap import check_disjoint, shares_memory
 from dcpkit.errors import InvalidArgument
+from dcpkit.reference import resolve_dtype
 
 REGION = BASE + (1 << 34)  # made-up addresses of their own, away from the table's
 
@@ -124,13 +125,10 @@ def _lse_bad(which):
     return a, f"{out_name} must not share memory with {other}"
 
 
-LSE_CASES = [
-    ("out", "out_partial"),
-    ("out_lse", "lse_partial"),
-    ("out", "out_lse"),
-    ("out", "query_start_loc"),
-    ("out_lse", "seq_lens"),
-]
+LSE_CASES = [("out", "out_lse"), ("out", "query_start_loc"), ("out_lse", "seq_lens")]
+#: lse_reduce's in-place calls: an output over its own partials (accepted: the kernels read the
+#: whole input before they write an output).
+LSE_IN_PLACE = [("out", "out_partial"), ("out_lse", "lse_partial"), ("out_lse", "out_partial")]
 
 
 def _validate(kind, ws, a):
@@ -218,6 +216,17 @@ def test_full_calls_refuse_overlap_after_warm_up(kind, bad, arrays):
     assert rec.count == launches + 1
 
 
+@pytest.mark.parametrize("which", LSE_IN_PLACE, ids=[f"{o} over {i}" for o, i in LSE_IN_PLACE])
+def test_lse_reduce_in_place_calls_are_accepted(which):
+    """lse_reduce's out= / out_lse= over its own partials: validated and launched."""
+    ws = make("lse")
+    a, _ = _lse_bad(which)
+    _validate("lse", ws, a)
+    ws, rec = make_callable("lse")
+    _call("lse", ws, {k: _as_cupy(v) for k, v in a.items()})
+    assert rec.count == 1
+
+
 def test_disjoint_interleaved_outputs_are_accepted():
     """lse_reduce: out and out_lse carved from one buffer without a byte in common, and a q
     and an out that are two column slices of one buffer (rows interleaved): accepted."""
@@ -291,13 +300,23 @@ def test_dcpcomm_refuses_overlap_on_every_route():
         dcp.kv_gather(kv_out[:T2], out=kv_out)
     x = mod.array((T2, H2, DV), "bfloat16")
     lse = mod.array((T2, H2), "float32")
+    both = mod.array((T2 * HR2 * DV * 2,), "uint8")  # out and out_lse over the same bytes
+    out_b = both.view(resolve_dtype("bfloat16")).reshape(T2, HR2, DV)
+    lse_b = both[: T2 * HR2 * 4].view(np.float32).reshape(T2, HR2)
     with pytest.raises(InvalidArgument, match="DCPComm.lse_reduce: out must not share memory"):
-        dcp.lse_reduce(x, lse, out=x[:, :HR2])
-    with pytest.raises(InvalidArgument, match="out_lse must not share memory with lse_partial"):
-        dcp.lse_reduce(x, lse, out=mod.array((T2, HR2, DV), "bfloat16"), out_lse=lse[:, :HR2])
+        dcp.lse_reduce(x, lse, out=out_b, out_lse=lse_b)
+    masks = mod.array((64,), "int32")
+    qsl, lse_m = masks[:2], masks.view(np.float32)[: T2 * HR2].reshape(T2, HR2)
+    with pytest.raises(InvalidArgument, match="out_lse must not share memory with query_start"):
+        dcp.lse_reduce(x, lse, query_start_loc=qsl, out_lse=lse_m)
     assert rec.count == 0, "a refused call launched"
-    dcp.q_gather(mod.array((T2, HR2, DQ), "bfloat16"), out=mod.array((T2, H2, DQ), "bfloat16"))
+    # An in-place lse_reduce (out= over the first bytes of out_partial): accepted.
+    over_x = x.reshape(-1)[: T2 * HR2 * DV].reshape(T2, HR2, DV)
+    res, _ = dcp.lse_reduce(x, lse, out=over_x)  # this DCPComm returns the merged lse too
+    assert res is over_x
     assert rec.count == 1
+    dcp.q_gather(mod.array((T2, HR2, DQ), "bfloat16"), out=mod.array((T2, H2, DQ), "bfloat16"))
+    assert rec.count == 2
 
 
 # ----------------------------------------------------------------------------- the NCCL ops
