@@ -148,12 +148,18 @@ def init_collective(tx, comm, device: int, allow_multicast: bool) -> None:
     if _STATE["initialized"]:
         return
 
-    if not allow_multicast and not any(
-        n == "NVSHMEM_DISABLE_NVLS" for n, _ in kill_switches_set(os.environ)
-    ):
+    def nvls_step():
         # dcpkit does not use multicast here: NVSHMEM must not create its own objects either.
-        os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+        # Only NVSHMEM's own switch is read, inside a step: a value that is no spelling of true
+        # or false raises on the rank that holds it, and every rank learns of it (outside a
+        # step, that rank would raise and the others wait in NVSHMEM's init).
+        name = "NVSHMEM_DISABLE_NVLS"
+        if allow_multicast or kill_switches_set({k: v for k, v in os.environ.items() if k == name}):
+            return
+        os.environ[name] = "1"
         log.info("dcpkit nvshmem: set NVSHMEM_DISABLE_NVLS=1 (multicast not in use)")
+
+    tx.step("nvshmem_nvls", nvls_step)
 
     def method_step():
         if method not in ("uid", "mpi"):

@@ -288,10 +288,14 @@ class SymmetricHeap(Resource):
         self.device = dev
 
         # 4. Multicast: guard on every rank, then all ranks agree (NOTE [dcpkit multicast guard]).
-        local = multicast_decision(
-            multicast, os.environ, lambda: _cuda.device_attribute("MULTICAST_SUPPORTED", dev) == 1
+        use_mc, reason = agree_multicast(
+            comm,
+            lambda: multicast_decision(
+                multicast,
+                os.environ,
+                lambda: _cuda.device_attribute("MULTICAST_SUPPORTED", dev) == 1,
+            ),
         )
-        use_mc, reason = agree_multicast(comm, local)
         self.multicast_reason = reason
         if multicast is not None or use_mc:
             log.info("dcpkit SymmetricHeap rank %d: %s", self.rank, reason)

@@ -343,6 +343,36 @@ def test_one_rank_with_a_disabling_variable_keeps_every_rank_off_multicast(fake,
 
 
 @_MC_SKIP
+@pytest.mark.parametrize(
+    "env,opt_in",
+    [({"DCPKIT_MULTICAST": "maybe"}, None), ({"NCCL_NVLS_ENABLE": "1_0"}, True)],
+    ids=["opt-in", "switch"],
+)
+def test_an_unreadable_guard_value_on_one_rank_raises_on_every_rank(fake, guard_env, env, opt_in):
+    """A guard variable holding no spelling of true or false on one rank: that rank raises
+    InvalidArgument naming it, every other rank PeerError (the decision runs inside the
+    multicast agreement; outside it, the others waited there), and nothing is left behind."""
+    from dcpkit.errors import InvalidArgument, PeerError
+
+    drv = fake(mc_supported=1)
+    fds0 = _fds()
+    name = next(iter(env))
+
+    def fn(comm):
+        guard_env(env if comm.rank == 1 else {})
+        SymmetricHeap(comm, 1 << 20, timeout_s=10, multicast=opt_in).close()
+
+    for r, (kind, err) in enumerate(run_group(W, _device_body(fn))):
+        assert kind == "err", f"rank {r} built its heap: {err!r}"
+        want = InvalidArgument if r == 1 else PeerError
+        assert isinstance(err, want), f"rank {r}: {err!r}"
+        if r == 1:
+            assert name in str(err) and repr(env[name]) in str(err), err
+    assert drv.count("cuMulticastCreate") == 0
+    _assert_nothing_left(drv, fds0)
+
+
+@_MC_SKIP
 def test_device_without_multicast_keeps_it_off(fake, guard_env):
     drv = fake(mc_supported=0)
 
