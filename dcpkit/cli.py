@@ -76,10 +76,9 @@ def launcher_rank(env=None) -> int | None:
     the environment only (no MPI initialisation)."""
     env = os.environ if env is None else env
     for var in _LAUNCHER_RANK_VARS:
-        try:
-            return int(env[var])
-        except (KeyError, ValueError):
-            continue
+        value = env.get(var, "").strip()
+        if value.isascii() and value.isdigit():  # int() would also read other scripts' digits
+            return int(value)
     return None
 
 

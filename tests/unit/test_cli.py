@@ -301,6 +301,9 @@ def test_launcher_rank():
     assert info.launcher_rank({"PMIX_RANK": "1"}) == 1
     assert info.launcher_rank({"PMI_RANK": "0"}) == 0
     assert info.launcher_rank({"PMI_RANK": "x"}) is None
+    assert info.launcher_rank({"PMI_RANK": "\u0661"}) is None  # an Arabic-Indic 1: no rank
+    assert info.launcher_rank({"PMI_RANK": " 3 "}) == 3
+    assert info.launcher_rank({"OMPI_COMM_WORLD_RANK": "x", "PMI_RANK": "1"}) == 1
 
 
 @pytest.mark.parametrize("var", ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"])
