@@ -23,6 +23,7 @@ __all__ = [
     "stream_types",
     "check_stream",
     "NO_DRIVER",
+    "torch_extra",
 ]
 
 
@@ -48,6 +49,13 @@ def cuda_extra() -> str:
     if ver and ver.split(".")[0] in ("12", "13"):
         return f"cuda{ver.split('.')[0]}"
     return "cuda12"
+
+
+def torch_extra() -> str:
+    """The pip extra that installs torch for this environment's CUDA stack (``torch-cu12`` or
+    ``torch-cu13``, after :func:`cuda_extra`): it carries that stack's pins, so pip cannot swap
+    cuda-bindings for another major under it (the plain ``torch`` extra can)."""
+    return "torch-cu" + cuda_extra()[len("cuda") :]
 
 
 _DRIVER = None

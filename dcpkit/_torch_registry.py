@@ -32,11 +32,13 @@ state: dict[str, Any | None] = {
 
 
 def torch_module():
-    """The torch module, or MissingDependency naming the ``torch`` extra."""
+    """The torch module, or MissingDependency naming the torch extra of this CUDA stack."""
     try:
         import torch
     except ImportError as e:
-        raise MissingDependency("torch", "torch", str(e)) from None
+        from ._cuda import torch_extra
+
+        raise MissingDependency("torch", torch_extra(), str(e)) from None
     return torch
 
 

@@ -477,7 +477,9 @@ class Communicator(Resource):
         try:
             import torch.distributed as dist
         except ImportError as e:
-            raise MissingDependency("torch", "torch", str(e)) from None
+            from ._cuda import torch_extra
+
+            raise MissingDependency("torch", torch_extra(), str(e)) from None
         available = dist.is_available()
         outside = available and _is_torch_non_member(dist, group)
         if group is not None and available and not outside:

@@ -99,7 +99,9 @@ def gpus_on_every_rank(comm, name: str) -> int:
 def torch_problem(torch) -> str:
     """What keeps an example from running torch on a GPU here ("" when nothing does)."""
     if torch is None:
-        return "torch is not installed: install it with pip install 'dcpkit[torch]'"
+        from dcpkit._cuda import torch_extra
+
+        return f"torch is not installed: install it with pip install 'dcpkit[{torch_extra()}]'"
     if torch.version.cuda is None:
         return (
             f"torch {torch.__version__} is a CPU build: install a CUDA build of torch "

@@ -533,8 +533,7 @@ def main(argv: list[str] = None) -> int:
     print(table(rows))
     if not any(name.startswith(("TorchOps", "torch")) for name in rows):
         print(
-            f"{ap.prog}: no torch rows: torch is not installed (pip install 'dcpkit[torch]')",
-            file=sys.stderr,
+            f"{ap.prog}: no torch rows: torch is not installed (README: Install)", file=sys.stderr
         )
     return write_files(rows, profile=args.profile, json_path=args.json, prog=ap.prog)
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from .._cuda import torch_extra
 from .exchanges import Exchanges, OpSet
 from .model import Model
 from .numerics import is_bf16
@@ -160,7 +161,7 @@ def torch_problem() -> str | None:
     except ImportError as e:
         return (
             f"--torch needs torch, which is not installed ({e}): install it with "
-            "`pip install 'dcpkit[torch]'`"
+            f"`pip install 'dcpkit[{torch_extra()}]'`"
         )
     if not torch.cuda.is_available():
         return (

@@ -123,12 +123,14 @@ def log_once(message: str) -> None:
 
 # ----------------------------------------------------------------------------- torch
 def require_torch(what: str):
-    """The torch module, or :class:`~dcpkit.errors.MissingDependency` naming the ``torch``
-    extra."""
+    """The torch module, or :class:`~dcpkit.errors.MissingDependency` naming the torch extra
+    of this CUDA stack (:func:`dcpkit._cuda.torch_extra`)."""
     try:
         import torch
     except ImportError as e:
-        raise MissingDependency("torch", "torch", f"{what} needs it: {e}") from None
+        from .._cuda import torch_extra
+
+        raise MissingDependency("torch", torch_extra(), f"{what} needs it: {e}") from None
     return torch
 
 

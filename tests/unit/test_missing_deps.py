@@ -42,7 +42,7 @@ CASES = {
     "torch": (
         ["torch"],
         "from dcpkit.comm import Communicator\nCommunicator.from_torch()",
-        "torch",
+        "TORCH",
     ),
     "nvshmem4py": (["nvshmem"], "from dcpkit import _nvshmem\n_nvshmem.load()", "nvshmem"),
     "cupy": (
@@ -61,9 +61,10 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_missing_dependency_names_the_extra(run_python, case):
     blocked, call, extra = CASES[case]
-    if extra == "CUDA":
-        extra = _cuda_extra(run_python)
-        assert extra in ("cuda12", "cuda13")
+    if extra in ("CUDA", "TORCH"):  # the extra of this environment's CUDA stack
+        cuda = _cuda_extra(run_python)
+        assert cuda in ("cuda12", "cuda13")
+        extra = cuda if extra == "CUDA" else "torch-cu" + cuda[len("cuda") :]
     got = _probe(run_python, blocked, call)
     assert got["raised"] == "MissingDependency", f"{case}: got {got}"
     assert got["extra"] == extra

@@ -46,14 +46,17 @@ def test_without_torch_names_the_extra(no_torch, call):
     }[call]
     with pytest.raises(MissingDependency) as ei:
         getattr(dt, call)(*args)
-    assert ei.value.extra == "torch"
-    assert "pip install 'dcpkit[torch]'" in str(ei.value)
+    from dcpkit._cuda import cuda_extra
+
+    extra = {"cuda12": "torch-cu12", "cuda13": "torch-cu13"}[cuda_extra()]
+    assert ei.value.extra == extra  # the extra that keeps this CUDA stack's pins
+    assert f"pip install 'dcpkit[{extra}]'" in str(ei.value)
 
 
 def test_communicator_from_torch_without_torch(no_torch):
     from dcpkit.comm import Communicator
 
-    with pytest.raises(MissingDependency, match=r"dcpkit\[torch\]"):
+    with pytest.raises(MissingDependency, match=r"dcpkit\[torch-cu1[23]\]"):
         Communicator.from_torch()
 
 

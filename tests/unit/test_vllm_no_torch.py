@@ -32,8 +32,8 @@ for make in (lambda: dv.DirectDCPA2AWorkspace(c, 'cuda:0', 8, 4, 512),
     try:
         make()
     except MissingDependency as e:
-        assert e.extra == 'torch', e
-        assert "pip install 'dcpkit[torch]'" in str(e), e
+        assert e.extra in ('torch-cu12', 'torch-cu13'), e
+        assert f"pip install 'dcpkit[{e.extra}]'" in str(e), e
     else:
         raise SystemExit('no MissingDependency')
 print('OK', repr(dv.BFLOAT16))
