@@ -72,7 +72,7 @@ def debug_enabled() -> bool:
         return False
     digits = v[1:] if v[:1] in "+-" else v
     if digits.isascii() and digits.isdigit():  # an integer in decimal digits (not 0_0)
-        return int(digits) != 0
+        return digits.strip("0") != ""  # not int(): it refuses more than 4300 digits
     return True
 
 

@@ -77,7 +77,9 @@ def launcher_rank(env=None) -> int | None:
     env = os.environ if env is None else env
     for var in _LAUNCHER_RANK_VARS:
         value = env.get(var, "").strip()
-        if value.isascii() and value.isdigit():  # int() would also read other scripts' digits
+        # ASCII digits (int() would also read other scripts' digits), at most 18 of them (no
+        # rank has more; int() refuses more than 4300)
+        if value.isascii() and value.isdigit() and len(value) <= 18:
             return int(value)
     return None
 

@@ -74,7 +74,7 @@ def launcher_world_size(env) -> tuple[str, int] | None:
     ``1_6`` and the digits of other scripts)."""
     for var in _LAUNCHER_SIZE_VARS:
         raw = env.get(var, "").strip(" \t\n\r\f\v")
-        if not (raw.isascii() and raw.isdigit()):
+        if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:  # no count has more digits
             continue
         n = int(raw)
         if n > 1:

@@ -303,6 +303,7 @@ def test_launcher_rank():
     assert info.launcher_rank({"PMI_RANK": "x"}) is None
     assert info.launcher_rank({"PMI_RANK": "\u0661"}) is None  # an Arabic-Indic 1: no rank
     assert info.launcher_rank({"PMI_RANK": " 3 "}) == 3
+    assert info.launcher_rank({"PMI_RANK": "1" * 5000}) is None
     assert info.launcher_rank({"OMPI_COMM_WORLD_RANK": "x", "PMI_RANK": "1"}) == 1
 
 
@@ -388,6 +389,9 @@ def test_info_lists_the_mps_share(monkeypatch):
         (" no ", False),
         (" ", False),
         ("\t0\n", False),
+        ("0" * 5000, False),  # beyond int()'s 4300 digits: read without it, never raising
+        ("0" * 4999 + "1", True),
+        ("-" + "0" * 5000, False),
     ],
 )
 def test_dcpkit_debug_reads_false_words_as_off(monkeypatch, value, on):

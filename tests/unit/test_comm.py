@@ -157,6 +157,7 @@ def test_from_mpi_detects_a_foreign_launcher(mpi_launcher, run_python):
 def test_launcher_world_size():
     assert launcher_world_size({}) is None
     assert launcher_world_size({"PMI_SIZE": "1"}) is None
+    assert launcher_world_size({"PMI_SIZE": "1" * 5000}) is None  # beyond int()'s 4300 digits
     assert launcher_world_size({"PMI_SIZE": "3"}) == ("PMI_SIZE", 3)
     assert launcher_world_size({"OMPI_COMM_WORLD_SIZE": "2"}) == ("OMPI_COMM_WORLD_SIZE", 2)
     assert launcher_world_size({"PMI_SIZE": "x"}) is None
