@@ -18,7 +18,7 @@ from . import _cuda
 from ._arrays import ArrayInfo, array_info, check_ndim
 from ._checks import resolve_stream
 from ._lse_call import lse_reduce_method
-from ._overlap import check_disjoint
+from ._overlap import check_disjoint, check_outside_workspace, check_writable_layout
 from ._plan import PlanCache, pair_key
 from ._strided import copy_arrays, strided_copy
 from .errors import InvalidArgument
@@ -114,6 +114,17 @@ class DCPCalls:
         """The route plans of ``op``."""
         return self._route_caches[op]
 
+    def _check_outputs(self, name: str, given: list) -> None:
+        """The outputs ``given`` (``(argument, ArrayInfo)``) of a call: no element over
+        another (a copy into them would depend on the order of its stores), none in the
+        workspace of any of this object's direct ops (whichever path serves the call: the
+        copy route writes them with a copy, not with the op's kernel)."""
+        for n, info in given:
+            check_writable_layout(name, n, info)
+        for direct in self.direct_ops.values():
+            if direct is not None:
+                check_outside_workspace(direct, name, given)
+
     def _route(self, op: str, arrays: tuple, masks: tuple = ()) -> tuple:
         """``(path, in_place, ok)``: the path of the call, whether the direct op takes every
         array in place, and per array whether it does (None arrays: True). ``arrays``: ``(x,
@@ -145,10 +156,9 @@ class DCPCalls:
             x = array_info(arrays[0], name, names[0])
             check_ndim(x, dims[0], dims[1], name, names[0])
             path = self.path_for(op, x.shape[0])
-            if arrays[1] is not None:
-                check_disjoint(
-                    name, (("out", array_info(arrays[1], name, "out")),), ((names[0], x),)
-                )
+            given = [] if arrays[1] is None else [("out", array_info(arrays[1], name, "out"))]
+            check_disjoint(name, given, ((names[0], x),))
+        self._check_outputs(name, given)
         if path == PATH_NCCL:
             return (path, False, ())
         direct = self.direct_ops[op]

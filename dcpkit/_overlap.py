@@ -21,7 +21,14 @@ import numpy as np
 from ._arrays import ArrayInfo
 from .errors import InvalidArgument
 
-__all__ = ["check_disjoint", "check_outside_workspace", "shares_memory"]
+__all__ = [
+    "check_disjoint",
+    "check_outside_workspace",
+    "check_writable_layout",
+    "overlaps_itself",
+    "shares_memory",
+    "workspace_region",
+]
 
 #: Effort bound of NumPy's solver; beyond it a pair counts as overlapping.
 _MAX_WORK = 1 << 16
@@ -67,8 +74,37 @@ def shares_memory(a: ArrayInfo, b: ArrayInfo) -> bool:
         return bool(
             np.shares_memory(np.asarray(_Extent(a)), np.asarray(_Extent(b)), max_work=_MAX_WORK)
         )
-    except _TOO_HARD:
+    except (_TOO_HARD, ValueError):  # too hard to decide, or too big for NumPy: overlapping
         return True
+
+
+def overlaps_itself(info: ArrayInfo) -> bool:
+    """True when two elements of ``info`` may share a byte (a zero stride over an extent > 1,
+    or strides too small for the extents below them), so that writing it depends on the order
+    of the stores. Sufficient, not exact: the dimensions sorted by stride must each step past
+    the whole span of the ones below (every C- or F-ordered, padded or sliced layout does)."""
+    if not all(info.shape):
+        return False
+    span = int(info.itemsize)
+    dims = sorted(
+        ((int(n), abs(int(s))) for n, s in zip(info.shape, info.strides) if int(n) > 1),
+        key=lambda d: d[1],
+    )
+    for n, s in dims:
+        if s < span:
+            return True
+        span = s * (n - 1) + span
+    return False
+
+
+def check_writable_layout(op: str, name: str, info: ArrayInfo | None) -> None:
+    """Raise :class:`InvalidArgument` when an output's elements overlap one another
+    (:func:`overlaps_itself`): a broadcast view, or strides smaller than a row."""
+    if info is not None and overlaps_itself(info):
+        raise InvalidArgument(
+            f"{op}: {name} elements must not overlap one another (got shape {info.shape}, "
+            f"strides {info.strides} bytes): give {name} memory of its own"
+        )
 
 
 def check_disjoint(
@@ -85,31 +121,36 @@ def check_disjoint(
         for other, other_info in outs[k + 1 :] + ins:
             if shares_memory(info, other_info):
                 raise InvalidArgument(
-                    f"{op}: {name} must not share memory with {other} (in-place calls are "
-                    f"not supported: give {name} memory of its own)"
+                    f"{op}: {name} must not share memory with {other}: give {name} memory of "
+                    f"its own"
                 )
 
 
-def check_outside_workspace(ws, op: str, outputs: Iterable[tuple[str, ArrayInfo | None]]) -> None:
-    """Raise :class:`InvalidArgument` when an output lies in the symmetric region of the op
-    workspace ``ws`` (its signals, data slots and, for the push gathers, graph output buffers):
-    a view an earlier call returned, or heap memory the op reserved. The peers store into that
-    region while the call runs, so a result written there would be overwritten. A workspace
-    not set up yet (no heap) has no region."""
+def workspace_region(ws) -> ArrayInfo | None:
+    """The symmetric region of the op workspace ``ws`` on this rank as one byte array (its
+    signals, data slots and, for the push gathers, graph output buffers), or None for a
+    workspace not set up yet (no heap)."""
     heap = getattr(ws, "heap", None)
-    if heap is None:
-        return
+    n = int(getattr(ws, "_region", 0))
+    if heap is None or n <= 0:
+        return None
     lo = int(heap.local_ptr) + int(getattr(ws, "_base", 0))
-    hi = lo + int(getattr(ws, "_region", 0))
-    if hi <= lo:
+    return ArrayInfo((n,), (1,), np.dtype(np.uint8), lo, int(getattr(ws, "device", 0)), None)
+
+
+def check_outside_workspace(ws, op: str, outputs: Iterable[tuple[str, ArrayInfo | None]]) -> None:
+    """Raise :class:`InvalidArgument` when an output shares a byte with the symmetric region
+    of the op workspace ``ws`` (:func:`workspace_region`): for the gathers, a view an earlier
+    call returned; for every op, heap memory the op reserved. The peers store into that region
+    while a call runs, so a result written there would be overwritten. Exact, as
+    :func:`shares_memory`."""
+    region = workspace_region(ws)
+    if region is None:
         return
     for name, info in outputs:
-        if info is None or not all(info.shape):
-            continue
-        a_lo, a_hi = _bounds(info)
-        if a_lo < hi and lo < a_hi:
+        if info is not None and shares_memory(info, region):
             raise InvalidArgument(
                 f"{op}: {name} must not lie in the op's own workspace memory (a view an "
                 f"earlier call returned, or heap memory the op reserved: the peers store "
-                f"there while a call runs); give {name} memory of its own"
+                f"there while a call runs): give {name} memory of its own"
             )

@@ -17,7 +17,7 @@ import numpy as np
 from . import _cuda, jit
 from ._arrays import ArrayInfo, array_info
 from ._checks import COPY_ITEMSIZES
-from ._overlap import check_disjoint
+from ._overlap import check_disjoint, check_writable_layout
 from .errors import InvalidArgument
 
 __all__ = [
@@ -208,13 +208,14 @@ def strided_copy(dst, src, stream=None) -> None:
     ------
     InvalidType, InvalidArgument
         Host arrays, different shapes or itemsizes, arrays on different GPUs, ``dst`` sharing
-        memory with ``src`` (unless both describe the very same elements), a ``stream`` that is
-        not a CuPy stream.
+        memory with ``src`` (unless both describe the very same elements), elements of ``dst``
+        that overlap one another, a ``stream`` that is not a CuPy stream.
     MissingDependency
         CuPy is not installed.
     """
     di = array_info(dst, "strided_copy", "dst")
     si = array_info(src, "strided_copy", "src")
+    check_writable_layout("strided_copy", "dst", di)
     if (di.ptr, di.shape, di.strides) != (si.ptr, si.shape, si.strides):
         check_disjoint("strided_copy", (("dst", di),), (("src", si),))
     _cuda.check_stream(stream, "strided_copy")

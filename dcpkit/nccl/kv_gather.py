@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .._checks import COPY_ITEMSIZES, check_positive_int, resolve_bytes_dtype
-from .._overlap import check_disjoint
+from .._overlap import check_disjoint, check_writable_layout
 from .._strided import c_contiguous
 from ..comm import Communicator
 from ..errors import InvalidArgument
@@ -138,6 +138,7 @@ class NcclKVGather(NcclGather):
         T = ki.shape[0]
         oi = None if out is None else self._checked(out, "out", (W * T, Dk), "world_size*T, D_kv")
         check_disjoint(self.op_name, (("out", oi),), (("kv", ki),))
+        check_writable_layout(self.op_name, "out", oi)
         stream = self.get_stream(stream)
         if T == 0:
             return out if out is not None else self._view(self._outs[u][0], (0, Dk), self.dtype)

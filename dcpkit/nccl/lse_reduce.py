@@ -22,7 +22,7 @@ from .._checks import (
     resolve_float_dtype,
 )
 from .._lse_call import LseReduceCall
-from .._overlap import check_disjoint, shares_memory
+from .._overlap import check_disjoint, check_writable_layout, shares_memory
 from .._strided import KERNEL_FILE, THREADS, c_contiguous, grid, heads_to_owner_plan, launch_copy
 from ..comm import Communicator
 from ..errors import InvalidArgument
@@ -329,6 +329,8 @@ class NcclLseReduce(LseReduceCall, NcclOp):
             if a is not None
         ]
         check_disjoint(op, (("out", oi), ("out_lse", oli)), masks)
+        check_writable_layout(op, "out", oi)
+        check_writable_layout(op, "out_lse", oli)
         # An in-place call (an output over out_partial or lse_partial, which the NCCL kernels
         # read while they write the outputs): the results go to the workspace buffers first and
         # are copied into the caller's arrays at the end, after every read of the inputs.

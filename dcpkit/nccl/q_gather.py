@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .._checks import COPY_ITEMSIZES, check_positive_int, resolve_bytes_dtype
-from .._overlap import check_disjoint
+from .._overlap import check_disjoint, check_writable_layout
 from .._strided import c_contiguous, launch_copy, owner_to_heads_plan
 from ..comm import Communicator
 from ..errors import InvalidArgument
@@ -192,6 +192,7 @@ class NcclQGather(NcclGather):
         T = qi.shape[0]
         oi = None if out is None else self._checked(out, "out", (T, H, D), "T, H, D")
         check_disjoint(op, (("out", oi),), (("q", qi),))
+        check_writable_layout(op, "out", oi)
         stream = self.get_stream(stream)
         if T == 0:
             if out is not None:

@@ -78,7 +78,7 @@ def test_check_disjoint_names_both_arrays_and_skips_absent_ones():
         check_disjoint("q_gather", (("out", out),), (("q", q),))
     msg = str(e.value)
     assert msg.startswith("q_gather: out must not share memory with q"), msg
-    assert "in-place calls are not supported" in msg
+    assert msg.endswith("give out memory of its own"), msg
     # Outputs are compared with each other too.
     with pytest.raises(InvalidArgument, match="out must not share memory with out_lse"):
         check_disjoint("x", (("out", out), ("out_lse", q)), ())
@@ -394,3 +394,77 @@ def test_an_output_in_the_workspace_region_is_refused(kind):
         a = dict(good, out_lse=lse_inside)
         with pytest.raises(InvalidArgument, match="out_lse must not lie in the op's own"):
             _call(kind, ws, a)
+
+
+# ----------------------------------------------------------------------------- more layouts
+def test_an_array_over_itself():
+    from dcpkit._overlap import overlaps_itself
+
+    def ov(shape, strides_el, dtype=F16):
+        return overlaps_itself(_info(shape, dtype, strides_el, at=REGION))
+
+    assert not ov((4, 8), (8, 1))  # C order
+    assert not ov((4, 8), (1, 4))  # F order
+    assert not ov((4, 8), (16, 1))  # padded rows
+    assert not ov((4, 4), (16, 2))  # every other column of wider rows
+    assert not ov((1, 8), (0, 1)) and not ov((4, 1), (1, 0))  # a zero stride over extent 1
+    assert ov((4, 8), (0, 1))  # broadcast rows
+    assert ov((4, 4), (1, 1))  # rows one element apart
+    assert ov((2, 3, 4), (4, 4, 1))  # heads over tokens
+    assert not ov((0, 8), (0, 0))  # empty
+
+
+def test_outputs_that_overlap_themselves_are_refused():
+    from dcpkit.fallback import strided_copy
+
+    base = REGION + (18 << 26)
+    bcast = Dev((4, D_KV), F16, (0, 1), ptr=base)
+    with pytest.raises(InvalidArgument, match="strided_copy: dst elements must not overlap"):
+        strided_copy(bcast, Dev((4, D_KV), ptr=base + (1 << 20)))
+    mod, dcp, rec = _dcpcomm()
+    out = mod.array((mod.T, mod.H, mod.D_Q), "bfloat16")
+    flat = out.reshape(-1)
+    import cupy
+
+    squashed = cupy.lib.stride_tricks.as_strided(flat, out.shape, (2, 2, 2))  # all over 1 row
+    with pytest.raises(InvalidArgument, match="DCPComm.q_gather: out elements must not overlap"):
+        dcp.q_gather(mod.array((mod.T, mod.H_R, mod.D_Q), "bfloat16"), out=squashed)
+    assert rec.count == 0
+
+
+def test_dcpcomm_refuses_an_output_in_any_of_its_workspaces():
+    """An out= in the region of one of DCPComm's direct ops, in a layout DCPComm would copy
+    into (so the op's own check never sees it): refused by DCPComm, on every op's region."""
+    import cupy
+
+    mod, dcp, rec = _dcpcomm()
+    T2, H2, DQ, HR2 = mod.T, mod.H, mod.D_Q, mod.H_R
+    for owner in ("q_gather", "kv_gather", "lse_reduce"):
+        ws = dcp.direct_ops[owner]
+        lo = ws.heap.local_ptr + ws._base
+        mem = cupy.cuda.UnownedMemory(lo, 1 << 24, None, 0)
+        raw = cupy.ndarray((1 << 22,), np.uint8, cupy.cuda.MemoryPointer(mem, 0))
+        # heads of two elements' stride: not a layout the direct op takes in place
+        out = raw[2 : 2 + 2 * T2 * H2 * DQ * 2].view(resolve_dtype("bfloat16"))
+        out = out.reshape(T2, H2, 2 * DQ)[:, :, ::2]
+        with pytest.raises(InvalidArgument, match="DCPComm.q_gather: out must not lie in the op"):
+            dcp.q_gather(mod.array((T2, HR2, DQ), "bfloat16"), out=out)
+    assert rec.count == 0
+
+
+def test_the_workspace_test_is_exact_and_huge_layouts_do_not_crash():
+    """An out whose tokens step over the whole region (nothing of it inside) is accepted; a
+    layout too big for NumPy's solver counts as overlapping instead of raising ValueError."""
+    ws, rec = make_callable("q")
+    lo, hi = ws.heap.local_ptr + ws._base, ws.heap.local_ptr + ws._base + ws._region
+    row = H * D * 2
+    stride = (hi - lo) + 2 * row + 4096
+    stride -= stride % 16
+    out = Dev((2, H, D), F16, (stride // 2, D, 1), ptr=lo - row - 1024)
+    assert (out.ptr + row) <= lo and out.ptr + stride >= hi  # straddles, touches nothing
+    ws(_as_cupy(Dev((2, H_R, D), ptr=REGION + (19 << 26))), out=out)
+    assert rec.count == 1
+    from dcpkit.fallback import strided_copy
+
+    with pytest.raises(InvalidArgument, match="dst must not share memory with src"):
+        strided_copy(Dev((2**62,), F16, ptr=BASE), Dev((2**62,), F16, ptr=BASE + 64))
