@@ -82,6 +82,9 @@ KILL_SWITCHES: tuple[tuple[str, str], ...] = (
     ("DCPKIT_DISABLE_MULTICAST", "disable"),
 )
 
+#: Disabling variables read as integers only (their owner reads them with strtoll).
+_INTEGER_ONLY = frozenset({"NCCL_NVLS_ENABLE"})
+
 #: Words that read as true in the guard's variables (besides a decimal integer other than 0).
 TRUE_SPELLINGS = ("1", "true", "yes", "on", "y", "t")
 #: Words that read as false in the guard's variables (besides ``0`` written with more zeros).
@@ -134,7 +137,7 @@ def kill_switches_set(env: Mapping[str, str], op: str = _GUARD) -> list[tuple[st
         A disabling variable holds a value that is neither a true nor a false spelling (the
         message names ``op``, every such variable and its value).
     """
-    found, unreadable = [], []
+    found, unreadable, integer_only = [], [], []
     for name, sense in KILL_SWITCHES:
         if not _is_set(env, name):
             continue
@@ -144,13 +147,26 @@ def kill_switches_set(env: Mapping[str, str], op: str = _GUARD) -> list[tuple[st
         except InvalidArgument:
             unreadable.append((name, value))
             continue
+        if parsed and name in _INTEGER_ONLY and not value.strip(_ASCII_BLANKS).isdigit():
+            # NCCL reads its own variable with strtoll: a word is 0 there (NVLS off), so
+            # reading TRUE as on here would let dcpkit use multicast where NCCL does not.
+            integer_only.append((name, value))
+            continue
         if parsed is (sense == "disable"):
             found.append((name, value))
+    msgs = []
     if unreadable:
         names = " and ".join(n for n, _ in unreadable)
         values = " and ".join(repr(v) for _, v in unreadable)
         each = " each" if len(unreadable) > 1 else ""
-        raise InvalidArgument(f"{op}: {names} must{each} be {_SPELLINGS} (got {values})")
+        msgs.append(f"{names} must{each} be {_SPELLINGS} (got {values})")
+    for name, value in integer_only:
+        msgs.append(
+            f"{name} must be written as an integer to mean on, such as 1 (got {value!r}: NCCL "
+            f"reads a word as 0, NVLS off)"
+        )
+    if msgs:
+        raise InvalidArgument(f"{op}: " + "; ".join(msgs))
     return found
 
 

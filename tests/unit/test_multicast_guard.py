@@ -28,7 +28,16 @@ BAD = "bad"
 
 # Values tried for each variable, with whether the value forbids multicast, or BAD (independent
 # table, written from the design notes and NOTE [dcpkit multicast guard], not from the code).
-NCCL_VALUES = {None: False, "": False, "0": True, "1": False, "2": False, "off": True, "bogus": BAD}
+NCCL_VALUES = {
+    None: False,
+    "": False,
+    "0": True,
+    "1": False,
+    "2": False,
+    "off": True,
+    "bogus": BAD,
+    "true": BAD,  # NCCL reads a word as 0 (NVLS off): refused rather than read as on
+}
 DISABLE_VALUES = {
     None: False,
     "": False,
@@ -172,16 +181,22 @@ def test_guard_table_exhaustive():
         ("00", True),
         ("1", False),
         ("2", False),
-        ("true", False),
-        ("True", False),
-        ("yes", False),
-        ("on", False),
+        (" 01 ", False),
         ("", False),
         ("  ", False),
     ],
 )
 def test_nccl_nvls_enable_spellings(value, forbids):
     assert bool(mc.kill_switches_set({"NCCL_NVLS_ENABLE": value})) is forbids
+
+
+@pytest.mark.parametrize("value", ["true", "True", "yes", "on", "y", "t"])
+def test_nccl_nvls_enable_true_words_are_refused(value):
+    """NCCL reads NCCL_NVLS_ENABLE with strtoll, so a word is 0 there (NVLS off): a true word
+    is refused instead of read as on (dcpkit would use multicast where NCCL does not)."""
+    with pytest.raises(InvalidArgument, match="NCCL_NVLS_ENABLE must be written as an integer"):
+        mc.kill_switches_set({"NCCL_NVLS_ENABLE": value})
+    assert mc.kill_switches_set({"NVSHMEM_DISABLE_NVLS": value})  # its own reader takes words
 
 
 @pytest.mark.parametrize("name", KILL[1:])
