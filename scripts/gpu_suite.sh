@@ -59,9 +59,9 @@
 # variable and its value, and exit status 2. An empty value means the default (except
 # DCPKIT_SUITE_MPI_XFLAG="", no -x); whole numbers are ASCII digits without a leading zero.
 #
-# Never touches NCCL_NVLS_ENABLE, NVSHMEM_DISABLE_NVLS or TORCH_SYMM_MEM_DISABLE_MULTICAST: they
-# are printed at the start and checked unchanged before every stage (README.md, "Known limits";
-# NOTE [dcpkit multicast guard] in dcpkit/multicast.py).
+# Never touches NCCL_NVLS_ENABLE, NVSHMEM_DISABLE_NVLS, TORCH_SYMM_MEM_DISABLE_MULTICAST or
+# DCPKIT_DISABLE_MULTICAST: they are printed at the start and checked unchanged before every
+# stage (README.md, "Known limits"; NOTE [dcpkit multicast guard] in dcpkit/multicast.py).
 #
 # Exit status: 0 when every stage passed; 2 on a bad setting (before anything runs), or on a
 # machine with no GPU (after the info stage: the other stages need GPUs and would otherwise be
@@ -143,12 +143,14 @@ if [ -n "${DCPKIT_SUITE_STAGES-}" ]; then
     _stages_ok=0
     if [[ "$DCPKIT_SUITE_STAGES" =~ ^[a-z]+(,[a-z]+)*$ ]]; then
         _stages_ok=1
+        _seen=" "
         for st in ${DCPKIT_SUITE_STAGES//,/ }; do
-            [[ " $KNOWN_STAGES " == *" $st "* ]] || _stages_ok=0
+            [[ " $KNOWN_STAGES " == *" $st "* && "$_seen" != *" $st "* ]] || _stages_ok=0
+            _seen="$_seen$st "
         done
     fi
     [ "$_stages_ok" = 1 ] || bad_setting DCPKIT_SUITE_STAGES \
-        "be a comma list of ${KNOWN_STAGES// /, }, without spaces or empty names"
+        "be a comma list of distinct names of ${KNOWN_STAGES// /, }, without spaces or empty names"
 fi
 for var in DCPKIT_SUITE_NP DCPKIT_SUITE_DEMO_NP DCPKIT_SUITE_BENCH_NP DCPKIT_SUITE_OVERHEAD_NP \
            DCPKIT_SUITE_PROGRAMMATIC_NP DCPKIT_SUITE_SOAK_NP; do
@@ -204,7 +206,7 @@ RESULTS=()   # "stage|N|rc|seconds|note"
 say() { echo "[suite $(( $(date +%s) - START_S ))s] $*"; }
 
 # ----------------------------------------------------------------------------- multicast guard
-GUARD_VARS="NCCL_NVLS_ENABLE NVSHMEM_DISABLE_NVLS TORCH_SYMM_MEM_DISABLE_MULTICAST"
+GUARD_VARS="NCCL_NVLS_ENABLE NVSHMEM_DISABLE_NVLS TORCH_SYMM_MEM_DISABLE_MULTICAST DCPKIT_DISABLE_MULTICAST"
 declare -A GUARD0
 for v in $GUARD_VARS; do
     if [ -n "${!v+x}" ]; then GUARD0[$v]="set:${!v}"; else GUARD0[$v]="unset"; fi

@@ -87,7 +87,12 @@ def test_help_prints_usage_and_runs_nothing(repo_root, run_cmd, tmp_path):
     assert not out.exists()
 
 
-GUARD_VARS = ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST")
+GUARD_VARS = (
+    "NCCL_NVLS_ENABLE",
+    "NVSHMEM_DISABLE_NVLS",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+    "DCPKIT_DISABLE_MULTICAST",
+)
 
 
 def _fake_tools(bindir, calls):
@@ -256,6 +261,7 @@ def test_programmatic_stage_runs_its_script_with_the_mps_share(repo_root, run_cm
         ("DCPKIT_SUITE_STAGES", "info,bogus"),
         ("DCPKIT_SUITE_STAGES", "info tests"),
         ("DCPKIT_SUITE_STAGES", "info,"),
+        ("DCPKIT_SUITE_STAGES", "info,info"),
         ("DCPKIT_SUITE_STAGES", ",info"),
         ("DCPKIT_SUITE_STAGES", "info,,bench"),
         ("DCPKIT_SUITE_BASELINE", "/nonexistent/dcpkit-baseline"),
