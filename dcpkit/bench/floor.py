@@ -38,19 +38,21 @@ def estimate_ctas(
     op_obj: Any = None,
     *,
     copy_out: bool = False,
+    graph_view: bool = False,
 ) -> int:
     """The CTAs of one launch of ``op`` at ``geom["T"]``: ``op_obj.ctas_for(T)`` where the op
-    has it (``ctas_for(T, copy_out=True)`` for a call that copies out, a graph call of the
-    gathers, where the op takes that keyword), else the ops' own grid rules (gathers: one CTA
-    per ``vectors_per_cta`` 16-byte vectors of a rank's block; lse_reduce: one warp per (source,
-    token, owned head)), at most ``max_ctas`` (waiting CTAs must be co-resident)."""
-    from .runners import accepts_keyword
+    has it; for a captured call (``copy_out``, or ``graph_view``: captured without out=) the
+    grid :func:`dcpkit.bench.runners.graph_ctas` gives the op's own graph row; else the ops' own
+    grid rules (gathers: one CTA per ``vectors_per_cta`` 16-byte vectors of a rank's block;
+    lse_reduce: one warp per (source, token, owned head)), at most ``max_ctas`` (waiting CTAs
+    must be co-resident)."""
+    from .runners import graph_ctas
 
     T, W = int(geom["T"]), int(world_size)
     fn = getattr(op_obj, "ctas_for", None)
     if callable(fn):
-        n = fn(T, copy_out=True) if copy_out and accepts_keyword(fn, "copy_out") else fn(T)
-        return max(1, min(int(max_ctas), int(n)))
+        n = graph_ctas(op_obj, T, graph_view=graph_view) if (copy_out or graph_view) else None
+        return max(1, min(int(max_ctas), int(fn(T) if n is None else n)))
     itemsize = int(geom.get("itemsize", 2))
     per = int(getattr(op_obj, "vectors_per_cta", _VECTORS_PER_CTA) or _VECTORS_PER_CTA)
     if op == "q_gather":
@@ -111,8 +113,12 @@ class FloorRunner(Runner):
         self.nvec = -(-per_peer // 16)
         obj = ctx.op_objects.get(self.op)
         self.ctas = estimate_ctas(self.op, geom, W, self.max_ctas, obj)
-        # a graph call of the op copies out, with its own grid: the floor then uses that one
-        self.ctas_graph = estimate_ctas(self.op, geom, W, self.max_ctas, obj, copy_out=True)
+        # a graph call of the op has its own grid (zero copy into a graph output buffer, or
+        # copy-out): the floor's graph call takes that one
+        view = bool(getattr(ctx, "op_graph_view", {}).get(self.op, False))
+        self.ctas_graph = estimate_ctas(
+            self.op, geom, W, self.max_ctas, obj, copy_out=True, graph_view=view
+        )
         nwords = self.nvec * 4
         salt = self.binds
         self.binds += 1

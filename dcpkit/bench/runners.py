@@ -40,6 +40,22 @@ def accepts_keyword(fn, name: str) -> bool:
     return p is not None and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
 
 
+def graph_ctas(obj, T: int, *, graph_view: bool) -> int | None:
+    """The grid of a captured call of dcpkit op ``obj`` at ``T`` tokens, where it differs from
+    an eager call's (None: the same grid, or an op without ``ctas_for``). ``graph_view``: the
+    call is captured without out= (the gathers' graph output buffers: zero copy into them, or
+    copy-out); otherwise a captured call copies out. The op's rows and the floor kernel's both
+    take their graph grid from here, so the floor kernel runs with the op's CTA count."""
+    ctas_for = getattr(obj, "ctas_for", None)
+    if not callable(ctas_for):
+        return None
+    if graph_view and accepts_keyword(ctas_for, "graph_view"):
+        return int(ctas_for(int(T), graph_view=True))
+    if accepts_keyword(ctas_for, "copy_out"):
+        return int(ctas_for(int(T), copy_out=True))
+    return None
+
+
 class VariantUnavailable(DcpkitError):
     """The op has no keyword for the variant asked for (the row is n/a, not an error)."""
 
@@ -213,16 +229,16 @@ class DirectRunner(Runner):
         self.stream = self.dev.new_stream()
         if self.variant is None and self.path == "direct":
             ctx.op_objects[self.op] = self.obj  # the floor kernel takes its CTA count
+            graph_forms = getattr(ctx, "op_graph_view", None)
+            if graph_forms is not None:
+                graph_forms[self.op] = self.graph_view  # and its captured call's grid
 
     def bind(self, inp, case, refs=None) -> None:
         super().bind(inp, case, refs)
         ctas_for = getattr(self.obj, "ctas_for", None)
         T = int(case["T"])
         self.ctas = int(ctas_for(T)) if callable(ctas_for) else None
-        if callable(ctas_for) and self.graph_view and accepts_keyword(ctas_for, "graph_view"):
-            self.ctas_graph = int(ctas_for(T, graph_view=True))  # zero copy, or copy-out
-        elif callable(ctas_for) and accepts_keyword(ctas_for, "copy_out"):
-            self.ctas_graph = int(ctas_for(T, copy_out=True))  # a graph call copies out
+        self.ctas_graph = graph_ctas(self.obj, T, graph_view=self.graph_view)
         # The other captured calls write caller storage (out=), so capture allocates nothing.
         self.graph_outs = None if self.graph_view else self.check_outputs()
 
@@ -255,6 +271,7 @@ class DirectRunner(Runner):
         obj, self.obj = getattr(self, "obj", None), None
         if self.ctx.op_objects.get(self.op) is obj:
             self.ctx.op_objects.pop(self.op, None)
+            getattr(self.ctx, "op_graph_view", {}).pop(self.op, None)
         if obj is not None:
             obj.close()
 

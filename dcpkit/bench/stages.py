@@ -37,6 +37,7 @@ class Ctx:
         self.nccl_group = None  # one NCCL communicator shared by the nccl path's ops
         self.peer_env = None  # NVSHMEM, started for the nvshmem path
         self.op_objects: dict[str, Any] = {}  # dcpkit's op of each op name (for ctas_for)
+        self.op_graph_view: dict[str, bool] = {}  # whether its graph row captures without out=
         self.json_error: str | None = None  # why rank 0 could not write the JSON
         self.shared_gpu = None  # whether ranks share a GPU (None: unknown)
         self.ranks_on_gpu = 1  # ranks on this rank's GPU

@@ -170,6 +170,35 @@ def test_estimate_ctas_follows_the_ops_grid_rules():
     with pytest.raises(ValueError, match="op must be"):
         estimate_ctas("decode_layer", g, 2, 8)
 
+    class ViewGather:  # a push gather: a call captured without out= has a grid of its own
+        def ctas_for(self, T, *, copy_out=False, graph_view=False):
+            return 5 * T if graph_view else (4 * T if copy_out else T)
+
+    t2 = dict(g, T=2)
+    assert estimate_ctas("q_gather", t2, 2, 66, ViewGather(), copy_out=True) == 8
+    assert estimate_ctas("q_gather", t2, 2, 66, ViewGather(), graph_view=True) == 10
+    assert estimate_ctas("q_gather", t2, 2, 66, ViewGather(), copy_out=True, graph_view=True) == 10
+    # an op whose ctas_for has no graph_view keyword: a captured call copies out
+    assert estimate_ctas("q_gather", t2, 2, 66, Gather(), copy_out=True, graph_view=True) == 8
+
+
+def test_the_op_rows_and_the_floor_kernel_take_one_graph_grid():
+    """graph_ctas is the one rule both the op's graph row and the floor kernel's follow."""
+    from dcpkit.bench.runners import graph_ctas
+
+    class ViewGather:
+        def ctas_for(self, T, *, copy_out=False, graph_view=False):
+            return 5 * T if graph_view else (4 * T if copy_out else T)
+
+    class Plain:
+        def ctas_for(self, T):
+            return 7
+
+    assert graph_ctas(ViewGather(), 3, graph_view=True) == 15
+    assert graph_ctas(ViewGather(), 3, graph_view=False) == 12
+    assert graph_ctas(Plain(), 3, graph_view=True) is None  # the eager grid
+    assert graph_ctas(object(), 3, graph_view=True) is None
+
 
 def test_a_graph_call_of_the_floor_kernel_takes_the_ops_graph_grid(monkeypatch):
     """With the op built (its grid known), the floor kernel's eager calls take the op's eager
@@ -211,4 +240,48 @@ def test_a_graph_call_of_the_floor_kernel_takes_the_ops_graph_grid(monkeypatch):
     from dcpkit.bench.sweep import _ctas
 
     assert _ctas(r, "eager") == 3 and _ctas(r, "graph") == 12
+    r.close()
+
+
+def test_a_graph_call_of_the_floor_kernel_takes_the_ops_graph_view_grid(monkeypatch):
+    """When the op's graph row captures without out= (a push gather's graph output buffers),
+    the floor kernel's graph calls take that call's grid, not the copy-out grid."""
+    import types
+
+    from dcpkit import jit, symmetric
+    from dcpkit.bench.floor import FloorRunner
+    from dcpkit.comm import Communicator
+
+    grids = []
+
+    class Kernel:
+        def __call__(self, grid, block, args, stream=None):
+            grids.append(int(grid[0]))
+
+    monkeypatch.setattr(symmetric, "SymmetricHeap", FakeHeap)
+    monkeypatch.setattr(jit, "get_kernel", lambda f, name: types.SimpleNamespace(kernel=Kernel()))
+
+    class Gather:
+        max_ctas = 64
+
+        def ctas_for(self, T, *, copy_out=False, graph_view=False):
+            return 2 * T if graph_view else (4 * T if copy_out else T)
+
+    comm = Communicator.single()
+    geom = {"H": 8, "D": 16, "D_v": 16, "D_kv": 24, "dtype": "bfloat16"}
+    ctx = types.SimpleNamespace(
+        comm=comm, world=1, rank=0, cfg={"geometry": geom, "timeout_ms": 1000.0},
+        dev=FloorDevice(comm), op_objects={"q_gather": Gather()}, ranks_on_gpu=1,
+        op_graph_view={"q_gather": True},
+    )  # fmt: skip
+    r = FloorRunner(ctx, "q_gather", "floor", 8)
+    r.build()
+    r.bind({}, {"T": 3, "geom": dict(geom, T=3)})
+    r.call()
+    r.call(graph=True)
+    assert grids == [3, 6]
+    assert (r.ctas, r.ctas_graph) == (3, 6)
+    from dcpkit.bench.sweep import _ctas
+
+    assert _ctas(r, "eager") == 3 and _ctas(r, "graph") == 6
     r.close()
