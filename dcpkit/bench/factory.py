@@ -35,26 +35,40 @@ def make_runner(
     return FAMILIES[path](ctx, op, path, max_tokens, variant)
 
 
-def _multicast_allowed() -> bool:
+def multicast_allowed(env=None) -> tuple[bool, str, bool]:
+    """Whether the guard lets this rank run the multicast path (the device's support is the
+    ops' own check), why, and whether the why is an error: a guard variable with a malformed
+    value (``InvalidArgument``) drops the path and is reported as an error, never silently."""
+    from ..errors import InvalidArgument
+
     try:
         from ..multicast import multicast_decision
+    except ImportError as e:  # no guard module: never
+        return False, f"the multicast guard did not import ({e})", True
+    try:
+        ok, why = multicast_decision(None, os.environ if env is None else env, lambda: True)
+    except InvalidArgument as e:
+        return False, str(e), True
+    return bool(ok), why, False
 
-        return bool(multicast_decision(None, os.environ, lambda: True)[0])
-    except Exception:  # noqa: BLE001 - no guard module: never
-        return False
 
-
-def local_paths(ctx: Ctx) -> list[str]:
-    """The paths this rank can run (agreed across ranks by the caller). nvshmem stays even
-    without nvshmem4py: its rows then record why (the peer must be visibly missing)."""
-    out = []
+def local_paths(ctx: Ctx) -> tuple[list[str], dict[str, tuple[str, bool]]]:
+    """The paths this rank can run (agreed across ranks by the caller), and for each path
+    dropped here why, with whether that is an error. nvshmem stays even without nvshmem4py:
+    its rows then record why (the peer must be visibly missing)."""
+    out: list[str] = []
+    dropped: dict[str, tuple[str, bool]] = {}
     for p in ctx.cfg["paths"]:
-        if p == "multicast" and not _multicast_allowed():
-            continue
+        if p == "multicast":
+            ok, why, error = multicast_allowed()
+            if not ok:
+                dropped[p] = (why, error)
+                continue
         if p == "torch" and importlib.util.find_spec("torch") is None:
+            dropped[p] = ("torch is not installed", False)
             continue
         out.append(p)
-    return out
+    return out, dropped
 
 
 def paths_for(op: str, paths: Sequence[str]) -> list[str]:

@@ -454,13 +454,22 @@ def run_op(ctx: Ctx, op: str, paths: Sequence[str], factory, base_seed: int) -> 
 
 def _agree_paths(ctx: Ctx) -> list[str]:
     per = stage(ctx, "paths", lambda: local_paths(ctx))
-    common = [p for p in per[0] if all(p in q for q in per[1:])]
+    common = [p for p in per[0][0] if all(p in q for q, _ in per[1:])]
     dropped = sorted(set(ctx.cfg["paths"]) - set(common))
     if dropped:
         ctx.log(
             f"paths not run here: {', '.join(dropped)} (multicast only where NOTE "
             f"[dcpkit multicast guard] allows it; torch only where installed)"
         )
+    reasons: dict[tuple[str, str, bool], list[int]] = {}
+    for rank, (_, why) in enumerate(per):
+        for p, (reason, error) in why.items():
+            reasons.setdefault((p, reason, error), []).append(rank)
+    for (p, reason, error), ranks in sorted(reasons.items()):
+        where = "every rank" if len(ranks) == len(per) else f"rank(s) {ranks}"
+        ctx.log(f"path {p} not run on {where}: {short(reason, 300)}")
+        if error:
+            ctx.errors.append(f"path {p} not run on {where}: {reason}")
     gated = [p for p in common if p in NCCL_PATHS]
     why = _gpu_layout(ctx)
     if why is not None and gated:
