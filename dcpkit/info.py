@@ -412,6 +412,7 @@ def _multicast(gpus: list[dict[str, Any]]) -> dict[str, Any]:
         "reason": None,
     }
     try:
+        from .errors import InvalidArgument
         from .multicast import multicast_decision
     except ModuleNotFoundError as e:
         if e.name not in ("dcpkit.multicast",):
@@ -423,23 +424,26 @@ def _multicast(gpus: list[dict[str, Any]]) -> dict[str, Any]:
         out["reason"] = f"unknown (dcpkit.multicast failed to import: {_err(e)})"
         return out
     env = dict(os.environ)
-    try:
-        use, reason = multicast_decision(None, env, device_supported)
-        out["used"] = bool(use)
-        out["reason"] = str(reason)
-        if asked and unknown_why is not None:  # the answer hinged on the unknown attribute
-            out["reason"] = unknown_why
-        # The same question for a user who opts in: shows which variable or attribute would
-        # still refuse (a decision only: nothing is created).
+
+    def decide(opt_in: bool | None) -> tuple[bool | None, str]:
+        """One question to the guard; each is asked on its own, so that a variable that only
+        one of them reads (DCPKIT_MULTICAST without opt-in, the disabling variables with it)
+        spoils only that answer."""
         asked.clear()
-        use1, reason1 = multicast_decision(True, env, device_supported)
-        out["used_if_opted_in"] = bool(use1)
-        out["reason_if_opted_in"] = str(reason1)
-        if asked and unknown_why is not None:
-            out["used_if_opted_in"] = None
-            out["reason_if_opted_in"] = unknown_why
-    except Exception as e:  # noqa: BLE001
-        out["reason"] = f"unknown (multicast_decision failed: {_err(e)})"
+        try:
+            use, reason = multicast_decision(opt_in, env, device_supported)
+        except InvalidArgument as e:  # the ops raise the same at construction
+            return None, f"refused: {e} (an op asked this question raises this error)"
+        except Exception as e:  # noqa: BLE001
+            return None, f"unknown (multicast_decision failed: {_err(e)})"
+        if asked and unknown_why is not None:  # the answer hinged on the unknown attribute
+            return (bool(use) if opt_in is None else None), unknown_why
+        return bool(use), str(reason)
+
+    out["used"], out["reason"] = decide(None)
+    # The same question for a user who opts in: shows which variable or attribute would still
+    # refuse (a decision only: nothing is created).
+    out["used_if_opted_in"], out["reason_if_opted_in"] = decide(True)
     return out
 
 
@@ -589,7 +593,8 @@ def format_text(info: dict[str, Any]) -> str:
         else:
             sup = "unknown (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED not readable)"
         lines.append(f"multicast        supported by every GPU: {sup}")
-        lines.append(f"  dcpkit would use it: {_yn(mc['used'])} ({mc['reason']})")
+        used = mc["reason"] if mc["used"] is None else f"{_yn(mc['used'])} ({mc['reason']})"
+        lines.append(f"  dcpkit would use it: {used}")
         if "used_if_opted_in" in mc:
             ans = (
                 mc["reason_if_opted_in"]

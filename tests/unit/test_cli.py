@@ -420,3 +420,47 @@ def test_readme_says_what_dcpkit_debug_reads_as_off(repo_root, monkeypatch):
     for value in ("1", "on", "x", "-", "0_0", "1_0", "\u0660"):
         monkeypatch.setenv("DCPKIT_DEBUG", value)
         assert debug_enabled() is True, value
+
+
+# ----------------------------------------------------------------------------- malformed guard
+def test_info_asks_each_multicast_question_on_its_own(monkeypatch):
+    """A malformed variable spoils only the answer that reads it: DCPKIT_MULTICAST is read
+    without opt-in, the disabling variables once opted in."""
+    gpus = {
+        "count": 1,
+        "gpus": [
+            {
+                "index": 0,
+                "name": "X",
+                "compute_capability": "9.0",
+                "sm_count": 1,
+                "memory_bytes": 1,
+                "multicast_supported": 1,
+            }
+        ],
+        "p2p": [[None]],
+        "error": None,
+    }
+    monkeypatch.setattr(info, "_gpus", lambda driver_ok: gpus)
+    for k in (
+        "DCPKIT_DISABLE_MULTICAST",
+        "NVSHMEM_DISABLE_NVLS",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+    ):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.setenv("DCPKIT_MULTICAST", "maybe")
+    mc = info.collect()["multicast"]
+    assert mc["used"] is None and mc["reason"].startswith("refused: "), mc
+    assert "'maybe'" in mc["reason"]
+    # the opted-in question does not read DCPKIT_MULTICAST: NCCL_NVLS_ENABLE=0 refuses
+    assert mc["used_if_opted_in"] is False and "NCCL_NVLS_ENABLE" in mc["reason_if_opted_in"]
+    text = info.format_text(info.collect())
+    assert "dcpkit would use it: refused: " in text, text
+    # the other way round: a word in NCCL_NVLS_ENABLE spoils only the opted-in answer
+    monkeypatch.delenv("DCPKIT_MULTICAST")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "true")
+    mc = info.collect()["multicast"]
+    assert mc["used"] is False and mc["reason"].startswith("not opted in"), mc
+    assert mc["used_if_opted_in"] is None
+    assert mc["reason_if_opted_in"].startswith("refused: ") and "'true'" in mc["reason_if_opted_in"]
