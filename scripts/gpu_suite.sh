@@ -188,6 +188,16 @@ fi
 STAGES=",${DCPKIT_SUITE_STAGES:-info,tests,demo,bench},"
 BUDGET_S="${DCPKIT_SUITE_BUDGET_S:-570}"
 MAX_FILES="${DCPKIT_SUITE_MAX_FILES:-8}"
+if [[ $STAGES == *,bench,* && -n "${DCPKIT_BENCH_ARGS:-}" ]]; then
+    # the bench's own parser, now: a bad argument stops the suite here, not after the tests
+    # shellcheck disable=SC2086
+    if ! why="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m dcpkit bench --check-args \
+            ${DCPKIT_BENCH_ARGS} 2>&1)"; then
+        echo "gpu_suite.sh: DCPKIT_BENCH_ARGS must be arguments dcpkit bench accepts" \
+             "(got '$DCPKIT_BENCH_ARGS'): $(echo "$why" | tail -n 1)" >&2
+        exit 2
+    fi
+fi
 if [ -e "$OUT" ] && [ ! -d "$OUT" ]; then
     echo "gpu_suite.sh: OUT must be a directory (got '$OUT', which is not one)" >&2; exit 2
 fi

@@ -71,6 +71,25 @@ class BenchParser(CommandParser):
         return getattr(ns, "render_md", None) is None
 
 
+def _exact(value: Fraction) -> str:
+    """A fractional byte count written exactly where it is short (``1024.0001024``), else as
+    ``between N and N + 1`` (a rounded figure could read as the whole number it is not)."""
+    whole, rest = divmod(value.numerator, value.denominator)
+    den = value.denominator
+    while den % 2 == 0:
+        den //= 2
+    while den % 5 == 0:
+        den //= 5
+    if den == 1:  # a finite decimal
+        digits = 0
+        while (rest * 10**digits) % value.denominator:
+            digits += 1
+        if digits <= 12:
+            frac = rest * 10**digits // value.denominator
+            return f"{whole}.{frac:0{digits}d}"
+    return f"between {whole} and {whole + 1}"
+
+
 def parse_size(text: str) -> int:
     """Bytes from ``"4096"``, ``"4K"``, ``"4KiB"``, ``"256M"``, ``"1G"``, ``"1.5K"`` (binary
     units; ASCII digits, at most 40); a whole, positive number of bytes.
@@ -93,7 +112,7 @@ def parse_size(text: str) -> int:
     value = Fraction(m.group(1)) * mult  # exact: no float rounding, no overflow to inf
     if value.denominator != 1:
         raise argparse.ArgumentTypeError(
-            f"must be a whole number of bytes (got {text!r} = {float(value):g} bytes)"
+            f"must be a whole number of bytes (got {text!r} = {_exact(value)} bytes)"
         )
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte (got {text!r})")
@@ -316,6 +335,13 @@ def build_parser() -> BenchParser:
         f"max({_fmt(MIN_EGRESS_BYTES)}, min({_fmt(DEFAULT_EGRESS_BYTES)}, --max-bytes)))",
     )
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failed stages")
+    p.add_argument(
+        "--check-args",
+        action="store_true",
+        help="check the arguments as a run would, then exit: status 0 and no output, or 2 with "
+        "the one-line error (no MPI, no GPU; for scripts that check a command line before "
+        "starting)",
+    )
     g = p.add_argument_group("BENCHMARKS.md (no GPU, no MPI)")
     g.add_argument(
         "--render-md",
@@ -416,7 +442,15 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
                 f"the job is aborted (got {args.hang_s:g})"
             )
     else:
-        render_opts = {"render_md", "baseline", "md_out", "notes", "host_overhead", "help"}
+        render_opts = {
+            "render_md",
+            "baseline",
+            "md_out",
+            "notes",
+            "host_overhead",
+            "help",
+            "check_args",
+        }
         for action in parser._actions:
             dest = action.dest
             if dest in render_opts or not action.option_strings or dest == "version":

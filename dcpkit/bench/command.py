@@ -217,11 +217,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_args(args, parser)
     if args.render_md:
-        return render_md_main(args)
+        return 0 if args.check_args else render_md_main(args)
     try:
         cfg = resolve_config(args)
     except argparse.ArgumentTypeError as e:
         parser.error(str(e))
+    if args.check_args:
+        return 0
     from ..comm import Communicator
 
     try:

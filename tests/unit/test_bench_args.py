@@ -28,6 +28,21 @@ def test_parse_size():
         bench.parse_size("0")
 
 
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        ("1.0000001K", "= 1024.0001024 bytes"),  # never rounded to the whole number it is not
+        ("1.5", "= 1.5 bytes"),
+        ("1.000000000000001K", "= between 1024 and 1025 bytes"),
+        ("0.3333333333333333333K", "= between 341 and 342 bytes"),
+    ],
+)
+def test_a_fractional_size_is_shown_as_it_is(text, shown):
+    with pytest.raises(Exception, match="whole number of bytes") as e:
+        bench.parse_size(text)
+    assert f"(got {text!r} {shown})" in str(e.value)
+
+
 def test_resolve_config_default_and_quick():
     p = bench.build_parser()
     cfg = bench.resolve_config(p.parse_args([]))

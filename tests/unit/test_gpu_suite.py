@@ -497,3 +497,43 @@ def test_no_nvidia_smi_and_no_python_are_named(repo_root, run_cmd, tmp_path):
     assert f"info - 127 0 '{tmp_path / 'no_python'}' cannot run: command not found" in summary
     assert "no GPU found" not in text + summary, text + summary
     assert "cannot run (set PYTHON" in text, text
+
+
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        ("--tokens 1,x", "argument --tokens: must be a comma list"),
+        ("--max-bytes 1.5", "argument --max-bytes: must be a whole number of bytes"),
+        ("--no-such-flag", "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_bench_args_the_bench_refuses_stop_the_suite_before_it_starts(
+    repo_root, run_cmd, tmp_path, args, why
+):
+    """The bench's own parser reads DCPKIT_BENCH_ARGS before anything starts: one line, exit 2,
+    no $OUT, no GPU tool and no mpirun called (not after the tests have run for minutes)."""
+    script, bindir, calls, out = _suite_with_fake_tools(repo_root, tmp_path)
+    env = _suite_env(
+        bindir, out, tmp_path, python=bindir / "python",
+        DCPKIT_SUITE_STAGES="tests,bench", DCPKIT_SUITE_SHARED_GPU="1", DCPKIT_SUITE_MPS="1",
+        DCPKIT_BENCH_ARGS=args,
+    )  # fmt: skip
+    proc = run_cmd(["bash", str(script)], timeout=60, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("gpu_suite.sh: DCPKIT_BENCH_ARGS must be arguments"), proc.stderr
+    assert f"(got '{args}')" in proc.stderr and why in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stdout == "", proc.stderr
+    assert not out.exists() and not calls.exists()
+    started = (bindir / "started.txt").read_text().splitlines()
+    assert started and all(ln.startswith("python -m dcpkit bench --check-args") for ln in started)
+
+
+def test_bench_args_the_bench_accepts_pass_the_check(repo_root, run_cmd, tmp_path):
+    script, bindir, calls, out = _suite_with_fake_tools(repo_root, tmp_path)
+    env = _suite_env(
+        bindir, out, tmp_path, python=bindir / "python",
+        DCPKIT_SUITE_STAGES="bench", DCPKIT_SUITE_SHARED_GPU="1", DCPKIT_SUITE_MPS="1",
+        DCPKIT_SUITE_NP="2", DCPKIT_BENCH_ARGS="--quick --tokens 1,8",
+    )  # fmt: skip
+    text, runs = _run_ok(run_cmd, script, env, calls, "dcpkit bench")
+    assert len(runs) == 1 and runs[0].endswith("--quick --tokens 1,8"), runs
