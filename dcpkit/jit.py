@@ -353,7 +353,10 @@ def _compile_one(nvrtc, file: str, exprs: Iterable[str], opts: list[str]) -> dic
         bopts = [o.encode() for o in opts]
         (res,) = nvrtc.nvrtcCompileProgram(prog, len(bopts), bopts)
         _, n = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * n
+        # NVRTC writes into the buffer: a bytearray of its own. (b" " * n is immutable, and for
+        # n = 1, a clean compile's log, it is the interpreter's shared b" ", which the NUL then
+        # overwrote for the whole process.)
+        log = bytearray(n)
         nvrtc.nvrtcGetProgramLog(prog, log)
         log_s = log.decode(errors="replace").rstrip("\x00").strip()
         if int(res) != 0:

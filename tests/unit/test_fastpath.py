@@ -49,7 +49,7 @@ def _ptx(file: str, exprs):
         _, name = nvrtc.nvrtcGetLoweredName(prog, e.encode())
         names[e] = name.decode() if isinstance(name, bytes) else name
     _, n = nvrtc.nvrtcGetPTXSize(prog)
-    buf = b" " * n
+    buf = bytearray(n)
     nvrtc.nvrtcGetPTX(prog, buf)
     return buf.decode().rstrip("\0 "), names
 

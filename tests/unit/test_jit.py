@@ -324,3 +324,60 @@ def test_nvrtc_archs():
 def test_nvrtc_version():
     major, minor = jit.nvrtc_version()
     assert major >= 12 and minor >= 0
+
+
+def test_a_clean_compile_leaves_the_interpreters_bytes_intact(run_python):
+    """NVRTC's log of a clean compile is one NUL byte. The log buffer was ``b" " * n``, which for
+    n = 1 is CPython's shared one-byte object b" ": NVRTC wrote the NUL into it, and from then
+    on every b" " of the process (``os.fsencode(" ")``, an environment value of one space handed
+    to a child process) was b"\\x00". Checked in a fresh process, where nothing else ran."""
+    r = run_python(
+        "import os\n"
+        "from dcpkit import jit\n"
+        "jit.compile_only(['fallback.cu'])\n"
+        "print(b' '[0], os.fsencode(' ')[0], bytes([32])[0], ' '.encode()[0])\n"
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.split() == ["32"] * 4, r.stdout + r.stderr
+
+
+def test_the_log_buffer_handed_to_nvrtc_is_writable(monkeypatch):
+    """Whatever the log's size, NVRTC writes into a buffer of its own, never into an immutable
+    (and possibly shared) bytes object."""
+    seen = []
+
+    class Nvrtc:
+        def nvrtcCreateProgram(self, code, name, n, a, b):
+            return 0, object()
+
+        def nvrtcAddNameExpression(self, prog, e):
+            return (0,)
+
+        def nvrtcCompileProgram(self, prog, n, opts):
+            return (0,)
+
+        def nvrtcGetProgramLogSize(self, prog):
+            return 0, self.size
+
+        def nvrtcGetProgramLog(self, prog, buf):
+            view = memoryview(buf)
+            seen.append(view.readonly)
+            if not view.readonly:
+                view[-1] = 0
+            return (0,)
+
+        def nvrtcGetLoweredName(self, prog, e):
+            return 0, b"k"
+
+        def nvrtcGetCUBINSize(self, prog):
+            return 0, 8
+
+        def nvrtcDestroyProgram(self, prog):
+            return (0,)
+
+    for size in (1, 2, 64):
+        fake = Nvrtc()
+        fake.size = size
+        # a name expression of its own per size: the session's compile memo keys on it
+        jit._compile_one(fake, "fallback.cu", [f"fake_kernel_{size}"], [])
+    assert seen == [False, False, False]

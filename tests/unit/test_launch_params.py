@@ -72,7 +72,7 @@ def _ptx(src: str) -> str:
     if int(res) != 0:
         pytest.skip(f"NVRTC could not compile here: {res}")
     _, n = nvrtc.nvrtcGetPTXSize(prog)
-    buf = b" " * n
+    buf = bytearray(n)
     nvrtc.nvrtcGetPTX(prog, buf)
     return buf.decode().rstrip("\0 ")
 

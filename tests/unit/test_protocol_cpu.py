@@ -75,11 +75,11 @@ def _ptx_of(file: str, options: tuple) -> str:
         (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         if int(res) != 0:
             _, n = nvrtc.nvrtcGetProgramLogSize(prog)
-            log = b" " * n
+            log = bytearray(n)
             nvrtc.nvrtcGetProgramLog(prog, log)
             pytest.fail(f"{file}: {log.decode(errors='replace')}")
         _, size = nvrtc.nvrtcGetPTXSize(prog)
-        buf = b" " * size
+        buf = bytearray(size)
         nvrtc.nvrtcGetPTX(prog, buf)
         return buf.decode(errors="replace").rstrip("\x00")
     finally:

@@ -26,7 +26,7 @@ def _ptx(file: str, options=()) -> str:
     (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     assert int(res) == 0
     _, n = nvrtc.nvrtcGetPTXSize(prog)
-    buf = b" " * n
+    buf = bytearray(n)
     nvrtc.nvrtcGetPTX(prog, buf)
     nvrtc.nvrtcDestroyProgram(prog)
     return buf.decode(errors="replace")
