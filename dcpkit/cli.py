@@ -205,6 +205,69 @@ def milliseconds(text: str) -> float:
     return value
 
 
+class _DeferredError(Exception):
+    """A usage error held back until the ranks agree (NOTE [dcpkit agreed parse])."""
+
+    def __init__(self, line: str):
+        super().__init__(line)
+        self.line = line
+
+
+def _launcher_size() -> int | None:
+    """The number of processes a launcher says it started, when more than one, else None."""
+    from .comm import launcher_world_size
+
+    found = launcher_world_size(os.environ)
+    return None if found is None else found[1]
+
+
+def _gather_outcomes(outcome):
+    """Every rank's parse outcome (a list indexed by rank), or None where the ranks cannot
+    agree: MPI does not start, or its world is not the launcher's."""
+    try:
+        from .comm import import_mpi, launcher_world_size_mismatch
+
+        MPI = import_mpi()
+        if launcher_world_size_mismatch(os.environ, MPI) is not None:
+            return None
+        return MPI.COMM_WORLD.allgather(outcome)
+    except Exception:  # noqa: BLE001 - no MPI: the command says so itself later, or never runs
+        return None
+
+
+def _agreed_exit(prog: str, outcomes: list) -> tuple[str | None, int | None]:
+    """(the line rank 0 prints, the status every rank exits with) from every rank's parse
+    outcome; status None: every rank parsed, go on."""
+    if all(o is None for o in outcomes):
+        return None, None
+    n = len(outcomes)
+    errors: dict[str, list[int]] = {}
+    for r, o in enumerate(outcomes):
+        if o is not None and o[1] is not None:
+            errors.setdefault(o[1], []).append(r)
+    if errors:
+        line, ranks = next(iter(errors.items()))
+        if len(errors) == 1 and len(ranks) == n:
+            return line, 2  # every rank: the usual one line
+        rest = line[len(prog) + 2 :] if line.startswith(prog + ": ") else line
+        more = sum(len(v) for v in errors.values()) - len(ranks)
+        tail = f" (and {more} other rank(s) with another error)" if more else ""
+        return f"{prog}: on rank(s) {_ranks_text(ranks)} of {n}: {rest}{tail}", 2
+    codes = {o[0] for o in outcomes if o is not None}
+    if len(codes) == 1 and all(o is not None for o in outcomes):
+        return None, codes.pop()  # --help or --version on every rank
+    asked = [r for r, o in enumerate(outcomes) if o is not None]
+    return (
+        f"{prog}: --help or --version on rank(s) {_ranks_text(asked)} of {n} only: give every "
+        f"rank the same arguments"
+    ), 2
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    shown = ", ".join(str(r) for r in ranks[:8])
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
 class CommandParser(argparse.ArgumentParser):
     """The argument parser of a subcommand: a usage error is one line on stderr naming the
     argument, ``<prog>: <message> (see <prog> --help)``, and exit status 2 (no usage block).
@@ -216,12 +279,71 @@ class CommandParser(argparse.ArgumentParser):
 
     _timeout_fallback_ms: float | None = None
 
-    def __init__(self, *args, help_command: str | None = None, **kwargs):
+    def __init__(
+        self, *args, help_command: str | None = None, agree_across_ranks: bool = True, **kwargs
+    ):
         """``help_command``: the command the error line points to, ``<help_command> --help``
-        (default: ``prog``); the other arguments are argparse's."""
+        (default: ``prog``); ``agree_across_ranks``: under a launcher of several processes,
+        the ranks agree on the outcome of :meth:`parse_args` (NOTE [dcpkit agreed parse]); a
+        command that makes no collective (``dcpkit info``) passes False. The other arguments
+        are argparse's."""
         super().__init__(*args, **kwargs)
         self.help_command = help_command or self.prog
+        self.agree_across_ranks = bool(agree_across_ranks)
         self._distinct: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+        self._deferring = False
+
+    # NOTE [dcpkit agreed parse]
+    # --------------------------
+    # Every rank of an MPI job parses its own command line and reads its own environment, so a
+    # bad argument or DCPKIT_TIMEOUT_MS on some ranks only made those ranks exit while the others
+    # went on into their first collective and waited there for ever. Under a launcher that
+    # started several processes, parse_args (and any checks given to parse_agreed) therefore
+    # runs with the exits deferred, then every rank's outcome -- parsed, a usage error with its
+    # line, or --help / --version -- is gathered over MPI.COMM_WORLD before anything else
+    # happens: when any rank failed, every rank exits with status 2 and the launcher's rank 0
+    # prints one line (naming the ranks when not all of them failed). Where MPI cannot start, or
+    # its world is not the launcher's (dcpkit.comm.launcher_world_size_mismatch), the ranks exit
+    # as before (each by itself), as they could not agree on anything later either.
+
+    def parse_args(self, args=None, namespace=None):
+        return self.parse_agreed(args, namespace=namespace)
+
+    def parse_agreed(self, args=None, check=None, namespace=None):
+        """:meth:`parse_args`, then ``check(ns)`` (which may call :meth:`error`), agreed across
+        the ranks of a launcher's job (NOTE [dcpkit agreed parse]). Returns the namespace on
+        every rank or exits (``SystemExit``) on every rank."""
+        if not self.agree_across_ranks or _launcher_size() is None:
+            ns = super().parse_args(args, namespace)
+            if check is not None:
+                check(ns)
+            return ns
+        outcome = None
+        ns = None
+        self._deferring = True
+        try:
+            ns = super().parse_args(args, namespace)
+            if check is not None:
+                check(ns)
+        except _DeferredError as e:
+            outcome = (2, e.line)
+        except SystemExit as e:  # --help, --version: printed on rank 0 already
+            outcome = (e.code if isinstance(e.code, int) else 2, None)
+        finally:
+            self._deferring = False
+        outcomes = _gather_outcomes(outcome)
+        if outcomes is None:  # no agreement possible: each rank as it stands
+            if outcome is None:
+                return ns
+            if outcome[1] is not None and job_leader():
+                sys.stderr.write(outcome[1] + "\n")
+            sys.exit(outcome[0])
+        line, status = _agreed_exit(self.prog, outcomes)
+        if status is None:
+            return ns
+        if line is not None and job_leader():
+            sys.stderr.write(line + "\n")
+        sys.exit(status)
 
     def parse_known_args(self, args=None, namespace=None):
         self._argv = list(sys.argv[1:] if args is None else args)
@@ -316,11 +438,11 @@ class CommandParser(argparse.ArgumentParser):
         return self._timeout_fallback_ms, "default"
 
     def error(self, message: str):
+        line = f"{self.prog}: {message}{self._dash_hint(message)} (see {self.help_command} --help)"
+        if self._deferring:
+            raise _DeferredError(line)
         if job_leader():
-            sys.stderr.write(
-                f"{self.prog}: {message}{self._dash_hint(message)} "
-                f"(see {self.help_command} --help)\n"
-            )
+            sys.stderr.write(line + "\n")
         sys.exit(2)
 
     def _print_message(self, message, file=None):
@@ -570,39 +692,67 @@ def main(argv: list[str] | None = None) -> int:
     return pipe_safe(_main, argv, prog="dcpkit")
 
 
-def _main(argv: list[str] | None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _dispatch(argv: list[str]):
+    """``(module, None)`` for a command line this process can run, else ``(None, (status,
+    error line or None, text for stdout or None))``: a usage error, --help / --version, a
+    module not in this installation or a missing dependency."""
     if argv and argv[0] in ("-V", "--version", "-h", "--help"):
         if len(argv) > 1:
-            return _usage_error(f"{argv[0]} takes no arguments (got {' '.join(argv[1:])!r})")
+            msg = f"{argv[0]} takes no arguments (got {' '.join(argv[1:])!r})"
+            return None, (2, f"dcpkit: {msg} (see dcpkit --help)", None)
         if argv[0] in ("-V", "--version"):
             from . import __version__
 
-            _say(f"dcpkit {__version__}", sys.stdout)
-        else:
-            _say(_usage(), sys.stdout)
-        return 0
+            return None, (0, None, f"dcpkit {__version__}")
+        return None, (0, None, _usage())
     if not argv:
-        _say(_usage(), sys.stderr)
-        return 2
-    command, args = argv[0], argv[1:]
+        return None, (2, _usage(), None)
+    command = argv[0]
     if command not in _COMMANDS:
         what = "option" if command.startswith("-") else "command"
-        return _usage_error(
+        msg = (
             f"unknown {what} {command!r}: must be one of {', '.join(_COMMANDS)}, --help or "
             f"--version"
         )
+        return None, (2, f"dcpkit: {msg} (see dcpkit --help)", None)
     mod_name = _COMMANDS[command][0]
     try:
-        mod = importlib.import_module(mod_name)
+        return importlib.import_module(mod_name), None
     except ModuleNotFoundError as e:
         if e.name != mod_name:
             raise
-        _say(f"dcpkit {command}: {mod_name} is not available in this installation", sys.stderr)
-        return 2
+        return None, (
+            2,
+            f"dcpkit {command}: {mod_name} is not available in this installation",
+            None,
+        )
     except MissingDependency as e:
-        _say(f"dcpkit {command}: {e}", sys.stderr)
-        return 2
+        return None, (2, f"dcpkit {command}: {e}", None)
+
+
+def _main(argv: list[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    mod, problem = _dispatch(argv)
+    if argv[:1] != ["info"] and _launcher_size() is not None:
+        # the ranks agree on the dispatch before the command's own collectives (NOTE [dcpkit
+        # agreed parse]); `info` makes none and never starts MPI
+        outcomes = _gather_outcomes(None if problem is None else (problem[0], problem[1]))
+        if outcomes is not None:
+            line, status = _agreed_exit("dcpkit", outcomes)
+            if status is not None:
+                if line is not None:
+                    _say(line, sys.stderr)
+                elif problem is not None and problem[2] is not None:
+                    _say(problem[2], sys.stdout)  # --help / --version, asked on every rank
+                return status
+    if problem is not None:
+        status, line, text = problem
+        if line is not None:
+            _say(line, sys.stderr)
+        if text is not None:
+            _say(text, sys.stdout)
+        return status
+    command, args = argv[0], argv[1:]
     try:
         rc = mod.main(args)
     except DcpkitError as e:  # MissingDependency included

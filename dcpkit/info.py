@@ -631,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     (0). Under an MPI launcher, ranks other than 0 print nothing unless ``--all-ranks``."""
     p = CommandParser(
         prog="dcpkit info",
+        agree_across_ranks=False,  # no collective, and MPI is never initialised here
         description="Print what dcpkit finds on this machine: versions, GPUs, P2P access, "
         "and whether multicast would be used (and why not). Needs no GPU.",
     )

@@ -214,14 +214,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     line on stderr, before any MPI or GPU work)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
-    check_args(args, parser)
+    resolved: dict[str, Any] = {}
+
+    def check(args: argparse.Namespace) -> None:
+        check_args(args, parser)
+        if not args.render_md:
+            try:
+                resolved["cfg"] = resolve_config(args)
+            except argparse.ArgumentTypeError as e:
+                parser.error(str(e))
+
+    # every check of the command line, agreed by the ranks (NOTE [dcpkit agreed parse])
+    args = parser.parse_agreed(argv, check=check)
     if args.render_md:
         return 0 if args.check_args else render_md_main(args)
-    try:
-        cfg = resolve_config(args)
-    except argparse.ArgumentTypeError as e:
-        parser.error(str(e))
+    cfg = resolved["cfg"]
     if args.check_args:
         return 0
     from ..comm import Communicator

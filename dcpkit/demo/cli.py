@@ -149,14 +149,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ``DCPKIT_TIMEOUT_MS``, else 5000). Raises ``SystemExit`` (2 on bad arguments or a bad
     ``DCPKIT_TIMEOUT_MS``, 0 on --help); under an MPI launcher only its rank 0 prints."""
     p = parser()
-    args = p.parse_args(None if argv is None else list(argv))
-    if args.batch * args.context > MAX_KV_ROWS:
-        p.error(
-            f"argument --context: --batch x --context must be at most {MAX_KV_ROWS} KV rows "
-            f"(the check gathers the whole KV cache onto every rank) (got {args.batch} x "
-            f"{args.context})"
-        )
-    return args
+
+    def check(args: argparse.Namespace) -> None:
+        if args.batch * args.context > MAX_KV_ROWS:
+            p.error(
+                f"argument --context: --batch x --context must be at most {MAX_KV_ROWS} KV "
+                f"rows (the check gathers the whole KV cache onto every rank) (got "
+                f"{args.batch} x {args.context})"
+            )
+
+    # every rank's outcome is agreed under a launcher (NOTE [dcpkit agreed parse])
+    return p.parse_agreed(None if argv is None else list(argv), check=check)
 
 
 def versions() -> dict[str, Any]:

@@ -1,0 +1,105 @@
+"""The ranks of an MPI job agree on their command lines before any collective: a bad argument or
+environment variable on some ranks only is one line and exit status 2 on every rank, not ranks
+waiting for ever in a collective the others never enter (NOTE [dcpkit agreed parse] in
+dcpkit/cli.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from dcpkit.cli import _agreed_exit
+
+PY = sys.executable
+
+
+def _two_ranks(mpi_launcher, rank0, rank1):
+    """An MPMD command line: one process running ``rank0``, one running ``rank1``."""
+    return mpi_launcher.command(1, *rank0) + [":", "-n", "1", *rank1]
+
+
+CASES = {
+    # what rank 0 runs, what rank 1 runs, what the line must say
+    "demo, a bad DCPKIT_TIMEOUT_MS on rank 1": (
+        [PY, "-m", "dcpkit", "demo"],
+        ["env", "DCPKIT_TIMEOUT_MS=abc", PY, "-m", "dcpkit", "demo"],
+        "dcpkit demo: on rank(s) 1 of 2: environment variable DCPKIT_TIMEOUT_MS: must be",
+    ),
+    "demo, a bad option on rank 0": (
+        [PY, "-m", "dcpkit", "demo", "--batch", "0"],
+        [PY, "-m", "dcpkit", "demo"],
+        "dcpkit demo: on rank(s) 0 of 2: argument --batch: must be",
+    ),
+    "demo, a check after parsing on rank 1": (
+        [PY, "-m", "dcpkit", "demo"],
+        [PY, "-m", "dcpkit", "demo", "--batch", "65536", "--context", "16777216"],
+        "dcpkit demo: on rank(s) 1 of 2: argument --context: --batch x --context",
+    ),
+    "bench, a bad option on rank 1": (
+        [PY, "-m", "dcpkit", "bench", "--quick"],
+        [PY, "-m", "dcpkit", "bench", "--quick", "--tokens", "x"],
+        "dcpkit bench: on rank(s) 1 of 2: argument --tokens: must be",
+    ),
+    "bench, a check of resolve_config on rank 0": (
+        [PY, "-m", "dcpkit", "bench", "--max-bytes", "1K"],
+        [PY, "-m", "dcpkit", "bench"],
+        "dcpkit bench: on rank(s) 0 of 2: argument --max-bytes",
+    ),
+    "the dispatcher, an unknown command on rank 0": (
+        [PY, "-m", "dcpkit", "demoo"],
+        [PY, "-m", "dcpkit", "demo"],
+        "dcpkit: on rank(s) 0 of 2: unknown command 'demoo'",
+    ),
+    "--help on one rank only": (
+        [PY, "-m", "dcpkit", "demo"],
+        [PY, "-m", "dcpkit", "demo", "--help"],
+        "dcpkit demo: --help or --version on rank(s) 1 of 2 only",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_bad_command_line_on_one_rank_stops_every_rank(mpi_launcher, run_cmd, case):
+    rank0, rank1, needle = CASES[case]
+    proc = run_cmd(_two_ranks(mpi_launcher, rank0, rank1), timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(needle), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_script_agrees_as_well(mpi_launcher, run_cmd, repo_root):
+    soak = str(repo_root / "scripts" / "soak.py")
+    proc = run_cmd(_two_ranks(mpi_launcher, [PY, soak, "--calls", "x"], [PY, soak]), timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "on rank(s) 0 of 2: argument --calls" in proc.stderr, proc.stderr
+
+
+def test_the_same_error_on_every_rank_is_the_usual_line(mpi_launcher, run_cmd):
+    proc = run_cmd(
+        mpi_launcher.command(2, PY, "-m", "dcpkit", "bench", "--tokens", "x"), timeout=120
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("dcpkit bench: argument --tokens"), lines
+
+
+def test_agreed_exit_rules():
+    line = "prog: argument --x: bad (see prog --help)"
+    assert _agreed_exit("prog", [None, None]) == (None, None)
+    assert _agreed_exit("prog", [(2, line), (2, line)]) == (line, 2)
+    assert _agreed_exit("prog", [None, (2, line), None]) == (
+        "prog: on rank(s) 1 of 3: argument --x: bad (see prog --help)",
+        2,
+    )
+    other = "prog: argument --y: bad (see prog --help)"
+    got, status = _agreed_exit("prog", [(2, line), (2, other), None])
+    assert status == 2 and got.startswith("prog: on rank(s) 0 of 3: argument --x")
+    assert got.endswith("(and 1 other rank(s) with another error)")
+    assert _agreed_exit("prog", [(0, None), (0, None)]) == (None, 0)  # --help everywhere
+    got, status = _agreed_exit("prog", [(0, None), None])
+    assert status == 2 and "--help or --version on rank(s) 0 of 2 only" in got
+    # an error beats a --help elsewhere
+    got, status = _agreed_exit("prog", [(0, None), (2, line)])
+    assert status == 2 and got.startswith("prog: on rank(s) 1 of 2:")
