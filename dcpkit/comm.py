@@ -117,7 +117,9 @@ def launcher_world_size_mismatch(env, MPI) -> str | None:
         return None
     var, n = found
     try:
-        lib = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+        lib = " ".join(
+            MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0].split()
+        )
     except Exception:  # noqa: BLE001 - only used in the message
         lib = "unknown"
     return (

@@ -144,7 +144,9 @@ def _versions() -> dict[str, Any]:
             from mpi4py import MPI
 
             text = MPI.Get_library_version()
-            lines = text.strip().splitlines()
+            # Open MPI's string ends in a NUL byte, which a terminal or a grep of the log reads
+            # as binary
+            lines = text.replace("\x00", "").strip().splitlines()
             v["mpi_library"] = " ".join(lines[0].split()) if lines else ""
             v["mpi_launcher_mismatch"] = _launcher_mismatch(MPI, text)
         except Exception as e:  # noqa: BLE001

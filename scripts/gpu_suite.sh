@@ -188,13 +188,31 @@ fi
 STAGES=",${DCPKIT_SUITE_STAGES:-info,tests,demo,bench},"
 BUDGET_S="${DCPKIT_SUITE_BUDGET_S:-570}"
 MAX_FILES="${DCPKIT_SUITE_MAX_FILES:-8}"
-if [[ $STAGES == *,bench,* && -n "${DCPKIT_BENCH_ARGS:-}" ]]; then
-    # the bench's own parser, now: a bad argument stops the suite here, not after the tests
+if [[ $STAGES == *,bench,* ]]; then
+    # the options the bench stage sets itself, or that would make it run no benchmark
+    # shellcheck disable=SC2086
+    for a in ${DCPKIT_BENCH_ARGS:-}; do
+        case "$a" in
+            --json | --json=* | --plot | --plot=* | --render-md | --render-md=* | --md-out | \
+            --md-out=* | --baseline | --baseline=* | --notes | --notes=* | --host-overhead | \
+            --host-overhead=* | --check-args | --help | -h)
+                bad_setting DCPKIT_BENCH_ARGS "be options of a benchmark run: the suite sets" \
+                    "--json and --plot itself, and '${a%%=*}' runs no benchmark or replaces" \
+                    "its output" ;;
+        esac
+    done
+    # the bench's own parser, now, with the stage's own --json (and DCPKIT_TIMEOUT_MS): a bad
+    # argument stops the suite here, not after the tests
     # shellcheck disable=SC2086
     if ! why="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m dcpkit bench --check-args \
-            ${DCPKIT_BENCH_ARGS} 2>&1)"; then
-        echo "gpu_suite.sh: DCPKIT_BENCH_ARGS must be arguments dcpkit bench accepts" \
-             "(got '$DCPKIT_BENCH_ARGS'): $(echo "$why" | tail -n 1)" >&2
+            --json "${TMPDIR:-/tmp}/dcpkit_suite_check.json" ${DCPKIT_BENCH_ARGS:-} 2>&1)"; then
+        why="$(echo "$why" | tail -n 1)"
+        if [[ $why == *": environment variable "* ]]; then
+            echo "gpu_suite.sh: the bench stage would stop: $why" >&2  # names the variable
+        else
+            echo "gpu_suite.sh: DCPKIT_BENCH_ARGS must be arguments dcpkit bench accepts" \
+                 "(got '${DCPKIT_BENCH_ARGS:-}'): $why" >&2
+        fi
         exit 2
     fi
 fi
@@ -319,8 +337,7 @@ export DCPKIT_MACHINE_KIND="${DCPKIT_MACHINE_KIND:-${NGPU}x ${GPU_NAME:-GPU}}"
     echo "host: $(hostname); $(uname -r); GPUs: $NGPU; world sizes: ${NPS:- none}"
     echo "commit: $DCPKIT_COMMIT"
     for v in $GUARD_VARS; do echo "$v: ${GUARD0[$v]}"; done
-    echo "DCPKIT_MULTICAST: ${DCPKIT_MULTICAST-unset};" \
-         "DCPKIT_DISABLE_MULTICAST: ${DCPKIT_DISABLE_MULTICAST-unset}"
+    echo "DCPKIT_MULTICAST: ${DCPKIT_MULTICAST-unset}"
     if command -v nvidia-smi >/dev/null 2>&1; then
         nvidia-smi -L 2>&1
         nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm,power.limit \

@@ -51,7 +51,9 @@ def _torch_with_cuda() -> bool:
 )
 def test_example_passes(tmp_path, launcher, name):
     if name in ("torch_cuda_graph", "vllm_api") and not _torch_with_cuda():
-        pytest.skip("torch with CUDA is not installed here (pip install 'dcpkit[torch]')")
+        pytest.skip(
+            "torch with CUDA is not installed here (pip install 'dcpkit[torch-cu12]', or torch-cu13)"
+        )
     exe, flavor = launcher
     # The README's command, mpirun -np 2 python examples/<name>.py, with the launcher's flags
     cmd = mpirun_command(exe, flavor, NP, [str(EXAMPLES / f"{name}.py")])

@@ -27,7 +27,7 @@ from dcpkit.reference import resolve_dtype
 from _dcp_checks import KVCase, LseCase, QCase, first_diff, run_all_ranks, sub_seed
 
 torch = pytest.importorskip(
-    "torch", reason="torch is not installed here (pip install 'dcpkit[torch]')"
+    "torch", reason="torch is not installed here (pip install 'dcpkit[torch-cu12]', or torch-cu13)"
 )
 cupy = pytest.importorskip("cupy")
 

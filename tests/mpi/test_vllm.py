@@ -26,7 +26,7 @@ import pytest
 from _dcp_checks import run_all_ranks
 
 torch = pytest.importorskip(
-    "torch", reason="torch is not installed here (pip install 'dcpkit[torch]')"
+    "torch", reason="torch is not installed here (pip install 'dcpkit[torch-cu12]', or torch-cu13)"
 )
 cupy = pytest.importorskip("cupy")
 

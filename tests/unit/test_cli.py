@@ -464,3 +464,22 @@ def test_info_asks_each_multicast_question_on_its_own(monkeypatch):
     assert mc["used"] is False and mc["reason"].startswith("not opted in"), mc
     assert mc["used_if_opted_in"] is None
     assert mc["reason_if_opted_in"].startswith("refused: ") and "'true'" in mc["reason_if_opted_in"]
+
+
+def test_info_drops_the_nul_byte_of_open_mpis_library_version(monkeypatch):
+    """Open MPI's MPI_Get_library_version string ends in a NUL byte; printed as it is, the
+    report (and a log holding it) reads as binary to grep."""
+    pytest.importorskip("mpi4py")
+    import types
+
+    fake = types.SimpleNamespace(
+        Get_library_version=lambda: "Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6\x00",
+        COMM_WORLD=types.SimpleNamespace(Get_size=lambda: 1),
+    )
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", fake)
+    import mpi4py
+
+    monkeypatch.setattr(mpi4py, "MPI", fake, raising=False)
+    v = info._versions()
+    assert v["mpi_library"] == "Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6"
+    assert "\x00" not in info.format_text(info.collect())

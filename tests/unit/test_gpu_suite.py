@@ -528,6 +528,41 @@ def test_bench_args_the_bench_refuses_stop_the_suite_before_it_starts(
     assert started and all(ln.startswith("python -m dcpkit bench --check-args") for ln in started)
 
 
+@pytest.mark.parametrize(
+    "args", ["--json /tmp/x.json", "--plot=x.png", "--render-md docs/bench_2.json", "--help"]
+)
+def test_bench_args_that_replace_the_stages_output_are_refused(repo_root, run_cmd, tmp_path, args):
+    """--json / --plot are the suite's own; --render-md, --help and the like run no benchmark
+    (the stage would "pass" with no bench JSON)."""
+    script, bindir, calls, out = _suite_with_fake_tools(repo_root, tmp_path)
+    env = _suite_env(
+        bindir, out, tmp_path, python=bindir / "python",
+        DCPKIT_SUITE_STAGES="bench", DCPKIT_SUITE_SHARED_GPU="1", DCPKIT_SUITE_MPS="1",
+        DCPKIT_BENCH_ARGS=args,
+    )  # fmt: skip
+    proc = run_cmd(["bash", str(script)], timeout=60, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("gpu_suite.sh: DCPKIT_BENCH_ARGS must be options of a benchmark")
+    assert f"(got '{args}')" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert not out.exists() and not (bindir / "started.txt").exists()
+
+
+def test_a_bad_timeout_variable_stops_the_suite_before_the_tests(repo_root, run_cmd, tmp_path):
+    script, bindir, calls, out = _suite_with_fake_tools(repo_root, tmp_path)
+    env = _suite_env(
+        bindir, out, tmp_path, python=bindir / "python",
+        DCPKIT_SUITE_STAGES="tests,bench", DCPKIT_SUITE_SHARED_GPU="1", DCPKIT_SUITE_MPS="1",
+        DCPKIT_TIMEOUT_MS="abc",
+    )  # fmt: skip
+    proc = run_cmd(["bash", str(script)], timeout=60, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(
+        "gpu_suite.sh: the bench stage would stop: dcpkit bench: environment variable "
+        "DCPKIT_TIMEOUT_MS"
+    ), proc.stderr
+    assert proc.stderr.count("\n") == 1 and not out.exists() and not calls.exists()
+
+
 def test_bench_args_the_bench_accepts_pass_the_check(repo_root, run_cmd, tmp_path):
     script, bindir, calls, out = _suite_with_fake_tools(repo_root, tmp_path)
     env = _suite_env(

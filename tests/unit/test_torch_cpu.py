@@ -14,7 +14,8 @@ from dcpkit.errors import ClosedError, InvalidArgument, InvalidType, MissingDepe
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 needs_torch = pytest.mark.skipif(
-    not HAVE_TORCH, reason="torch is not installed (pip install 'dcpkit[torch]')"
+    not HAVE_TORCH,
+    reason="torch is not installed (pip install 'dcpkit[torch-cu12]', or torch-cu13)",
 )
 
 

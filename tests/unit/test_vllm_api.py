@@ -38,7 +38,7 @@ from dcpkit.reference import (
 from _threadgroup import run_group
 
 torch = pytest.importorskip(
-    "torch", reason="torch is not installed here (pip install 'dcpkit[torch]')"
+    "torch", reason="torch is not installed here (pip install 'dcpkit[torch-cu12]', or torch-cu13)"
 )
 
 import dcpkit.vllm as dv  # noqa: E402

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip(
-    "torch", reason="torch is not installed here (pip install 'dcpkit[torch]')"
+    "torch", reason="torch is not installed here (pip install 'dcpkit[torch-cu12]', or torch-cu13)"
 )
 
 import dcpkit.vllm as dv  # noqa: E402

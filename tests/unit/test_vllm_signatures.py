@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip(
     "torch",
     reason="torch is not installed here "
-    "(pip install 'dcpkit[torch]'): the defaults are torch dtypes",
+    "(pip install 'dcpkit[torch-cu12]', or torch-cu13): the defaults are torch dtypes",
 )
 
 import dcpkit.vllm as dv  # noqa: E402
