@@ -93,7 +93,7 @@ _TRUE_WORDS = frozenset(TRUE_SPELLINGS)
 _FALSE_WORDS = frozenset(FALSE_SPELLINGS)
 _ASCII_BLANKS = " \t\n\r\f\v"
 _SPELLINGS = (
-    f"{', '.join(TRUE_SPELLINGS)} (or another ASCII decimal integer but 0) for true, or "
+    f"{', '.join(TRUE_SPELLINGS)} (or another run of ASCII digits, no sign, but 0) for true, or "
     f"{', '.join(FALSE_SPELLINGS)} for false"
 )
 #: The op named in the guard's messages when the caller names none.

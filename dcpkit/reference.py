@@ -387,11 +387,17 @@ def merged_lse_matches(got, ref) -> np.ndarray:
 
     Raises
     ------
-    ValueError
-        ``got`` and ``ref`` do not broadcast to one shape (NumPy's own error).
+    InvalidArgument
+        ``got`` and ``ref`` differ in shape: no broadcasting, which would let a result of the
+        wrong shape (one value against a whole row, say) read as matching.
     """
     g = np.asarray(got, dtype=np.float64)
     r = np.asarray(ref, dtype=np.float64)
+    if g.shape != r.shape:
+        raise InvalidArgument(
+            f"merged_lse_matches: got and ref must have the same shape (got {g.shape} and "
+            f"{r.shape})"
+        )
     with np.errstate(invalid="ignore"):
         return np.where(
             np.isneginf(r),

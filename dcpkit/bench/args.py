@@ -338,9 +338,9 @@ def build_parser() -> BenchParser:
     p.add_argument(
         "--check-args",
         action="store_true",
-        help="check the arguments as a run would, then exit: status 0 and no output, or 2 with "
-        "the one-line error (no MPI, no GPU; for scripts that check a command line before "
-        "starting)",
+        help="check the arguments as a run would (with --render-md: read and render its "
+        "input files), then exit: status 0 and no output, or 2 with the one-line error (no "
+        "MPI, no GPU, nothing written; for scripts that check a command line before starting)",
     )
     g = p.add_argument_group("BENCHMARKS.md (no GPU, no MPI)")
     g.add_argument(

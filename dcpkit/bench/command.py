@@ -197,8 +197,8 @@ def render_md_main(args: argparse.Namespace) -> int:
                 bad = [path]
                 break
         return _fail(f"{' '.join(bad)} is a malformed {SCHEMA} JSON ({type(e).__name__}: {e})")
-    if not job_leader():  # under a launcher every rank checks the files, rank 0 writes
-        return 0
+    if not job_leader() or getattr(args, "check_args", False):
+        return 0  # every rank checks the files, rank 0 writes; --check-args: nothing written
     if args.md_out:
         if write_output(args.md_out, lambda f: f.write(md), prog="dcpkit bench: --render-md"):
             return 2
@@ -227,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # every check of the command line, agreed by the ranks (NOTE [dcpkit agreed parse])
     args = parser.parse_agreed(argv, check=check)
     if args.render_md:
-        return 0 if args.check_args else render_md_main(args)
+        return render_md_main(args)  # with --check-args: reads and renders, writes nothing
     cfg = resolved["cfg"]
     if args.check_args:
         return 0

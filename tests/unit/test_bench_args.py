@@ -3,6 +3,7 @@ benchmark cannot honour refused when the arguments are parsed (one line, exit st
 any MPI or GPU work), the launcher mismatch, the recorded command, cases and host inputs."""
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -367,3 +368,20 @@ def test_plot_without_matplotlib_is_refused_at_parse_time(tmp_path, capsys, monk
     assert err.count("\n") == 1, err
     assert err.startswith("dcpkit bench: argument --plot: needs matplotlib"), err
     assert "pip install 'dcpkit[bench]'" in err, err
+
+
+def test_check_args_with_render_md_reads_the_inputs_and_writes_nothing(tmp_path, repo_root):
+    import subprocess
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    out = tmp_path / "out.md"
+    base = [sys.executable, "-m", "dcpkit", "bench", "--check-args", "--render-md"]
+    r = subprocess.run(base + [str(bad)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "is not a dcpkit-bench" in r.stderr, r.stderr
+    r = subprocess.run(base + [str(tmp_path / "none.json")], capture_output=True, text=True)
+    assert r.returncode == 2 and "cannot read" in r.stderr, r.stderr
+    good = str(repo_root / "docs" / "bench_2.json")
+    r = subprocess.run(base + [good, "--md-out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout == "" and r.stderr == "", r.stdout + r.stderr
+    assert not out.exists()

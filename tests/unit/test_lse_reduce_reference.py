@@ -663,3 +663,20 @@ def test_merged_lse_matches_reads_empty_rows_exactly_and_the_rest_within_the_tol
         False,  # NaN never matches
     ]
     assert not merged_lse_matches(np.array([-np.inf]), np.array([0.0])).any()
+
+
+@pytest.mark.parametrize(
+    "got, ref",
+    [
+        ([1.0], [1.0, 1.0, 1.0]),  # one value against a row: broadcast, it "matched" everywhere
+        ([[1.0]], [1.0, 2.0, 3.0]),
+        ([1.0, 2.0], [[1.0, 2.0], [1.0, 2.0]]),
+        (1.0, [1.0]),
+    ],
+)
+def test_merged_lse_matches_refuses_another_shape(got, ref):
+    from dcpkit.errors import InvalidArgument
+    from dcpkit.reference import merged_lse_matches
+
+    with pytest.raises(InvalidArgument, match="must have the same shape"):
+        merged_lse_matches(np.array(got), np.array(ref))
