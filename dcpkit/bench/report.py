@@ -202,7 +202,7 @@ def render_ceilings(c: Mapping[str, Any]) -> str:
         return "# ceilings: not measured"
     lines = ["# ceilings measured in this run:"]
     lines.append(
-        f"#   one-way NVLink latency (signal ping-pong ranks 0<->1, "
+        f"#   one-way signal latency (ping-pong ranks 0<->1, "
         f"{c.get('round_trips', '-')} round trips): "
         f"{_f(c.get('one_way_latency_us'), '.3f')} us "
         f"(in-kernel %globaltimer: {_f(c.get('one_way_latency_globaltimer_us'), '.3f')} "
