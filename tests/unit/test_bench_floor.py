@@ -200,56 +200,24 @@ def test_the_op_rows_and_the_floor_kernel_take_one_graph_grid():
     assert graph_ctas(object(), 3, graph_view=True) is None
 
 
-def test_a_graph_call_of_the_floor_kernel_takes_the_ops_graph_grid(monkeypatch):
-    """With the op built (its grid known), the floor kernel's eager calls take the op's eager
-    grid and its graph calls the op's copy-out grid, and each row reports its own."""
+@pytest.mark.parametrize(
+    "graph_forms, graph_grid",
+    [
+        ({}, 12),  # the op's graph row copies out: the copy-out grid
+        ({"q_gather": False}, 12),
+        ({"q_gather": True}, 6),  # captured without out= (graph output buffers): that grid
+    ],
+)
+def test_a_graph_call_of_the_floor_kernel_takes_the_ops_graph_grid(
+    monkeypatch, graph_forms, graph_grid
+):
+    """With the op built (its grids known), the floor kernel's eager calls take the op's eager
+    grid and its graph calls the grid of the op's own graph row, and each row reports its own."""
     import types
 
     from dcpkit import jit, symmetric
     from dcpkit.bench.floor import FloorRunner
-    from dcpkit.comm import Communicator
-
-    grids = []
-
-    class Kernel:
-        def __call__(self, grid, block, args, stream=None):
-            grids.append(int(grid[0]))
-
-    monkeypatch.setattr(symmetric, "SymmetricHeap", FakeHeap)
-    monkeypatch.setattr(jit, "get_kernel", lambda f, name: types.SimpleNamespace(kernel=Kernel()))
-
-    class Gather:
-        max_ctas = 64
-
-        def ctas_for(self, T, *, copy_out=False):
-            return 4 * T if copy_out else T
-
-    comm = Communicator.single()
-    geom = {"H": 8, "D": 16, "D_v": 16, "D_kv": 24, "dtype": "bfloat16"}
-    ctx = types.SimpleNamespace(
-        comm=comm, world=1, rank=0, cfg={"geometry": geom, "timeout_ms": 1000.0},
-        dev=FloorDevice(comm), op_objects={"q_gather": Gather()}, ranks_on_gpu=1,
-    )  # fmt: skip
-    r = FloorRunner(ctx, "q_gather", "floor", 8)
-    r.build()
-    r.bind({}, {"T": 3, "geom": dict(geom, T=3)})
-    r.call()
-    r.call(graph=True)
-    assert grids == [3, 12]
-    assert (r.ctas, r.ctas_graph) == (3, 12)
     from dcpkit.bench.sweep import _ctas
-
-    assert _ctas(r, "eager") == 3 and _ctas(r, "graph") == 12
-    r.close()
-
-
-def test_a_graph_call_of_the_floor_kernel_takes_the_ops_graph_view_grid(monkeypatch):
-    """When the op's graph row captures without out= (a push gather's graph output buffers),
-    the floor kernel's graph calls take that call's grid, not the copy-out grid."""
-    import types
-
-    from dcpkit import jit, symmetric
-    from dcpkit.bench.floor import FloorRunner
     from dcpkit.comm import Communicator
 
     grids = []
@@ -272,16 +240,14 @@ def test_a_graph_call_of_the_floor_kernel_takes_the_ops_graph_view_grid(monkeypa
     ctx = types.SimpleNamespace(
         comm=comm, world=1, rank=0, cfg={"geometry": geom, "timeout_ms": 1000.0},
         dev=FloorDevice(comm), op_objects={"q_gather": Gather()}, ranks_on_gpu=1,
-        op_graph_view={"q_gather": True},
+        op_graph_view=graph_forms,
     )  # fmt: skip
     r = FloorRunner(ctx, "q_gather", "floor", 8)
     r.build()
     r.bind({}, {"T": 3, "geom": dict(geom, T=3)})
     r.call()
     r.call(graph=True)
-    assert grids == [3, 6]
-    assert (r.ctas, r.ctas_graph) == (3, 6)
-    from dcpkit.bench.sweep import _ctas
-
-    assert _ctas(r, "eager") == 3 and _ctas(r, "graph") == 6
+    assert grids == [3, graph_grid]
+    assert (r.ctas, r.ctas_graph) == (3, graph_grid)
+    assert _ctas(r, "eager") == 3 and _ctas(r, "graph") == graph_grid
     r.close()

@@ -230,22 +230,21 @@ def test_info_without_gpu_says_unknown_not_reports_0(monkeypatch):
     assert mc["used"] is False and mc["reason"].startswith("not opted in"), mc
 
 
-def test_info_gpu_with_unreadable_attribute_is_unknown(monkeypatch):
-    gpus = {
-        "count": 1,
-        "gpus": [
-            {
-                "index": 0,
-                "name": "X",
-                "compute_capability": "9.0",
-                "sm_count": 1,
-                "memory_bytes": 1,
-                "multicast_supported": None,
-            }
-        ],
-        "p2p": [[None]],
-        "error": None,
+def _one_gpu(multicast_supported):
+    """What info._gpus reports for one made-up GPU whose multicast attribute reads as given."""
+    gpu = {
+        "index": 0,
+        "name": "X",
+        "compute_capability": "9.0",
+        "sm_count": 1,
+        "memory_bytes": 1,
+        "multicast_supported": multicast_supported,
     }
+    return {"count": 1, "gpus": [gpu], "p2p": [[None]], "error": None}
+
+
+def test_info_gpu_with_unreadable_attribute_is_unknown(monkeypatch):
+    gpus = _one_gpu(multicast_supported=None)
     monkeypatch.setattr(info, "_gpus", lambda driver_ok: gpus)
     monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
     monkeypatch.delenv("DCPKIT_DISABLE_MULTICAST", raising=False)
@@ -426,21 +425,7 @@ def test_readme_says_what_dcpkit_debug_reads_as_off(repo_root, monkeypatch):
 def test_info_asks_each_multicast_question_on_its_own(monkeypatch):
     """A malformed variable spoils only the answer that reads it: DCPKIT_MULTICAST is read
     without opt-in, the disabling variables once opted in."""
-    gpus = {
-        "count": 1,
-        "gpus": [
-            {
-                "index": 0,
-                "name": "X",
-                "compute_capability": "9.0",
-                "sm_count": 1,
-                "memory_bytes": 1,
-                "multicast_supported": 1,
-            }
-        ],
-        "p2p": [[None]],
-        "error": None,
-    }
+    gpus = _one_gpu(multicast_supported=1)
     monkeypatch.setattr(info, "_gpus", lambda driver_ok: gpus)
     for k in (
         "DCPKIT_DISABLE_MULTICAST",
