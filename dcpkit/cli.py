@@ -250,6 +250,7 @@ def _agreed_exit(prog: str, outcomes: list) -> tuple[str | None, int | None]:
         if len(errors) == 1 and len(ranks) == n:
             return line, 2  # every rank: the usual one line
         rest = line[len(prog) + 2 :] if line.startswith(prog + ": ") else line
+        rest = rest.splitlines()[0] if rest.strip() else rest  # one line (a usage text: its first)
         more = sum(len(v) for v in errors.values()) - len(ranks)
         tail = f" (and {more} other rank(s) with another error)" if more else ""
         return f"{prog}: on rank(s) {_ranks_text(ranks)} of {n}: {rest}{tail}", 2

@@ -201,11 +201,13 @@ if [[ $STAGES == *,bench,* ]]; then
                     "its output" ;;
         esac
     done
+    CHECK_DIR="${TMPDIR:-/tmp}"
+    [ -d "$CHECK_DIR" ] || CHECK_DIR=/tmp  # a bad TMPDIR is not the bench arguments' fault
     # the bench's own parser, now, with the stage's own --json (and DCPKIT_TIMEOUT_MS): a bad
     # argument stops the suite here, not after the tests
     # shellcheck disable=SC2086
     if ! why="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m dcpkit bench --check-args \
-            --json "${TMPDIR:-/tmp}/dcpkit_suite_check.json" ${DCPKIT_BENCH_ARGS:-} 2>&1)"; then
+            --json "$CHECK_DIR/dcpkit_suite_check.json" ${DCPKIT_BENCH_ARGS:-} 2>&1)"; then
         why="$(echo "$why" | tail -n 1)"
         if [[ $why == *": environment variable "* ]]; then
             echo "gpu_suite.sh: the bench stage would stop: $why" >&2  # names the variable

@@ -471,18 +471,21 @@ def parser():
 
 def main(argv=None) -> int:
     ap = parser()
-    args = ap.parse_args(argv)
     from dcpkit.cli import output_file_problem
 
-    why = output_file_problem(args.json) if args.json is not None else None
-    if why:
-        ap.error(f"argument --json: {why}")
-    if args.rounds > args.calls:
-        ap.error(
-            f"argument --rounds: must be at most --calls {args.calls} (every round times at "
-            f"least one call of every row) (got {args.rounds})"
-        )
-    ap.timeout_from_env()  # the ops are built without timeout_ms: they read the variable
+    def check(args) -> None:
+        why = output_file_problem(args.json) if args.json is not None else None
+        if why:
+            ap.error(f"argument --json: {why}")
+        if args.rounds > args.calls:
+            ap.error(
+                f"argument --rounds: must be at most --calls {args.calls} (every round times "
+                f"at least one call of every row) (got {args.rounds})"
+            )
+        ap.timeout_from_env()  # the ops are built without timeout_ms: they read the variable
+
+    # every check of the command line, agreed by the ranks (NOTE [dcpkit agreed parse])
+    args = ap.parse_agreed(argv, check=check)
     cupy, why = _gpu_or_reason()
     comm, status = _connect(why)
     if comm is None:

@@ -517,10 +517,9 @@ def parser():
 
 def main(argv: list[str] = None) -> int:
     ap = parser()
-    args = ap.parse_args(argv)
     # DCPComm is built without timeout_ms, so it reads the variable: a bad value is a usage
     # line here, as in the commands that run ops, not an InvalidArgument traceback later
-    ap.timeout_from_env()
+    args = ap.parse_agreed(argv, check=lambda ns: ap.timeout_from_env())
     from dcpkit._cuda import require_cupy
     from dcpkit.errors import MissingDependency
 

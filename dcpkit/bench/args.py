@@ -236,6 +236,10 @@ def build_parser() -> BenchParser:
         prog="dcpkit bench",
         description="Benchmark dcpkit's ops against a floor kernel, NVSHMEM, NCCL and the "
         "machine's measured ceilings (run under mpirun -np N, one process per GPU).",
+        # options by their whole names: an abbreviation (--js for --json) may mean another
+        # option once one is added, and scripts that pass options on (gpu_suite.sh) could not
+        # tell what it sets
+        allow_abbrev=False,
     )
     p.add_argument(
         "--ops",

@@ -51,6 +51,16 @@ CASES = {
         [PY, "-m", "dcpkit", "demo"],
         "dcpkit: on rank(s) 0 of 2: unknown command 'demoo'",
     ),
+    "bench --check-args on one rank (it runs without a launcher)": (
+        [PY, "-m", "dcpkit", "bench"],
+        [PY, "-m", "dcpkit", "bench", "--check-args"],
+        "dcpkit bench: on rank(s) 1 of 2: argument --check-args: runs without a launcher",
+    ),
+    "the dispatcher, no command on rank 1 (the usage's first line only)": (
+        [PY, "-m", "dcpkit", "demo"],
+        [PY, "-m", "dcpkit"],
+        "dcpkit: on rank(s) 1 of 2: usage: dcpkit",
+    ),
     "--help on one rank only": (
         [PY, "-m", "dcpkit", "demo"],
         [PY, "-m", "dcpkit", "demo", "--help"],
@@ -74,6 +84,27 @@ def test_a_script_agrees_as_well(mpi_launcher, run_cmd, repo_root):
     proc = run_cmd(_two_ranks(mpi_launcher, [PY, soak, "--calls", "x"], [PY, soak]), timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "on rank(s) 0 of 2: argument --calls" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "rank1_env, rank1_args, needle",
+    [
+        (["DCPKIT_TIMEOUT_MS=-5"], [], "environment variable DCPKIT_TIMEOUT_MS"),
+        ([], ["--calls", "3", "--rounds", "5"], "argument --rounds"),
+        ([], ["--json", "/nonexistent/x.json"], "argument --json"),
+    ],
+)
+def test_host_overhead_agrees_on_its_checks_after_parsing(
+    mpi_launcher, run_cmd, repo_root, rank1_env, rank1_args, needle
+):
+    script = str(repo_root / "scripts" / "host_overhead.py")
+    proc = run_cmd(
+        _two_ranks(mpi_launcher, [PY, script], ["env", *rank1_env, PY, script, *rank1_args]),
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"on rank(s) 1 of 2: {needle}" in lines[0], proc.stderr
 
 
 def test_the_same_error_on_every_rank_is_the_usual_line(mpi_launcher, run_cmd):

@@ -505,6 +505,8 @@ def test_no_nvidia_smi_and_no_python_are_named(repo_root, run_cmd, tmp_path):
         ("--tokens 1,x", "argument --tokens: must be a comma list"),
         ("--max-bytes 1.5", "argument --max-bytes: must be a whole number of bytes"),
         ("--no-such-flag", "unrecognized arguments: --no-such-flag"),
+        ("--js /tmp/x.json", "unrecognized arguments: --js"),  # no abbreviations
+        ("--he", "unrecognized arguments: --he"),
     ],
 )
 def test_bench_args_the_bench_refuses_stop_the_suite_before_it_starts(
