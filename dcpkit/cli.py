@@ -58,6 +58,7 @@ __all__ = [
     "milliseconds",
     "launcher_rank",
     "job_leader",
+    "launcher_size",
     "pipe_safe",
     "EXIT_BROKEN_PIPE",
 ]
@@ -213,7 +214,7 @@ class _DeferredError(Exception):
         self.line = line
 
 
-def _launcher_size() -> int | None:
+def launcher_size() -> int | None:
     """The number of processes a launcher says it started, when more than one, else None."""
     from .comm import launcher_world_size
 
@@ -314,7 +315,7 @@ class CommandParser(argparse.ArgumentParser):
         """:meth:`parse_args`, then ``check(ns)`` (which may call :meth:`error`), agreed across
         the ranks of a launcher's job (NOTE [dcpkit agreed parse]). Returns the namespace on
         every rank or exits (``SystemExit``) on every rank."""
-        if not self.agree_across_ranks or _launcher_size() is None:
+        if not self.agree_across_ranks or launcher_size() is None:
             ns = super().parse_args(args, namespace)
             if check is not None:
                 check(ns)
@@ -734,7 +735,7 @@ def _dispatch(argv: list[str]):
 def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     mod, problem = _dispatch(argv)
-    if argv[:1] != ["info"] and _launcher_size() is not None:
+    if argv[:1] != ["info"] and launcher_size() is not None:
         # the ranks agree on the dispatch before the command's own collectives (NOTE [dcpkit
         # agreed parse]); `info` makes none and never starts MPI
         outcomes = _gather_outcomes(None if problem is None else (problem[0], problem[1]))

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..cli import _launcher_size, job_leader, write_output
+from ..cli import job_leader, launcher_size, write_output
 from ..cli import os_error_text as _oserror_text
 from ..errors import DcpkitError, MissingDependency
 from . import host_md, markdown
@@ -218,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def check(args: argparse.Namespace) -> None:
         check_args(args, parser)
-        if args.check_args and _launcher_size() is not None:
+        if args.check_args and launcher_size() is not None:
             # a check on some ranks only would leave the others in the run's collectives
             parser.error("argument --check-args: runs without a launcher (no MPI, no GPU)")
         if not args.render_md:
