@@ -672,11 +672,6 @@ def _say(text: str, file) -> None:
         print(text, file=file)
 
 
-def _usage_error(message: str) -> int:
-    _say(f"dcpkit: {message} (see dcpkit --help)", sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns its exit status.
 

@@ -103,6 +103,14 @@ def mpi_init_may_join_a_job(env) -> bool:
     return any(k.startswith(("PMI_", "PMIX_")) or k in _JOB_CONNECT_VARS for k in env)
 
 
+def library_line(text: str) -> str:
+    """The first line of ``MPI.Get_library_version()``, blanks collapsed, without the NUL byte
+    Open MPI's string ends in (which makes a terminal or a grep of a log read it as binary);
+    "" for an empty string."""
+    lines = text.replace("\x00", "").strip().splitlines()
+    return " ".join(lines[0].split()) if lines else ""
+
+
 def launcher_world_size_mismatch(env, MPI) -> str | None:
     """Why MPI.COMM_WORLD is not the launcher's job, or None: a launcher in ``env`` says it
     started several processes but the initialised ``MPI`` has a one-rank world.
@@ -117,9 +125,7 @@ def launcher_world_size_mismatch(env, MPI) -> str | None:
         return None
     var, n = found
     try:
-        lib = " ".join(
-            MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0].split()
-        )
+        lib = library_line(MPI.Get_library_version()) or "unknown"
     except Exception:  # noqa: BLE001 - only used in the message
         lib = "unknown"
     return (

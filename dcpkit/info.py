@@ -143,11 +143,10 @@ def _versions() -> dict[str, Any]:
                 mpi4py.rc.finalize = False
             from mpi4py import MPI
 
+            from .comm import library_line
+
             text = MPI.Get_library_version()
-            # Open MPI's string ends in a NUL byte, which a terminal or a grep of the log reads
-            # as binary
-            lines = text.replace("\x00", "").strip().splitlines()
-            v["mpi_library"] = " ".join(lines[0].split()) if lines else ""
+            v["mpi_library"] = library_line(text)
             v["mpi_launcher_mismatch"] = _launcher_mismatch(MPI, text)
         except Exception as e:  # noqa: BLE001
             v["mpi_library_error"] = _err(e)
