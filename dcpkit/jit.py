@@ -77,6 +77,8 @@ VARIANTS: dict[str, list[str]] = {
         "dcpkit::barrier_kernel",
         "dcpkit::floor_kernel",
     ],
+    # what each step of a small exchange costs (scripts/protocol_probe.py; not an op kernel)
+    "protocol_probe.cu": ["dcpkit::protocol_probe_kernel"],
     # local kernels of the NCCL fallback ops (dcpkit/fallback.py)
     "fallback.cu": [f"dcpkit::fallback_copy_kernel<{e}>" for e in _COPY_ELEMENTS]
     + [f"dcpkit::fallback_lse_mask_kernel<{t}>" for t in _FLOAT_TYPES + ("double",)]

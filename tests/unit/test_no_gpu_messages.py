@@ -224,6 +224,7 @@ def test_info_prints_a_warning_line_for_a_mixed_stack(monkeypatch):
         ("two_jobs_check.py", ["--job", "a"]),
         ("kernel_timeline.py", ["--tokens", "1"]),
         ("programmatic_launch.py", ["--replays", "4"]),
+        ("protocol_probe.py", ["--replays", "4"]),
     ],
 )
 def test_scripts_without_a_gpu_end_with_one_line(repo_root, run_python, script, args):

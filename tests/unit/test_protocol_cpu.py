@@ -582,3 +582,18 @@ def test_programmatic_launch_needs_sm_90_and_cuda_bindings(monkeypatch):
         _launch.check_programmatic_launch(_FakeCupy(9, 0), 0, "q_gather")
     monkeypatch.setattr(_launch, "bindings_available", lambda: True)
     _launch.check_programmatic_launch(_FakeCupy(10, 0), 0, "q_gather")  # no error
+
+
+def test_protocol_probe_flags_travel_in_64_bit_words():
+    """The probe's flags-inside-the-data variant relies on each 64-bit word (32 bits of data, 32
+    of epoch) being one single-copy-atomic access: its stores and polls must be vector accesses
+    of u64 elements at system scope, never of u32 elements (whose data and flag could land
+    apart)."""
+    ptx = _ptx("protocol_probe.cu")
+    ((name, lines),) = _entries(ptx)
+    assert "protocol_probe_kernel" in name, name
+    stores = [ln for ln in lines if ln.startswith("st.relaxed.sys.global.v2")]
+    loads = [ln for ln in lines if ln.startswith("ld.relaxed.sys.global.v2")]
+    assert stores and loads, "no flag-carrying vector accesses in the probe"
+    assert all(ln.startswith("st.relaxed.sys.global.v2.u64") for ln in stores), stores
+    assert all(ln.startswith("ld.relaxed.sys.global.v2.u64") for ln in loads), loads

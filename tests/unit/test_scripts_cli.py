@@ -30,6 +30,7 @@ def _load(path):
         "host_path_cpu.py",
         "kernel_timeline.py",
         "programmatic_launch.py",
+        "protocol_probe.py",
     ],
 )
 def test_every_option_has_a_help_text(repo_root, name):
@@ -86,6 +87,12 @@ def test_every_option_has_a_help_text(repo_root, name):
         ("kernel_timeline.py", ["--json", "{tmp}"], "argument --json: {tmp} is a directory"),
         ("programmatic_launch.py", ["--replays", "3"], "argument --replays: must be an integer"),
         ("programmatic_launch.py", ["--json", "{tmp}"], "argument --json: {tmp} is a directory"),
+        ("protocol_probe.py", ["--tokens", "0"], "argument --tokens: must be a comma list of"),
+        ("protocol_probe.py", ["--tokens", "65"], "argument --tokens: must be a comma list of"),
+        ("protocol_probe.py", ["--tokens", "1,x"], "argument --tokens: must be a comma list of"),
+        ("protocol_probe.py", ["--tokens", ""], "argument --tokens: must be a comma list of"),
+        ("protocol_probe.py", ["--replays", "3"], "argument --replays: must be an integer"),
+        ("protocol_probe.py", ["--json", "{tmp}"], "argument --json: {tmp} is a directory"),
     ],
 )
 def test_a_bad_value_is_one_line_before_the_gpu_check(
