@@ -161,12 +161,16 @@ class Probe:
         self.kernel = jit.get_kernel("protocol_probe.cu", "dcpkit::protocol_probe_kernel").kernel
 
     def reset(self) -> None:
-        """Zero the heap (every rank), the epochs and the counters, before a configuration."""
+        """Before a configuration, on every rank: the signals, credits, epochs and counters
+        zeroed, the data slots and ``out`` poisoned (0xFF); then a barrier, so that no peer
+        stores into this rank's slots before they are poisoned."""
         cp = self.cp
         cp.cuda.Device().synchronize()
-        self.heap.view(0, (self.nbytes,), "uint8").fill(0)
-        for a in (self.epochs, self.arrive, self.status, self.out):
+        self.heap.view(0, (self.sig_off,), "uint8").fill(0xFF)
+        self.heap.view(self.sig_off, (self.nbytes - self.sig_off,), "uint8").fill(0)
+        for a in (self.epochs, self.arrive, self.status):
             a.fill(0)
+        self.out.fill(0xFFFFFFFF)
         cp.cuda.Device().synchronize()
         self.comm.barrier()
 
@@ -219,12 +223,6 @@ class Probe:
                 return False
         return True
 
-    def poison(self) -> None:
-        self.cp.cuda.Device().synchronize()
-        self.heap.view(0, (self.sig_off,), "uint8").fill(0xFF)
-        self.out.fill(0xFFFFFFFF)
-        self.cp.cuda.Device().synchronize()
-
     def close(self) -> None:
         self.cp.cuda.Device().synchronize()
         self.heap.close()
@@ -264,7 +262,6 @@ def measure(cupy, comm, probe: Probe, qg, T: int, replays: int, seed: int) -> li
         srcs = _sources(cupy, W, nvec, seed + 31 * i)
         src = srcs[r]
         with stream:
-            probe.poison()
             probe.launch(stream, src, nvec, grid, features, recv)
             ok = probe.check(srcs, nvec, grid, features)
             args = (stream, src, nvec, grid, features, recv)
