@@ -43,16 +43,19 @@ CALLS = 20
 MAX_T = 64
 THREADS = 512
 POISON, ELECT, CREDIT, LL = 1, 2, 4, 8
-#: (name, features, receivers): receivers "waiters" = QGather.waiter_ctas, "grid" = every CTA.
+#: (name, features, receivers, threads per CTA): receivers "waiters" = QGather.waiter_ctas,
+#: "grid" = every CTA.
 VARIANTS = (
-    ("floor", 0, None),
-    ("+poison", POISON, None),
-    ("+elect", ELECT, None),
-    ("+poison+elect", POISON | ELECT, None),
-    ("+poison+elect+credit", POISON | ELECT | CREDIT, None),
-    ("ll, waiters receive", LL, "waiters"),
-    ("ll, every CTA receives", LL, "grid"),
-    ("ll+poison+elect, waiters receive", LL | POISON | ELECT, "waiters"),
+    ("floor", 0, None, THREADS),
+    ("+poison", POISON, None, THREADS),
+    ("+elect", ELECT, None, THREADS),
+    ("+poison+elect", POISON | ELECT, None, THREADS),
+    ("+poison+elect+credit", POISON | ELECT | CREDIT, None, THREADS),
+    ("ll, waiters receive", LL, "waiters", THREADS),
+    ("ll, every CTA receives", LL, "grid", THREADS),
+    ("ll+poison+elect, waiters receive", LL | POISON | ELECT, "waiters", THREADS),
+    ("floor, 256 threads", 0, None, 256),
+    ("+poison+elect+credit, 256 threads", POISON | ELECT | CREDIT, None, 256),
 )
 
 
@@ -174,12 +177,14 @@ class Probe:
         cp.cuda.Device().synchronize()
         self.comm.barrier()
 
-    def launch(self, stream, src, nvec: int, grid: int, features: int, recv: int) -> None:
+    def launch(
+        self, stream, src, nvec: int, grid: int, features: int, recv: int, threads: int
+    ) -> None:
         import numpy as np
 
         self.kernel(
             (grid,),
-            (THREADS,),
+            (threads,),
             (
                 src,
                 np.uint64(nvec),
@@ -242,17 +247,18 @@ def _sources(cupy, W: int, nvec: int, seed: int):
     ]
 
 
-def measure(cupy, comm, probe: Probe, qg, T: int, replays: int, seed: int) -> list[dict]:
+def measure(cupy, comm, probe: Probe, qgs, T: int, replays: int, seed: int) -> list[dict]:
     import numpy as np
 
     from dcpkit.reference import make_inputs, q_gather_reference, resolve_dtype
 
     W, r = comm.world_size, comm.rank
     nvec = T * (H // W) * D * 2 // 16
+    qg = qgs[0]
     grid = int(qg.ctas_for(T, graph_view=True))
     rows = []
     stream = cupy.cuda.Stream(non_blocking=True)
-    for i, (name, features, recv_kind) in enumerate(VARIANTS):
+    for i, (name, features, recv_kind, threads) in enumerate(VARIANTS):
         recv = 0
         if recv_kind == "waiters":
             recv = min(grid, int(qg.waiter_ctas))
@@ -262,9 +268,9 @@ def measure(cupy, comm, probe: Probe, qg, T: int, replays: int, seed: int) -> li
         srcs = _sources(cupy, W, nvec, seed + 31 * i)
         src = srcs[r]
         with stream:
-            probe.launch(stream, src, nvec, grid, features, recv)
+            probe.launch(stream, src, nvec, grid, features, recv, threads)
             ok = probe.check(srcs, nvec, grid, features)
-            args = (stream, src, nvec, grid, features, recv)
+            args = (stream, src, nvec, grid, features, recv, threads)
             g = _graph_of(cupy, stream, lambda a=args: probe.launch(*a))
             comm.barrier()
             us = _median_call_us(cupy, g, stream, replays)
@@ -278,6 +284,7 @@ def measure(cupy, comm, probe: Probe, qg, T: int, replays: int, seed: int) -> li
                 "features": features,
                 "ctas": grid,
                 "receivers": recv,
+                "threads": threads,
                 "us": us,
                 "ok": ok,
             }
@@ -298,14 +305,18 @@ def measure(cupy, comm, probe: Probe, qg, T: int, replays: int, seed: int) -> li
     def host(a):
         return cupy.asnumpy(a.view(cupy.uint16)).view(bf16)
 
-    for name, kw in (("q_gather view", {}), ("q_gather out=", {"out": out})):
+    cases = []
+    for qg in qgs:
+        tail = "" if qg.THREADS == THREADS else f", {qg.THREADS} threads"
+        cases += [(f"q_gather view{tail}", qg, {}), (f"q_gather out={tail}", qg, {"out": out})]
+    for name, qg, kw in cases:
         qg.release_graph_outputs()
         with stream:
             out.view(cupy.uint16).fill(0xFFFF)
             res = qg(x, stream=stream, **kw)
             stream.synchronize()
             ok = bool((host(res) == want).all())
-            g = _graph_of(cupy, stream, lambda kw=kw: qg(x, stream=stream, **kw))
+            g = _graph_of(cupy, stream, lambda qg=qg, kw=kw: qg(x, stream=stream, **kw))
             comm.barrier()
             us = _median_call_us(cupy, g, stream, replays)
             stream.synchronize()
@@ -318,6 +329,7 @@ def measure(cupy, comm, probe: Probe, qg, T: int, replays: int, seed: int) -> li
                 "features": None,
                 "ctas": int(ctas),
                 "receivers": None,
+                "threads": qg.THREADS,
                 "us": us,
                 "ok": ok,
             }
@@ -337,22 +349,22 @@ def main(argv=None) -> int:
     comm = Communicator.from_mpi()
     W = comm.world_size
     tmax = max(args.tokens)
-    qg = QGather(
-        comm,
-        max_tokens=tmax,
-        heads_per_rank=H // W,
-        head_dim=D,
-        dtype="bfloat16",
-        graph_outputs=CALLS,
-    )
-    probe = Probe(cupy, comm, tmax * (H // W) * D * 2 // 16, int(qg.max_ctas), 2000.0)
+    kw = {"max_tokens": tmax, "heads_per_rank": H // W, "head_dim": D, "dtype": "bfloat16"}
+    # the op, and the same op launched with 256 threads per CTA (same grid: each thread moves
+    # two of a CTA's vectors where the op's moves one)
+    qgs = [
+        QGather(comm, graph_outputs=CALLS, **kw),
+        type("QGather256", (QGather,), {"THREADS": 256})(comm, graph_outputs=CALLS, **kw),
+    ]
+    probe = Probe(cupy, comm, tmax * (H // W) * D * 2 // 16, int(qgs[0].max_ctas), 2000.0)
     rows = []
     try:
         for T in args.tokens:
-            rows += measure(cupy, comm, probe, qg, T, args.replays, seed=9000 + T)
+            rows += measure(cupy, comm, probe, qgs, T, args.replays, seed=9000 + T)
     finally:
         probe.close()
-        qg.close()
+        for qg in qgs:
+            qg.close()
     every = comm.allgather(rows)
     table = []
     for i, row in enumerate(rows):
@@ -366,11 +378,11 @@ def main(argv=None) -> int:
             f"one exchange of q_gather's block per call, CUDA graph of {CALLS} calls, W={W}, "
             f"{args.replays} replays, median us per call, max over ranks"
         )
-        print(f"{'T':>3}  {'variant':<34}{'ctas':>5}{'recv':>5}{'us':>9}  result")
+        print(f"{'T':>3}  {'variant':<36}{'ctas':>5}{'recv':>5}{'us':>9}  result")
         for r in table:
             recv = "-" if not r["receivers"] else str(r["receivers"])
             print(
-                f"{r['T']:>3}  {r['variant']:<34}{r['ctas']:>5}{recv:>5}{r['us']:>9.2f}  "
+                f"{r['T']:>3}  {r['variant']:<36}{r['ctas']:>5}{recv:>5}{r['us']:>9.2f}  "
                 f"{'ok' if r['ok'] else 'WRONG'}"
             )
     comm.barrier()

@@ -128,7 +128,8 @@ def analyse_missed(
             "Most of the time is beyond latency, bandwidth and launch: protocol and kernel "
             "overhead (fences, signal waits, last-CTA election, the combine or copy work); "
             "scripts/kernel_timeline.py times each of those steps inside the kernels, beside "
-            "the floor kernel's (docs/performance.md)"
+            "the floor kernel's, and scripts/protocol_probe.py adds them to the floor kernel "
+            "one at a time (docs/performance.md)"
         )
     return head + body + "What would close it: " + fix + "."
 

@@ -624,6 +624,7 @@ def test_analyse_missed_names_the_dominant_term():
     slow = dict(big, floor_kernel_us=big["median_us"] * 0.3)
     text = markdown.analyse_missed(item, slow, CEIL)
     assert "bandwidth-bound" not in text and "scripts/kernel_timeline.py" in text
+    assert "scripts/protocol_probe.py" in text
     near = dict(big, floor_kernel_us=big["median_us"] * 0.9)
     assert "bandwidth-bound" in markdown.analyse_missed(item, near, CEIL)
 
