@@ -26,7 +26,9 @@
 #                         (default: those of DCPKIT_SUITE_NP)
 #   stages "overhead" (scripts/host_overhead.py, N = DCPKIT_SUITE_OVERHEAD_NP, default 2),
 #   "programmatic" (scripts/programmatic_launch.py, N = DCPKIT_SUITE_PROGRAMMATIC_NP, default 2,
-#   with the bench stages' MPS share; programmatic_N.json) and "soak" (scripts/soak.py, N =
+#   with the bench stages' MPS share; programmatic_N.json), "probe" (scripts/protocol_probe.py,
+#   N = DCPKIT_SUITE_PROBE_NP, default 2, with the bench stages' MPS share; probe_N.json) and
+#   "soak" (scripts/soak.py, N =
 #   DCPKIT_SUITE_SOAK_NP, default 4, DCPKIT_SUITE_SOAK_CALLS calls, default 100000) run only
 #   when named in DCPKIT_SUITE_STAGES
 #   DCPKIT_SUITE_MPS      0 (default) or 1: with shared GPUs, run an MPS daemon of this
@@ -94,12 +96,12 @@ PY="${PYTHON:-python3}"
 # DCPKIT_SUITE_MPI_XFLAG, where "" means no -x. Whole numbers are ASCII digits without a leading
 # zero (bash would read 010 as octal) and at most 9 digits (no 64-bit overflow in $(( ))).
 SETTINGS="DCPKIT_SUITE_STAGES DCPKIT_SUITE_NP DCPKIT_SUITE_SHARED_GPU DCPKIT_SUITE_DEMO_NP
-DCPKIT_SUITE_BENCH_NP DCPKIT_SUITE_OVERHEAD_NP DCPKIT_SUITE_PROGRAMMATIC_NP DCPKIT_SUITE_SOAK_NP
-DCPKIT_SUITE_SOAK_CALLS DCPKIT_SUITE_SOAK_CAP_S DCPKIT_SUITE_MPS DCPKIT_SUITE_BASELINE
+DCPKIT_SUITE_BENCH_NP DCPKIT_SUITE_OVERHEAD_NP DCPKIT_SUITE_PROGRAMMATIC_NP DCPKIT_SUITE_PROBE_NP
+DCPKIT_SUITE_SOAK_NP DCPKIT_SUITE_SOAK_CALLS DCPKIT_SUITE_SOAK_CAP_S DCPKIT_SUITE_MPS DCPKIT_SUITE_BASELINE
 DCPKIT_SUITE_BASELINE_COMMIT DCPKIT_SUITE_BUDGET_S DCPKIT_SUITE_MAX_FILES DCPKIT_SUITE_MPI_XFLAG
 DCPKIT_SUITE_MPI_CAP_S DCPKIT_SUITE_TEST_TIMEOUT_S"
 SETTINGS="${SETTINGS//$'\n'/ }"
-KNOWN_STAGES="info tests mpitests gputests overhead programmatic soak demo bench"
+KNOWN_STAGES="info tests mpitests gputests overhead programmatic probe soak demo bench"
 
 bad_setting() {  # bad_setting VAR RULE...: "VAR must RULE (got 'value')" on stderr, exit 2
     local var=$1
@@ -153,7 +155,7 @@ if [ -n "${DCPKIT_SUITE_STAGES-}" ]; then
         "be a comma list of distinct names of ${KNOWN_STAGES// /, }, without spaces or empty names"
 fi
 for var in DCPKIT_SUITE_NP DCPKIT_SUITE_DEMO_NP DCPKIT_SUITE_BENCH_NP DCPKIT_SUITE_OVERHEAD_NP \
-           DCPKIT_SUITE_PROGRAMMATIC_NP DCPKIT_SUITE_SOAK_NP; do
+           DCPKIT_SUITE_PROGRAMMATIC_NP DCPKIT_SUITE_PROBE_NP DCPKIT_SUITE_SOAK_NP; do
     check_sizes "$var"
 done
 check_bool DCPKIT_SUITE_SHARED_GPU
@@ -551,6 +553,17 @@ if [[ $STAGES == *,programmatic,* ]]; then
             env ${BENCH_ENV[@]+"${BENCH_ENV[@]}"} \
             "${MPICMD[@]}" "$PY" scripts/programmatic_launch.py --json "$LOGS/programmatic_$n.json"
         [ -f "$LOGS/programmatic_$n.log" ] && tail -n 12 "$LOGS/programmatic_$n.log" | cut -c1-160
+    done
+fi
+
+if [[ $STAGES == *,probe,* ]]; then
+    for n in ${DCPKIT_SUITE_PROBE_NP:-2}; do
+        bench_env "$n"
+        mpicmd "$n" "probe_$n" ${BENCH_VARS[@]+"${BENCH_VARS[@]}"}
+        run_stage probe "$n" 180 "$LOGS/probe_$n.log" \
+            env ${BENCH_ENV[@]+"${BENCH_ENV[@]}"} \
+            "${MPICMD[@]}" "$PY" scripts/protocol_probe.py --tokens 1,4,8 --json "$LOGS/probe_$n.json"
+        [ -f "$LOGS/probe_$n.log" ] && tail -n 16 "$LOGS/probe_$n.log" | cut -c1-160
     done
 fi
 

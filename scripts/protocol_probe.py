@@ -16,8 +16,10 @@ graph (``QGather.ctas_for(T, graph_view=True)``), once per variant:
   data + epoch words per vector, polled and copied out by the receiver), with the receivers the
   co-residency rule allows (``waiter_ctas``) or with every CTA, and ``ll+poison+elect`` (what an
   op on that protocol would add);
+* ``floor`` and ``+poison+elect+credit`` again with 256 threads per CTA (the same grid);
 
-and q_gather itself, view form (zero copy into its graph output buffer) and ``out=``. Each is a
+and q_gather itself, view form (zero copy into its graph output buffer) and ``out=``, with its
+own 512 threads per CTA and with 256 (a subclass that launches the same kernel). Each is a
 CUDA graph of 20 calls replayed ``--replays`` times between CUDA events: the median per call,
 the maximum over ranks. Every variant is checked first, on fresh random data with the
 destination poisoned (bit for bit; every wait completed): a wrong row prints WRONG and the

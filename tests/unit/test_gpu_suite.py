@@ -220,6 +220,26 @@ def test_programmatic_stage_runs_its_script_with_the_mps_share(repo_root, run_cm
     assert "programmatic 2 0" in summary and "programmatic 4 0" in summary, summary
 
 
+def test_probe_stage_runs_its_script_with_the_mps_share(repo_root, run_cmd, tmp_path):
+    script, bindir, calls, out = _suite_with_fake_tools(repo_root, tmp_path)
+    env = _suite_env(
+        bindir,
+        out,
+        tmp_path,
+        DCPKIT_SUITE_STAGES="probe",
+        DCPKIT_SUITE_SHARED_GPU="1",
+        DCPKIT_SUITE_MPS="1",
+        DCPKIT_SUITE_PROBE_NP="2 4",
+    )
+    text, lines = _run_ok(run_cmd, script, env, calls, "protocol_probe.py")
+    assert len(lines) == 2, lines
+    for ln, (n, pct) in zip(lines, ((2, 50), (4, 25))):
+        assert f"-np {n}" in ln and f"probe_{n}.json" in ln and "--tokens 1,4,8" in ln, ln
+        assert f"PCT={pct}|" in ln and "-x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in ln, ln
+    summary = (out / "summary.txt").read_text()
+    assert "probe 2 0" in summary and "probe 4 0" in summary, summary
+
+
 @pytest.mark.parametrize(
     "name, value",
     [
@@ -258,6 +278,7 @@ def test_programmatic_stage_runs_its_script_with_the_mps_share(repo_root, run_cm
         ("DCPKIT_SUITE_OVERHEAD_NP", "0"),
         ("DCPKIT_SUITE_SOAK_NP", "four"),
         ("DCPKIT_SUITE_PROGRAMMATIC_NP", "1.5"),
+        ("DCPKIT_SUITE_PROBE_NP", "0"),
         ("DCPKIT_SUITE_STAGES", "info,bogus"),
         ("DCPKIT_SUITE_STAGES", "info tests"),
         ("DCPKIT_SUITE_STAGES", "info,"),
