@@ -25,12 +25,20 @@
 //                      receiver must copy: its lines carry flags). With kProbeElect the epoch is
 //                      the shared one and every CTA arrives at the end (the last stores it);
 //                      without, per-CTA epochs and no atomics.
+//   kProbeCounter      a publish without an election (in place of the fence-and-flag one): thread
+//                      0 of every CTA fences once and adds its share of 2**20 (the shares of a
+//                      grid sum to 2**20, whatever its size) to a 64-bit counter per source on
+//                      every rank, its own included (red.relaxed.sys.add: no round trip); the
+//                      last CTA alone waits until every source's counter has reached
+//                      e * 2**20, then stores the shared epoch (its own rank's counter says
+//                      every CTA of its kernel has read it).
 //
 // Heap layout (symmetric, the same on every rank; zeroed by the host before a configuration):
 //   [0, 2 * world * slot_bytes)   data: parity p, source s at (p * world + s) * slot_bytes
 //   sig_off                       u64 [2][max_ctas][world]: word (p, c, s) written by CTA c of s
 //                                 (kProbeElect: c = 0, by the elected CTA)
-//   cred_off                      u64 [world]: credit of rank s (the epoch of its latest call)
+//   cred_off                      u64 [world]: credit of rank s (the epoch of its latest call),
+//                                 then u64 [world]: the counter of source s (kProbeCounter)
 // Local memory: epochs u64 [max_ctas] (kProbeElect: word 0 only), arrive u32, abort_word u32
 // (always 0: the check is timed, never taken), status u32 [grid] (0 = every wait of the CTA
 // completed, 1 = a wait timed out), out [world][nvec] vectors (kProbeLL only).
@@ -44,6 +52,7 @@ constexpr u32 kProbePoison = 1u;
 constexpr u32 kProbeElect = 2u;
 constexpr u32 kProbeCredit = 4u;
 constexpr u32 kProbeLL = 8u;
+constexpr u32 kProbeCounter = 16u;
 constexpr int kProbeThreads = 512;
 constexpr int kProbeUnroll = 4;
 
@@ -54,6 +63,22 @@ __device__ __forceinline__ void st_relaxed_sys_v2_u64(void* p, u64 a, u64 b) {
 __device__ __forceinline__ void ld_relaxed_sys_v2_u64(const void* p, u64& a, u64& b) {
   asm volatile("ld.relaxed.sys.global.v2.u64 {%0,%1}, [%2];" : "=l"(a), "=l"(b) : "l"(p)
                : "memory");
+}
+__device__ __forceinline__ void red_relaxed_sys_add_u64(u64* p, u64 v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+// Relaxed polls of the counter `word` until it has reached `target` (wrap-safe), then one
+// acquire; false at the deadline.
+__device__ __forceinline__ bool probe_wait_reached(const u64* word, u64 target, u64 timeout_ns) {
+  if (static_cast<long long>(ld_relaxed_sys_u64(word) - target) < 0) {
+    const u64 start = globaltimer_ns();
+    u32 spins = 0;
+    while (static_cast<long long>(ld_relaxed_sys_u64(word) - target) < 0) {
+      if ((++spins & 255u) == 0u && globaltimer_ns() - start > timeout_ns) return false;
+    }
+  }
+  acquire_polled(word);
+  return true;
 }
 __device__ __forceinline__ bool probe_flags_are(u64 a, u64 b, u64 c, u64 d, u32 e) {
   return static_cast<u32>(a >> 32) == e && static_cast<u32>(b >> 32) == e &&
@@ -78,10 +103,11 @@ protocol_probe_kernel(const uint4* __restrict__ src, u64 nvec, const u64* __rest
                       u64 slot_bytes, u64 sig_off, u64 cred_off, u64* epochs, u32* arrive,
                       const u32* abort_word, u32* status, uint4* out, int rank, int world,
                       u64 timeout_ns, u32 features, u32 recv_ctas, u32 max_ctas) {
-  const bool elect = (features & kProbeElect) != 0u;
+  const bool counter = (features & kProbeCounter) != 0u;
+  const bool elect = (features & kProbeElect) != 0u && !counter;
   const bool ll = (features & kProbeLL) != 0u;
   const u32 cta = blockIdx.x;
-  const u64 e = *reinterpret_cast<volatile u64*>(epochs + (elect ? 0u : cta)) + 1ull;
+  const u64 e = *reinterpret_cast<volatile u64*>(epochs + (elect || counter ? 0u : cta)) + 1ull;
   const u32 e32 = static_cast<u32>(e);
   const u64 par = e & 1ull;
   u32 abort_seen = 0u;
@@ -202,6 +228,33 @@ protocol_probe_kernel(const uint4* __restrict__ src, u64 nvec, const u64* __rest
   __syncthreads();
   u64* sig = reinterpret_cast<u64*>(peer_base[rank] + sig_off);  // this rank's words
   const u64 sig_par = par * static_cast<u64>(max_ctas) * static_cast<u64>(world);
+  if (counter) {
+    const u64 cnt_off = cred_off + 8ull * static_cast<u64>(world);
+    constexpr u64 kUnit = 1ull << 20;
+    const u64 share = kUnit / gridDim.x + (cta < kUnit % gridDim.x ? 1ull : 0ull);
+    if (threadIdx.x == 0) {
+      fence_acq_rel_sys();
+      int d = rank;
+      for (int j = 0; j < world; ++j) {  // peers first, this rank last
+        d = (d + 1 == world) ? 0 : d + 1;
+        red_relaxed_sys_add_u64(reinterpret_cast<u64*>(peer_base[d] + cnt_off) + rank, share);
+      }
+    }
+    if (cta + 1u != gridDim.x) {
+      if (threadIdx.x == 0) status[cta] = s_ok ? 0u : 1u;
+      return;
+    }
+    const u64* cnt = reinterpret_cast<const u64*>(peer_base[rank] + cnt_off);
+    const int s = static_cast<int>(threadIdx.x);
+    int ok = 1;
+    if (s < world) ok = probe_wait_reached(cnt + s, e * kUnit, timeout_ns) ? 1 : 0;
+    if (!__syncthreads_and(ok)) s_ok = 0;
+    if (threadIdx.x == 0) {
+      *reinterpret_cast<volatile u64*>(epochs) = e;
+      status[cta] = s_ok ? 0u : 1u;
+    }
+    return;
+  }
   if (elect) {
     __shared__ int s_elected;
     if (threadIdx.x == 0) {

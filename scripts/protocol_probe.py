@@ -12,6 +12,8 @@ graph (``QGather.ctas_for(T, graph_view=True)``), once per variant:
 * ``+poison``, ``+elect``, ``+poison+elect``, ``+poison+elect+credit``: the ops' poison check,
   their CTA election (one fence and one signal per rank, one waiting CTA) and the credits of a
   zero-copy graph call, added one at a time (the last is the shape of q_gather's graph call);
+* ``+poison+counter`` (``+credit``): a publish without an election, every CTA adding its share
+  to a per-source counter of every rank, one waiting CTA;
 * ``ll``: flags inside the data instead of a fence and a signal (two 16-byte stores of
   data + epoch words per vector, polled and copied out by the receiver), with the receivers the
   co-residency rule allows (``waiter_ctas``) or with every CTA, and ``ll+poison+elect`` (what an
@@ -44,7 +46,7 @@ CALLS = 20
 #: Largest T of --tokens (the probe's heap holds every variant's slots for the largest T).
 MAX_T = 64
 THREADS = 512
-POISON, ELECT, CREDIT, LL = 1, 2, 4, 8
+POISON, ELECT, CREDIT, LL, COUNTER = 1, 2, 4, 8, 16
 #: (name, features, receivers, threads per CTA): receivers "waiters" = QGather.waiter_ctas,
 #: "grid" = every CTA.
 VARIANTS = (
@@ -53,6 +55,8 @@ VARIANTS = (
     ("+elect", ELECT, None, THREADS),
     ("+poison+elect", POISON | ELECT, None, THREADS),
     ("+poison+elect+credit", POISON | ELECT | CREDIT, None, THREADS),
+    ("+poison+counter", POISON | COUNTER, None, THREADS),
+    ("+poison+counter+credit", POISON | COUNTER | CREDIT, None, THREADS),
     ("ll, waiters receive", LL, "waiters", THREADS),
     ("ll, every CTA receives", LL, "grid", THREADS),
     ("ll+poison+elect, waiters receive", LL | POISON | ELECT, "waiters", THREADS),
@@ -154,7 +158,7 @@ class Probe:
         self.slot_bytes = -(-max_vec * 32 // 256) * 256  # room for the LL form
         self.sig_off = 2 * self.W * self.slot_bytes
         self.cred_off = self.sig_off + 2 * max_ctas * self.W * 8
-        self.nbytes = -(-(self.cred_off + self.W * 8) // 256) * 256
+        self.nbytes = -(-(self.cred_off + 2 * self.W * 8) // 256) * 256  # credits, counters
         self.heap = SymmetricHeap(comm, self.nbytes, multicast=False)
         self.peer_base = cupy.asarray(np.array(self.heap.peer_ptrs, dtype=np.uint64))
         self.epochs = cupy.zeros(max_ctas, dtype=cupy.uint64)
@@ -219,7 +223,7 @@ class Probe:
         if features & LL:
             got = self.out[: W * nvec * 4].reshape(W, nvec * 4)
             return all(bool((got[s] == srcs[s]).all()) for s in range(W))
-        e = int(self.epochs[0])  # elect: the shared epoch; else every CTA's (all equal)
+        e = int(self.epochs[0])  # elect, counter: the shared epoch; else every CTA's (all equal)
         par = e & 1
         for s in range(W):
             if s == r:
