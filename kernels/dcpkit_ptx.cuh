@@ -800,10 +800,10 @@ __device__ __forceinline__ u32 claim_publish(u32 mine) {
 //     every destination, this rank last (or one multimem.red); thread 0 of CTA 0 first stores
 //     the signal word (fingerprint << 32 | e) into signals[e & 1][rank] of every destination,
 //     before its fence;
-//   * a waiter thread polls counters[s] with ld.relaxed.sys until its share sum has reached
-//     e * kShareUnit (shares_reached: a wrap-safe signed difference; waits test "reached"),
-//     issues one ld.acquire.sys of it (acquire_polled), and requires signals[e & 1][s] to hold
-//     exactly the signal word of this call (the fingerprint check).
+//   * a waiter thread polls counters[s] with ld.relaxed.sys until it has reached
+//     e * kShareUnit (a signed 64-bit difference: waits test "reached", the counter never
+//     wraps), issues one ld.acquire.sys of it (acquire_polled), then reads signals[e & 1][s]
+//     and requires exactly the signal word of this call (the fingerprint check).
 // Why this is enough: each CTA's fence followed by its red is a release pattern at system scope;
 // the reds on one counter are morally strong atomic operations, so the waiter's acquire that
 // reads a value at or past e * kShareUnit observes, through the chain of reds before it in the
@@ -818,22 +818,14 @@ __device__ __forceinline__ u32 claim_publish(u32 mine) {
 // e (the next store into it is for call e + 2: the two-slot argument of NOTE [dcpkit epoch
 // signalling]). This rank's own counter tells a waiter that every CTA of its kernel has passed
 // its start (the epoch read) and its stores: the elected waiter stores the new epoch only after
-// it. A CTA that stored nothing adds its share and a skip (below) to its own rank's counter only;
-// a waiter or helper that sees a skip in its own counter's polled value treats the call as
-// failed (the elected waiter fills the result), as a missing signal did before. The waiter reads
-// the signal word beside each poll of the counter: a value equal to this call's word needs no
-// second load; any other is read again after the acquire before it counts as a mismatch. The
-// waiters are the last min(K, grid) CTAs by index: only their number matters to the
-// co-residency rule, not the order in which CTAs arrive.
+// it. A CTA that stored nothing sets bit (e & 1) of the ubatch's `arrive` word (the push
+// gathers' skip bits; CTA 0 clears the other parity's bit for the next call) before its fence
+// and adds its share to its own rank's counter only; a waiter or helper that sees the bit after
+// its own counter's acquire treats the call as failed (the elected waiter fills the result),
+// as a missing signal did before. The waiters are the last min(K, grid) CTAs by index: only
+// their number matters to the co-residency rule, not the order in which CTAs arrive.
 constexpr int kShareShift = 20;
 constexpr u64 kShareUnit = 1ull << kShareShift;  // grids stay far below it
-// A counter holds the sum of the shares above its low kSkipBits bits and, in those, a count of
-// CTAs that stored nothing: both come from the one polled value, so a wait needs no second load
-// to learn that a CTA skipped. The share sum is compared modulo 2**(64 - kSkipBits) (wrap-safe:
-// a call adds 2**32). A CTA skips only in a poisoned workspace, where every later call fails
-// anyway; the count may then carry into the sum after 2**kSkipBits skips, which only that
-// workspace's own, already failing calls read.
-constexpr int kSkipBits = 12;
 
 // Offset, in u64 words from signals[0][0], of a ubatch's share counters: after the signals
 // [2][world] and the credits [world] (dcpkit/ops/_workspace.py).
@@ -845,34 +837,30 @@ __device__ __forceinline__ u64 cta_share() {
   const u64 g = gridDim.x;
   return kShareUnit / g + (blockIdx.x < kShareUnit % g ? 1ull : 0ull);
 }
-// Has the share sum of counter value v reached call e (every CTA of every call up to e added)?
-__device__ __forceinline__ bool shares_reached(u64 v, u64 e) {
-  return static_cast<long long>(((v >> kSkipBits) - (e << kShareShift)) << kSkipBits) >= 0;
-}
-// Did a CTA of this rank store nothing (its workspace poisoned)? From the own counter.
-__device__ __forceinline__ bool shares_skipped(u64 v) {
-  return (v & ((1ull << kSkipBits) - 1ull)) != 0ull;
+// Did a CTA of this call store nothing? Meaningful after the acquire of this rank's own counter.
+__device__ __forceinline__ bool call_skipped(const Proto& p, u64 e) {
+  return ((*reinterpret_cast<volatile u32*>(p.arrive) >> (e & 1ull)) & 1u) != 0u;
 }
 
 // The publish of NOTE [dcpkit share counters]; every thread of every CTA calls it after its
-// payload stores. `skipped`: this CTA stored nothing: it adds its share and one skip to its own
-// rank's counter only (the peers' counters never reach the call: they time out, or see the
-// poisoned workspace's mismatch, as with a missing signal).
+// payload stores. `skipped`: this CTA stored nothing.
 template <Transport TR>
 __device__ __forceinline__ void publish_shares(const Proto& p, u64 e, int slot, u32 fp,
                                                bool skipped) {
   __syncthreads();  // every thread's payload stores are ordered before thread 0's fence
   if (threadIdx.x != 0) return;
   if (blockIdx.x == 0) {
-    // The next call's work counter (parity e + 1): its last user, the call before this one,
-    // retired before this kernel started.
+    // The next call's work counter and skip bit (parity e + 1): their last user, the call
+    // before this one, retired before this kernel started.
     reinterpret_cast<volatile u32*>(p.work)[(e + 1ull) & 1ull] = 0u;
+    atomicAnd(p.arrive, ~(1u << ((e + 1ull) & 1ull)));
   }
-  const u64 share = cta_share() << kSkipBits;
+  const u64 share = cta_share();
   const u64 cnt = share_counters_off(p) + static_cast<u64>(p.rank);
   if (skipped) {
+    atomicOr(p.arrive, 1u << (e & 1ull));
     fence_acq_rel_sys();
-    red_relaxed_sys_add_u64(p.signals + cnt, share + 1ull);
+    red_relaxed_sys_add_u64(p.signals + cnt, share);
     return;
   }
   const u64 word = signal_word(e, fp);
@@ -927,43 +915,21 @@ __device__ __forceinline__ int share_waiter(u32 k_waiters) {
   return blockIdx.x + k >= n ? static_cast<int>(blockIdx.x - (n - k)) : -1;
 }
 
-// The fingerprint check of a source whose counter has reached the call: `w` is its signal word
-// as loaded beside the counter's poll. Equal to this call's word: proof enough (no other call
-// writes that value). Otherwise it may have been loaded before it became visible: read again,
-// after the acquire (the slow path; a mismatch is recorded).
-__device__ __forceinline__ bool shares_fp_ok(const Proto& p, int slot, int src, u64 e, u32 fp,
-                                             u64 w, bool record) {
-#if DCPKIT_SELF_CHECK
-  const u64 want = signal_word(e, fp);
-  if (w == want) return true;
-  w = ld_relaxed_sys_u64(p.signals + slot * p.world + src);
-  if (w == want) return true;
-  if (record) record_failure(p, DCPKIT_REC_MISMATCH, slot, src, static_cast<u32>(e), w, fp);
-  return false;
-#else
-  (void)p, (void)slot, (void)src, (void)e, (void)fp, (void)w, (void)record;
-  return true;
-#endif
-}
-
-// Poll counters[src] until its shares have reached call e (the signal word loaded beside it),
-// one acquire, then the fingerprint check. Returns false on timeout or mismatch (after recording
-// it), when the workspace was poisoned by another thread, or (src == rank) when a CTA of this
-// rank stored nothing. A timeout records as the observed epoch the number of src's calls whose
-// every CTA has published.
+// Poll counters[src] until it has reached e * kShareUnit, one acquire, then the signal word of
+// src for this call (fingerprint check). Returns false on timeout or mismatch (after recording
+// it) or when the workspace was poisoned by another thread. A timeout records as the observed
+// epoch the number of src's calls whose every CTA has published.
 __device__ __forceinline__ bool wait_shares(const Proto& p, int slot, int src, u64 e, u32 fp) {
   const u64* cnt = p.signals + share_counters_off(p) + src;
-  const u64* sig = p.signals + slot * p.world + src;
+  const u64 target = e << kShareShift;
   const u32 e32 = static_cast<u32>(e);
   u64 v = ld_relaxed_sys_u64(cnt);
-  u64 w = ld_relaxed_sys_u64(sig);
-  if (!shares_reached(v, e)) {
+  if (static_cast<long long>(v - target) < 0) {
     const u64 start = globaltimer_ns();
     u32 spins = 0;
     while (true) {
       v = ld_relaxed_sys_u64(cnt);
-      w = ld_relaxed_sys_u64(sig);
-      if (shares_reached(v, e)) break;
+      if (static_cast<long long>(v - target) >= 0) break;
       if ((++spins & 255u) == 0u) {
         if (aborted(p)) return false;
         if (globaltimer_ns() - start > p.timeout_ns) {
@@ -971,9 +937,10 @@ __device__ __forceinline__ bool wait_shares(const Proto& p, int slot, int src, u
           if (other != 0ull) {
             record_failure(p, DCPKIT_REC_MISMATCH, slot, src, e32, other, fp);
           } else {
-            const u32 seen = static_cast<u32>(v >> (kSkipBits + kShareShift));
+            const u64 seen = ld_relaxed_sys_u64(p.signals + slot * p.world + src);
             record_failure(p, DCPKIT_REC_TIMEOUT, slot, src, e32,
-                           (w & 0xFFFFFFFF00000000ull) | seen, fp);
+                           (seen & 0xFFFFFFFF00000000ull) | static_cast<u32>(v >> kShareShift),
+                           fp);
           }
           return false;
         }
@@ -981,8 +948,14 @@ __device__ __forceinline__ bool wait_shares(const Proto& p, int slot, int src, u
     }
   }
   acquire_polled(cnt);  // the one acquire of this source
-  if (shares_skipped(v)) return false;  // this rank's own counter: a CTA stored nothing
-  return shares_fp_ok(p, slot, src, e, fp, w, true);
+#if DCPKIT_SELF_CHECK
+  const u64 w = ld_relaxed_sys_u64(p.signals + slot * p.world + src);
+  if (w != signal_word(e, fp)) {
+    record_failure(p, DCPKIT_REC_MISMATCH, slot, src, e32, w, fp);
+    return false;
+  }
+#endif
+  return true;
 }
 
 // Threads [0, world) of the calling CTA wait for one source each (this rank included); then the
@@ -996,7 +969,7 @@ __device__ __forceinline__ bool wait_all_shares(const Proto& p, int slot, u64 e,
 }
 
 // Helping under share counters (try_all_sources' counterpart): a bounded spin for every
-// source's counter; with all there (fingerprints checked, no CTA of this rank skipped, the
+// source's counter; with all there (fingerprints checked, no CTA of this call skipped, the
 // workspace not poisoned) the CTA helps. CTA-uniform; records nothing.
 __device__ __forceinline__ bool try_all_shares(const Proto& p, int slot, u64 e, u32 fp,
                                                u32 units) {
@@ -1004,28 +977,29 @@ __device__ __forceinline__ bool try_all_shares(const Proto& p, int slot, u64 e, 
   const int src = static_cast<int>(threadIdx.x);
   if (src < p.world) {
     const u64* cnt = p.signals + share_counters_off(p) + src;
-    const u64* sig = p.signals + slot * p.world + src;
+    const u64 target = e << kShareShift;
     u64 v = ld_relaxed_sys_u64(cnt);
-    u64 w = ld_relaxed_sys_u64(sig);
-    if (!shares_reached(v, e)) {
+    if (static_cast<long long>(v - target) < 0) {
       const u64 budget = help_budget_ns(units, p.waiters);
       const volatile u32* work = p.work + slot;
       const u64 start = globaltimer_ns();
       u32 spins = 0;
       do {
         v = ld_relaxed_sys_u64(cnt);
-        w = ld_relaxed_sys_u64(sig);
         if ((++spins & 63u) == 0u && *work >= units) break;  // every unit already claimed
-      } while (!shares_reached(v, e) && globaltimer_ns() - start < budget);
+      } while (static_cast<long long>(v - target) < 0 && globaltimer_ns() - start < budget);
     }
-    ok = shares_reached(v, e) ? 1 : 0;
+    ok = static_cast<long long>(v - target) >= 0 ? 1 : 0;
     if (ok) {
       acquire_polled(cnt);
-      ok = !shares_skipped(v) && shares_fp_ok(p, slot, src, e, fp, w, false) && !aborted(p) ? 1
-                                                                                               : 0;
+      ok = (!DCPKIT_SELF_CHECK ||
+            ld_relaxed_sys_u64(p.signals + slot * p.world + src) == signal_word(e, fp)) &&
+                   !aborted(p)
+               ? 1
+               : 0;
     }
   }
-  return __syncthreads_and(ok) != 0;
+  return __syncthreads_and(ok) != 0 && !call_skipped(p, e);
 }
 
 // 0xFF bytes over `rows` rows of `row_vecs` 16-byte vectors (row stride `stride` bytes), shared

@@ -475,7 +475,7 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
   // and poisons the whole result when a CTA stored nothing or a wait failed; with owned units a
   // failed waiter also poisons its unit; the other waiters just return.
   if (elected && threadIdx.x == 0) *reinterpret_cast<volatile u64*>(P.epoch) = e;
-  if (!ok || dead) {
+  if (!ok || call_skipped(P, e)) {
     gather_failed(P, g, result, result_stride, elected, w, copies);
     DCPKIT_MARK(e, 5u);
     return;

@@ -92,10 +92,8 @@ OTHER_DTYPE = 15
 LSE_CODES: dict[str, int] = {"bfloat16": 1, "float16": 2, "float32": 3}
 
 #: The push gathers' share counters (NOTE [dcpkit share counters] in kernels/dcpkit_ptx.cuh): a
-#: call adds 2**SHARE_SHIFT shares to every destination's counter of its source (kShareShift),
-#: above the counter's SKIP_BITS low bits (kSkipBits).
+#: call adds 2**SHARE_SHIFT to every destination's counter of its source (kShareShift).
 SHARE_SHIFT = 20
-SKIP_BITS = 12
 
 REC_TIMEOUT = 0
 REC_MISMATCH = 1

@@ -730,10 +730,7 @@ class OpWorkspace(OutputBuffers, Resource):
                 for e in (value, value - 1):
                     if e >= 0:
                         sig[e & 1, :] = e & 0xFFFFFFFF
-                # the push gathers' share counters: value calls' shares, no skip
-                sig[3, :] = np.uint64(
-                    (value << (_protocol.SHARE_SHIFT + _protocol.SKIP_BITS)) % 2**64
-                )
+                sig[3, :] = value << _protocol.SHARE_SHIFT  # the push gathers' share counters
                 self._calls[u] = value
             self._clear_plans()
             cupy.cuda.runtime.deviceSynchronize()
