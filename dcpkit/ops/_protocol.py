@@ -91,10 +91,6 @@ OTHER_DTYPE = 15
 #: Fingerprint codes of the lse_partial dtypes (kernels/lse_reduce.cu lse_code).
 LSE_CODES: dict[str, int] = {"bfloat16": 1, "float16": 2, "float32": 3}
 
-#: The push gathers' share counters (NOTE [dcpkit share counters] in kernels/dcpkit_ptx.cuh): a
-#: call adds 2**SHARE_SHIFT to every destination's counter of its source (kShareShift).
-SHARE_SHIFT = 20
-
 REC_TIMEOUT = 0
 REC_MISMATCH = 1
 #: u32 fields of kernels/dcpkit_ptx.cuh ProtoRecord before ``seen_fp``.
