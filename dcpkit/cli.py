@@ -63,12 +63,10 @@ __all__ = [
     "EXIT_BROKEN_PIPE",
 ]
 
-#: Exit status of a command whose output went to a pipe its reader closed early: 128 + SIGPIPE,
-#: what a shell reports for a tool ended by the closed pipe (``yes | head -1``).
+#: Exit status when the output's pipe was closed early: 128 + SIGPIPE, as ``yes | head -1``.
 EXIT_BROKEN_PIPE = 128 + int(getattr(signal, "SIGPIPE", 13))
 
-#: Variables in which MPI launchers publish each process's rank (Open MPI, PMIx, PMI-1/2
-#: launchers such as MPICH's hydra and Intel MPI).
+#: Where launchers publish each process's rank (Open MPI, PMIx, PMI: hydra, Intel MPI).
 _LAUNCHER_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 
 
@@ -265,6 +263,17 @@ def _agreed_exit(prog: str, outcomes: list) -> tuple[str | None, int | None]:
     ), 2
 
 
+def _differing_line(prog: str, keys: list, what: str) -> str | None:
+    """The line naming the ranks of each ``keys`` value (a command, a mode), or None if equal."""
+    groups: dict = {}
+    for r, k in enumerate(keys):
+        groups.setdefault(k, []).append(r)
+    if len(groups) <= 1:
+        return None
+    parts = "; ".join(f"rank(s) {_ranks_text(rs)}: {k}" for k, rs in groups.items())
+    return f"{prog}: the ranks {what} ({parts}): give every rank the same command line"
+
+
 def _ranks_text(ranks: list[int]) -> str:
     shown = ", ".join(str(r) for r in ranks[:8])
     return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
@@ -304,17 +313,22 @@ class CommandParser(argparse.ArgumentParser):
     # runs with the exits deferred, then every rank's outcome -- parsed, a usage error with its
     # line, or --help / --version -- is gathered over MPI.COMM_WORLD before anything else
     # happens: when any rank failed, every rank exits with status 2 and the launcher's rank 0
-    # prints one line (naming the ranks when not all of them failed). Where MPI cannot start, or
-    # its world is not the launcher's (dcpkit.comm.launcher_world_size_mismatch), the ranks exit
-    # as before (each by itself), as they could not agree on anything later either.
+    # prints one line (naming the ranks when not all of them failed). The dispatcher agrees on
+    # the command first, and a command's `mode` (the bench: run or render) must match too: ranks
+    # running different things would wait on each other. `info` agrees only inside a real
+    # launcher's job (joins_agreement). Where MPI cannot start, or its world is not the
+    # launcher's (launcher_world_size_mismatch), each rank exits by itself.
 
     def parse_args(self, args=None, namespace=None):
         return self.parse_agreed(args, namespace=namespace)
 
-    def parse_agreed(self, args=None, check=None, namespace=None):
+    def parse_agreed(self, args=None, check=None, namespace=None, mode=None):
         """:meth:`parse_args`, then ``check(ns)`` (which may call :meth:`error`), agreed across
-        the ranks of a launcher's job (NOTE [dcpkit agreed parse]). Returns the namespace on
-        every rank or exits (``SystemExit``) on every rank."""
+        the ranks of a launcher's job (NOTE [dcpkit agreed parse]). ``mode(ns)``, when given,
+        names what the command line asks for (a str): ranks that parsed but ask for different
+        modes exit too, with one line naming them (one rank rendering a report while another
+        runs the benchmark would leave the second waiting). Returns the namespace on every
+        rank or exits (``SystemExit``) on every rank."""
         if not self.agree_across_ranks or launcher_size() is None:
             ns = super().parse_args(args, namespace)
             if check is not None:
@@ -333,13 +347,21 @@ class CommandParser(argparse.ArgumentParser):
             outcome = (e.code if isinstance(e.code, int) else 2, None)
         finally:
             self._deferring = False
-        outcomes = _gather_outcomes(outcome)
-        if outcomes is None:  # no agreement possible: each rank as it stands
+        key = mode(ns) if mode is not None and outcome is None else None
+        gathered = _gather_outcomes((outcome, key))
+        if gathered is None:  # no agreement possible: each rank as it stands
             if outcome is None:
                 return ns
             if outcome[1] is not None and job_leader():
                 sys.stderr.write(outcome[1] + "\n")
             sys.exit(outcome[0])
+        outcomes = [g[0] for g in gathered]
+        if all(o is None for o in outcomes):
+            line = _differing_line(self.prog, [g[1] for g in gathered], "ask for different things")
+            if line is not None:
+                if job_leader():
+                    sys.stderr.write(line + "\n")
+                sys.exit(2)
         line, status = _agreed_exit(self.prog, outcomes)
         if status is None:
             return ns
@@ -727,14 +749,32 @@ def _dispatch(argv: list[str]):
         return None, (2, f"dcpkit {command}: {e}", None)
 
 
+def joins_agreement(command: str | None) -> bool:
+    """Whether this rank agrees with the others before ``command`` (NOTE [dcpkit agreed parse]):
+    ``info``, which makes no collective, only inside a real launcher's job."""
+    from .comm import mpi_init_may_join_a_job
+
+    return launcher_size() is not None and (
+        command != "info" or mpi_init_may_join_a_job(os.environ)
+    )
+
+
 def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     mod, problem = _dispatch(argv)
-    if argv[:1] != ["info"] and launcher_size() is not None:
-        # the ranks agree on the dispatch before the command's own collectives (NOTE [dcpkit
-        # agreed parse]); `info` makes none and never starts MPI
-        outcomes = _gather_outcomes(None if problem is None else (problem[0], problem[1]))
-        if outcomes is not None:
+    if joins_agreement(argv[0] if argv else None):
+        # the ranks agree on the command and the dispatch before the command's own collectives
+        # (NOTE [dcpkit agreed parse])
+        gathered = _gather_outcomes(
+            (None if problem is None else (problem[0], problem[1]), argv[0] if argv else "")
+        )
+        if gathered is not None:
+            outcomes = [g[0] for g in gathered]
+            if not any(o is not None and o[1] is not None for o in outcomes):  # errors first
+                line = _differing_line("dcpkit", [g[1] for g in gathered], "run different commands")
+                if line is not None:
+                    _say(line, sys.stderr)
+                    return 2
             line, status = _agreed_exit("dcpkit", outcomes)
             if status is not None:
                 if line is not None:

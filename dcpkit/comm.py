@@ -602,6 +602,9 @@ class Communicator(Resource):
             (every other rank raises PeerError).
         InvalidArgument
             ``root`` is outside ``[0, world_size)``.
+        ConfigMismatch
+            The ranks passed different roots (on every rank, naming them): the roots are
+            compared in an allgather before the broadcast.
         ClosedError
             The communicator is closed.
         """
@@ -618,6 +621,9 @@ class Communicator(Resource):
                 f"Communicator.{method}: root must lie in [0, {self.world_size}) (got {root})"
             )
         root = int(root)
+        roots = list(self._allgather(root))  # a broadcast whose ranks name different roots
+        if any(r != root for r in roots):  # would hand some rank another rank's object
+            raise ConfigMismatch(f"Communicator.{method}: root", roots)
         problem = _pickle_problem(obj) if self.rank == root else None
         got = self._broadcast(obj if problem is None else _Unpicklable(problem), root)
         if isinstance(got, _Unpicklable):

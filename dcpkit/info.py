@@ -5,13 +5,14 @@ NVSHMEM, mpi4py and the MPI library), the GPUs with compute capability, SM count
 the peer-to-peer access matrix, and whether multicast is supported, whether dcpkit would use it
 and, if not, why; then a ``warning:`` line for each mix of CUDA 12 and CUDA 13 parts it finds.
 ``--json`` prints the same as one JSON object. Under ``mpirun`` only the launcher's rank 0
-prints (read from ``OMPI_COMM_WORLD_RANK`` / ``PMIX_RANK`` / ``PMI_RANK``, no MPI
-initialisation) unless ``--all-ranks`` is given.
+prints (read from ``OMPI_COMM_WORLD_RANK`` / ``PMIX_RANK`` / ``PMI_RANK``) unless
+``--all-ranks`` is given.
 
 Every probe is read-only: nothing is allocated on a GPU and no multicast object is created.
-On a machine without GPU or CUDA driver it says so and exits 0. MPI is not initialised (the
-library version is read with ``mpi4py.rc.initialize = False``), so ``info`` runs the same inside
-and outside ``mpirun``.
+On a machine without GPU or CUDA driver it says so and exits 0. The library version is read
+with ``mpi4py.rc.initialize = False``. MPI is initialised only inside a real launcher's job of
+several processes, where the ranks first agree on their command lines (a rank running ``info``
+beside ranks running another command would leave those waiting; NOTE [dcpkit agreed parse]).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 from typing import Any
 
 from ._cuda import NO_DRIVER as _NO_DRIVER
-from .cli import CommandParser, launcher_rank, pipe_safe
+from .cli import CommandParser, joins_agreement, launcher_rank, pipe_safe
 
 __all__ = [
     "collect",
@@ -632,7 +633,9 @@ def main(argv: list[str] | None = None) -> int:
     (0). Under an MPI launcher, ranks other than 0 print nothing unless ``--all-ranks``."""
     p = CommandParser(
         prog="dcpkit info",
-        agree_across_ranks=False,  # no collective, and MPI is never initialised here
+        # no collective; under a real launcher's job the ranks agree on the command line,
+        # elsewhere MPI is never initialised here
+        agree_across_ranks=joins_agreement("info"),
         description="Print what dcpkit finds on this machine: versions, GPUs, P2P access, "
         "and whether multicast would be used (and why not). Needs no GPU.",
     )

@@ -192,6 +192,8 @@ def _index_array(
     if isinstance(x, (list, tuple)) and any(isinstance(v, (bool, np.bool_)) for v in x):
         raise InvalidType(f"{op}: {name} must be {what} (got a {_type_name(x)} holding bools)")
     a = _as_array(x, op, name, what)
+    if a.size == 0 and isinstance(x, (list, tuple)):  # [] has no dtype of its own (float64)
+        a = a.astype(np.int64)
     if a.dtype.kind not in "iu":
         raise InvalidType(f"{op}: {name} dtype must be an integer dtype (got {a.dtype})")
     if a.ndim != 1:

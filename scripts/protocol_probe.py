@@ -38,6 +38,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from dcpkit.bench.args import _int_list  # the bench's own list checks
 from dcpkit.cli import CommandParser, output_file, write_json
 from dcpkit.demo.cli import integer
 
@@ -66,16 +67,13 @@ VARIANTS = (
 
 
 def _tokens(text: str) -> list[int]:
+    """The bench's own list rule (items, blanks and repeats alike), with T at most MAX_T."""
     from argparse import ArgumentTypeError
 
-    why = f"must be a comma list of integers in [1, {MAX_T}] (got {text!r})"
-    parts = text.split(",")
-    if not all(p.isascii() and p.isdigit() for p in parts):
-        raise ArgumentTypeError(why)
-    vals = [int(p) for p in parts]
-    if any(not 1 <= v <= MAX_T for v in vals):
-        raise ArgumentTypeError(why)
-    return sorted(set(vals))
+    vals = _int_list(text)
+    if any(v > MAX_T for v in vals):
+        raise ArgumentTypeError(f"must be a comma list of integers in [1, {MAX_T}] (got {text!r})")
+    return sorted(vals)
 
 
 def parser():

@@ -84,11 +84,33 @@ def _load(
                 f"{what}{path} is a malformed {SCHEMA} JSON (meta world_size must be a positive "
                 f"int (got {W!r}))"
             )
+        _check_rows(res, W, f"{what}{path}")
         results.append(res)
         png = os.path.splitext(path)[0] + ".png"
         if os.path.isfile(png):
             plots[W] = os.path.relpath(os.path.abspath(png), out_dir)
     return results, plots
+
+
+def _check_rows(res: dict[str, Any], W: int, where: str) -> None:
+    """The rows of a run must agree with its meta: a list of objects, each at the run's world
+    size (where a row names one) and with a whole T >= 0 (where it has one), so that a table is
+    never rendered under a header its rows contradict."""
+    rows = res.get("rows", [])
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise _RenderError(f"{where} is a malformed {SCHEMA} JSON (rows must be a list of objects)")
+    for i, r in enumerate(rows):
+        ws, T = r.get("world_size", W), r.get("T", 0)
+        if ws != W or isinstance(ws, bool):
+            raise _RenderError(
+                f"{where} is a malformed {SCHEMA} JSON (row {i} is at world size {ws!r}, the "
+                f"run's meta at {W})"
+            )
+        if T is not None and (isinstance(T, bool) or not isinstance(T, int) or T < 0):
+            raise _RenderError(
+                f"{where} is a malformed {SCHEMA} JSON (row {i}: T must be an int >= 0 or "
+                f"null (got {T!r}))"
+            )
 
 
 def _load_host(path: str) -> dict[str, Any]:
@@ -208,6 +230,14 @@ def render_md_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mode(args) -> str:
+    """What a bench command line asks for, which every rank of a job must ask for too: a
+    rendering (``--render-md`` FILES), a check (``--check-args``) or a run."""
+    if args.render_md:
+        return "--render-md " + " ".join(args.render_md)
+    return "--check-args" if getattr(args, "check_args", False) else "a benchmark run"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``dcpkit bench`` (``python -m dcpkit bench`` / ``python -m dcpkit.bench``); returns the
     exit status: 0 all correct, 1 errors or wrong results, 2 usage (every usage error is one
@@ -228,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 parser.error(str(e))
 
     # every check of the command line, agreed by the ranks (NOTE [dcpkit agreed parse])
-    args = parser.parse_agreed(argv, check=check)
+    args = parser.parse_agreed(argv, check=check, mode=_mode)
     if args.render_md:
         return render_md_main(args)  # with --check-args: reads and renders, writes nothing
     cfg = resolved["cfg"]

@@ -151,6 +151,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = parser()
 
     def check(args: argparse.Namespace) -> None:
+        why = json_problem(args.json)  # on every rank: a bad path on any rank is refused
+        if why is not None:
+            p.error(f"argument {why}")
         if args.batch * args.context > MAX_KV_ROWS:
             p.error(
                 f"argument --context: --batch x --context must be at most {MAX_KV_ROWS} KV "

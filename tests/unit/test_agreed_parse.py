@@ -61,6 +61,38 @@ CASES = {
         [PY, "-m", "dcpkit"],
         "dcpkit: on rank(s) 1 of 2: usage: dcpkit",
     ),
+    "two commands, demo and bench": (
+        [PY, "-m", "dcpkit", "demo"],
+        [PY, "-m", "dcpkit", "bench"],
+        "dcpkit: the ranks run different commands (rank(s) 0: demo; rank(s) 1: bench)",
+    ),
+    "two commands, demo and info (info joins a real launcher's job)": (
+        [PY, "-m", "dcpkit", "demo"],
+        [PY, "-m", "dcpkit", "info"],
+        "dcpkit: the ranks run different commands (rank(s) 0: demo; rank(s) 1: info)",
+    ),
+    "info, a bad option on rank 1": (
+        [PY, "-m", "dcpkit", "info"],
+        [PY, "-m", "dcpkit", "info", "--bogus"],
+        "dcpkit info: on rank(s) 1 of 2: unrecognized arguments: --bogus",
+    ),
+    "bench, a run and a rendering": (
+        [PY, "-m", "dcpkit", "bench"],
+        [PY, "-m", "dcpkit", "bench", "--render-md", "{bench_json}"],
+        "dcpkit bench: the ranks ask for different things (rank(s) 0: a benchmark run; "
+        "rank(s) 1: --render-md ",
+    ),
+    "bench, renderings of different files": (
+        [PY, "-m", "dcpkit", "bench", "--render-md", "{bench_json}"],
+        [PY, "-m", "dcpkit", "bench", "--render-md", "{bench_json_copy}"],
+        "dcpkit bench: the ranks ask for different things (rank(s) 0: --render-md ",
+    ),
+    "demo, a bad --json on rank 1": (
+        [PY, "-m", "dcpkit", "demo"],
+        [PY, "-m", "dcpkit", "demo", "--json", "/nonexistent-folder/x.json"],
+        "dcpkit demo: on rank(s) 1 of 2: argument --json /nonexistent-folder/x.json is in a "
+        "folder that does not exist",
+    ),
     "--help on one rank only": (
         [PY, "-m", "dcpkit", "demo"],
         [PY, "-m", "dcpkit", "demo", "--help"],
@@ -70,8 +102,18 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_a_bad_command_line_on_one_rank_stops_every_rank(mpi_launcher, run_cmd, case):
+def test_a_bad_command_line_on_one_rank_stops_every_rank(
+    mpi_launcher, run_cmd, repo_root, tmp_path, case
+):
     rank0, rank1, needle = CASES[case]
+    src = repo_root / "docs" / "bench_2.json"
+    names = {"bench_json": str(src), "bench_json_copy": str(tmp_path / "copy.json")}
+    if "{bench_json" in " ".join(rank0 + rank1):
+        if not src.is_file():
+            pytest.skip(f"no {src} (tests run from an installed copy without the checkout)")
+        (tmp_path / "copy.json").write_bytes(src.read_bytes())
+    rank0 = [a.format(**names) for a in rank0]
+    rank1 = [a.format(**names) for a in rank1]
     proc = run_cmd(_two_ranks(mpi_launcher, rank0, rank1), timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]

@@ -500,7 +500,7 @@ def one_result(tmp_path):
                 '{"schema": "dcpkit-bench/2", "meta": {"world_size": 3}, "rows": 5}'
             ),
             lambda d, ok: [str(ok), str(d / "x.json")],
-            "{d}/x.json is a malformed dcpkit-bench/2 JSON (TypeError",
+            "{d}/x.json is a malformed dcpkit-bench/2 JSON (rows must be a list of objects)",
         ),
         (
             lambda d: (d / "x.json").write_text('{"schema": "dcpkit-bench/2", "rows": []}'),
@@ -649,7 +649,9 @@ def test_render_md_names_a_malformed_baseline(tmp_path, one_result, capsys):
     rc = bench.main(["--render-md", str(one_result), "--baseline", str(bad)])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1, err
-    assert f"--render-md: {bad} is a malformed dcpkit-bench/2 JSON" in err, err
+    assert f"--render-md: --baseline {bad} is a malformed dcpkit-bench/2 JSON (rows must" in err, (
+        err
+    )
 
 
 def test_self_check_cost_is_judged_on_the_paired_rows_where_present():

@@ -270,3 +270,25 @@ def test_host_overhead_refuses_a_bad_deadline_before_the_gpu_check(capsys, monke
         "scripts/host_overhead.py: environment variable DCPKIT_TIMEOUT_MS: must be a number"
     ), err
     assert err.count("\n") == 1 and "GPU" not in err, err
+
+
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        (lambda d: d["meta"].update(world_size=3), "row 0 is at world size 2, the run's meta at 3"),
+        (lambda d: d["rows"][1].update(T=-5), "row 1: T must be an int >= 0 or null (got -5)"),
+        (lambda d: d["rows"][0].update(T=1.5), "row 0: T must be an int >= 0 or null (got 1.5)"),
+        (lambda d: d["rows"][0].update(T=True), "row 0: T must be an int >= 0 or null (got True)"),
+        (lambda d: d.update(rows={"a": 1}), "rows must be a list of objects"),
+    ],
+)
+def test_render_md_refuses_rows_that_contradict_their_run(tmp_path, capsys, edit, why):
+    """A run whose rows contradict its meta (another world size) or hold an impossible T is
+    refused, not rendered under a header its rows contradict."""
+    path = tmp_path / "bench_2.json"
+    doc = jsonable(synthetic_result(2, True))
+    edit(doc)
+    path.write_text(json.dumps(doc))
+    assert bench.main(["--render-md", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path} is a malformed dcpkit-bench/2 JSON ({why})" in err, err

@@ -494,3 +494,25 @@ def test_agree_setup_checks_the_geometry_before_the_settings():
 
     for status, res in run_group(2, body):
         assert status == "ok" and res.startswith("Op: geometry must be equal"), res
+
+
+def test_broadcast_with_different_roots_fails_every_rank():
+    """Ranks that name different roots get ConfigMismatch naming them, never another rank's
+    object (rank 2 asked for its own value and would have got rank 0's)."""
+
+    def body(comm):
+        root = 2 if comm.rank == 2 else 0
+        try:
+            got = comm.broadcast(f"value of rank {comm.rank}", root=root)
+            res = ("ok", got)
+        except DcpkitError as e:
+            res = (type(e).__name__, str(e), getattr(e, "ranks", None))
+        return res, comm.allgather(comm.rank)
+
+    out = run_group(3, body)
+    for r, (status, (res, after)) in enumerate(out):
+        assert status == "ok", f"rank {r}: {res!r}"
+        assert res[0] == "ConfigMismatch", f"rank {r}: {res}"
+        assert "Communicator.broadcast: root" in res[1] and "rank 2: 2" in res[1], res[1]
+        assert list(res[2]) == [2], res
+        assert after == [0, 1, 2]

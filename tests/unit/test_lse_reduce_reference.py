@@ -422,6 +422,16 @@ def _lse_args(W=2, T=3, H=2, D=4):
             InvalidArgument,
             "query_start_loc length must be >= 1 for [S+1] (got 0)",
         ),
+        (  # an empty list has no dtype of its own: the length, not a float64 dtype, is wrong
+            lambda o, l, kw: (o, l, {"query_start_loc": []}),
+            InvalidArgument,
+            "query_start_loc length must be >= 1 for [S+1] (got 0)",
+        ),
+        (
+            lambda o, l, kw: (o, l, {"query_start_loc": [0, 1], "seq_lens": []}),
+            InvalidArgument,
+            "seq_lens",
+        ),
         (
             lambda o, l, kw: (o, l, {"query_start_loc": np.array([0, 3, 1], np.int32)}),
             InvalidArgument,

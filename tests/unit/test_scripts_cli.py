@@ -91,6 +91,7 @@ def test_every_option_has_a_help_text(repo_root, name):
         ("protocol_probe.py", ["--tokens", "65"], "argument --tokens: must be a comma list of"),
         ("protocol_probe.py", ["--tokens", "1,x"], "argument --tokens: must be a comma list of"),
         ("protocol_probe.py", ["--tokens", ""], "argument --tokens: must be a comma list of"),
+        ("protocol_probe.py", ["--tokens", "1,1"], "argument --tokens: must not repeat an item"),
         ("protocol_probe.py", ["--replays", "3"], "argument --replays: must be an integer"),
         ("protocol_probe.py", ["--json", "{tmp}"], "argument --json: {tmp} is a directory"),
     ],
