@@ -34,6 +34,7 @@ import stat
 import sys
 from collections.abc import Callable, Sequence
 
+from ._agreed import agreed_exit, differing_line, gather_outcomes, programs_line
 from ._checks import (
     DEFAULT_TIMEOUT_MS,
     MAX_TIMEOUT_MS,
@@ -220,65 +221,6 @@ def launcher_size() -> int | None:
     return None if found is None else found[1]
 
 
-def _gather_outcomes(outcome):
-    """Every rank's parse outcome (a list indexed by rank), or None where the ranks cannot
-    agree: MPI does not start, or its world is not the launcher's."""
-    try:
-        from .comm import import_mpi, launcher_world_size_mismatch
-
-        MPI = import_mpi()
-        if launcher_world_size_mismatch(os.environ, MPI) is not None:
-            return None
-        return MPI.COMM_WORLD.allgather(outcome)
-    except Exception:  # noqa: BLE001 - no MPI: the command says so itself later, or never runs
-        return None
-
-
-def _agreed_exit(prog: str, outcomes: list) -> tuple[str | None, int | None]:
-    """(the line rank 0 prints, the status every rank exits with) from every rank's parse
-    outcome; status None: every rank parsed, go on."""
-    if all(o is None for o in outcomes):
-        return None, None
-    n = len(outcomes)
-    errors: dict[str, list[int]] = {}
-    for r, o in enumerate(outcomes):
-        if o is not None and o[1] is not None:
-            errors.setdefault(o[1], []).append(r)
-    if errors:
-        line, ranks = next(iter(errors.items()))
-        if len(errors) == 1 and len(ranks) == n:
-            return line, 2  # every rank: the usual one line
-        rest = line[len(prog) + 2 :] if line.startswith(prog + ": ") else line
-        rest = rest.splitlines()[0] if rest.strip() else rest  # one line (a usage text: its first)
-        more = sum(len(v) for v in errors.values()) - len(ranks)
-        tail = f" (and {more} other rank(s) with another error)" if more else ""
-        return f"{prog}: on rank(s) {_ranks_text(ranks)} of {n}: {rest}{tail}", 2
-    codes = {o[0] for o in outcomes if o is not None}
-    if len(codes) == 1 and all(o is not None for o in outcomes):
-        return None, codes.pop()  # --help or --version on every rank
-    asked = [r for r, o in enumerate(outcomes) if o is not None]
-    return (
-        f"{prog}: --help or --version on rank(s) {_ranks_text(asked)} of {n} only: give every "
-        f"rank the same arguments"
-    ), 2
-
-
-def _differing_line(prog: str, keys: list, what: str) -> str | None:
-    """The line naming the ranks of each ``keys`` value (a command, a mode), or None if equal."""
-    groups: dict = {}
-    for r, k in enumerate(keys):
-        groups.setdefault(k, []).append(r)
-    if len(groups) <= 1:
-        return None
-    parts = "; ".join(f"rank(s) {_ranks_text(rs)}: {k}" for k, rs in groups.items())
-    return f"{prog}: the ranks {what} ({parts}): give every rank the same command line"
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    shown = ", ".join(str(r) for r in ranks[:8])
-    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
-
-
 class CommandParser(argparse.ArgumentParser):
     """The argument parser of a subcommand: a usage error is one line on stderr naming the
     argument, ``<prog>: <message> (see <prog> --help)``, and exit status 2 (no usage block).
@@ -348,21 +290,26 @@ class CommandParser(argparse.ArgumentParser):
         finally:
             self._deferring = False
         key = mode(ns) if mode is not None and outcome is None else None
-        gathered = _gather_outcomes((outcome, key))
+        gathered = gather_outcomes((self.prog, outcome, key))
         if gathered is None:  # no agreement possible: each rank as it stands
             if outcome is None:
                 return ns
             if outcome[1] is not None and job_leader():
                 sys.stderr.write(outcome[1] + "\n")
             sys.exit(outcome[0])
-        outcomes = [g[0] for g in gathered]
+        line = programs_line(self.prog, gathered)
+        if line is not None:
+            if job_leader():
+                sys.stderr.write(line + "\n")
+            sys.exit(2)
+        outcomes = [g[1] for g in gathered]
         if all(o is None for o in outcomes):
-            line = _differing_line(self.prog, [g[1] for g in gathered], "ask for different things")
+            line = differing_line(self.prog, [g[2] for g in gathered], "ask for different things")
             if line is not None:
                 if job_leader():
                     sys.stderr.write(line + "\n")
                 sys.exit(2)
-        line, status = _agreed_exit(self.prog, outcomes)
+        line, status = agreed_exit(self.prog, outcomes)
         if status is None:
             return ns
         if line is not None and job_leader():
@@ -751,12 +698,21 @@ def _dispatch(argv: list[str]):
 
 def joins_agreement(command: str | None) -> bool:
     """Whether this rank agrees with the others before ``command`` (NOTE [dcpkit agreed parse]):
-    ``info``, which makes no collective, only inside a real launcher's job."""
+    ``info``, which makes no collective, only inside a real launcher's job (not where stale
+    variables name a PMI descriptor that is not open: MPI_Init would abort there)."""
     from .comm import mpi_init_may_join_a_job
 
-    return launcher_size() is not None and (
-        command != "info" or mpi_init_may_join_a_job(os.environ)
-    )
+    if launcher_size() is None:
+        return False
+    if command != "info":
+        return True
+    fd = os.environ.get("PMI_FD")
+    try:
+        if fd is not None:
+            os.fstat(int(fd))
+    except (ValueError, OSError):
+        return False
+    return mpi_init_may_join_a_job(os.environ)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -765,17 +721,21 @@ def _main(argv: list[str] | None) -> int:
     if joins_agreement(argv[0] if argv else None):
         # the ranks agree on the command and the dispatch before the command's own collectives
         # (NOTE [dcpkit agreed parse])
-        gathered = _gather_outcomes(
-            (None if problem is None else (problem[0], problem[1]), argv[0] if argv else "")
+        command = {"-V": "--version", "-h": "--help"}.get(argv[0], argv[0]) if argv else ""
+        gathered = gather_outcomes(
+            ("dcpkit", None if problem is None else (problem[0], problem[1]), command)
         )
+        if gathered is not None and (line := programs_line("dcpkit", gathered)) is not None:
+            _say(line, sys.stderr)
+            return 2
         if gathered is not None:
-            outcomes = [g[0] for g in gathered]
+            outcomes = [g[1] for g in gathered]
             if not any(o is not None and o[1] is not None for o in outcomes):  # errors first
-                line = _differing_line("dcpkit", [g[1] for g in gathered], "run different commands")
+                line = differing_line("dcpkit", [g[2] for g in gathered], "run different commands")
                 if line is not None:
                     _say(line, sys.stderr)
                     return 2
-            line, status = _agreed_exit("dcpkit", outcomes)
+            line, status = agreed_exit("dcpkit", outcomes)
             if status is not None:
                 if line is not None:
                     _say(line, sys.stderr)

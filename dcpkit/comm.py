@@ -612,17 +612,24 @@ class Communicator(Resource):
 
     def _bcast(self, method: str, obj: Any, root: int) -> Any:
         self._check_open(method)
+        bad = None
         if not _is_int(root):
-            raise InvalidType(
+            bad = InvalidType(
                 f"Communicator.{method}: root must be an int (got {type(root).__name__} {root!r})"
             )
-        if not 0 <= root < self.world_size:
-            raise InvalidArgument(
+        elif not 0 <= root < self.world_size:
+            bad = InvalidArgument(
                 f"Communicator.{method}: root must lie in [0, {self.world_size}) (got {root})"
             )
+        # Every rank's root, compared before the broadcast: a root that differs (or is bad) on
+        # some ranks only would hand some rank another rank's object, or leave the others
+        # waiting in a broadcast the bad rank never enters.
+        shown = int(root) if bad is None else repr(root)
+        roots = list(self._allgather(shown))
+        if bad is not None:
+            raise bad
         root = int(root)
-        roots = list(self._allgather(root))  # a broadcast whose ranks name different roots
-        if any(r != root for r in roots):  # would hand some rank another rank's object
+        if any(r != root for r in roots):
             raise ConfigMismatch(f"Communicator.{method}: root", roots)
         problem = _pickle_problem(obj) if self.rank == root else None
         got = self._broadcast(obj if problem is None else _Unpicklable(problem), root)

@@ -70,9 +70,13 @@ def _tokens(text: str) -> list[int]:
     """The bench's own list rule (items, blanks and repeats alike), with T at most MAX_T."""
     from argparse import ArgumentTypeError
 
-    vals = _int_list(text)
+    why = f"must be a comma list of integers in [1, {MAX_T}] (got {text!r})"
+    try:
+        vals = _int_list(text)
+    except ArgumentTypeError as e:
+        raise ArgumentTypeError(str(e) if "repeat" in str(e) else why) from None
     if any(v > MAX_T for v in vals):
-        raise ArgumentTypeError(f"must be a comma list of integers in [1, {MAX_T}] (got {text!r})")
+        raise ArgumentTypeError(why)
     return sorted(vals)
 
 

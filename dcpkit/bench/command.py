@@ -15,7 +15,7 @@ from ..cli import job_leader, launcher_size, write_output
 from ..cli import os_error_text as _oserror_text
 from ..errors import DcpkitError, MissingDependency
 from . import host_md, markdown
-from .args import build_parser, check_args, resolve_config
+from .args import MAX_TOKENS, build_parser, check_args, resolve_config
 from .common import SCHEMA, SCHEMAS_READ
 from .device import CupyDevice
 from .sweep import run_bench
@@ -100,16 +100,20 @@ def _check_rows(res: dict[str, Any], W: int, where: str) -> None:
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise _RenderError(f"{where} is a malformed {SCHEMA} JSON (rows must be a list of objects)")
     for i, r in enumerate(rows):
-        ws, T = r.get("world_size", W), r.get("T", 0)
-        if ws != W or isinstance(ws, bool):
+        ws, T, op = r.get("world_size", W), r.get("T", 0), r.get("op", "")
+        if type(ws) is not int or ws != W:
             raise _RenderError(
                 f"{where} is a malformed {SCHEMA} JSON (row {i} is at world size {ws!r}, the "
                 f"run's meta at {W})"
             )
-        if T is not None and (isinstance(T, bool) or not isinstance(T, int) or T < 0):
+        if T is not None and (type(T) is not int or not 0 <= T <= MAX_TOKENS):
             raise _RenderError(
-                f"{where} is a malformed {SCHEMA} JSON (row {i}: T must be an int >= 0 or "
-                f"null (got {T!r}))"
+                f"{where} is a malformed {SCHEMA} JSON (row {i}: T must be an int in [0, "
+                f"{MAX_TOKENS}] or null (got {T!r}))"
+            )
+        if not isinstance(op, str):
+            raise _RenderError(
+                f"{where} is a malformed {SCHEMA} JSON (row {i}: op must be a str (got {op!r}))"
             )
 
 

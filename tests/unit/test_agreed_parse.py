@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dcpkit.cli import _agreed_exit
+from dcpkit._agreed import agreed_exit as _agreed_exit
 
 PY = sys.executable
 
@@ -93,6 +93,18 @@ CASES = {
         "dcpkit demo: on rank(s) 1 of 2: argument --json /nonexistent-folder/x.json is in a "
         "folder that does not exist",
     ),
+    "info through the dispatcher on one rank, its module on the other": (
+        [PY, "-m", "dcpkit", "info"],
+        [PY, "-m", "dcpkit.info"],
+        "dcpkit: the ranks run different programs (rank(s) 0: dcpkit info; rank(s) 1: dcpkit "
+        "info (started directly))",
+    ),
+    "two different scripts": (
+        [PY, "{scripts}/protocol_probe.py"],
+        [PY, "{scripts}/kernel_timeline.py"],
+        "scripts/protocol_probe.py: the ranks run different programs (rank(s) 0: "
+        "scripts/protocol_probe.py (started directly); rank(s) 1: scripts/kernel_timeline.py",
+    ),
     "--help on one rank only": (
         [PY, "-m", "dcpkit", "demo"],
         [PY, "-m", "dcpkit", "demo", "--help"],
@@ -107,7 +119,13 @@ def test_a_bad_command_line_on_one_rank_stops_every_rank(
 ):
     rank0, rank1, needle = CASES[case]
     src = repo_root / "docs" / "bench_2.json"
-    names = {"bench_json": str(src), "bench_json_copy": str(tmp_path / "copy.json")}
+    names = {
+        "bench_json": str(src),
+        "bench_json_copy": str(tmp_path / "copy.json"),
+        "scripts": str(repo_root / "scripts"),
+    }
+    if "{scripts}" in " ".join(rank0 + rank1) and not (repo_root / "scripts").is_dir():
+        pytest.skip("no scripts/ (tests run from an installed copy without the checkout)")
     if "{bench_json" in " ".join(rank0 + rank1):
         if not src.is_file():
             pytest.skip(f"no {src} (tests run from an installed copy without the checkout)")
@@ -176,3 +194,25 @@ def test_agreed_exit_rules():
     # an error beats a --help elsewhere
     got, status = _agreed_exit("prog", [(0, None), (2, line)])
     assert status == 2 and got.startswith("prog: on rank(s) 1 of 2:")
+
+
+def test_short_and_long_version_flags_are_one_command(mpi_launcher, run_cmd):
+    """``-V`` on one rank and ``--version`` on another ask for the same thing: printed once."""
+    proc = run_cmd(
+        _two_ranks(mpi_launcher, [PY, "-m", "dcpkit", "-V"], [PY, "-m", "dcpkit", "--version"]),
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("dcpkit ") == 1 and not proc.stderr.strip(), proc.stdout + proc.stderr
+
+
+def test_info_with_a_stale_pmi_descriptor_runs_alone(run_python):
+    """Leftover PMI variables that name a descriptor that is not open: info does not start MPI
+    (whose initialisation would abort) and reports as usual."""
+    r = run_python(
+        ["-m", "dcpkit", "info"],
+        timeout=120,
+        env={"PMI_FD": "987", "PMI_SIZE": "2", "PMI_RANK": "0"},
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "dcpkit" in r.stdout and "Abort" not in r.stderr, r.stdout + r.stderr

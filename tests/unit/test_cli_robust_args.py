@@ -276,9 +276,12 @@ def test_host_overhead_refuses_a_bad_deadline_before_the_gpu_check(capsys, monke
     "edit, why",
     [
         (lambda d: d["meta"].update(world_size=3), "row 0 is at world size 2, the run's meta at 3"),
-        (lambda d: d["rows"][1].update(T=-5), "row 1: T must be an int >= 0 or null (got -5)"),
-        (lambda d: d["rows"][0].update(T=1.5), "row 0: T must be an int >= 0 or null (got 1.5)"),
-        (lambda d: d["rows"][0].update(T=True), "row 0: T must be an int >= 0 or null (got True)"),
+        (lambda d: d["rows"][1].update(T=-5), "row 1: T must be an int in [0, 65536] or null"),
+        (lambda d: d["rows"][0].update(T=1.5), "row 0: T must be an int in [0, 65536] or null"),
+        (lambda d: d["rows"][0].update(T=True), "row 0: T must be an int in [0, 65536] or null"),
+        (lambda d: d["rows"][0].update(T=10**30), "row 0: T must be an int in [0, 65536] or null"),
+        (lambda d: d["rows"][0].update(world_size=2.0), "row 0 is at world size 2.0, the run's"),
+        (lambda d: d["rows"][0].update(op=5), "row 0: op must be a str (got 5)"),
         (lambda d: d.update(rows={"a": 1}), "rows must be a list of objects"),
     ],
 )
@@ -291,4 +294,4 @@ def test_render_md_refuses_rows_that_contradict_their_run(tmp_path, capsys, edit
     path.write_text(json.dumps(doc))
     assert bench.main(["--render-md", str(path)]) == 2
     err = capsys.readouterr().err
-    assert f"{path} is a malformed dcpkit-bench/2 JSON ({why})" in err, err
+    assert f"{path} is a malformed dcpkit-bench/2 JSON ({why}" in err, err

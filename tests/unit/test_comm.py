@@ -516,3 +516,28 @@ def test_broadcast_with_different_roots_fails_every_rank():
         assert "Communicator.broadcast: root" in res[1] and "rank 2: 2" in res[1], res[1]
         assert list(res[2]) == [2], res
         assert after == [0, 1, 2]
+
+
+@pytest.mark.parametrize("bad", [2, -1, "0", False])
+def test_broadcast_with_a_bad_root_on_one_rank_fails_every_rank(bad):
+    """A root that is bad on one rank only: that rank raises its own error, the others
+    ConfigMismatch, and nobody waits in a broadcast the bad rank never enters."""
+
+    def body(comm):
+        try:
+            comm.broadcast("x", root=bad if comm.rank == 1 else 0)
+            res = ("ok",)
+        except DcpkitError as e:
+            res = (type(e).__name__, str(e))
+        return res, comm.allgather(comm.rank)
+
+    out = run_group(2, body)
+    for r, (status, (res, after)) in enumerate(out):
+        assert status == "ok", f"rank {r}: {res!r}"
+        want = (
+            ("InvalidType" if isinstance(bad, (str, bool)) else "InvalidArgument")
+            if r == 1
+            else ("ConfigMismatch")
+        )
+        assert res[0] == want, f"rank {r}: {res}"
+        assert after == [0, 1]

@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "dcpkit",
             "dcpkit.__main__",
             "dcpkit.cli",
+            "dcpkit._agreed",
             "dcpkit.demo",
             "dcpkit.bench",
             "dcpkit.info",

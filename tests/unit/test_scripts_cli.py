@@ -87,7 +87,12 @@ def test_every_option_has_a_help_text(repo_root, name):
         ("kernel_timeline.py", ["--json", "{tmp}"], "argument --json: {tmp} is a directory"),
         ("programmatic_launch.py", ["--replays", "3"], "argument --replays: must be an integer"),
         ("programmatic_launch.py", ["--json", "{tmp}"], "argument --json: {tmp} is a directory"),
-        ("protocol_probe.py", ["--tokens", "0"], "argument --tokens: must be a comma list of"),
+        ("protocol_probe.py", ["--tokens", "0"], "must be a comma list of integers in [1, 64]"),
+        (
+            "protocol_probe.py",
+            ["--tokens", "99999999"],
+            "must be a comma list of integers in [1, 64]",
+        ),
         ("protocol_probe.py", ["--tokens", "65"], "argument --tokens: must be a comma list of"),
         ("protocol_probe.py", ["--tokens", "1,x"], "argument --tokens: must be a comma list of"),
         ("protocol_probe.py", ["--tokens", ""], "argument --tokens: must be a comma list of"),

@@ -1,0 +1,80 @@
+"""How the ranks of an MPI job agree on their command lines before any collective (NOTE
+[dcpkit agreed parse] in dcpkit/cli.py): every rank's outcome is gathered, and one line and
+one exit status follow from them."""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["gather_outcomes", "agreed_exit", "programs_line", "differing_line", "ranks_text"]
+
+
+def gather_outcomes(outcome):
+    """Every rank's parse outcome (a list indexed by rank), or None where the ranks cannot
+    agree: MPI does not start, or its world is not the launcher's."""
+    try:
+        from .comm import import_mpi, launcher_world_size_mismatch
+
+        MPI = import_mpi()
+        if launcher_world_size_mismatch(os.environ, MPI) is not None:
+            return None
+        return MPI.COMM_WORLD.allgather(outcome)
+    except Exception:  # noqa: BLE001 - no MPI: the command says so itself later, or never runs
+        return None
+
+
+def agreed_exit(prog: str, outcomes: list) -> tuple[str | None, int | None]:
+    """(the line rank 0 prints, the status every rank exits with) from every rank's parse
+    outcome; status None: every rank parsed, go on."""
+    if all(o is None for o in outcomes):
+        return None, None
+    n = len(outcomes)
+    errors: dict[str, list[int]] = {}
+    for r, o in enumerate(outcomes):
+        if o is not None and o[1] is not None:
+            errors.setdefault(o[1], []).append(r)
+    if errors:
+        line, ranks = next(iter(errors.items()))
+        if len(errors) == 1 and len(ranks) == n:
+            return line, 2  # every rank: the usual one line
+        rest = line[len(prog) + 2 :] if line.startswith(prog + ": ") else line
+        rest = rest.splitlines()[0] if rest.strip() else rest  # one line (a usage text: its first)
+        more = sum(len(v) for v in errors.values()) - len(ranks)
+        tail = f" (and {more} other rank(s) with another error)" if more else ""
+        return f"{prog}: on rank(s) {ranks_text(ranks)} of {n}: {rest}{tail}", 2
+    codes = {o[0] for o in outcomes if o is not None}
+    if len(codes) == 1 and all(o is not None for o in outcomes):
+        return None, codes.pop()  # --help or --version on every rank
+    asked = [r for r, o in enumerate(outcomes) if o is not None]
+    return (
+        f"{prog}: --help or --version on rank(s) {ranks_text(asked)} of {n} only: give every "
+        f"rank the same arguments"
+    ), 2
+
+
+def programs_line(prog: str, gathered: list) -> str | None:
+    """Where the ranks' first exchange came from different programs (the dispatcher on one,
+    a subcommand's or a script's own parser on another: ``(program, outcome, key)`` each), the
+    line naming them; None where it is one program."""
+    names = [
+        f"dcpkit {g[2]}" if g[0] == "dcpkit" else f"{g[0]} (started directly)" for g in gathered
+    ]
+    if len({g[0] for g in gathered}) <= 1:
+        return None
+    return differing_line(prog, names, "run different programs")
+
+
+def differing_line(prog: str, keys: list, what: str) -> str | None:
+    """The line naming the ranks of each ``keys`` value (a command, a mode), or None if equal."""
+    groups: dict = {}
+    for r, k in enumerate(keys):
+        groups.setdefault(k, []).append(r)
+    if len(groups) <= 1:
+        return None
+    parts = "; ".join(f"rank(s) {ranks_text(rs)}: {k}" for k, rs in groups.items())
+    return f"{prog}: the ranks {what} ({parts}): give every rank the same command line"
+
+
+def ranks_text(ranks: list[int]) -> str:
+    shown = ", ".join(str(r) for r in ranks[:8])
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
