@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["gather_outcomes", "agreed_exit", "programs_line", "differing_line", "ranks_text"]
+__all__ = [
+    "gather_outcomes",
+    "agreed_exit",
+    "programs_line",
+    "differing_line",
+    "shown_modes",
+    "ranks_text",
+]
 
 
 def gather_outcomes(outcome):
@@ -78,3 +85,32 @@ def differing_line(prog: str, keys: list, what: str) -> str | None:
 def ranks_text(ranks: list[int]) -> str:
     shown = ", ".join(str(r) for r in ranks[:8])
     return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def _shown_value(v) -> str:
+    if v is None:
+        return "(default)"
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v)
+    return str(v)
+
+
+def shown_modes(keys: list) -> list:
+    """The ranks' modes as the line shows them. A mode is a str, or ``(label, {option: value})``
+    (a run and the options every rank must give alike): those show the label and only the
+    options that differ between the ranks, so that equal modes show alike."""
+    full = [isinstance(k, tuple) and len(k) == 2 and isinstance(k[1], dict) for k in keys]
+    labels = [str(k[0]) if f else str(k) for k, f in zip(keys, full)]
+    if len(set(labels)) > 1 or not all(full):
+        return labels
+    names = sorted({n for _, d in keys for n in d})
+    differ = [n for n in names if len({repr(d.get(n)) for _, d in keys}) > 1]
+    return [
+        label
+        + (
+            " with " + " ".join(f"--{n.replace('_', '-')} {_shown_value(d.get(n))}" for n in differ)
+            if differ
+            else ""
+        )
+        for label, d in keys
+    ]

@@ -34,7 +34,7 @@ import stat
 import sys
 from collections.abc import Callable, Sequence
 
-from ._agreed import agreed_exit, differing_line, gather_outcomes, programs_line
+from ._agreed import agreed_exit, differing_line, gather_outcomes, programs_line, shown_modes
 from ._checks import (
     DEFAULT_TIMEOUT_MS,
     MAX_TIMEOUT_MS,
@@ -304,7 +304,8 @@ class CommandParser(argparse.ArgumentParser):
             sys.exit(2)
         outcomes = [g[1] for g in gathered]
         if all(o is None for o in outcomes):
-            line = differing_line(self.prog, [g[2] for g in gathered], "ask for different things")
+            modes = shown_modes([g[2] for g in gathered])
+            line = differing_line(self.prog, modes, "ask for different things")
             if line is not None:
                 if job_leader():
                     sys.stderr.write(line + "\n")

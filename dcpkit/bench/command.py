@@ -234,12 +234,24 @@ def render_md_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mode(args) -> str:
+#: The options of a run every rank must give alike (the cases, sizes, repeats and deadlines:
+#: ranks that differ in them would run different collectives). The outputs are rank 0's, and
+#: the seed is rank 0's too (the sweep broadcasts it).
+_RUN_OPTIONS = (
+    "ops", "paths", "modes", "tokens", "min_bytes", "max_bytes", "egress_bytes", "kv_row_dim",
+    "iters", "quick", "round_trips", "timeout_ms", "hang_s",
+)  # fmt: skip
+
+
+def _mode(args):
     """What a bench command line asks for, which every rank of a job must ask for too: a
-    rendering (``--render-md`` FILES), a check (``--check-args``) or a run."""
+    rendering (``--render-md`` FILES), a check (``--check-args``) or a run, with the options a
+    run's ranks must give alike."""
     if args.render_md:
         return "--render-md " + " ".join(args.render_md)
-    return "--check-args" if getattr(args, "check_args", False) else "a benchmark run"
+    if getattr(args, "check_args", False):
+        return "--check-args"
+    return ("a benchmark run", {k: getattr(args, k, None) for k in _RUN_OPTIONS})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

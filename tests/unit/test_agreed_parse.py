@@ -82,6 +82,18 @@ CASES = {
         "dcpkit bench: the ranks ask for different things (rank(s) 0: a benchmark run; "
         "rank(s) 1: --render-md ",
     ),
+    "bench, runs of different ops": (
+        [PY, "-m", "dcpkit", "bench", "--quick", "--ops", "q_gather"],
+        [PY, "-m", "dcpkit", "bench", "--quick", "--ops", "lse_reduce"],
+        "dcpkit bench: the ranks ask for different things (rank(s) 0: a benchmark run with "
+        "--ops q_gather; rank(s) 1: a benchmark run with --ops lse_reduce)",
+    ),
+    "bench, runs of different deadlines": (
+        [PY, "-m", "dcpkit", "bench", "--timeout-ms", "100"],
+        ["env", "DCPKIT_TIMEOUT_MS=200", PY, "-m", "dcpkit", "bench"],
+        "dcpkit bench: the ranks ask for different things (rank(s) 0: a benchmark run with "
+        "--timeout-ms 100.0; rank(s) 1: a benchmark run with --timeout-ms 200.0)",
+    ),
     "bench, renderings of different files": (
         [PY, "-m", "dcpkit", "bench", "--render-md", "{bench_json}"],
         [PY, "-m", "dcpkit", "bench", "--render-md", "{bench_json_copy}"],
@@ -216,3 +228,13 @@ def test_info_with_a_stale_pmi_descriptor_runs_alone(run_python):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "dcpkit" in r.stdout and "Abort" not in r.stderr, r.stdout + r.stderr
+
+
+def test_shown_modes_show_only_the_options_that_differ():
+    from dcpkit._agreed import shown_modes
+
+    run = ("a run", {"ops": ["q"], "iters": 5, "seedless": None})
+    other = ("a run", {"ops": ["q", "l"], "iters": 5, "seedless": None})
+    assert shown_modes([run, other]) == ["a run with --ops q", "a run with --ops q,l"]
+    assert shown_modes([run, run]) == ["a run", "a run"]
+    assert shown_modes([run, "--render-md x.json"]) == ["a run", "--render-md x.json"]
