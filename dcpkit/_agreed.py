@@ -13,6 +13,7 @@ __all__ = [
     "differing_line",
     "shown_modes",
     "ranks_text",
+    "settle",
 ]
 
 
@@ -114,3 +115,19 @@ def shown_modes(keys: list) -> list:
         )
         for label, d in keys
     ]
+
+
+def settle(prog: str, gathered: list, what: str) -> tuple[str | None, int | None]:
+    """(the line rank 0 prints, the status every rank exits with; None: go on) from every
+    rank's ``(program, outcome, key)``: different programs first; then, where the ranks are
+    alike in outcome (all parsed, or all asked for --help / --version), different keys (the
+    command, the mode: ``what`` they differ in); then the outcomes (:func:`agreed_exit`)."""
+    line = programs_line(prog, gathered)
+    if line is not None:
+        return line, 2
+    outcomes = [g[1] for g in gathered]
+    if all(o is None for o in outcomes) or all(o is not None and o[1] is None for o in outcomes):
+        line = differing_line(prog, shown_modes([g[2] for g in gathered]), what)
+        if line is not None:
+            return line, 2
+    return agreed_exit(prog, outcomes)

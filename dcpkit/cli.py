@@ -34,7 +34,7 @@ import stat
 import sys
 from collections.abc import Callable, Sequence
 
-from ._agreed import agreed_exit, differing_line, gather_outcomes, programs_line, shown_modes
+from ._agreed import gather_outcomes, settle
 from ._checks import (
     DEFAULT_TIMEOUT_MS,
     MAX_TIMEOUT_MS,
@@ -297,20 +297,7 @@ class CommandParser(argparse.ArgumentParser):
             if outcome[1] is not None and job_leader():
                 sys.stderr.write(outcome[1] + "\n")
             sys.exit(outcome[0])
-        line = programs_line(self.prog, gathered)
-        if line is not None:
-            if job_leader():
-                sys.stderr.write(line + "\n")
-            sys.exit(2)
-        outcomes = [g[1] for g in gathered]
-        if all(o is None for o in outcomes):
-            modes = shown_modes([g[2] for g in gathered])
-            line = differing_line(self.prog, modes, "ask for different things")
-            if line is not None:
-                if job_leader():
-                    sys.stderr.write(line + "\n")
-                sys.exit(2)
-        line, status = agreed_exit(self.prog, outcomes)
+        line, status = settle(self.prog, gathered, "ask for different things")
         if status is None:
             return ns
         if line is not None and job_leader():
@@ -726,17 +713,8 @@ def _main(argv: list[str] | None) -> int:
         gathered = gather_outcomes(
             ("dcpkit", None if problem is None else (problem[0], problem[1]), command)
         )
-        if gathered is not None and (line := programs_line("dcpkit", gathered)) is not None:
-            _say(line, sys.stderr)
-            return 2
         if gathered is not None:
-            outcomes = [g[1] for g in gathered]
-            if not any(o is not None and o[1] is not None for o in outcomes):  # errors first
-                line = differing_line("dcpkit", [g[2] for g in gathered], "run different commands")
-                if line is not None:
-                    _say(line, sys.stderr)
-                    return 2
-            line, status = agreed_exit("dcpkit", outcomes)
+            line, status = settle("dcpkit", gathered, "run different commands")
             if status is not None:
                 if line is not None:
                     _say(line, sys.stderr)

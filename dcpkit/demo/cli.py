@@ -218,13 +218,6 @@ def main(argv: Sequence[str] | None = None, *, comm=None) -> int:
             return EXIT_CANNOT_RUN
     say = Say(comm.rank)
 
-    # ---------------------------------------------------------------- --json, before the run
-    json_error = comm.broadcast(json_problem(args.json) if comm.rank == 0 else None, root=0)
-    if json_error is not None:
-        if comm.rank == 0:
-            print(f"dcpkit demo: {json_error}", file=sys.stderr, flush=True)
-        return EXIT_CANNOT_RUN
-
     # ---------------------------------------------------------------- environment, agreed
     problems = comm.allgather(environment.environment_problem(comm, args, model))
     if any(problems):
