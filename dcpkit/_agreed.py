@@ -84,6 +84,7 @@ def differing_line(prog: str, keys: list, what: str) -> str | None:
 
 
 def ranks_text(ranks: list[int]) -> str:
+    """``ranks`` (ints) as a line names them: the first eight, then how many more."""
     shown = ", ".join(str(r) for r in ranks[:8])
     return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
