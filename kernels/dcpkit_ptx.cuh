@@ -64,6 +64,10 @@
 // records a mismatch instead of a timeout. With -DDCPKIT_SELF_CHECK=0 (benchmark only) the waits
 // compare the epoch only.
 //
+// The push gathers replace steps 2 and 3 (arrival, election, one signal per rank) with a
+// publish by every CTA into per-source share counters: NOTE [dcpkit share counters] below. Their
+// signal words still carry the fingerprint, and everything else here holds for them too.
+//
 // Co-residency rule (no deadlock whatever the launch order). Only waiter CTAs ever block, and a
 // kernel has at most K of them; every other CTA stores, arrives, spins at most kHelpMaxNs, maybe
 // helps (bounded work, no wait) and exits in bounded time. The
@@ -310,6 +314,19 @@ __device__ __forceinline__ void multimem_st16(void* mc, const uint4& v) {
 __device__ __forceinline__ void multimem_st_relaxed_sys_u64(u64* mc, u64 v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("multimem.st.relaxed.sys.global.u64 [%0], %1;" :: "l"(mc), "l"(v) : "memory");
+#else
+  __trap();
+#endif
+}
+
+// A 64-bit add whose result is not returned (no round trip): the share counters of the push
+// gathers (NOTE [dcpkit share counters]).
+__device__ __forceinline__ void red_relaxed_sys_add_u64(u64* p, u64 v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void multimem_red_relaxed_sys_add_u64(u64* mc, u64 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("multimem.red.relaxed.sys.global.add.u64 [%0], %1;" :: "l"(mc), "l"(v) : "memory");
 #else
   __trap();
 #endif
@@ -765,6 +782,254 @@ __device__ __forceinline__ u32 claim_publish(u32 mine) {
   if (threadIdx.x == 0) s_next = mine;
   __syncthreads();
   return s_next;
+}
+
+// NOTE [dcpkit share counters]
+// ----------------------------
+// The push gathers (gather_push_call in gather.cuh) publish without the election of step 2:
+// on one H200 shared by the ranks the arrival atomic's round trip before the fence cost 0.35-0.55
+// us per call at W=2 and up to 0.8 us at W=4 (scripts/protocol_probe.py, docs/performance.md).
+// Instead every CTA publishes its own part:
+//   * every ubatch keeps counters u64 [world] after its credits, each on a 128-byte line of its
+//     own; counters[s] on rank r is added to only by the CTAs of rank s, and only ever grows;
+//   * every CTA owns a share of kShareUnit (cta_share: the shares of a grid sum to kShareUnit,
+//     whatever its size, so ranks may use different grids for the same call, e.g. out= on one
+//     rank and the view form on another);
+//   * after its payload stores and a CTA barrier, thread 0 of every CTA executes one
+//     fence.acq_rel.sys and one red.relaxed.sys.add.u64 of its share into counters[rank] of
+//     every destination, this rank last (or one multimem.red); thread 0 of CTA 0 first stores
+//     the signal word (fingerprint << 32 | e) into signals[e & 1][rank] of every destination,
+//     before its fence;
+//   * a waiter thread polls counters[s] with ld.relaxed.sys until its share sum has reached
+//     e * kShareUnit (shares_reached: a wrap-safe signed difference; waits test "reached"),
+//     issues one ld.acquire.sys of it (acquire_polled), and requires signals[e & 1][s] to hold
+//     exactly the signal word of this call (the fingerprint check).
+// Why this is enough: each CTA's fence followed by its red is a release pattern at system scope;
+// the reds on one counter are morally strong atomic operations, so the waiter's acquire that
+// reads a value at or past e * kShareUnit observes, through the chain of reds before it in the
+// counter's order, every CTA whose red came before (PTX ISA, "Memory Consistency Model":
+// observation order through atomic read-modify-writes, release and acquire patterns). A source
+// reaches e * kShareUnit only when every CTA of each of its calls up to e has added its share:
+// a call starts after the one before it retired on its stream, and a CTA that stores nothing
+// (the workspace poisoned at its start, or a failed credit wait) adds nothing to the peers'
+// counters; the workspace is then poisoned for good, so every later call of that rank stores
+// and adds nothing either, and no later share can stand in for the missing one. The signal
+// word of CTA 0 precedes CTA 0's fence, so it is visible to the waiter, and it still holds call
+// e (the next store into it is for call e + 2: the two-slot argument of NOTE [dcpkit epoch
+// signalling]). This rank's own counter tells a waiter that every CTA of its kernel has passed
+// its start (the epoch read) and its stores: the elected waiter stores the new epoch only after
+// it. A CTA that stored nothing adds its share and a skip (below) to its own rank's counter only;
+// a waiter or helper that sees a skip in its own counter's polled value treats the call as
+// failed (the elected waiter fills the result), as a missing signal did before. The waiter reads
+// the signal word beside each poll of the counter: a value equal to this call's word needs no
+// second load; any other is read again after the acquire before it counts as a mismatch. The
+// waiters are the last min(K, grid) CTAs by index: only their number matters to the
+// co-residency rule, not the order in which CTAs arrive.
+constexpr int kShareShift = 20;
+constexpr u64 kShareUnit = 1ull << kShareShift;  // grids stay far below it
+// A counter holds the sum of the shares above its low kSkipBits bits and, in those, a count of
+// CTAs that stored nothing: both come from the one polled value, so a wait needs no second load
+// to learn that a CTA skipped. The share sum is compared modulo 2**(64 - kSkipBits) (wrap-safe:
+// a call adds 2**32). A CTA skips only in a poisoned workspace, where every later call fails
+// anyway; the count may then carry into the sum after 2**kSkipBits skips, which only that
+// workspace's own, already failing calls read.
+constexpr int kSkipBits = 12;
+
+// Offset, in u64 words from signals[0][0], of source `src`'s share counter: after the signals
+// [2][world] and the credits [world], from the next 128-byte line on, one line per counter
+// (dcpkit/ops/_workspace.py): every CTA of a source adds into its counter on every rank, and
+// the waiters and helpers poll them, so no two counters (and no signal word) share a line.
+constexpr u64 kShareCounterStride = 16;  // u64 words: one 128-byte line
+__device__ __forceinline__ u64 share_counter_off(const Proto& p, int src) {
+  return ((3ull * static_cast<u64>(p.world) + 15ull) & ~15ull) +
+         kShareCounterStride * static_cast<u64>(src);
+}
+// This CTA's share of kShareUnit.
+__device__ __forceinline__ u64 cta_share() {
+  const u64 g = gridDim.x;
+  return kShareUnit / g + (blockIdx.x < kShareUnit % g ? 1ull : 0ull);
+}
+// Has the share sum of counter value v reached call e (every CTA of every call up to e added)?
+__device__ __forceinline__ bool shares_reached(u64 v, u64 e) {
+  return static_cast<long long>(((v >> kSkipBits) - (e << kShareShift)) << kSkipBits) >= 0;
+}
+// Did a CTA of this rank store nothing (its workspace poisoned)? From the own counter.
+__device__ __forceinline__ bool shares_skipped(u64 v) {
+  return (v & ((1ull << kSkipBits) - 1ull)) != 0ull;
+}
+
+// The publish of NOTE [dcpkit share counters]; every thread of every CTA calls it after its
+// payload stores. `skipped`: this CTA stored nothing: it adds its share and one skip to its own
+// rank's counter only (the peers' counters never reach the call: they time out, or see the
+// poisoned workspace's mismatch, as with a missing signal).
+template <Transport TR>
+__device__ __forceinline__ void publish_shares(const Proto& p, u64 e, int slot, u32 fp,
+                                               bool skipped) {
+  __syncthreads();  // every thread's payload stores are ordered before thread 0's fence
+  if (threadIdx.x != 0) return;
+  if (blockIdx.x == 0) {
+    // The next call's work counter (parity e + 1): its last user, the call before this one,
+    // retired before this kernel started.
+    reinterpret_cast<volatile u32*>(p.work)[(e + 1ull) & 1ull] = 0u;
+  }
+  const u64 share = cta_share() << kSkipBits;
+  const u64 cnt = share_counter_off(p, p.rank);
+  if (skipped) {
+    fence_acq_rel_sys();
+    red_relaxed_sys_add_u64(p.signals + cnt, share + 1ull);
+    return;
+  }
+  const u64 word = signal_word(e, fp);
+  if (TR == Transport::Multicast) {
+    if (blockIdx.x == 0) multimem_st_relaxed_sys_u64(p.mc_sig + slot * p.world + p.rank, word);
+    fence_acq_rel_sys();
+    multimem_red_relaxed_sys_add_u64(p.mc_sig + cnt, share);
+    return;
+  }
+  // Peers first (rank + 1, rank + 2, ... wrapping), this rank last. The first kSigPrefetch
+  // destinations' addresses are read before the fence (a table no one writes during the call).
+  u64 pre[kSigPrefetch];
+  int d = p.rank;
+#pragma unroll
+  for (int j = 0; j < kSigPrefetch; ++j) {
+    pre[j] = 0ull;
+    if (j < p.world) {
+      d = (d + 1 == p.world) ? 0 : d + 1;
+      pre[j] = __ldg(p.peer_sig + d);
+    }
+  }
+  if (blockIdx.x == 0) {
+#pragma unroll
+    for (int j = 0; j < kSigPrefetch; ++j) {
+      if (j < p.world) {
+        st_relaxed_sys_u64(reinterpret_cast<u64*>(pre[j]) + slot * p.world + p.rank, word);
+      }
+    }
+    int d2 = d;
+    for (int j = kSigPrefetch; j < p.world; ++j) {
+      d2 = (d2 + 1 == p.world) ? 0 : d2 + 1;
+      st_relaxed_sys_u64(reinterpret_cast<u64*>(__ldg(p.peer_sig + d2)) + slot * p.world + p.rank,
+                         word);
+    }
+  }
+  fence_acq_rel_sys();  // this CTA's one release
+#pragma unroll
+  for (int j = 0; j < kSigPrefetch; ++j) {
+    if (j < p.world) red_relaxed_sys_add_u64(reinterpret_cast<u64*>(pre[j]) + cnt, share);
+  }
+  for (int j = kSigPrefetch; j < p.world; ++j) {
+    d = (d + 1 == p.world) ? 0 : d + 1;
+    red_relaxed_sys_add_u64(reinterpret_cast<u64*>(__ldg(p.peer_sig + d)) + cnt, share);
+  }
+}
+
+// The waiter index of this CTA under share counters: the last min(k_waiters, grid) CTAs by
+// index are waiters 0 .. K - 1 (the last CTA is the elected one, K - 1); -1 for the others.
+__device__ __forceinline__ int share_waiter(u32 k_waiters) {
+  const u32 n = gridDim.x;
+  const u32 k = k_waiters < n ? k_waiters : n;
+  return blockIdx.x + k >= n ? static_cast<int>(blockIdx.x - (n - k)) : -1;
+}
+
+// The fingerprint check of a source whose counter has reached the call: `w` is its signal word
+// as loaded beside the counter's poll. Equal to this call's word: proof enough (no other call
+// writes that value). Otherwise it may have been loaded before it became visible: read again,
+// after the acquire (the slow path; a mismatch is recorded).
+__device__ __forceinline__ bool shares_fp_ok(const Proto& p, int slot, int src, u64 e, u32 fp,
+                                             u64 w, bool record) {
+#if DCPKIT_SELF_CHECK
+  const u64 want = signal_word(e, fp);
+  if (w == want) return true;
+  w = ld_relaxed_sys_u64(p.signals + slot * p.world + src);
+  if (w == want) return true;
+  if (record) record_failure(p, DCPKIT_REC_MISMATCH, slot, src, static_cast<u32>(e), w, fp);
+  return false;
+#else
+  (void)p, (void)slot, (void)src, (void)e, (void)fp, (void)w, (void)record;
+  return true;
+#endif
+}
+
+// Poll counters[src] until its shares have reached call e (the signal word loaded beside it),
+// one acquire, then the fingerprint check. Returns false on timeout or mismatch (after recording
+// it), when the workspace was poisoned by another thread, or (src == rank) when a CTA of this
+// rank stored nothing. A timeout records as the observed epoch the number of src's calls whose
+// every CTA has published.
+__device__ __forceinline__ bool wait_shares(const Proto& p, int slot, int src, u64 e, u32 fp) {
+  const u64* cnt = p.signals + share_counter_off(p, src);
+  const u64* sig = p.signals + slot * p.world + src;
+  const u32 e32 = static_cast<u32>(e);
+  u64 v = ld_relaxed_sys_u64(cnt);
+  u64 w = ld_relaxed_sys_u64(sig);
+  if (!shares_reached(v, e)) {
+    const u64 start = globaltimer_ns();
+    u32 spins = 0;
+    while (true) {
+      v = ld_relaxed_sys_u64(cnt);
+      w = ld_relaxed_sys_u64(sig);
+      if (shares_reached(v, e)) break;
+      if ((++spins & 255u) == 0u) {
+        if (aborted(p)) return false;
+        if (globaltimer_ns() - start > p.timeout_ns) {
+          const u64 other = other_ubatch_signal(p, src);
+          if (other != 0ull) {
+            record_failure(p, DCPKIT_REC_MISMATCH, slot, src, e32, other, fp);
+          } else {
+            const u32 seen = static_cast<u32>(v >> (kSkipBits + kShareShift));
+            record_failure(p, DCPKIT_REC_TIMEOUT, slot, src, e32,
+                           (w & 0xFFFFFFFF00000000ull) | seen, fp);
+          }
+          return false;
+        }
+      }
+    }
+  }
+  acquire_polled(cnt);  // the one acquire of this source
+  if (shares_skipped(v)) return false;  // this rank's own counter: a CTA stored nothing
+  return shares_fp_ok(p, slot, src, e, fp, w, true);
+}
+
+// Threads [0, world) of the calling CTA wait for one source each (this rank included); then the
+// CTA synchronises. Returns false (uniformly across the CTA) when any wait failed. Must be called
+// by every thread of the CTA (blockDim.x >= world).
+__device__ __forceinline__ bool wait_all_shares(const Proto& p, int slot, u64 e, u32 fp) {
+  const int src = static_cast<int>(threadIdx.x);
+  int ok = 1;
+  if (src < p.world) ok = wait_shares(p, slot, src, e, fp) ? 1 : 0;
+  return __syncthreads_and(ok) != 0;
+}
+
+// Helping under share counters (try_all_sources' counterpart): a bounded spin for every
+// source's counter; with all there (fingerprints checked, no CTA of this rank skipped, the
+// workspace not poisoned) the CTA helps. CTA-uniform; records nothing.
+__device__ __forceinline__ bool try_all_shares(const Proto& p, int slot, u64 e, u32 fp,
+                                               u32 units) {
+  int ok = 1;
+  const int src = static_cast<int>(threadIdx.x);
+  if (src < p.world) {
+    const u64* cnt = p.signals + share_counter_off(p, src);
+    const u64* sig = p.signals + slot * p.world + src;
+    u64 v = ld_relaxed_sys_u64(cnt);
+    u64 w = ld_relaxed_sys_u64(sig);
+    if (!shares_reached(v, e)) {
+      const u64 budget = help_budget_ns(units, p.waiters);
+      const volatile u32* work = p.work + slot;
+      const u64 start = globaltimer_ns();
+      u32 spins = 0;
+      do {
+        v = ld_relaxed_sys_u64(cnt);
+        w = ld_relaxed_sys_u64(sig);
+        if ((++spins & 63u) == 0u && *work >= units) break;  // every unit already claimed
+      } while (!shares_reached(v, e) && globaltimer_ns() - start < budget);
+    }
+    ok = shares_reached(v, e) ? 1 : 0;
+    if (ok) {
+      acquire_polled(cnt);
+      ok = !shares_skipped(v) && shares_fp_ok(p, slot, src, e, fp, w, false) && !aborted(p) ? 1
+                                                                                               : 0;
+    }
+  }
+  return __syncthreads_and(ok) != 0;
 }
 
 // 0xFF bytes over `rows` rows of `row_vecs` 16-byte vectors (row stride `stride` bytes), shared

@@ -401,12 +401,14 @@ __device__ __forceinline__ bool gather_wait_credits(const Proto& P, const u64* p
 //               out - 1, in the slot layout (NOTE [dcpkit zero-copy graph outputs]);
 //               else copy-out: the gathered rows (world * g.row_vecs vectors each, row stride
 //               g.out_stride) are written to `out`.
-// Zero copy (either form): one waiter (the last CTA to arrive), so kernel completion implies
-// that every rank's block is in the result. Copy-out: the last min(grid, P.waiters) CTAs wait,
-// then share the copy with the other CTAs that find every signal within help_budget_ns (work
-// claimed unit by unit).
-// In a poisoned workspace, or after a failed wait, the elected CTA fills the whole result with
-// 0xFF bytes (NOTE [dcpkit epoch signalling]).
+// Every CTA publishes its own share, with no election (NOTE [dcpkit share counters] in
+// dcpkit_ptx.cuh). Zero copy (either form): one waiter (the last CTA of the grid), so kernel
+// completion implies that every rank's block is in the result. Copy-out: the last
+// min(grid, P.waiters) CTAs wait, then share the copy with the other CTAs that find every
+// source's counter within help_budget_ns (work claimed unit by unit).
+// In a poisoned workspace, or after a failed wait, the elected CTA (the last waiter) fills the
+// whole result with 0xFF bytes once this rank's own counter says every CTA has finished its
+// stores (NOTE [dcpkit epoch signalling]).
 template <Transport TR>
 __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer_data,
                                                  u64 slot_bytes, u64 mc_data, const char* src,
@@ -432,7 +434,8 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
                                 : reinterpret_cast<char*>(__ldg(peer_data + P.rank) + slot_off);
   const long long result_stride = out != nullptr ? g.out_stride : g.slot_stride;
   DCPKIT_MARK_ENTRY(e);
-  // Poisoned (CTA-uniform): store nothing, arrive, the elected CTA fills the result.
+  // Poisoned (CTA-uniform): store nothing, publish a skipped share, the elected CTA fills the
+  // result.
   const bool dead = __syncthreads_or(abort_seen ? 1 : 0) != 0;
   DCPKIT_MARK(e, 1u);
   const u32 fp = call_fingerprint(P, g.tokens, 0u, false, false) |
@@ -448,13 +451,14 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
   DCPKIT_MARK(e, 2u);
   const bool copies = out != nullptr && !zc;  // copy-out from the own slot after the wait
   const u32 k = copies ? P.waiters : 1u;
-  bool published;
-  const int w = arrive_and_publish<TR>(P, e, sig_slot, fp, k, skip, published);
+  // Publish by shares, no election (NOTE [dcpkit share counters] in dcpkit_ptx.cuh).
+  publish_shares<TR>(P, e, sig_slot, fp, skip);
+  const int w = share_waiter(k);
   DCPKIT_MARK(e, 3u);
   DCPKIT_MARK_ROLE(e, w < 0 ? 0ull : static_cast<u64>(w) + 1ull);
   if (w < 0) {  // not a waiter: help with the copy-out if every source is there soon
     if (!copies || dead || gather_owned(P, g) ||
-        !try_all_sources(P, sig_slot, e32, fp, gather_units(P, g))) {
+        !try_all_shares(P, sig_slot, e, fp, gather_units(P, g))) {
       DCPKIT_MARK(e, 5u);
       return;
     }
@@ -465,10 +469,13 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
   }
   const u32 nw = k < gridDim.x ? k : gridDim.x;
   const bool elected = static_cast<u32>(w) == nw - 1u;
-  // The elected CTA (the last to arrive: every CTA's stores into `out` come before its arrival)
-  // poisons the whole result when the workspace is poisoned or a wait fails; with owned units a
+  const bool ok = wait_all_shares(P, sig_slot, e, fp);
+  // This rank's own counter has reached the call (unless its wait timed out): every CTA of the
+  // kernel has read the epoch and finished its stores. The elected CTA stores the new epoch,
+  // and poisons the whole result when a CTA stored nothing or a wait failed; with owned units a
   // failed waiter also poisons its unit; the other waiters just return.
-  if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, sig_slot, e32, fp)) {
+  if (elected && threadIdx.x == 0) *reinterpret_cast<volatile u64*>(P.epoch) = e;
+  if (!ok || dead) {
     gather_failed(P, g, result, result_stride, elected, w, copies);
     DCPKIT_MARK(e, 5u);
     return;

@@ -64,9 +64,6 @@ __device__ __forceinline__ void ld_relaxed_sys_v2_u64(const void* p, u64& a, u64
   asm volatile("ld.relaxed.sys.global.v2.u64 {%0,%1}, [%2];" : "=l"(a), "=l"(b) : "l"(p)
                : "memory");
 }
-__device__ __forceinline__ void red_relaxed_sys_add_u64(u64* p, u64 v) {
-  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
-}
 // Relaxed polls of the counter `word` until it has reached `target` (wrap-safe), then one
 // acquire; false at the deadline.
 __device__ __forceinline__ bool probe_wait_reached(const u64* word, u64 target, u64 timeout_ns) {

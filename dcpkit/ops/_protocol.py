@@ -91,6 +91,22 @@ OTHER_DTYPE = 15
 #: Fingerprint codes of the lse_partial dtypes (kernels/lse_reduce.cu lse_code).
 LSE_CODES: dict[str, int] = {"bfloat16": 1, "float16": 2, "float32": 3}
 
+#: The push gathers' share counters (NOTE [dcpkit share counters] in kernels/dcpkit_ptx.cuh): a
+#: call adds 2**SHARE_SHIFT shares to every destination's counter of its source (kShareShift),
+#: above the counter's SKIP_BITS low bits (kSkipBits).
+SHARE_SHIFT = 20
+SKIP_BITS = 12
+#: u64 words between two share counters: one 128-byte line each (kShareCounterStride).
+SHARE_COUNTER_STRIDE = 16
+
+
+def share_counter_word(world_size: int, src: int) -> int:
+    """Offset in u64 words, from a ubatch's signals[0][0], of source ``src``'s share counter
+    (``src == world_size``: the end of the last one): after the signals [2][W] and the credits
+    [W], from the next 128-byte line on (share_counter_off in kernels/dcpkit_ptx.cuh)."""
+    return (3 * world_size + 15) // 16 * 16 + SHARE_COUNTER_STRIDE * src
+
+
 REC_TIMEOUT = 0
 REC_MISMATCH = 1
 #: u32 fields of kernels/dcpkit_ptx.cuh ProtoRecord before ``seen_fp``.

@@ -9,6 +9,9 @@ op's symmetric region, per ubatch ``u`` (every part 256-byte aligned)::
     credits  u64 [world_size]           push gathers: credits[s] written only by rank s
                                         (NOTE [dcpkit zero-copy graph outputs] in
                                         ``kernels/gather.cuh``)
+    counters u64 [world_size], from the next 128-byte line, one line (16 words) each:
+                                        push gathers: counters[s] grown only by rank s's CTAs
+                                        (NOTE [dcpkit share counters], ``dcpkit_ptx.cuh``)
     slot 0   slot_bytes                 data of even epochs
     slot 1   slot_bytes                 data of odd epochs
 
@@ -114,25 +117,7 @@ _ALIGN = 256
 #: arrive, abort, record, signals, peer_sig, mc_sig, rank, world, timeout_ns, op, ubatch,
 #: fp_base, waiters, num_ubatches, sig_ustride, work. Every kernel takes them first; the ops'
 #: ``*_PARAM_TYPES`` start with this tuple (checked against the PTX in the unit tests).
-PROTO_PARAM_TYPES = (
-    "u64",
-    "u64",
-    "u64",
-    "u64",
-    "u64",
-    "u64",
-    "u64",
-    "i32",
-    "i32",
-    "u64",
-    "u32",
-    "u32",
-    "u32",
-    "u32",
-    "u32",
-    "u32",
-    "u64",
-)
+PROTO_PARAM_TYPES = ("u64",) * 7 + ("i32", "i32", "u64") + ("u32",) * 6 + ("u64",)
 
 
 def _cupy_current_stream(device: int = -1):
@@ -218,7 +203,8 @@ class OpWorkspace(OutputBuffers, Resource):
         self.num_ubatches = check_positive_int(num_ubatches, op, "num_ubatches")
         self.timeout_ms = check_timeout_ms(timeout_ms, op)
         W, U = int(world_size), self.num_ubatches
-        self._sig_bytes = _round_up(3 * W * 8)  # u64 signal words [2][W], credits [W]
+        # signals [2][W], credits [W], then one 128-byte line per share counter
+        self._sig_bytes = _round_up((_protocol.share_counter_word(W, W)) * 8)
         self.slot_bytes = _round_up(max(int(slot_bytes), 16))
         self._ubatch_stride = self._sig_bytes + 2 * self.slot_bytes
         self._out_bytes = int(out_bytes)
@@ -731,7 +717,8 @@ class OpWorkspace(OutputBuffers, Resource):
     # ------------------------------------------------------------------ test hooks
     def _set_epoch(self, value: int) -> None:
         """Collective test hook: make every ubatch continue from epoch ``value`` (to test the
-        32-bit wrap of signals). Signals are set to what the last two calls would have left."""
+        32-bit wrap of signals). Signals and share counters are set to what the calls up to
+        ``value`` would have left."""
         import cupy
 
         self.check_open()
@@ -741,10 +728,16 @@ class OpWorkspace(OutputBuffers, Resource):
             W = self.world_size
             for u in range(self.num_ubatches):
                 self._epoch[u] = value
-                sig = self.heap.view(self._base + u * self._ubatch_stride, (2, W), np.uint64)
+                words = self._sig_bytes // 8
+                block = self.heap.view(self._base + u * self._ubatch_stride, (words,), np.uint64)
+                sig = block[: 2 * W].reshape(2, W)
                 for e in (value, value - 1):
                     if e >= 0:
                         sig[e & 1, :] = e & 0xFFFFFFFF
+                # the push gathers' share counters: value calls' shares, no skip
+                shares = (value << (_protocol.SHARE_SHIFT + _protocol.SKIP_BITS)) % 2**64
+                for s in range(W):
+                    block[_protocol.share_counter_word(W, s)] = np.uint64(shares)
                 self._calls[u] = value
             self._clear_plans()
             cupy.cuda.runtime.deviceSynchronize()

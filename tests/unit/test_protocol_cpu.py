@@ -113,15 +113,19 @@ SIGNAL_STORE = r"^(multimem\.st\.relaxed\.sys\.global\.u64|st\.relaxed\.sys\.glo
 @pytest.mark.parametrize("self_check", [True, False], ids=["self-check", "epoch-only"])
 @pytest.mark.parametrize("file,build", OPS_BUILDS, ids=OPS_BUILD_IDS)
 def test_publish_order_in_every_variant(file, build, self_check):
-    """In every kernel: bar.sync, then atom.acq_rel.gpu (the arrival), then fence.acq_rel.sys,
-    then the signal stores; relaxed polls of the signal, then ld.acquire.sys; no fence.sc.
-    Before the arrival, the unicast push kernels store one relaxed word (the credit, NOTE
-    [dcpkit zero-copy graph outputs]) and the others none. lse_reduce.cu in every build."""
+    """In every kernel but the push gathers': bar.sync, then atom.acq_rel.gpu (the arrival),
+    then fence.acq_rel.sys, then the signal stores; relaxed polls of the signal, then
+    ld.acquire.sys; no fence.sc. Before the arrival, the unicast push kernels store one relaxed
+    word (the credit, NOTE [dcpkit zero-copy graph outputs]) and the others none. The push
+    gathers publish by shares (test_push_gathers_publish_by_shares). lse_reduce.cu in every
+    build."""
     ptx = _ptx(file, build + (() if self_check else ("-DDCPKIT_SELF_CHECK=0",)))
     entries = [(n, b) for n, b in _entries(ptx) if "combine" not in n]
     assert len(entries) == len(jit.VARIANTS[file]) - (3 if file == "lse_reduce.cu" else 0)
     for name, lines in entries:
         assert not any("fence.sc" in ln for ln in lines), f"{name}: fence.sc emitted"
+        if _is_push_gather(name):
+            continue
         arrival = next(
             (i for i, ln in enumerate(lines) if ln.startswith("atom.acq_rel.gpu.global.add.u32")),
             len(lines),
@@ -159,6 +163,56 @@ def test_publish_order_in_every_variant(file, build, self_check):
         assert not any(ln.startswith("ld.acquire.sys.global.u32") for ln in lines), (
             f"{name}: 32-bit acquire polls of the old protocol"
         )
+
+
+def _is_push_gather(name: str) -> bool:
+    return "q_gather_kernel" in name or "kv_gather_push_kernel" in name
+
+
+RED_SHARE = (
+    r"^(multimem\.red\.relaxed\.sys\.global\.add\.u64|red\.relaxed\.sys\.global\.add\.u64)\b"
+)
+
+
+@pytest.mark.parametrize("self_check", [True, False], ids=["self-check", "epoch-only"])
+@pytest.mark.parametrize("file", ["q_gather.cu", "kv_gather.cu"])
+def test_push_gathers_publish_by_shares(file, self_check):
+    """NOTE [dcpkit share counters]: in the push gathers no arrival atomic; after the payload
+    stores a CTA barrier, then one fence.acq_rel.sys, then the share adds (red, no returned
+    value), with the signal-word stores before that fence; the waits poll with relaxed loads and
+    take one acquire, and the fingerprint's signal word is read after it."""
+    ptx = _ptx(file, () if self_check else ("-DDCPKIT_SELF_CHECK=0",))
+    entries = [(n, b) for n, b in _entries(ptx) if _is_push_gather(n)]
+    assert len(entries) == 2, [n for n, _ in _entries(ptx)]
+    for name, lines in entries:
+        assert not any(ln.startswith("atom.acq_rel.gpu") for ln in lines), name
+        reds = [i for i, ln in enumerate(lines) if re.search(RED_SHARE, ln)]
+        assert reds, f"{name}: no share add"
+        bar = _index(lines, r"^(bar\.sync|barrier\.sync)\b", before=reds[0])
+        assert bar is not None, f"{name}: no CTA barrier before the share adds"
+        assert any(re.match(r"^st\.global\.v4", ln) for ln in lines[:bar]), name
+        # every share add follows a fence.acq_rel.sys issued after the barrier
+        for r in reds:
+            assert _index(lines, r"^fence\.acq_rel\.sys;", before=r, after=bar) is not None, (
+                f"{name}: a share add without a fence before it: {lines[r]}"
+            )
+        # the normal path: the signal words, then its one fence, then the adds
+        last = _index(lines, r"^fence\.acq_rel\.sys;", before=reds[-1], after=bar)
+        assert any(re.search(SIGNAL_STORE, ln) for ln in lines[bar:last]), (
+            f"{name}: no signal-word store before the fence"
+        )
+        assert not any(ln.startswith("fence.") for ln in lines[last + 1 : reds[-1]]), name
+        first_poll = next(
+            i for i, ln in enumerate(lines) if ln.startswith("ld.relaxed.sys.global.u64")
+        )
+        first_acq = next(
+            i for i, ln in enumerate(lines) if ln.startswith("ld.acquire.sys.global.u64")
+        )
+        assert first_poll < first_acq, f"{name}: the acquire comes before the relaxed poll"
+        if self_check:  # the signal word is read after an acquire
+            assert any(
+                ln.startswith("ld.relaxed.sys.global.u64") for ln in lines[first_acq + 1 :]
+            ), name
 
 
 @pytest.mark.parametrize("self_check", [True, False], ids=["self-check", "epoch-only"])
@@ -224,6 +278,17 @@ def test_fingerprint_fields_match_the_kernel_macros():
         assert used & m == 0
         used |= m
     assert used == 0xFFFFFFFF
+
+
+def test_share_shift_matches_the_kernel():
+    text = _header()
+    assert int(re.search(r"constexpr int kShareShift = (\d+);", text).group(1)) == (
+        proto.SHARE_SHIFT
+    )
+    assert int(re.search(r"constexpr int kSkipBits = (\d+);", text).group(1)) == proto.SKIP_BITS
+    # a call's shares (2**SHARE_SHIFT) above the skip count fill exactly the upper 32 bits'
+    # step, so that the observed epoch of a timeout is the counter's upper half
+    assert proto.SHARE_SHIFT + proto.SKIP_BITS == 32
 
 
 def test_lse_codes_match_the_kernel():
