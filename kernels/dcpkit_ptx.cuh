@@ -790,8 +790,8 @@ __device__ __forceinline__ u32 claim_publish(u32 mine) {
 // on one H200 shared by the ranks the arrival atomic's round trip before the fence cost 0.35-0.55
 // us per call at W=2 and up to 0.8 us at W=4 (scripts/protocol_probe.py, docs/performance.md).
 // Instead every CTA publishes its own part:
-//   * every ubatch keeps counters u64 [world] after its credits, each on a 128-byte line of its
-//     own; counters[s] on rank r is added to only by the CTAs of rank s, and only ever grows;
+//   * every ubatch keeps counters u64 [world] right after its credits; counters[s] on rank r
+//     is added to only by the CTAs of rank s, and only ever grows;
 //   * every CTA owns a share of kShareUnit (cta_share: the shares of a grid sum to kShareUnit,
 //     whatever its size, so ranks may use different grids for the same call, e.g. out= on one
 //     rank and the view form on another);
@@ -835,14 +835,12 @@ constexpr u64 kShareUnit = 1ull << kShareShift;  // grids stay far below it
 // workspace's own, already failing calls read.
 constexpr int kSkipBits = 12;
 
-// Offset, in u64 words from signals[0][0], of source `src`'s share counter: after the signals
-// [2][world] and the credits [world], from the next 128-byte line on, one line per counter
-// (dcpkit/ops/_workspace.py): every CTA of a source adds into its counter on every rank, and
-// the waiters and helpers poll them, so no two counters (and no signal word) share a line.
-constexpr u64 kShareCounterStride = 16;  // u64 words: one 128-byte line
+// Offset, in u64 words from signals[0][0], of source `src`'s share counter: right after the
+// signals [2][world] and the credits [world] (dcpkit/ops/_workspace.py). The counters share
+// their 128-byte lines with each other and with the signal words: one line per counter measured
+// the same or slower (docs/performance.md, "Share counters").
 __device__ __forceinline__ u64 share_counter_off(const Proto& p, int src) {
-  return ((3ull * static_cast<u64>(p.world) + 15ull) & ~15ull) +
-         kShareCounterStride * static_cast<u64>(src);
+  return 3ull * static_cast<u64>(p.world) + static_cast<u64>(src);
 }
 // This CTA's share of kShareUnit.
 __device__ __forceinline__ u64 cta_share() {

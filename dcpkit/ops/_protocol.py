@@ -96,15 +96,13 @@ LSE_CODES: dict[str, int] = {"bfloat16": 1, "float16": 2, "float32": 3}
 #: above the counter's SKIP_BITS low bits (kSkipBits).
 SHARE_SHIFT = 20
 SKIP_BITS = 12
-#: u64 words between two share counters: one 128-byte line each (kShareCounterStride).
-SHARE_COUNTER_STRIDE = 16
 
 
 def share_counter_word(world_size: int, src: int) -> int:
     """Offset in u64 words, from a ubatch's signals[0][0], of source ``src``'s share counter
-    (``src == world_size``: the end of the last one): after the signals [2][W] and the credits
-    [W], from the next 128-byte line on (share_counter_off in kernels/dcpkit_ptx.cuh)."""
-    return (3 * world_size + 15) // 16 * 16 + SHARE_COUNTER_STRIDE * src
+    (``src == world_size``: the end of the last one): right after the signals [2][W] and the
+    credits [W] (share_counter_off in kernels/dcpkit_ptx.cuh)."""
+    return 3 * world_size + src
 
 
 REC_TIMEOUT = 0

@@ -9,8 +9,7 @@ op's symmetric region, per ubatch ``u`` (every part 256-byte aligned)::
     credits  u64 [world_size]           push gathers: credits[s] written only by rank s
                                         (NOTE [dcpkit zero-copy graph outputs] in
                                         ``kernels/gather.cuh``)
-    counters u64 [world_size], from the next 128-byte line, one line (16 words) each:
-                                        push gathers: counters[s] grown only by rank s's CTAs
+    counters u64 [world_size]           push gathers: counters[s] grown only by rank s's CTAs
                                         (NOTE [dcpkit share counters], ``dcpkit_ptx.cuh``)
     slot 0   slot_bytes                 data of even epochs
     slot 1   slot_bytes                 data of odd epochs
@@ -203,8 +202,8 @@ class OpWorkspace(OutputBuffers, Resource):
         self.num_ubatches = check_positive_int(num_ubatches, op, "num_ubatches")
         self.timeout_ms = check_timeout_ms(timeout_ms, op)
         W, U = int(world_size), self.num_ubatches
-        # signals [2][W], credits [W], then one 128-byte line per share counter
-        self._sig_bytes = _round_up((_protocol.share_counter_word(W, W)) * 8)
+        # signals [2][W], credits [W], share counters [W]
+        self._sig_bytes = _round_up(_protocol.share_counter_word(W, W) * 8)
         self.slot_bytes = _round_up(max(int(slot_bytes), 16))
         self._ubatch_stride = self._sig_bytes + 2 * self.slot_bytes
         self._out_bytes = int(out_bytes)

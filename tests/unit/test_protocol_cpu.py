@@ -291,6 +291,23 @@ def test_share_shift_matches_the_kernel():
     assert proto.SHARE_SHIFT + proto.SKIP_BITS == 32
 
 
+def test_share_counters_follow_the_credits():
+    """The share counters' offsets agree between the kernel (share_counter_off) and the
+    workspace (share_counter_word): right after the signals [2][W] and the credits [W], one u64
+    per source, inside the ubatch's signal block."""
+    body = re.search(
+        r"u64 share_counter_off\(const Proto& p, int src\) \{\s*return ([^;]+);", _header()
+    )
+    assert body is not None
+    assert re.sub(r"\s+", " ", body.group(1)) == (
+        "3ull * static_cast<u64>(p.world) + static_cast<u64>(src)"
+    )
+    for W in range(1, 9):
+        assert [proto.share_counter_word(W, s) for s in range(W + 1)] == list(
+            range(3 * W, 4 * W + 1)
+        )
+
+
 def test_lse_codes_match_the_kernel():
     src = (jit.kernels_dir() / "lse_reduce.cu").read_text()
     found = dict(re.findall(r"struct lse_code<(\w+)> \{ static constexpr u32 value = (\d+);", src))
@@ -430,7 +447,9 @@ def test_protocol_tuple_matches_the_kernel_parameters():
     # fp_base, waiters, num_ubatches, sig_ustride (the last four parameters)
     assert int(t[12]) == proto.fingerprint_base(OP_IDS["q_gather"], 1, "bfloat16")
     assert (int(t[13]), int(t[14])) == (3, 2)
-    assert int(t[15]) * 8 == ws._ubatch_stride and ws._sig_bytes >= 2 * 4 * 8
+    assert int(t[15]) * 8 == ws._ubatch_stride
+    # the signal block holds the signals [2][W], the credits [W] and the share counters [W]
+    assert ws._sig_bytes >= proto.share_counter_word(4, 4) * 8 == 4 * 4 * 8
 
 
 # ----------------------------------------------------------------------------- host behaviour
