@@ -797,15 +797,13 @@ __device__ __forceinline__ u32 claim_publish(u32 mine) {
 //     rank and the view form on another);
 //   * after its payload stores and a CTA barrier, thread 0 of every CTA executes one
 //     fence.acq_rel.sys and one red.relaxed.sys.add.u64 of its share into counters[rank] of
-//     every destination, this rank last (or one multimem.red); then thread 0 of CTA 0 stores
+//     every destination, this rank last (or one multimem.red); thread 0 of CTA 0 first stores
 //     the signal word (fingerprint << 32 | e) into signals[e & 1][rank] of every destination,
-//     relaxed, after its adds: it carries no data, so it needs no fence of its own and stays
-//     off the path of the shares;
-//   * a waiter thread polls counters[s] and signals[e & 1][s] with ld.relaxed.sys until the
-//     counter's share sum has reached e * kShareUnit (shares_reached: a wrap-safe signed
-//     difference; waits test "reached") and the signal word holds epoch e (shares_arrived),
-//     issues one ld.acquire.sys of the counter (acquire_polled), and requires the polled signal
-//     word to be exactly the signal word of this call (the fingerprint check).
+//     before its fence;
+//   * a waiter thread polls counters[s] with ld.relaxed.sys until its share sum has reached
+//     e * kShareUnit (shares_reached: a wrap-safe signed difference; waits test "reached"),
+//     issues one ld.acquire.sys of it (acquire_polled), and requires signals[e & 1][s] to hold
+//     exactly the signal word of this call (the fingerprint check).
 // Why this is enough: each CTA's fence followed by its red is a release pattern at system scope;
 // the reds on one counter are morally strong atomic operations, so the waiter's acquire that
 // reads a value at or past e * kShareUnit observes, through the chain of reds before it in the
@@ -815,20 +813,18 @@ __device__ __forceinline__ u32 claim_publish(u32 mine) {
 // a call starts after the one before it retired on its stream, and a CTA that stores nothing
 // (the workspace poisoned at its start, or a failed credit wait) adds nothing to the peers'
 // counters; the workspace is then poisoned for good, so every later call of that rank stores
-// and adds nothing either, and no later share can stand in for the missing one. A signal word
-// that holds epoch e is call e's (the next store into it is for call e + 2, which needs this
-// rank's call e + 1: the two-slot argument of NOTE [dcpkit epoch signalling]); the fingerprint
-// check needs its value only, not an order with the data, so a relaxed store after the adds is
-// enough. Stored before CTA 0's fence, it made that fence wait for W more stores, one round
-// more on the path of CTA 0's shares (docs/performance.md, "Share counters in the op"). This rank's own counter tells a waiter that every CTA of its kernel has passed
+// and adds nothing either, and no later share can stand in for the missing one. The signal
+// word of CTA 0 precedes CTA 0's fence, so it is visible to the waiter, and it still holds call
+// e (the next store into it is for call e + 2: the two-slot argument of NOTE [dcpkit epoch
+// signalling]). This rank's own counter tells a waiter that every CTA of its kernel has passed
 // its start (the epoch read) and its stores: the elected waiter stores the new epoch only after
 // it. A CTA that stored nothing adds its share and a skip (below) to its own rank's counter only;
 // a waiter or helper that sees a skip in its own counter's polled value treats the call as
-// failed (the elected waiter fills the result), as a missing signal did before; it does not
-// wait for the signal word then (a CTA 0 that stored nothing stores none). With
-// -DDCPKIT_SELF_CHECK=0 the waits poll the counter alone. The waiters are the last min(K, grid)
-// CTAs by index: only their number matters to the co-residency rule, not the order in which
-// CTAs arrive.
+// failed (the elected waiter fills the result), as a missing signal did before. The waiter reads
+// the signal word beside each poll of the counter: a value equal to this call's word needs no
+// second load; any other is read again after the acquire before it counts as a mismatch. The
+// waiters are the last min(K, grid) CTAs by index: only their number matters to the
+// co-residency rule, not the order in which CTAs arrive.
 constexpr int kShareShift = 20;
 constexpr u64 kShareUnit = 1ull << kShareShift;  // grids stay far below it
 // A counter holds the sum of the shares above its low kSkipBits bits and, in those, a count of
@@ -883,9 +879,9 @@ __device__ __forceinline__ void publish_shares(const Proto& p, u64 e, int slot, 
   }
   const u64 word = signal_word(e, fp);
   if (TR == Transport::Multicast) {
+    if (blockIdx.x == 0) multimem_st_relaxed_sys_u64(p.mc_sig + slot * p.world + p.rank, word);
     fence_acq_rel_sys();
     multimem_red_relaxed_sys_add_u64(p.mc_sig + cnt, share);
-    if (blockIdx.x == 0) multimem_st_relaxed_sys_u64(p.mc_sig + slot * p.world + p.rank, word);
     return;
   }
   // Peers first (rank + 1, rank + 2, ... wrapping), this rank last. The first kSigPrefetch
@@ -900,7 +896,20 @@ __device__ __forceinline__ void publish_shares(const Proto& p, u64 e, int slot, 
       pre[j] = __ldg(p.peer_sig + d);
     }
   }
-  const int d0 = d;  // the last destination read before the fence
+  if (blockIdx.x == 0) {
+#pragma unroll
+    for (int j = 0; j < kSigPrefetch; ++j) {
+      if (j < p.world) {
+        st_relaxed_sys_u64(reinterpret_cast<u64*>(pre[j]) + slot * p.world + p.rank, word);
+      }
+    }
+    int d2 = d;
+    for (int j = kSigPrefetch; j < p.world; ++j) {
+      d2 = (d2 + 1 == p.world) ? 0 : d2 + 1;
+      st_relaxed_sys_u64(reinterpret_cast<u64*>(__ldg(p.peer_sig + d2)) + slot * p.world + p.rank,
+                         word);
+    }
+  }
   fence_acq_rel_sys();  // this CTA's one release
 #pragma unroll
   for (int j = 0; j < kSigPrefetch; ++j) {
@@ -909,20 +918,6 @@ __device__ __forceinline__ void publish_shares(const Proto& p, u64 e, int slot, 
   for (int j = kSigPrefetch; j < p.world; ++j) {
     d = (d + 1 == p.world) ? 0 : d + 1;
     red_relaxed_sys_add_u64(reinterpret_cast<u64*>(__ldg(p.peer_sig + d)) + cnt, share);
-  }
-  if (blockIdx.x == 0) {  // the signal words, after the adds (no data rides on them)
-#pragma unroll
-    for (int j = 0; j < kSigPrefetch; ++j) {
-      if (j < p.world) {
-        st_relaxed_sys_u64(reinterpret_cast<u64*>(pre[j]) + slot * p.world + p.rank, word);
-      }
-    }
-    int d2 = d0;
-    for (int j = kSigPrefetch; j < p.world; ++j) {
-      d2 = (d2 + 1 == p.world) ? 0 : d2 + 1;
-      st_relaxed_sys_u64(reinterpret_cast<u64*>(__ldg(p.peer_sig + d2)) + slot * p.world + p.rank,
-                         word);
-    }
   }
 }
 
@@ -934,56 +929,43 @@ __device__ __forceinline__ int share_waiter(u32 k_waiters) {
   return blockIdx.x + k >= n ? static_cast<int>(blockIdx.x - (n - k)) : -1;
 }
 
-// One poll of source `src`: its counter and (self-check) its signal word, both relaxed.
-__device__ __forceinline__ void poll_share(const u64* cnt, const u64* sig, u64& v, u64& w) {
-  v = ld_relaxed_sys_u64(cnt);
+// The fingerprint check of a source whose counter has reached the call: `w` is its signal word
+// as loaded beside the counter's poll. Equal to this call's word: proof enough (no other call
+// writes that value). Otherwise it may have been loaded before it became visible: read again,
+// after the acquire (the slow path; a mismatch is recorded).
+__device__ __forceinline__ bool shares_fp_ok(const Proto& p, int slot, int src, u64 e, u32 fp,
+                                             u64 w, bool record) {
 #if DCPKIT_SELF_CHECK
-  w = ld_relaxed_sys_u64(sig);
+  const u64 want = signal_word(e, fp);
+  if (w == want) return true;
+  w = ld_relaxed_sys_u64(p.signals + slot * p.world + src);
+  if (w == want) return true;
+  if (record) record_failure(p, DCPKIT_REC_MISMATCH, slot, src, static_cast<u32>(e), w, fp);
+  return false;
 #else
-  (void)sig;
-  w = 0ull;
-#endif
-}
-// Has source `src`'s call e arrived? Its counter's shares have reached call e and, with
-// self-check, its signal word holds epoch e, or (this rank's own counter) a CTA skipped: a
-// skipped CTA 0 stores no signal word.
-__device__ __forceinline__ bool shares_arrived(u64 v, u64 w, u64 e) {
-  if (!shares_reached(v, e)) return false;
-#if DCPKIT_SELF_CHECK
-  return static_cast<u32>(w) == static_cast<u32>(e) || shares_skipped(v);
-#else
-  (void)w;
-  return true;
-#endif
-}
-// The fingerprint check of an arrived source: `w`, its polled signal word of call e, must be
-// exactly this call's word.
-__device__ __forceinline__ bool shares_fp_ok(u64 w, u64 e, u32 fp) {
-#if DCPKIT_SELF_CHECK
-  return w == signal_word(e, fp);
-#else
-  (void)w, (void)e, (void)fp;
+  (void)p, (void)slot, (void)src, (void)e, (void)fp, (void)w, (void)record;
   return true;
 #endif
 }
 
-// Poll counters[src] and its signal word until call e has arrived (shares_arrived), one
-// acquire of the counter, then the fingerprint check. Returns false on timeout or mismatch
-// (after recording it), when the workspace was poisoned by another thread, or (src == rank)
-// when a CTA of this rank stored nothing. A timeout records as the observed epoch the number of
-// src's calls whose every CTA has published.
+// Poll counters[src] until its shares have reached call e (the signal word loaded beside it),
+// one acquire, then the fingerprint check. Returns false on timeout or mismatch (after recording
+// it), when the workspace was poisoned by another thread, or (src == rank) when a CTA of this
+// rank stored nothing. A timeout records as the observed epoch the number of src's calls whose
+// every CTA has published.
 __device__ __forceinline__ bool wait_shares(const Proto& p, int slot, int src, u64 e, u32 fp) {
   const u64* cnt = p.signals + share_counter_off(p, src);
   const u64* sig = p.signals + slot * p.world + src;
   const u32 e32 = static_cast<u32>(e);
-  u64 v, w;
-  poll_share(cnt, sig, v, w);
-  if (!shares_arrived(v, w, e)) {
+  u64 v = ld_relaxed_sys_u64(cnt);
+  u64 w = ld_relaxed_sys_u64(sig);
+  if (!shares_reached(v, e)) {
     const u64 start = globaltimer_ns();
     u32 spins = 0;
     while (true) {
-      poll_share(cnt, sig, v, w);
-      if (shares_arrived(v, w, e)) break;
+      v = ld_relaxed_sys_u64(cnt);
+      w = ld_relaxed_sys_u64(sig);
+      if (shares_reached(v, e)) break;
       if ((++spins & 255u) == 0u) {
         if (aborted(p)) return false;
         if (globaltimer_ns() - start > p.timeout_ns) {
@@ -1002,9 +984,7 @@ __device__ __forceinline__ bool wait_shares(const Proto& p, int slot, int src, u
   }
   acquire_polled(cnt);  // the one acquire of this source
   if (shares_skipped(v)) return false;  // this rank's own counter: a CTA stored nothing
-  if (shares_fp_ok(w, e, fp)) return true;
-  record_failure(p, DCPKIT_REC_MISMATCH, slot, src, e32, w, fp);
-  return false;
+  return shares_fp_ok(p, slot, src, e, fp, w, true);
 }
 
 // Threads [0, world) of the calling CTA wait for one source each (this rank included); then the
@@ -1018,7 +998,7 @@ __device__ __forceinline__ bool wait_all_shares(const Proto& p, int slot, u64 e,
 }
 
 // Helping under share counters (try_all_sources' counterpart): a bounded spin for every
-// source's arrival; with all there (fingerprints checked, no CTA of this rank skipped, the
+// source's counter; with all there (fingerprints checked, no CTA of this rank skipped, the
 // workspace not poisoned) the CTA helps. CTA-uniform; records nothing.
 __device__ __forceinline__ bool try_all_shares(const Proto& p, int slot, u64 e, u32 fp,
                                                u32 units) {
@@ -1027,22 +1007,24 @@ __device__ __forceinline__ bool try_all_shares(const Proto& p, int slot, u64 e, 
   if (src < p.world) {
     const u64* cnt = p.signals + share_counter_off(p, src);
     const u64* sig = p.signals + slot * p.world + src;
-    u64 v, w;
-    poll_share(cnt, sig, v, w);
-    if (!shares_arrived(v, w, e)) {
+    u64 v = ld_relaxed_sys_u64(cnt);
+    u64 w = ld_relaxed_sys_u64(sig);
+    if (!shares_reached(v, e)) {
       const u64 budget = help_budget_ns(units, p.waiters);
       const volatile u32* work = p.work + slot;
       const u64 start = globaltimer_ns();
       u32 spins = 0;
       do {
-        poll_share(cnt, sig, v, w);
+        v = ld_relaxed_sys_u64(cnt);
+        w = ld_relaxed_sys_u64(sig);
         if ((++spins & 63u) == 0u && *work >= units) break;  // every unit already claimed
-      } while (!shares_arrived(v, w, e) && globaltimer_ns() - start < budget);
+      } while (!shares_reached(v, e) && globaltimer_ns() - start < budget);
     }
-    ok = shares_arrived(v, w, e) ? 1 : 0;
+    ok = shares_reached(v, e) ? 1 : 0;
     if (ok) {
       acquire_polled(cnt);
-      ok = !shares_skipped(v) && shares_fp_ok(w, e, fp) && !aborted(p) ? 1 : 0;
+      ok = !shares_skipped(v) && shares_fp_ok(p, slot, src, e, fp, w, false) && !aborted(p) ? 1
+                                                                                               : 0;
     }
   }
   return __syncthreads_and(ok) != 0;
