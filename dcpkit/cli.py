@@ -232,17 +232,31 @@ class CommandParser(argparse.ArgumentParser):
 
     _timeout_fallback_ms: float | None = None
 
+    #: Options a rank may give alone under ``alike_options``: the output files, which the
+    #: launcher's rank 0 alone writes.
+    RANK_LOCAL_OPTIONS = ("json", "profile", "plot", "md_out")
+
     def __init__(
-        self, *args, help_command: str | None = None, agree_across_ranks: bool = True, **kwargs
+        self,
+        *args,
+        help_command: str | None = None,
+        agree_across_ranks: bool = True,
+        alike_options: bool = False,
+        **kwargs,
     ):
         """``help_command``: the command the error line points to, ``<help_command> --help``
         (default: ``prog``); ``agree_across_ranks``: under a launcher of several processes,
         the ranks agree on the outcome of :meth:`parse_args` (NOTE [dcpkit agreed parse]); a
-        command that makes no collective (``dcpkit info``) passes False. The other arguments
-        are argparse's."""
+        command that makes no collective (``dcpkit info``) passes False; ``alike_options``:
+        the ranks must also have parsed the same value of every option but
+        :attr:`RANK_LOCAL_OPTIONS` (a run whose ranks were given different sizes, calls or
+        deadlines would wait on each other, or compare different things), unless
+        :meth:`parse_agreed` is given a ``mode`` of its own. The other arguments are
+        argparse's."""
         super().__init__(*args, **kwargs)
         self.help_command = help_command or self.prog
         self.agree_across_ranks = bool(agree_across_ranks)
+        self.alike_options = bool(alike_options)
         self._distinct: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._deferring = False
 
@@ -256,8 +270,10 @@ class CommandParser(argparse.ArgumentParser):
     # line, or --help / --version -- is gathered over MPI.COMM_WORLD before anything else
     # happens: when any rank failed, every rank exits with status 2 and the launcher's rank 0
     # prints one line (naming the ranks when not all of them failed). The dispatcher agrees on
-    # the command first, and a command's `mode` (the bench: run or render) must match too: ranks
-    # running different things would wait on each other. `info` agrees only inside a real
+    # the command first, and a command's `mode` (the bench: run or render, with its run options;
+    # the demo and the scripts: every option value, alike_options) must match too: ranks
+    # running different things would wait on each other, or time and check different calls
+    # while each rank reports success. `info` agrees only inside a real
     # launcher's job (joins_agreement). Where MPI cannot start, or its world is not the
     # launcher's (launcher_world_size_mismatch), each rank exits by itself.
 
@@ -289,6 +305,8 @@ class CommandParser(argparse.ArgumentParser):
             outcome = (e.code if isinstance(e.code, int) else 2, None)
         finally:
             self._deferring = False
+        if mode is None and self.alike_options:
+            mode = self._alike_mode
         key = mode(ns) if mode is not None and outcome is None else None
         gathered = gather_outcomes((self.prog, outcome, key))
         if gathered is None:  # no agreement possible: each rank as it stands
@@ -303,6 +321,11 @@ class CommandParser(argparse.ArgumentParser):
         if line is not None and job_leader():
             sys.stderr.write(line + "\n")
         sys.exit(status)
+
+    def _alike_mode(self, ns) -> tuple:
+        """The mode of ``alike_options``: a run, with every option the ranks must give alike."""
+        local = self.RANK_LOCAL_OPTIONS
+        return ("a run", {k: v for k, v in sorted(vars(ns).items()) if k not in local})
 
     def parse_known_args(self, args=None, namespace=None):
         self._argv = list(sys.argv[1:] if args is None else args)

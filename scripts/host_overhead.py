@@ -439,6 +439,7 @@ def parser():
         description=" ".join(__doc__.split("\n\n")[0].split())
         + " Run it as 'mpirun -np N python scripts/host_overhead.py', one GPU per rank or ranks "
         "sharing one GPU under MPS.",
+        alike_options=True,
     )
     ap.add_argument(
         "--calls",

@@ -48,6 +48,7 @@ def parser() -> argparse.ArgumentParser:
         description="Phase-by-phase time of a call inside the kernels, beside the floor "
         "kernel's. Run it as 'mpirun -np N python scripts/kernel_timeline.py' on GPUs (ranks "
         "may share one GPU under MPS).",
+        alike_options=True,
     )
     ap.add_argument(
         "--ops",

@@ -48,6 +48,7 @@ def parser():
         description="Each op behind a producer kernel in a CUDA graph, with and without "
         "programmatic_launch=True. Run it as 'mpirun -np N python scripts/programmatic_launch.py' "
         "on GPUs of compute capability 9.0+ (ranks may share one GPU under MPS).",
+        alike_options=True,
     )
     ap.add_argument(
         "--replays",

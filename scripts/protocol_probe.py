@@ -86,6 +86,7 @@ def parser():
         description="The cost of each step of a small exchange (poison check, election, credits, "
         "flags inside the data), beside q_gather. Run it as 'mpirun -np N python "
         "scripts/protocol_probe.py' on GPUs (ranks may share one GPU under MPS).",
+        alike_options=True,
     )
     ap.add_argument(
         "--tokens",

@@ -544,6 +544,7 @@ def parser():
         description=__doc__.split("\n\n")[0]
         + " Run it as 'mpirun -np N python scripts/soak.py' with one GPU per rank (or ranks "
         "sharing one GPU under MPS); exit status 0 only when every rank passed.",
+        alike_options=True,
     )
     ap.add_argument(
         "--calls",

@@ -81,6 +81,7 @@ def parser() -> argparse.ArgumentParser:
         "(q_gather -> partial attention -> lse_reduce), checked against a reference "
         "over the whole KV and timed against NCCL. Run it as "
         "'mpirun -np N python -m dcpkit demo' with N GPUs (N = 2, 4 or 8).",
+        alike_options=True,
     )
     p.add_argument(
         "--model",

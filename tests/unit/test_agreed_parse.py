@@ -117,6 +117,29 @@ CASES = {
         "scripts/protocol_probe.py: the ranks run different programs (rank(s) 0: "
         "scripts/protocol_probe.py (started directly); rank(s) 1: scripts/kernel_timeline.py",
     ),
+    "demo, runs of different seeds": (
+        [PY, "-m", "dcpkit", "demo", "--seed", "1"],
+        [PY, "-m", "dcpkit", "demo", "--seed", "2"],
+        "dcpkit demo: the ranks ask for different things (rank(s) 0: a run with --seed 1; "
+        "rank(s) 1: a run with --seed 2): give every rank the same command line",
+    ),
+    "demo, runs of different deadlines": (
+        [PY, "-m", "dcpkit", "demo"],
+        ["env", "DCPKIT_TIMEOUT_MS=200", PY, "-m", "dcpkit", "demo"],
+        "dcpkit demo: the ranks ask for different things (rank(s) 0: a run with --timeout-ms ",
+    ),
+    "a script, runs of different sizes": (
+        [PY, "{scripts}/protocol_probe.py", "--tokens", "1,8"],
+        [PY, "{scripts}/protocol_probe.py", "--tokens", "1"],
+        "scripts/protocol_probe.py: the ranks ask for different things (rank(s) 0: a run with "
+        "--tokens 1,8; rank(s) 1: a run with --tokens 1)",
+    ),
+    "a script, runs of different lengths": (
+        [PY, "{scripts}/soak.py", "--calls", "10"],
+        [PY, "{scripts}/soak.py", "--calls", "20", "--seed", "3"],
+        "scripts/soak.py: the ranks ask for different things (rank(s) 0: a run with --calls 10 "
+        "--seed ",
+    ),
     "--help on one rank only": (
         [PY, "-m", "dcpkit", "demo"],
         [PY, "-m", "dcpkit", "demo", "--help"],
@@ -149,6 +172,24 @@ def test_a_bad_command_line_on_one_rank_stops_every_rank(
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(needle), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_output_files_may_differ_between_ranks(mpi_launcher, run_cmd, repo_root, tmp_path):
+    """The options rank 0 alone acts on (output files) are not compared: ranks that differ only
+    in --json go past the agreement (here to the script's own no-GPU line, or its run)."""
+    probe = str(repo_root / "scripts" / "protocol_probe.py")
+    cmd = _two_ranks(
+        mpi_launcher,
+        [PY, probe, "--tokens", "1", "--json", str(tmp_path / "a.json")],
+        [PY, probe, "--tokens", "1", "--json", str(tmp_path / "b.json")],
+    )
+    proc = run_cmd(cmd, timeout=120)
+    assert "ask for different things" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    if proc.returncode != 0:  # no GPU here: the script's own line, from rank 0
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert lines[0].startswith("scripts/protocol_probe.py: "), proc.stderr
 
 
 def test_a_script_agrees_as_well(mpi_launcher, run_cmd, repo_root):
