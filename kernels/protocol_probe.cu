@@ -32,11 +32,17 @@
 //                      last CTA alone waits until every source's counter has reached
 //                      e * 2**20, then stores the shared epoch (its own rank's counter says
 //                      every CTA of its kernel has read it).
+//   kProbeSigWord      with kProbeCounter, the push gathers' signal word (NOTE [dcpkit share
+//                      counters]): thread 0 of CTA 0 stores a word (fingerprint << 32 | e) into
+//                      word (p, 0, rank) of every rank before its fence; the waiter loads that
+//                      word beside every poll of the counter and requires it to be this call's
+//                      (read once more after the acquire when it is not), as the op does.
 //
 // Heap layout (symmetric, the same on every rank; zeroed by the host before a configuration):
 //   [0, 2 * world * slot_bytes)   data: parity p, source s at (p * world + s) * slot_bytes
 //   sig_off                       u64 [2][max_ctas][world]: word (p, c, s) written by CTA c of s
-//                                 (kProbeElect: c = 0, by the elected CTA)
+//                                 (kProbeElect: c = 0, by the elected CTA; kProbeSigWord: c = 0,
+//                                 by CTA 0)
 //   cred_off                      u64 [world]: credit of rank s (the epoch of its latest call),
 //                                 then u64 [world]: the counter of source s (kProbeCounter)
 // Local memory: epochs u64 [max_ctas] (kProbeElect: word 0 only), arrive u32, abort_word u32
@@ -53,6 +59,8 @@ constexpr u32 kProbeElect = 2u;
 constexpr u32 kProbeCredit = 4u;
 constexpr u32 kProbeLL = 8u;
 constexpr u32 kProbeCounter = 16u;
+constexpr u32 kProbeSigWord = 32u;
+constexpr u32 kProbeSigFp = 0x5EC0DEu;  // the signal word's fingerprint (any constant)
 constexpr int kProbeThreads = 512;
 constexpr int kProbeUnroll = 4;
 
@@ -76,6 +84,24 @@ __device__ __forceinline__ bool probe_wait_reached(const u64* word, u64 target, 
   }
   acquire_polled(word);
   return true;
+}
+// probe_wait_reached with the op's signal word: `sig` loaded beside every poll of `word`; after
+// the acquire it must equal `want` (loaded once more when it does not yet).
+__device__ __forceinline__ bool probe_wait_reached_sig(const u64* word, const u64* sig, u64 target,
+                                                       u64 want, u64 timeout_ns) {
+  u64 w = ld_relaxed_sys_u64(sig);
+  if (static_cast<long long>(ld_relaxed_sys_u64(word) - target) < 0) {
+    const u64 start = globaltimer_ns();
+    u32 spins = 0;
+    while (true) {
+      const u64 v = ld_relaxed_sys_u64(word);
+      w = ld_relaxed_sys_u64(sig);
+      if (static_cast<long long>(v - target) >= 0) break;
+      if ((++spins & 255u) == 0u && globaltimer_ns() - start > timeout_ns) return false;
+    }
+  }
+  acquire_polled(word);
+  return w == want || ld_relaxed_sys_u64(sig) == want;
 }
 __device__ __forceinline__ bool probe_flags_are(u64 a, u64 b, u64 c, u64 d, u32 e) {
   return static_cast<u32>(a >> 32) == e && static_cast<u32>(b >> 32) == e &&
@@ -229,7 +255,15 @@ protocol_probe_kernel(const uint4* __restrict__ src, u64 nvec, const u64* __rest
     const u64 cnt_off = cred_off + 8ull * static_cast<u64>(world);
     constexpr u64 kUnit = 1ull << 20;
     const u64 share = kUnit / gridDim.x + (cta < kUnit % gridDim.x ? 1ull : 0ull);
+    const bool sigword = (features & kProbeSigWord) != 0u;
+    const u64 word = (static_cast<u64>(kProbeSigFp) << 32) | e32;
     if (threadIdx.x == 0) {
+      if (sigword && cta == 0u) {
+        for (int d = 0; d < world; ++d) {
+          st_relaxed_sys_u64(reinterpret_cast<u64*>(peer_base[d] + sig_off) + sig_par + rank,
+                             word);
+        }
+      }
       fence_acq_rel_sys();
       int d = rank;
       for (int j = 0; j < world; ++j) {  // peers first, this rank last
@@ -244,7 +278,13 @@ protocol_probe_kernel(const uint4* __restrict__ src, u64 nvec, const u64* __rest
     const u64* cnt = reinterpret_cast<const u64*>(peer_base[rank] + cnt_off);
     const int s = static_cast<int>(threadIdx.x);
     int ok = 1;
-    if (s < world) ok = probe_wait_reached(cnt + s, e * kUnit, timeout_ns) ? 1 : 0;
+    if (s < world) {
+      ok = (sigword ? probe_wait_reached_sig(cnt + s, sig + sig_par + s, e * kUnit, word,
+                                             timeout_ns)
+                    : probe_wait_reached(cnt + s, e * kUnit, timeout_ns))
+               ? 1
+               : 0;
+    }
     if (!__syncthreads_and(ok)) s_ok = 0;
     if (threadIdx.x == 0) {
       *reinterpret_cast<volatile u64*>(epochs) = e;

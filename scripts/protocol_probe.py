@@ -11,9 +11,12 @@ graph (``QGather.ctas_for(T, graph_view=True)``), once per variant:
 * ``floor``: the floor kernel's protocol (per-CTA fence and signal, no election);
 * ``+poison``, ``+elect``, ``+poison+elect``, ``+poison+elect+credit``: the ops' poison check,
   their CTA election (one fence and one signal per rank, one waiting CTA) and the credits of a
-  zero-copy graph call, added one at a time (the last is the shape of q_gather's graph call);
+  zero-copy graph call, added one at a time (the last: the shape of q_gather's graph call
+  while it had the election);
 * ``+poison+counter`` (``+credit``): a publish without an election, every CTA adding its share
-  to a per-source counter of every rank, one waiting CTA;
+  to a per-source counter of every rank, one waiting CTA; ``+poison+counter+sig`` (``+credit``):
+  the same with the push gathers' signal word (CTA 0 stores it before its fence, the waiter
+  loads it beside every poll and checks it after the acquire), the shape of q_gather's call;
 * ``ll``: flags inside the data instead of a fence and a signal (two 16-byte stores of
   data + epoch words per vector, polled and copied out by the receiver), with the receivers the
   co-residency rule allows (``waiter_ctas``) or with every CTA, and ``ll+poison+elect`` (what an
@@ -47,7 +50,7 @@ CALLS = 20
 #: Largest T of --tokens (the probe's heap holds every variant's slots for the largest T).
 MAX_T = 64
 THREADS = 512
-POISON, ELECT, CREDIT, LL, COUNTER = 1, 2, 4, 8, 16
+POISON, ELECT, CREDIT, LL, COUNTER, SIGWORD = 1, 2, 4, 8, 16, 32
 #: (name, features, receivers, threads per CTA): receivers "waiters" = QGather.waiter_ctas,
 #: "grid" = every CTA.
 VARIANTS = (
@@ -58,6 +61,8 @@ VARIANTS = (
     ("+poison+elect+credit", POISON | ELECT | CREDIT, None, THREADS),
     ("+poison+counter", POISON | COUNTER, None, THREADS),
     ("+poison+counter+credit", POISON | COUNTER | CREDIT, None, THREADS),
+    ("+poison+counter+sig", POISON | COUNTER | SIGWORD, None, THREADS),
+    ("+poison+counter+sig+credit", POISON | COUNTER | SIGWORD | CREDIT, None, THREADS),
     ("ll, waiters receive", LL, "waiters", THREADS),
     ("ll, every CTA receives", LL, "grid", THREADS),
     ("ll+poison+elect, waiters receive", LL | POISON | ELECT, "waiters", THREADS),
