@@ -323,9 +323,16 @@ class CommandParser(argparse.ArgumentParser):
         sys.exit(status)
 
     def _alike_mode(self, ns) -> tuple:
-        """The mode of ``alike_options``: a run, with every option the ranks must give alike."""
-        local = self.RANK_LOCAL_OPTIONS
-        return ("a run", {k: v for k, v in sorted(vars(ns).items()) if k not in local})
+        """The mode of ``alike_options``: a run, with the value of every option the ranks must
+        give alike (the parser's own options, not what a check added to the namespace: the same
+        deadline from ``--timeout-ms`` on one rank and ``DCPKIT_TIMEOUT_MS`` on another is the
+        same run)."""
+        local = set(self.RANK_LOCAL_OPTIONS)
+        dests = sorted(
+            {a.dest for a in self._actions if a.dest != argparse.SUPPRESS and a.dest != "help"}
+            - local
+        )
+        return ("a run", {k: getattr(ns, k, None) for k in dests})
 
     def parse_known_args(self, args=None, namespace=None):
         self._argv = list(sys.argv[1:] if args is None else args)

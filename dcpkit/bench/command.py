@@ -243,15 +243,35 @@ _RUN_OPTIONS = (
 )  # fmt: skip
 
 
-def _mode(args):
+def _mode(args, cfg: dict | None = None):
     """What a bench command line asks for, which every rank of a job must ask for too: a
     rendering (``--render-md`` FILES), a check (``--check-args``) or a run, with the options a
-    run's ranks must give alike."""
+    run's ranks must give alike: as the run uses them (``cfg``, :func:`resolve_config`: lists
+    in the run's order, defaults filled in), so that ``--tokens 8,1`` and ``--tokens 1,8``, or a
+    default given explicitly, are one run. ``--iters`` stays as given (a given count is exact,
+    the default one a minimum)."""
     if args.render_md:
         return "--render-md " + " ".join(args.render_md)
     if getattr(args, "check_args", False):
         return "--check-args"
-    return ("a benchmark run", {k: getattr(args, k, None) for k in _RUN_OPTIONS})
+    if cfg is None:
+        return ("a benchmark run", {k: getattr(args, k, None) for k in _RUN_OPTIONS})
+    run = {
+        "ops": cfg["ops"],
+        "paths": cfg["paths"],
+        "modes": cfg["modes"],
+        "tokens": cfg["tokens"],
+        "min_bytes": cfg["min_bytes"],
+        "max_bytes": cfg["max_bytes"],
+        "egress_bytes": cfg["egress_slice_bytes"],
+        "kv_row_dim": cfg["geometry"]["D_kv"],
+        "iters": args.iters,
+        "quick": cfg["quick"],
+        "round_trips": cfg["round_trips"],
+        "timeout_ms": cfg["timeout_ms"],
+        "hang_s": cfg["hang_s"],
+    }
+    return ("a benchmark run", run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -274,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 parser.error(str(e))
 
     # every check of the command line, agreed by the ranks (NOTE [dcpkit agreed parse])
-    args = parser.parse_agreed(argv, check=check, mode=_mode)
+    args = parser.parse_agreed(argv, check=check, mode=lambda a: _mode(a, resolved.get("cfg")))
     if args.render_md:
         return render_md_main(args)  # with --check-args: reads and renders, writes nothing
     cfg = resolved["cfg"]

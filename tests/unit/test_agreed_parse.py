@@ -140,6 +140,18 @@ CASES = {
         "scripts/soak.py: the ranks ask for different things (rank(s) 0: a run with --calls 10 "
         "--seed ",
     ),
+    "demo, runs of different deadlines given as an option and as the variable": (
+        [PY, "-m", "dcpkit", "demo", "--timeout-ms", "200"],
+        ["env", "DCPKIT_TIMEOUT_MS=300", PY, "-m", "dcpkit", "demo"],
+        "dcpkit demo: the ranks ask for different things (rank(s) 0: a run with --timeout-ms "
+        "200.0; rank(s) 1: a run with --timeout-ms 300.0): give every rank the same command line",
+    ),
+    "bench, runs of different token lists (in the run's order)": (
+        [PY, "-m", "dcpkit", "bench", "--quick", "--tokens", "8,1"],
+        [PY, "-m", "dcpkit", "bench", "--quick", "--tokens", "1,8,16"],
+        "dcpkit bench: the ranks ask for different things (rank(s) 0: a benchmark run with "
+        "--tokens 1,8; rank(s) 1: a benchmark run with --tokens 1,8,16)",
+    ),
     "--help on one rank only": (
         [PY, "-m", "dcpkit", "demo"],
         [PY, "-m", "dcpkit", "demo", "--help"],
@@ -172,6 +184,51 @@ def test_a_bad_command_line_on_one_rank_stops_every_rank(
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(needle), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+SAME_RUN = {
+    # the same run, written differently on the two ranks: past the agreement (to the no-GPU
+    # line here, or the run on a GPU machine)
+    "demo, one deadline from --timeout-ms and from DCPKIT_TIMEOUT_MS": (
+        [PY, "-m", "dcpkit", "demo", "--timeout-ms", "5000"],
+        ["env", "DCPKIT_TIMEOUT_MS=5000", PY, "-m", "dcpkit", "demo"],
+    ),
+    "demo, the default deadline given on one rank": (
+        [PY, "-m", "dcpkit", "demo", "--seed", "0", "--timeout-ms", "5000"],
+        [PY, "-m", "dcpkit", "demo"],
+    ),
+    "bench, token lists in another order": (
+        [PY, "-m", "dcpkit", "bench", "--quick", "--tokens", "8,1", "--ops", "q_gather,lse_reduce"],
+        [PY, "-m", "dcpkit", "bench", "--quick", "--tokens", "1,8", "--ops", "lse_reduce,q_gather"],
+    ),
+    "bench, the default tokens and modes given on one rank": (
+        [PY, "-m", "dcpkit", "bench", "--tokens", "1,8,32,128", "--modes", "graph,eager"],
+        [PY, "-m", "dcpkit", "bench"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAME_RUN))
+def test_one_run_written_differently_is_one_run(mpi_launcher, run_cmd, case):
+    rank0, rank1 = SAME_RUN[case]
+    proc = run_cmd(_two_ranks(mpi_launcher, rank0, rank1), timeout=120)
+    assert "ask for different things" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    if proc.returncode != 0:  # no GPU here: the command's own one line
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert "GPU" in lines[0] and "the ranks" not in lines[0], proc.stderr
+
+
+def test_the_bench_compares_every_run_option():
+    """The bench's run mode holds exactly the options a run's ranks must give alike."""
+    from dcpkit.bench.args import resolve_config
+    from dcpkit.bench.command import _RUN_OPTIONS, _mode, build_parser
+
+    args = build_parser().parse_args(["--quick", "--tokens", "8,1"])
+    label, run = _mode(args, resolve_config(args))
+    assert label == "a benchmark run" and set(run) == set(_RUN_OPTIONS)
+    assert run["tokens"] == [1, 8] and run["iters"] is None
 
 
 def test_output_files_may_differ_between_ranks(mpi_launcher, run_cmd, repo_root, tmp_path):
