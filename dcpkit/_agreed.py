@@ -17,9 +17,88 @@ __all__ = [
 ]
 
 
-def gather_outcomes(outcome):
+#: Seconds every rank of a job has to reach the agreement (NOTE [dcpkit start watchdog]).
+START_TIMEOUT_S = 120.0
+
+# NOTE [dcpkit start watchdog]
+# ----------------------------
+# A rank that never reaches the agreement (another program on one rank of an MPMD line, a
+# mistyped script path, an import that fails on one host) leaves the others waiting in
+# MPI_Init or in the agreement's allgather, and some launchers (MPICH's Hydra) do not end the
+# job when that rank exits. Neither wait can be bounded from Python: a timer thread or a signal
+# handler does not run while MPI blocks in C. So every rank that agrees first starts a small
+# watchdog process (spawned, not forked: a multi-threaded parent is safe) that waits on a pipe:
+# the rank closes it once the allgather returned, and the watchdog exits. After
+# START_TIMEOUT_S without that, the watchdog of the launcher's rank 0 prints one line, and
+# every watchdog ends its rank (SIGTERM, then SIGKILL), so the job ends instead of hanging.
+
+_WATCHDOG = """
+import os, select, signal, sys, time
+parent, seconds, line = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+if not select.select([sys.stdin], [], [], seconds)[0]:
+    if line:
+        sys.stderr.write(line + "\\n")
+        sys.stderr.flush()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(parent, sig)
+        except OSError:
+            break
+        time.sleep(3.0)
+"""
+
+
+def _start_watchdog(prog: str, leader: bool, pid: int | None = None, seconds: float | None = None):
+    """The watchdog process of NOTE [dcpkit start watchdog] for process ``pid`` (default: this
+    one) after ``seconds`` (default :data:`START_TIMEOUT_S`), printing its line where
+    ``leader``; None where it cannot start (the agreement then waits as it did before)."""
+    import subprocess
+    import sys
+
+    seconds = START_TIMEOUT_S if seconds is None else float(seconds)
+    line = (
+        f"{prog}: not every rank of the job reached its start within {seconds:g} s (a rank "
+        "runs another program, or stopped before it): ending the job"
+        if leader
+        else ""
+    )
+    pid = os.getpid() if pid is None else int(pid)
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(pid), str(seconds), line],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            close_fds=True,
+        )
+    except OSError:
+        return None
+
+
+def _stop_watchdog(proc) -> None:
+    """End of file on the watchdog's pipe: it exits as soon as it reads it (maybe still
+    starting up); a daemon thread reaps it, so the rank does not wait for that."""
+    if proc is None:
+        return
+    import threading
+
+    try:
+        proc.stdin.close()
+    except OSError:  # a watchdog that is gone already
+        pass
+    threading.Thread(target=proc.wait, name="dcpkit-watchdog-reaper", daemon=True).start()
+
+
+def gather_outcomes(outcome, leader: bool = False):
     """Every rank's parse outcome (a list indexed by rank), or None where the ranks cannot
-    agree: MPI does not start, or its world is not the launcher's."""
+    agree: MPI does not start, or its world is not the launcher's. ``outcome`` starts with the
+    program's name. Bounded by the start watchdog (NOTE [dcpkit start watchdog]), whose line
+    only the ``leader`` (the launcher's rank 0: ``dcpkit.cli.job_leader``) prints."""
+    import sys
+
+    prog = outcome[0] if isinstance(outcome, tuple) and outcome else "dcpkit"
+    # Not once MPI is up (a later agreement of the same process, after the first one passed):
+    # a process is not spawned from a rank whose MPI may have pinned memory.
+    watchdog = None if "mpi4py.MPI" in sys.modules else _start_watchdog(str(prog), leader)
     try:
         from .comm import import_mpi, launcher_world_size_mismatch
 
@@ -29,6 +108,8 @@ def gather_outcomes(outcome):
         return MPI.COMM_WORLD.allgather(outcome)
     except Exception:  # noqa: BLE001 - no MPI: the command says so itself later, or never runs
         return None
+    finally:
+        _stop_watchdog(watchdog)
 
 
 def agreed_exit(prog: str, outcomes: list) -> tuple[str | None, int | None]:

@@ -308,7 +308,7 @@ class CommandParser(argparse.ArgumentParser):
         if mode is None and self.alike_options:
             mode = self._alike_mode
         key = mode(ns) if mode is not None and outcome is None else None
-        gathered = gather_outcomes((self.prog, outcome, key))
+        gathered = gather_outcomes((self.prog, outcome, key), job_leader())
         if gathered is None:  # no agreement possible: each rank as it stands
             if outcome is None:
                 return ns
@@ -741,7 +741,7 @@ def _main(argv: list[str] | None) -> int:
         # (NOTE [dcpkit agreed parse])
         command = {"-V": "--version", "-h": "--help"}.get(argv[0], argv[0]) if argv else ""
         gathered = gather_outcomes(
-            ("dcpkit", None if problem is None else (problem[0], problem[1]), command)
+            ("dcpkit", None if problem is None else (problem[0], problem[1]), command), job_leader()
         )
         if gathered is not None:
             line, status = settle("dcpkit", gathered, "run different commands")

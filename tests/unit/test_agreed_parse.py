@@ -336,3 +336,69 @@ def test_shown_modes_show_only_the_options_that_differ():
     assert shown_modes([run, other]) == ["a run with --ops q", "a run with --ops q,l"]
     assert shown_modes([run, run]) == ["a run", "a run"]
     assert shown_modes([run, "--render-md x.json"]) == ["a run", "--render-md x.json"]
+
+
+def _sleeper():
+    import subprocess
+
+    return subprocess.Popen([PY, "-c", "import time; time.sleep(120)"])
+
+
+def test_the_start_watchdog_ends_a_rank_that_waits_too_long(capfd):
+    """NOTE [dcpkit start watchdog]: past its deadline the watchdog prints its one line (on the
+    launcher's rank 0, here: no launcher) and ends the process it watches."""
+    from dcpkit import _agreed
+
+    sleeper = _sleeper()
+    try:
+        dog = _agreed._start_watchdog("dcpkit demo", True, pid=sleeper.pid, seconds=1.0)
+        assert dog is not None
+        assert sleeper.wait(timeout=60) != 0  # ended by the watchdog's SIGTERM
+        dog.wait(timeout=60)
+    finally:
+        sleeper.kill()
+    err = capfd.readouterr().err
+    assert err.strip() == (
+        "dcpkit demo: not every rank of the job reached its start within 1 s (a rank runs "
+        "another program, or stopped before it): ending the job"
+    ), err
+
+
+def test_the_start_watchdog_leaves_a_rank_that_got_there(capfd):
+    """Its pipe closed before the deadline, the watchdog exits and ends nothing."""
+    from dcpkit import _agreed
+
+    sleeper = _sleeper()
+    try:
+        dog = _agreed._start_watchdog("dcpkit demo", True, pid=sleeper.pid, seconds=2.0)
+        _agreed._stop_watchdog(dog)
+        assert dog.wait(timeout=60) == 0
+        assert sleeper.poll() is None  # still running, well past nothing
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert capfd.readouterr().err == ""
+
+
+SHORT_START = (
+    "import sys; import dcpkit._agreed as a; a.START_TIMEOUT_S = 3.0; "
+    "from dcpkit.cli import main; sys.exit(main(['demo']))"
+)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        [PY, "/nonexistent-folder/demo.py"],  # never starts MPI
+        [PY, "-c", "import mpi4py.MPI"],  # starts MPI, then ends without the agreement
+    ],
+    ids=["a mistyped script", "MPI and gone"],
+)
+def test_a_rank_that_never_reaches_the_start_ends_the_job(mpi_launcher, run_cmd, other):
+    """Without the watchdog the dcpkit rank waited for ever (MPICH's Hydra does not end the
+    job when the other rank exits): now the job ends after the start deadline, with the line."""
+    proc = run_cmd(_two_ranks(mpi_launcher, [PY, "-c", SHORT_START], other), timeout=120)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "dcpkit: not every rank of the job reached its start within 3 s" in proc.stderr, (
+        proc.stderr
+    )
