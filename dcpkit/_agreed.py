@@ -19,6 +19,9 @@ __all__ = [
 
 #: Seconds every rank of a job has to reach the agreement (NOTE [dcpkit start watchdog]).
 START_TIMEOUT_S = 120.0
+#: Seconds the other ranks' watchdogs wait beyond rank 0's, so that rank 0's line is written
+#: before the launcher tears the job down.
+START_GRACE_S = 5.0
 
 # NOTE [dcpkit start watchdog]
 # ----------------------------
@@ -28,23 +31,33 @@ START_TIMEOUT_S = 120.0
 # job when that rank exits. Neither wait can be bounded from Python: a timer thread or a signal
 # handler does not run while MPI blocks in C. So every rank that agrees first starts a small
 # watchdog process (spawned, not forked: a multi-threaded parent is safe) that waits on a pipe:
-# the rank closes it once the allgather returned, and the watchdog exits. After
-# START_TIMEOUT_S without that, the watchdog of the launcher's rank 0 prints one line, and
-# every watchdog ends its rank (SIGTERM, then SIGKILL), so the job ends instead of hanging.
+# the rank closes it once the allgather returned (or by dying), and the watchdog exits. After
+# START_TIMEOUT_S without that, the watchdog of the launcher's rank 0 prints one line, lets go
+# of the launcher's stderr, and ends its rank (SIGTERM, then SIGKILL if it is still there after
+# 3 s); the launcher then ends the job. The other ranks' watchdogs do the same, silently,
+# START_GRACE_S later: were they first, the launcher could kill rank 0 and its watchdog before
+# the line. Where rank 0 is the rank that never came, no line is printed (its own error is what
+# the job shows). The watchdogs ignore SIGINT: a Ctrl-C ends the ranks, and so their pipes.
 
 _WATCHDOG = """
 import os, select, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 parent, seconds, line = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 if not select.select([sys.stdin], [], [], seconds)[0]:
     if line:
         sys.stderr.write(line + "\\n")
         sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # the launcher's stream: not held open
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.kill(parent, sig)
         except OSError:
             break
-        time.sleep(3.0)
+        end = time.monotonic() + 3.0
+        while os.getppid() == parent and time.monotonic() < end:
+            time.sleep(0.02)
+        if os.getppid() != parent:
+            break
 """
 
 
@@ -56,6 +69,7 @@ def _start_watchdog(prog: str, leader: bool, pid: int | None = None, seconds: fl
     import sys
 
     seconds = START_TIMEOUT_S if seconds is None else float(seconds)
+    wait = seconds if leader else seconds + START_GRACE_S
     line = (
         f"{prog}: not every rank of the job reached its start within {seconds:g} s (a rank "
         "runs another program, or stopped before it): ending the job"
@@ -65,7 +79,7 @@ def _start_watchdog(prog: str, leader: bool, pid: int | None = None, seconds: fl
     pid = os.getpid() if pid is None else int(pid)
     try:
         return subprocess.Popen(
-            [sys.executable, "-c", _WATCHDOG, str(pid), str(seconds), line],
+            [sys.executable, "-c", _WATCHDOG, str(pid), str(wait), line],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             close_fds=True,

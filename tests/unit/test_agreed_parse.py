@@ -364,6 +364,24 @@ def test_the_start_watchdog_ends_a_rank_that_waits_too_long(capfd):
     ), err
 
 
+def test_the_other_ranks_watchdogs_end_their_ranks_silently_and_later(capfd):
+    """Not rank 0's: no line, and only START_GRACE_S after the deadline (rank 0's line first)."""
+    import time
+
+    from dcpkit import _agreed
+
+    sleeper = _sleeper()
+    try:
+        t0 = time.monotonic()
+        dog = _agreed._start_watchdog("dcpkit demo", False, pid=sleeper.pid, seconds=1.0)
+        assert sleeper.wait(timeout=60) != 0
+        assert time.monotonic() - t0 >= 1.0 + _agreed.START_GRACE_S
+        dog.wait(timeout=60)
+    finally:
+        sleeper.kill()
+    assert capfd.readouterr().err == ""
+
+
 def test_the_start_watchdog_leaves_a_rank_that_got_there(capfd):
     """Its pipe closed before the deadline, the watchdog exits and ends nothing."""
     from dcpkit import _agreed
@@ -394,10 +412,15 @@ SHORT_START = (
     ],
     ids=["a mistyped script", "MPI and gone"],
 )
-def test_a_rank_that_never_reaches_the_start_ends_the_job(mpi_launcher, run_cmd, other):
-    """Without the watchdog the dcpkit rank waited for ever (MPICH's Hydra does not end the
-    job when the other rank exits): now the job ends after the start deadline, with the line."""
-    proc = run_cmd(_two_ranks(mpi_launcher, [PY, "-c", SHORT_START], other), timeout=120)
+@pytest.mark.parametrize("ranks", [2, 4], ids=["2 ranks", "4 ranks"])
+def test_a_rank_that_never_reaches_the_start_ends_the_job(mpi_launcher, run_cmd, other, ranks):
+    """Without the watchdog the dcpkit ranks waited for ever (MPICH's Hydra does not end the
+    job when the other rank exits): now the job ends after the start deadline, with rank 0's
+    line (the other ranks' watchdogs wait START_GRACE_S longer, so it is not lost)."""
+    cmd = _two_ranks(mpi_launcher, [PY, "-c", SHORT_START], other)
+    for _ in range(ranks - 2):
+        cmd += [":", "-n", "1", PY, "-c", SHORT_START]
+    proc = run_cmd(cmd, timeout=120)
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "dcpkit: not every rank of the job reached its start within 3 s" in proc.stderr, (
         proc.stderr
