@@ -303,11 +303,18 @@ class CommandParser(argparse.ArgumentParser):
             outcome = (2, e.line)
         except SystemExit as e:  # --help, --version: printed on rank 0 already
             outcome = (e.code if isinstance(e.code, int) else 2, None)
+        except Exception as e:  # noqa: BLE001 - a check's fault: this rank still agrees
+            outcome = self._fault_outcome(e)
         finally:
             self._deferring = False
         if mode is None and self.alike_options:
             mode = self._alike_mode
-        key = mode(ns) if mode is not None and outcome is None else None
+        key = None
+        if mode is not None and outcome is None:
+            try:
+                key = mode(ns)
+            except Exception as e:  # noqa: BLE001 - as above: never a rank left out
+                outcome = self._fault_outcome(e)
         gathered = gather_outcomes((self.prog, outcome, key), job_leader())
         if gathered is None:  # no agreement possible: each rank as it stands
             if outcome is None:
@@ -321,6 +328,14 @@ class CommandParser(argparse.ArgumentParser):
         if line is not None and job_leader():
             sys.stderr.write(line + "\n")
         sys.exit(status)
+
+    def _fault_outcome(self, e: Exception) -> tuple[int, str]:
+        """The agreed outcome (status 2 and one line, as :func:`main` gives a dcpkit error) of
+        an exception in a check or a mode, maybe one rank's alone: raised on that rank instead,
+        it would leave the others waiting in the agreement."""
+        what = "" if isinstance(e, DcpkitError) else f"{type(e).__name__}: "
+        text = (str(e).strip().splitlines() or [""])[0]
+        return 2, f"{self.prog}: {what}{text}"
 
     def _alike_mode(self, ns) -> tuple:
         """The mode of ``alike_options``: a run, with the value of every option the ranks must

@@ -234,28 +234,20 @@ def render_md_main(args: argparse.Namespace) -> int:
     return 0
 
 
-#: The options of a run every rank must give alike (the cases, sizes, repeats and deadlines:
-#: ranks that differ in them would run different collectives). The outputs are rank 0's, and
-#: the seed is rank 0's too (the sweep broadcasts it).
-_RUN_OPTIONS = (
-    "ops", "paths", "modes", "tokens", "min_bytes", "max_bytes", "egress_bytes", "kv_row_dim",
-    "iters", "quick", "round_trips", "timeout_ms", "hang_s",
-)  # fmt: skip
-
-
-def _mode(args, cfg: dict | None = None):
+def _mode(args, cfg: dict[str, Any] | None):
     """What a bench command line asks for, which every rank of a job must ask for too: a
     rendering (``--render-md`` FILES), a check (``--check-args``) or a run, with the options a
-    run's ranks must give alike: as the run uses them (``cfg``, :func:`resolve_config`: lists
-    in the run's order, defaults filled in), so that ``--tokens 8,1`` and ``--tokens 1,8``, or a
-    default given explicitly, are one run. ``--iters`` stays as given (a given count is exact,
-    the default one a minimum)."""
+    run's ranks must give alike (the cases, sizes, repeats and deadlines: ranks that differ in
+    them would run different collectives), as the run uses them (``cfg``,
+    :func:`resolve_config`: lists in the run's order, defaults filled in), so that
+    ``--tokens 8,1`` and ``--tokens 1,8``, or a default given explicitly, are one run.
+    ``--iters`` stays as given (a given count is exact, the default one a minimum). The outputs
+    are rank 0's, and so is the seed (the sweep broadcasts it). ``cfg`` is None only for a
+    rendering or a check, which return before it is read."""
     if args.render_md:
         return "--render-md " + " ".join(args.render_md)
     if getattr(args, "check_args", False):
         return "--check-args"
-    if cfg is None:
-        return ("a benchmark run", {k: getattr(args, k, None) for k in _RUN_OPTIONS})
     run = {
         "ops": cfg["ops"],
         "paths": cfg["paths"],

@@ -221,13 +221,22 @@ def test_one_run_written_differently_is_one_run(mpi_launcher, run_cmd, case):
 
 
 def test_the_bench_compares_every_run_option():
-    """The bench's run mode holds exactly the options a run's ranks must give alike."""
+    """The bench's run mode names real options (the line shows them as --name), every option
+    of a run but the outputs, the seed (broadcast) and --verbose."""
     from dcpkit.bench.args import resolve_config
-    from dcpkit.bench.command import _RUN_OPTIONS, _mode, build_parser
+    from dcpkit.bench.command import _mode, build_parser
 
-    args = build_parser().parse_args(["--quick", "--tokens", "8,1"])
+    parser = build_parser()
+    args = parser.parse_args(["--quick", "--tokens", "8,1"])
     label, run = _mode(args, resolve_config(args))
-    assert label == "a benchmark run" and set(run) == set(_RUN_OPTIONS)
+    dests = {a.dest for a in parser._actions} - {"help", "version"}
+    assert label == "a benchmark run" and set(run) <= dests
+    # not compared: rank 0's outputs and seed, --verbose, and the rendering's options (a
+    # rendering or --check-args is a mode of its own)
+    assert dests - set(run) == {
+        "json", "plot", "seed", "verbose", "render_md", "check_args", "baseline", "notes",
+        "host_overhead", "md_out",
+    }  # fmt: skip
     assert run["tokens"] == [1, 8] and run["iters"] is None
 
 
@@ -425,3 +434,25 @@ def test_a_rank_that_never_reaches_the_start_ends_the_job(mpi_launcher, run_cmd,
     assert "dcpkit: not every rank of the job reached its start within 3 s" in proc.stderr, (
         proc.stderr
     )
+
+
+FAULTY_CHECK = (
+    "import sys; from dcpkit.cli import CommandParser; "
+    "p = CommandParser(prog='faulty', alike_options=True); p.add_argument('--x', default='ok'); "
+    "bad = lambda ns: (_ for _ in ()).throw(RuntimeError('check fault\\nsecond line')) "
+    "if ns.x == 'boom' else None; "
+    "p.parse_agreed(sys.argv[1:], check=bad); print('parsed')"
+)
+
+
+def test_a_fault_in_one_ranks_check_stops_every_rank(mpi_launcher, run_cmd):
+    """An exception (not a usage error) in a check on one rank only: that rank still reaches
+    the agreement, so every rank exits 2 with one line instead of the others waiting for it."""
+    proc = run_cmd(
+        _two_ranks(mpi_launcher, [PY, "-c", FAULTY_CHECK], [PY, "-c", FAULTY_CHECK, "--x", "boom"]),
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines == ["faulty: on rank(s) 1 of 2: RuntimeError: check fault"], proc.stderr
+    assert "parsed" not in proc.stdout
