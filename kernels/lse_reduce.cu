@@ -13,13 +13,14 @@
 //               rows (t >= query_start_loc[S]) send no payload. The own rows (d = r) are not
 //               copied unless `out` overlaps the input: the combine reads them from
 //               out_partial.
-//   2. publish  arrive_and_publish: CTA barrier, arrival (last-CTA election), the elected CTA
-//               stores the new epoch and the signal word into signals[slot][r] of every rank
-//               (this one included) after one fence.acq_rel.sys.
-//   3. combine  the last K CTAs to arrive (K = min(grid, waiter_ctas)) wait for all sources
-//               (its own rank included: that signal says every CTA of this kernel finished its
-//               stores); the other CTAs help if every signal is there within help_budget_ns, else
-//               exit.
+//   2. publish  publish_shares, no election (NOTE [dcpkit share counters] in dcpkit_ptx.cuh):
+//               CTA barrier, then every CTA's one fence.acq_rel.sys and the add of its share
+//               into counters[r] of every rank (this one last); CTA 0 stores the signal word
+//               (the fingerprint) into signals[slot][r] of every rank before its fence.
+//   3. combine  the last K CTAs by index (K = min(grid, waiter_ctas)) wait for every source's
+//               counter (its own rank's included: it says every CTA of this kernel finished its
+//               stores); the last of them stores the new epoch. The other CTAs help if every
+//               counter is there within help_budget_ns, else exit.
 //               They claim units of kWarps items (t, h) from the call's work counter (the
 //               next claim overlapping the unit in hand when there are more units than CTAs):
 //               out = sum_s w_s * payload_s in fp32, rounded once; merged lse = m + log(sum).
@@ -549,7 +550,7 @@ __device__ __forceinline__ void poison_unit(char* out, float* out_lse, int T, in
 // query_start_loc and out_lse may be null. Host guarantees: D_v * sizeof(OUT_T) % 16 == 0,
 // 16-byte aligned input rows (out_partial, token and head strides), out contiguous and 16-byte
 // aligned, world_size <= kMaxSources, blockDim.x == kThreads. Any grid: the last
-// min(grid, P.waiters) CTAs to arrive wait and combine, the others send and exit (NOTE [dcpkit
+// min(grid, P.waiters) CTAs by index wait and combine, the others send and exit (NOTE [dcpkit
 // epoch signalling], co-residency rule; two CTAs fit on one SM by the launch bounds).
 template <typename OUT_T, typename LSE_T, bool kLarge>
 __global__ void __launch_bounds__(lse_detail::kThreads, 2)
@@ -563,15 +564,14 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   DCPKIT_MARK_START();
   const Proto P = DCPKIT_PROTO_MAKE();
   const u64 row_bytes = static_cast<u64>(D_v) * sizeof(OUT_T);
-  // Poisoned: send nothing, arrive; the elected CTA fills the result (NOTE [dcpkit epoch
-  // signalling]).
+  // Poisoned: send nothing, publish a skipped share; the elected CTA fills the result (NOTE
+  // [dcpkit share counters]).
   // Both control loads in flight at once, then the poison check's barrier.
   const bool abort_seen = aborted(P);
   const u64 e = call_epoch(P);  // read once: the elected CTA stores e before the kernel ends
   const bool dead = __syncthreads_or(abort_seen ? 1 : 0) != 0;
   DCPKIT_MARK_ENTRY(e);
   DCPKIT_MARK(e, 1u);
-  const u32 e32 = static_cast<u32>(e);
   const int slot = static_cast<int>(e & 1ull);
   const int W = P.world;
   const int rank = P.rank;
@@ -739,11 +739,10 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
     }
   }
 
-  // 2. Arrive, elect, publish (NOTE [dcpkit epoch signalling], steps 2 and 4).
+  // 2. Publish by shares, no election (NOTE [dcpkit share counters] in dcpkit_ptx.cuh).
   DCPKIT_MARK(e, 2u);
-  bool published;
-  const int w = arrive_and_publish<Transport::Unicast>(P, e, slot, fp, P.waiters, dead,
-                                                    published);
+  publish_shares<Transport::Unicast>(P, e, slot, fp, dead);
+  const int w = share_waiter(P.waiters);
   DCPKIT_MARK(e, 3u);
   DCPKIT_MARK_ROLE(e, w < 0 ? 0ull : static_cast<u64>(w) + 1ull);
   // Units of the combine: kWarps items each, or kWarps * kCombineItems when every CTA has at
@@ -756,16 +755,20 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
   // claims and no helpers (kernel-uniform).
   const bool owned = !kLarge && units <= nw;
   if (w < 0) {  // not a waiter: help with the combine if every source is there soon
-    if (owned || dead || !try_all_sources(P, slot, e32, fp, static_cast<u32>(units))) {
+    if (owned || dead || !try_all_shares(P, slot, e, fp, static_cast<u32>(units))) {
       DCPKIT_MARK(e, 5u);
       return;
     }
   } else {
     const bool elected = w == nw - 1;
-    // 3. The waiters combine the own slot once every source (this rank included) has
-    // published. Poisoned, or a wait failed: the elected CTA fills the whole result, and a
-    // waiter that owns a unit fills that one (no unit is left stale).
-    if ((elected && !published) || (!elected && dead) || !wait_all_sources(P, slot, e32, fp)) {
+    // 3. The waiters combine the own slot once every source (this rank included: its counter
+    // says every CTA of this kernel finished its stores and read the epoch) has published; the
+    // elected CTA then stores the new epoch. Poisoned, a CTA of this rank that stored nothing,
+    // or a wait failed: the elected CTA fills the whole result, and a waiter that owns a unit
+    // fills that one (no unit is left stale).
+    const bool ok = wait_all_shares(P, slot, e, fp);
+    if (elected && threadIdx.x == 0) *reinterpret_cast<volatile u64*>(P.epoch) = e;
+    if (!ok || dead) {
       if (elected) poison_result(reinterpret_cast<char*>(out), out_lse, T, H_r, row_bytes, 0u, 1u);
       if (owned && !elected && w < units) {
         poison_unit(reinterpret_cast<char*>(out), out_lse, T, H_r, row_bytes, w, units);

@@ -436,7 +436,7 @@ class LseReduce(LseReduceCall, OpWorkspace):
 
     def ctas_for(self, T: int) -> int:
         """The grid (CTA count, :attr:`THREADS` threads each) of a call with ``T`` tokens; the
-        last ``min(grid, waiter_ctas)`` CTAs to arrive wait and combine."""
+        last ``min(grid, waiter_ctas)`` CTAs by index wait and combine."""
         return launch_config(
             self.world_size * int(T) * self.heads_per_rank, WARPS_PER_CTA, self.max_ctas
         )

@@ -113,18 +113,18 @@ SIGNAL_STORE = r"^(multimem\.st\.relaxed\.sys\.global\.u64|st\.relaxed\.sys\.glo
 @pytest.mark.parametrize("self_check", [True, False], ids=["self-check", "epoch-only"])
 @pytest.mark.parametrize("file,build", OPS_BUILDS, ids=OPS_BUILD_IDS)
 def test_publish_order_in_every_variant(file, build, self_check):
-    """In every kernel but the push gathers': bar.sync, then atom.acq_rel.gpu (the arrival),
-    then fence.acq_rel.sys, then the signal stores; relaxed polls of the signal, then
-    ld.acquire.sys; no fence.sc. Before the arrival, the unicast push kernels store one relaxed
-    word (the credit, NOTE [dcpkit zero-copy graph outputs]) and the others none. The push
-    gathers publish by shares (test_push_gathers_publish_by_shares). lse_reduce.cu in every
-    build."""
+    """No fence.sc in any kernel. In every kernel that elects (the pull kv_gather): bar.sync,
+    then atom.acq_rel.gpu (the arrival), then fence.acq_rel.sys, then the signal stores;
+    relaxed polls of the signal, then ld.acquire.sys. Before the arrival, the unicast push
+    kernels store one relaxed word (the credit, NOTE [dcpkit zero-copy graph outputs]) and the
+    others none. The push gathers and lse_reduce publish by shares
+    (test_publishing_by_shares). lse_reduce.cu in every build."""
     ptx = _ptx(file, build + (() if self_check else ("-DDCPKIT_SELF_CHECK=0",)))
     entries = [(n, b) for n, b in _entries(ptx) if "combine" not in n]
     assert len(entries) == len(jit.VARIANTS[file]) - (3 if file == "lse_reduce.cu" else 0)
     for name, lines in entries:
         assert not any("fence.sc" in ln for ln in lines), f"{name}: fence.sc emitted"
-        if _is_push_gather(name):
+        if _publishes_by_shares(name):
             continue
         arrival = next(
             (i for i, ln in enumerate(lines) if ln.startswith("atom.acq_rel.gpu.global.add.u32")),
@@ -165,8 +165,17 @@ def test_publish_order_in_every_variant(file, build, self_check):
         )
 
 
-def _is_push_gather(name: str) -> bool:
-    return "q_gather_kernel" in name or "kv_gather_push_kernel" in name
+def _publishes_by_shares(name: str) -> bool:
+    """The kernels of NOTE [dcpkit share counters]: the push gathers and lse_reduce."""
+    return any(k in name for k in ("q_gather_kernel", "kv_gather_push_kernel", "lse_reduce_kernel"))
+
+
+#: (file, options, entries) of every module with kernels that publish by shares: the push
+#: gathers' (two entries each) and every build of lse_reduce.cu (the kernel of each output and
+#: lse dtype, small and large instance).
+SHARE_BUILDS = [("q_gather.cu", (), 2), ("kv_gather.cu", (), 2)] + [
+    ("lse_reduce.cu", b, len(jit.VARIANTS["lse_reduce.cu"]) - 3) for b in BUILDS
+]
 
 
 RED_SHARE = (
@@ -175,15 +184,20 @@ RED_SHARE = (
 
 
 @pytest.mark.parametrize("self_check", [True, False], ids=["self-check", "epoch-only"])
-@pytest.mark.parametrize("file", ["q_gather.cu", "kv_gather.cu"])
-def test_push_gathers_publish_by_shares(file, self_check):
-    """NOTE [dcpkit share counters]: in the push gathers no arrival atomic; after the payload
-    stores a CTA barrier, then one fence.acq_rel.sys, then the share adds (red, no returned
-    value), with the signal-word stores before that fence; the waits poll with relaxed loads and
-    take one acquire, and the fingerprint's signal word is read after it."""
-    ptx = _ptx(file, () if self_check else ("-DDCPKIT_SELF_CHECK=0",))
-    entries = [(n, b) for n, b in _entries(ptx) if _is_push_gather(n)]
-    assert len(entries) == 2, [n for n, _ in _entries(ptx)]
+@pytest.mark.parametrize(
+    "file,build,count",
+    SHARE_BUILDS,
+    ids=[f + "".join(o.replace("-D", "+") for o in b) for f, b, _ in SHARE_BUILDS],
+)
+def test_publishing_by_shares(file, build, count, self_check):
+    """NOTE [dcpkit share counters]: in the push gathers and lse_reduce no arrival atomic;
+    after the payload stores a CTA barrier, then one fence.acq_rel.sys, then the share adds
+    (red, no returned value), with the signal-word stores before that fence; the waits poll
+    with relaxed loads and take one acquire, and the fingerprint's signal word is read after
+    it."""
+    ptx = _ptx(file, build + (() if self_check else ("-DDCPKIT_SELF_CHECK=0",)))
+    entries = [(n, b) for n, b in _entries(ptx) if _publishes_by_shares(n)]
+    assert len(entries) == count, [n for n, _ in _entries(ptx)]
     for name, lines in entries:
         assert not any(ln.startswith("atom.acq_rel.gpu") for ln in lines), name
         reds = [i for i, ln in enumerate(lines) if re.search(RED_SHARE, ln)]
