@@ -64,9 +64,10 @@
 // records a mismatch instead of a timeout. With -DDCPKIT_SELF_CHECK=0 (benchmark only) the waits
 // compare the epoch only.
 //
-// The push gathers replace steps 2 and 3 (arrival, election, one signal per rank) with a
-// publish by every CTA into per-source share counters: NOTE [dcpkit share counters] below. Their
-// signal words still carry the fingerprint, and everything else here holds for them too.
+// The push gathers and lse_reduce replace steps 2 and 3 (arrival, election, one signal per rank)
+// with a publish by every CTA into per-source share counters: NOTE [dcpkit share counters]
+// below. Their signal words still carry the fingerprint, and everything else here holds for them
+// too. Only the pull kv_gather elects.
 //
 // Co-residency rule (no deadlock whatever the launch order). Only waiter CTAs ever block, and a
 // kernel has at most K of them; every other CTA stores, arrives, spins at most kHelpMaxNs, maybe
@@ -786,7 +787,8 @@ __device__ __forceinline__ u32 claim_publish(u32 mine) {
 
 // NOTE [dcpkit share counters]
 // ----------------------------
-// The push gathers (gather_push_call in gather.cuh) publish without the election of step 2:
+// The push gathers (gather_push_call in gather.cuh) and lse_reduce (lse_reduce.cu) publish
+// without the election of step 2:
 // on one H200 shared by the ranks the arrival atomic's round trip before the fence cost 0.35-0.55
 // us per call at W=2 and up to 0.8 us at W=4 (scripts/protocol_probe.py, docs/performance.md).
 // Instead every CTA publishes its own part:
