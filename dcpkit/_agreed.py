@@ -19,8 +19,8 @@ __all__ = [
 
 #: Seconds every rank of a job has to reach the agreement (NOTE [dcpkit start watchdog]).
 START_TIMEOUT_S = 120.0
-#: Seconds the other ranks' watchdogs wait beyond rank 0's, so that rank 0's line is written
-#: before the launcher tears the job down.
+#: Seconds rank 1's watchdog waits beyond rank 0's (the others' twice that), so that rank 0's
+#: line, or else rank 1's, is written before the launcher tears the job down.
 START_GRACE_S = 5.0
 
 # NOTE [dcpkit start watchdog]
@@ -34,10 +34,13 @@ START_GRACE_S = 5.0
 # the rank closes it once the allgather returned (or by dying), and the watchdog exits. After
 # START_TIMEOUT_S without that, the watchdog of the launcher's rank 0 prints one line, lets go
 # of the launcher's stderr, and ends its rank (SIGTERM, then SIGKILL if it is still there after
-# 3 s); the launcher then ends the job. The other ranks' watchdogs do the same, silently,
-# START_GRACE_S later: were they first, the launcher could kill rank 0 and its watchdog before
-# the line. Where rank 0 is the rank that never came, no line is printed (its own error is what
-# the job shows). The watchdogs ignore SIGINT: a Ctrl-C ends the ranks, and so their pipes.
+# 3 s); the launcher then ends the job. Rank 1's watchdog does the same START_GRACE_S later,
+# the others' twice that later: were they first, the launcher could kill rank 0 and its
+# watchdog before the line. Where rank 0 is the rank that never came (a program that keeps
+# running, or an error of its own), the job is still there after the first grace, and rank 1's
+# watchdog prints the line, naming rank 0 as the rank that did not end it; the others' stay
+# silent, so a job shows one line (none only where ranks 0 and 1 both never came). The
+# watchdogs ignore SIGINT: a Ctrl-C ends the ranks, and so their pipes.
 
 _WATCHDOG = """
 import os, select, signal, sys, time
@@ -61,21 +64,31 @@ if not select.select([sys.stdin], [], [], seconds)[0]:
 """
 
 
-def _start_watchdog(prog: str, leader: bool, pid: int | None = None, seconds: float | None = None):
+def _start_watchdog(
+    prog: str, rank: int | None, pid: int | None = None, seconds: float | None = None
+):
     """The watchdog process of NOTE [dcpkit start watchdog] for process ``pid`` (default: this
-    one) after ``seconds`` (default :data:`START_TIMEOUT_S`), printing its line where
-    ``leader``; None where it cannot start (the agreement then waits as it did before)."""
+    one) of launcher rank ``rank`` (None: no launcher, the leader) after ``seconds`` (default
+    :data:`START_TIMEOUT_S`): rank 0's prints its line then, rank 1's its own line
+    :data:`START_GRACE_S` later, the others' nothing, twice that later. None where it cannot
+    start (the agreement then waits as it did before)."""
     import subprocess
     import sys
 
     seconds = START_TIMEOUT_S if seconds is None else float(seconds)
-    wait = seconds if leader else seconds + START_GRACE_S
-    line = (
-        f"{prog}: not every rank of the job reached its start within {seconds:g} s (a rank "
-        "runs another program, or stopped before it): ending the job"
-        if leader
-        else ""
-    )
+    leader = rank in (None, 0)
+    # rank 0's first, then rank 1's, then the others' (each line before any other rank ends)
+    wait = seconds if leader else seconds + (1 if rank == 1 else 2) * START_GRACE_S
+    what = f"not every rank of the job reached its start within {seconds:g} s"
+    if leader:
+        line = f"{prog}: {what} (a rank runs another program, or stopped before it): ending the job"
+    elif rank == 1:
+        line = (
+            f"{prog}: rank 1: {what}, and rank 0 did not end the job {START_GRACE_S:g} s later "
+            "(rank 0 runs another program, or stopped before it): ending the job"
+        )
+    else:
+        line = ""
     pid = os.getpid() if pid is None else int(pid)
     try:
         return subprocess.Popen(
@@ -102,17 +115,17 @@ def _stop_watchdog(proc) -> None:
     threading.Thread(target=proc.wait, name="dcpkit-watchdog-reaper", daemon=True).start()
 
 
-def gather_outcomes(outcome, leader: bool = False):
+def gather_outcomes(outcome, rank: int | None = None):
     """Every rank's parse outcome (a list indexed by rank), or None where the ranks cannot
     agree: MPI does not start, or its world is not the launcher's. ``outcome`` starts with the
-    program's name. Bounded by the start watchdog (NOTE [dcpkit start watchdog]), whose line
-    only the ``leader`` (the launcher's rank 0: ``dcpkit.cli.job_leader``) prints."""
+    program's name; ``rank`` is this process's launcher rank (``dcpkit.cli.launcher_rank``, None
+    outside a launcher). Bounded by the start watchdog (NOTE [dcpkit start watchdog])."""
     import sys
 
     prog = outcome[0] if isinstance(outcome, tuple) and outcome else "dcpkit"
     # Not once MPI is up (a later agreement of the same process, after the first one passed):
     # a process is not spawned from a rank whose MPI may have pinned memory.
-    watchdog = None if "mpi4py.MPI" in sys.modules else _start_watchdog(str(prog), leader)
+    watchdog = None if "mpi4py.MPI" in sys.modules else _start_watchdog(str(prog), rank)
     try:
         from .comm import import_mpi, launcher_world_size_mismatch
 

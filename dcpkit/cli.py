@@ -315,7 +315,7 @@ class CommandParser(argparse.ArgumentParser):
                 key = mode(ns)
             except Exception as e:  # noqa: BLE001 - as above: never a rank left out
                 outcome = self._fault_outcome(e)
-        gathered = gather_outcomes((self.prog, outcome, key), job_leader())
+        gathered = gather_outcomes((self.prog, outcome, key), launcher_rank())
         if gathered is None:  # no agreement possible: each rank as it stands
             if outcome is None:
                 return ns
@@ -756,7 +756,8 @@ def _main(argv: list[str] | None) -> int:
         # (NOTE [dcpkit agreed parse])
         command = {"-V": "--version", "-h": "--help"}.get(argv[0], argv[0]) if argv else ""
         gathered = gather_outcomes(
-            ("dcpkit", None if problem is None else (problem[0], problem[1]), command), job_leader()
+            ("dcpkit", None if problem is None else (problem[0], problem[1]), command),
+            launcher_rank(),
         )
         if gathered is not None:
             line, status = settle("dcpkit", gathered, "run different commands")

@@ -360,7 +360,7 @@ def test_the_start_watchdog_ends_a_rank_that_waits_too_long(capfd):
 
     sleeper = _sleeper()
     try:
-        dog = _agreed._start_watchdog("dcpkit demo", True, pid=sleeper.pid, seconds=1.0)
+        dog = _agreed._start_watchdog("dcpkit demo", 0, pid=sleeper.pid, seconds=1.0)
         assert dog is not None
         assert sleeper.wait(timeout=60) != 0  # ended by the watchdog's SIGTERM
         dog.wait(timeout=60)
@@ -373,8 +373,11 @@ def test_the_start_watchdog_ends_a_rank_that_waits_too_long(capfd):
     ), err
 
 
-def test_the_other_ranks_watchdogs_end_their_ranks_silently_and_later(capfd):
-    """Not rank 0's: no line, and only START_GRACE_S after the deadline (rank 0's line first)."""
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_the_other_ranks_watchdogs_end_their_ranks_later(capfd, rank):
+    """Not rank 0's: START_GRACE_S after the deadline (rank 0's line first) rank 1's prints the
+    line that names rank 0 (the rank that did not end the job); the others, twice that after
+    it, none (rank 1's line first)."""
     import time
 
     from dcpkit import _agreed
@@ -382,13 +385,21 @@ def test_the_other_ranks_watchdogs_end_their_ranks_silently_and_later(capfd):
     sleeper = _sleeper()
     try:
         t0 = time.monotonic()
-        dog = _agreed._start_watchdog("dcpkit demo", False, pid=sleeper.pid, seconds=1.0)
+        dog = _agreed._start_watchdog("dcpkit demo", rank, pid=sleeper.pid, seconds=1.0)
         assert sleeper.wait(timeout=60) != 0
-        assert time.monotonic() - t0 >= 1.0 + _agreed.START_GRACE_S
+        assert time.monotonic() - t0 >= 1.0 + (1 if rank == 1 else 2) * _agreed.START_GRACE_S
         dog.wait(timeout=60)
     finally:
         sleeper.kill()
-    assert capfd.readouterr().err == ""
+    err = capfd.readouterr().err
+    if rank == 1:
+        assert err.strip() == (
+            "dcpkit demo: rank 1: not every rank of the job reached its start within 1 s, and "
+            "rank 0 did not end the job 5 s later (rank 0 runs another program, or stopped "
+            "before it): ending the job"
+        ), err
+    else:
+        assert err == ""
 
 
 def test_the_start_watchdog_leaves_a_rank_that_got_there(capfd):
@@ -397,7 +408,7 @@ def test_the_start_watchdog_leaves_a_rank_that_got_there(capfd):
 
     sleeper = _sleeper()
     try:
-        dog = _agreed._start_watchdog("dcpkit demo", True, pid=sleeper.pid, seconds=2.0)
+        dog = _agreed._start_watchdog("dcpkit demo", None, pid=sleeper.pid, seconds=2.0)
         _agreed._stop_watchdog(dog)
         assert dog.wait(timeout=60) == 0
         assert sleeper.poll() is None  # still running, well past nothing
@@ -434,6 +445,27 @@ def test_a_rank_that_never_reaches_the_start_ends_the_job(mpi_launcher, run_cmd,
     assert "dcpkit: not every rank of the job reached its start within 3 s" in proc.stderr, (
         proc.stderr
     )
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4], ids=["2 ranks", "3 ranks", "4 ranks"])
+def test_a_rank_0_that_never_reaches_the_start_ends_the_job_with_rank_1s_line(
+    mpi_launcher, run_cmd, ranks
+):
+    """Rank 0 runs another program that keeps running (it starts MPI and sleeps): rank 0's
+    watchdog is not there to print, so rank 1's does, once, START_GRACE_S after the deadline
+    (the others' come later); the job ends instead of waiting for the sleeper."""
+    sleeper = [PY, "-c", "import time, mpi4py.MPI; time.sleep(90)"]
+    cmd = _two_ranks(mpi_launcher, sleeper, [PY, "-c", SHORT_START])
+    for _ in range(ranks - 2):
+        cmd += [":", "-n", "1", PY, "-c", SHORT_START]
+    proc = run_cmd(cmd, timeout=80)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "reached its start" in ln]
+    assert lines == [
+        "dcpkit: rank 1: not every rank of the job reached its start within 3 s, and rank 0 "
+        "did not end the job 5 s later (rank 0 runs another program, or stopped before it): "
+        "ending the job"
+    ], proc.stderr
 
 
 FAULTY_CHECK = (
