@@ -827,6 +827,14 @@ __device__ __forceinline__ u32 claim_publish(u32 mine) {
 // second load; any other is read again after the acquire before it counts as a mismatch. The
 // waiters are the last min(K, grid) CTAs by index: only their number matters to the
 // co-residency rule, not the order in which CTAs arrive.
+//
+// A failed call never shows stale data as valid. The elected waiter poisons the result after
+// its waits, the own counter's included; where that wait itself failed (its deadline passed, or
+// the workspace was poisoned meanwhile), a CTA of this rank may still be storing. Such a late CTA
+// stores only this call's own rows, and a helper writes the result only after it saw every
+// source's counter at the call with the right fingerprint: whatever lands after the poison is
+// this call's correct data, and the rest stays 0xFF. The call is recorded as failed either way
+// (the next call raises).
 constexpr int kShareShift = 20;
 constexpr u64 kShareUnit = 1ull << kShareShift;  // grids stay far below it
 // A counter holds the sum of the shares above its low kSkipBits bits and, in those, a count of
