@@ -8,8 +8,8 @@ What one run does, on every rank, in the same order (a call sequence drawn from 
 by all ranks):
 
 * builds ``lse_reduce``, ``q_gather`` and ``kv_gather`` workspaces with two ubatches each, and
-  moves the epochs of ``q_gather`` and ``kv_gather`` close to ``2**32`` (``_set_epoch``) so that
-  the 32-bit signal values wrap during the run;
+  moves the epochs of all three close to ``2**32`` (``_set_epoch``) so that the 32-bit signal
+  values wrap during the run;
 * captures one CUDA graph per ubatch holding one call of each op (``out=`` given);
 * then mixes eager calls (random op, ubatch, ``T`` in {1, 5, 17, T_max}, with and without
   ``out=``) with graph replays, all on one stream;
@@ -179,14 +179,19 @@ def run_soak(
         Calls between checkpoints (fresh inputs, host checks of every op, ubatch and path).
     wrap_after : dict op -> int
         For each op named, start its epochs at ``2**32 - n``: the signals wrap after ``n``
-        calls of each ubatch. Default ``{"q_gather": 50, "kv_gather": calls // 24}``.
+        calls of each ubatch. Default ``{"q_gather": 50, "kv_gather": calls // 24,
+        "lse_reduce": calls // 40}`` (each at least 50).
     """
     import cupy
 
     W, rank = comm.world_size, comm.rank
     seed = comm.broadcast(int(seed), root=0)
     if wrap_after is None:
-        wrap_after = {"q_gather": 50, "kv_gather": max(50, calls // 24)}
+        wrap_after = {
+            "q_gather": 50,
+            "kv_gather": max(50, calls // 24),
+            "lse_reduce": max(50, calls // 40),
+        }
     say = log if log is not None else (lambda s: print(s, flush=True) if rank == 0 else None)
     rng = np.random.default_rng([seed, 0x50A4])  # equal on every rank: the call sequence
     stream = cupy.cuda.Stream(non_blocking=True)
