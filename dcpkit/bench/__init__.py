@@ -41,7 +41,9 @@ Method (STYLE.md rule 12):
   it. Warm-up calls first; then many samples, each timed with CUDA events; an iteration's time
   is the maximum over ranks; the table shows the median and the p90.
 * Every row carries its physical floor (:func:`dcpkit.bench.stats.floor_us`) and the median of
-  the floor kernel of the same case and mode (``floor_kernel_us``).
+  the floor kernel of the same case, mode and grid (``floor_kernel_us``). The floor row takes
+  the push kv_gather's grid; where the pull path's grid differs, a second floor row runs on it
+  (variant ``pull_grid``) and the pull rows are compared with that one.
 
 Where ranks share a GPU, the NCCL paths are ``n/a (NCCL unavailable: ...)`` (NCCL refuses
 them), the NVLink targets read "n/a (ranks share a GPU)", and NVSHMEM needs each rank's MPS share

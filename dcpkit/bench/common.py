@@ -18,6 +18,8 @@ __all__ = [
     "NCCL_PATHS",
     "PEER_PATHS",
     "FLOOR_PATH",
+    "PULL_PATH",
+    "FLOOR_PULL_GRID",
     "SCHEMA",
     "SCHEMAS_READ",
     "StageFailed",
@@ -45,6 +47,12 @@ NCCL_PATHS = ("nccl", "torch")
 #: Paths of a peer library measured beside dcpkit (each starts with "nvshmem").
 PEER_PATHS = ("nvshmem",)
 FLOOR_PATH = "floor"
+#: kv_gather's pull algorithm: a kernel on a grid of its own (the push path's is ``direct``'s).
+PULL_PATH = "direct-pull"
+#: The variant of a floor row run on the pull path's grid, where that differs from the push
+#: path's: the floor row without a variant runs on the push grid, and a pull row compared with
+#: it would compare two kernels on two grids.
+FLOOR_PULL_GRID = "pull_grid"
 #: Written by this version; read by the renderer (older runs stay renderable as baselines).
 SCHEMA = "dcpkit-bench/2"
 SCHEMAS_READ = ("dcpkit-bench/1", "dcpkit-bench/2")

@@ -9,6 +9,12 @@ op's own grid rule), then publishes with one ``fence.acq_rel.sys`` and one relax
 and waits with relaxed polling plus one acquire, under a deadline. The check reads what every
 peer stored here (destination poisoned first) and the per-CTA status words (0: every wait
 completed; a timed-out wait counts as wrong).
+
+kv_gather has two algorithms on two grids: the floor row without a variant takes the push
+path's (``direct``) grid; where the pull path's (``direct-pull``) grid differs in a mode, the
+floor kernel runs again on that one, as the row of variant ``pull_grid``
+(:data:`~dcpkit.bench.common.FLOOR_PULL_GRID`, :func:`pull_grid_modes`), and the pull rows
+take their ``floor_kernel_us`` from it (:func:`~dcpkit.bench.stats.annotate`).
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import DcpkitError
+from .common import FLOOR_PULL_GRID
 from .runners import Runner
 from .stats import floor_bytes_per_peer
 
-__all__ = ["FloorRunner", "estimate_ctas"]
+__all__ = ["FloorRunner", "estimate_ctas", "floor_grids", "pull_grid_modes"]
 
 _THREADS = 256
 _VECTORS_PER_CTA = 512  # the gathers' default grid rule (dcpkit/ops/_gather.py)
@@ -68,6 +76,56 @@ def estimate_ctas(
     raise ValueError(f"estimate_ctas: op must be q_gather, kv_gather or lse_reduce (got {op!r})")
 
 
+def _grid_source(ctx, op: str, variant: str | None) -> tuple[Any, bool]:
+    """The dcpkit op whose grid the floor kernel of ``variant`` takes, and whether that op's
+    graph row captures without out=: the push build (``direct``) for the floor row without a
+    variant, the pull build (``direct-pull``) for :data:`FLOOR_PULL_GRID` (None where that
+    path was not built)."""
+    if variant is None:
+        return ctx.op_objects.get(op), bool(getattr(ctx, "op_graph_view", {}).get(op, False))
+    if variant == FLOOR_PULL_GRID:
+        obj, view = getattr(ctx, "pull_objects", {}).get(op, (None, False))
+        return obj, bool(view)
+    raise ValueError(f"floor kernel: unknown variant {variant!r}")
+
+
+def _max_ctas(ctx, obj: Any) -> int:
+    """The largest grid of the floor kernel: the op's own cap (its waiting CTAs must be
+    co-resident), else this rank's share of the SMs."""
+    return int(getattr(obj, "max_ctas", 0) or 0) or max(
+        1, int(ctx.dev.sm_count) // max(1, int(getattr(ctx, "ranks_on_gpu", 1) or 1))
+    )
+
+
+def floor_grids(
+    ctx, op: str, geom: dict[str, Any], variant: str | None = None
+) -> tuple[int, int] | None:
+    """The (eager, graph) CTAs of the floor kernel of ``variant`` at ``geom``: the grids of the
+    op's own eager and graph rows (:func:`estimate_ctas`). None for :data:`FLOOR_PULL_GRID`
+    where the pull path was not built (no grid to take)."""
+    obj, view = _grid_source(ctx, op, variant)
+    if obj is None and variant is not None:
+        return None
+    geom, W, cap = dict(geom, itemsize=2), ctx.world, _max_ctas(ctx, obj)
+    return (
+        estimate_ctas(op, geom, W, cap, obj),
+        estimate_ctas(op, geom, W, cap, obj, copy_out=True, graph_view=view),
+    )
+
+
+def pull_grid_modes(ctx, op: str, case: dict[str, Any], modes) -> list[str]:
+    """The modes of ``modes`` in which the floor kernel must run again on the pull path's grid
+    at ``case`` (this rank's view; the sweep agrees across ranks): those where the pull build's
+    grid differs from the push build's. Where they are equal the one floor row serves both, and
+    where the pull path was not built there is nothing to compare with."""
+    push = floor_grids(ctx, op, case["geom"])
+    pull = floor_grids(ctx, op, case["geom"], FLOOR_PULL_GRID)
+    if pull is None:
+        return []
+    col = {"eager": 0, "graph": 1}
+    return [m for m in modes if push[col[m]] != pull[col[m]]]
+
+
 def pattern(xp, src_rank: int, salt: int, nwords: int):
     """The words rank ``src_rank`` sends in bind number ``salt`` (fresh for every bind)."""
     x = xp.arange(nwords, dtype=xp.uint32) * np.uint32(2654435761)
@@ -76,7 +134,8 @@ def pattern(xp, src_rank: int, salt: int, nwords: int):
 
 class FloorRunner(Runner):
     """The floor kernel for one op (q_gather, lse_reduce or kv_gather); decode_layer runs the two
-    floor kernels of its halves back to back (:class:`~dcpkit.bench.runners.DecodeRunner`)."""
+    floor kernels of its halves back to back (:class:`~dcpkit.bench.runners.DecodeRunner`).
+    Variant :data:`FLOOR_PULL_GRID`: the same kernel on the grids of the pull build."""
 
     family = "floor"
 
@@ -88,10 +147,7 @@ class FloorRunner(Runner):
         xp = dev.xp
         geom = dict(self.geom, itemsize=2, T=self.max_tokens)
         self.slot_bytes = -(-floor_bytes_per_peer(self.op, geom, W) // 256) * 256
-        obj = ctx.op_objects.get(self.op)
-        self.max_ctas = int(getattr(obj, "max_ctas", 0) or 0) or max(
-            1, int(dev.sm_count) // max(1, int(getattr(ctx, "ranks_on_gpu", 1) or 1))
-        )
+        self.max_ctas = _max_ctas(ctx, _grid_source(ctx, self.op, self.variant)[0])
         self.sig_off = W * self.slot_bytes
         sig_bytes = -(-(self.max_ctas * W * 4) // 256) * 256
         self.heap = SymmetricHeap(ctx.comm, self.sig_off + sig_bytes, multicast=False)
@@ -111,14 +167,15 @@ class FloorRunner(Runner):
         geom = dict(case["geom"], itemsize=2)
         per_peer = floor_bytes_per_peer(self.op, geom, W)
         self.nvec = -(-per_peer // 16)
-        obj = ctx.op_objects.get(self.op)
-        self.ctas = estimate_ctas(self.op, geom, W, self.max_ctas, obj)
         # a graph call of the op has its own grid (zero copy into a graph output buffer, or
         # copy-out): the floor's graph call takes that one
-        view = bool(getattr(ctx, "op_graph_view", {}).get(self.op, False))
-        self.ctas_graph = estimate_ctas(
-            self.op, geom, W, self.max_ctas, obj, copy_out=True, graph_view=view
-        )
+        grids = floor_grids(ctx, self.op, geom, self.variant)
+        if grids is None:
+            raise DcpkitError(
+                f"{self.op} floor ({self.variant}): no pull build to take a grid from"
+            )
+        # never more CTAs than the signal words and epochs built for
+        self.ctas, self.ctas_graph = (min(int(g), self.max_ctas) for g in grids)
         nwords = self.nvec * 4
         salt = self.binds
         self.binds += 1

@@ -375,6 +375,7 @@ def render_markdown(
         for x in r.get("rows") or []:
             if (
                 x["path"] == "floor"
+                and not x.get("variant")  # the push grid's floor row, never the pull_grid one
                 and x["mode"] == "graph"
                 and x.get("T") == 1
                 and x["op"] != "kv_gather"

@@ -33,7 +33,10 @@ class BenchRow:
         ``eager`` (host launch included) or ``graph`` (20 calls per CUDA graph replay).
     variant : str or None
         None for the op as shipped; ``no_self_check`` for the op built with
-        ``_self_check=False`` (the self-check cost target).
+        ``_self_check=False`` (the self-check cost target); ``paired`` and
+        ``paired_no_self_check`` for both builds timed in alternating samples; ``pull_grid``
+        for the floor kernel run on the pull kv_gather's grid where that differs from the push
+        one's (the floor row without a variant has the push grid).
     T : int
         Tokens (rows for kv_gather) per call.
     nominal_bytes, bytes_per_rank, egress_bytes : int
@@ -55,7 +58,8 @@ class BenchRow:
         Why the row has no times (the run went on).
     launches_per_call : int or None
     ctas : int or None
-        CTAs of one launch (the op's grid; the floor kernel uses the same).
+        CTAs of one launch (the op's grid; a floor row's is the grid it ran with: the push
+        path's, or the pull path's for variant ``pull_grid``).
 
     Derived (:func:`~dcpkit.bench.stats.annotate`):
 
@@ -68,7 +72,9 @@ class BenchRow:
     busbw_frac : float
         busbw / egress ceiling.
     floor_kernel_us, x_floor_kernel : float
-        Median of the ``floor`` row of the same op, case and mode, and median / it.
+        Median of the ``floor`` row of the same op, case, mode and grid, and median / it: a
+        ``direct-pull`` row takes the ``pull_grid`` floor row where the run has one, every other
+        row the floor row without a variant.
     speedup_vs_nccl, baseline_path
         Median of the fastest NCCL row of the same case and mode / this median, and its path.
     speedup_vs_peer, peer_path

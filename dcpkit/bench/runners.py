@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DcpkitError
+from .common import PULL_PATH
 from .stages import Ctx
 
 __all__ = [
@@ -232,6 +233,10 @@ class DirectRunner(Runner):
             graph_forms = getattr(ctx, "op_graph_view", None)
             if graph_forms is not None:
                 graph_forms[self.op] = self.graph_view  # and its captured call's grid
+        elif self.variant is None and self.path == PULL_PATH:
+            pulls = getattr(ctx, "pull_objects", None)
+            if pulls is not None:  # the floor row on the pull kernel's grid takes it from here
+                pulls[self.op] = (self.obj, self.graph_view)
 
     def bind(self, inp, case, refs=None) -> None:
         super().bind(inp, case, refs)
@@ -272,6 +277,9 @@ class DirectRunner(Runner):
         if self.ctx.op_objects.get(self.op) is obj:
             self.ctx.op_objects.pop(self.op, None)
             getattr(self.ctx, "op_graph_view", {}).pop(self.op, None)
+        pulls = getattr(self.ctx, "pull_objects", {})
+        if obj is not None and pulls.get(self.op, (None,))[0] is obj:
+            pulls.pop(self.op, None)
         if obj is not None:
             obj.close()
 

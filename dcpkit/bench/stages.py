@@ -38,6 +38,9 @@ class Ctx:
         self.peer_env = None  # NVSHMEM, started for the nvshmem path
         self.op_objects: dict[str, Any] = {}  # dcpkit's op of each op name (for ctas_for)
         self.op_graph_view: dict[str, bool] = {}  # whether its graph row captures without out=
+        # dcpkit's pull build of each op (kv_gather) and whether its graph row captures without
+        # out=: the grid of the floor row on the pull path's grid (variant FLOOR_PULL_GRID)
+        self.pull_objects: dict[str, tuple[Any, bool]] = {}
         self.json_error: str | None = None  # why rank 0 could not write the JSON
         self.shared_gpu = None  # whether ranks share a GPU (None: unknown)
         self.ranks_on_gpu = 1  # ranks on this rank's GPU

@@ -17,7 +17,8 @@ floor
 floor kernel
     The ``floor`` path: a minimal exchange kernel (``floor_kernel`` in kernels/ceilings.cu) that
     moves the row's egress bytes with the op's CTAs and the minimal publish / wait protocol, timed
-    exactly like the op. Every op row carries its median as ``floor_kernel_us``.
+    exactly like the op. Every op row carries its median as ``floor_kernel_us``: the floor row
+    of its own grid (a pull row's is the ``pull_grid`` floor row where the run has one).
 algbw, busbw
     ``algbw = bytes_per_rank / time``. ``busbw`` follows nccl-tests: for all_gather
     ``(W-1)/W * total_gathered_bytes / time``, for all_to_all ``(W-1)/W * bytes_sent_per_rank /
@@ -31,7 +32,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .common import FLOOR_PATH, NCCL_PATHS, PEER_PATHS
+from .common import FLOOR_PATH, FLOOR_PULL_GRID, NCCL_PATHS, PEER_PATHS, PULL_PATH
 from .row import BenchRow, case_key
 
 __all__ = [
@@ -227,8 +228,11 @@ def floor_bytes_per_peer(op: str, geom: Mapping[str, Any], world_size: int) -> i
     return b["egress_bytes"] // max(1, W - 1)
 
 
-def _best(rows: Sequence[BenchRow], paths: Sequence[str]) -> dict[Any, BenchRow]:
-    """Per case and mode, the fastest correct row of ``paths`` (the variant-free build)."""
+def _best(
+    rows: Sequence[BenchRow], paths: Sequence[str], variant: str | None = None
+) -> dict[Any, BenchRow]:
+    """Per case and mode, the fastest correct row of ``paths`` and ``variant`` (default: the
+    variant-free build)."""
     best: dict[Any, BenchRow] = {}
     for r in rows:
         if (
@@ -236,7 +240,7 @@ def _best(rows: Sequence[BenchRow], paths: Sequence[str]) -> dict[Any, BenchRow]
             and r.median_us is not None
             and not r.error
             and not r.wrong
-            and r.variant is None
+            and r.variant == variant
         ):
             k = case_key(vars(r))
             if k not in best or r.median_us < best[k].median_us:
@@ -259,11 +263,23 @@ def annotate(rows: list[BenchRow], ceilings: Mapping[str, Any]) -> list[BenchRow
         r.x_floor = (med / r.floor_us) if (med is not None and r.floor_us) else None
         r.busbw_frac = (r.busbw_GBps / egr) if (r.busbw_GBps is not None and egr) else None
     floors = _best(rows, (FLOOR_PATH,))
+    # The floor row on the pull path's grid, where that differs from the push path's (the
+    # floor row without a variant has the push grid). Where the run has one, even a failed
+    # one, the pull rows are compared with it alone: the other grid's floor is not theirs.
+    pull_floors = _best(rows, (FLOOR_PATH,), FLOOR_PULL_GRID)
+    pull_cases = {
+        case_key(vars(r)) for r in rows if r.path == FLOOR_PATH and r.variant == FLOOR_PULL_GRID
+    }
     nccl = _best(rows, NCCL_PATHS)
     peer = _best(rows, PEER_PATHS)
     for r in rows:
         k = case_key(vars(r))
-        f = floors.get(k) if r.path != FLOOR_PATH else None  # not a row's own baseline
+        if r.path == FLOOR_PATH:
+            f = None  # not a row's own baseline
+        elif r.path == PULL_PATH and k in pull_cases:
+            f = pull_floors.get(k)
+        else:
+            f = floors.get(k)
         r.floor_kernel_us = f.median_us if f is not None else None
         r.x_floor_kernel = (
             (r.median_us / r.floor_kernel_us) if (r.median_us and r.floor_kernel_us) else None

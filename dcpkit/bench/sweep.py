@@ -16,8 +16,19 @@ import numpy as np
 from . import report
 from .cases import cases_for, host_inputs
 from .ceilings import measure_ceilings
-from .common import ALL_OPS, NCCL_PATHS, PEER_PATHS, BenchHang, StageFailed, short
+from .common import (
+    ALL_OPS,
+    FLOOR_PATH,
+    FLOOR_PULL_GRID,
+    NCCL_PATHS,
+    PEER_PATHS,
+    PULL_PATH,
+    BenchHang,
+    StageFailed,
+    short,
+)
 from .factory import local_paths, make_runner, paths_for
+from .floor import pull_grid_modes
 from .meta import collect_meta
 from .peers import finalize_nvshmem
 from .row import BenchRow
@@ -359,11 +370,65 @@ def _error_rows(ctx: Ctx, case, path: str, modes, error: str, variant=None) -> l
     ]
 
 
+class _PullFloor:
+    """The floor kernel on the pull path's grid (variant ``FLOOR_PULL_GRID``), for the cases
+    and modes where that grid differs from the push path's: the floor row without a variant
+    runs on the push grid and serves both where they are equal. Built on first need; after a
+    failed case it is closed and built again at the next case that needs it, and a failed
+    build leaves error rows for every later such case (as a path's failed build does)."""
+
+    def __init__(self, ctx: Ctx, factory, op: str, max_tokens: int):
+        self.ctx, self.factory, self.op, self.max_tokens = ctx, factory, op, max_tokens
+        self.runner: Runner | None = None
+        self.build_err: str | None = None
+
+    def modes(self, case) -> list[str]:
+        """The modes to run at ``case``: where the grids differ on any rank (one stage, so
+        that every rank runs the same rows)."""
+        modes = self.ctx.cfg["modes"]
+        what = f"{self.op} T={case['T']} {FLOOR_PATH} ({FLOOR_PULL_GRID}): grids"
+        per = stage(self.ctx, what, lambda: pull_grid_modes(self.ctx, self.op, case, modes))
+        return [m for m in modes if any(m in p for p in per)]
+
+    def run(self, case, measure) -> None:
+        """Plan, then measure, the rows of ``case`` (``measure``: run_op's, which records them)."""
+        ctx, op, name = self.ctx, self.op, FLOOR_PULL_GRID
+        try:
+            modes = self.modes(case)
+        except StageFailed as e:  # the pull rows then have no floor of their grid, not another's
+            ctx.rows.extend(_error_rows(ctx, case, FLOOR_PATH, ctx.cfg["modes"], str(e), name))
+            return
+        if not modes:
+            return
+        if self.runner is None and self.build_err is None:
+            if not accepts_keyword(self.factory, "variant"):
+                self.build_err = "the runner factory takes no variant"
+            else:
+                self.runner, self.build_err = _build(
+                    ctx, self.factory, op, FLOOR_PATH, self.max_tokens, variant=name
+                )
+        if self.runner is None:
+            msg = f"build: {self.build_err}"
+            ctx.rows.extend(_error_rows(ctx, case, FLOOR_PATH, modes, msg, name))
+            return
+        if measure(self.runner, case, FLOOR_PATH, modes, name):
+            self.close()
+
+    def close(self) -> None:
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            try:
+                stage(self.ctx, f"{self.op} {FLOOR_PATH} ({FLOOR_PULL_GRID}): close", runner.close)
+            except StageFailed as e:
+                self.ctx.errors.append(str(e))
+
+
 def run_op(ctx: Ctx, op: str, paths: Sequence[str], factory, base_seed: int) -> None:
     """Every case of ``op`` on every path: build the runners once, share each case's inputs.
-    The floor path runs after dcpkit's paths (it takes the op's CTA count); the op without
-    self-checking signals runs at T=1 in a graph, right after the op, then both again in
-    alternating samples (:func:`paired_graph`)."""
+    The floor path runs after dcpkit's paths (it takes the op's CTA count), then again on the
+    pull path's grid where that differs (:class:`_PullFloor`); the op without self-checking
+    signals runs at T=1 in a graph, right after the op, then both again in alternating samples
+    (:func:`paired_graph`)."""
     cases = cases_for(op, ctx.cfg, ctx.world)
     if ctx.cfg["geometry"]["H"] % ctx.world and op != "kv_gather":
         # a property of the geometry at this world size, not a failure of the run
@@ -381,6 +446,7 @@ def run_op(ctx: Ctx, op: str, paths: Sequence[str], factory, base_seed: int) -> 
             build_err[p] = err
             ctx.log(f"{op} {p}: build failed: {short(err, 300)}")
     variant = _variant_runner(ctx, op, paths_for(op, paths), factory, cases, max_tokens)
+    pull_floor = _PullFloor(ctx, factory, op, max_tokens)
 
     def measure(runner, case, box, path, run_modes, variant_name=None):
         try:
@@ -427,6 +493,8 @@ def run_op(ctx: Ctx, op: str, paths: Sequence[str], factory, base_seed: int) -> 
                     runners[p], err = _build(ctx, factory, op, p, max_tokens)
                     if err:
                         build_err[p] = err
+                if p == FLOOR_PATH and PULL_PATH in runners:
+                    pull_floor.run(case, lambda r, c, *a: measure(r, c, box, *a))
                 if p == "direct" and variant is not None and case["T"] == 1:
                     if measure(variant, case, box, p, ["graph"], _VARIANT):
                         with contextlib.suppress(StageFailed):
@@ -449,6 +517,7 @@ def run_op(ctx: Ctx, op: str, paths: Sequence[str], factory, base_seed: int) -> 
                     stage(ctx, f"{op} {p}: close", runner.close)
                 except StageFailed as e:
                     ctx.errors.append(str(e))
+        pull_floor.close()
         ctx.dev.free_memory()
 
 

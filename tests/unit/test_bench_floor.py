@@ -251,3 +251,185 @@ def test_a_graph_call_of_the_floor_kernel_takes_the_ops_graph_grid(
     assert (r.ctas, r.ctas_graph) == (3, graph_grid)
     assert _ctas(r, "eager") == 3 and _ctas(r, "graph") == graph_grid
     r.close()
+
+
+# ----------------------------------------------------------------------------- the pull grid
+#: The push kv_gather's grids of the fake op below: eager (zero copy), captured without out=
+#: (the direct path's graph row), copy-out.
+_PUSH = {"eager": 2, "graph_view": 4, "copy_out": 5}
+
+
+class _FakeKV:
+    """What the sweep reads of a KVGather: its grids (per algorithm), its cap, no kernel."""
+
+    multicast = False
+    launches_per_call = 1
+    max_ctas = 8
+    pull_grids = {"eager": 2, "copy_out": 4}  # set per test
+
+    def __init__(self, comm, *, algorithm, **kw):
+        self.algorithm = algorithm
+        self.grids = dict(self.pull_grids) if algorithm == "pull" else dict(_PUSH)
+
+    def ctas_for(self, T, *, copy_out=False, graph_view=False):
+        if graph_view and "graph_view" in self.grids:
+            return self.grids["graph_view"]
+        return self.grids["copy_out" if (copy_out or graph_view) else "eager"]
+
+    def release_graph_outputs(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def _grid_direct():
+    from dcpkit.bench.runners import DirectRunner
+
+    class GridDirect(DirectRunner):
+        """The real DirectRunner (its build registers the op's grids for the floor kernel) over
+        the fake op; its calls store the reference."""
+
+        def bind(self, inp, case, refs=None):
+            super().bind(inp, case, refs)
+            self.refs, self.mine = refs, self.check_outputs()
+
+        def call(self, outs=None, graph=False):
+            outs = self.mine if outs is None else outs
+            for o, (kind, ref, tol) in zip(outs, self.refs):
+                o.view(ref.dtype)[...] = ref
+            return tuple(outs)
+
+    return GridDirect
+
+
+#: Time the emulated floor kernel takes per CTA of its grid, on a virtual clock the device adds
+#: to its samples: a floor row's median then tells which grid it ran on.
+_US_PER_CTA = 1000.0
+_VCLOCK: dict[int, float] = {}
+
+
+class _ClockDevice(FloorDevice):
+    def sample(self, stream, enqueue):
+        v0 = _VCLOCK.get(self.rank, 0.0)
+        return super().sample(stream, enqueue) + _VCLOCK.get(self.rank, 0.0) - v0
+
+
+def _run_pull(tmp_path, monkeypatch, pull_grids, W=2):
+    """The sweep of kv_gather on direct, direct-pull and floor: the real FloorRunner (emulated
+    kernel, fake heap) beside the real DirectRunner over :class:`_FakeKV`."""
+    from dcpkit import jit, ops, symmetric
+
+    barrier = threading.Barrier(W, timeout=30)
+    emulated = _emulated_kernel(barrier, None)
+
+    def kernel(grid, block, args, stream=None):
+        rank = int(args[6])
+        _VCLOCK[rank] = _VCLOCK.get(rank, 0.0) + _US_PER_CTA * int(grid[0])
+        return emulated(grid, block, args, stream)
+
+    monkeypatch.setattr(symmetric, "SymmetricHeap", FakeHeap)
+    monkeypatch.setattr(jit, "get_kernel", lambda f, name: _Kernel(kernel))
+    monkeypatch.setattr(_FakeKV, "pull_grids", dict(pull_grids))
+    monkeypatch.setattr(ops, "KVGather", _FakeKV)
+    args = ["--quick", "--max-bytes", "64K", "--paths", "direct,direct-pull,floor"]
+    args += ["--ops", "kv_gather", "--json", str(tmp_path / "bench.json"), "--iters", "3"]
+    cfg = bench.resolve_config(bench.build_parser().parse_args(args))
+    cfg["geometry"] = dict(cfg["geometry"], H=8, D=16, D_v=16, D_kv=24)
+    direct = _grid_direct()
+
+    def factory(ctx, op, path, mt, variant=None):
+        if path == "floor":
+            return factory_mod.make_runner(ctx, op, path, mt, variant)
+        return direct(ctx, op, path, mt, variant)
+
+    def body(comm):
+        return bench.run_bench(dict(cfg), comm, _ClockDevice(comm), args, factory=factory)
+
+    out = run_group(W, body, timeout_s=60.0)
+    for r, (status, val) in enumerate(out):
+        assert status == "ok", f"rank {r} raised {val!r}"
+    return [v for _, v in out], json.loads((tmp_path / "bench.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "pull_grids, differ",
+    [
+        ({"eager": 6, "copy_out": 7}, ("eager", "graph")),  # pull: the whole share, copy-out
+        ({"eager": 6, "copy_out": 4}, ("eager",)),
+        ({"eager": 2, "copy_out": 7}, ("graph",)),
+        ({"eager": 2, "copy_out": 4}, ()),  # the push grids: one floor row serves both
+    ],
+)
+def test_the_floor_kernel_runs_again_on_the_pull_grid_where_it_differs(
+    tmp_path, monkeypatch, pull_grids, differ
+):
+    """The floor row runs on the push kv_gather's grids; where the pull build's grid differs in
+    a mode, a second floor row (variant pull_grid) runs on it in that mode only, says its grid
+    in ctas, and the pull rows take their floor kernel from it; the push rows never do."""
+    rcs, res = _run_pull(tmp_path, monkeypatch, pull_grids)
+    assert rcs == [0, 0]
+    rows = res["rows"]
+    assert all(r["error"] is None and r["wrong"] == 0 for r in rows), rows
+    push = {"eager": _PUSH["eager"], "graph": _PUSH["graph_view"]}
+    pull = {"eager": pull_grids["eager"], "graph": pull_grids["copy_out"]}
+    cases = sorted({r["nominal_bytes"] for r in rows})
+    assert len(cases) == 2
+    for nominal in cases:
+        for mode in ("eager", "graph"):
+            at = {
+                (r["path"], r["variant"]): r
+                for r in rows
+                if r["nominal_bytes"] == nominal and r["mode"] == mode
+            }
+            want = {("direct", None), ("direct-pull", None), ("floor", None)}
+            if mode in differ:
+                want.add(("floor", "pull_grid"))
+            assert set(at) == want, (nominal, mode)
+            floor, direct, pulled = at["floor", None], at["direct", None], at["direct-pull", None]
+            # every row says the grid it ran with; the floor rows ran on it (their medians)
+            assert floor["ctas"] == direct["ctas"] == push[mode]
+            assert pulled["ctas"] == pull[mode]
+            assert round(floor["median_us"] / _US_PER_CTA) == push[mode]
+            own = at.get(("floor", "pull_grid"), floor)
+            assert own["ctas"] == pull[mode] and round(own["median_us"] / _US_PER_CTA) == pull[mode]
+            assert direct["floor_kernel_us"] == floor["median_us"]
+            assert pulled["floor_kernel_us"] == own["median_us"]
+
+
+def test_no_pull_grid_floor_is_planned_where_the_grids_are_equal():
+    """pull_grid_modes: the modes whose pull grid differs from the push grid; none where they
+    are equal, and none where the pull path was not built."""
+    import types
+
+    from dcpkit.bench.floor import floor_grids, pull_grid_modes
+
+    def ctx(pull):
+        objs = {} if pull is None else {"kv_gather": (pull, False)}
+        return types.SimpleNamespace(
+            world=2, op_objects={"kv_gather": push}, op_graph_view={"kv_gather": True},
+            pull_objects=objs,
+        )  # fmt: skip
+
+    push = _FakeKV(None, algorithm="push")
+    case = {"T": 4, "geom": {"H": 8, "D": 16, "D_v": 16, "D_kv": 24, "T": 4}}
+    modes = ("eager", "graph")
+    for grids, want in (
+        ({"eager": 2, "copy_out": 4}, []),
+        ({"eager": 3, "copy_out": 4}, ["eager"]),
+        ({"eager": 2, "copy_out": 5}, ["graph"]),  # the push copy-out grid, not its graph row's
+        ({"eager": 3, "copy_out": 5}, ["eager", "graph"]),
+    ):
+        pull = _FakeKV(None, algorithm="pull")
+        pull.grids = grids
+        assert floor_grids(ctx(pull), "kv_gather", case["geom"], "pull_grid") == (
+            grids["eager"],
+            grids["copy_out"],
+        )
+        assert pull_grid_modes(ctx(pull), "kv_gather", case, modes) == want
+        assert pull_grid_modes(ctx(pull), "kv_gather", case, ("graph",)) == [
+            m for m in want if m == "graph"
+        ]
+    assert floor_grids(ctx(None), "kv_gather", case["geom"]) == (2, 4)
+    assert floor_grids(ctx(None), "kv_gather", case["geom"], "pull_grid") is None
+    assert pull_grid_modes(ctx(None), "kv_gather", case, modes) == []

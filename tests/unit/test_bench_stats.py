@@ -159,6 +159,104 @@ def test_annotate_ignores_variants_as_baselines():
     assert rows[0].floor_kernel_us is None
 
 
+#: Medians of the kv_gather rows of :func:`_kv_pull_rows`, per (path, variant, mode).
+_KV_US = {
+    ("direct", None, "eager"): 9.0,
+    ("direct", None, "graph"): 4.0,
+    ("direct-pull", None, "eager"): 11.0,
+    ("direct-pull", None, "graph"): 5.0,
+    ("floor", None, "eager"): 8.0,  # the push grid
+    ("floor", None, "graph"): 3.0,
+    ("floor", "pull_grid", "eager"): 7.0,  # the pull grid: faster than the push grid's
+    ("floor", "pull_grid", "graph"): 3.5,
+}
+
+
+def _kv_pull_rows(pull_grid_modes, failed=()):
+    """kv_gather at 4 KiB per rank (T=4): push and pull rows of both modes, the floor row (the
+    push grid) and the floor rows on the pull grid in ``pull_grid_modes`` (those in ``failed``
+    as error rows)."""
+    rows = []
+    for (path, variant, mode), us in _KV_US.items():
+        if variant is not None and mode not in pull_grid_modes:
+            continue
+        bad = variant is not None and mode in failed
+        rows.append(
+            _row(
+                "kv_gather",
+                path,
+                mode,
+                4,
+                [] if bad else [us] * 3,
+                nominal=4 * KiB,
+                variant=variant,
+                error="StageFailed: floor (pull_grid): check failed" if bad else None,
+            )
+        )
+    return annotated(rows)
+
+
+def _fk(rows, path, mode):
+    (r,) = [r for r in rows if r["path"] == path and r["mode"] == mode and not r["variant"]]
+    return r["floor_kernel_us"]
+
+
+@pytest.mark.parametrize("pull_grid_modes", [(), ("eager",), ("graph",), ("eager", "graph")])
+def test_pull_rows_take_the_floor_row_of_their_own_grid(pull_grid_modes):
+    """A pull row takes the floor row run on the pull grid where the run has one (the grids
+    differ in that mode), else the one floor row; a push row always the floor row without a
+    variant, even where the pull grid's is faster; a floor row is nobody's own floor."""
+    rows = _kv_pull_rows(pull_grid_modes)
+    for mode in ("eager", "graph"):
+        push_fk = _KV_US[("floor", None, mode)]
+        pull_fk = _KV_US[("floor", "pull_grid" if mode in pull_grid_modes else None, mode)]
+        assert _fk(rows, "direct", mode) == push_fk
+        assert _fk(rows, "direct-pull", mode) == pull_fk
+        (pull,) = [r for r in rows if r["path"] == "direct-pull" and r["mode"] == mode]
+        assert math.isclose(pull["x_floor_kernel"], _KV_US[("direct-pull", None, mode)] / pull_fk)
+    assert all(r["floor_kernel_us"] is None for r in rows if r["path"] == "floor")
+
+
+def test_a_failed_pull_grid_floor_row_is_no_floor_for_the_pull_rows():
+    """Where the pull grid's floor row failed, the pull row has no floor kernel: never the
+    push grid's, which would compare two kernels on two grids."""
+    rows = _kv_pull_rows(("eager", "graph"), failed=("eager",))
+    assert _fk(rows, "direct-pull", "eager") is None
+    assert _fk(rows, "direct-pull", "graph") == _KV_US[("floor", "pull_grid", "graph")]
+    assert _fk(rows, "direct", "eager") == _KV_US[("floor", None, "eager")]
+
+
+def test_the_pull_grid_floor_row_is_judged_and_shown_once():
+    """Targets judge each op row against its own grid's floor and never judge a floor row; the
+    table shows the pull grid's floor row as a row of its own; before / after pairs each floor
+    row with its own kind only (a baseline without pull_grid rows has none to pair)."""
+    rows = _kv_pull_rows(("eager", "graph"))
+    items = [
+        i
+        for i in _targets.evaluate_targets(rows, True)
+        if i["target"] == "small.floor_kernel" and i["op"] == "kv_gather"
+    ]
+    assert sorted(i["path"] for i in items) == ["direct", "direct-pull"]
+    for i in items:
+        fk = _KV_US[("floor", "pull_grid" if i["path"] == "direct-pull" else None, "graph")]
+        assert math.isclose(i["limit"], 1.1 * fk + 0.3)
+    table = _report.render_table(rows).splitlines()
+    assert sum("floor[pull_grid]" in line for line in table) == 2
+    (pull_graph,) = [ln for ln in table if " direct-pull " in ln and " graph " in ln]
+    assert " 3.50 " in pull_graph and " 3.00 " not in pull_graph
+    cur = synthetic_result()
+    cur["rows"] = rows
+    cur["targets"] = _targets.evaluate_targets(rows, True)
+    base = json.loads(json.dumps(jsonable(cur)))
+    base["rows"] = [dict(r, median_us=2 * r["median_us"]) for r in base["rows"] if not r["variant"]]
+    base["targets"] = None
+    md = markdown.render_markdown([cur], baselines=[base])
+    ba = md[md.index("### Before / after") :]
+    assert "floor[pull_grid]" not in ba
+    assert ba.count("| kv_gather | 4 KiB/rank | floor | eager | 16.00 | 8.00 | 0.50 |") == 1
+    assert ba.count("| kv_gather | 4 KiB/rank | direct-pull | eager | 22.00 | 11.00 | 0.50 |") == 1
+
+
 def test_bench_row_json_round_trip_keeps_every_field():
     r = _row("kv_gather", "direct", "graph", 7, [1.0, 2.0], nominal=8 * KiB)
     r.ctas = 3
