@@ -96,7 +96,9 @@ class CollectiveTimeout(DcpkitError, RuntimeError):
     peer : int
         The silent peer: the rank whose signal never arrived.
     expected_epoch, observed_epoch : int
-        The low 32 bits of the epoch waited for, and the signal value last seen.
+        The low 32 bits of the epoch waited for, and the last value seen: the peer's signal
+        (the pull kv_gather), or the number of the peer's calls whose every CTA had published
+        (the ops that publish by share counters).
     ubatch : int
         The ubatch of the call.
     timeout_ms : float

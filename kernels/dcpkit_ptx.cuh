@@ -27,7 +27,8 @@
 //      CTA synchronises before any thread reads the payload.
 //   4. Copy-out / combine: the waiters, and every other CTA that finds all the signals of
 //      the call within a bounded spin (help_budget_ns; it never blocks), claim units of the work from
-//      a per-call work counter (parity e & 1, reset for the next call by the elected CTA) until
+//      a per-call work counter (parity e & 1, reset for the next call by the elected CTA, or by
+//      CTA 0 under share counters) until
 //      none is left. The waiters alone guarantee completion; the helpers add parallelism.
 // Why this is enough (PTX ISA, "Memory Consistency Model": morally strong operations,
 // release and acquire patterns, causality order). A CTA's payload stores precede its bar.sync;
@@ -97,8 +98,10 @@
 // store, no signal ever announces partial data, and no stale or partial data is left in the
 // result. A call whose CTAs all stored their payload signals even if a waiter of the same call
 // poisoned the workspace meanwhile (a mismatch it saw): the peers then see the fingerprint and
-// report the mismatch themselves instead of timing out. The host raises CollectiveTimeout / ConfigMismatch at the next call,
-// synchronize() or check().
+// report the mismatch themselves instead of timing out. (Under share counters a CTA that stored
+// nothing adds a skip to this rank's own counter instead, and the waiters poison only once that
+// counter has reached the call: NOTE [dcpkit share counters].) The host raises CollectiveTimeout /
+// ConfigMismatch at the next call, synchronize() or check().
 //
 // Target architectures: everything but the multicast stores needs sm_70 (Volta) or newer:
 // ld.acquire / st.release / ld.relaxed / st.relaxed, fence.acq_rel and atom.acq_rel are PTX
@@ -528,7 +531,8 @@ __device__ __forceinline__ u64 signal_word(u64 e, u32 fp) {
 
 // The epoch of this call. Read it once, at kernel start, and keep it: the elected CTA stores the
 // new value before the kernel ends (every thread may call it; it changes only between kernels:
-// the elected CTA is the last to arrive, so no CTA of the kernel reads it after the store).
+// the elected CTA is the last to arrive, or, under share counters, stores it only once this
+// rank's own counter says every CTA of the kernel has read it).
 __device__ __forceinline__ u64 call_epoch(const Proto& p) {
   return *reinterpret_cast<volatile u64*>(p.epoch) + 1ull;
 }
@@ -567,16 +571,28 @@ __device__ __forceinline__ void record_failure(const Proto& p, u32 kind, int slo
   }
 }
 
+__device__ __forceinline__ u64 share_counter_off(const Proto& p, int src);
+__device__ __forceinline__ bool shares_reached(u64 v, u64 e);
+
 // At the deadline: did `src` signal another ubatch of this workspace for an epoch this rank has
-// not called there (a ubatch mismatch)? Returns that signal word, or 0.
-__device__ __forceinline__ u64 other_ubatch_signal(const Proto& p, int src) {
+// not called there (a ubatch mismatch)? Returns that signal word, or 0. `shares`: the caller's
+// kernel publishes by share counters (NOTE [dcpkit share counters]).
+__device__ __forceinline__ u64 other_ubatch_signal(const Proto& p, int src, bool shares) {
   const u64* epochs = p.epoch - p.ubatch;
   const u64* sig0 = p.signals - static_cast<u64>(p.ubatch) * p.sig_ustride;
   for (u32 u = 0; u < p.num_ubatches; ++u) {
     if (u == p.ubatch) continue;
     const u64 e = *reinterpret_cast<const volatile u64*>(epochs + u) + 1ull;
-    const u64 w = ld_relaxed_sys_u64(sig0 + u * p.sig_ustride + (e & 1ull) * p.world + src);
-    if (static_cast<u32>(w) == static_cast<u32>(e) && (w >> 32) != 0ull) return w;
+    const u64* sig_u = sig0 + u * p.sig_ustride;
+    const u64 w = ld_relaxed_sys_u64(sig_u + (e & 1ull) * p.world + src);
+    if (static_cast<u32>(w) != static_cast<u32>(e) || (w >> 32) == 0ull) continue;
+    // Under share counters the epoch is stored after the waits: a call of ubatch u that this
+    // rank has made and published, still waiting there, is not a mismatch. (The election
+    // stores the epoch at arrival, and its kernels leave the counters alone.)
+    if (shares && shares_reached(ld_relaxed_sys_u64(sig_u + share_counter_off(p, p.rank)), e)) {
+      continue;
+    }
+    return w;
   }
   return 0ull;
 }
@@ -597,7 +613,7 @@ __device__ __forceinline__ bool wait_signal(const Proto& p, int slot, int src, u
       if ((++spins & 255u) == 0u) {
         if (aborted(p)) return false;
         if (globaltimer_ns() - start > p.timeout_ns) {
-          const u64 other = other_ubatch_signal(p, src);
+          const u64 other = other_ubatch_signal(p, src, false);
           if (other != 0ull) {
             record_failure(p, DCPKIT_REC_MISMATCH, slot, src, expected, other, fp);
           } else {
@@ -828,13 +844,14 @@ __device__ __forceinline__ u32 claim_publish(u32 mine) {
 // waiters are the last min(K, grid) CTAs by index: only their number matters to the
 // co-residency rule, not the order in which CTAs arrive.
 //
-// A failed call never shows stale data as valid. The elected waiter poisons the result after
-// its waits, the own counter's included; where that wait itself failed (its deadline passed, or
-// the workspace was poisoned meanwhile), a CTA of this rank may still be storing. Such a late CTA
-// stores only this call's own rows, and a helper writes the result only after it saw every
-// source's counter at the call with the right fingerprint: whatever lands after the poison is
-// this call's correct data, and the rest stays 0xFF. The call is recorded as failed either way
-// (the next call raises).
+// A failed call never shows stale data as valid, and never sends any. A wait can fail early
+// (another source's deadline, or the workspace poisoned meanwhile by another thread) while CTAs
+// of this rank's kernel still store or have not started: after a failed wait the waiter waits
+// for this rank's own counter all the same (settle_own_shares), so the epoch is stored, and the
+// result poisoned, only once every CTA of the kernel has read the epoch and its inputs (an
+// lse_reduce called in place reads its input, which the poison overwrites). A helper writes the
+// result only after it saw every source's counter at the call with the right fingerprint.
+// The call is recorded as failed either way (the next call raises).
 constexpr int kShareShift = 20;
 constexpr u64 kShareUnit = 1ull << kShareShift;  // grids stay far below it
 // A counter holds the sum of the shares above its low kSkipBits bits and, in those, a count of
@@ -979,7 +996,7 @@ __device__ __forceinline__ bool wait_shares(const Proto& p, int slot, int src, u
       if ((++spins & 255u) == 0u) {
         if (aborted(p)) return false;
         if (globaltimer_ns() - start > p.timeout_ns) {
-          const u64 other = other_ubatch_signal(p, src);
+          const u64 other = other_ubatch_signal(p, src, true);
           if (other != 0ull) {
             record_failure(p, DCPKIT_REC_MISMATCH, slot, src, e32, other, fp);
           } else {
@@ -1005,6 +1022,31 @@ __device__ __forceinline__ bool wait_all_shares(const Proto& p, int slot, u64 e,
   int ok = 1;
   if (src < p.world) ok = wait_shares(p, slot, src, e, fp) ? 1 : 0;
   return __syncthreads_and(ok) != 0;
+}
+
+// After a failed wait under share counters, before the epoch store and any poison: wait until
+// this rank's own counter has reached the call, i.e. every CTA of this kernel has published. A
+// wait fails early (the deadline of another source, or the workspace poisoned by another thread
+// meanwhile) while CTAs of this kernel may still be sending: lse_reduce called in place reads
+// its input, which the poison overwrites (the late CTA would send 0xFF rows, or a NaN lse read
+// as an empty source, to peers that count its share as valid), and a CTA that has not started
+// would read the new epoch. Every CTA publishes before it waits for anything, so this ends once
+// they have run (the co-residency rule); its own deadline, timeout_ns more, only bounds a GPU
+// that never runs them. The acquire orders the late CTAs' loads before this CTA's stores.
+// CTA-uniform; every thread of the CTA calls it.
+__device__ __forceinline__ void settle_own_shares(const Proto& p, u64 e) {
+  if (threadIdx.x == 0) {
+    const u64* cnt = p.signals + share_counter_off(p, p.rank);
+    if (!shares_reached(ld_relaxed_sys_u64(cnt), e)) {
+      const u64 start = globaltimer_ns();
+      u32 spins = 0;
+      while (!shares_reached(ld_relaxed_sys_u64(cnt), e)) {
+        if ((++spins & 255u) == 0u && globaltimer_ns() - start > p.timeout_ns) break;
+      }
+    }
+    acquire_polled(cnt);
+  }
+  __syncthreads();
 }
 
 // Helping under share counters (try_all_sources' counterpart): a bounded spin for every

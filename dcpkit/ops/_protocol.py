@@ -2,7 +2,9 @@
 
 See NOTE [dcpkit epoch signalling] in ``kernels/dcpkit_ptx.cuh``. A signal is one 64-bit word,
 ``(fingerprint << 32) | (epoch & 0xFFFFFFFF)``, written with one store after the elected CTA's
-``fence.acq_rel.sys``. The fingerprint packs what every rank's call must agree on:
+``fence.acq_rel.sys`` (the pull kv_gather), or by CTA 0 before its fence beside the share
+counters (the push gathers and lse_reduce: NOTE [dcpkit share counters]). The fingerprint
+packs what every rank's call must agree on:
 
 =========  =====  ==========================================================================
 field      bits   value
@@ -91,9 +93,9 @@ OTHER_DTYPE = 15
 #: Fingerprint codes of the lse_partial dtypes (kernels/lse_reduce.cu lse_code).
 LSE_CODES: dict[str, int] = {"bfloat16": 1, "float16": 2, "float32": 3}
 
-#: The push gathers' share counters (NOTE [dcpkit share counters] in kernels/dcpkit_ptx.cuh): a
-#: call adds 2**SHARE_SHIFT shares to every destination's counter of its source (kShareShift),
-#: above the counter's SKIP_BITS low bits (kSkipBits).
+#: The share counters of the push gathers and lse_reduce (NOTE [dcpkit share counters] in
+#: kernels/dcpkit_ptx.cuh): a call adds 2**SHARE_SHIFT shares to every destination's counter of
+#: its source (kShareShift), above the counter's SKIP_BITS low bits (kSkipBits).
 SHARE_SHIFT = 20
 SKIP_BITS = 12
 

@@ -9,7 +9,8 @@ op's symmetric region, per ubatch ``u`` (every part 256-byte aligned)::
     credits  u64 [world_size]           push gathers: credits[s] written only by rank s
                                         (NOTE [dcpkit zero-copy graph outputs] in
                                         ``kernels/gather.cuh``)
-    counters u64 [world_size]           push gathers: counters[s] grown only by rank s's CTAs
+    counters u64 [world_size]           push gathers, lse_reduce: counters[s] grown only by
+                                        rank s's CTAs
                                         (NOTE [dcpkit share counters], ``dcpkit_ptx.cuh``)
     slot 0   slot_bytes                 data of even epochs
     slot 1   slot_bytes                 data of odd epochs
@@ -733,7 +734,7 @@ class OpWorkspace(OutputBuffers, Resource):
                 for e in (value, value - 1):
                     if e >= 0:
                         sig[e & 1, :] = e & 0xFFFFFFFF
-                # the push gathers' share counters: value calls' shares, no skip
+                # the share counters (push gathers, lse_reduce): value calls' shares, no skip
                 shares = (value << (_protocol.SHARE_SHIFT + _protocol.SKIP_BITS)) % 2**64
                 for s in range(W):
                     block[_protocol.share_counter_word(W, s)] = np.uint64(shares)

@@ -229,6 +229,42 @@ def test_publishing_by_shares(file, build, count, self_check):
             ), name
 
 
+@pytest.mark.parametrize("file", ["gather.cuh", "lse_reduce.cu"])
+def test_a_failed_wait_settles_the_own_counter_before_the_epoch_and_the_poison(file):
+    """NOTE [dcpkit share counters]: a wait may fail early while CTAs of the same kernel still
+    send (an in-place lse_reduce reads the input that the poison overwrites) or have not read the
+    epoch; so after a failed wait the waiter waits for this rank's own counter
+    (settle_own_shares) before the epoch store and before any poison."""
+    src = (jit.kernels_dir() / file).read_text()
+    wait = src.index("= wait_all_shares(")
+    settle = src.index("if (!ok || dead) settle_own_shares(P, e);", wait)
+    epoch = src.index("*reinterpret_cast<volatile u64*>(P.epoch) = e;", wait)
+    poison = src.index("poison_result(" if file == "lse_reduce.cu" else "gather_failed(", wait)
+    assert wait < settle < epoch < poison, (wait, settle, epoch, poison)
+    header = _header()
+    body = header[header.index("void settle_own_shares(") :]
+    body = body[: body.index("\n}\n")]
+    assert "shares_reached(" in body and "acquire_polled(cnt)" in body
+    assert "__syncthreads();" in body and "aborted(" not in body  # a poisoned workspace waits too
+
+
+def test_only_share_kernels_skip_a_ubatch_they_have_published():
+    """At the deadline a ubatch mismatch is reported from another ubatch's signal only where
+    this rank has not published that call itself: under share counters the epoch is stored
+    after the waits, so a call still waiting there is not a mismatch. The election's waits do
+    not look at the counters (its kernels leave them alone)."""
+    header = _header()
+    sig = header[header.index("bool wait_signal(") :]
+    sig = sig[: sig.index("\n}\n")]
+    shares = header[header.index("bool wait_shares(") :]
+    shares = shares[: shares.index("\n}\n")]
+    assert "other_ubatch_signal(p, src, false)" in sig
+    assert "other_ubatch_signal(p, src, true)" in shares
+    body = header[header.index("u64 other_ubatch_signal(") :]
+    body = body[: body.index("\n}\n")]
+    assert re.search(r"if \(shares && shares_reached\(", body), body
+
+
 @pytest.mark.parametrize("self_check", [True, False], ids=["self-check", "epoch-only"])
 @pytest.mark.parametrize("file,build", OPS_BUILDS, ids=OPS_BUILD_IDS)
 def test_no_value_of_an_acquire_is_used(file, build, self_check):
