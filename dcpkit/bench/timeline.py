@@ -21,8 +21,9 @@ step, while the mean over many calls, whose phases fall at random against the ti
 does not. The tables show the mean:
 
 * ``stores``: the kernel's first CTA entry to the last CTA's stores issued;
-* ``publish``: that to the elected CTA's signals stored (barrier, arrival atom, fence, signal
-  stores); for a kernel in which every CTA publishes (the floor kernel), to the last one's;
+* ``publish``: that to the last CTA's publish: the elected CTA's signals stored (barrier,
+  arrival atom, fence, signal stores) under the election; under share counters and in the floor
+  kernel, where every CTA publishes its own part, the last one's fence and adds;
 * ``slowest_rank``: that to the moment the last rank of the call published (waiting for a
   slower rank: start skew and its own longer steps);
 * ``signal``: that to the first CTA that saw every signal (the one-way latency, then the
@@ -103,16 +104,14 @@ def _per_call(calls: np.ndarray) -> dict[str, np.ndarray]:
     """Absolute times (ns) of one rank's calls: entry, stored, published, seen, exit, the
     CTA entry spread and the median poison-check time."""
     ns = calls[:, :, :MARKS].astype(np.float64)
-    role = calls[:, :, ROLE]
     alive = ns[:, :, ENTRY] > 0
     entry = np.where(alive, ns[:, :, ENTRY], np.inf).min(axis=1)
     last_entry = np.where(alive, ns[:, :, ENTRY], -np.inf).max(axis=1)
     stored = np.where(alive, ns[:, :, STORED], -np.inf).max(axis=1)
-    # the elected CTA: the highest waiter index; where every CTA has the same role (each one
-    # publishes), the last of them
-    top = np.where(alive, role, 0).max(axis=1, keepdims=True)
-    pub_cta = alive & (role == top)
-    published = np.where(pub_cta, ns[:, :, PUBLISHED], -np.inf).max(axis=1)
+    # the rank has published when its last CTA has: under the election the elected CTA (the
+    # last to arrive, whose mark follows its fence and signal stores), under share counters and
+    # in the floor kernel every CTA publishes its own part, and the waiters are fixed by index
+    published = np.where(alive, ns[:, :, PUBLISHED], -np.inf).max(axis=1)
     seen_ns = np.where(alive & (ns[:, :, SEEN] > 0), ns[:, :, SEEN], np.inf)
     seen = seen_ns.min(axis=1)
     exit_ = np.where(alive, ns[:, :, EXIT], -np.inf).max(axis=1)

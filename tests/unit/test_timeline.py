@@ -143,3 +143,15 @@ def test_a_cta_that_never_saw_the_signals_is_left_out_of_signal():
         b[:, 0, tl.SEEN] = 0  # CTA 0 did not wait (or gave up helping)
     p = tl.phases([tl.ordered_calls(b) for b in bufs])
     assert p["signal"]["median_us"] == pytest.approx(0.710)  # CTA 1 is now the first
+
+
+def test_publish_is_the_last_ctas_under_share_counters():
+    """Under share counters every CTA publishes its own part and the waiters are fixed by index:
+    the rank has published when its last CTA has, whichever its role (here CTA 0, which does
+    not wait, publishes 100 ns after the top waiter)."""
+    bufs = _synthetic(1)
+    for b in bufs:
+        b[:, 0, tl.PUBLISHED] = b[:, 2, tl.PUBLISHED] + 100
+    p = tl.phases([tl.ordered_calls(b) for b in bufs])
+    assert p["publish"]["median_us"] == pytest.approx(0.580)
+    assert p["signal"]["median_us"] == pytest.approx(0.600)  # seen 700 ns after the old last
