@@ -717,15 +717,20 @@ class OpWorkspace(OutputBuffers, Resource):
     # ------------------------------------------------------------------ test hooks
     def _set_epoch(self, value: int) -> None:
         """Collective test hook: make every ubatch continue from epoch ``value`` (to test the
-        32-bit wrap of signals). Signals and share counters are set to what the calls up to
-        ``value`` would have left."""
+        32-bit wrap of signals). Signals, share counters, arrival and work counters are set to
+        what the calls up to ``value`` would have left."""
         import cupy
 
         self.check_open()
         with cupy.cuda.Device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
             self.comm.barrier()
-            W = self.world_size
+            W, U = self.world_size, self.num_ubatches
+            # the arrival and work counters as a call leaves them for the next one: zero (the
+            # next call's work counter would otherwise keep an earlier call's claims where the
+            # epoch's parity moved)
+            self._ctl[:U] = 0
+            self._ctl[U + 1 :] = 0
             for u in range(self.num_ubatches):
                 self._epoch[u] = value
                 words = self._sig_bytes // 8

@@ -422,6 +422,34 @@ def test_epoch_wrap(comm, seed):
     assert ok, msg
 
 
+def test_epoch_moved_by_one_after_claiming_calls(comm, seed):
+    """_set_epoch to one past the device epoch flips the parity of the next call's work counter:
+    the counter it then claims from must be zero, not the claims of the last call of that parity
+    (which left every unit claimed: nothing would be combined)."""
+    H, D, dtype, T = 64, 512, "float32", 5  # more units than waiters: the combine claims
+    geometry_ok(comm, H)
+    errors = []
+    with LseReduce(comm, max_tokens=T, num_heads=H, head_dim=D, dtype=dtype) as ws:
+        for k in range(3):
+            case = LseCase(comm, seed + 650 + k, T=T, H=H, D=D, dtype=dtype)
+            x, l, kw = case.gpu_args()
+            out = empty_poisoned((T, ws.heads_per_rank, D), dtype)
+            ws(x, l, out=out)
+            ws.synchronize()
+            errors.append(case.check(comm.rank, out, where=f"call {k + 1}"))
+        ws._set_epoch(int(ws._epoch[0]) + 1)
+        for k in range(2):
+            case = LseCase(comm, seed + 660 + k, T=T, H=H, D=D, dtype=dtype)
+            x, l, kw = case.gpu_args()
+            out = empty_poisoned((T, ws.heads_per_rank, D), dtype)
+            ws(x, l, out=out)
+            ws.synchronize()
+            errors.append(case.check(comm.rank, out, where=f"call {k + 1} after the move"))
+    errors = [e for e in errors if e]
+    ok, msg = agree(comm, errors, "lse_reduce epoch moved by one")
+    assert ok, msg
+
+
 def test_direct_path_one_launch_per_call_and_rejected_calls(comm, seed):
     """The op is the direct path (one launch per call, the device epoch advances with the host
     count); T == 0 launches nothing; a rejected call changes nothing and the next call works."""
