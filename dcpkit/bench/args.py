@@ -264,7 +264,8 @@ def build_parser() -> BenchParser:
         "--min-bytes",
         type=_bounded_size(1, MAX_BYTES_LIMIT),
         default=None,
-        help=f"kv_gather: smallest bytes per rank (default {_fmt(DEFAULT_MIN_BYTES)})",
+        help=f"kv_gather: smallest bytes per rank (default {_fmt(DEFAULT_MIN_BYTES)}, or one row "
+        "where --kv-row-dim makes a row larger)",
     )
     p.add_argument(
         "--max-bytes",
@@ -386,12 +387,21 @@ def build_parser() -> BenchParser:
     return p
 
 
+def _min_bytes(args: argparse.Namespace) -> int:
+    """``--min-bytes``, or its default: DEFAULT_MIN_BYTES, or one kv_gather row where
+    ``--kv-row-dim`` makes a row larger (kv_gather moves whole rows: a smaller size would run as
+    one row under another name, and several such sizes as one case)."""
+    if args.min_bytes is not None:
+        return args.min_bytes
+    return max(DEFAULT_MIN_BYTES, 2 * int(getattr(args, "kv_row_dim", 0) or 0))
+
+
 def _bytes_range_problem(args: argparse.Namespace) -> str | None:
     """Why ``--min-bytes`` and ``--max-bytes`` (given or default) make no sweep, or None; the
     line names the flag the user gave."""
     q = bool(args.quick)
     max_bytes = args.max_bytes if args.max_bytes is not None else (16 * MiB if q else 256 * MiB)
-    min_bytes = args.min_bytes if args.min_bytes is not None else DEFAULT_MIN_BYTES
+    min_bytes = _min_bytes(args)
     if min_bytes <= max_bytes:
         return None
     if args.min_bytes is None:
@@ -492,7 +502,7 @@ def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
     """
     q = bool(args.quick)
     max_bytes = args.max_bytes if args.max_bytes is not None else (16 * MiB if q else 256 * MiB)
-    min_bytes = args.min_bytes if args.min_bytes is not None else DEFAULT_MIN_BYTES
+    min_bytes = _min_bytes(args)
     why = _bytes_range_problem(args)
     if min_bytes < 1 or why is not None:
         raise argparse.ArgumentTypeError(

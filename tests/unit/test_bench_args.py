@@ -63,6 +63,24 @@ def test_resolve_config_default_and_quick():
     assert bench.resolve_config(p.parse_args(["--round-trips", "1"]))["round_trips"] == 1
 
 
+@pytest.mark.parametrize("dim", [2048, 4096, 65536])
+def test_the_default_min_bytes_is_at_least_one_row(dim):
+    """Without --min-bytes the sweep starts at one kv_gather row where --kv-row-dim makes a row
+    larger than the 4K default: a smaller size ran as one row under another name, and several
+    such sizes as one case (--min-bytes 4K given explicitly is refused there)."""
+    from dcpkit.bench import args as bench_args
+
+    p = bench.build_parser()
+    args = p.parse_args(["--quick", "--kv-row-dim", str(dim)])
+    bench_args.check_args(args, p)  # accepted
+    cfg = bench.resolve_config(args)
+    sizes = cfg["kv_sizes"]
+    row = 2 * dim
+    assert sizes[0] == max(4 * KiB, row) and all(s >= row for s in sizes)
+    T = [c["T"] for c in cases.cases_for("kv_gather", cfg, 2)]
+    assert len(T) == len(set(T)) == len(sizes)  # one case per size, none named twice
+
+
 def test_the_default_egress_slice_keeps_to_the_documented_minimum(capsys):
     """--egress-bytes must be >= 16K; the default slice, min(64M, --max-bytes), never goes
     below that either, and --help says so."""
