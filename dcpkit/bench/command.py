@@ -16,7 +16,7 @@ from ..cli import os_error_text as _oserror_text
 from ..errors import DcpkitError, MissingDependency
 from . import host_md, markdown
 from .args import MAX_TOKENS, build_parser, check_args, resolve_config
-from .common import SCHEMA, SCHEMAS_READ
+from .common import ALL_MODES, ALL_OPS, ALL_PATHS, SCHEMA, SCHEMAS_READ
 from .device import CupyDevice
 from .sweep import run_bench
 
@@ -72,8 +72,10 @@ def _load(
             raise _RenderError(f"{what}{path} is not JSON ({e})") from None
         if not isinstance(res, dict):
             raise _RenderError(
-                f"{what}{path} must hold one {SCHEMA} JSON object (got a JSON {type(res).__name__})"
+                f"{what}{path} must hold one {SCHEMA} JSON object (got a JSON {_json_kind(res)})"
             )
+        if "schema" not in res:
+            raise _RenderError(f"{what}{path} is not a {SCHEMA} JSON (it has no schema field)")
         if res.get("schema") not in SCHEMAS_READ:
             raise _RenderError(
                 f"{what}{path} is not a {SCHEMA} JSON (schema {res.get('schema')!r})"
@@ -92,13 +94,30 @@ def _load(
     return results, plots
 
 
+def _json_kind(v: Any) -> str:
+    """What a JSON value is, in JSON's words (null, not NoneType)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(v), type(v).__name__)
+
+
 def _check_rows(res: dict[str, Any], W: int, where: str) -> None:
     """The rows of a run must agree with its meta: a list of objects, each at the run's world
     size (where a row names one) and with a whole T >= 0 (where it has one), so that a table is
     never rendered under a header its rows contradict."""
-    rows = res.get("rows", [])
+    rows = res.get("rows")  # empty in a run whose every stage failed: its errors still render
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise _RenderError(f"{where} is a malformed {SCHEMA} JSON (rows must be a list of objects)")
+    for name in ("ceilings", "config", "meta"):
+        if name in res and res[name] is not None and not isinstance(res[name], dict):
+            raise _RenderError(
+                f"{where} is a malformed {SCHEMA} JSON ({name} must be an object (got a JSON "
+                f"{_json_kind(res[name])}))"
+            )
     for i, r in enumerate(rows):
         ws, T, op = r.get("world_size", W), r.get("T", 0), r.get("op", "")
         if type(ws) is not int or ws != W:
@@ -115,6 +134,52 @@ def _check_rows(res: dict[str, Any], W: int, where: str) -> None:
             raise _RenderError(
                 f"{where} is a malformed {SCHEMA} JSON (row {i}: op must be a str (got {op!r}))"
             )
+        why = _row_problem(r)
+        if why is not None:
+            raise _RenderError(f"{where} is a malformed {SCHEMA} JSON (row {i}: {why})")
+
+
+#: Row fields the tables read as numbers (each may be null).
+_NUMBER_FIELDS = (
+    "median_us", "p90_us", "p95_us", "min_us", "max_us", "mean_us", "floor_us", "x_floor",
+    "floor_kernel_us", "x_floor_kernel", "algbw_GBps", "busbw_GBps", "busbw_frac",
+    "speedup_vs_nccl", "speedup_vs_peer", "nominal_bytes", "bytes_per_rank", "egress_bytes",
+    "ctas", "samples", "exchanges", "launches_per_call",
+)  # fmt: skip
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _row_problem(r: dict[str, Any]) -> str | None:
+    """Why one row cannot be rendered as what it says (a field of the wrong kind: a count of
+    wrong results that is not a count, an unknown op, path or mode), or None. Fields a row
+    lacks are not checked (older runs have fewer)."""
+    op, path, mode = r.get("op"), r.get("path", "direct"), r.get("mode", "eager")
+    if op is not None and op not in ALL_OPS:
+        return f"op must be one of {', '.join(ALL_OPS)} (got {op!r})"
+    if not isinstance(path, str) or not path.startswith(ALL_PATHS):
+        return f"path must name one of {', '.join(ALL_PATHS)} (got {path!r})"
+    if mode not in ALL_MODES:
+        return f"mode must be one of {', '.join(ALL_MODES)} (got {mode!r})"
+    wrong = r.get("wrong")
+    if wrong is not None and (type(wrong) is not int or wrong < 0):
+        return f"wrong must be a count of wrong results, an int >= 0 or null (got {wrong!r})"
+    for name in ("error", "variant"):
+        v = r.get(name)
+        if v is not None and not isinstance(v, str):
+            return f"{name} must be a str or null (got {v!r})"
+    for name in _NUMBER_FIELDS:
+        v = r.get(name)
+        if v is not None and not _is_number(v):
+            return f"{name} must be a number or null (got {v!r})"
+    times = r.get("times_us")
+    if times is not None and (
+        not isinstance(times, list) or not all(t is None or _is_number(t) for t in times)
+    ):
+        return "times_us must be a list of numbers or null"
+    return None
 
 
 def _load_host(path: str) -> dict[str, Any]:

@@ -585,12 +585,12 @@ def one_result(tmp_path):
         (
             lambda d: (d / "x.json").write_text("[1, 2]"),
             lambda d, ok: [str(d / "x.json")],
-            "{d}/x.json must hold one dcpkit-bench/2 JSON object (got a JSON list)",
+            "{d}/x.json must hold one dcpkit-bench/2 JSON object (got a JSON array)",
         ),
         (
             lambda d: (d / "x.json").write_text('"text"'),
             lambda d, ok: [str(d / "x.json")],
-            "{d}/x.json must hold one dcpkit-bench/2 JSON object (got a JSON str)",
+            "{d}/x.json must hold one dcpkit-bench/2 JSON object (got a JSON string)",
         ),
         (lambda d: None, lambda d, ok: [str(d)], "cannot read {d}: Is a directory"),
         (
@@ -685,7 +685,7 @@ def test_render_md_bad_inputs_exit_2_from_the_command_line(run_python, tmp_path)
     proc = run_python(["-m", "dcpkit.bench", "--render-md", str(tmp_path / "l.json")])
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
-    assert "must hold one dcpkit-bench/2 JSON object (got a JSON list)" in proc.stderr
+    assert "must hold one dcpkit-bench/2 JSON object (got a JSON array)" in proc.stderr
 
 
 def test_analyse_missed_names_the_dominant_term():
@@ -739,6 +739,52 @@ def test_plot_results_writes_a_small_png(tmp_path):
         _report.plot_results({"rows": []}, str(tmp_path / "none.png"))
         == "no successful rows to plot"
     )
+
+
+def _edited(src, edit):
+    res = json.loads(src.read_text())
+    edit(res)
+    return res
+
+
+@pytest.mark.parametrize(
+    "edit,fragment",
+    [
+        (lambda r: [x.update(wrong="zzz") for x in r["rows"]], "row 0: wrong must be a count of"),
+        (lambda r: r["rows"][0].update(wrong=-1), "row 0: wrong must be a count of wrong results"),
+        (lambda r: r["rows"][0].update(wrong=True), "row 0: wrong must be a count of wrong"),
+        (lambda r: r["rows"][0].update(op="zzz"), "row 0: op must be one of q_gather, lse_reduce"),
+        (lambda r: r["rows"][0].update(path="zzz"), "row 0: path must name one of direct,"),
+        (lambda r: r["rows"][0].update(mode="zzz"), "row 0: mode must be one of eager, graph"),
+        (lambda r: r["rows"][0].update(median_us="zzz"), "row 0: median_us must be a number or"),
+        (lambda r: r["rows"][0].update(times_us="zzz"), "row 0: times_us must be a list of"),
+        (lambda r: r["rows"][0].update(times_us=[1, "x"]), "row 0: times_us must be a list of"),
+        (lambda r: r["rows"][0].update(error=5), "row 0: error must be a str or null (got 5)"),
+        (lambda r: r.pop("rows"), "(rows must be a list of objects)"),
+        (lambda r: r.update(config=[]), "(config must be an object (got a JSON array))"),
+        (lambda r: r.update(ceilings="x"), "(ceilings must be an object (got a JSON string))"),
+    ],
+)
+def test_render_md_names_the_malformed_field(tmp_path, one_result, capsys, edit, fragment):
+    """A run whose fields are not what the tables read (a wrong-result count that is not a
+    count, an unknown op, path or mode, a time that is not a number) is refused in one line
+    naming the field, instead of being rendered (a count of "zzz" wrong results) or failing
+    inside the renderer."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_edited(one_result, edit)))
+    rc = bench.main(["--render-md", str(bad)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"{bad} is a malformed dcpkit-bench/2 JSON" in err and fragment in err, err
+
+
+def test_render_md_says_a_run_has_no_schema(tmp_path, one_result, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_edited(one_result, lambda r: r.pop("schema"))))
+    assert bench.main(["--render-md", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad} is not a dcpkit-bench/2 JSON (it has no schema field)" in err, err
 
 
 def test_render_md_names_a_malformed_baseline(tmp_path, one_result, capsys):
