@@ -252,7 +252,10 @@ class CommandParser(argparse.ArgumentParser):
         :attr:`RANK_LOCAL_OPTIONS` (a run whose ranks were given different sizes, calls or
         deadlines would wait on each other, or compare different things), unless
         :meth:`parse_agreed` is given a ``mode`` of its own. The other arguments are
-        argparse's."""
+        argparse's, except that options are taken by their whole names unless ``allow_abbrev``
+        is given: an abbreviation (``--js`` for ``--json``) may mean another option once one is
+        added, and a script that passes options on could not tell what it sets."""
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.help_command = help_command or self.prog
         self.agree_across_ranks = bool(agree_across_ranks)

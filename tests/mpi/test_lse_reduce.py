@@ -401,20 +401,28 @@ def test_cuda_graph_1000_replays_with_eager_calls_interleaved(comm, seed):
     assert ok, msg
 
 
+def _checked_out_calls(comm, ws, seed: int, n: int, T: int, where) -> list:
+    """``n`` calls of ``ws`` on fresh inputs (seeds ``seed + k``) into a poisoned ``out=``, each
+    checked against the reference; the error strings (empty where right)."""
+    H, D, dtype = ws.num_heads, ws.head_dim, str(ws.dtype)
+    errors = []
+    for k in range(n):
+        case = LseCase(comm, seed + k, T=T, H=H, D=D, dtype=dtype)
+        x, l, kw = case.gpu_args()
+        out = empty_poisoned((T, ws.heads_per_rank, D), dtype)
+        ws(x, l, out=out)
+        ws.synchronize()
+        errors.append(case.check(comm.rank, out, where=where(k)))
+    return errors
+
+
 def test_epoch_wrap(comm, seed):
     """The low 32 bits of the epoch wrap inside these 8 calls."""
     H, D, dtype, T = 64, 512, "float32", 5
     geometry_ok(comm, H)
-    errors = []
     with LseReduce(comm, max_tokens=T, num_heads=H, head_dim=D, dtype=dtype) as ws:
         ws._set_epoch(2**32 - 3)
-        for k in range(8):
-            case = LseCase(comm, seed + 600 + k, T=T, H=H, D=D, dtype=dtype)
-            x, l, kw = case.gpu_args()
-            out = empty_poisoned((T, ws.heads_per_rank, D), dtype)
-            ws(x, l, out=out)
-            ws.synchronize()
-            errors.append(case.check(comm.rank, out, where=f"epoch {2**32 - 3 + k + 1}"))
+        errors = _checked_out_calls(comm, ws, seed + 600, 8, T, lambda k: f"epoch {2**32 - 2 + k}")
         if int(ws._epoch[0]) != 2**32 - 3 + 8:
             errors.append(f"rank {comm.rank}: epoch {int(ws._epoch[0])}, expected {2**32 + 5}")
     errors = [e for e in errors if e]
@@ -428,23 +436,12 @@ def test_epoch_moved_by_one_after_claiming_calls(comm, seed):
     (which left every unit claimed: nothing would be combined)."""
     H, D, dtype, T = 64, 512, "float32", 5  # more units than waiters: the combine claims
     geometry_ok(comm, H)
-    errors = []
     with LseReduce(comm, max_tokens=T, num_heads=H, head_dim=D, dtype=dtype) as ws:
-        for k in range(3):
-            case = LseCase(comm, seed + 650 + k, T=T, H=H, D=D, dtype=dtype)
-            x, l, kw = case.gpu_args()
-            out = empty_poisoned((T, ws.heads_per_rank, D), dtype)
-            ws(x, l, out=out)
-            ws.synchronize()
-            errors.append(case.check(comm.rank, out, where=f"call {k + 1}"))
+        errors = _checked_out_calls(comm, ws, seed + 650, 3, T, lambda k: f"call {k + 1}")
         ws._set_epoch(int(ws._epoch[0]) + 1)
-        for k in range(2):
-            case = LseCase(comm, seed + 660 + k, T=T, H=H, D=D, dtype=dtype)
-            x, l, kw = case.gpu_args()
-            out = empty_poisoned((T, ws.heads_per_rank, D), dtype)
-            ws(x, l, out=out)
-            ws.synchronize()
-            errors.append(case.check(comm.rank, out, where=f"call {k + 1} after the move"))
+        errors += _checked_out_calls(
+            comm, ws, seed + 660, 2, T, lambda k: f"call {k + 1} after the move"
+        )
     errors = [e for e in errors if e]
     ok, msg = agree(comm, errors, "lse_reduce epoch moved by one")
     assert ok, msg
