@@ -1049,6 +1049,19 @@ __device__ __forceinline__ void settle_own_shares(const Proto& p, u64 e) {
   __syncthreads();
 }
 
+// The waiters' step under share counters (the push gathers and lse_reduce): every source's
+// counter (wait_all_shares); after a failed wait, or in a workspace poisoned when the kernel
+// started (`dead`), this rank's own counter all the same (settle_own_shares); then the elected
+// waiter stores the new epoch. True: every wait passed and the call may use the data; false:
+// the caller poisons (what it owns). CTA-uniform; every thread of the CTA calls it.
+__device__ __forceinline__ bool waiter_shares(const Proto& p, int slot, u64 e, u32 fp, bool dead,
+                                              bool elected) {
+  const bool ok = wait_all_shares(p, slot, e, fp) && !dead;  // the wait always runs
+  if (!ok) settle_own_shares(p, e);
+  if (elected && threadIdx.x == 0) *reinterpret_cast<volatile u64*>(p.epoch) = e;
+  return ok;
+}
+
 // Helping under share counters (try_all_sources' counterpart): a bounded spin for every
 // source's counter; with all there (fingerprints checked, no CTA of this rank skipped, the
 // workspace not poisoned) the CTA helps. CTA-uniform; records nothing.

@@ -469,16 +469,11 @@ __device__ __forceinline__ void gather_push_call(const Proto& P, const u64* peer
   }
   const u32 nw = k < gridDim.x ? k : gridDim.x;
   const bool elected = static_cast<u32>(w) == nw - 1u;
-  const bool ok = wait_all_shares(P, sig_slot, e, fp);
-  // After a failed wait, this rank's own counter is waited for all the same (settle_own_shares):
-  // a wait may fail early (another source's deadline, the workspace poisoned meanwhile) while
-  // CTAs of this kernel still store or have not read the epoch. Then every CTA of the kernel
-  // has read the epoch and finished its stores. The elected CTA stores the new epoch, and
-  // poisons the whole result when a CTA stored nothing or a wait failed; with owned units a
-  // failed waiter also poisons its unit; the other waiters just return.
-  if (!ok || dead) settle_own_shares(P, e);
-  if (elected && threadIdx.x == 0) *reinterpret_cast<volatile u64*>(P.epoch) = e;
-  if (!ok || dead) {
+  // Every CTA of the kernel has read the epoch and finished its stores once waiter_shares
+  // returns (also after a failed wait: settle_own_shares), and the elected CTA has stored the
+  // new epoch. It poisons the whole result when a CTA stored nothing or a wait failed; with
+  // owned units a failed waiter also poisons its unit; the other waiters just return.
+  if (!waiter_shares(P, sig_slot, e, fp, dead, elected)) {
     gather_failed(P, g, result, result_stride, elected, w, copies);
     DCPKIT_MARK(e, 5u);
     return;

@@ -763,16 +763,12 @@ lse_reduce_kernel(DCPKIT_PROTO_PARAMS, const u64* peer_data, u64 slot_bytes, u64
     const bool elected = w == nw - 1;
     // 3. The waiters combine the own slot once every source (this rank included: its counter
     // says every CTA of this kernel finished its stores and read the epoch) has published; the
-    // elected CTA then stores the new epoch (after a failed wait, once this rank's own counter
-    // has reached the call all the same: settle_own_shares). Poisoned, a CTA of this rank that stored nothing,
-    // or a wait failed: the elected CTA fills the whole result, and a waiter that owns a unit
-    // fills that one (no unit is left stale).
-    const bool ok = wait_all_shares(P, slot, e, fp);
-    // A failed wait may return while CTAs of this kernel still send (reading the input, which
-    // an in-place call's poison overwrites) or have not read the epoch: every one first.
-    if (!ok || dead) settle_own_shares(P, e);
-    if (elected && threadIdx.x == 0) *reinterpret_cast<volatile u64*>(P.epoch) = e;
-    if (!ok || dead) {
+    // elected CTA stores the new epoch (waiter_shares: after a failed wait too, once every CTA
+    // of this kernel has published, so that none still reads the input an in-place call's
+    // poison overwrites). Poisoned, a CTA of this rank that stored nothing, or a wait failed:
+    // the elected CTA fills the whole result, and a waiter that owns a unit fills that one (no
+    // unit is left stale).
+    if (!waiter_shares(P, slot, e, fp, dead, elected)) {
       if (elected) poison_result(reinterpret_cast<char*>(out), out_lse, T, H_r, row_bytes, 0u, 1u);
       if (owned && !elected && w < units) {
         poison_unit(reinterpret_cast<char*>(out), out_lse, T, H_r, row_bytes, w, units);

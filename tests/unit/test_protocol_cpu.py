@@ -234,14 +234,19 @@ def test_a_failed_wait_settles_the_own_counter_before_the_epoch_and_the_poison(f
     """NOTE [dcpkit share counters]: a wait may fail early while CTAs of the same kernel still
     send (an in-place lse_reduce reads the input that the poison overwrites) or have not read the
     epoch; so after a failed wait the waiter waits for this rank's own counter
-    (settle_own_shares) before the epoch store and before any poison."""
+    (settle_own_shares) before the epoch store and before any poison: one step of the header
+    (waiter_shares) that both kernels' waiters go through."""
     src = (jit.kernels_dir() / file).read_text()
-    wait = src.index("= wait_all_shares(")
-    settle = src.index("if (!ok || dead) settle_own_shares(P, e);", wait)
-    epoch = src.index("*reinterpret_cast<volatile u64*>(P.epoch) = e;", wait)
+    # the kernel's waiters go through waiter_shares, which also stores the epoch
+    wait = src.index("if (!waiter_shares(P, ")
     poison = src.index("poison_result(" if file == "lse_reduce.cu" else "gather_failed(", wait)
-    assert wait < settle < epoch < poison, (wait, settle, epoch, poison)
+    assert wait < poison and "wait_all_shares(" not in src and "P.epoch) = e" not in src
     header = _header()
+    step = header[header.index("bool waiter_shares(") :]
+    step = step[: step.index("\n}\n")]
+    order = [step.index(s) for s in ("wait_all_shares(", "settle_own_shares(", "p.epoch) = e")]
+    assert order == sorted(order), step
+    assert "if (!ok) settle_own_shares(p, e);" in step and "&& !dead" in step, step
     body = header[header.index("void settle_own_shares(") :]
     body = body[: body.index("\n}\n")]
     assert "shares_reached(" in body and "acquire_polled(cnt)" in body
